@@ -1,0 +1,77 @@
+"""tpuexport: PyTorch model -> verified, deployable TPU artifact, built on a CPU-only machine.
+
+    art = tpuexport.convert(model, args=(x,), dynamic_shapes=..., target="v5e", out="model.tpu")
+    art.run(x)                       # the lowered StableHLO on CPU
+    tpuexport.load("model.tpu")      # the same Artifact type
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+
+from tpuexport import _runtime  # noqa: F401  (pins JAX to CPU before anything starts a backend)
+from tpuexport.artifact import Artifact, load
+from tpuexport.compile import TARGETS
+from tpuexport.errors import TpuExportError, UnsupportedOperatorsError, VerificationError
+from tpuexport.export import LoadedSource, SourceInfo
+from tpuexport.pipeline import ConversionOptions, run_conversion
+from tpuexport.verify import Tolerances
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TARGETS",
+    "Artifact",
+    "Tolerances",
+    "TpuExportError",
+    "UnsupportedOperatorsError",
+    "VerificationError",
+    "convert",
+    "load",
+]
+
+
+def convert(
+    model,
+    args: tuple | None = None,
+    dynamic_shapes=None,
+    *,
+    target="v5e",
+    out,
+    buckets: dict[str, list[int]] | None = None,
+    precision: str = "f32",
+    tolerances: Tolerances | tuple[float, float] | None = None,
+    overwrite: bool = False,
+    progress=None,
+) -> Artifact:
+    """Converts a PyTorch model into a verified TPU artifact directory.
+
+    Args:
+      model: an nn.Module (with `args` and `dynamic_shapes` in torch.export's own format) or a
+        torch.export.ExportedProgram (which carries its own example inputs and dims).
+      args: example positional inputs for an nn.Module.
+      dynamic_shapes: torch.export dynamic_shapes (torch.export.Dim objects name the dims).
+      target: a TPU target name or a list of them ("v4", "v5e", "v5p", "v6e", "7x").
+      out: the artifact directory to create.
+      buckets: {dim name: [sizes]} compiled as a cartesian product; None for the example shapes.
+      precision: "f32" or "bf16".
+      tolerances: verification (atol, rtol); None for the precision's defaults.
+      overwrite: replace an existing artifact at `out`.
+      progress: optional callable (stage, seconds, detail) called as each stage ends.
+    Returns:
+      The Artifact written at `out`.
+    Raises:
+      TpuExportError: bad input; nothing is written.
+      VerificationError: the conversion does not match eager PyTorch; nothing but the report is written.
+    """
+    if isinstance(tolerances, tuple):
+        tolerances = Tolerances(*tolerances)
+    if not isinstance(model, torch.export.ExportedProgram) and args is None:
+        raise TpuExportError("convert(model) needs args=(example inputs,) for an nn.Module")
+    loaded = LoadedSource(model, tuple(args) if args is not None else None, dynamic_shapes, None, SourceInfo("api"))
+    targets = (target,) if isinstance(target, str) else tuple(target)
+    options = ConversionOptions(targets, pathlib.Path(out), buckets, precision, tolerances, overwrite)
+    return run_conversion(loaded, options, progress)
+

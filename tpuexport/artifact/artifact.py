@@ -1,0 +1,101 @@
+"""`Artifact`: an artifact directory opened for inspection and CPU runs."""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+
+import jax
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from tpuexport.arrays import load_arrays
+from tpuexport.artifact import layout
+from tpuexport.errors import TpuExportError
+from tpuexport.lower import LoweredProgram
+from tpuexport.signature import ProgramSignature
+
+
+class Artifact:
+    """A converted model on disk.
+
+    Attributes:
+      path: the artifact directory.
+      manifest: the parsed manifest.json.
+    """
+
+    def __init__(self, path: pathlib.Path, manifest: dict):
+        self.path = path
+        self.manifest = manifest
+
+    def __repr__(self) -> str:
+        return f"Artifact({str(self.path)!r}, targets={list(self.manifest['targets'])})"
+
+    @functools.cached_property
+    def signature(self) -> ProgramSignature:
+        return ProgramSignature.from_json(self.manifest["signature"])
+
+    @functools.cached_property
+    def program(self) -> LoweredProgram:
+        """The lowered program and weights, read back from the artifact."""
+        program = self.manifest["program"]
+        exported = jax.export.deserialize(bytearray((self.path / program["exported"]).read_bytes()))
+        arrays = load_arrays((self.path / program["weights"]).read_bytes())
+        weights = tuple(arrays[name] for name in program["weight_names"])
+        return LoweredProgram(exported, tuple(program["weight_names"]), weights, self.signature, self.manifest["precision"])
+
+    def run(self, *inputs):
+        """Runs the lowered StableHLO on CPU.
+
+        Args:
+          *inputs: the model's inputs (torch tensors or numpy arrays), positionally.
+        Returns:
+          The outputs structured as the model returns them (tensor, tuple, dict), as torch tensors
+          in the model's dtypes.
+        Raises:
+          TpuExportError: wrong number of inputs or sizes outside the dims' ranges.
+        """
+        arrays = [value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value) for value in inputs]
+        outputs = self.program.run(arrays)
+        tensors = [
+            torch.from_numpy(np.ascontiguousarray(array)).to(getattr(torch, spec.torch_dtype))
+            for array, spec in zip(outputs, self.signature.outputs)
+        ]
+        return pytree.tree_unflatten(tensors, pytree.treespec_loads(self.signature.output_tree))
+
+    def golden_cases(self) -> list[tuple[dict, list[np.ndarray], list[np.ndarray]]]:
+        """The stored golden cases: (sizes, inputs, eager outputs) each, in signature order."""
+        arrays = load_arrays((self.path / self.manifest["verification"]["golden"]).read_bytes())
+        cases = []
+        for index, case in enumerate(self.manifest["verification"]["cases"]):
+            if case["golden"]:
+                inputs = [arrays[f"{index}/input/{spec.name}"] for spec in self.signature.inputs]
+                outputs = [arrays[f"{index}/output/{spec.name}"] for spec in self.signature.outputs]
+                cases.append((case["sizes"], inputs, outputs))
+        return cases
+
+
+def load(path) -> Artifact:
+    """Opens an artifact directory.
+
+    Raises:
+      TpuExportError: no artifact there, an unreadable manifest, or an unknown format version.
+    """
+    root = pathlib.Path(path)
+    manifest_path = root / layout.MANIFEST
+    if not manifest_path.is_file():
+        raise TpuExportError(f"{root} is not a tpuexport artifact (no {layout.MANIFEST}); pass the directory convert wrote")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise TpuExportError(f"{manifest_path} is not valid JSON ({error}); the artifact is damaged, convert again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != layout.FORMAT:
+        raise TpuExportError(f"{manifest_path} is not a tpuexport manifest; the artifact is damaged, convert again")
+    if manifest.get("format_version") != layout.FORMAT_VERSION:
+        raise TpuExportError(
+            f"{root} has artifact format version {manifest.get('format_version')!r}; this tpuexport reads version "
+            f"{layout.FORMAT_VERSION}, install the tpuexport that wrote it"
+        )
+    return Artifact(root, manifest)

@@ -1,0 +1,151 @@
+"""Writing an artifact directory atomically: everything goes to a temporary sibling directory,
+which is renamed into place only once complete, so a failed conversion leaves nothing behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import uuid
+
+from tpuexport.artifact import layout
+from tpuexport.artifact.manifest import build_section, dumps, hash_tree, package_versions
+from tpuexport.arrays import save_arrays
+from tpuexport.compile import CompileReport
+from tpuexport.errors import TpuExportError
+from tpuexport.export import SourceInfo
+from tpuexport.lower import LoweredProgram
+from tpuexport.verify import VerificationReport
+
+
+def check_destination(out: pathlib.Path, overwrite: bool) -> None:
+    """Fails early (before any work) when `out` cannot be written.
+
+    Raises:
+      TpuExportError: `out` exists and overwrite is False, or its parent is not a directory.
+    """
+    if out.exists() and not overwrite:
+        raise TpuExportError(f"{out} already exists; pass --force (overwrite=True) or choose another -o")
+    if out.exists() and not (out / layout.MANIFEST).is_file():
+        raise TpuExportError(f"{out} exists and is not a tpuexport artifact; refusing to replace it, choose another -o")
+    if not out.parent.is_dir():
+        raise TpuExportError(f"the parent directory of {out} does not exist; create it first")
+
+
+@contextlib.contextmanager
+def staging_directory(out: pathlib.Path, overwrite: bool):
+    """Yields a temporary directory next to `out`; on success it replaces `out`, on error it is removed."""
+    staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        yield staging
+        if out.exists():
+            if not overwrite:
+                raise TpuExportError(f"{out} appeared while converting; choose another -o")
+            retired = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(out, retired)
+            os.rename(staging, out)
+            shutil.rmtree(retired)
+        else:
+            os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def write_artifact(
+    out: pathlib.Path,
+    *,
+    source: SourceInfo,
+    lowered: LoweredProgram,
+    compiled: CompileReport,
+    verification: VerificationReport,
+    stage_seconds: dict[str, float],
+    overwrite: bool = False,
+    extra_writers=(),
+) -> dict:
+    """Writes the artifact directory.
+
+    Args:
+      out: the artifact directory to create (or replace, with overwrite).
+      source: where the model came from.
+      lowered: the lowered program and weights.
+      compiled: the TPU executables and their figures.
+      verification: the passed verification report with golden data.
+      stage_seconds: wall time per stage, recorded under "build".
+      overwrite: replace an existing artifact.
+      extra_writers: callables (staging_dir) -> dict of manifest sections, run before hashing
+        (e.g. the TF Serving SavedModel).
+    Returns:
+      The manifest written.
+    """
+    with staging_directory(out, overwrite) as staging:
+        def put(relative: str, data: bytes | str) -> str:
+            path = staging / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data.encode() if isinstance(data, str) else data)
+            return relative
+
+        exported = lowered.exported
+        program = {
+            "exported": put(layout.EXPORTED, bytes(exported.serialize())),
+            "mlir_text": put(layout.MLIR_TEXT, exported.mlir_module()),
+            "stablehlo_bytecode": put(layout.STABLEHLO_BYTECODE, bytes(exported.mlir_module_serialized)),
+            "calling_convention_version": exported.calling_convention_version,
+            "platforms": list(exported.platforms),
+            "call": "exported.call(weights, inputs): two lists, in weight_names and signature.inputs order",
+            "weights": put(layout.WEIGHTS, save_arrays(dict(zip(lowered.weight_names, lowered.weights)))),
+            "weight_names": list(lowered.weight_names),
+            "weight_bytes": int(sum(w.nbytes for w in lowered.weights)),
+        }
+        targets: dict[str, dict] = {}
+        for result in compiled.results:
+            target = result.target
+            entry = targets.setdefault(target.name, {
+                "generation": target.generation,
+                "topology": target.topology,
+                "hbm_bytes": target.hbm_bytes,
+                "buckets": [],
+            })
+            entry["buckets"].append({
+                "name": result.bucket.name,
+                "sizes": result.bucket.as_dict(),
+                "executable": put(layout.executable_path(target.name, result.bucket.name), result.executable),
+                "memory": result.memory,
+                "cost": result.cost,
+                "fits_in_hbm": result.fits_in_hbm,
+                "hbm_utilization": round(result.memory["total_bytes"] / target.hbm_bytes, 6),
+                "fingerprint": result.fingerprint,
+            })
+        report = verification.to_json()
+        put(layout.VERIFICATION_REPORT, json.dumps(report, indent=2) + "\n")
+        put(layout.GOLDEN, save_arrays(verification.golden))
+        manifest = {
+            "format": layout.FORMAT,
+            "format_version": layout.FORMAT_VERSION,
+            "versions": package_versions(),
+            "source": {"kind": source.kind, "path": source.path, "sha256": source.sha256, "reference": source.reference},
+            "precision": lowered.precision,
+            "signature": lowered.signature.to_json(),
+            "program": program,
+            "targets": targets,
+            "verification": {
+                "passed": verification.passed,
+                "against": verification.against,
+                "tolerances": report["tolerances"],
+                "report": layout.VERIFICATION_REPORT,
+                "golden": layout.GOLDEN,
+                "cases": [{"label": c.label, "sizes": c.sizes, "golden": c.golden} for c in verification.cases],
+            },
+        }
+        for writer in extra_writers:
+            manifest.update(writer(staging))
+        manifest["build"] = build_section(stage_seconds)
+        manifest["build"]["compile_seconds"] = {
+            f"{r.target.name}/{r.bucket.name}": round(r.compile_seconds, 3) for r in compiled.results
+        }
+        manifest["files"] = hash_tree(staging)
+        put(layout.MANIFEST, dumps(manifest))
+    return manifest

@@ -1,0 +1,17 @@
+"""Compile stage: AOT TPU executables per target and shape bucket, with memory/cost figures."""
+
+from tpuexport.compile.aot import CompiledBucket, CompileReport, compile_program
+from tpuexport.compile.buckets import Bucket, make_buckets, parse_bucket_options
+from tpuexport.compile.targets import TARGETS, Target, resolve_targets
+
+__all__ = [
+    "TARGETS",
+    "Bucket",
+    "CompileReport",
+    "CompiledBucket",
+    "Target",
+    "compile_program",
+    "make_buckets",
+    "parse_bucket_options",
+    "resolve_targets",
+]

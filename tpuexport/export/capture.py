@@ -1,0 +1,204 @@
+"""torch.export capture: from a loaded source to a `CapturedModel` with a named signature."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable
+
+import sympy
+import torch
+from torch.utils import _pytree as pytree
+
+from tpuexport.errors import TpuExportError
+from tpuexport.export.sources import LoadedSource, SourceInfo
+from tpuexport.signature import ProgramSignature, SymbolicDim, TensorSpec, artifact_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedModel:
+    """The export stage's result, the lowering stage's input.
+
+    Attributes:
+      program: the torch.export.ExportedProgram (eval mode, not yet decomposed).
+      reference: eager callable that verification compares against (the nn.Module, or the
+        program's own module when the source was already exported).
+      signature: named inputs, outputs and symbolic dims.
+      example_inputs: flat example input tensors, in signature order.
+      source: provenance for the manifest.
+      calibration: calibration samples passed through for quantization, or None.
+    """
+
+    program: torch.export.ExportedProgram
+    reference: Callable[..., Any]
+    signature: ProgramSignature
+    example_inputs: tuple[torch.Tensor, ...]
+    source: SourceInfo
+    calibration: Any = None
+
+
+def capture(source: LoadedSource) -> CapturedModel:
+    """Exports the model with torch.export (if it is not an ExportedProgram already).
+
+    Args:
+      source: what `load_source` (or the Python API) provided.
+    Returns:
+      The CapturedModel.
+    Raises:
+      TpuExportError: torch.export refused the model or its dynamic_shapes.
+    """
+    if isinstance(source.model, torch.export.ExportedProgram):
+        program = source.model
+        reference = program.module()
+        example_args = _program_example_args(program)
+    else:
+        model = source.model.eval()
+        program = _export(model, source.args, source.dynamic_shapes)
+        reference = model
+        example_args = source.args
+    example_inputs = tuple(pytree.tree_leaves(example_args))
+    signature = describe(program, example_inputs, source.input_names)
+    return CapturedModel(program, reference, signature, example_inputs, source.info, source.calibration)
+
+
+def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.ExportedProgram:
+    try:
+        with torch.no_grad():
+            return torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
+    except Exception as error:  # torch.export raises UserError, ConstraintViolationError, TypeError, ...
+        message = " ".join(str(error).split())
+        raise TpuExportError(
+            f"torch.export failed: {message[:400]}; check the example args and dynamic_shapes / --dim ranges"
+        ) from None
+
+
+def _program_example_args(program: torch.export.ExportedProgram):
+    if program.example_inputs is None:
+        raise TpuExportError("the saved program has no example inputs; re-save it with torch 2.5 or newer")
+    args, kwargs = program.example_inputs
+    if kwargs:
+        raise TpuExportError("the saved program takes keyword inputs; export it with positional inputs only")
+    return args
+
+
+def describe(
+    program: torch.export.ExportedProgram,
+    example_inputs: tuple[torch.Tensor, ...],
+    input_names: tuple[str, ...] | None = None,
+) -> ProgramSignature:
+    """Reads the named signature out of an ExportedProgram.
+
+    Args:
+      program: the exported program.
+      example_inputs: flat example inputs (their sizes are the dims' example values).
+      input_names: names that replace the forward parameter names, or None.
+    Returns:
+      The ProgramSignature.
+    """
+    placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+    user_nodes = [placeholders[name] for name in program.graph_signature.user_inputs]
+    names = list(input_names) if input_names else [node.name for node in user_nodes]
+    if len(names) != len(user_nodes) or len(example_inputs) != len(user_nodes):
+        raise TpuExportError(
+            f"the model takes {len(user_nodes)} tensor input(s) but {len(names)} were described; match --input to forward()"
+        )
+    symbol_names = _name_symbols(program, user_nodes, names)
+
+    def spec(name, value) -> TensorSpec:
+        shape = tuple(_dim_expression(size, symbol_names) for size in value.shape)
+        torch_dtype = str(value.dtype).removeprefix("torch.")
+        return TensorSpec(name, shape, artifact_dtype(torch_dtype), torch_dtype)
+
+    inputs = tuple(spec(name, node.meta["val"]) for name, node in zip(names, user_nodes))
+    output_node = next(node for node in program.graph.nodes if node.op == "output")
+    mutated = len(program.graph_signature.buffers_to_mutate)
+    output_values = [node.meta["val"] for node in output_node.args[0][mutated:]]
+    tree = program.call_spec.out_spec
+    outputs = tuple(spec(name, value) for name, value in zip(_output_names(tree, len(output_values)), output_values))
+
+    dims = []
+    for symbol, name in symbol_names.items():
+        bounds = program.range_constraints[symbol]
+        upper = None if not bounds.upper.is_finite else int(bounds.upper)
+        dims.append(SymbolicDim(name, int(bounds.lower), upper, _example_size(symbol, user_nodes, example_inputs)))
+    return ProgramSignature(inputs, outputs, tuple(dims), pytree.treespec_dumps(tree))
+
+
+def _name_symbols(program, user_nodes, input_names) -> dict[sympy.Symbol, str]:
+    """Maps each free symbol of the inputs to the user's dim name, in order of first use.
+
+    torch.export numbers its symbols (s27, s77); the names given to torch.export.Dim survive
+    only in the shape environment's debug names, and not at all in a reloaded .pt2, where the
+    fallback is `<input>_dim<axis>` of the symbol's first plain occurrence.
+    """
+    debug_names = _shape_env_debug_names(user_nodes)
+    names: dict[sympy.Symbol, str] = {}
+    for input_name, node in zip(input_names, user_nodes):
+        for axis, size in enumerate(node.meta["val"].shape):
+            if not isinstance(size, torch.SymInt):
+                continue
+            expression = size.node.expr
+            for symbol in sorted(expression.free_symbols, key=str):
+                if symbol not in names:
+                    fallback = f"{input_name}_dim{axis}" if expression == symbol else f"{input_name}_dim{axis}_{symbol}"
+                    names[symbol] = _identifier(debug_names.get(symbol) or fallback)
+    for symbol in program.range_constraints:
+        if isinstance(symbol, sympy.Symbol) and symbol not in names:
+            names[symbol] = _identifier(debug_names.get(symbol) or str(symbol))
+    taken: set[str] = set()
+    for symbol, name in names.items():
+        unique, counter = name, 1
+        while unique in taken:
+            counter += 1
+            unique = f"{name}_{counter}"
+        names[symbol] = unique
+        taken.add(unique)
+    return names
+
+
+def _shape_env_debug_names(user_nodes) -> dict[sympy.Symbol, str]:
+    for node in user_nodes:
+        for size in node.meta["val"].shape:
+            if isinstance(size, torch.SymInt):
+                shape_env = size.node.shape_env
+                debug = getattr(shape_env, "source_name_to_debug_name", {}) or {}
+                found = {}
+                for symbol, sources in getattr(shape_env, "var_to_sources", {}).items():
+                    for source in sources:
+                        if source.name in debug:
+                            found[symbol] = debug[source.name]
+                            break
+                return found
+    return {}
+
+
+def _identifier(text: str) -> str:
+    cleaned = re.sub(r"\W", "_", text)
+    return cleaned if re.match(r"[A-Za-z_]", cleaned) else f"d_{cleaned}"
+
+
+def _dim_expression(size, symbol_names) -> int | str:
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    expression = size.node.expr
+    if expression.is_number:
+        return int(expression)
+    return str(expression.subs({symbol: sympy.Symbol(name) for symbol, name in symbol_names.items()}))
+
+
+def _example_size(symbol, user_nodes, example_inputs) -> int:
+    for node, tensor in zip(user_nodes, example_inputs):
+        for axis, size in enumerate(node.meta["val"].shape):
+            if isinstance(size, torch.SymInt) and size.node.expr == symbol:
+                return int(tensor.shape[axis])
+    raise TpuExportError(f"dim {symbol} appears only inside expressions; give it its own input axis")
+
+
+def _output_names(tree, count: int) -> list[str]:
+    """Output names from the output pytree: dict keys where there are some, output_<i> otherwise."""
+    leaves_with_paths, _ = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(count)), tree))
+    names = []
+    for index, (path, _) in enumerate(leaves_with_paths):
+        keys = [str(entry.key) for entry in path if isinstance(entry, pytree.MappingKey)]
+        names.append(_identifier("_".join(keys)) if keys else f"output_{index}")
+    return names

@@ -1,0 +1,193 @@
+"""Loading a model from what the user points at: a .pt2, a `file.py:factory`, or an opt-in pickle.
+
+The factory contract (also in the README): `factory()` takes no arguments and returns either
+  - a dict with keys "model" (an nn.Module or ExportedProgram), "args" (a tuple of example inputs)
+    and optionally "dynamic_shapes" (torch.export's format) and "calibration" (an iterable of
+    argument tuples, used by quantization), or
+  - a tuple (model, args) or (model, args, dynamic_shapes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import pathlib
+import pickle
+import sys
+from typing import Any
+
+import torch
+
+from tpuexport.errors import TpuExportError
+from tpuexport.export.specs import DimSpec, InputSpec, example_args
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceInfo:
+    """Where a model came from, recorded in the manifest.
+
+    Attributes:
+      kind: "pt2", "python", "pickle", or "api" for objects handed to `tpuexport.convert`.
+      path: the file it was read from (None for "api").
+      sha256: hex digest of that file (None for "api").
+      reference: the text the user gave (e.g. "examples/mlp.py:build").
+    """
+
+    kind: str
+    path: str | None = None
+    sha256: str | None = None
+    reference: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedSource:
+    """A model ready for `capture`: what the user's source provided, unexported.
+
+    Attributes:
+      model: an nn.Module or a torch.export.ExportedProgram.
+      args: example positional inputs (None for an ExportedProgram, which carries its own).
+      dynamic_shapes: torch.export dynamic_shapes for `args`, or None.
+      calibration: an iterable of argument tuples for quantization, or None.
+      info: provenance for the manifest.
+      input_names: names for the inputs that replace the forward parameter names (from --input).
+    """
+
+    model: Any
+    args: tuple | None
+    dynamic_shapes: Any
+    calibration: Any
+    info: SourceInfo
+    input_names: tuple[str, ...] | None = None
+
+
+def file_sha256(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_source(
+    reference: str,
+    *,
+    trust_pickle: bool = False,
+    inputs: list[InputSpec] = (),
+    dims: list[DimSpec] = (),
+) -> LoadedSource:
+    """Loads the model a command-line SOURCE names.
+
+    Args:
+      reference: `model.pt2`, `path/to/file.py:factory`, or `model.pt` / `model.pth`.
+      trust_pickle: allow unpickling a whole module (pickles run arbitrary code on load).
+      inputs: --input specs, required for pickles and refused for the other kinds.
+      dims: --dim specs the inputs refer to.
+    Returns:
+      The LoadedSource.
+    Raises:
+      TpuExportError: missing file, unknown kind, refused pickle, bad factory, misplaced specs.
+    """
+    path_text, _, factory = reference.partition(":") if ".py:" in reference else (reference, "", "")
+    path = pathlib.Path(path_text)
+    if not path.is_file():
+        raise TpuExportError(f"source {path_text!r} does not exist; pass a .pt2 file, a file.py:factory or a .pt file")
+    suffix = path.suffix.lower()
+    if suffix == ".py":
+        if not factory:
+            raise TpuExportError(f"source {reference!r} names no factory; write it as {path_text}:FUNCTION")
+        _refuse_specs(inputs, dims, "a file.py:factory source (the factory returns its own example args)")
+        return _load_factory(path, factory, reference)
+    if suffix == ".pt2":
+        _refuse_specs(inputs, dims, "a .pt2 source (the saved program carries its own inputs and dims)")
+        return _load_pt2(path, reference)
+    if suffix in (".pt", ".pth"):
+        return _load_pickle(path, reference, trust_pickle, inputs, dims)
+    raise TpuExportError(
+        f"source {path_text!r} has an unknown kind {suffix or '(no suffix)'!r}; use .pt2, file.py:factory, or .pt with --trust-pickle"
+    )
+
+
+def _refuse_specs(inputs, dims, what):
+    if inputs or dims:
+        raise TpuExportError(f"--input/--dim do not apply to {what}; drop them")
+
+
+def _load_pt2(path: pathlib.Path, reference: str) -> LoadedSource:
+    try:
+        program = torch.export.load(str(path))
+    except Exception as error:  # torch raises many kinds here (zip, version, schema errors)
+        raise TpuExportError(
+            f"cannot read {path} as a torch.export program ({type(error).__name__}: {_first_line(error)}); "
+            "save it with torch.export.save"
+        ) from None
+    return LoadedSource(program, None, None, None, SourceInfo("pt2", str(path), file_sha256(path), reference))
+
+
+def _load_factory(path: pathlib.Path, factory: str, reference: str) -> LoadedSource:
+    module_name = f"_tpuexport_source_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent.resolve()))
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:
+        raise TpuExportError(f"importing {path} failed ({type(error).__name__}: {_first_line(error)}); fix the file") from None
+    finally:
+        sys.path.pop(0)
+    function = getattr(module, factory, None)
+    if not callable(function):
+        raise TpuExportError(f"{path} has no function {factory!r}; name a function defined in that file")
+    try:
+        produced = function()
+    except Exception as error:
+        raise TpuExportError(f"{reference}() raised {type(error).__name__}: {_first_line(error)}; fix the factory") from None
+    model, args, dynamic_shapes, calibration = _unpack_factory_result(produced, reference)
+    info = SourceInfo("python", str(path), file_sha256(path), reference)
+    return LoadedSource(model, args, dynamic_shapes, calibration, info)
+
+
+def _unpack_factory_result(produced, reference):
+    contract = "return {'model': ..., 'args': (...), 'dynamic_shapes': ...} or (model, args[, dynamic_shapes])"
+    if isinstance(produced, dict):
+        unknown = set(produced) - {"model", "args", "dynamic_shapes", "calibration"}
+        if "model" not in produced or unknown:
+            raise TpuExportError(f"{reference}() returned a dict with keys {sorted(produced)}; {contract}")
+        model, args = produced["model"], produced.get("args")
+        dynamic_shapes, calibration = produced.get("dynamic_shapes"), produced.get("calibration")
+    elif isinstance(produced, tuple) and len(produced) in (2, 3):
+        model, args, dynamic_shapes, calibration = (*produced, None, None)[:4] if len(produced) == 2 else (*produced, None)
+    else:
+        raise TpuExportError(f"{reference}() returned {type(produced).__name__}; {contract}")
+    if not isinstance(model, (torch.nn.Module, torch.export.ExportedProgram)):
+        raise TpuExportError(f"{reference}() returned a model of type {type(model).__name__}; return an nn.Module")
+    if isinstance(model, torch.nn.Module) and not isinstance(args, tuple):
+        raise TpuExportError(f"{reference}() returned args of type {type(args).__name__}; return a tuple of example inputs")
+    return model, args, dynamic_shapes, calibration
+
+
+def _load_pickle(path, reference, trust_pickle, inputs, dims) -> LoadedSource:
+    if not trust_pickle:
+        raise TpuExportError(
+            f"refusing to unpickle {path}: pickles run arbitrary code when loaded; "
+            "pass --trust-pickle if you trust this file, or save the model with torch.export.save as .pt2"
+        )
+    if not inputs:
+        raise TpuExportError(f"{path} is a pickle with no input description; add --input NAME:D0,D1,...[:DTYPE] (and --dim)")
+    try:
+        model = torch.load(str(path), weights_only=False, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, ModuleNotFoundError) as error:
+        raise TpuExportError(f"cannot unpickle {path} ({type(error).__name__}: {_first_line(error)})") from None
+    if not isinstance(model, torch.nn.Module):
+        raise TpuExportError(
+            f"{path} holds a {type(model).__name__}, not a whole nn.Module; "
+            "for a state_dict, write a file.py:factory that builds the module and loads it"
+        )
+    args, dynamic_shapes = example_args(list(inputs), list(dims))
+    info = SourceInfo("pickle", str(path), file_sha256(path), reference)
+    return LoadedSource(model, args, dynamic_shapes, None, info, tuple(spec.name for spec in inputs))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,6 @@
+"""Lowering stage: ExportedProgram -> jax.export.Exported (StableHLO with symbolic dims)."""
+
+from tpuexport.lower.lowering import PRECISIONS, LoweredProgram, lower
+from tpuexport.lower.op_support import UnsupportedOperator, find_unsupported
+
+__all__ = ["PRECISIONS", "LoweredProgram", "UnsupportedOperator", "find_unsupported", "lower"]

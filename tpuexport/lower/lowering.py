@@ -1,0 +1,198 @@
+"""Lowering: a CapturedModel becomes a `jax.export.Exported` for CPU and TPU, plus its weights.
+
+Passes, in order:
+  decompose          torch's core ATen decompositions, then torchax's own
+  check_operators    every operator without a lowering, reported at once with user source lines
+  collect_weights    parameters, buffers and constants in the program's placeholder order
+  trace_and_export   torchax's interpreter traced by jax.export with one-scope symbolic dims
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import torch
+
+from tpuexport.arrays import to_numpy
+from tpuexport.errors import TpuExportError, UnsupportedOperatorsError
+from tpuexport.lower.op_support import find_unsupported, user_source
+from tpuexport.lower.shapes import symbolic_input_avals
+from tpuexport.lower.torchax_import import import_torchax
+from tpuexport.signature import ProgramSignature
+
+PRECISIONS = ("f32", "bf16")
+PLATFORMS = ("cpu", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweredProgram:
+    """The lowering stage's result: a portable program and the weights it is called with.
+
+    The program is called as `exported.call(weights, inputs)` with two lists, in the order of
+    `weight_names` and `signature.inputs`; weights are arguments of `@main`, not constants.
+
+    Attributes:
+      exported: the jax.export.Exported (platforms cpu and tpu, symbolic dims, shape assertions).
+      weight_names: state_dict-style names of the weights, in call order.
+      weights: the weight arrays, in call order (bfloat16 for precision "bf16").
+      signature: named inputs, outputs and dims.
+      precision: "f32" or "bf16".
+    """
+
+    exported: jax.export.Exported
+    weight_names: tuple[str, ...]
+    weights: tuple[np.ndarray, ...]
+    signature: ProgramSignature
+    precision: str
+
+    @functools.cached_property
+    def _device_weights(self):
+        return [jnp.asarray(weight) for weight in self.weights]
+
+    def run(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Runs the program on CPU.
+
+        Args:
+          inputs: one array per signature input (cast to the artifact dtype here).
+        Returns:
+          One numpy array per output, in the model's output dtypes.
+        Raises:
+          TpuExportError: wrong number of inputs, or sizes outside the dims' ranges.
+        """
+        specs = self.signature.inputs
+        if len(inputs) != len(specs):
+            raise TpuExportError(f"the program takes {len(specs)} inputs ({', '.join(s.name for s in specs)}), got {len(inputs)}")
+        arrays = [jnp.asarray(np.asarray(value).astype(spec.dtype)) for value, spec in zip(inputs, specs)]
+        try:
+            outputs = self.exported.call(self._device_weights, arrays)
+        except ValueError as error:
+            if "symbolic shape" not in str(error) and "shape" not in str(error):
+                raise
+            raise TpuExportError(f"input shapes out of range: {' '.join(str(error).split())[:500]}") from None
+        return [np.asarray(output) for output in outputs]
+
+
+def lower(program: torch.export.ExportedProgram, signature: ProgramSignature, precision: str = "f32") -> LoweredProgram:
+    """Lowers an exported program to StableHLO through torchax's op library.
+
+    Args:
+      program: the torch.export program (eval mode).
+      signature: its named signature (from the export stage).
+      precision: "f32" (as exported) or "bf16" (weights and compute in bfloat16, outputs in the
+        model's dtypes).
+    Returns:
+      The LoweredProgram.
+    Raises:
+      UnsupportedOperatorsError: operators with no lowering (all listed).
+      TpuExportError: decomposition or tracing failed, or unknown precision.
+    """
+    if precision not in PRECISIONS:
+        raise TpuExportError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    decomposed = decompose(program)
+    check_operators(decomposed)
+    names, weights = collect_weights(decomposed, precision)
+    exported = trace_and_export(decomposed, signature, weights, precision)
+    return LoweredProgram(exported, names, weights, signature, precision)
+
+
+def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Runs torch's default decompositions, then torchax's extra ones (as torchax's exporter does)."""
+    torchax = import_torchax()
+    try:
+        return program.run_decompositions().run_decompositions(torchax.decompositions.DECOMPOSITIONS)
+    except Exception as error:  # torch's decomposition passes raise many kinds
+        message = " ".join(str(error).split())[:300]
+        raise TpuExportError(f"torch could not decompose the program ({type(error).__name__}: {message}); "
+                             "simplify the failing op (e.g. .reshape instead of .view after a transpose)") from None
+
+
+def check_operators(program: torch.export.ExportedProgram) -> None:
+    """Raises UnsupportedOperatorsError listing every operator without a lowering."""
+    unsupported = find_unsupported(program.graph_module)
+    if unsupported:
+        raise UnsupportedOperatorsError(unsupported)
+
+
+def collect_weights(program: torch.export.ExportedProgram, precision: str) -> tuple[tuple[str, ...], tuple[np.ndarray, ...]]:
+    """Parameters, buffers and lifted constants in placeholder order, as numpy arrays.
+
+    Returns:
+      (names, arrays); floating weights are bfloat16 for precision "bf16". 64-bit weights
+      become 32-bit (JAX runs with 32-bit defaults, like the TPU).
+    """
+    names, arrays = [], []
+    state = {**program.state_dict, **program.constants}
+    for spec in program.graph_signature.input_specs:
+        if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT:
+            continue
+        tensor = state[spec.target]
+        if not isinstance(tensor, torch.Tensor):
+            raise TpuExportError(f"the program holds a non-tensor constant {spec.target!r}; tpuexport lowers tensor state only")
+        names.append(spec.target)
+        arrays.append(_to_numpy(tensor.detach(), precision))
+    return tuple(names), tuple(arrays)
+
+
+def _to_numpy(tensor: torch.Tensor, precision: str) -> np.ndarray:
+    array = to_numpy(tensor)
+    narrower = {np.dtype(np.int64): np.int32, np.dtype(np.float64): np.float32}.get(array.dtype)
+    if narrower is not None:
+        array = array.astype(narrower)
+    if precision == "bf16" and jnp.issubdtype(array.dtype, jnp.floating):
+        array = array.astype(ml_dtypes.bfloat16)
+    return array
+
+
+class _TracingInterpreter:
+    """torchax's interpreter, remembering which node it is on so a failure can name it."""
+
+    def __init__(self, graph_module):
+        torchax = import_torchax()
+        base = torchax.export.JaxInterpreter
+        owner = self
+
+        class Interpreter(base):
+            def run_node(self, node):
+                owner.node = node
+                return super().run_node(node)
+
+        self.node = None
+        self.interpreter = Interpreter(graph_module)
+
+    def run(self, *args):
+        return self.interpreter.run(*args, enable_io_processing=False)
+
+
+def trace_and_export(program, signature, weights, precision) -> jax.export.Exported:
+    """Traces torchax's interpreter over the graph under jax.export for CPU and TPU.
+
+    Returns:
+      The Exported, called as `call(weights_list, inputs_list)`.
+    """
+    mutations = len(program.graph_signature.buffers_to_mutate)
+    output_dtypes = [jnp.dtype(spec.dtype) for spec in signature.outputs]
+    compute_dtype = jnp.bfloat16 if precision == "bf16" else None
+    tracer = _TracingInterpreter(program.graph_module)
+
+    def program_fn(weights_list, inputs_list):
+        if compute_dtype is not None:
+            inputs_list = [x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs_list]
+        outputs = tracer.run(*weights_list, *inputs_list)[mutations:]
+        return [jnp.asarray(out).astype(dtype) for out, dtype in zip(outputs, output_dtypes)]
+
+    weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
+    input_avals = symbolic_input_avals(signature)
+    try:
+        return jax.export.export(jax.jit(program_fn), platforms=PLATFORMS)(weight_avals, input_avals)
+    except Exception as error:  # torchax op implementations raise many kinds while tracing
+        node = tracer.node
+        where = f" at {node.target} from {user_source(node)}" if node is not None else ""
+        message = " ".join(str(error).split())[:300]
+        raise TpuExportError(f"lowering failed{where}: {type(error).__name__}: {message}; "
+                             "this op or shape pattern is not supported yet") from None

@@ -1,0 +1,72 @@
+"""Finding every operator that has no lowering, before lowering starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import torch
+
+from tpuexport.lower.torchax_import import import_torchax
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnsupportedOperator:
+    """An operator with no JAX lowering.
+
+    Attributes:
+      name: the ATen operator, e.g. "aten.histc.default".
+      source: the user's source line that produced it, "file.py:12 (code)", or what is known.
+    """
+
+    name: str
+    source: str
+
+
+def lowering_for(target):
+    """torchax's JAX lowering for an ATen operator, or None."""
+    registry = import_torchax().ops.ops_registry.all_aten_ops
+    op = registry.get(target) or registry.get(getattr(target, "overloadpacket", None))
+    return op if op is not None and op.is_jax_function else None
+
+
+def find_unsupported(graph_module: torch.fx.GraphModule) -> list[UnsupportedOperator]:
+    """Lists every call in the (decomposed) graph that nothing can lower.
+
+    Args:
+      graph_module: the decomposed program's graph module.
+    Returns:
+      One entry per distinct (operator, source line), in graph order; empty when all lower.
+    """
+    found: dict[tuple[str, str], UnsupportedOperator] = {}
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            name = f"higher-order op {target.name()}"
+        elif isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and lowering_for(target) is None:
+            name = str(target)
+        else:
+            continue
+        entry = UnsupportedOperator(name, user_source(node))
+        found.setdefault((entry.name, entry.source), entry)
+    return list(found.values())
+
+
+def user_source(node: torch.fx.Node) -> str:
+    """The innermost frame of the node's stack trace that is the user's code, not torch's."""
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    user_frames = [frame for frame in frames if not os.path.abspath(frame[0]).startswith(_TORCH_DIR)]
+    if user_frames:
+        path, line, code = user_frames[-1]
+        return f"{path}:{line} ({code.strip()})"
+    module_stack = node.meta.get("nn_module_stack") or {}
+    if module_stack:
+        path, module_type = list(module_stack.values())[-1]
+        return f"module {path or '<root>'} ({getattr(module_type, '__name__', module_type)})"
+    return "unknown source line"

@@ -1,0 +1,109 @@
+"""The program's interface as every stage sees it: named inputs, outputs and symbolic dims.
+
+Shapes are tuples whose entries are ints or dim expressions over the dim names ("batch",
+"2*seq"); the names are the user's (from torch.export.Dim) so that manifests, MLIR and
+reports speak of `batch`, not `s77`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import sympy
+
+# JAX runs with 32-bit defaults, like the TPU: 64-bit model inputs become 32-bit in the artifact.
+_ARTIFACT_DTYPES = {"int64": "int32", "float64": "float32", "uint64": "uint32"}
+
+
+def artifact_dtype(torch_dtype_name: str) -> str:
+    """The dtype the artifact uses for a tensor the model declares as `torch_dtype_name`."""
+    return _ARTIFACT_DTYPES.get(torch_dtype_name, torch_dtype_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class SymbolicDim:
+    """One symbolic dim shared by every tensor that uses it.
+
+    Attributes:
+      name: the user's name for it (a Python identifier).
+      min: smallest accepted size.
+      max: largest accepted size, or None when torch.export left it unbounded.
+      example: the size it had in the example inputs.
+    """
+
+    name: str
+    min: int
+    max: int | None
+    example: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One input or output tensor.
+
+    Attributes:
+      name: forward parameter name for inputs; dict key or output_<i> for outputs.
+      shape: ints and dim expressions over SymbolicDim names.
+      dtype: dtype inside the artifact (numpy name, e.g. "float32", "int32", "bool").
+      torch_dtype: dtype the PyTorch model uses (e.g. "int64"); outputs are returned in it.
+    """
+
+    name: str
+    shape: tuple[int | str, ...]
+    dtype: str
+    torch_dtype: str
+
+    def concrete_shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
+        """The shape at the given dim sizes (every dim this tensor uses must be in `sizes`)."""
+        return tuple(d if isinstance(d, int) else evaluate_dim(d, sizes) for d in self.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(expression: str) -> sympy.Expr:
+    return sympy.sympify(expression)
+
+
+def evaluate_dim(expression: str, sizes: dict[str, int]) -> int:
+    """Evaluates a dim expression such as "2*seq" at concrete sizes."""
+    parsed = _parse(expression)
+    return int(parsed.subs({sympy.Symbol(name): value for name, value in sizes.items()}))
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramSignature:
+    """Everything about a program's interface that outlives the torch objects.
+
+    Attributes:
+      inputs: the flat user inputs, in call order.
+      outputs: the flat outputs, in order.
+      dims: the symbolic dims the shapes refer to.
+      output_tree: torch pytree spec (JSON, torch.utils._pytree.treespec_dumps) that rebuilds
+        the model's output structure (dict, tuple, single tensor) from the flat outputs.
+    """
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    dims: tuple[SymbolicDim, ...]
+    output_tree: str
+
+    def dim(self, name: str) -> SymbolicDim:
+        return next(d for d in self.dims if d.name == name)
+
+    def example_sizes(self) -> dict[str, int]:
+        return {d.name: d.example for d in self.dims}
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ProgramSignature":
+        def tensor(entry):
+            return TensorSpec(entry["name"], tuple(entry["shape"]), entry["dtype"], entry["torch_dtype"])
+
+        return cls(
+            inputs=tuple(tensor(t) for t in data["inputs"]),
+            outputs=tuple(tensor(t) for t in data["outputs"]),
+            dims=tuple(SymbolicDim(**d) for d in data["dims"]),
+            output_tree=data["output_tree"],
+        )
