@@ -10,8 +10,8 @@ import torch
 
 def to_torch(array: np.ndarray) -> torch.Tensor:
     if array.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(array))
+        return torch.from_numpy(np.array(array, order="C").view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.array(array, order="C"))
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -108,11 +108,11 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         compiled = compile_stage.compile_program(lowered, targets, buckets, on_compiled=compiled_one)
     with clock.stage("write", lambda: str(options.out)):
         stage_seconds = dict(clock.seconds)
-        manifest = artifact_stage.write_artifact(
+        artifact_stage.write_artifact(
             options.out, source=captured.source, lowered=lowered, compiled=compiled, verification=report,
             stage_seconds=stage_seconds, overwrite=options.overwrite,
         )
-    return artifact_stage.Artifact(options.out, manifest)
+    return artifact_stage.load(options.out)
 
 
 def _describe_dims(signature) -> str:

@@ -90,6 +90,39 @@ class ProgramSignature:
     def dim(self, name: str) -> SymbolicDim:
         return next(d for d in self.dims if d.name == name)
 
+    def sizes_of(self, shapes: list[tuple[int, ...]]) -> dict[str, int]:
+        """Reads the dim sizes from concrete input shapes and checks them against the signature.
+
+        Args:
+          shapes: one shape per input, in signature order.
+        Returns:
+          {dim name: size}.
+        Raises:
+          ValueError: one line naming the input, axis and dim that do not fit (rank, a fixed
+            size, two inputs disagreeing on a shared dim, a derived dim, or a range).
+        """
+        sizes: dict[str, int] = {}
+        for spec, shape in zip(self.inputs, shapes):
+            if len(shape) != len(spec.shape):
+                raise ValueError(f"input {spec.name!r} has rank {len(shape)}, expected {len(spec.shape)} {list(spec.shape)}")
+            for axis, (declared, actual) in enumerate(zip(spec.shape, shape)):
+                if isinstance(declared, str) and declared in {d.name for d in self.dims}:
+                    if sizes.setdefault(declared, actual) != actual:
+                        raise ValueError(
+                            f"input {spec.name!r} axis {axis} is {actual} but {declared} is {sizes[declared]} in another input"
+                        )
+        for dim in self.dims:
+            size = sizes.get(dim.name)
+            if size is not None and not (dim.min <= size and (dim.max is None or size <= dim.max)):
+                upper = dim.max if dim.max is not None else "inf"
+                raise ValueError(f"{dim.name}={size} is out of range: {dim.name} accepts {dim.min}..{upper}")
+        for spec, shape in zip(self.inputs, shapes):
+            for axis, (declared, actual) in enumerate(zip(spec.shape, shape)):
+                expected = declared if isinstance(declared, int) else evaluate_dim(declared, sizes)
+                if expected != actual:
+                    raise ValueError(f"input {spec.name!r} axis {axis} is {actual}, expected {declared} = {expected}")
+        return sizes
+
     def example_sizes(self) -> dict[str, int]:
         return {d.name: d.example for d in self.dims}
 

@@ -60,7 +60,7 @@ class Artifact:
         arrays = [value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value) for value in inputs]
         outputs = self.program.run(arrays)
         tensors = [
-            torch.from_numpy(np.ascontiguousarray(array)).to(getattr(torch, spec.torch_dtype))
+            torch.from_numpy(np.array(array)).to(getattr(torch, spec.torch_dtype))
             for array, spec in zip(outputs, self.signature.outputs)
         ]
         return pytree.tree_unflatten(tensors, pytree.treespec_loads(self.signature.output_tree))

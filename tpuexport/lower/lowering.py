@@ -21,6 +21,7 @@ import torch
 
 from tpuexport.arrays import to_numpy
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError
+from tpuexport.lower.registry import OWN_LOWERINGS
 from tpuexport.lower.op_support import find_unsupported, user_source
 from tpuexport.lower.shapes import symbolic_input_avals
 from tpuexport.lower.torchax_import import import_torchax
@@ -68,13 +69,12 @@ class LoweredProgram:
         specs = self.signature.inputs
         if len(inputs) != len(specs):
             raise TpuExportError(f"the program takes {len(specs)} inputs ({', '.join(s.name for s in specs)}), got {len(inputs)}")
-        arrays = [jnp.asarray(np.asarray(value).astype(spec.dtype)) for value, spec in zip(inputs, specs)]
+        arrays = [np.asarray(value) for value in inputs]
         try:
-            outputs = self.exported.call(self._device_weights, arrays)
+            self.signature.sizes_of([array.shape for array in arrays])
         except ValueError as error:
-            if "symbolic shape" not in str(error) and "shape" not in str(error):
-                raise
-            raise TpuExportError(f"input shapes out of range: {' '.join(str(error).split())[:500]}") from None
+            raise TpuExportError(f"input shapes do not fit the program: {error}") from None
+        outputs = self.exported.call(self._device_weights, [jnp.asarray(a.astype(s.dtype)) for a, s in zip(arrays, specs)])
         return [np.asarray(output) for output in outputs]
 
 
@@ -150,7 +150,8 @@ def _to_numpy(tensor: torch.Tensor, precision: str) -> np.ndarray:
 
 
 class _TracingInterpreter:
-    """torchax's interpreter, remembering which node it is on so a failure can name it."""
+    """torchax's interpreter, remembering which node it is on so a failure can name it, and
+    running tpuexport's own lowerings (lower/registry.py) before torchax's."""
 
     def __init__(self, graph_module):
         torchax = import_torchax()
@@ -161,6 +162,12 @@ class _TracingInterpreter:
             def run_node(self, node):
                 owner.node = node
                 return super().run_node(node)
+
+            def call_function(self, target, args, kwargs):
+                own = OWN_LOWERINGS.get(target)
+                if own is not None:
+                    return own(*args, **kwargs)
+                return super().call_function(target, args, kwargs)
 
         self.node = None
         self.interpreter = Interpreter(graph_module)

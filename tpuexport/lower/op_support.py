@@ -8,6 +8,7 @@ import re
 
 import torch
 
+from tpuexport.lower.registry import OWN_LOWERINGS
 from tpuexport.lower.torchax_import import import_torchax
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
@@ -28,7 +29,9 @@ class UnsupportedOperator:
 
 
 def lowering_for(target):
-    """torchax's JAX lowering for an ATen operator, or None."""
+    """The JAX lowering for an operator (tpuexport's own first, then torchax's), or None."""
+    if target in OWN_LOWERINGS:
+        return OWN_LOWERINGS[target]
     registry = import_torchax().ops.ops_registry.all_aten_ops
     op = registry.get(target) or registry.get(getattr(target, "overloadpacket", None))
     return op if op is not None and op.is_jax_function else None

@@ -1,7 +1,7 @@
 """Running the lowered program on CPU at several dim sizes and comparing with eager PyTorch.
 
-Sizes: the example sizes, then every dim at its minimum, at a middle size, and at its maximum
-when that is cheap (inputs of at most MAX_CHEAP_ELEMENTS elements), so every dynamic dim is
+Sizes: the example sizes, then every dim at its minimum, and at a middle size and at its maximum
+when those are cheap (inputs of at most MAX_CHEAP_ELEMENTS elements), so every dynamic dim is
 exercised at two or more sizes when its range allows. Inputs at new sizes are random but
 follow the example inputs: floats with their mean and spread, integers within their value
 range (token ids stay valid), bools with their rate of True (an all-True mask stays all True).
@@ -32,18 +32,21 @@ def verification_sizes(signature: ProgramSignature) -> list[tuple[str, dict[str,
         return cases
     minimum = {d.name: d.min for d in signature.dims}
     ceiling = {d.name: d.max if d.max is not None else max(4 * d.example, d.min) for d in signature.dims}
-    middle = {}
-    for dim in signature.dims:
-        mid = (dim.min + ceiling[dim.name] + 1) // 2
-        if mid == dim.example and mid + 1 <= ceiling[dim.name]:
-            mid += 1
-        middle[dim.name] = mid
+    middle = {d.name: _middle_size(d, ceiling[d.name]) for d in signature.dims}
     for label, sizes in (("min", minimum), ("mid", middle), ("max", ceiling)):
-        if label == "max" and _input_elements(signature, sizes) > MAX_CHEAP_ELEMENTS:
+        if label != "min" and _input_elements(signature, sizes) > MAX_CHEAP_ELEMENTS:
             continue
         if all(sizes != seen for _, seen in cases):
             cases.append((label, sizes))
     return cases
+
+
+def _middle_size(dim, ceiling: int) -> int:
+    """A size inside the range that differs from the example (the range's middle when possible)."""
+    middle = (dim.min + ceiling + 1) // 2
+    if middle == dim.example and middle + 1 <= ceiling:
+        middle += 1
+    return middle
 
 
 def _input_elements(signature: ProgramSignature, sizes: dict[str, int]) -> int:

@@ -1,0 +1,38 @@
+"""Shared fixtures: the examples converted once per test session (conversions take seconds)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+import tpuexport
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def build_example(name: str) -> dict:
+    """Calls examples/<name>.py:build() and returns its dict (model, args, dynamic_shapes)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build()
+
+
+def convert_example(name: str, out: pathlib.Path, **options) -> tpuexport.Artifact:
+    built = build_example(name)
+    return tpuexport.convert(built["model"], built["args"], built["dynamic_shapes"], out=out, **options)
+
+
+@pytest.fixture(scope="session")
+def mlp_artifact(tmp_path_factory) -> tpuexport.Artifact:
+    """examples/mlp.py for v5e, buckets batch=1,8."""
+    return convert_example("mlp", tmp_path_factory.mktemp("mlp") / "mlp.tpu", target="v5e", buckets={"batch": [1, 8]})
+
+
+@pytest.fixture(scope="session")
+def transformer_artifact(tmp_path_factory) -> tpuexport.Artifact:
+    """examples/transformer.py for v5e and v6e at the example shapes."""
+    return convert_example("transformer", tmp_path_factory.mktemp("transformer") / "encoder.tpu", target=["v5e", "v6e"])

@@ -1,0 +1,73 @@
+"""Lowering internals that users depend on: the torchax import shim, one-scope symbolic dims,
+derived dims, dim naming, and the all-at-once unsupported-operator report."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import tpuexport
+from tpuexport.export import LoadedSource, SourceInfo, capture
+from tpuexport.lower import lower
+from tpuexport.lower.torchax_import import REMOVED_NAMED_DIM_OVERLOADS, import_torchax
+
+
+def test_shim_tolerates_exactly_the_overloads_torch_removed():
+    for packet, overload in REMOVED_NAMED_DIM_OVERLOADS:
+        with pytest.raises(AttributeError):
+            getattr(getattr(torch.ops.aten, packet), overload)
+    torchax = import_torchax()
+    assert len(torchax.ops.ops_registry.all_aten_ops) > 300
+    # the shim is gone once torchax is imported: other missing overloads still raise
+    with pytest.raises(AttributeError):
+        torch.ops.aten.prod.dim_Dimname
+
+
+def captured(model, args, dynamic_shapes):
+    return capture(LoadedSource(model, args, dynamic_shapes, None, SourceInfo("api")))
+
+
+class PairwiseSum(torch.nn.Module):
+    def forward(self, a, b):
+        return a.sum(-1) + b[:, : a.shape[1]].sum(-1)
+
+
+def test_dims_shared_across_inputs_and_derived_dims_lower_in_one_scope():
+    batch, seq = torch.export.Dim("batch", max=16), torch.export.Dim("seq", min=2, max=64)
+    model = captured(PairwiseSum(), (torch.randn(2, 4, 3), torch.randn(2, 8, 3)), {"a": {0: batch, 1: seq}, "b": {0: batch, 1: 2 * seq}})
+    assert [s.shape for s in model.signature.inputs] == [("batch", "seq", 3), ("batch", "2*seq", 3)]
+    lowered = lower(model.program, model.signature)
+    a, b = np.random.randn(5, 7, 3).astype(np.float32), np.random.randn(5, 14, 3).astype(np.float32)
+    np.testing.assert_allclose(lowered.run([a, b])[0], PairwiseSum()(torch.from_numpy(a), torch.from_numpy(b)).numpy(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(tpuexport.TpuExportError, match=r"input 'b' axis 1 is 13, expected 2\*seq = 14"):
+        lowered.run([a, b[:, :13]])
+
+
+def test_dim_names_fall_back_to_input_and_axis_for_reloaded_programs(tmp_path):
+    batch = torch.export.Dim("batch", max=16)
+    program = torch.export.export(PairwiseSum(), (torch.randn(2, 4, 3), torch.randn(2, 4, 3)), dynamic_shapes={"a": {0: batch}, "b": {0: batch}})
+    torch.export.save(program, tmp_path / "p.pt2")
+    reloaded = captured(torch.export.load(tmp_path / "p.pt2"), None, None)
+    assert [d.name for d in reloaded.signature.dims] == ["a_dim0"]
+    assert [s.shape for s in reloaded.signature.inputs] == [("a_dim0", 4, 3), ("a_dim0", 4, 3)]
+
+
+class UsesUnsupportedOps(torch.nn.Module):
+    def forward(self, x):
+        determinant = torch.linalg.det(x[:, :, :3])
+        airy = torch.special.airy_ai(x)
+        return determinant, airy
+
+
+def test_every_unsupported_operator_is_reported_at_once_with_its_source_line():
+    model = captured(UsesUnsupportedOps(), (torch.randn(2, 3, 4),), None)
+    with pytest.raises(tpuexport.UnsupportedOperatorsError) as caught:
+        lower(model.program, model.signature)
+    operators = caught.value.operators
+    assert [op.name for op in operators] == ["aten._linalg_det.default", "aten.special_airy_ai.default"]
+    for op, code in zip(operators, ["torch.linalg.det", "torch.special.airy_ai"]):
+        assert re.search(r"test_lowering\.py:\d+ \(.*" + re.escape(code), op.source), op.source
+    assert "\n" not in str(caught.value)

@@ -1,0 +1,201 @@
+"""The `tpuexport` command: parses, calls the Python API, prints. Exit codes: 0 ok,
+1 verification failed, 2 bad input (one line on stderr, no traceback, nothing written)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+import sys
+import warnings
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from tpuexport.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFICATION_FAILED, TpuExportError, VerificationError
+
+stderr = Console(stderr=True, highlight=False)
+
+
+def handles_errors(command):
+    """Maps tpuexport's errors to one line on stderr and the documented exit code."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        # torch and jax warn about their own internals; a user of the command cannot act on it.
+        warnings.filterwarnings("ignore")
+        try:
+            return command(*args, **kwargs)
+        except TpuExportError as error:
+            stderr.print(f"[bold red]error:[/] {error}", soft_wrap=True)
+            sys.exit(EXIT_BAD_INPUT)
+        except VerificationError as error:
+            stderr.print(f"[bold red]verification failed:[/] {error}", soft_wrap=True)
+            sys.exit(EXIT_VERIFICATION_FAILED)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="tpuexport")
+def main():
+    """Convert PyTorch models into verified TPU artifacts, on a CPU-only machine."""
+
+
+@main.command()
+@click.argument("source")
+@click.option("--target", "targets", multiple=True, default=("v5e",), show_default=True,
+              help="TPU target (repeat for several): v4, v5e, v5p, v6e, 7x.")
+@click.option("-o", "--out", type=click.Path(path_type=pathlib.Path), help="Artifact directory [default: SOURCE stem + .tpu].")
+@click.option("--bucket", "buckets", multiple=True, metavar="DIM=S1,S2,...",
+              help="Sizes to compile for a dim (repeat per dim; cartesian product). Default: the example shapes.")
+@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True)
+@click.option("--input", "inputs", multiple=True, metavar="NAME:D0,D1,...[:DTYPE]", help="Input of a pickled model (repeat, in order).")
+@click.option("--dim", "dims", multiple=True, metavar="NAME=MIN:MAX", help="A symbolic dim used by --input.")
+@click.option("--trust-pickle", is_flag=True, help="Allow unpickling a .pt/.pth module (pickles run code when loaded).")
+@click.option("--atol", type=float, help="Verification absolute tolerance [default per precision].")
+@click.option("--rtol", type=float, help="Verification relative tolerance [default per precision].")
+@click.option("--force", is_flag=True, help="Replace an existing artifact at --out.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
+@handles_errors
+def convert(source, targets, out, buckets, precision, inputs, dims, trust_pickle, atol, rtol, force, as_json):
+    """Convert SOURCE (model.pt2, file.py:factory, or model.pt with --trust-pickle) into an artifact."""
+    from tpuexport import compile as compile_stage
+    from tpuexport import export as export_stage
+    from tpuexport.pipeline import ConversionOptions, run_conversion
+    from tpuexport.verify import DEFAULT_TOLERANCES, Tolerances
+
+    dim_specs = [export_stage.parse_dim(text) for text in dims]
+    by_name = {d.name: d for d in dim_specs}
+    if len(by_name) != len(dim_specs):
+        raise TpuExportError("a --dim name is given twice; give each dim once")
+    input_specs = [export_stage.parse_input(text, by_name) for text in inputs]
+    bucket_sizes = compile_stage.parse_bucket_options(buckets)
+    compile_stage.resolve_targets(list(targets))
+    tolerances = None
+    if atol is not None or rtol is not None:
+        default = DEFAULT_TOLERANCES[precision]
+        tolerances = Tolerances(atol if atol is not None else default.atol, rtol if rtol is not None else default.rtol)
+    out = out or pathlib.Path(pathlib.Path(source.partition(":")[0] if ".py:" in source else source).stem + ".tpu")
+    options = ConversionOptions(tuple(targets), out, bucket_sizes or None, precision, tolerances, force)
+
+    loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs)
+    artifact = run_conversion(loaded, options, progress=_print_stage)
+    stderr.print(f"[bold green]converted[/] {source} -> {artifact.path}")
+    if as_json:
+        click.echo(json.dumps(summary(artifact), indent=2))
+
+
+def _print_stage(stage: str, seconds: float, detail: str) -> None:
+    stderr.print(f"  [green]✓[/] {stage:<28} {seconds:7.2f} s  [dim]{detail}[/]", soft_wrap=True)
+
+
+def summary(artifact) -> dict:
+    """The machine-readable summary `convert --json` and `inspect --json` print."""
+    manifest = artifact.manifest
+    return {
+        "artifact": str(artifact.path),
+        "format_version": manifest["format_version"],
+        "source": manifest["source"],
+        "precision": manifest["precision"],
+        "signature": manifest["signature"],
+        "verification": {"passed": manifest["verification"]["passed"], "cases": manifest["verification"]["cases"]},
+        "targets": {
+            name: [
+                {k: bucket[k] for k in ("name", "sizes", "executable", "memory", "cost", "fits_in_hbm", "hbm_utilization")}
+                for bucket in target["buckets"]
+            ]
+            for name, target in manifest["targets"].items()
+        },
+        "build": manifest["build"],
+    }
+
+
+@main.command()
+@click.argument("artifact_dir", metavar="ARTIFACT", type=click.Path(path_type=pathlib.Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@handles_errors
+def inspect(artifact_dir, as_json):
+    """Show an artifact's inputs, dims, targets, buckets and figures."""
+    from tpuexport.artifact import load
+
+    artifact = load(artifact_dir)
+    data = summary(artifact)
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    console = Console(highlight=False)
+    signature = artifact.signature
+    console.print(f"[bold]{artifact.path}[/]  source {data['source']['reference'] or data['source']['kind']}, "
+                  f"precision {data['precision']}, verification {'passed' if data['verification']['passed'] else 'FAILED'}")
+    for dim in signature.dims:
+        console.print(f"  dim {dim.name}: {dim.min}..{dim.max if dim.max is not None else 'inf'} (example {dim.example})")
+    for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
+        for spec in specs:
+            console.print(f"  {kind} {spec.name}: {spec.dtype}[{', '.join(map(str, spec.shape))}]")
+    table = Table("target", "bucket", "HBM used", "of HBM", "GFLOP", "est. µs", "executable")
+    for name, buckets in data["targets"].items():
+        for bucket in buckets:
+            table.add_row(
+                name, bucket["name"], f"{bucket['memory']['total_bytes'] / 2**20:.2f} MiB", f"{bucket['hbm_utilization']:.4%}",
+                f"{bucket['cost']['flops'] / 1e9:.4f}", f"{bucket['cost']['optimal_seconds'] * 1e6:.1f}", bucket["executable"],
+            )
+    console.print(table)
+
+
+@main.command()
+@click.argument("artifact_dir", metavar="ARTIFACT", type=click.Path(path_type=pathlib.Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@click.option("--junit", "junit_path", type=click.Path(path_type=pathlib.Path), metavar="FILE",
+              help="Also write a JUnit XML report (one testcase per check) for CI.")
+@click.option("--recompile", is_flag=True, help="Recompile every executable and report compiler drift.")
+@click.option("--strict", is_flag=True, help="Fail on compiler drift instead of warning.")
+@click.option("--against", metavar="SOURCE", help="Reload the original model (file.py:factory, .pt2) and compare on fresh inputs.")
+@handles_errors
+def verify(artifact_dir, as_json, junit_path, recompile, strict, against):
+    """Check an artifact before release: file hashes, golden outputs, SavedModel; exit 1 if a check fails."""
+    from tpuexport.verify.gate import verify_artifact, write_junit
+
+    report = verify_artifact(artifact_dir, recompile=recompile, strict=strict, against=against)
+    if junit_path:
+        write_junit(report, junit_path)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        _print_gate_table(report)
+    failed = ", ".join(check.name for check in report.failures())
+    stderr.print(f"[bold green]verify passed[/] {report.artifact}" if report.passed
+                 else f"[bold red]verify failed[/] {report.artifact}: {failed}", soft_wrap=True)
+    sys.exit(report.exit_code)
+
+
+def _print_gate_table(report) -> None:
+    colours = {"passed": "green", "failed": "bold red", "warning": "yellow", "skipped": "dim"}
+    table = Table("check", "result", "seconds", "detail")
+    for check in report.checks:
+        table.add_row(check.name, f"[{colours[check.status]}]{check.status}[/]", f"{check.seconds:.2f}", check.message)
+    Console(highlight=False).print(table)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the targets as JSON on stdout.")
+@handles_errors
+def targets(as_json):
+    """List the TPU targets with their per-chip figures."""
+    import dataclasses
+
+    from tpuexport.compile import TARGETS
+
+    if as_json:
+        click.echo(json.dumps([dataclasses.asdict(t) for t in TARGETS.values()], indent=2))
+        return
+    table = Table("target", "generation", "HBM", "bf16 TFLOP/s", "int8 TOP/s", "HBM GB/s", "topology", "source")
+    for t in TARGETS.values():
+        table.add_row(t.name, t.generation, f"{t.hbm_bytes / 2**30:.0f} GiB", f"{t.peak_bf16_tflops:g}",
+                      f"{t.peak_int8_tops:g}" if t.peak_int8_tops else "-", f"{t.hbm_gbps:g}", t.topology, t.source)
+    Console(highlight=False, width=200).print(table)
+
+
+if __name__ == "__main__":
+    main()
