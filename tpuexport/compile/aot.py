@@ -130,9 +130,14 @@ def compile_bucket(lowered: LoweredProgram, target: Target, bucket: Bucket) -> C
         try:
             compiled = jax.jit(lowered.exported.call).trace(weights, inputs).lower().compile()
         except Exception as error:  # XLA raises XlaRuntimeError and others
-            raise TpuExportError(
-                f"XLA could not compile for {target.name} bucket {bucket.name}: {' '.join(str(error).split())[:300]}"
-            ) from None
+            message = " ".join(str(error).split())
+            if "RESOURCE_EXHAUSTED" in message:
+                # XLA's TPU compiler checks temporaries against the chip's usable HBM itself.
+                raise TpuExportError(
+                    f"does not fit in HBM: {target.name} bucket {bucket.name} ({message[:240]}); chip HBM is "
+                    f"{target.hbm_bytes:,} bytes; use smaller buckets or a target with more HBM"
+                ) from None
+            raise TpuExportError(f"XLA could not compile for {target.name} bucket {bucket.name}: {message[:300]}") from None
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     memory = {

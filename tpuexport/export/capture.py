@@ -120,7 +120,9 @@ def describe(
     for symbol, name in symbol_names.items():
         bounds = program.range_constraints[symbol]
         upper = None if not bounds.upper.is_finite else int(bounds.upper)
-        dims.append(SymbolicDim(name, int(bounds.lower), upper, _example_size(symbol, user_nodes, example_inputs)))
+        # JAX symbolic dims are >= 1; torch.export reports 0 for a Dim without an explicit min.
+        lower = max(int(bounds.lower), 1)
+        dims.append(SymbolicDim(name, lower, upper, _example_size(symbol, user_nodes, example_inputs)))
     return ProgramSignature(inputs, outputs, tuple(dims), pytree.treespec_dumps(tree))
 
 

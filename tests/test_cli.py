@@ -1,0 +1,186 @@
+"""The command line in a subprocess, as users and CI run it: every source kind, inspect, targets,
+exit codes, and bad input (one line, exit 2, no traceback, nothing left on disk)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import EXAMPLES, build_example
+
+
+def tpuexport(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tpuexport.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+def assert_clean_bad_input(result, directory: pathlib.Path, expected: str, before: set[str]):
+    """Exit 2, one error line naming the problem (after any finished-stage progress lines), no
+    traceback, no new files."""
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], result.stderr
+    assert all(line.lstrip().startswith("✓ ") for line in lines[:-1]), result.stderr
+    assert expected in errors[0], errors[0]
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert {p.name for p in directory.iterdir()} == before
+
+
+def test_convert_factory_source_with_buckets_and_json(tmp_path):
+    out = tmp_path / "mlp.tpu"
+    result = tpuexport("convert", f"{EXAMPLES / 'mlp.py'}:build", "--target", "v5e", "--target", "v6e",
+                       "--bucket", "batch=1,16", "-o", out, "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["artifact"] == str(out)
+    assert {name: [b["sizes"] for b in buckets] for name, buckets in summary["targets"].items()} == {
+        "v5e": [{"batch": 1}, {"batch": 16}], "v6e": [{"batch": 1}, {"batch": 16}]}
+    for stage in ("export", "lower", "verify", "compile v5e batch16", "compile v6e batch1", "write"):
+        assert stage in result.stderr
+    # libtpu's start-up warnings never reach the user
+    assert "TPU_ACCELERATOR_TYPE" not in result.stderr and "TPU_WORKER_HOSTNAMES" not in result.stderr
+
+    inspected = tpuexport("inspect", out)
+    assert inspected.returncode == 0 and "batch: 1..256" in inspected.stdout and "batch16" in inspected.stdout
+    inspected_json = json.loads(tpuexport("inspect", out, "--json").stdout)
+    assert inspected_json["targets"] == summary["targets"]
+
+
+def test_convert_pt2_source_keeps_its_dims(tmp_path):
+    built = build_example("transformer")
+    program = torch.export.export(built["model"].eval(), built["args"], dynamic_shapes=built["dynamic_shapes"])
+    torch.export.save(program, tmp_path / "encoder.pt2")
+    result = tpuexport("convert", tmp_path / "encoder.pt2", "--target", "v6e", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["artifact"] == "encoder.tpu" and (tmp_path / "encoder.tpu/manifest.json").is_file()
+    assert summary["source"]["kind"] == "pt2" and len(summary["source"]["sha256"]) == 64
+    dims = {d["name"]: (d["min"], d["max"]) for d in summary["signature"]["dims"]}
+    assert dims == {"tokens_dim0": (1, 32), "tokens_dim1": (2, 256)}
+
+
+def test_pickle_is_refused_without_opt_in_and_converted_with_it(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    torch.save(model, tmp_path / "mlp.pt")
+    before = {p.name for p in tmp_path.iterdir()}
+    refused = tpuexport("convert", tmp_path / "mlp.pt", "--input", "features:B,32", "--dim", "B=1:64", cwd=tmp_path)
+    assert_clean_bad_input(refused, tmp_path, "pickles run arbitrary code", before)
+    assert "--trust-pickle" in refused.stderr
+
+    accepted = tpuexport("convert", tmp_path / "mlp.pt", "--trust-pickle", "--input", "features:B,32:float32",
+                         "--dim", "B=1:64", "-o", tmp_path / "mlp.tpu", "--json")
+    assert accepted.returncode == 0, accepted.stderr
+    signature = json.loads(accepted.stdout)["signature"]
+    assert signature["inputs"][0]["name"] == "features" and signature["inputs"][0]["shape"] == ["B", 32]
+    assert signature["dims"] == [{"name": "B", "min": 1, "max": 64, "example": 2}]
+
+
+def test_targets_lists_every_generation_with_its_hbm():
+    result = tpuexport("targets", "--json")
+    assert result.returncode == 0
+    targets = {t["name"]: t for t in json.loads(result.stdout)}
+    assert list(targets) == ["v4", "v5e", "v5p", "v6e", "7x"]
+    assert targets["v5e"]["hbm_bytes"] == 16 * 2**30 and targets["7x"]["hbm_bytes"] == 192 * 2**30
+    assert all(t["source"].startswith("https://cloud.google.com/tpu/docs/") for t in targets.values())
+
+
+def test_verification_failure_exits_1_and_keeps_only_the_report(tmp_path):
+    result = tpuexport("convert", f"{EXAMPLES / 'mlp.py'}:build", "--precision", "bf16", "--atol", "0", "--rtol", "0",
+                       "-o", tmp_path / "mlp.tpu")
+    assert result.returncode == 1, result.stderr
+    assert "output 'output_0'" in result.stderr and "mlp.tpu.verification-report.json" in result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["mlp.tpu.verification-report.json"]
+
+
+UNSUPPORTED_FACTORY = '''
+import torch
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        return torch.linalg.det(x) + torch.special.airy_ai(x).sum((1, 2))
+
+def build():
+    return Model(), (torch.randn(2, 3, 3),)
+'''
+
+TOO_BIG_FACTORY = '''
+import torch
+
+def build():
+    batch = torch.export.Dim("batch", max=2**31 - 2)
+    return torch.nn.Linear(256, 256), (torch.randn(4, 256),), {"input": {0: batch}}
+'''
+
+RAISING_FACTORY = '''
+def build():
+    raise RuntimeError("weights file not found")
+'''
+
+BAD_DIM_FACTORY = '''
+import torch
+
+def build():
+    return torch.nn.Linear(4, 4), (torch.randn(8, 4),), {"input": {0: torch.export.Dim("batch", max=4)}}
+'''
+
+
+def write(directory: pathlib.Path, name: str, text: str) -> pathlib.Path:
+    path = directory / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+MLP = f"{EXAMPLES / 'mlp.py'}:build"
+
+BAD_INPUTS = {
+    "missing file": (["convert", "nowhere/model.pt2"], "does not exist"),
+    "unknown target": (["convert", MLP, "--target", "v9z"], "unknown target 'v9z'"),
+    "malformed dim": (["convert", "model.pt", "--dim", "B=64", "--input", "x:B,3"], "malformed --dim 'B=64'"),
+    "empty dim range": (["convert", "model.pt", "--dim", "B=8:2", "--input", "x:B,3"], "empty range"),
+    "input with unknown dim": (["convert", "model.pt", "--input", "x:B,3"], "add --dim B=MIN:MAX"),
+    "unknown dtype": (["convert", "model.pt", "--input", "x:4,3:float99"], "unknown dtype 'float99'"),
+    "unknown source kind": (["convert", "model.onnx"], "unknown kind '.onnx'"),
+    "refused pickle": (["convert", "model.pt", "--input", "x:4,3"], "pickles run arbitrary code"),
+    "state_dict pickle": (["convert", "weights.pt", "--trust-pickle", "--input", "x:4,3"], "not a whole nn.Module"),
+    "factory not found": (["convert", f"{EXAMPLES / 'mlp.py'}:nothing"], "has no function 'nothing'"),
+    "factory raises": (["convert", "raising.py:build"], "weights file not found"),
+    "unsupported operators": (["convert", "unsupported.py:build"], "2 operator(s) have no TPU lowering"),
+    "bucket out of range": (["convert", MLP, "--bucket", "batch=512"], "bucket batch=512 is out of range"),
+    "bucket of unknown dim": (["convert", MLP, "--bucket", "seq=8"], "unknown dim 'seq'"),
+    "malformed bucket": (["convert", MLP, "--bucket", "batch:8"], "malformed --bucket"),
+    "example outside dim range": (["convert", "bad_dim.py:build"], "torch.export failed"),
+    "does not fit in HBM": (["convert", "too_big.py:build", "--bucket", "batch=2147483646"], "does not fit in HBM"),
+    "output exists": (["convert", MLP, "-o", "existing.tpu"], "already exists; pass --force"),
+    "inspect a non-artifact": (["inspect", "raising.py"], "is not a tpuexport artifact"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_gets_one_line_and_exit_2(case, tmp_path):
+    write(tmp_path, "unsupported.py", UNSUPPORTED_FACTORY)
+    write(tmp_path, "too_big.py", TOO_BIG_FACTORY)
+    write(tmp_path, "raising.py", RAISING_FACTORY)
+    write(tmp_path, "bad_dim.py", BAD_DIM_FACTORY)
+    torch.save(torch.nn.Linear(3, 3), tmp_path / "model.pt")
+    torch.save(torch.nn.Linear(3, 3).state_dict(), tmp_path / "weights.pt")
+    (tmp_path / "model.onnx").write_bytes(b"not a torch file")
+    (tmp_path / "existing.tpu").mkdir()
+    (tmp_path / "existing.tpu" / "manifest.json").write_text("{}")
+    args, expected = BAD_INPUTS[case]
+    before = {p.name for p in tmp_path.iterdir()}
+    result = tpuexport(*args, cwd=tmp_path)
+    assert_clean_bad_input(result, tmp_path, expected, before)
+
+
+def test_unsupported_operators_name_the_user_source_lines(tmp_path):
+    write(tmp_path, "unsupported.py", UNSUPPORTED_FACTORY)
+    result = tpuexport("convert", "unsupported.py:build", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "aten._linalg_det.default at " in result.stderr and "aten.special_airy_ai.default at " in result.stderr
+    assert "unsupported.py:6 (return torch.linalg.det(x) + torch.special.airy_ai(x).sum((1, 2)))" in result.stderr
