@@ -28,8 +28,8 @@ def convert_example(name: str, out: pathlib.Path, **options) -> tpuexport.Artifa
 
 @pytest.fixture(scope="session")
 def mlp_artifact(tmp_path_factory) -> tpuexport.Artifact:
-    """examples/mlp.py for v5e, buckets batch=1,8."""
-    return convert_example("mlp", tmp_path_factory.mktemp("mlp") / "mlp.tpu", target="v5e", buckets={"batch": [1, 8]})
+    """examples/mlp.py for v5e and v6e, buckets batch=1,8."""
+    return convert_example("mlp", tmp_path_factory.mktemp("mlp") / "mlp.tpu", target=["v5e", "v6e"], buckets={"batch": [1, 8]})
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -98,6 +99,20 @@ def test_out_of_range_sizes_fail_with_the_dim_named(transformer_artifact):
         transformer_artifact.run(torch.zeros(33, 4, dtype=torch.int64), torch.ones(33, 4, dtype=torch.bool))
 
 
+def test_the_serialized_program_enforces_the_ranges_itself(mlp_artifact):
+    """Any consumer of the artifact (not only Artifact.run) gets the shape assertion."""
+    program = mlp_artifact.program
+    weights = [jax.numpy.asarray(w) for w in program.weights]
+    with pytest.raises(ValueError) as caught:
+        program.exported.call(weights, [jax.numpy.zeros((257, 32))])
+    # JAX reports "Error refining shapes" and keeps the module's assertion message as the cause.
+    causes, error = [], caught.value
+    while error is not None:
+        causes.append(str(error))
+        error = error.__cause__
+    assert any("symbolic shape constraint batch <= 256" in text for text in causes), causes
+
+
 def test_mismatched_sizes_between_inputs_sharing_a_dim_fail(transformer_artifact):
     with pytest.raises(tpuexport.TpuExportError, match="input 'mask' axis 1 is 9 but seq is 8 in another input"):
         transformer_artifact.run(torch.zeros(2, 8, dtype=torch.int64), torch.ones(2, 9, dtype=torch.bool))
@@ -106,7 +121,8 @@ def test_mismatched_sizes_between_inputs_sharing_a_dim_fail(transformer_artifact
 def test_exported_program_is_accepted_as_model(tmp_path):
     built = build_example("cnn")
     program = torch.export.export(built["model"].eval(), built["args"], dynamic_shapes=built["dynamic_shapes"])
-    artifact = tpuexport.convert(program, out=tmp_path / "cnn.tpu", target="v6e")
+    artifact = tpuexport.convert(program, out=tmp_path / "cnn.tpu", target=["v5e", "v6e"])
+    assert list(artifact.manifest["targets"]) == ["v5e", "v6e"]
     image = torch.randn(5, 3, 32, 32)
     torch.testing.assert_close(artifact.run(image), eager(built["model"], image), atol=1e-4, rtol=1e-4)
     assert artifact.manifest["signature"]["dims"][0]["name"] == "batch"

@@ -12,6 +12,7 @@ import textwrap
 import pytest
 import torch
 
+import tpuexport as tpuexport_api
 from conftest import EXAMPLES, build_example
 
 
@@ -50,6 +51,26 @@ def test_convert_factory_source_with_buckets_and_json(tmp_path):
     assert inspected.returncode == 0 and "batch: 1..256" in inspected.stdout and "batch16" in inspected.stdout
     inspected_json = json.loads(tpuexport("inspect", out, "--json").stdout)
     assert inspected_json["targets"] == summary["targets"]
+
+
+NEW_SIZE_INPUTS = {
+    "mlp": lambda: (torch.randn(7, 32),),
+    "cnn": lambda: (torch.randn(5, 3, 32, 32),),
+    "transformer": lambda: (torch.randint(0, 1000, (3, 41)), torch.ones(3, 41, dtype=torch.bool)),
+}
+
+
+@pytest.mark.parametrize("example", list(NEW_SIZE_INPUTS))
+def test_every_example_converts_for_v5e_and_v6e_and_runs_at_a_new_size(example, tmp_path):
+    out = tmp_path / f"{example}.tpu"
+    result = tpuexport("convert", f"{EXAMPLES / example}.py:build", "--target", "v5e", "--target", "v6e", "-o", out)
+    assert result.returncode == 0, result.stderr
+    artifact = tpuexport_api.load(out)
+    assert list(artifact.manifest["targets"]) == ["v5e", "v6e"]
+    inputs = NEW_SIZE_INPUTS[example]()
+    with torch.no_grad():
+        expected = build_example(example)["model"].eval()(*inputs)
+    torch.testing.assert_close(artifact.run(*inputs), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_convert_pt2_source_keeps_its_dims(tmp_path):
