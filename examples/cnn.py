@@ -28,4 +28,6 @@ def build():
                 module.running_mean.uniform_(-0.5, 0.5)
                 module.running_var.uniform_(0.5, 2.0)
     batch = torch.export.Dim("batch", min=1, max=64)
-    return {"model": model, "args": (torch.randn(2, 3, 32, 32),), "dynamic_shapes": {"image": {0: batch}}}
+    # Calibration samples for `--quantize int8` (a real model would use real images here).
+    calibration = [(torch.randn(4, 3, 32, 32),) for _ in range(8)]
+    return {"model": model, "args": (torch.randn(2, 3, 32, 32),), "dynamic_shapes": {"image": {0: batch}}, "calibration": calibration}

@@ -16,4 +16,6 @@ class MLP(nn.Module):
 def build():
     torch.manual_seed(0)
     batch = torch.export.Dim("batch", min=1, max=256)
-    return {"model": MLP(), "args": (torch.randn(4, 32),), "dynamic_shapes": {"x": {0: batch}}}
+    # Calibration samples for `--quantize int8` (a real model would use real data here).
+    calibration = [(torch.randn(16, 32),) for _ in range(8)]
+    return {"model": MLP(), "args": (torch.randn(4, 32),), "dynamic_shapes": {"x": {0: batch}}, "calibration": calibration}

@@ -55,4 +55,6 @@ def build():
     batch = torch.export.Dim("batch", min=1, max=32)
     seq = torch.export.Dim("seq", min=2, max=256)
     shapes = {"tokens": {0: batch, 1: seq}, "mask": {0: batch, 1: seq}}
-    return {"model": Encoder(), "args": (tokens, mask), "dynamic_shapes": shapes}
+    # Calibration samples for `--quantize int8`: random token sequences, unpadded (real text in practice).
+    calibration = [(torch.randint(0, 1000, (4, 32)), torch.ones(4, 32, dtype=torch.bool)) for _ in range(8)]
+    return {"model": Encoder(), "args": (tokens, mask), "dynamic_shapes": shapes, "calibration": calibration}

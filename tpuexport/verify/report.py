@@ -9,6 +9,13 @@ import numpy as np
 from tpuexport.verify.compare import OutputComparison, Tolerances
 
 
+_RULE = "|actual - expected| <= atol + rtol * |expected| elementwise; integer and bool outputs exactly"
+_QUANTIZED_RULE = (
+    "|actual - expected| <= atol + rtol * |expected| + quantization_steps * max|expected| / 127 on at least "
+    "min_fraction of each output's elements; integer and bool outputs exactly"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class VerificationCase:
     """One run of the lowered program against eager PyTorch.
@@ -78,7 +85,7 @@ class VerificationReport:
             "against": self.against,
             "precision": self.precision,
             "tolerances": dataclasses.asdict(self.tolerances),
-            "rule": "|actual - expected| <= atol + rtol * |expected| elementwise; integer and bool outputs exactly",
+            "rule": _RULE if self.tolerances.quantization_steps == 0 else _QUANTIZED_RULE,
             "cases": [
                 {
                     "label": case.label,

@@ -1,0 +1,161 @@
+"""PT2E int8 quantization: integer ops in the compiled TPU HLO, artifact size, the three modes from
+the API and the CLI, and one-line errors for bad calibration data."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import EXAMPLES, build_example
+
+import tpuexport
+from tpuexport import compile as compile_stage
+from tpuexport import export as export_stage
+from tpuexport import lower as lower_stage
+from tpuexport.cli import main
+from tpuexport.errors import EXIT_BAD_INPUT, TpuExportError
+from tpuexport.quantize import quantize
+
+_HLO_TYPE = re.compile(r"(%[\w.\-]+) = (\w+)\[")
+_HLO_DOT = re.compile(r"= (\w+)\[[^=]*? (?:dot|convolution)\((%[\w.\-]+), (%[\w.\-]+)\)")
+
+
+def dot_operand_types(hlo_text: str) -> list[tuple[str, str, str]]:
+    """(result type, left operand type, right operand type) of every dot and convolution in HLO text."""
+    types = dict(_HLO_TYPE.findall(hlo_text))
+    return [(result, types.get(left), types.get(right)) for result, left, right in _HLO_DOT.findall(hlo_text)]
+
+
+def captured_example(name: str) -> export_stage.CapturedModel:
+    built = build_example(name)
+    loaded = export_stage.LoadedSource(built["model"], built["args"], built["dynamic_shapes"], built["calibration"],
+                                       export_stage.SourceInfo("api"))
+    return export_stage.capture(loaded)
+
+
+# (example, number of layers that must run as int8 x int8 -> int32 on the TPU)
+INTEGER_LAYERS = {"mlp": 3, "cnn": 3, "transformer": 9}
+
+
+@pytest.mark.parametrize("name", sorted(INTEGER_LAYERS))
+def test_static_int8_compiles_to_s8_dots_and_shrinks_weights(name):
+    captured = captured_example(name)
+    quantized = quantize(captured, "int8")
+    lowered = lower_stage.lower(quantized.captured.program, quantized.captured.signature)
+    [target] = compile_stage.resolve_targets(["v5e"])
+    [compiled] = compile_stage.compile_program(lowered, [target], compile_stage.make_buckets(lowered.signature, None)).results
+
+    operations = dot_operand_types(compiled.hlo_text)
+    integer = [op for op in operations if op == ("s32", "s8", "s8")]
+    assert len(integer) == INTEGER_LAYERS[name], operations
+    if name != "transformer":  # the transformer's attention (scaled_dot_product_attention) stays float
+        assert len(integer) == len(operations)
+    assert quantized.captured.signature.dims == captured.signature.dims  # symbolic dims survive
+
+    float_bytes = sum(w.nbytes for w in lower_stage.lower(captured.program, captured.signature).weights)
+    quantized_bytes = sum(w.nbytes for w in lowered.weights)
+    assert quantized_bytes <= 0.3 * float_bytes
+    assert {w.dtype for w in lowered.weights} == {np.dtype(np.int8), np.dtype(np.float32)}
+
+
+class MatmulModel(torch.nn.Module):
+    """Two activations multiplied (matmul and bmm), as in attention scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        scores = torch.matmul(self.query(x), x.transpose(1, 2))
+        return torch.bmm(scores, x)
+
+
+def test_matmul_and_bmm_of_activations_run_as_int8(tmp_path):
+    batch = torch.export.Dim("batch", min=1, max=16)
+    samples = [(torch.randn(3, 5, 8),) for _ in range(4)]
+    artifact = tpuexport.convert(
+        MatmulModel(), (torch.randn(2, 5, 8),), {"x": {0: batch}}, out=tmp_path / "matmul.tpu",
+        quantize="int8", calibration=samples, saved_model=False,
+    )
+    report = json.loads((artifact.path / "quantization" / "report.json").read_text())
+    assert [(layer["op"], layer["integer"]) for layer in report["layers"]] == [("linear", True), ("matmul", True), ("bmm", True)]
+    assert artifact.manifest["verification"]["passed"]
+    assert len(artifact.manifest["verification"]["cases"]) >= 3  # several batch sizes verified
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-dynamic", "int8-weight-only"])
+def test_api_modes_write_report_and_chart(tmp_path, mode):
+    built = build_example("mlp")
+    artifact = tpuexport.convert(
+        built["model"], built["args"], built["dynamic_shapes"], out=tmp_path / "mlp.tpu",
+        quantize=mode, calibration=built["calibration"], saved_model=False,
+    )
+    manifest = artifact.manifest
+    report = json.loads((artifact.path / manifest["quantization"]["report"]).read_text())
+    assert report["mode"] == mode and not report["warnings"]
+    assert report["outputs"][0]["sqnr_db"] > 25
+    assert all(layer["integer"] == (mode != "int8-weight-only") for layer in report["layers"])
+    assert (artifact.path / manifest["quantization"]["chart"]).read_bytes().startswith(b"\x89PNG")
+    assert manifest["verification"]["against"] == "the PT2E-converted model, eager PyTorch"
+    assert report["weight_bytes"]["ratio"] <= 0.3
+    assert artifact.run(torch.randn(7, 32)).shape == (7, 10)
+
+
+def test_static_int8_needs_calibration_unless_random_is_asked_for(tmp_path):
+    built = build_example("mlp")
+    with pytest.raises(TpuExportError, match="needs calibration data"):
+        tpuexport.convert(built["model"], built["args"], built["dynamic_shapes"], out=tmp_path / "a.tpu", quantize="int8",
+                          saved_model=False)
+    artifact = tpuexport.convert(built["model"], built["args"], built["dynamic_shapes"], out=tmp_path / "b.tpu",
+                                 quantize="int8", random_calibration=True, saved_model=False)
+    assert "RANDOM" in artifact.manifest["quantization"]["warnings"][0]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-dynamic", "int8-weight-only"])
+def test_cli_modes(tmp_path, mode):
+    calibration = tmp_path / "calibration.npz"
+    np.savez(calibration, x=np.random.default_rng(0).normal(size=(8, 16, 32)).astype(np.float32))
+    extra = ["--calibration", str(calibration)] if mode == "int8" else []
+    result = CliRunner().invoke(main, [
+        "convert", f"{EXAMPLES}/mlp.py:build", "--quantize", mode, *extra, "--no-saved-model", "-o", str(tmp_path / "m.tpu"), "--json",
+    ])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["quantization"]["mode"] == mode
+
+
+def _write_npz(path, **arrays):
+    np.savez(path, **arrays)
+    return path
+
+
+@pytest.mark.parametrize("case, message", [
+    ("wrong_name", "holds arrays ['y'] but the model's inputs are ['x']"),
+    ("wrong_shape", "axis 1 is 31, expected 32"),
+    ("wrong_dtype", "is float32 but its array is int64"),
+    ("empty", "sample counts"),
+    ("missing", "does not exist"),
+    ("not_an_archive", "cannot read calibration file"),
+])
+def test_cli_bad_calibration_files_give_one_line_errors(tmp_path, case, message):
+    files = {
+        "wrong_name": lambda p: _write_npz(p, y=np.zeros((2, 4, 32), np.float32)),
+        "wrong_shape": lambda p: _write_npz(p, x=np.zeros((2, 4, 31), np.float32)),
+        "wrong_dtype": lambda p: _write_npz(p, x=np.zeros((2, 4, 32), np.int64)),
+        "empty": lambda p: _write_npz(p, x=np.zeros((0, 4, 32), np.float32)),
+        "missing": lambda p: p,
+        "not_an_archive": lambda p: p.write_bytes(b"not a zip") and p,
+    }
+    path = files[case](tmp_path / "calibration.npz")
+    result = CliRunner().invoke(main, [
+        "convert", f"{EXAMPLES}/mlp.py:build", "--quantize", "int8", "--calibration", str(path), "--no-saved-model",
+        "-o", str(tmp_path / "m.tpu"),
+    ])
+    assert result.exit_code == EXIT_BAD_INPUT
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and message in " ".join(result.stderr.split()), result.stderr
+    assert not (tmp_path / "m.tpu").exists()

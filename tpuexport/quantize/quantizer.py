@@ -1,0 +1,98 @@
+"""A PT2E `Quantizer` for TPUs: symmetric int8 (zero point 0) on the inputs of the compute ops.
+
+Weights are int8 per output channel, activations int8 per tensor (static: scales from calibration;
+dynamic: scales computed at run time from each call's values), or weights only. Outputs and biases
+stay float: the TPU accumulates int8 x int8 in int32 and the rescaled result is float anyway, so
+quantizing outputs would only add error before the next op requantizes them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchao.quantization.pt2e import MinMaxObserver, PerChannelMinMaxObserver, PlaceholderObserver
+from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, QuantizationSpec, Quantizer
+
+MODES = ("int8", "int8-dynamic", "int8-weight-only")
+
+# Symmetric int8 uses [-127, 127], so the range is the same on both sides of zero and -x
+# quantizes to -q(x); the scale is max|x| / 127.
+INT8_MIN, INT8_MAX = -127, 127
+
+# (operator, index of its weight argument, or None when both operands are activations)
+LINEAR_OPS = {torch.ops.aten.linear.default: 1}
+CONV_OPS = {torch.ops.aten.conv1d.default: 1, torch.ops.aten.conv2d.default: 1}
+MATMUL_OPS = {torch.ops.aten.matmul.default: None, torch.ops.aten.bmm.default: None}
+# Embedding tables: int8 weights only (the indices are integers); they dominate small language models.
+EMBEDDING_OPS = {torch.ops.aten.embedding.default: 0}
+QUANTIZED_OPS = {**LINEAR_OPS, **CONV_OPS, **MATMUL_OPS, **EMBEDDING_OPS}
+
+_EPS = torch.finfo(torch.float32).eps
+
+
+def weight_spec() -> QuantizationSpec:
+    """int8 symmetric per output channel (axis 0 of linear and conv weights)."""
+    return QuantizationSpec(
+        dtype=torch.int8, quant_min=INT8_MIN, quant_max=INT8_MAX, qscheme=torch.per_channel_symmetric,
+        ch_axis=0, is_dynamic=False, observer_or_fake_quant_ctr=PerChannelMinMaxObserver.with_args(eps=_EPS),
+    )
+
+
+def activation_spec(dynamic: bool) -> QuantizationSpec:
+    """int8 symmetric per tensor; `dynamic` computes the scale from each call's values."""
+    observer = PlaceholderObserver if dynamic else MinMaxObserver
+    return QuantizationSpec(
+        dtype=torch.int8, quant_min=INT8_MIN, quant_max=INT8_MAX, qscheme=torch.per_tensor_symmetric,
+        is_dynamic=dynamic, observer_or_fake_quant_ctr=observer.with_args(eps=_EPS),
+    )
+
+
+class TpuQuantizer(Quantizer):
+    """Annotates linear, conv1d/2d (weights and input activations), matmul/bmm (both inputs) and
+    embedding (the table).
+
+    Args:
+      mode: one of MODES.
+    """
+
+    def __init__(self, mode: str):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"unknown quantization mode {mode!r}")
+        self.mode = mode
+
+    def annotate(self, model: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        """Marks each supported op's float tensor inputs with how they are quantized.
+
+        Args:
+          model: the graph module from torch.export(...).module().
+        Returns:
+          The same module, annotated in place.
+        """
+        for node in model.graph.nodes:
+            if node.op != "call_function" or node.target not in QUANTIZED_OPS:
+                continue
+            input_specs = self._input_specs(node)
+            if input_specs:
+                node.meta["quantization_annotation"] = QuantizationAnnotation(input_qspec_map=input_specs, _annotated=True)
+        return model
+
+    def _input_specs(self, node: torch.fx.Node) -> dict:
+        weight_index = QUANTIZED_OPS[node.target]
+        activation = None if self.mode == "int8-weight-only" else activation_spec(self.mode == "int8-dynamic")
+        specs = {}
+        for index, argument in enumerate(node.args[:2]):
+            if not _is_float_tensor(argument):
+                continue
+            if index == weight_index:
+                specs[argument] = weight_spec()
+            elif activation is not None:
+                specs[argument] = activation
+        return specs
+
+    def validate(self, model: torch.fx.GraphModule) -> None:
+        """Nothing to check: every annotation made here is one the converter supports."""
+
+
+def _is_float_tensor(argument) -> bool:
+    value = argument.meta.get("val") if isinstance(argument, torch.fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.dtype.is_floating_point

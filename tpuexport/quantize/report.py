@@ -1,0 +1,168 @@
+"""The quantization report: SQNR of the quantized model against the float model, per output and
+per quantized layer, written into the artifact as quantization/report.json and a PNG bar chart.
+
+SQNR (dB) = 10 * log10(sum(float^2) / sum((float - quantized)^2)) over all elements of all
+evaluation samples (the example inputs and up to 4 calibration samples); higher is better, null
+when the two are identical. A layer's SQNR compares its output in the float model (batch norms
+folded, as PT2E sees it) with its output in the PT2E-converted model, so it includes the error
+accumulated by the layers before it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import pathlib
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from tpuexport.lower import LoweredProgram
+from tpuexport.quantize.quantization import QuantizedModel
+
+REPORT = "quantization/report.json"
+CHART = "quantization/layer_sqnr.png"
+
+
+def sqnr_db(reference: Sequence[np.ndarray], quantized: Sequence[np.ndarray]) -> float | None:
+    """SQNR in dB over paired arrays (see the module docstring); None when they are identical."""
+    signal = sum(float(np.sum(np.square(r.astype(np.float64)))) for r in reference)
+    noise = sum(float(np.sum(np.square(r.astype(np.float64) - q.astype(np.float64)))) for r, q in zip(reference, quantized))
+    if noise == 0.0:
+        return None
+    return round(10.0 * math.log10(max(signal, 1e-300) / noise), 2)
+
+
+def build_report(quantized: QuantizedModel, lowered: LoweredProgram) -> dict:
+    """The report.json content.
+
+    Args:
+      quantized: the quantize pass's result.
+      lowered: the lowered quantized program (its CPU run is the artifact's output).
+    Returns:
+      A JSON-ready dict.
+    """
+    samples = quantized.evaluation_samples
+    float_outputs = [_flat_outputs(quantized.float_model, sample) for sample in samples]
+    pt2e_outputs = [_flat_outputs(quantized.captured.reference, sample) for sample in samples]
+    artifact_outputs = [lowered.run([t.detach().numpy() for t in sample]) for sample in samples]
+    outputs = []
+    for index, spec in enumerate(lowered.signature.outputs):
+        if not np.issubdtype(float_outputs[0][index].dtype, np.floating):
+            continue
+        reference = [outs[index] for outs in float_outputs]
+        outputs.append({
+            "name": spec.name,
+            "sqnr_db": sqnr_db(reference, [outs[index] for outs in artifact_outputs]),
+            "pt2e_sqnr_db": sqnr_db(reference, [outs[index] for outs in pt2e_outputs]),
+        })
+    weight_bytes, float_weight_bytes = int(sum(w.nbytes for w in lowered.weights)), quantized.float_weight_bytes
+    return {
+        "mode": quantized.mode,
+        "scheme": _SCHEMES[quantized.mode],
+        "calibration": {"source": quantized.calibration_source, "samples": quantized.calibration_samples},
+        "warnings": list(quantized.warnings),
+        "evaluation_samples": len(samples),
+        "sqnr_rule": "10*log10(sum(float^2) / sum((float - quantized)^2)) over all evaluation samples; null if identical",
+        "outputs": outputs,
+        "layers": _layer_sqnr(quantized),
+        "weight_bytes": {"quantized": weight_bytes, "float": float_weight_bytes,
+                         "ratio": round(weight_bytes / float_weight_bytes, 4) if float_weight_bytes else None},
+    }
+
+
+_SCHEMES = {
+    "int8": "int8 symmetric per-output-channel weights, int8 symmetric per-tensor activations with calibrated "
+            "scales; int8 x int8 -> int32 dot/convolution, rescaled to float",
+    "int8-dynamic": "int8 symmetric per-output-channel weights, int8 symmetric per-tensor activations with scales "
+                    "computed from each call's values; int8 x int8 -> int32 dot/convolution, rescaled to float",
+    "int8-weight-only": "int8 symmetric per-output-channel weights dequantized on the fly; float compute",
+}
+
+
+def _layer_sqnr(quantized: QuantizedModel) -> list[dict]:
+    names = [layer.node for layer in quantized.layers]
+    float_values = _node_outputs(quantized.float_layers, quantized.evaluation_samples, names)
+    quantized_values = _node_outputs(quantized.converted, quantized.evaluation_samples, names)
+    return [
+        {"node": layer.node, "module": layer.module, "op": layer.op, "integer": layer.integer,
+         "sqnr_db": sqnr_db(float_values[layer.node], quantized_values[layer.node])}
+        for layer in quantized.layers
+    ]
+
+
+def _node_outputs(module: torch.fx.GraphModule, samples, names: list[str]) -> dict[str, list[np.ndarray]]:
+    """The outputs of the named nodes of `module` for every sample."""
+    recorded: dict[str, list[np.ndarray]] = {name: [] for name in names}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, node):
+            result = super().run_node(node)
+            if node.name in recorded:
+                recorded[node.name].append(result.detach().float().numpy())
+            return result
+
+    with torch.no_grad():
+        for sample in samples:
+            Recorder(module).run(*sample)
+    return recorded
+
+
+def _flat_outputs(model: Callable, sample) -> list[np.ndarray]:
+    with torch.no_grad():
+        outputs = model(*sample)
+    return [t.detach().float().numpy() if t.dtype.is_floating_point else t.numpy() for t in pytree.tree_leaves(outputs)]
+
+
+def describe_report(report: dict) -> str:
+    """One line for the progress output: output SQNRs, the worst layer, the weight size ratio."""
+    outputs = ", ".join(f"{o['name']} {_db(o['sqnr_db'])}" for o in report["outputs"])
+    layers = [layer["sqnr_db"] for layer in report["layers"] if layer["sqnr_db"] is not None]
+    worst = f"; worst layer {min(layers):.1f} dB" if layers else ""
+    text = f"SQNR vs float: {outputs}{worst}; weights {report['weight_bytes']['ratio']}x float"
+    return text + "".join(f"; WARNING: {warning}" for warning in report["warnings"])
+
+
+def _db(value: float | None) -> str:
+    return "exact" if value is None else f"{value:.1f} dB"
+
+
+def chart_png(report: dict) -> bytes:
+    """A horizontal bar chart of per-layer SQNR (dB), as PNG bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: render to a buffer
+    from matplotlib import pyplot
+
+    layers = report["layers"]
+    labels = [f"{layer['module'] or layer['node']} ({layer['op']})" for layer in layers]
+    values = [layer["sqnr_db"] if layer["sqnr_db"] is not None else 0.0 for layer in layers]
+    figure, axes = pyplot.subplots(figsize=(8, 1.2 + 0.35 * max(len(layers), 1)))
+    axes.barh(range(len(layers)), values, color=["tab:blue" if layer["integer"] else "tab:orange" for layer in layers])
+    axes.set_yticks(range(len(layers)), labels, fontsize=8)
+    axes.invert_yaxis()
+    axes.set_xlabel("SQNR vs float (dB, higher is better)")
+    axes.set_title(f"{report['mode']}: per-layer SQNR (blue: integer op, orange: int8 weights, float compute)", fontsize=9)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    pyplot.close(figure)
+    return buffer.getvalue()
+
+
+def report_writer(report: dict) -> Callable[[pathlib.Path], dict]:
+    """An `extra_writers` entry for write_artifact: writes the report and chart, returns the manifest section."""
+
+    def write(staging: pathlib.Path) -> dict:
+        (staging / REPORT).parent.mkdir(parents=True, exist_ok=True)
+        (staging / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        (staging / CHART).write_bytes(chart_png(report))
+        return {"quantization": {
+            "mode": report["mode"], "report": REPORT, "chart": CHART, "warnings": report["warnings"],
+            "outputs": report["outputs"],
+        }}
+
+    return write
