@@ -1,0 +1,71 @@
+"""TF Serving's warmup file: one PredictRequest per compiled bucket, so a server's first real
+request at any bucket's shape does not pay for compilation.
+
+The requests carry the golden inputs of the verification case at the bucket's sizes when there
+is one; otherwise random inputs shaped for the bucket that follow the example inputs' values
+(verify.make_inputs: token ids stay valid, masks keep their rate of True).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from tpuexport.compile import Bucket
+from tpuexport.artifact.tf_serving.saved_model import SIGNATURE_NAME, as_artifact_dtype
+from tpuexport.signature import ProgramSignature
+from tpuexport.verify import VerificationReport, make_inputs
+
+
+def warmup_inputs(signature: ProgramSignature, verification: VerificationReport, buckets: Sequence[Bucket]) -> list[dict[str, np.ndarray]]:
+    """One {input name: array} per distinct bucket, in the artifact's input dtypes.
+
+    Args:
+      signature: the program's signature.
+      verification: the passed verification report (its golden data; case 0 is always stored).
+      buckets: the compiled buckets (several targets may share a bucket; it is warmed up once).
+    Returns:
+      The request inputs, in bucket order.
+    """
+    golden_by_sizes = {
+        tuple(sorted(case.sizes.items())): index for index, case in enumerate(verification.cases) if case.golden
+    }
+    examples = [torch.from_numpy(verification.golden[f"0/input/{spec.name}"]) for spec in signature.inputs]
+    requests, seen = [], set()
+    for seed, bucket in enumerate(buckets):
+        key = tuple(sorted(bucket.as_dict().items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        if key in golden_by_sizes:
+            index = golden_by_sizes[key]
+            arrays = [verification.golden[f"{index}/input/{spec.name}"] for spec in signature.inputs]
+        else:
+            arrays = [t.numpy() for t in make_inputs(signature.inputs, examples, bucket.as_dict(), seed=seed)]
+        requests.append({spec.name: as_artifact_dtype(a, spec) for spec, a in zip(signature.inputs, arrays)})
+    return requests
+
+
+def write_warmup_file(path: pathlib.Path, model_name: str, requests: Sequence[dict[str, np.ndarray]]) -> None:
+    """Writes the requests as a TFRecord of PredictionLog protos (TF Serving's warmup format).
+
+    Args:
+      path: <SavedModel>/assets.extra/tf_serving_warmup_requests.
+      model_name: the served model's name (ModelSpec.name).
+      requests: {input name: array} per request.
+    """
+    import tensorflow as tf
+    from tensorflow_serving.apis import model_pb2, predict_pb2, prediction_log_pb2
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for inputs in requests:
+            request = predict_pb2.PredictRequest(
+                model_spec=model_pb2.ModelSpec(name=model_name, signature_name=SIGNATURE_NAME),
+                inputs={name: tf.make_tensor_proto(array) for name, array in inputs.items()},
+            )
+            log = prediction_log_pb2.PredictionLog(predict_log=prediction_log_pb2.PredictLog(request=request))
+            writer.write(log.SerializeToString())
