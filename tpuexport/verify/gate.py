@@ -1,0 +1,402 @@
+"""CI verification gates: re-checking a written artifact before it is released.
+
+The checks, in the order they run (each gives one CheckResult):
+  integrity    every file's sha256 against manifest["files"]: missing, extra and changed files
+  golden       the StableHLO run on CPU against the stored eager outputs, at every stored size
+  saved_model  the TF Serving SavedModel re-run, when the artifact has one
+  recompile    (opt-in) every executable recompiled with the installed jax/libtpu; a changed
+               compiled-HLO fingerprint is compiler drift: a warning, or a failure when strict
+  against      (opt-in) the original model reloaded and compared on fresh random inputs
+
+A check that reads a file the integrity check found changed or missing is skipped: the integrity
+failure already names the file, and damaged bytes must not reach XLA's native parsers, which may
+abort the whole process on malformed input instead of raising.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import pathlib
+import time
+import xml.etree.ElementTree as ElementTree
+
+from tpuexport import compile as compile_stage
+from tpuexport import export as export_stage
+from tpuexport.artifact import Artifact, layout, load
+from tpuexport.artifact.manifest import hash_tree, package_versions
+from tpuexport.compile.aot import compile_bucket
+from tpuexport.errors import EXIT_OK, EXIT_VERIFICATION_FAILED, TpuExportError
+from tpuexport.signature import ProgramSignature
+from tpuexport.verify.compare import Tolerances, compare_output
+from tpuexport.verify.report import VerificationCase, VerificationReport
+from tpuexport.verify.verification import make_inputs, run_case, verification_sizes
+
+PASSED, FAILED, WARNING, SKIPPED = "passed", "failed", "warning", "skipped"
+COMPILER_PACKAGES = ("jax", "jaxlib", "libtpu")
+# Convert drew its random inputs with seeds 0..3; far-off seeds make --against's inputs fresh.
+AGAINST_SEED = 10_000
+REQUIRED_SECTIONS = {"files": dict, "program": dict, "targets": dict, "verification": dict, "versions": dict}
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    """The outcome of one gate check.
+
+    Attributes:
+      name: the check ("integrity", "golden", "saved_model", "recompile", "against").
+      status: "passed", "failed", "warning" (compiler drift without strict) or "skipped".
+      message: one line saying what was checked, or what failed and where.
+      seconds: wall time of the check.
+      details: JSON-ready figures behind the message (file lists, per-case errors, versions).
+    """
+
+    name: str
+    status: str
+    message: str
+    seconds: float = 0.0
+    details: dict = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class GateReport:
+    """Every check run on one artifact.
+
+    Attributes:
+      artifact: the artifact directory.
+      checks: the results, in the order the checks ran.
+      strict: whether compiler drift counts as a failure.
+    """
+
+    artifact: str
+    checks: tuple[CheckResult, ...]
+    strict: bool = False
+
+    @property
+    def passed(self) -> bool:
+        return all(check.status != FAILED for check in self.checks)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_OK if self.passed else EXIT_VERIFICATION_FAILED
+
+    def failures(self) -> list[CheckResult]:
+        return [check for check in self.checks if check.status == FAILED]
+
+    def to_json(self) -> dict:
+        return {
+            "artifact": self.artifact,
+            "passed": self.passed,
+            "strict": self.strict,
+            "checks": [check.to_json() for check in self.checks],
+        }
+
+    def to_junit(self) -> str:
+        """JUnit XML: one testsuite, one testcase per check.
+
+        Returns:
+          The XML document. Failed checks carry <failure message=...>, skipped ones <skipped/>, and
+          compiler drift without strict passes with the warning in <system-out>.
+        """
+        counts = {
+            "tests": str(len(self.checks)),
+            "failures": str(len(self.failures())),
+            "errors": "0",
+            "skipped": str(sum(check.status == SKIPPED for check in self.checks)),
+            "time": f"{sum(check.seconds for check in self.checks):.3f}",
+        }
+        suites = ElementTree.Element("testsuites", {"name": "tpuexport verify", **counts})
+        suite = ElementTree.SubElement(suites, "testsuite", {"name": f"tpuexport verify {self.artifact}", **counts})
+        for check in self.checks:
+            case = ElementTree.SubElement(
+                suite, "testcase", {"classname": "tpuexport.verify", "name": check.name, "time": f"{check.seconds:.3f}"}
+            )
+            if check.status == FAILED:
+                ElementTree.SubElement(case, "failure", {"message": check.message, "type": "tpuexport.verify"}).text = check.message
+            elif check.status == SKIPPED:
+                ElementTree.SubElement(case, "skipped", {"message": check.message})
+            else:
+                ElementTree.SubElement(case, "system-out").text = f"{check.status}: {check.message}"
+        ElementTree.indent(suites)
+        return '<?xml version="1.0" encoding="utf-8"?>\n' + ElementTree.tostring(suites, encoding="unicode") + "\n"
+
+
+def verify_artifact(path, recompile: bool = False, strict: bool = False, against: str | None = None) -> GateReport:
+    """Runs the gate checks on an artifact directory.
+
+    Args:
+      path: the artifact directory.
+      recompile: also recompile every executable and compare fingerprints (compiler drift).
+      strict: count compiler drift as a failure instead of a warning.
+      against: a source reference (`file.py:factory`, `.pt2`) to reload and compare with, or None.
+    Returns:
+      The GateReport; `report.passed` is False when any check failed.
+    Raises:
+      TpuExportError: no artifact at `path`, an unreadable or incomplete manifest, an unknown
+        format version, or an `against` source that cannot be loaded.
+    """
+    artifact = load(path)
+    _check_manifest_sections(artifact)
+    loaded = export_stage.load_source(against) if against is not None else None
+    integrity = check_integrity(artifact)
+    damaged = set(integrity.details.get("changed", ())) | set(integrity.details.get("missing", ()))
+    program_files = [artifact.manifest["program"]["exported"], artifact.manifest["program"]["weights"]]
+    checks = [
+        integrity,
+        _skip_if_damaged("golden", program_files + [artifact.manifest["verification"]["golden"]], damaged)
+        or check_golden(artifact),
+        _skip_if_damaged("saved_model", _saved_model_files(artifact), damaged) or check_saved_model_rerun(artifact),
+    ]
+    if recompile:
+        checks.append(_skip_if_damaged("recompile", program_files, damaged) or check_recompile(artifact, strict))
+    if loaded is not None:
+        checks.append(_skip_if_damaged("against", program_files, damaged) or check_against(artifact, loaded))
+    return GateReport(str(artifact.path), tuple(checks), strict)
+
+
+def _check_manifest_sections(artifact: Artifact) -> None:
+    """Raises TpuExportError naming the first section the gate needs that the manifest lacks."""
+    for section, kind in REQUIRED_SECTIONS.items():
+        if not isinstance(artifact.manifest.get(section), kind):
+            raise TpuExportError(
+                f"{artifact.path / layout.MANIFEST} has no valid {section!r} section; the artifact is damaged, convert again"
+            )
+
+
+def _skip_if_damaged(name: str, needed: list[str], damaged: set[str]) -> CheckResult | None:
+    """A skipped result when a file the check reads failed the integrity check, else None."""
+    blocked = sorted(set(needed) & damaged)
+    if not blocked:
+        return None
+    return CheckResult(name, SKIPPED, f"not run: {', '.join(blocked)} failed the integrity check")
+
+
+def _saved_model_files(artifact: Artifact) -> list[str]:
+    """The files the SavedModel re-run reads: everything under tf_serving/ and the golden data."""
+    serving = [name for name in artifact.manifest["files"] if name.startswith(f"{layout.TF_SERVING_DIR}/")]
+    return serving + [artifact.manifest["verification"]["golden"]]
+
+
+def gate_check(name: str):
+    """Turns a check body returning (status, message, details) into a timed CheckResult.
+
+    Args:
+      name: the check's name in reports.
+    Returns:
+      A decorator. An exception from the body fails the check with the error named, because a
+      damaged artifact or a changed model can raise anything and the other checks should still run.
+    """
+
+    def decorate(body):
+        @functools.wraps(body)
+        def run(*args, **kwargs) -> CheckResult:
+            start = time.perf_counter()
+            try:
+                status, message, details = body(*args, **kwargs)
+            except Exception as error:  # see the docstring: reported, not raised
+                status, message, details = FAILED, f"raised {type(error).__name__}: {_short(error)}", {}
+            return CheckResult(name, status, message, round(time.perf_counter() - start, 3), details)
+
+        return run
+
+    return decorate
+
+
+@gate_check("integrity")
+def check_integrity(artifact: Artifact):
+    """Compares every file's sha256 with manifest["files"].
+
+    Args:
+      artifact: the opened artifact.
+    Returns:
+      (status, message, details); details lists the "missing", "extra" and "changed" files.
+    """
+    recorded = artifact.manifest["files"]
+    found = hash_tree(artifact.path)
+    details = {
+        "missing": sorted(set(recorded) - set(found)),
+        "extra": sorted(set(found) - set(recorded)),
+        "changed": sorted(name for name in set(recorded) & set(found) if recorded[name] != found[name]),
+    }
+    problems = [f"{kind} {name}" for kind, names in details.items() for name in names]
+    if problems:
+        return FAILED, f"{len(problems)} file(s) differ from the manifest: {'; '.join(problems)}", details
+    return PASSED, f"all {len(recorded)} files match their sha256 in the manifest", details
+
+
+@gate_check("golden")
+def check_golden(artifact: Artifact):
+    """Runs the StableHLO on CPU on the stored golden inputs and compares with the eager outputs.
+
+    Args:
+      artifact: the opened artifact.
+    Returns:
+      (status, message, details); details holds every case's per-output errors.
+    """
+    report = VerificationReport(
+        artifact.manifest["precision"], _tolerances(artifact), tuple(golden_cases(artifact)), {}, "stored eager outputs"
+    )
+    details = {"cases": report.to_json()["cases"]}
+    if not report.cases:
+        return FAILED, "the artifact stores no golden data; convert again", details
+    if not report.passed:
+        return FAILED, report.failure_summary(), details
+    sizes = "; ".join(case.describe_sizes() for case in report.cases)
+    return PASSED, f"{len(report.cases)} stored size(s) match ({sizes}) within {_describe(report.tolerances)}", details
+
+
+def golden_cases(artifact: Artifact) -> list[VerificationCase]:
+    """Re-runs every stored golden case.
+
+    Args:
+      artifact: the opened artifact.
+    Returns:
+      One VerificationCase per stored size; a run that raises becomes that case's error.
+    """
+    labels = [case["label"] for case in artifact.manifest["verification"]["cases"] if case["golden"]]
+    tolerances = _tolerances(artifact)
+    outputs = artifact.signature.outputs
+    cases = []
+    for label, (sizes, inputs, expected) in zip(labels, artifact.golden_cases()):
+        try:
+            actual = artifact.program.run(inputs)
+        except Exception as error:  # shape assertions and XLA runtime errors name the problem
+            cases.append(VerificationCase(label, sizes, (), error=f"the program raised {type(error).__name__}: {_short(error)}"))
+            continue
+        comparisons = tuple(compare_output(spec.name, a, e, tolerances) for spec, a, e in zip(outputs, actual, expected))
+        cases.append(VerificationCase(label, sizes, comparisons, golden=True))
+    return cases
+
+
+@gate_check("saved_model")
+def check_saved_model_rerun(artifact: Artifact):
+    """Re-runs the TF Serving SavedModel when the artifact has one.
+
+    Args:
+      artifact: the opened artifact.
+    Returns:
+      (status, message, details); skipped when there is no "tf_serving" section or no checker.
+    """
+    if "tf_serving" not in artifact.manifest:
+        return SKIPPED, "no SavedModel in artifact", {}
+    # The checker ships separately from the gate; an artifact may be newer than this tpuexport.
+    if importlib.util.find_spec("tpuexport.verify.saved_model_check") is None:
+        return SKIPPED, "the artifact has a SavedModel but this tpuexport has no SavedModel check; upgrade tpuexport", {}
+    from tpuexport.verify.saved_model_check import check_saved_model, failure_summary
+
+    outcome = check_saved_model(artifact.path, artifact.manifest)
+    if not outcome["passed"]:
+        return FAILED, failure_summary(outcome), outcome
+    sizes = "; ".join(",".join(f"{k}={v}" for k, v in case["sizes"].items()) or "static shapes" for case in outcome["cases"])
+    return PASSED, f"TensorFlow {outcome.get('tensorflow')} runs the SavedModel within tolerance at {sizes}", outcome
+
+
+@gate_check("recompile")
+def check_recompile(artifact: Artifact, strict: bool = False):
+    """Recompiles every target and bucket and compares the compiled-HLO fingerprints.
+
+    Args:
+      artifact: the opened artifact.
+      strict: report drift as a failure instead of a warning.
+    Returns:
+      (status, message, details); details has the drifted executables and the compiler versions
+      at convert time ("then") and installed ("now").
+    """
+    program = artifact.program
+    fingerprints, drifted = {}, []
+    for target_name, entry in artifact.manifest["targets"].items():
+        target = compile_stage.resolve_targets([target_name])[0]
+        for recorded in entry["buckets"]:
+            bucket = compile_stage.Bucket(tuple(recorded["sizes"].items()))
+            key = f"{target_name}/{bucket.name}"
+            now = compile_bucket(program, target, bucket).fingerprint
+            fingerprints[key] = {"then": recorded["fingerprint"], "now": now}
+            if fingerprints[key]["then"] != fingerprints[key]["now"]:
+                drifted.append(key)
+    then = {name: artifact.manifest["versions"].get(name) for name in COMPILER_PACKAGES}
+    now = {name: package_versions().get(name) for name in COMPILER_PACKAGES}
+    details = {"drifted": drifted, "fingerprints": fingerprints, "versions": {"then": then, "now": now}}
+    if not drifted:
+        return PASSED, f"{len(fingerprints)} executable(s) recompile to the same HLO with {_describe_versions(now)}", details
+    message = (
+        f"compiler drift in {', '.join(drifted)}: the compiled HLO differs from convert time; "
+        f"built with {_describe_versions(then)}, now {_describe_versions(now)}"
+    )
+    return (FAILED if strict else WARNING), message, details
+
+
+@gate_check("against")
+def check_against(artifact: Artifact, loaded: export_stage.LoadedSource):
+    """Compares the artifact's program with the reloaded model on fresh random inputs.
+
+    Args:
+      artifact: the opened artifact.
+      loaded: the original source, loaded with `load_source`.
+    Returns:
+      (status, message, details); the sizes are the dims' minimum, middle and maximum (the
+      verification sizes), with inputs drawn from seeds convert did not use.
+    """
+    captured = export_stage.capture(loaded)
+    difference = interface_difference(captured.signature, artifact.signature)
+    if difference:
+        return FAILED, f"{loaded.info.reference} no longer matches the artifact's interface: {difference}", {}
+    signature, tolerances = artifact.signature, _tolerances(artifact)
+    cases = []
+    for index, (label, sizes) in enumerate(verification_sizes(signature)):
+        inputs = make_inputs(signature.inputs, captured.example_inputs, sizes, seed=AGAINST_SEED + index)
+        case, _ = run_case(artifact.program, captured.reference, inputs, label, sizes, tolerances)
+        cases.append(case)
+    report = VerificationReport(artifact.manifest["precision"], tolerances, tuple(cases), {}, loaded.info.reference)
+    details = {"cases": report.to_json()["cases"]}
+    if not report.passed:
+        return FAILED, f"differs from {loaded.info.reference}: {report.failure_summary()}", details
+    sizes = "; ".join(f"{case.label} {case.describe_sizes()}" for case in report.cases)
+    return PASSED, f"matches {loaded.info.reference} on fresh inputs at {sizes} within {_describe(tolerances)}", details
+
+
+def interface_difference(source: ProgramSignature, artifact: ProgramSignature) -> str:
+    """Names how a source's inputs, outputs or dim ranges differ from the artifact's.
+
+    Args:
+      source: the reloaded model's signature.
+      artifact: the artifact's signature.
+    Returns:
+      One clause per differing part, or "" when they agree (example sizes may differ).
+    """
+    clauses = []
+    for part in ("inputs", "outputs"):
+        ours = [(s.name, tuple(s.shape), s.dtype) for s in getattr(source, part)]
+        theirs = [(s.name, tuple(s.shape), s.dtype) for s in getattr(artifact, part)]
+        if ours != theirs:
+            clauses.append(f"{part} are {ours}, the artifact's are {theirs}")
+    ranges = [(d.name, d.min, d.max) for d in source.dims]
+    recorded = [(d.name, d.min, d.max) for d in artifact.dims]
+    if ranges != recorded:
+        clauses.append(f"dims are {ranges}, the artifact's are {recorded}")
+    return "; ".join(clauses)
+
+
+def _tolerances(artifact: Artifact) -> Tolerances:
+    return Tolerances(**artifact.manifest["verification"]["tolerances"])
+
+
+def _describe(tolerances: Tolerances) -> str:
+    return f"atol={tolerances.atol:g} rtol={tolerances.rtol:g}"
+
+
+def _describe_versions(versions: dict) -> str:
+    return ", ".join(f"{name} {version}" for name, version in versions.items())
+
+
+def _short(error: BaseException) -> str:
+    return " ".join(str(error).split())[:300]
+
+
+def write_junit(report: GateReport, path: pathlib.Path) -> None:
+    """Writes `report.to_junit()` to `path`, creating its directory (CI report folders often do not exist yet)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(report.to_junit())
