@@ -3,6 +3,7 @@
     art = tpuexport.convert(model, args=(x,), dynamic_shapes=..., target="v5e", out="model.tpu")
     art.run(x)                       # the lowered StableHLO on CPU
     tpuexport.load("model.tpu")      # the same Artifact type
+    tpuexport.verify_artifact("model.tpu", recompile=True).passed   # the CI gate
 """
 
 from __future__ import annotations
@@ -18,18 +19,22 @@ from tpuexport.errors import TpuExportError, UnsupportedOperatorsError, Verifica
 from tpuexport.export import LoadedSource, SourceInfo
 from tpuexport.pipeline import ConversionOptions, run_conversion
 from tpuexport.verify import Tolerances
+from tpuexport.verify.gate import CheckResult, GateReport, verify_artifact
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TARGETS",
     "Artifact",
+    "CheckResult",
+    "GateReport",
     "Tolerances",
     "TpuExportError",
     "UnsupportedOperatorsError",
     "VerificationError",
     "convert",
     "load",
+    "verify_artifact",
 ]
 
 
@@ -44,6 +49,12 @@ def convert(
     precision: str = "f32",
     tolerances: Tolerances | tuple[float, float] | None = None,
     overwrite: bool = False,
+    saved_model: bool = True,
+    model_name: str | None = None,
+    model_version: int = 1,
+    quantize: str | None = None,
+    calibration=None,
+    random_calibration: bool = False,
     progress=None,
 ) -> Artifact:
     """Converts a PyTorch model into a verified TPU artifact directory.
@@ -59,12 +70,20 @@ def convert(
       precision: "f32" or "bf16".
       tolerances: verification (atol, rtol); None for the precision's defaults.
       overwrite: replace an existing artifact at `out`.
+      saved_model: also write a TF Serving SavedModel under tf_serving/ (checked in TensorFlow).
+      model_name: TF Serving's model name; None for the stem of `out` ("mlp" for "mlp.tpu").
+      model_version: TF Serving's version directory (tf_serving/<name>/<version>).
+      quantize: None, "int8" (static), "int8-dynamic" or "int8-weight-only" (PT2E int8, see docs/quantization.md).
+      calibration: for "int8": an iterable of example-args tuples [(x,), ...], or a path to a .npz /
+        .safetensors file (one array per input name, samples on axis 0).
+      random_calibration: allow "int8" without calibration data, calibrated on random inputs (warned).
       progress: optional callable (stage, seconds, detail) called as each stage ends.
     Returns:
       The Artifact written at `out`.
     Raises:
       TpuExportError: bad input; nothing is written.
-      VerificationError: the conversion does not match eager PyTorch; nothing but the report is written.
+      VerificationError: the conversion (or its SavedModel) does not match eager PyTorch; nothing
+        but the report is written.
     """
     if isinstance(tolerances, tuple):
         tolerances = Tolerances(*tolerances)
@@ -72,6 +91,11 @@ def convert(
         raise TpuExportError("convert(model) needs args=(example inputs,) for an nn.Module")
     loaded = LoadedSource(model, tuple(args) if args is not None else None, dynamic_shapes, None, SourceInfo("api"))
     targets = (target,) if isinstance(target, str) else tuple(target)
-    options = ConversionOptions(targets, pathlib.Path(out), buckets, precision, tolerances, overwrite)
+    calibration_file = pathlib.Path(calibration) if isinstance(calibration, (str, pathlib.Path)) else None
+    options = ConversionOptions(
+        targets, pathlib.Path(out), buckets, precision, tolerances, overwrite, saved_model, model_name, model_version,
+        quantize=quantize, calibration=None if calibration_file else calibration, calibration_file=calibration_file,
+        random_calibration=random_calibration,
+    )
     return run_conversion(loaded, options, progress)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -57,14 +58,24 @@ def main():
 @click.option("--atol", type=float, help="Verification absolute tolerance [default per precision].")
 @click.option("--rtol", type=float, help="Verification relative tolerance [default per precision].")
 @click.option("--force", is_flag=True, help="Replace an existing artifact at --out.")
+@click.option("--saved-model/--no-saved-model", default=True, show_default=True,
+              help="Write a TF Serving SavedModel under tf_serving/ and check it in TensorFlow.")
+@click.option("--name", "model_name", help="TF Serving model name [default: SOURCE stem].")
+@click.option("--version", "model_version", type=int, default=1, show_default=True, help="TF Serving model version.")
+@click.option("--quantize", type=click.Choice(["int8", "int8-dynamic", "int8-weight-only"]),
+              help="PT2E int8 quantization: static (calibrated activations), dynamic (run-time activation scales) or weight-only.")
+@click.option("--calibration", "calibration_file", type=click.Path(path_type=pathlib.Path),
+              help="Calibration samples for --quantize int8: .npz/.safetensors, one array per input name, samples on axis 0.")
+@click.option("--random-calibration", is_flag=True, help="Calibrate --quantize int8 on random inputs (not real data; warned).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @handles_errors
-def convert(source, targets, out, buckets, precision, inputs, dims, trust_pickle, atol, rtol, force, as_json):
+def convert(source, targets, out, buckets, precision, inputs, dims, trust_pickle, atol, rtol, force, saved_model, model_name,
+            model_version, quantize, calibration_file, random_calibration, as_json):
     """Convert SOURCE (model.pt2, file.py:factory, or model.pt with --trust-pickle) into an artifact."""
     from tpuexport import compile as compile_stage
     from tpuexport import export as export_stage
     from tpuexport.pipeline import ConversionOptions, run_conversion
-    from tpuexport.verify import DEFAULT_TOLERANCES, Tolerances
+    from tpuexport.verify import DEFAULT_TOLERANCES, QUANTIZED_TOLERANCES
 
     dim_specs = [export_stage.parse_dim(text) for text in dims]
     by_name = {d.name: d for d in dim_specs}
@@ -75,14 +86,20 @@ def convert(source, targets, out, buckets, precision, inputs, dims, trust_pickle
     compile_stage.resolve_targets(list(targets))
     tolerances = None
     if atol is not None or rtol is not None:
-        default = DEFAULT_TOLERANCES[precision]
-        tolerances = Tolerances(atol if atol is not None else default.atol, rtol if rtol is not None else default.rtol)
-    out = out or pathlib.Path(pathlib.Path(source.partition(":")[0] if ".py:" in source else source).stem + ".tpu")
-    options = ConversionOptions(tuple(targets), out, bucket_sizes or None, precision, tolerances, force)
+        default = QUANTIZED_TOLERANCES if quantize else DEFAULT_TOLERANCES[precision]
+        tolerances = dataclasses.replace(default, atol=default.atol if atol is None else atol, rtol=default.rtol if rtol is None else rtol)
+    source_stem = pathlib.Path(source.partition(":")[0] if ".py:" in source else source).stem
+    out = out or pathlib.Path(source_stem + ".tpu")
+    options = ConversionOptions(
+        tuple(targets), out, bucket_sizes or None, precision, tolerances, force, saved_model, model_name or source_stem, model_version,
+        quantize=quantize, calibration_file=calibration_file, random_calibration=random_calibration,
+    )
 
     loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs)
     artifact = run_conversion(loaded, options, progress=_print_stage)
     stderr.print(f"[bold green]converted[/] {source} -> {artifact.path}")
+    for warning in artifact.manifest.get("quantization", {}).get("warnings", []):
+        stderr.print(f"[bold yellow]WARNING:[/] {warning}", soft_wrap=True)
     if as_json:
         click.echo(json.dumps(summary(artifact), indent=2))
 
@@ -109,6 +126,8 @@ def summary(artifact) -> dict:
             for name, target in manifest["targets"].items()
         },
         "build": manifest["build"],
+        **({"quantization": manifest["quantization"]} if "quantization" in manifest else {}),
+        **({"tf_serving": manifest["tf_serving"]} if "tf_serving" in manifest else {}),
     }
 
 

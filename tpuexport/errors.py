@@ -33,14 +33,15 @@ class VerificationError(Exception):
     """The lowered program does not match eager PyTorch (exit code 1).
 
     Attributes:
-      report: the `VerificationReport` that failed.
+      report: the `VerificationReport` of the verify stage.
       report_path: where the report was written, or None.
     """
 
     exit_code = EXIT_VERIFICATION_FAILED
 
-    def __init__(self, report, report_path=None):
+    def __init__(self, report, report_path=None, summary: str | None = None):
+        """`summary` names what failed when it is not `report` itself (e.g. the TF SavedModel check)."""
         self.report = report
         self.report_path = report_path
         where = f"; report: {report_path}" if report_path else ""
-        super().__init__(f"verification failed: {report.failure_summary()}{where}")
+        super().__init__(f"verification failed: {summary or report.failure_summary()}{where}")

@@ -5,6 +5,7 @@
   verify   CPU run vs eager PyTorch (fails fast)     -> VerificationReport
   compile  libtpu AOT per target and bucket          -> CompileReport
   write    the artifact directory, atomically        -> Artifact
+           (with the TF Serving SavedModel, checked in TensorFlow before the rename)
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import dataclasses
 import json
 import pathlib
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 from tpuexport import artifact as artifact_stage
 from tpuexport import compile as compile_stage
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
+from tpuexport.artifact import tf_serving as serving_stage
 from tpuexport import verify as verify_stage
 from tpuexport.errors import TpuExportError, VerificationError
 
@@ -35,6 +37,13 @@ class ConversionOptions:
       precision: "f32" or "bf16".
       tolerances: verification tolerances, or None for the precision's defaults.
       overwrite: replace an existing artifact at `out`.
+      saved_model: also write the TF Serving SavedModel (tf_serving/) and check it in TensorFlow.
+      model_name: TF Serving's model name, or None for the stem of `out`.
+      model_version: TF Serving's version number.
+      quantize: None (float), "int8", "int8-dynamic" or "int8-weight-only" (PT2E, see tpuexport.quantize).
+      calibration: calibration samples (tuples of inputs) for static int8, or None.
+      calibration_file: a .npz / .safetensors calibration file (wins over `calibration`), or None.
+      random_calibration: allow static int8 without samples, calibrated on random inputs (warned).
     """
 
     targets: tuple[str, ...]
@@ -43,6 +52,13 @@ class ConversionOptions:
     precision: str = "f32"
     tolerances: verify_stage.Tolerances | None = None
     overwrite: bool = False
+    saved_model: bool = True
+    model_name: str | None = None
+    model_version: int = 1
+    quantize: str | None = None
+    calibration: Iterable | None = None
+    calibration_file: pathlib.Path | None = None
+    random_calibration: bool = False
 
 
 class StageClock:
@@ -76,26 +92,33 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
       The written Artifact.
     Raises:
       TpuExportError: bad input (exit code 2); nothing is written.
-      VerificationError: the lowered program does not match eager PyTorch (exit code 1); only the
-        verification report is written, next to `out`.
+      VerificationError: the lowered program or its TF SavedModel does not match eager PyTorch
+        (exit code 1); only the verification report is written, next to `out`.
     """
     targets = compile_stage.resolve_targets(list(options.targets))
     artifact_stage.check_destination(options.out, options.overwrite)
     if options.precision not in lower_stage.PRECISIONS:
         raise TpuExportError(f"unknown precision {options.precision!r}; use one of {', '.join(lower_stage.PRECISIONS)}")
+    model_name = serving_stage.check_model_name(options.model_name or serving_stage.default_model_name(options.out))
+    serving_stage.check_model_version(options.model_version)
     clock = StageClock(progress)
 
     with clock.stage("export", lambda: _describe_dims(captured.signature)):
         captured = export_stage.capture(loaded)
+    quantized = None
+    if options.quantize:
+        quantized = _quantize(captured, options, clock)
+        captured = quantized.captured
     buckets = compile_stage.make_buckets(captured.signature, options.buckets)
     with clock.stage("lower", lambda: f"{len(lowered.weights)} weight arrays, precision {options.precision}"):
         lowered = lower_stage.lower(captured.program, captured.signature, options.precision)
     with clock.stage("verify", lambda: f"{len(report.cases)} size(s), {'passed' if report.passed else 'FAILED'}"):
-        report = verify_stage.verify(lowered, captured.reference, captured.example_inputs, options.tolerances)
+        tolerances = options.tolerances or (verify_stage.QUANTIZED_TOLERANCES if quantized else None)
+        report = verify_stage.verify(lowered, captured.reference, captured.example_inputs, tolerances)
+        if quantized:
+            report = dataclasses.replace(report, against="the PT2E-converted model, eager PyTorch")
     if not report.passed:
-        report_path = options.out.parent / f"{options.out.name}.verification-report.json"
-        report_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        raise VerificationError(report, report_path)
+        raise VerificationError(report, _write_failed_report(options.out, report.to_json()))
 
     def compiled_one(result: compile_stage.CompiledBucket) -> None:
         clock.event(
@@ -106,13 +129,52 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
 
     with clock.stage("compile", lambda: f"{len(compiled.results)} executable(s)"):
         compiled = compile_stage.compile_program(lowered, targets, buckets, on_compiled=compiled_one)
+    extra_writers = ()
+    if options.saved_model:
+        extra_writers = (serving_stage.TfServingExport(
+            lowered, report, buckets, model_name, options.model_version, options.out, on_step=clock.event,
+        ),)
+    if quantized:
+        extra_writers += (_quantization_report(quantized, lowered, clock),)
     with clock.stage("write", lambda: str(options.out)):
         stage_seconds = dict(clock.seconds)
-        artifact_stage.write_artifact(
-            options.out, source=captured.source, lowered=lowered, compiled=compiled, verification=report,
-            stage_seconds=stage_seconds, overwrite=options.overwrite,
-        )
+        try:
+            artifact_stage.write_artifact(
+                options.out, source=captured.source, lowered=lowered, compiled=compiled, verification=report,
+                stage_seconds=stage_seconds, overwrite=options.overwrite, extra_writers=extra_writers,
+            )
+        except serving_stage.SavedModelMismatch as mismatch:
+            raise VerificationError(report, _write_failed_report(options.out, mismatch.report), mismatch.summary) from None
     return artifact_stage.load(options.out)
+
+
+def _quantize(captured: export_stage.CapturedModel, options: ConversionOptions, clock: StageClock):
+    """The quantize pass (imported here: torchao loads only for quantized conversions)."""
+    from tpuexport import quantize as quantize_stage
+
+    if options.precision != "f32":
+        raise TpuExportError(f"quantization runs with precision f32 (int8 weights, float rescaling), not {options.precision}; drop --precision")
+    with clock.stage("quantize", lambda: quantized.describe()):
+        quantized = quantize_stage.quantize(
+            captured, options.quantize, options.calibration, options.calibration_file, options.random_calibration,
+        )
+    return quantized
+
+
+def _quantization_report(quantized, lowered: lower_stage.LoweredProgram, clock: StageClock):
+    """Measures SQNR against the float model; returns the writer that puts the report in the artifact."""
+    from tpuexport import quantize as quantize_stage
+
+    with clock.stage("quantization report", lambda: quantize_stage.describe_report(report)):
+        report = quantize_stage.build_report(quantized, lowered)
+    return quantize_stage.report_writer(report)
+
+
+def _write_failed_report(out: pathlib.Path, report: dict) -> pathlib.Path:
+    """Writes a failed conversion's verification report next to `out` (which is not created)."""
+    report_path = out.parent / f"{out.name}.verification-report.json"
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    return report_path
 
 
 def _describe_dims(signature) -> str:

@@ -11,8 +11,16 @@ WEIGHTS = "weights/weights.safetensors"
 VERIFICATION_REPORT = "verification/report.json"
 GOLDEN = "verification/golden.safetensors"
 EXECUTABLES_DIR = "executables"
-TF_SERVING_DIR = "tf_serving"
+TF_SERVING_DIR = "tf_serving"  # TF Serving's --model_base_path is tf_serving/<model name>
+BATCHING_PARAMETERS = f"{TF_SERVING_DIR}/batching_parameters.txt"  # --batching_parameters_file
+MODELS_CONFIG = f"{TF_SERVING_DIR}/models.config"  # --model_config_file
+WARMUP_REQUESTS = "assets.extra/tf_serving_warmup_requests"  # inside the SavedModel's version directory
 
 
 def executable_path(target: str, bucket: str) -> str:
     return f"{EXECUTABLES_DIR}/{target}/{bucket}.pjrt"
+
+
+def saved_model_path(model_name: str, version: int) -> str:
+    """The SavedModel directory, laid out as TF Serving expects: <base path>/<version>."""
+    return f"{TF_SERVING_DIR}/{model_name}/{version}"

@@ -4,6 +4,7 @@ which is renamed into place only once complete, so a failed conversion leaves no
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -77,7 +78,8 @@ def write_artifact(
       stage_seconds: wall time per stage, recorded under "build".
       overwrite: replace an existing artifact.
       extra_writers: callables (staging_dir) -> dict of manifest sections, run before hashing
-        (e.g. the TF Serving SavedModel).
+        (e.g. the TF Serving SavedModel). A "build" entry among them (run-dependent figures such
+        as timings) is merged into the manifest's "build" section rather than replacing it.
     Returns:
       The manifest written.
     """
@@ -131,21 +133,29 @@ def write_artifact(
             "signature": lowered.signature.to_json(),
             "program": program,
             "targets": targets,
-            "verification": {
-                "passed": verification.passed,
-                "against": verification.against,
-                "tolerances": report["tolerances"],
-                "report": layout.VERIFICATION_REPORT,
-                "golden": layout.GOLDEN,
-                "cases": [{"label": c.label, "sizes": c.sizes, "golden": c.golden} for c in verification.cases],
-            },
+            "verification": verification_section(verification),
         }
+        extra_build = {}
         for writer in extra_writers:
-            manifest.update(writer(staging))
-        manifest["build"] = build_section(stage_seconds)
+            sections = writer(staging)
+            extra_build.update(sections.pop("build", {}))
+            manifest.update(sections)
+        manifest["build"] = {**build_section(stage_seconds), **extra_build}
         manifest["build"]["compile_seconds"] = {
             f"{r.target.name}/{r.bucket.name}": round(r.compile_seconds, 3) for r in compiled.results
         }
         manifest["files"] = hash_tree(staging)
         put(layout.MANIFEST, dumps(manifest))
     return manifest
+
+
+def verification_section(verification: VerificationReport) -> dict:
+    """The manifest's "verification" block (extra writers extend it, e.g. with the SavedModel check)."""
+    return {
+        "passed": verification.passed,
+        "against": verification.against,
+        "tolerances": dataclasses.asdict(verification.tolerances),
+        "report": layout.VERIFICATION_REPORT,
+        "golden": layout.GOLDEN,
+        "cases": [{"label": c.label, "sizes": c.sizes, "golden": c.golden} for c in verification.cases],
+    }

@@ -29,9 +29,12 @@ class SourceInfo:
 
     Attributes:
       kind: "pt2", "python", "pickle", or "api" for objects handed to `tpuexport.convert`.
-      path: the file it was read from (None for "api").
+      path: the name of the file it was read from (None for "api").
       sha256: hex digest of that file (None for "api").
-      reference: the text the user gave (e.g. "examples/mlp.py:build").
+      reference: the file's name and, for "python" sources, its factory (e.g. "mlp.py:build").
+
+    Directories are left out so that converting the same source from another checkout or working
+    directory writes the same manifest; the sha256 identifies the file.
     """
 
     kind: str
@@ -121,7 +124,7 @@ def _load_pt2(path: pathlib.Path, reference: str) -> LoadedSource:
             f"cannot read {path} as a torch.export program ({type(error).__name__}: {_first_line(error)}); "
             "save it with torch.export.save"
         ) from None
-    return LoadedSource(program, None, None, None, SourceInfo("pt2", str(path), file_sha256(path), reference))
+    return LoadedSource(program, None, None, None, _source_info("pt2", path))
 
 
 def _load_factory(path: pathlib.Path, factory: str, reference: str) -> LoadedSource:
@@ -143,8 +146,7 @@ def _load_factory(path: pathlib.Path, factory: str, reference: str) -> LoadedSou
     except Exception as error:
         raise TpuExportError(f"{reference}() raised {type(error).__name__}: {_first_line(error)}; fix the factory") from None
     model, args, dynamic_shapes, calibration = _unpack_factory_result(produced, reference)
-    info = SourceInfo("python", str(path), file_sha256(path), reference)
-    return LoadedSource(model, args, dynamic_shapes, calibration, info)
+    return LoadedSource(model, args, dynamic_shapes, calibration, _source_info("python", path, factory))
 
 
 def _unpack_factory_result(produced, reference):
@@ -184,8 +186,21 @@ def _load_pickle(path, reference, trust_pickle, inputs, dims) -> LoadedSource:
             "for a state_dict, write a file.py:factory that builds the module and loads it"
         )
     args, dynamic_shapes = example_args(list(inputs), list(dims))
-    info = SourceInfo("pickle", str(path), file_sha256(path), reference)
+    info = _source_info("pickle", path)
     return LoadedSource(model, args, dynamic_shapes, None, info, tuple(spec.name for spec in inputs))
+
+
+def _source_info(kind: str, path: pathlib.Path, factory: str = "") -> SourceInfo:
+    """Provenance that does not depend on where the file lives (see SourceInfo).
+
+    Args:
+      kind: "pt2", "python" or "pickle".
+      path: the source file.
+      factory: the factory function's name, for "python" sources.
+    Returns:
+      SourceInfo with the file's name, its sha256, and the reference without a directory.
+    """
+    return SourceInfo(kind, path.name, file_sha256(path), f"{path.name}:{factory}" if factory else path.name)
 
 
 def _first_line(error: BaseException) -> str:
