@@ -159,3 +159,24 @@ def test_cli_bad_calibration_files_give_one_line_errors(tmp_path, case, message)
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(error_lines) == 1 and message in " ".join(result.stderr.split()), result.stderr
     assert not (tmp_path / "m.tpu").exists()
+
+
+def test_gate_against_the_float_source_checks_int8_sqnr(tmp_path):
+    """`verify --against` on an int8 artifact compares SQNR vs the float model with convert time's."""
+    built = build_example("mlp")
+    artifact = tpuexport.convert(built["model"], built["args"], built["dynamic_shapes"], out=tmp_path / "mlp.tpu",
+                                 quantize="int8", calibration=built["calibration"], saved_model=False)
+    source = f"{EXAMPLES / 'mlp.py'}:build"
+    report = tpuexport.verify_artifact(artifact.path, against=source)
+    against = next(c for c in report.checks if c.name == "against")
+    assert report.passed and against.status == "passed", against.message
+    recorded = artifact.manifest["quantization"]["outputs"][0]["sqnr_db"]
+    assert abs(against.details["sqnr_db"]["output_0"] - recorded) < 3.0
+
+    # An artifact that had been far closer to the float model at convert time has drifted.
+    manifest_path = artifact.path / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["quantization"]["outputs"][0]["sqnr_db"] = recorded + 10
+    manifest_path.write_text(json.dumps(manifest))
+    drifted = next(c for c in tpuexport.verify_artifact(artifact.path, against=source).checks if c.name == "against")
+    assert drifted.status == "failed" and "int8 artifact drifted" in drifted.message and "output_0" in drifted.message

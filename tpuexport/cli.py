@@ -14,7 +14,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from tpuexport.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFICATION_FAILED, TpuExportError, VerificationError
+from tpuexport.errors import EXIT_BAD_INPUT, EXIT_VERIFICATION_FAILED, TpuExportError, VerificationError
 
 stderr = Console(stderr=True, highlight=False)
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import pathlib
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 import torch
@@ -22,18 +21,10 @@ from torch.utils import _pytree as pytree
 
 from tpuexport.lower import LoweredProgram
 from tpuexport.quantize.quantization import QuantizedModel
+from tpuexport.verify.compare import sqnr_db
 
 REPORT = "quantization/report.json"
 CHART = "quantization/layer_sqnr.png"
-
-
-def sqnr_db(reference: Sequence[np.ndarray], quantized: Sequence[np.ndarray]) -> float | None:
-    """SQNR in dB over paired arrays (see the module docstring); None when they are identical."""
-    signal = sum(float(np.sum(np.square(r.astype(np.float64)))) for r in reference)
-    noise = sum(float(np.sum(np.square(r.astype(np.float64) - q.astype(np.float64)))) for r, q in zip(reference, quantized))
-    if noise == 0.0:
-        return None
-    return round(10.0 * math.log10(max(signal, 1e-300) / noise), 2)
 
 
 def build_report(quantized: QuantizedModel, lowered: LoweredProgram) -> dict:

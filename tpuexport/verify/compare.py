@@ -13,6 +13,8 @@ rounding boundary in one layer moves the outputs it feeds by a step or so).
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Sequence
 
 import numpy as np
 
@@ -84,3 +86,13 @@ def compare_output(name: str, actual: np.ndarray, expected: np.ndarray, toleranc
         expected.size,
         int((1.0 - tolerances.min_fraction) * expected.size),
     )
+
+
+def sqnr_db(reference: Sequence[np.ndarray], quantized: Sequence[np.ndarray]) -> float | None:
+    """Signal-to-quantization-noise ratio in dB over paired arrays:
+    10*log10(sum(reference^2) / sum((reference - quantized)^2)); None when they are identical."""
+    signal = sum(float(np.sum(np.square(r.astype(np.float64)))) for r in reference)
+    noise = sum(float(np.sum(np.square(r.astype(np.float64) - q.astype(np.float64)))) for r, q in zip(reference, quantized))
+    if noise == 0.0:
+        return None
+    return round(10.0 * math.log10(max(signal, 1e-300) / noise), 2)

@@ -29,14 +29,16 @@ from tpuexport.artifact.manifest import hash_tree, package_versions
 from tpuexport.compile.aot import compile_bucket
 from tpuexport.errors import EXIT_OK, EXIT_VERIFICATION_FAILED, TpuExportError
 from tpuexport.signature import ProgramSignature
-from tpuexport.verify.compare import Tolerances, compare_output
+from tpuexport.verify.compare import Tolerances, compare_output, sqnr_db
 from tpuexport.verify.report import VerificationCase, VerificationReport
-from tpuexport.verify.verification import make_inputs, run_case, verification_sizes
+from tpuexport.verify.verification import eager_outputs, make_inputs, run_case, to_numpy, verification_sizes
 
 PASSED, FAILED, WARNING, SKIPPED = "passed", "failed", "warning", "skipped"
 COMPILER_PACKAGES = ("jax", "jaxlib", "libtpu")
 # Convert drew its random inputs with seeds 0..3; far-off seeds make --against's inputs fresh.
 AGAINST_SEED = 10_000
+# Fresh random inputs move an int8 output's SQNR by about a dB; more than this is real drift.
+QUANTIZED_SQNR_MARGIN_DB = 3.0
 REQUIRED_SECTIONS = {"files": dict, "program": dict, "targets": dict, "verification": dict, "versions": dict}
 
 
@@ -344,6 +346,8 @@ def check_against(artifact: Artifact, loaded: export_stage.LoadedSource):
     difference = interface_difference(captured.signature, artifact.signature)
     if difference:
         return FAILED, f"{loaded.info.reference} no longer matches the artifact's interface: {difference}", {}
+    if "quantization" in artifact.manifest:
+        return _against_float_model(artifact, captured, loaded.info.reference)
     signature, tolerances = artifact.signature, _tolerances(artifact)
     cases = []
     for index, (label, sizes) in enumerate(verification_sizes(signature)):
@@ -356,6 +360,40 @@ def check_against(artifact: Artifact, loaded: export_stage.LoadedSource):
         return FAILED, f"differs from {loaded.info.reference}: {report.failure_summary()}", details
     sizes = "; ".join(f"{case.label} {case.describe_sizes()}" for case in report.cases)
     return PASSED, f"matches {loaded.info.reference} on fresh inputs at {sizes} within {_describe(tolerances)}", details
+
+
+def _against_float_model(artifact: Artifact, captured: export_stage.CapturedModel, reference: str):
+    """For an int8 artifact: is it still as close to the float source as it was at convert time?
+
+    An int8 program cannot match the float model elementwise, so each output's SQNR against the
+    float model, over fresh inputs at the verification sizes, must stay within
+    QUANTIZED_SQNR_MARGIN_DB of the SQNR the quantization report recorded.
+
+    Returns:
+      (status, message, details) with the measured and recorded SQNR per output.
+    """
+    signature = artifact.signature
+    actual: list[list] = [[] for _ in signature.outputs]
+    expected: list[list] = [[] for _ in signature.outputs]
+    for index, (_, sizes) in enumerate(verification_sizes(signature)):
+        inputs = make_inputs(signature.inputs, captured.example_inputs, sizes, seed=AGAINST_SEED + index)
+        for outputs, values in ((actual, artifact.program.run([to_numpy(t) for t in inputs])),
+                                (expected, eager_outputs(captured.reference, inputs))):
+            for collected, value in zip(outputs, values):
+                collected.append(value)
+    recorded = {o["name"]: o["sqnr_db"] for o in artifact.manifest["quantization"]["outputs"]}
+    measured = {spec.name: sqnr_db(e, a) for spec, e, a in zip(signature.outputs, expected, actual)}
+    details = {"sqnr_db": measured, "recorded_sqnr_db": recorded, "margin_db": QUANTIZED_SQNR_MARGIN_DB}
+    worse = [
+        f"{name} {measured[name]:.1f} dB (recorded {recorded[name]:.1f} dB)"
+        for name in measured
+        if measured[name] is not None and recorded.get(name) is not None
+        and measured[name] < recorded[name] - QUANTIZED_SQNR_MARGIN_DB
+    ]
+    if worse:
+        return FAILED, f"int8 artifact drifted from {reference}: SQNR {'; '.join(worse)}", details
+    listed = ", ".join(f"{name} {value:.1f} dB" if value is not None else f"{name} exact" for name, value in measured.items())
+    return PASSED, f"int8 artifact vs {reference} on fresh inputs: SQNR {listed} (within {QUANTIZED_SQNR_MARGIN_DB:g} dB of convert time)", details
 
 
 def interface_difference(source: ProgramSignature, artifact: ProgramSignature) -> str:

@@ -96,7 +96,7 @@ def verify(
         inputs = list(example_inputs) if label == "example" else make_inputs(signature.inputs, example_inputs, sizes, seed=index)
         case, expected = run_case(lowered, reference, inputs, label, sizes, tolerances)
         if case.error is None:
-            arrays = {f"{index}/input/{s.name}": _numpy(t) for s, t in zip(signature.inputs, inputs)}
+            arrays = {f"{index}/input/{s.name}": to_numpy(t) for s, t in zip(signature.inputs, inputs)}
             arrays.update({f"{index}/output/{s.name}": e for s, e in zip(signature.outputs, expected)})
             size = sum(a.nbytes for a in arrays.values())
             if index == 0 or golden_bytes + size <= MAX_GOLDEN_BYTES:
@@ -114,11 +114,11 @@ def run_case(lowered, reference, inputs, label, sizes, tolerances) -> tuple[Veri
       (case, eager outputs); errors from either side become the case's error (outputs None).
     """
     try:
-        expected = _eager_outputs(reference, inputs)
+        expected = eager_outputs(reference, inputs)
     except Exception as error:  # the user's model may raise anything
         return VerificationCase(label, sizes, (), error=f"eager PyTorch raised {type(error).__name__}: {_short(error)}"), None
     try:
-        actual = lowered.run([_numpy(t) for t in inputs])
+        actual = lowered.run([to_numpy(t) for t in inputs])
     except Exception as error:  # shape assertions, XLA runtime errors
         return VerificationCase(label, sizes, (), error=f"lowered program raised {type(error).__name__}: {_short(error)}"), None
     comparisons = tuple(
@@ -127,13 +127,14 @@ def run_case(lowered, reference, inputs, label, sizes, tolerances) -> tuple[Veri
     return VerificationCase(label, sizes, comparisons), expected
 
 
-def _eager_outputs(reference, inputs) -> list[np.ndarray]:
+def eager_outputs(reference, inputs) -> list[np.ndarray]:
+    """The eager model's flat outputs as numpy arrays (bf16/f16 as float32)."""
     with torch.no_grad():
         outputs = reference(*inputs)
-    return [_numpy(t) for t in pytree.tree_leaves(outputs)]
+    return [to_numpy(t) for t in pytree.tree_leaves(outputs)]
 
 
-def _numpy(tensor: torch.Tensor) -> np.ndarray:
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     tensor = tensor.detach()
     if tensor.dtype in (torch.bfloat16, torch.float16):
         tensor = tensor.float()
