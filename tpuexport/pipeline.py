@@ -1,11 +1,13 @@
 """A conversion: named passes run in order, each taking the previous one's value.
 
   export   load/capture with torch.export           -> CapturedModel
+  quantize PT2E int8 (optional), re-exported         -> CapturedModel (reference: the PT2E model)
   lower    torchax op library -> jax.export          -> LoweredProgram
   verify   CPU run vs eager PyTorch (fails fast)     -> VerificationReport
   compile  libtpu AOT per target and bucket          -> CompileReport
   write    the artifact directory, atomically        -> Artifact
-           (with the TF Serving SavedModel, checked in TensorFlow before the rename)
+           (with the TF Serving SavedModel, checked in TensorFlow before the rename, and the
+           quantization report)
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from tpuexport import artifact as artifact_stage
 from tpuexport import compile as compile_stage
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
-from tpuexport.artifact import tf_serving as serving_stage
 from tpuexport import verify as verify_stage
+from tpuexport.artifact import tf_serving as serving_stage
 from tpuexport.errors import TpuExportError, VerificationError
 
 

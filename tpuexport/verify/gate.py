@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import pathlib
 import time
 import xml.etree.ElementTree as ElementTree
@@ -31,6 +30,7 @@ from tpuexport.errors import EXIT_OK, EXIT_VERIFICATION_FAILED, TpuExportError
 from tpuexport.signature import ProgramSignature
 from tpuexport.verify.compare import Tolerances, compare_output, sqnr_db
 from tpuexport.verify.report import VerificationCase, VerificationReport
+from tpuexport.verify.saved_model_check import check_saved_model, failure_summary
 from tpuexport.verify.verification import eager_outputs, make_inputs, run_case, to_numpy, verification_sizes
 
 PASSED, FAILED, WARNING, SKIPPED = "passed", "failed", "warning", "skipped"
@@ -281,15 +281,10 @@ def check_saved_model_rerun(artifact: Artifact):
     Args:
       artifact: the opened artifact.
     Returns:
-      (status, message, details); skipped when there is no "tf_serving" section or no checker.
+      (status, message, details); skipped when there is no "tf_serving" section.
     """
     if "tf_serving" not in artifact.manifest:
         return SKIPPED, "no SavedModel in artifact", {}
-    # The checker ships separately from the gate; an artifact may be newer than this tpuexport.
-    if importlib.util.find_spec("tpuexport.verify.saved_model_check") is None:
-        return SKIPPED, "the artifact has a SavedModel but this tpuexport has no SavedModel check; upgrade tpuexport", {}
-    from tpuexport.verify.saved_model_check import check_saved_model, failure_summary
-
     outcome = check_saved_model(artifact.path, artifact.manifest)
     if not outcome["passed"]:
         return FAILED, failure_summary(outcome), outcome
