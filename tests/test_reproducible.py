@@ -19,10 +19,10 @@ import subprocess
 import sys
 
 from tpuexport.artifact import layout
+from tpuexport.artifact.tf_serving.saved_model import PER_SAVE_METADATA as TF_RANDOM_UUID_FILE
 
 from conftest import EXAMPLES
 
-TF_RANDOM_UUID_FILE = "fingerprint.pb"
 
 
 def artifact_files(root: pathlib.Path) -> dict[str, bytes]:

@@ -25,7 +25,7 @@ from tpuexport.compile import Bucket
 from tpuexport.errors import TpuExportError
 from tpuexport.lower import LoweredProgram
 from tpuexport.artifact.tf_serving import config
-from tpuexport.artifact.tf_serving.saved_model import PLATFORMS, SIGNATURE_NAME, build_saved_model, directory_bytes
+from tpuexport.artifact.tf_serving.saved_model import PLATFORMS, SIGNATURE_NAME, build_saved_model, saved_model_bytes
 from tpuexport.artifact.tf_serving.warmup import warmup_inputs, write_warmup_file
 from tpuexport.verify import VerificationReport
 from tpuexport.verify.saved_model_check import TensorFlowProcess, failure_summary
@@ -166,7 +166,7 @@ class TfServingExport:
             "platforms": list(PLATFORMS),
             "model_base_path": base_path,
             "saved_model": saved_model,
-            "saved_model_bytes": directory_bytes(directory),
+            "saved_model_bytes": saved_model_bytes(directory),
             "warmup_requests": f"{saved_model}/{layout.WARMUP_REQUESTS}",
             "warmup_request_count": len(requests),
             "models_config": layout.MODELS_CONFIG,

@@ -81,6 +81,11 @@ def as_artifact_dtype(array: np.ndarray, spec: TensorSpec) -> np.ndarray:
     return np.asarray(array).astype(tf.as_dtype(spec.dtype).as_numpy_dtype)
 
 
-def directory_bytes(directory: pathlib.Path) -> int:
-    """Total size of the files under `directory`."""
-    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+# TensorFlow writes a random uuid into this file on every save; its size varies by a byte with it.
+PER_SAVE_METADATA = "fingerprint.pb"
+
+
+def saved_model_bytes(directory: pathlib.Path) -> int:
+    """Size of the SavedModel's content (graph, variables, assets) under `directory`, leaving out
+    TensorFlow's per-save fingerprint.pb so that the same model always measures the same."""
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file() and path.name != PER_SAVE_METADATA)
