@@ -205,3 +205,12 @@ def test_unsupported_operators_name_the_user_source_lines(tmp_path):
     assert result.returncode == 2
     assert "aten._linalg_det.default at " in result.stderr and "aten.special_airy_ai.default at " in result.stderr
     assert "unsupported.py:6 (return torch.linalg.det(x) + torch.special.airy_ai(x).sum((1, 2)))" in result.stderr
+
+
+def test_a_libtpu_crash_names_the_target_and_bucket(tmp_path):
+    """libtpu 0.0.42.1 (pinned) segfaults compiling the example transformer for 7x at batch 8 x
+    seq 256 (v4, v5e, v5p, v6e compile it). Compiling in a child process turns that into one
+    error line; if a newer libtpu fixes the bug, this test fails and should pick another crash."""
+    result = tpuexport("convert", f"{EXAMPLES / 'transformer.py'}:build", "--target", "7x", "--bucket", "batch=8",
+                       "--bucket", "seq=256", "--no-saved-model", cwd=tmp_path)
+    assert_clean_bad_input(result, tmp_path, "libtpu crashed (signal SIGSEGV) compiling 7x bucket batch8_seq256", set())

@@ -1,6 +1,6 @@
 """Compile stage: AOT TPU executables per target and shape bucket, with memory/cost figures."""
 
-from tpuexport.compile.aot import CompiledBucket, CompileReport, compile_program
+from tpuexport.compile.aot import CompiledBucket, CompileReport, compile_program, compile_target
 from tpuexport.compile.buckets import Bucket, make_buckets, parse_bucket_options
 from tpuexport.compile.targets import TARGETS, Target, resolve_targets
 
@@ -11,6 +11,7 @@ __all__ = [
     "CompiledBucket",
     "Target",
     "compile_program",
+    "compile_target",
     "make_buckets",
     "parse_bucket_options",
     "resolve_targets",

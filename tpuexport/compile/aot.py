@@ -1,27 +1,32 @@
 """Ahead-of-time TPU compilation through libtpu's compile-only topologies (no TPU needed).
 
-For each target and bucket the lowered program is compiled by XLA's TPU compiler for one chip;
-the executable is serialized, and XLA's own memory and cost analyses give the figures for the
+For each target the lowered program's buckets are compiled by XLA's TPU compiler for one chip,
+in a child process (compile_child.py) that loads nothing but jax and libtpu: a crash inside
+libtpu's compiler (seen: a segfault compiling a transformer for 7x at one bucket size) then
+becomes an error naming the target and bucket instead of killing the conversion, and the
+user's process never loads libtpu. XLA's own memory and cost analyses give the figures for the
 report and the HBM-fit verdict.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
-import time
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
 from typing import Callable
 
-import jax
-from jax.experimental import serialize_executable, topologies
-from jax.sharding import SingleDeviceSharding
-
-from tpuexport._runtime import captured_native_stderr
 from tpuexport.compile.buckets import Bucket
 from tpuexport.compile.targets import Target
 from tpuexport.errors import TpuExportError
 from tpuexport.lower import LoweredProgram
+
+CHILD_SCRIPT = pathlib.Path(__file__).with_name("compile_child.py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,23 +69,6 @@ class CompileReport:
         return [r for r in self.results if r.target.name == name]
 
 
-@functools.cache
-def topology_device(target: Target):
-    """The first device of a one-chip compile-only topology (loads libtpu on first use, quietly)."""
-    with captured_native_stderr() as noise:
-        try:
-            topology = topologies.get_topology_desc(
-                topology_name=target.topology, platform="tpu", chips_per_host_bounds=(1, 1, 1)
-            )
-        except Exception as error:
-            raise TpuExportError(
-                f"libtpu cannot describe {target.topology} ({' '.join(str(error).split())[:200]}); "
-                "reinstall with `pip install -c constraints.txt -e .`"
-            ) from None
-    del noise  # libtpu's start-up warnings about TPU_ACCELERATOR_TYPE and friends
-    return topology.devices[0]
-
-
 def compile_program(
     lowered: LoweredProgram,
     targets: list[Target],
@@ -97,16 +85,10 @@ def compile_program(
     Returns:
       The CompileReport.
     Raises:
-      TpuExportError: XLA refused to compile, or a bucket does not fit in a chip's HBM (all such
-        buckets are named).
+      TpuExportError: XLA refused to compile or libtpu crashed (naming the target and bucket), or
+        a bucket does not fit in a chip's HBM (all such buckets are named).
     """
-    results = []
-    for target in targets:
-        for bucket in buckets:
-            result = compile_bucket(lowered, target, bucket)
-            results.append(result)
-            if on_compiled:
-                on_compiled(result)
+    results = [result for target in targets for result in compile_target(lowered, target, buckets, on_compiled)]
     misfits = [r for r in results if not r.fits_in_hbm]
     if misfits:
         listed = "; ".join(
@@ -117,51 +99,104 @@ def compile_program(
     return CompileReport(tuple(results))
 
 
-def compile_bucket(lowered: LoweredProgram, target: Target, bucket: Bucket) -> CompiledBucket:
-    """Compiles one executable; see `compile_program`."""
-    sharding = SingleDeviceSharding(topology_device(target))
-    sizes = bucket.as_dict()
-    weights = [jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding) for w in lowered.weights]
-    inputs = [
-        jax.ShapeDtypeStruct(spec.concrete_shape(sizes), spec.dtype, sharding=sharding) for spec in lowered.signature.inputs
-    ]
-    start = time.perf_counter()
-    with captured_native_stderr():
+def compile_target(
+    lowered: LoweredProgram,
+    target: Target,
+    buckets: list[Bucket],
+    on_compiled: Callable[[CompiledBucket], None] | None = None,
+) -> list[CompiledBucket]:
+    """Compiles every bucket for one target in one compiler process (see the module docstring).
+
+    Args:
+      lowered: the lowering stage's result.
+      target: the TPU target.
+      buckets: concrete dim sizes, one executable each.
+      on_compiled: called after each executable.
+    Returns:
+      One CompiledBucket per bucket, in order (HBM fit is not judged here).
+    Raises:
+      TpuExportError: XLA refused a bucket (HBM overflow reported as such) or libtpu crashed.
+    """
+    with tempfile.TemporaryDirectory(prefix="tpuexport-compile-") as scratch:
+        scratch_dir = pathlib.Path(scratch)
+        exported_path = scratch_dir / "exported.jaxexport"
+        exported_path.write_bytes(bytes(lowered.exported.serialize()))
+        request = {
+            "exported": str(exported_path),
+            "topology": target.topology,
+            "out_dir": scratch,
+            "weights": [[list(w.shape), str(w.dtype)] for w in lowered.weights],
+            "buckets": [
+                {"inputs": [[list(spec.concrete_shape(bucket.as_dict())), spec.dtype] for spec in lowered.signature.inputs]}
+                for bucket in buckets
+            ],
+        }
+        return list(_run_compiler(request, target, buckets, scratch_dir, on_compiled))
+
+
+def _run_compiler(request, target, buckets, scratch_dir, on_compiled):
+    # libtpu's start-up warnings go to the child's stderr, kept in a file for crash reports only.
+    with open(scratch_dir / "stderr.txt", "w+b") as stderr:
+        child = subprocess.Popen(
+            [sys.executable, "-I", str(CHILD_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=stderr, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"},
+        )
+        child.stdin.write(json.dumps(request))
+        child.stdin.close()
+        compiling = None
         try:
-            compiled = jax.jit(lowered.exported.call).trace(weights, inputs).lower().compile()
-        except Exception as error:  # XLA raises XlaRuntimeError and others
-            message = " ".join(str(error).split())
-            if "RESOURCE_EXHAUSTED" in message:
-                # XLA's TPU compiler checks temporaries against the chip's usable HBM itself.
-                raise TpuExportError(
-                    f"does not fit in HBM: {target.name} bucket {bucket.name} ({message[:240]}); chip HBM is "
-                    f"{target.hbm_bytes:,} bytes; use smaller buckets or a target with more HBM"
-                ) from None
-            raise TpuExportError(f"XLA could not compile for {target.name} bucket {bucket.name}: {message[:300]}") from None
-    seconds = time.perf_counter() - start
-    stats = compiled.memory_analysis()
-    memory = {
-        "argument_bytes": int(stats.argument_size_in_bytes),
-        "output_bytes": int(stats.output_size_in_bytes),
-        "temp_bytes": int(stats.temp_size_in_bytes),
-        "alias_bytes": int(stats.alias_size_in_bytes),
-        "generated_code_bytes": int(stats.generated_code_size_in_bytes),
-    }
+            for line in child.stdout:
+                event = json.loads(line)
+                bucket = buckets[event["bucket"]]
+                if event["event"] == "start":
+                    compiling = bucket
+                elif event["event"] == "error":
+                    raise _compile_error(target, bucket, event["message"])
+                else:
+                    compiling = None
+                    result = _compiled_bucket(target, bucket, event, scratch_dir)
+                    if on_compiled:
+                        on_compiled(result)
+                    yield result
+        finally:
+            child.stdout.close()
+            returncode = child.wait()
+        if returncode != 0:
+            stderr.seek(0)
+            raise _crash_error(target, compiling, returncode, stderr.read().decode(errors="replace"))
+
+
+def _compiled_bucket(target: Target, bucket: Bucket, event: dict, scratch_dir: pathlib.Path) -> CompiledBucket:
+    index = event["bucket"]
+    memory = dict(event["memory"])
     memory["total_bytes"] = (
         memory["argument_bytes"] + memory["output_bytes"] + memory["temp_bytes"]
         + memory["generated_code_bytes"] - memory["alias_bytes"]
     )
-    analysis = compiled.cost_analysis() or {}
-    if isinstance(analysis, list):  # older jax returned one dict per computation
-        analysis = analysis[0] if analysis else {}
-    cost = {
-        "flops": float(analysis.get("flops", 0.0)),
-        "bytes_accessed": float(analysis.get("bytes accessed", 0.0)),
-        "optimal_seconds": float(analysis.get("optimal_seconds", 0.0)),
-    }
-    hlo_text = compiled.as_text()
-    executable, _, _ = serialize_executable.serialize(compiled)
+    hlo_text = (scratch_dir / f"{index}.hlo.txt").read_text()
     return CompiledBucket(
-        target, bucket, bytes(executable), seconds, memory, cost,
+        target, bucket, (scratch_dir / f"{index}.executable").read_bytes(), event["seconds"], memory, event["cost"],
         hashlib.sha256(hlo_text.encode()).hexdigest(), hlo_text,
+    )
+
+
+def _compile_error(target: Target, bucket: Bucket, message: str) -> TpuExportError:
+    if "RESOURCE_EXHAUSTED" in message:
+        # XLA's TPU compiler checks temporaries against the chip's usable HBM itself.
+        return TpuExportError(
+            f"does not fit in HBM: {target.name} bucket {bucket.name} ({message[:240]}); chip HBM is "
+            f"{target.hbm_bytes:,} bytes; use smaller buckets or a target with more HBM"
+        )
+    return TpuExportError(f"XLA could not compile for {target.name} bucket {bucket.name}: {message[:300]}")
+
+
+def _crash_error(target: Target, bucket: Bucket | None, returncode: int, stderr_text: str) -> TpuExportError:
+    cause = f"signal {signal.Signals(-returncode).name}" if returncode < 0 else f"exit code {returncode}"
+    if bucket is None:
+        last = " ".join(stderr_text.strip().splitlines()[-1:])[:200]
+        return TpuExportError(f"the TPU compiler process for {target.name} failed ({cause}: {last}); "
+                              "reinstall with `pip install -c constraints.txt -e .`")
+    return TpuExportError(
+        f"libtpu crashed ({cause}) compiling {target.name} bucket {bucket.name}: a TPU compiler bug, not your model; "
+        f"drop that bucket or target, or try another libtpu version"
     )

@@ -25,7 +25,6 @@ from tpuexport import compile as compile_stage
 from tpuexport import export as export_stage
 from tpuexport.artifact import Artifact, layout, load
 from tpuexport.artifact.manifest import hash_tree, package_versions
-from tpuexport.compile.aot import compile_bucket
 from tpuexport.errors import EXIT_OK, EXIT_VERIFICATION_FAILED, TpuExportError
 from tpuexport.signature import ProgramSignature
 from tpuexport.verify.compare import Tolerances, compare_output, sqnr_db
@@ -307,11 +306,10 @@ def check_recompile(artifact: Artifact, strict: bool = False):
     fingerprints, drifted = {}, []
     for target_name, entry in artifact.manifest["targets"].items():
         target = compile_stage.resolve_targets([target_name])[0]
-        for recorded in entry["buckets"]:
-            bucket = compile_stage.Bucket(tuple(recorded["sizes"].items()))
-            key = f"{target_name}/{bucket.name}"
-            now = compile_bucket(program, target, bucket).fingerprint
-            fingerprints[key] = {"then": recorded["fingerprint"], "now": now}
+        buckets = [compile_stage.Bucket(tuple(recorded["sizes"].items())) for recorded in entry["buckets"]]
+        for recorded, result in zip(entry["buckets"], compile_stage.compile_target(program, target, buckets)):
+            key = f"{target_name}/{result.bucket.name}"
+            fingerprints[key] = {"then": recorded["fingerprint"], "now": result.fingerprint}
             if fingerprints[key]["then"] != fingerprints[key]["now"]:
                 drifted.append(key)
     then = {name: artifact.manifest["versions"].get(name) for name in COMPILER_PACKAGES}
