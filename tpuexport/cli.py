@@ -149,7 +149,7 @@ def inspect(artifact_dir, as_json):
     console.print(f"[bold]{artifact.path}[/]  source {data['source']['reference'] or data['source']['kind']}, "
                   f"precision {data['precision']}, verification {'passed' if data['verification']['passed'] else 'FAILED'}")
     for dim in signature.dims:
-        console.print(f"  dim {dim.name}: {dim.min}..{dim.max if dim.max is not None else 'inf'} (example {dim.example})")
+        console.print(f"  dim {dim.name}: {dim.range_text} (example {dim.example})")
     for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
         for spec in specs:
             console.print(f"  {kind} {spec.name}: {spec.dtype}[{', '.join(map(str, spec.shape))}]")

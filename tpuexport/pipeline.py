@@ -180,5 +180,5 @@ def _write_failed_report(out: pathlib.Path, report: dict) -> pathlib.Path:
 
 
 def _describe_dims(signature) -> str:
-    dims = ", ".join(f"{d.name} in [{d.min}, {d.max if d.max is not None else 'inf'}]" for d in signature.dims)
+    dims = ", ".join(f"{d.name} {d.range_text}" for d in signature.dims)
     return f"inputs {', '.join(s.name for s in signature.inputs)}" + (f"; dims {dims}" if dims else "; static shapes")

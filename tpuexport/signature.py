@@ -37,6 +37,14 @@ class SymbolicDim:
     max: int | None
     example: int
 
+    @property
+    def range_text(self) -> str:
+        """The accepted sizes as "MIN..MAX" ("MIN..inf" when unbounded)."""
+        return f"{self.min}..{self.max if self.max is not None else 'inf'}"
+
+    def accepts(self, size: int) -> bool:
+        return self.min <= size and (self.max is None or size <= self.max)
+
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
@@ -102,20 +110,20 @@ class ProgramSignature:
             size, two inputs disagreeing on a shared dim, a derived dim, or a range).
         """
         sizes: dict[str, int] = {}
+        names = {d.name for d in self.dims}
         for spec, shape in zip(self.inputs, shapes):
             if len(shape) != len(spec.shape):
                 raise ValueError(f"input {spec.name!r} has rank {len(shape)}, expected {len(spec.shape)} {list(spec.shape)}")
             for axis, (declared, actual) in enumerate(zip(spec.shape, shape)):
-                if isinstance(declared, str) and declared in {d.name for d in self.dims}:
+                if declared in names:
                     if sizes.setdefault(declared, actual) != actual:
                         raise ValueError(
                             f"input {spec.name!r} axis {axis} is {actual} but {declared} is {sizes[declared]} in another input"
                         )
         for dim in self.dims:
             size = sizes.get(dim.name)
-            if size is not None and not (dim.min <= size and (dim.max is None or size <= dim.max)):
-                upper = dim.max if dim.max is not None else "inf"
-                raise ValueError(f"{dim.name}={size} is out of range: {dim.name} accepts {dim.min}..{upper}")
+            if size is not None and not dim.accepts(size):
+                raise ValueError(f"{dim.name}={size} is out of range: {dim.name} accepts {dim.range_text}")
         for spec, shape in zip(self.inputs, shapes):
             for axis, (declared, actual) in enumerate(zip(spec.shape, shape)):
                 expected = declared if isinstance(declared, int) else evaluate_dim(declared, sizes)

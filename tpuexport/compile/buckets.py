@@ -70,10 +70,8 @@ def make_buckets(signature: ProgramSignature, requested: dict[str, list[int]] | 
             dims = ", ".join(known) or "none (the program is static)"
             raise TpuExportError(f"--bucket names unknown dim {name!r}; the program's dims are: {dims}")
         for size in sizes:
-            if size < dim.min or (dim.max is not None and size > dim.max):
-                raise TpuExportError(
-                    f"bucket {name}={size} is out of range: {name} accepts {dim.min}..{dim.max if dim.max is not None else 'inf'}"
-                )
+            if not dim.accepts(size):
+                raise TpuExportError(f"bucket {name}={size} is out of range: {name} accepts {dim.range_text}")
     choices = [requested.get(dim.name, [dim.example]) for dim in signature.dims]
     names = [dim.name for dim in signature.dims]
     return [Bucket(tuple(zip(names, combo))) for combo in itertools.product(*choices)]
