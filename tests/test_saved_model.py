@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import torch
 import pytest
 from click.testing import CliRunner
 
@@ -193,3 +194,22 @@ def test_bad_model_name_is_refused_before_any_work(tmp_path):
     built = build_example("mlp")
     with pytest.raises(tpuexport.TpuExportError, match="model name 'my model' is not usable by TF Serving; pass --name"):
         tpuexport.convert(built["model"], built["args"], built["dynamic_shapes"], out=tmp_path / "m.tpu", model_name="my model")
+
+
+class ShiftedLinear(torch.nn.Module):
+    """A buffer whose name starts with "_", which TensorFlow refuses as a variable name."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+        self.register_buffer("_offset", torch.full((4,), 0.5))
+
+    def forward(self, x):
+        return self.linear(x) + self._offset
+
+
+def test_weights_named_with_a_leading_underscore_still_make_a_saved_model(tmp_path):
+    batch = torch.export.Dim("batch", min=1, max=16)
+    artifact = tpuexport.convert(ShiftedLinear().eval(), (torch.randn(2, 8),), {"x": {0: batch}}, out=tmp_path / "shifted.tpu")
+    assert "_offset" in artifact.manifest["program"]["weight_names"]
+    assert artifact.manifest["verification"]["saved_model"]["passed"]

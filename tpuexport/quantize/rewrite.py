@@ -87,8 +87,7 @@ def _drop_zero_points(graph: torch.fx.Graph) -> None:
 
 def _name_weights(module: torch.fx.GraphModule) -> None:
     """Moves PT2E's int8 weights and scales (`_frozen_param0`, `_scale_0`) next to the layer that
-    uses them as `<layer>.weight_int8` / `<layer>.weight_scale`: readable names in the artifact, and
-    names TensorFlow accepts as variable scopes (no leading underscore)."""
+    uses them as `<layer>.weight_int8` / `<layer>.weight_scale`: readable names in the artifact."""
     for node in list(module.graph.nodes):
         if node.op != "call_function":
             continue

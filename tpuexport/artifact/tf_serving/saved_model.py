@@ -52,7 +52,8 @@ def build_saved_model(lowered: LoweredProgram, directory: pathlib.Path) -> None:
     )
     module = tf.Module()
     module.weights = [
-        tf.Variable(weight, trainable=False, name=name) for name, weight in zip(lowered.weight_names, lowered.weights)
+        tf.Variable(weight, trainable=False, name=variable_name(name))
+        for name, weight in zip(lowered.weight_names, lowered.weights)
     ]
 
     @tf.function(input_signature=serving_input_specs(signature), autograph=False)
@@ -62,6 +63,13 @@ def build_saved_model(lowered: LoweredProgram, directory: pathlib.Path) -> None:
 
     module.serve = serve
     tf.saved_model.save(module, str(directory), signatures={SIGNATURE_NAME: serve})
+
+
+def variable_name(weight_name: str) -> str:
+    """The weight's name as a TensorFlow variable name. State-dict names ("layers.0.weight") are
+    valid as they are, except for a leading underscore ("_offset", PT2E's "_frozen_param0"), which
+    TensorFlow refuses at the start of a scope name; the variables are found by position anyway."""
+    return weight_name.lstrip("_") or "weight"
 
 
 def serving_input_specs(signature: ProgramSignature) -> list:
