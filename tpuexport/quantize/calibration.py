@@ -72,7 +72,7 @@ def _read_arrays(path: pathlib.Path) -> dict[str, np.ndarray]:
 
 def _as_input(stacked: np.ndarray, spec: TensorSpec, where: str) -> torch.Tensor:
     """Checks one input's stacked samples [N, *shape] and returns them as a tensor of its dtype."""
-    expected_kind = _kind(torch.empty(0, dtype=getattr(torch, spec.torch_dtype)))
+    expected_kind = _kind(getattr(torch, spec.torch_dtype))
     actual_kind = "bool" if stacked.dtype == np.bool_ else "float" if np.issubdtype(stacked.dtype, np.floating) else (
         "integer" if np.issubdtype(stacked.dtype, np.integer) else str(stacked.dtype))
     if actual_kind != expected_kind:
@@ -88,10 +88,10 @@ def _check_shapes(signature: ProgramSignature, shapes: list[tuple[int, ...]], wh
         raise TpuExportError(f"{where}: {error}") from None
 
 
-def _kind(tensor: torch.Tensor) -> str:
-    if tensor.dtype == torch.bool:
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
         return "bool"
-    return "float" if tensor.dtype.is_floating_point else "integer"
+    return "float" if dtype.is_floating_point else "integer"
 
 
 def check_samples(samples: Iterable, signature: ProgramSignature) -> list[tuple[torch.Tensor, ...]]:
@@ -114,10 +114,10 @@ def check_samples(samples: Iterable, signature: ProgramSignature) -> list[tuple[
             raise TpuExportError(f"{where} has {len(leaves)} value(s); give a tuple of {len(signature.inputs)} tensor(s), like args")
         tensors = []
         for spec, leaf in zip(signature.inputs, leaves):
-            expected = torch.empty(0, dtype=getattr(torch, spec.torch_dtype))
-            if _kind(leaf) != _kind(expected):
+            dtype = getattr(torch, spec.torch_dtype)
+            if _kind(leaf.dtype) != _kind(dtype):
                 raise TpuExportError(f"{where}: input {spec.name!r} is {spec.torch_dtype} but the sample is {leaf.dtype}")
-            tensors.append(leaf.detach().to(expected.dtype))
+            tensors.append(leaf.detach().to(dtype))
         _check_shapes(signature, [tuple(t.shape) for t in tensors], where)
         checked.append(tuple(tensors))
     if not checked:

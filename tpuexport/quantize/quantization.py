@@ -22,7 +22,7 @@ from tpuexport.errors import TpuExportError
 from tpuexport.export import CapturedModel
 from tpuexport.export.capture import describe
 from tpuexport.quantize.calibration import check_samples, load_calibration_file, random_samples
-from tpuexport.quantize.quantizer import MODES, TpuQuantizer
+from tpuexport.quantize.quantizer import MODES, QUANTIZED_OPS, TpuQuantizer
 from tpuexport.quantize.rewrite import rewrite_integer_ops
 from tpuexport.signature import ProgramSignature
 
@@ -192,10 +192,8 @@ def _check_same_interface(before: ProgramSignature, after: ProgramSignature) -> 
         )
 
 
-_OP_NAMES = {
-    torch.ops.aten.linear.default: "linear", torch.ops.aten.conv1d.default: "conv1d", torch.ops.aten.conv2d.default: "conv2d",
-    torch.ops.aten.matmul.default: "matmul", torch.ops.aten.bmm.default: "bmm", torch.ops.aten.embedding.default: "embedding",
-}
+# "linear", "conv1d", "conv2d", "matmul", "bmm", "embedding": every op the quantizer annotates.
+_OP_NAMES = {operator: operator.overloadpacket.__name__ for operator in QUANTIZED_OPS}
 _DEQUANTIZE_OPS = {
     torch.ops.quantized_decomposed.dequantize_per_tensor.default, torch.ops.quantized_decomposed.dequantize_per_tensor.tensor,
     torch.ops.quantized_decomposed.dequantize_per_channel.default,

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from tpuexport.lower import LoweredProgram
 from tpuexport.quantize.quantization import QuantizedModel
 from tpuexport.verify.compare import sqnr_db
+from tpuexport.verify.verification import eager_outputs, to_numpy
 
 REPORT = "quantization/report.json"
 CHART = "quantization/layer_sqnr.png"
@@ -37,9 +38,11 @@ def build_report(quantized: QuantizedModel, lowered: LoweredProgram) -> dict:
       A JSON-ready dict.
     """
     samples = quantized.evaluation_samples
-    float_outputs = [_flat_outputs(quantized.float_model, sample) for sample in samples]
-    pt2e_outputs = [_flat_outputs(quantized.captured.reference, sample) for sample in samples]
-    artifact_outputs = [lowered.run([t.detach().numpy() for t in sample]) for sample in samples]
+    nodes = [layer.node for layer in quantized.layers]
+    float_values, _ = _run_recording(quantized.float_layers, samples, nodes)
+    quantized_values, pt2e_outputs = _run_recording(quantized.converted, samples, nodes)
+    float_outputs = [eager_outputs(quantized.float_model, sample) for sample in samples]
+    artifact_outputs = [lowered.run([to_numpy(t) for t in sample]) for sample in samples]
     outputs = []
     for index, spec in enumerate(lowered.signature.outputs):
         if not np.issubdtype(float_outputs[0][index].dtype, np.floating):
@@ -59,7 +62,11 @@ def build_report(quantized: QuantizedModel, lowered: LoweredProgram) -> dict:
         "evaluation_samples": len(samples),
         "sqnr_rule": "10*log10(sum(float^2) / sum((float - quantized)^2)) over all evaluation samples; null if identical",
         "outputs": outputs,
-        "layers": _layer_sqnr(quantized),
+        "layers": [
+            {"node": layer.node, "module": layer.module, "op": layer.op, "integer": layer.integer,
+             "sqnr_db": sqnr_db(float_values[layer.node], quantized_values[layer.node])}
+            for layer in quantized.layers
+        ],
         "weight_bytes": {"quantized": weight_bytes, "float": float_weight_bytes,
                          "ratio": round(weight_bytes / float_weight_bytes, 4) if float_weight_bytes else None},
     }
@@ -74,19 +81,15 @@ _SCHEMES = {
 }
 
 
-def _layer_sqnr(quantized: QuantizedModel) -> list[dict]:
-    names = [layer.node for layer in quantized.layers]
-    float_values = _node_outputs(quantized.float_layers, quantized.evaluation_samples, names)
-    quantized_values = _node_outputs(quantized.converted, quantized.evaluation_samples, names)
-    return [
-        {"node": layer.node, "module": layer.module, "op": layer.op, "integer": layer.integer,
-         "sqnr_db": sqnr_db(float_values[layer.node], quantized_values[layer.node])}
-        for layer in quantized.layers
-    ]
+def _run_recording(
+    module: torch.fx.GraphModule, samples, names: list[str],
+) -> tuple[dict[str, list[np.ndarray]], list[list[np.ndarray]]]:
+    """Runs `module` on every sample, recording the named nodes' outputs on the way.
 
-
-def _node_outputs(module: torch.fx.GraphModule, samples, names: list[str]) -> dict[str, list[np.ndarray]]:
-    """The outputs of the named nodes of `module` for every sample."""
+    Returns:
+      ({node name: its output per sample}, the module's flat outputs per sample as verify's
+      eager_outputs gives them).
+    """
     recorded: dict[str, list[np.ndarray]] = {name: [] for name in names}
 
     class Recorder(torch.fx.Interpreter):
@@ -97,15 +100,8 @@ def _node_outputs(module: torch.fx.GraphModule, samples, names: list[str]) -> di
             return result
 
     with torch.no_grad():
-        for sample in samples:
-            Recorder(module).run(*sample)
-    return recorded
-
-
-def _flat_outputs(model: Callable, sample) -> list[np.ndarray]:
-    with torch.no_grad():
-        outputs = model(*sample)
-    return [t.detach().float().numpy() if t.dtype.is_floating_point else t.numpy() for t in pytree.tree_leaves(outputs)]
+        outputs = [[to_numpy(t) for t in pytree.tree_leaves(Recorder(module).run(*sample))] for sample in samples]
+    return recorded, outputs
 
 
 def describe_report(report: dict) -> str:

@@ -27,10 +27,12 @@ from tpuexport.artifact import Artifact, layout, load
 from tpuexport.artifact.manifest import hash_tree, package_versions
 from tpuexport.errors import EXIT_OK, EXIT_VERIFICATION_FAILED, TpuExportError
 from tpuexport.signature import ProgramSignature
-from tpuexport.verify.compare import Tolerances, compare_output, sqnr_db
-from tpuexport.verify.report import VerificationCase, VerificationReport
+from tpuexport.verify.compare import Tolerances, sqnr_db
+from tpuexport.verify.report import VerificationCase, VerificationReport, describe_sizes
 from tpuexport.verify.saved_model_check import check_saved_model, failure_summary
-from tpuexport.verify.verification import eager_outputs, make_inputs, run_case, to_numpy, verification_sizes
+from tpuexport.verify.verification import (
+    compare_case, eager_outputs, make_inputs, run_case, short_error, to_numpy, verification_sizes,
+)
 
 PASSED, FAILED, WARNING, SKIPPED = "passed", "failed", "warning", "skipped"
 COMPILER_PACKAGES = ("jax", "jaxlib", "libtpu")
@@ -199,7 +201,7 @@ def gate_check(name: str):
             try:
                 status, message, details = body(*args, **kwargs)
             except Exception as error:  # see the docstring: reported, not raised
-                status, message, details = FAILED, f"raised {type(error).__name__}: {_short(error)}", {}
+                status, message, details = FAILED, f"raised {type(error).__name__}: {short_error(error)}", {}
             return CheckResult(name, status, message, round(time.perf_counter() - start, 3), details)
 
         return run
@@ -238,8 +240,9 @@ def check_golden(artifact: Artifact):
     Returns:
       (status, message, details); details holds every case's per-output errors.
     """
+    tolerances = _tolerances(artifact)
     report = VerificationReport(
-        artifact.manifest["precision"], _tolerances(artifact), tuple(golden_cases(artifact)), {}, "stored eager outputs"
+        artifact.manifest["precision"], tolerances, tuple(golden_cases(artifact, tolerances)), {}, "stored eager outputs"
     )
     details = {"cases": report.to_json()["cases"]}
     if not report.cases:
@@ -250,26 +253,20 @@ def check_golden(artifact: Artifact):
     return PASSED, f"{len(report.cases)} stored size(s) match ({sizes}) within {_describe(report.tolerances)}", details
 
 
-def golden_cases(artifact: Artifact) -> list[VerificationCase]:
+def golden_cases(artifact: Artifact, tolerances: Tolerances) -> list[VerificationCase]:
     """Re-runs every stored golden case.
 
     Args:
       artifact: the opened artifact.
+      tolerances: the artifact's verification tolerances.
     Returns:
       One VerificationCase per stored size; a run that raises becomes that case's error.
     """
     labels = [case["label"] for case in artifact.manifest["verification"]["cases"] if case["golden"]]
-    tolerances = _tolerances(artifact)
-    outputs = artifact.signature.outputs
     cases = []
     for label, (sizes, inputs, expected) in zip(labels, artifact.golden_cases()):
-        try:
-            actual = artifact.program.run(inputs)
-        except Exception as error:  # shape assertions and XLA runtime errors name the problem
-            cases.append(VerificationCase(label, sizes, (), error=f"the program raised {type(error).__name__}: {_short(error)}"))
-            continue
-        comparisons = tuple(compare_output(spec.name, a, e, tolerances) for spec, a, e in zip(outputs, actual, expected))
-        cases.append(VerificationCase(label, sizes, comparisons, golden=True))
+        case = compare_case(artifact.program, inputs, expected, label, sizes, tolerances)
+        cases.append(dataclasses.replace(case, golden=case.error is None))
     return cases
 
 
@@ -287,7 +284,7 @@ def check_saved_model_rerun(artifact: Artifact):
     outcome = check_saved_model(artifact.path, artifact.manifest)
     if not outcome["passed"]:
         return FAILED, failure_summary(outcome), outcome
-    sizes = "; ".join(",".join(f"{k}={v}" for k, v in case["sizes"].items()) or "static shapes" for case in outcome["cases"])
+    sizes = "; ".join(describe_sizes(case["sizes"]) for case in outcome["cases"])
     return PASSED, f"TensorFlow {outcome.get('tensorflow')} runs the SavedModel within tolerance at {sizes}", outcome
 
 
@@ -341,12 +338,11 @@ def check_against(artifact: Artifact, loaded: export_stage.LoadedSource):
         return FAILED, f"{loaded.info.reference} no longer matches the artifact's interface: {difference}", {}
     if "quantization" in artifact.manifest:
         return _against_float_model(artifact, captured, loaded.info.reference)
-    signature, tolerances = artifact.signature, _tolerances(artifact)
-    cases = []
-    for index, (label, sizes) in enumerate(verification_sizes(signature)):
-        inputs = make_inputs(signature.inputs, captured.example_inputs, sizes, seed=AGAINST_SEED + index)
-        case, _ = run_case(artifact.program, captured.reference, inputs, label, sizes, tolerances)
-        cases.append(case)
+    tolerances = _tolerances(artifact)
+    cases = [
+        run_case(artifact.program, captured.reference, inputs, label, sizes, tolerances)[0]
+        for label, sizes, inputs in _fresh_inputs(artifact.signature, captured)
+    ]
     report = VerificationReport(artifact.manifest["precision"], tolerances, tuple(cases), {}, loaded.info.reference)
     details = {"cases": report.to_json()["cases"]}
     if not report.passed:
@@ -365,17 +361,15 @@ def _against_float_model(artifact: Artifact, captured: export_stage.CapturedMode
     Returns:
       (status, message, details) with the measured and recorded SQNR per output.
     """
-    signature = artifact.signature
-    actual: list[list] = [[] for _ in signature.outputs]
-    expected: list[list] = [[] for _ in signature.outputs]
-    for index, (_, sizes) in enumerate(verification_sizes(signature)):
-        inputs = make_inputs(signature.inputs, captured.example_inputs, sizes, seed=AGAINST_SEED + index)
-        for outputs, values in ((actual, artifact.program.run([to_numpy(t) for t in inputs])),
-                                (expected, eager_outputs(captured.reference, inputs))):
-            for collected, value in zip(outputs, values):
-                collected.append(value)
+    actual, expected = [], []  # per case, the flat outputs
+    for _, _, inputs in _fresh_inputs(artifact.signature, captured):
+        actual.append(artifact.program.run([to_numpy(t) for t in inputs]))
+        expected.append(eager_outputs(captured.reference, inputs))
     recorded = {o["name"]: o["sqnr_db"] for o in artifact.manifest["quantization"]["outputs"]}
-    measured = {spec.name: sqnr_db(e, a) for spec, e, a in zip(signature.outputs, expected, actual)}
+    measured = {
+        spec.name: sqnr_db([outputs[index] for outputs in expected], [outputs[index] for outputs in actual])
+        for index, spec in enumerate(artifact.signature.outputs)
+    }
     details = {"sqnr_db": measured, "recorded_sqnr_db": recorded, "margin_db": QUANTIZED_SQNR_MARGIN_DB}
     worse = [
         f"{name} {measured[name]:.1f} dB (recorded {recorded[name]:.1f} dB)"
@@ -387,6 +381,12 @@ def _against_float_model(artifact: Artifact, captured: export_stage.CapturedMode
         return FAILED, f"int8 artifact drifted from {reference}: SQNR {'; '.join(worse)}", details
     listed = ", ".join(f"{name} {value:.1f} dB" if value is not None else f"{name} exact" for name, value in measured.items())
     return PASSED, f"int8 artifact vs {reference} on fresh inputs: SQNR {listed} (within {QUANTIZED_SQNR_MARGIN_DB:g} dB of convert time)", details
+
+
+def _fresh_inputs(signature: ProgramSignature, captured: export_stage.CapturedModel):
+    """(label, sizes, inputs) at every verification size, drawn from seeds convert did not use."""
+    for index, (label, sizes) in enumerate(verification_sizes(signature)):
+        yield label, sizes, make_inputs(signature.inputs, captured.example_inputs, sizes, seed=AGAINST_SEED + index)
 
 
 def interface_difference(source: ProgramSignature, artifact: ProgramSignature) -> str:
@@ -421,10 +421,6 @@ def _describe(tolerances: Tolerances) -> str:
 
 def _describe_versions(versions: dict) -> str:
     return ", ".join(f"{name} {version}" for name, version in versions.items())
-
-
-def _short(error: BaseException) -> str:
-    return " ".join(str(error).split())[:300]
 
 
 def write_junit(report: GateReport, path: pathlib.Path) -> None:

@@ -16,6 +16,11 @@ _QUANTIZED_RULE = (
 )
 
 
+def describe_sizes(sizes: dict[str, int]) -> str:
+    """Dim sizes as "batch=4,seq=16", or "static shapes" when there are none."""
+    return ",".join(f"{k}={v}" for k, v in sizes.items()) or "static shapes"
+
+
 @dataclasses.dataclass(frozen=True)
 class VerificationCase:
     """One run of the lowered program against eager PyTorch.
@@ -39,7 +44,7 @@ class VerificationCase:
         return self.error is None and all(o.passed for o in self.outputs)
 
     def describe_sizes(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.sizes.items()) or "static shapes"
+        return describe_sizes(self.sizes)
 
 
 @dataclasses.dataclass(frozen=True)

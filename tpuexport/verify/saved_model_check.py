@@ -18,6 +18,7 @@ import time
 
 from tpuexport.errors import TpuExportError
 from tpuexport.signature import ProgramSignature
+from tpuexport.verify.report import describe_sizes
 
 CHILD_SCRIPT = pathlib.Path(__file__).with_name("saved_model_child.py")
 COMPARE_MODULE = pathlib.Path(__file__).with_name("compare.py")
@@ -148,7 +149,7 @@ def failure_summary(result: dict) -> str:
         return f"TF SavedModel check failed: {result['error']}"
     clauses = []
     for case in result["cases"]:
-        sizes = ",".join(f"{k}={v}" for k, v in case["sizes"].items()) or "static shapes"
+        sizes = describe_sizes(case["sizes"])
         if case["error"]:
             clauses.append(f"TF SavedModel at {sizes} raised: {case['error']}")
         for output in case["outputs"]:

@@ -116,15 +116,22 @@ def run_case(lowered, reference, inputs, label, sizes, tolerances) -> tuple[Veri
     try:
         expected = eager_outputs(reference, inputs)
     except Exception as error:  # the user's model may raise anything
-        return VerificationCase(label, sizes, (), error=f"eager PyTorch raised {type(error).__name__}: {_short(error)}"), None
+        return VerificationCase(label, sizes, (), error=f"eager PyTorch raised {type(error).__name__}: {short_error(error)}"), None
+    case = compare_case(lowered, [to_numpy(t) for t in inputs], expected, label, sizes, tolerances)
+    return case, (expected if case.error is None else None)
+
+
+def compare_case(lowered, inputs: Sequence[np.ndarray], expected: Sequence[np.ndarray], label, sizes, tolerances) -> VerificationCase:
+    """Runs the lowered program on `inputs` and compares its outputs with `expected`; a run that
+    raises becomes the case's error."""
     try:
-        actual = lowered.run([to_numpy(t) for t in inputs])
+        actual = lowered.run(inputs)
     except Exception as error:  # shape assertions, XLA runtime errors
-        return VerificationCase(label, sizes, (), error=f"lowered program raised {type(error).__name__}: {_short(error)}"), None
+        return VerificationCase(label, sizes, (), error=f"lowered program raised {type(error).__name__}: {short_error(error)}")
     comparisons = tuple(
         compare_output(spec.name, a, e, tolerances) for spec, a, e in zip(lowered.signature.outputs, actual, expected)
     )
-    return VerificationCase(label, sizes, comparisons), expected
+    return VerificationCase(label, sizes, comparisons)
 
 
 def eager_outputs(reference, inputs) -> list[np.ndarray]:
@@ -141,5 +148,6 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def _short(error: BaseException) -> str:
+def short_error(error: BaseException) -> str:
+    """An exception's message on one line, at most 300 characters."""
     return " ".join(str(error).split())[:300]

@@ -155,7 +155,8 @@ class TfServingExport:
             write_warmup_file(directory / layout.WARMUP_REQUESTS, self.model_name, requests)
 
         base_path = f"{layout.TF_SERVING_DIR}/{self.model_name}"
-        absolute_base_path = str(pathlib.Path(self.final_dir).resolve() / base_path)
+        final_dir = pathlib.Path(self.final_dir).resolve()
+        absolute_base_path = str(final_dir / base_path)
         (staging / layout.MODELS_CONFIG).write_text(config.models_config_text(self.model_name, absolute_base_path, self.model_version))
         batch_sizes = self.write_batching_parameters(staging)
         batching_file = layout.BATCHING_PARAMETERS if batch_sizes else None
@@ -174,7 +175,7 @@ class TfServingExport:
             "allowed_batch_sizes": batch_sizes,
             "server_command": config.server_command(
                 self.model_name, absolute_base_path,
-                str(pathlib.Path(self.final_dir).resolve() / batching_file) if batching_file else None,
+                str(final_dir / batching_file) if batching_file else None,
             ),
         }
 
