@@ -175,6 +175,15 @@ def test_manifest_without_file_hashes_is_bad_input(artifact_copy):
     assert "'files'" in result.output
 
 
+def test_manifest_without_a_nested_entry_is_bad_input(artifact_copy):
+    edit_manifest(artifact_copy, lambda manifest: manifest["program"].pop("exported"))
+
+    result = CliRunner().invoke(main, ["verify", str(artifact_copy)])
+
+    assert result.exit_code == EXIT_BAD_INPUT
+    assert "has no valid 'program.exported'" in result.output
+
+
 def test_missing_artifact_is_bad_input(tmp_path):
     result = CliRunner().invoke(main, ["verify", str(tmp_path / "nothing.tpu")])
 

@@ -18,6 +18,24 @@ from tpuexport.lower import LoweredProgram
 from tpuexport.signature import ProgramSignature
 
 
+# What every reader of an artifact (run, inspect, verify) relies on, checked once by `load`.
+REQUIRED_MANIFEST_ENTRIES = {
+    "versions": dict,
+    "precision": str,
+    "signature": dict,
+    "program": dict,
+    "program.exported": str,
+    "program.weights": str,
+    "program.weight_names": list,
+    "targets": dict,
+    "verification": dict,
+    "verification.tolerances": dict,
+    "verification.golden": str,
+    "verification.cases": list,
+    "files": dict,
+}
+
+
 class Artifact:
     """A converted model on disk.
 
@@ -98,4 +116,10 @@ def load(path) -> Artifact:
             f"{root} has artifact format version {manifest.get('format_version')!r}; this tpuexport reads version "
             f"{layout.FORMAT_VERSION}, install the tpuexport that wrote it"
         )
+    for path, kind in REQUIRED_MANIFEST_ENTRIES.items():
+        value = manifest
+        for key in path.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if not isinstance(value, kind):
+            raise TpuExportError(f"{manifest_path} has no valid {path!r}; the artifact is damaged, convert again")
     return Artifact(root, manifest)
