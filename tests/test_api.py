@@ -113,6 +113,12 @@ def test_the_serialized_program_enforces_the_ranges_itself(mlp_artifact):
     assert any("symbolic shape constraint batch <= 256" in text for text in causes), causes
 
 
+def test_int64_inputs_that_do_not_fit_int32_are_refused_not_wrapped(transformer_artifact):
+    tokens = torch.full((2, 4), 2**31, dtype=torch.int64)
+    with pytest.raises(tpuexport.TpuExportError, match=r"input 'tokens' holds values 2147483648..2147483648, outside int32"):
+        transformer_artifact.run(tokens, torch.ones(2, 4, dtype=torch.bool))
+
+
 def test_mismatched_sizes_between_inputs_sharing_a_dim_fail(transformer_artifact):
     with pytest.raises(tpuexport.TpuExportError, match="input 'mask' axis 1 is 9 but seq is 8 in another input"):
         transformer_artifact.run(torch.zeros(2, 8, dtype=torch.int64), torch.ones(2, 9, dtype=torch.bool))

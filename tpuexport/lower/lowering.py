@@ -74,8 +74,23 @@ class LoweredProgram:
             self.signature.sizes_of([array.shape for array in arrays])
         except ValueError as error:
             raise TpuExportError(f"input shapes do not fit the program: {error}") from None
+        for array, spec in zip(arrays, specs):
+            _check_integer_range(array, spec)
         outputs = self.exported.call(self._device_weights, [jnp.asarray(a.astype(s.dtype)) for a, s in zip(arrays, specs)])
         return [np.asarray(output) for output in outputs]
+
+
+def _check_integer_range(array: np.ndarray, spec) -> None:
+    """Refuses integer values the artifact's narrower dtype (int32 for int64) would wrap around."""
+    if array.size == 0 or not np.issubdtype(array.dtype, np.integer) or not np.issubdtype(np.dtype(spec.dtype), np.integer):
+        return
+    limits = np.iinfo(np.dtype(spec.dtype))
+    low, high = int(array.min()), int(array.max())
+    if low < limits.min or high > limits.max:
+        raise TpuExportError(
+            f"input {spec.name!r} holds values {low}..{high}, outside {spec.dtype} ({limits.min}..{limits.max}) "
+            "that the artifact computes in; keep integer inputs within that range"
+        )
 
 
 def lower(program: torch.export.ExportedProgram, signature: ProgramSignature, precision: str = "f32") -> LoweredProgram:
