@@ -180,3 +180,24 @@ def test_gate_against_the_float_source_checks_int8_sqnr(tmp_path):
     manifest_path.write_text(json.dumps(manifest))
     drifted = next(c for c in tpuexport.verify_artifact(artifact.path, against=source).checks if c.name == "against")
     assert drifted.status == "failed" and "int8 artifact drifted" in drifted.message and "output_0" in drifted.message
+
+
+class PairedLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+
+    def forward(self, a, b):
+        return self.linear(a).sum(1) + self.linear(b).sum(1)
+
+
+def test_derived_dims_survive_quantization(tmp_path):
+    """b's sequence is 2*seq: the quantized re-export must rebuild that relation, not specialize it."""
+    seq = torch.export.Dim("seq", min=2, max=32)
+    artifact = tpuexport.convert(PairedLinear().eval(), (torch.randn(2, 4, 3), torch.randn(2, 8, 3)),
+                                 {"a": {1: seq}, "b": {1: 2 * seq}}, out=tmp_path / "paired.tpu",
+                                 quantize="int8", random_calibration=True, saved_model=False)
+    assert [spec["shape"] for spec in artifact.manifest["signature"]["inputs"]] == [[2, "seq", 3], [2, "2*seq", 3]]
+    assert artifact.run(torch.randn(2, 5, 3), torch.randn(2, 10, 3)).shape == (2, 3)
+    with pytest.raises(TpuExportError, match=r"expected 2\*seq = 10"):
+        artifact.run(torch.randn(2, 5, 3), torch.randn(2, 9, 3))

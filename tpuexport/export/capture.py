@@ -204,3 +204,31 @@ def _output_names(tree, count: int) -> list[str]:
         keys = [str(entry.key) for entry in path if isinstance(entry, pytree.MappingKey)]
         names.append(_identifier("_".join(keys)) if keys else f"output_{index}")
     return names
+
+
+def torch_dynamic_shapes(signature: ProgramSignature) -> list[dict[int, torch.export.Dim] | None]:
+    """The inverse of `describe` for dims: torch.export dynamic_shapes entries, one per flat input.
+
+    One Dim per name, so inputs that share a dim share it again; a derived dim such as "2*seq" is
+    rebuilt as the same linear expression of its Dim (torch.export accepts a*dim + b).
+
+    Args:
+      signature: a program's signature.
+    Returns:
+      One {axis: Dim} dict per input (None for an input with static shape), in signature order.
+    """
+    dims = {dim.name: torch.export.Dim(dim.name, min=dim.min, max=dim.max) for dim in signature.dims}
+
+    def torch_dim(size: str):
+        if size in dims:
+            return dims[size]
+        expression = sympy.sympify(size)
+        (symbol,) = expression.free_symbols
+        return int(expression.coeff(symbol)) * dims[str(symbol)] + int(expression.subs(symbol, 0))
+
+    entries = []
+    for spec in signature.inputs:
+        entry = {axis: torch_dim(size) for axis, size in enumerate(spec.shape) if isinstance(size, str)}
+        entries.append(entry or None)
+    return entries
+

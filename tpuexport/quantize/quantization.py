@@ -19,8 +19,7 @@ from torch.utils import _pytree as pytree
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export import CapturedModel
-from tpuexport.export.capture import describe
+from tpuexport.export import CapturedModel, describe, torch_dynamic_shapes
 from tpuexport.quantize.calibration import check_samples, load_calibration_file, random_samples
 from tpuexport.quantize.quantizer import MODES, QUANTIZED_OPS, TpuQuantizer
 from tpuexport.quantize.rewrite import rewrite_integer_ops
@@ -163,26 +162,13 @@ def _calibration_samples(captured, mode, calibration, calibration_file, random_c
 def _reexport(module: torch.fx.GraphModule, captured: CapturedModel) -> torch.export.ExportedProgram:
     """torch.export of the quantized module with the original program's example args and named dims."""
     args, _ = captured.program.example_inputs
-    dynamic_shapes = pytree.tree_unflatten(_dynamic_shapes(captured.signature), pytree.tree_structure(args))
+    dynamic_shapes = pytree.tree_unflatten(torch_dynamic_shapes(captured.signature), pytree.tree_structure(args))
     try:
         with torch.no_grad():
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
     except Exception as error:  # torch.export raises many kinds
         message = " ".join(str(error).split())[:300]
         raise TpuExportError(f"torch.export of the quantized model failed ({type(error).__name__}: {message})") from None
-
-
-def _dynamic_shapes(signature: ProgramSignature) -> list[dict[int, torch.export.Dim] | None]:
-    """torch.export dynamic_shapes entries, one per flat input: {axis: Dim} for axes that are named dims.
-
-    One Dim object per name, so inputs that share a dim (batch of tokens and mask) share it again.
-    """
-    dims = {dim.name: torch.export.Dim(dim.name, min=dim.min, max=dim.max) for dim in signature.dims}
-    entries = []
-    for spec in signature.inputs:
-        entry = {axis: dims[size] for axis, size in enumerate(spec.shape) if isinstance(size, str) and size in dims}
-        entries.append(entry or None)
-    return entries
 
 
 def _check_same_interface(before: ProgramSignature, after: ProgramSignature) -> None:
