@@ -4,7 +4,6 @@ the API and the CLI, and one-line errors for bad calibration data."""
 from __future__ import annotations
 
 import json
-import re
 
 import numpy as np
 import pytest
@@ -17,18 +16,9 @@ from tpuexport import compile as compile_stage
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.cli import main
+from tpuexport.compile.hlo import matmul_ops
 from tpuexport.errors import EXIT_BAD_INPUT, TpuExportError
 from tpuexport.quantize import quantize
-
-_HLO_TYPE = re.compile(r"(%[\w.\-]+) = (\w+)\[")
-_HLO_DOT = re.compile(r"= (\w+)\[[^=]*? (?:dot|convolution)\((%[\w.\-]+), (%[\w.\-]+)\)")
-
-
-def dot_operand_types(hlo_text: str) -> list[tuple[str, str, str]]:
-    """(result type, left operand type, right operand type) of every dot and convolution in HLO text."""
-    types = dict(_HLO_TYPE.findall(hlo_text))
-    return [(result, types.get(left), types.get(right)) for result, left, right in _HLO_DOT.findall(hlo_text)]
-
 
 def captured_example(name: str) -> export_stage.CapturedModel:
     built = build_example(name)
@@ -37,8 +27,9 @@ def captured_example(name: str) -> export_stage.CapturedModel:
     return export_stage.capture(loaded)
 
 
-# (example, number of layers that must run as int8 x int8 -> int32 on the TPU)
-INTEGER_LAYERS = {"mlp": 3, "cnn": 3, "transformer": 9}
+# (example, number of dots/convolutions that must run as int8 x int8 -> int32 on the TPU); the
+# transformer's 13 are its 9 linears and Q·Kᵀ, P·V of both attention layers.
+INTEGER_LAYERS = {"mlp": 3, "cnn": 3, "transformer": 13}
 
 
 @pytest.mark.parametrize("name", sorted(INTEGER_LAYERS))
@@ -49,11 +40,9 @@ def test_static_int8_compiles_to_s8_dots_and_shrinks_weights(name):
     [target] = compile_stage.resolve_targets(["v5e"])
     [compiled] = compile_stage.compile_program(lowered, [target], compile_stage.make_buckets(lowered.signature, None)).results
 
-    operations = dot_operand_types(compiled.hlo_text)
-    integer = [op for op in operations if op == ("s32", "s8", "s8")]
-    assert len(integer) == INTEGER_LAYERS[name], operations
-    if name != "transformer":  # the transformer's attention (scaled_dot_product_attention) stays float
-        assert len(integer) == len(operations)
+    operations = [op.types for op in matmul_ops(compiled.hlo_text)]
+    integer = [types for types in operations if types == "s8xs8->s32"]
+    assert len(integer) == INTEGER_LAYERS[name] == len(operations), operations
     assert quantized.captured.signature.dims == captured.signature.dims  # symbolic dims survive
 
     float_bytes = sum(w.nbytes for w in lower_stage.lower(captured.program, captured.signature).weights)

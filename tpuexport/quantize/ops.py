@@ -107,6 +107,11 @@ def _int8_conv_jax(x_q, x_scale, w_q, w_scale, bias, stride, padding, dilation, 
 
 @register_lowering(torch.ops.tpuexport.int8_matmul.default)
 def _int8_matmul_jax(a_q, a_scale, b_q, b_scale):
+    # Both operands are computed activations (attention's Q·Kᵀ and P·V). libtpu 0.0.42.1 overflows
+    # its stack costing a convolution fusion that also holds their producers (seen on every
+    # Llama-style decoder: rotary embedding -> quantize -> Q·Kᵀ); the barrier keeps the int8
+    # operands out of that fusion, at the cost of writing them to HBM once.
+    a_q, b_q = lax.optimization_barrier((a_q, b_q))
     accumulated = jnp.matmul(a_q, b_q, preferred_element_type=jnp.int32)
     return accumulated.astype(jnp.float32) * (_scalar(a_scale) * _scalar(b_scale))
 

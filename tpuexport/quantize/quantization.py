@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import pathlib
 from typing import Any, Callable, Iterable
 
@@ -113,7 +114,8 @@ def quantize(
     if mode not in MODES:
         raise TpuExportError(f"unknown quantization {mode!r}; use one of {', '.join(MODES)}")
     samples, source = _calibration_samples(captured, mode, calibration, calibration_file, random_calibration)
-    module = captured.program.module()
+    program = captured.program if mode == "int8-weight-only" else attention_as_matmuls(captured.program)
+    module = program.module()
     prepared = prepare_pt2e(module, TpuQuantizer(mode))
     with torch.no_grad():
         for sample in samples or [captured.example_inputs]:  # dynamic / weight-only modes observe weights only
@@ -133,6 +135,37 @@ def quantize(
         quantized, mode, captured.reference, float_layers, converted, _quantized_layers(converted, integer_nodes),
         source, len(samples), evaluation, _weight_bytes(captured.program), warnings,
     )
+
+
+def attention_as_matmuls(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Rewrites every scaled_dot_product_attention into its math: two matmuls around a softmax.
+
+    PT2E annotates the exported graph before decomposition, where attention is one opaque op, so
+    without this Q·Kᵀ and P·V would stay float. As matmuls of two activations they are quantized
+    like any other (int8 x int8 -> int32 on the TPU); masks, causality, scale and grouped-query
+    heads keep torch's semantics.
+
+    Args:
+      program: the captured float program.
+    Returns:
+      The program with attention decomposed (other ops untouched).
+    """
+    return program.run_decompositions({torch.ops.aten.scaled_dot_product_attention.default: _attention_math})
+
+
+def _attention_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """torch's scaled_dot_product_attention in eval mode (dropout is off), as matmuls and a softmax."""
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if enable_gqa:
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], -3)
+        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], -3)
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    if is_causal:
+        causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return torch.matmul(torch.softmax(scores, dim=-1), value)
 
 
 def _weight_bytes(program: torch.export.ExportedProgram) -> int:

@@ -8,6 +8,8 @@ quantizing outputs would only add error before the next op requantizes them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torchao.quantization.pt2e import MinMaxObserver, PerChannelMinMaxObserver, PlaceholderObserver
 from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, QuantizationSpec, Quantizer
@@ -18,22 +20,41 @@ MODES = ("int8", "int8-dynamic", "int8-weight-only")
 # quantizes to -q(x); the scale is max|x| / 127.
 INT8_MIN, INT8_MAX = -127, 127
 
-# (operator, index of its weight argument, or None when both operands are activations)
-LINEAR_OPS = {torch.ops.aten.linear.default: 1}
-CONV_OPS = {torch.ops.aten.conv1d.default: 1, torch.ops.aten.conv2d.default: 1}
-MATMUL_OPS = {torch.ops.aten.matmul.default: None, torch.ops.aten.bmm.default: None}
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedInputs:
+    """Which arguments of an operator are quantized, and how.
+
+    Attributes:
+      activations: indices of the arguments quantized as activations (per tensor).
+      weight: index of the argument quantized as a weight (per output channel), or None.
+      weight_axis: the weight's output-channel axis (0 for linear/conv [out, in, ...], 1 for the
+        [in, out] matrix of addmm, as in GPT-2's Conv1D).
+    """
+
+    activations: tuple[int, ...]
+    weight: int | None = None
+    weight_axis: int = 0
+
+
+LINEAR_OPS = {torch.ops.aten.linear.default: QuantizedInputs((0,), 1)}
+# addmm(bias, input, weight[in, out]): a linear layer written as a matrix product (GPT-2's Conv1D).
+ADDMM_OPS = {torch.ops.aten.addmm.default: QuantizedInputs((1,), 2, weight_axis=1)}
+CONV_OPS = {torch.ops.aten.conv1d.default: QuantizedInputs((0,), 1), torch.ops.aten.conv2d.default: QuantizedInputs((0,), 1)}
+# Two activations multiplied, e.g. attention's Q·Kᵀ and P·V.
+MATMUL_OPS = {torch.ops.aten.matmul.default: QuantizedInputs((0, 1)), torch.ops.aten.bmm.default: QuantizedInputs((0, 1))}
 # Embedding tables: int8 weights only (the indices are integers); they dominate small language models.
-EMBEDDING_OPS = {torch.ops.aten.embedding.default: 0}
-QUANTIZED_OPS = {**LINEAR_OPS, **CONV_OPS, **MATMUL_OPS, **EMBEDDING_OPS}
+EMBEDDING_OPS = {torch.ops.aten.embedding.default: QuantizedInputs((), 0)}
+QUANTIZED_OPS = {**LINEAR_OPS, **ADDMM_OPS, **CONV_OPS, **MATMUL_OPS, **EMBEDDING_OPS}
 
 _EPS = torch.finfo(torch.float32).eps
 
 
-def weight_spec() -> QuantizationSpec:
-    """int8 symmetric per output channel (axis 0 of linear and conv weights)."""
+def weight_spec(axis: int = 0) -> QuantizationSpec:
+    """int8 symmetric per output channel (`axis`: 0 for linear and conv weights)."""
     return QuantizationSpec(
         dtype=torch.int8, quant_min=INT8_MIN, quant_max=INT8_MAX, qscheme=torch.per_channel_symmetric,
-        ch_axis=0, is_dynamic=False, observer_or_fake_quant_ctr=PerChannelMinMaxObserver.with_args(eps=_EPS),
+        ch_axis=axis, is_dynamic=False, observer_or_fake_quant_ctr=PerChannelMinMaxObserver.with_args(eps=_EPS),
     )
 
 
@@ -77,17 +98,46 @@ class TpuQuantizer(Quantizer):
         return model
 
     def _input_specs(self, node: torch.fx.Node) -> dict:
-        weight_index = QUANTIZED_OPS[node.target]
+        quantized = QUANTIZED_OPS[node.target]
         activation = None if self.mode == "int8-weight-only" else activation_spec(self.mode == "int8-dynamic")
         specs = {}
-        for index, argument in enumerate(node.args[:2]):
+        for index, argument in enumerate(node.args):
             if not _is_float_tensor(argument):
                 continue
-            if index == weight_index:
-                specs[argument] = weight_spec()
-            elif activation is not None:
+            if index == quantized.weight:
+                specs[argument] = weight_spec(quantized.weight_axis)
+            elif index in quantized.activations and activation is not None:
                 specs[argument] = activation
         return specs
+
+    def transform_for_annotation(self, model: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        """In dynamic mode, gives every quantized consumer of an activation its own input edge.
+
+        PT2E shares one run-time quantize between the consumers of an activation (BERT's hidden
+        state feeds the Q, K and V linears) and torchao's convert step then refuses a dynamic
+        quantize with several users ("Expecting single user"). An alias per extra consumer makes
+        each quantize private; XLA merges the identical scale computations again.
+        """
+        if self.mode != "int8-dynamic":
+            return model
+        graph = model.graph
+        for node in list(graph.nodes):
+            consumers = [user for user in node.users if self._quantizes_activation(user, node)]
+            for consumer in consumers[1:]:
+                with graph.inserting_before(consumer):
+                    alias = graph.call_function(torch.ops.aten.alias.default, (node,))
+                alias.meta.update({key: node.meta[key] for key in ("val", "nn_module_stack", "stack_trace") if key in node.meta})
+                consumer.replace_input_with(node, alias)
+        graph.lint()
+        model.recompile()
+        return model
+
+    def _quantizes_activation(self, consumer: torch.fx.Node, argument: torch.fx.Node) -> bool:
+        """Whether `consumer` is an op this quantizer quantizes and `argument` one of its activation inputs."""
+        if consumer.op != "call_function" or consumer.target not in QUANTIZED_OPS:
+            return False
+        activations = QUANTIZED_OPS[consumer.target].activations
+        return _is_float_tensor(argument) and any(consumer.args[index] is argument for index in activations if index < len(consumer.args))
 
     def validate(self, model: torch.fx.GraphModule) -> None:
         """Nothing to check: every annotation made here is one the converter supports."""

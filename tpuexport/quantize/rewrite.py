@@ -16,7 +16,7 @@ import operator
 import torch
 
 from tpuexport.quantize import ops  # noqa: F401  (defines the torch.ops.tpuexport operators)
-from tpuexport.quantize.quantizer import CONV_OPS, EMBEDDING_OPS, LINEAR_OPS, MATMUL_OPS
+from tpuexport.quantize.quantizer import ADDMM_OPS, CONV_OPS, EMBEDDING_OPS, LINEAR_OPS, MATMUL_OPS
 
 _qd = torch.ops.quantized_decomposed
 _DEQUANTIZE_PER_TENSOR = (_qd.dequantize_per_tensor.default, _qd.dequantize_per_tensor.tensor)
@@ -64,6 +64,8 @@ def _replacement(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node | 
         if node.target in LINEAR_OPS:
             return graph.call_function(torch.ops.tpuexport.int8_linear.default, (*activation, *weight, bias))
         return graph.call_function(torch.ops.tpuexport.int8_conv.default, (*activation, *weight, bias, *_conv_options(node)))
+    if node.target in ADDMM_OPS:
+        return _addmm_replacement(graph, node)
     if node.target in MATMUL_OPS:
         left, right = _activation(graph, node.args[0]), _activation(graph, node.args[1])
         if left is None or right is None:
@@ -75,6 +77,18 @@ def _replacement(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node | 
             return None
         return graph.call_function(torch.ops.tpuexport.int8_embedding.default, (*weight, node.args[1]))
     return None
+
+
+def _addmm_replacement(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node | None:
+    """addmm(bias, x, W[in, out]) as int8_linear(x, Wᵀ, bias): the int8 weight is transposed in the
+    graph (XLA folds the transpose into the dot's dimension numbers), its scales are per column."""
+    if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    activation, weight = _activation(graph, node.args[1]), _weight(node.args[2], axis=1)
+    if activation is None or weight is None:
+        return None
+    transposed = graph.call_function(torch.ops.aten.permute.default, (weight[0], [1, 0]))
+    return graph.call_function(torch.ops.tpuexport.int8_linear.default, (*activation, transposed, weight[1], node.args[0]))
 
 
 def _drop_zero_points(graph: torch.fx.Graph) -> None:
@@ -93,7 +107,7 @@ def _name_weights(module: torch.fx.GraphModule) -> None:
             continue
         if node.target in _INTEGER_WEIGHT_ARGUMENTS:
             weight_at = _INTEGER_WEIGHT_ARGUMENTS[node.target]
-            weight, scale = node.args[weight_at], node.args[weight_at + 1]
+            weight, scale = _through_permute(node.args[weight_at]), node.args[weight_at + 1]
         elif _calls(node, (_qd.dequantize_per_channel.default,)) and len(node.users) == 1:
             weight, scale = node.args[0], node.args[1]
             node = next(iter(node.users))
@@ -105,6 +119,13 @@ def _name_weights(module: torch.fx.GraphModule) -> None:
         layer = list(stack.values())[-1][0]
         for argument, name in ((weight, "weight_int8"), (scale, "weight_scale")):
             _move_attribute(module, argument, layer, name)
+
+
+def _through_permute(node):
+    """The int8 weight under the transpose an addmm rewrite puts on it."""
+    if _calls(node, (torch.ops.aten.permute.default,)):
+        return node.args[0]
+    return node
 
 
 def _move_attribute(module: torch.fx.GraphModule, node, layer: str, name: str) -> None:
@@ -137,12 +158,13 @@ def _activation(graph: torch.fx.Graph, argument) -> tuple[torch.fx.Node, torch.f
     return quantized, scale
 
 
-def _weight(argument) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    """(int8 weight node, per-channel scale node) for an axis-0 symmetric int8 weight, else None."""
+def _weight(argument, axis: int = 0) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(int8 weight node, per-channel scale node) for a symmetric int8 weight quantized along
+    `axis`, else None."""
     if not _calls(argument, (_qd.dequantize_per_channel.default,)):
         return None
-    quantized, scales, zero_points, axis = argument.args[:4]
-    if axis != 0 or argument.args[6] != torch.int8 or not _is_zero(zero_points):
+    quantized, scales, zero_points, channel_axis = argument.args[:4]
+    if channel_axis != axis or argument.args[6] != torch.int8 or not _is_zero(zero_points):
         return None
     return quantized, scales
 
