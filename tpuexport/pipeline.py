@@ -137,7 +137,7 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             lowered, report, buckets, model_name, options.model_version, options.out, on_step=clock.event,
         ),)
     if quantized:
-        extra_writers += (_quantization_report(quantized, lowered, clock),)
+        extra_writers += (_quantization_report(quantized, lowered, compiled.results[0], clock),)
     with clock.stage("write", lambda: str(options.out)):
         stage_seconds = dict(clock.seconds)
         try:
@@ -163,12 +163,15 @@ def _quantize(captured: export_stage.CapturedModel, options: ConversionOptions, 
     return quantized
 
 
-def _quantization_report(quantized, lowered: lower_stage.LoweredProgram, clock: StageClock):
-    """Measures SQNR against the float model; returns the writer that puts the report in the artifact."""
+def _quantization_report(quantized, lowered: lower_stage.LoweredProgram, executable: compile_stage.CompiledBucket,
+                         clock: StageClock):
+    """Measures SQNR against the float model and the integer share of the TPU executable's matmul
+    FLOPs; returns the writer that puts the report in the artifact."""
     from tpuexport import quantize as quantize_stage
 
     with clock.stage("quantization report", lambda: quantize_stage.describe_report(report)):
-        report = quantize_stage.build_report(quantized, lowered)
+        compiled = quantize_stage.CompiledMatmuls(executable.target.name, executable.bucket.name, executable.matmul_flops)
+        report = quantize_stage.build_report(quantized, lowered, compiled)
     return quantize_stage.report_writer(report)
 
 

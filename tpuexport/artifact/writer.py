@@ -120,6 +120,7 @@ def write_artifact(
                 "fits_in_hbm": result.fits_in_hbm,
                 "hbm_utilization": round(result.memory["total_bytes"] / target.hbm_bytes, 6),
                 "fingerprint": result.fingerprint,
+                "matmul_flops": result.matmul_flops,
             })
         report = verification.to_json()
         put(layout.VERIFICATION_REPORT, json.dumps(report, indent=2) + "\n")

@@ -22,6 +22,7 @@ import tempfile
 from typing import Callable
 
 from tpuexport.compile.buckets import Bucket
+from tpuexport.compile.hlo import matmul_flops_by_types
 from tpuexport.compile.targets import Target
 from tpuexport.errors import TpuExportError
 from tpuexport.lower import LoweredProgram
@@ -43,6 +44,8 @@ class CompiledBucket:
       cost: `cost_analysis()` figures: flops, bytes_accessed, optimal_seconds (XLA's estimate).
       fingerprint: sha256 of the compiled HLO text, to detect compiler drift later.
       hlo_text: the compiled HLO text (TPU layouts and op types), kept in memory only.
+      matmul_flops: FLOPs of the compiled dots and convolutions per operand types, e.g.
+        {"s8xs8->s32": ..., "f32xf32->f32": ...} (see compile/hlo.py).
     """
 
     target: Target
@@ -53,6 +56,7 @@ class CompiledBucket:
     cost: dict[str, float]
     fingerprint: str
     hlo_text: str
+    matmul_flops: dict[str, int]
 
     @property
     def fits_in_hbm(self) -> bool:
@@ -176,7 +180,7 @@ def _compiled_bucket(target: Target, bucket: Bucket, event: dict, scratch_dir: p
     hlo_text = (scratch_dir / f"{index}.hlo.txt").read_text()
     return CompiledBucket(
         target, bucket, (scratch_dir / f"{index}.executable").read_bytes(), event["seconds"], memory, event["cost"],
-        hashlib.sha256(hlo_text.encode()).hexdigest(), hlo_text,
+        hashlib.sha256(hlo_text.encode()).hexdigest(), hlo_text, matmul_flops_by_types(hlo_text),
     )
 
 

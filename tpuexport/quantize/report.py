@@ -10,6 +10,7 @@ accumulated by the layers before it.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import pathlib
@@ -26,14 +27,38 @@ from tpuexport.verify.verification import eager_outputs, to_numpy
 
 REPORT = "quantization/report.json"
 CHART = "quantization/layer_sqnr.png"
+INTEGER_TYPES = "s8xs8->s32"
+# Operators that multiply matrices; those the quantizer left float are listed in the report.
+_MATMUL_LIKE = {"linear", "addmm", "mm", "bmm", "matmul", "baddbmm", "einsum", "conv1d", "conv2d", "conv3d",
+                "conv_transpose1d", "conv_transpose2d", "convolution"}
 
 
-def build_report(quantized: QuantizedModel, lowered: LoweredProgram) -> dict:
+@dataclasses.dataclass(frozen=True)
+class CompiledMatmuls:
+    """What one compiled TPU executable multiplies, as the compile stage read it from its HLO.
+
+    Attributes:
+      target: the TPU target name.
+      bucket: the bucket name (its dim sizes).
+      flops_by_types: matmul/convolution FLOPs per "<lhs>x<rhs>-><result>" element types.
+    """
+
+    target: str
+    bucket: str
+    flops_by_types: dict[str, int]
+
+    def integer_fraction(self) -> float | None:
+        total = sum(self.flops_by_types.values())
+        return self.flops_by_types.get(INTEGER_TYPES, 0) / total if total else None
+
+
+def build_report(quantized: QuantizedModel, lowered: LoweredProgram, compiled: CompiledMatmuls) -> dict:
     """The report.json content.
 
     Args:
       quantized: the quantize pass's result.
       lowered: the lowered quantized program (its CPU run is the artifact's output).
+      compiled: the matmul FLOPs of one compiled TPU executable of it.
     Returns:
       A JSON-ready dict.
     """
@@ -69,7 +94,37 @@ def build_report(quantized: QuantizedModel, lowered: LoweredProgram) -> dict:
         ],
         "weight_bytes": {"quantized": weight_bytes, "float": float_weight_bytes,
                          "ratio": round(weight_bytes / float_weight_bytes, 4) if float_weight_bytes else None},
+        "integer_flops": {
+            "rule": "share of the compiled TPU executable's dot/convolution FLOPs whose operands are s8 x s8 with s32 results",
+            "target": compiled.target,
+            "bucket": compiled.bucket,
+            "fraction": None if compiled.integer_fraction() is None else round(compiled.integer_fraction(), 4),
+            "flops_by_types": compiled.flops_by_types,
+            "float_ops": [
+                {"node": layer.node, "module": layer.module, "op": layer.op, "why": "int8 weights, float compute"}
+                for layer in quantized.layers if not layer.integer
+            ] + _unquantized_matmuls(quantized.converted),
+        },
     }
+
+
+def _unquantized_matmuls(converted: torch.fx.GraphModule) -> list[dict]:
+    """Matrix-multiplying ops of the converted graph that read no dequantized input (left float)."""
+    found = []
+    for node in converted.graph.nodes:
+        if node.op != "call_function" or not hasattr(node.target, "overloadpacket"):
+            continue
+        op = node.target.overloadpacket.__name__
+        if op not in _MATMUL_LIKE or any(_is_dequantize(a) for a in node.args):
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        found.append({"node": node.name, "module": list(stack.values())[-1][0] if stack else "", "op": op,
+                      "why": "not quantized (an operator or operand pattern the quantizer does not annotate)"})
+    return found
+
+
+def _is_dequantize(argument) -> bool:
+    return isinstance(argument, torch.fx.Node) and "dequantize" in str(argument.target)
 
 
 _SCHEMES = {
@@ -109,7 +164,9 @@ def describe_report(report: dict) -> str:
     outputs = ", ".join(f"{o['name']} {_db(o['sqnr_db'])}" for o in report["outputs"])
     layers = [layer["sqnr_db"] for layer in report["layers"] if layer["sqnr_db"] is not None]
     worst = f"; worst layer {min(layers):.1f} dB" if layers else ""
-    text = f"SQNR vs float: {outputs}{worst}; weights {report['weight_bytes']['ratio']}x float"
+    integer = report["integer_flops"]["fraction"]
+    share = f"; {integer:.0%} of TPU matmul FLOPs in int8" if integer is not None else ""
+    text = f"SQNR vs float: {outputs}{worst}; weights {report['weight_bytes']['ratio']}x float{share}"
     return text + "".join(f"; WARNING: {warning}" for warning in report["warnings"])
 
 
@@ -149,7 +206,7 @@ def report_writer(report: dict) -> Callable[[pathlib.Path], dict]:
         (staging / CHART).write_bytes(chart_png(report))
         return {"quantization": {
             "mode": report["mode"], "report": REPORT, "chart": CHART, "warnings": report["warnings"],
-            "outputs": report["outputs"],
+            "outputs": report["outputs"], "integer_flops_fraction": report["integer_flops"]["fraction"],
         }}
 
     return write
