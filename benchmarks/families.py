@@ -122,7 +122,24 @@ def _hf(config_name: str, model_name: str, **config):
     import transformers
 
     torch.manual_seed(0)
-    return getattr(transformers, model_name)(getattr(transformers, config_name)(**config)).eval()
+    return checkpoint_like(getattr(transformers, model_name)(getattr(transformers, config_name)(**config)).eval())
+
+
+def checkpoint_like(model: nn.Module) -> nn.Module:
+    """Gives a freshly initialized model the non-trivial state a trained checkpoint has.
+
+    transformers and diffusers initialize biases to zero and batch norms to mean 0 / variance 1,
+    which would hide from verification every mistake in handling a bias or folding a batch norm.
+    """
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0.0, 0.05)
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_mean is not None:
+                module.running_mean.uniform_(-0.5, 0.5)
+                module.running_var.uniform_(0.5, 2.0)
+    return model
 
 
 _TEXT = dict(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=2 * WIDTH,
@@ -314,6 +331,7 @@ def unet2d():
     model = diffusers.UNet2DModel(sample_size=16, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(16, 32),
                                   down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
                                   norm_num_groups=8, attention_head_dim=8).eval()
+    checkpoint_like(model)
     batch, _ = _dims(False)
     generator = torch.Generator().manual_seed(1)
 
@@ -356,4 +374,44 @@ FAMILIES = {family.name: family for family in [
     Family("wav2vec2", "audio", wav2vec2),
     Family("hubert", "audio", hubert),
     Family("unet2d", "diffusion", unet2d),
+]}
+
+
+# Full-size configs (random weights, nothing downloaded): the depth and width of the checkpoints
+# people deploy, for measurements that tiny configs cannot show (rounding that compounds over
+# 12-50 layers, conversion time). Too slow for the test suite; used by benchmarks.
+def bert_base():
+    return _text(_hf("BertConfig", "BertModel"), ("last_hidden_state", "pooler_output"), vocab=30522)
+
+
+def llama_base():
+    """A 12-layer Llama-style decoder (768 wide, grouped-query attention, rotary), about 160M parameters."""
+    config = dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                  intermediate_size=2048, max_position_embeddings=2048, tie_word_embeddings=False)
+    return _text(_hf("LlamaConfig", "LlamaForCausalLM", **config), ("logits",), vocab=32000, use_cache=False)
+
+
+def vit_base():
+    return _image(_hf("ViTConfig", "ViTModel"), ("last_hidden_state", "pooler_output"), size=224)
+
+
+def resnet50():
+    return _image(_hf("ResNetConfig", "ResNetModel"), ("last_hidden_state", "pooler_output"), size=224)
+
+
+def swin_tiny():
+    return _image(_hf("SwinConfig", "SwinModel"), ("last_hidden_state", "pooler_output"), size=224)
+
+
+def wav2vec2_base():
+    return _audio(_hf("Wav2Vec2Config", "Wav2Vec2Model"), ("last_hidden_state",), samples=16000)
+
+
+BASE_FAMILIES = {family.name: family for family in [
+    Family("bert-base", "encoder", bert_base),
+    Family("llama-base", "decoder", llama_base),
+    Family("vit-base", "vision", vit_base),
+    Family("resnet-50", "cnn", resnet50),
+    Family("swin-tiny", "vision", swin_tiny),
+    Family("wav2vec2-base", "audio", wav2vec2_base),
 ]}
