@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 
 import pytest
 
@@ -11,6 +12,8 @@ import tpuexport
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
+# benchmarks/families.py (real architectures) and benchmarks/planted_bugs.py are shared with the tests.
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def build_example(name: str) -> dict:

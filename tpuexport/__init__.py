@@ -18,7 +18,7 @@ from tpuexport.compile import TARGETS
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError, VerificationError
 from tpuexport.export import LoadedSource, SourceInfo
 from tpuexport.pipeline import ConversionOptions, run_conversion
-from tpuexport.verify import Tolerances
+from tpuexport.verify import DEFAULT_BUDGET_FLOPS, Tolerances
 from tpuexport.verify.gate import CheckResult, GateReport, verify_artifact
 
 __version__ = "0.1.0"
@@ -47,7 +47,10 @@ def convert(
     out,
     buckets: dict[str, list[int]] | None = None,
     precision: str = "f32",
-    tolerances: Tolerances | tuple[float, float] | None = None,
+    matmul_precision: str = "default",
+    tolerances: dict[str, float] | tuple[float, float] | None = None,
+    verify_budget_flops: float = DEFAULT_BUDGET_FLOPS,
+    verify_sizes: list[dict[str, int]] | None = None,
     overwrite: bool = False,
     saved_model: bool = True,
     model_name: str | None = None,
@@ -68,7 +71,12 @@ def convert(
       out: the artifact directory to create.
       buckets: {dim name: [sizes]} compiled as a cartesian product; None for the example shapes.
       precision: "f32" or "bf16".
-      tolerances: verification (atol, rtol); None for the precision's defaults.
+      matmul_precision: the TPU arithmetic of dots and convolutions, pinned in the artifact and
+        emulated by verification: "default" (one bf16 pass), "high" (bf16x3), "highest" (f32).
+      tolerances: verification overrides, {"atol": ..., "rtol": ..., "scale_tol": ...} or
+        (atol, rtol); None for the defaults of the numeric settings (README, "Verification").
+      verify_budget_flops: matmul FLOPs the optional verification sizes may add.
+      verify_sizes: dim sizes that must also be verified, e.g. [{"batch": 64, "seq": 512}].
       overwrite: replace an existing artifact at `out`.
       saved_model: also write a TF Serving SavedModel under tf_serving/ (checked in TensorFlow).
       model_name: TF Serving's model name; None for the stem of `out` ("mlp" for "mlp.tpu").
@@ -86,14 +94,16 @@ def convert(
         but the report is written.
     """
     if isinstance(tolerances, tuple):
-        tolerances = Tolerances(*tolerances)
+        tolerances = dict(zip(("atol", "rtol"), tolerances))
     if not isinstance(model, torch.export.ExportedProgram) and args is None:
         raise TpuExportError("convert(model) needs args=(example inputs,) for an nn.Module")
     loaded = LoadedSource(model, tuple(args) if args is not None else None, dynamic_shapes, None, SourceInfo("api"))
     targets = (target,) if isinstance(target, str) else tuple(target)
     calibration_file = pathlib.Path(calibration) if isinstance(calibration, (str, pathlib.Path)) else None
     options = ConversionOptions(
-        targets, pathlib.Path(out), buckets, precision, tolerances, overwrite, saved_model, model_name, model_version,
+        targets, pathlib.Path(out), buckets=buckets, precision=precision, matmul_precision=matmul_precision,
+        tolerance_overrides=dict(tolerances or {}), verify_budget_flops=verify_budget_flops, verify_sizes=tuple(verify_sizes or ()),
+        overwrite=overwrite, saved_model=saved_model, model_name=model_name, model_version=model_version,
         quantize=quantize, calibration=None if calibration_file else calibration, calibration_file=calibration_file,
         random_calibration=random_calibration,
     )

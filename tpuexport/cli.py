@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tpuexport.errors import EXIT_BAD_INPUT, EXIT_VERIFICATION_FAILED, TpuExportError, VerificationError
+from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS
 
 stderr = Console(stderr=True, highlight=False)
 
@@ -52,11 +53,18 @@ def main():
 @click.option("--bucket", "buckets", multiple=True, metavar="DIM=S1,S2,...",
               help="Sizes to compile for a dim (repeat per dim; cartesian product). Default: the example shapes.")
 @click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True)
+@click.option("--matmul-precision", type=click.Choice(["default", "high", "highest"]), default="default", show_default=True,
+              help="TPU arithmetic of every dot/convolution: one bf16 pass, bf16x3, or f32 accuracy (six passes).")
 @click.option("--input", "inputs", multiple=True, metavar="NAME:D0,D1,...[:DTYPE]", help="Input of a pickled model (repeat, in order).")
 @click.option("--dim", "dims", multiple=True, metavar="NAME=MIN:MAX", help="A symbolic dim used by --input.")
 @click.option("--trust-pickle", is_flag=True, help="Allow unpickling a .pt/.pth module (pickles run code when loaded).")
-@click.option("--atol", type=float, help="Verification absolute tolerance [default per precision].")
-@click.option("--rtol", type=float, help="Verification relative tolerance [default per precision].")
+@click.option("--atol", type=float, help="Verification absolute tolerance [default per numeric setting].")
+@click.option("--rtol", type=float, help="Verification tolerance relative to each element [default per numeric setting].")
+@click.option("--scale-tol", type=float, help="Verification tolerance relative to each output's RMS [default per numeric setting].")
+@click.option("--verify-budget", "verify_budget", type=float, default=DEFAULT_BUDGET_FLOPS / 1e9, show_default=True, metavar="GFLOP",
+              help="Matmul GFLOP the optional verification sizes (max, mid) may add.")
+@click.option("--verify-size", "verify_sizes", multiple=True, metavar="DIM=S,DIM=S",
+              help="Sizes that must also be verified (repeat for several; unnamed dims at their example size).")
 @click.option("--force", is_flag=True, help="Replace an existing artifact at --out.")
 @click.option("--saved-model/--no-saved-model", default=True, show_default=True,
               help="Write a TF Serving SavedModel under tf_serving/ and check it in TensorFlow.")
@@ -69,13 +77,13 @@ def main():
 @click.option("--random-calibration", is_flag=True, help="Calibrate --quantize int8 on random inputs (not real data; warned).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @handles_errors
-def convert(source, targets, out, buckets, precision, inputs, dims, trust_pickle, atol, rtol, force, saved_model, model_name,
-            model_version, quantize, calibration_file, random_calibration, as_json):
+def convert(source, targets, out, buckets, precision, matmul_precision, inputs, dims, trust_pickle, atol, rtol, scale_tol,
+            verify_budget, verify_sizes, force, saved_model, model_name, model_version, quantize, calibration_file,
+            random_calibration, as_json):
     """Convert SOURCE (model.pt2, file.py:factory, or model.pt with --trust-pickle) into an artifact."""
     from tpuexport import compile as compile_stage
     from tpuexport import export as export_stage
     from tpuexport.pipeline import ConversionOptions, run_conversion
-    from tpuexport.verify import DEFAULT_TOLERANCES, QUANTIZED_TOLERANCES
 
     dim_specs = [export_stage.parse_dim(text) for text in dims]
     by_name = {d.name: d for d in dim_specs}
@@ -84,14 +92,16 @@ def convert(source, targets, out, buckets, precision, inputs, dims, trust_pickle
     input_specs = [export_stage.parse_input(text, by_name) for text in inputs]
     bucket_sizes = compile_stage.parse_bucket_options(buckets)
     compile_stage.resolve_targets(list(targets))
-    tolerances = None
-    if atol is not None or rtol is not None:
-        default = QUANTIZED_TOLERANCES if quantize else DEFAULT_TOLERANCES[precision]
-        tolerances = dataclasses.replace(default, atol=default.atol if atol is None else atol, rtol=default.rtol if rtol is None else rtol)
+    overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
+    if verify_budget < 0:
+        raise TpuExportError(f"--verify-budget {verify_budget:g} is negative; give GFLOP >= 0 (0 runs only the sizes every conversion runs)")
     source_stem = pathlib.Path(source.partition(":")[0] if ".py:" in source else source).stem
     out = out or pathlib.Path(source_stem + ".tpu")
     options = ConversionOptions(
-        tuple(targets), out, bucket_sizes or None, precision, tolerances, force, saved_model, model_name or source_stem, model_version,
+        tuple(targets), out, buckets=bucket_sizes or None, precision=precision, matmul_precision=matmul_precision,
+        tolerance_overrides=overrides, verify_budget_flops=verify_budget * 1e9,
+        verify_sizes=tuple(parse_sizes(text, "--verify-size") for text in verify_sizes), overwrite=force, saved_model=saved_model,
+        model_name=model_name or source_stem, model_version=model_version,
         quantize=quantize, calibration_file=calibration_file, random_calibration=random_calibration,
     )
 
@@ -102,6 +112,21 @@ def convert(source, targets, out, buckets, precision, inputs, dims, trust_pickle
         stderr.print(f"[bold yellow]WARNING:[/] {warning}", soft_wrap=True)
     if as_json:
         click.echo(json.dumps(summary(artifact), indent=2))
+
+
+def parse_sizes(text: str, option: str) -> dict[str, int]:
+    """Parses `DIM=S,DIM=S` into {dim: size}.
+
+    Raises:
+      TpuExportError: malformed text.
+    """
+    sizes = {}
+    for item in text.split(","):
+        name, equals, size = item.partition("=")
+        if not equals or not name.strip().isidentifier() or not size.strip().isdigit():
+            raise TpuExportError(f"malformed {option} {text!r}: expected DIM=SIZE,DIM=SIZE, e.g. {option} batch=64,seq=512")
+        sizes[name.strip()] = int(size)
+    return sizes
 
 
 def _print_stage(stage: str, seconds: float, detail: str) -> None:

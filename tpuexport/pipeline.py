@@ -3,19 +3,26 @@
   export   load/capture with torch.export           -> CapturedModel
   quantize PT2E int8 (optional), re-exported         -> CapturedModel (reference: the PT2E model)
   lower    torchax op library -> jax.export          -> LoweredProgram
-  verify   CPU run vs eager PyTorch (fails fast)     -> VerificationReport
-  compile  libtpu AOT per target and bucket          -> CompileReport
+  compile  libtpu AOT per target and bucket          -> CompileReport      (child processes, in the
+                                                                             background from here)
+  verify   CPU runs vs eager PyTorch (fails fast)    -> VerificationReport
   write    the artifact directory, atomically        -> Artifact
            (with the TF Serving SavedModel, checked in TensorFlow before the rename, and the
-           quantization report)
+           quantization report; the executables once compile is done)
+
+What is independent overlaps: the TensorFlow process that checks the SavedModel imports TensorFlow
+from the start, and the TPU compiler works while verify and the SavedModel run. A failure anywhere
+kills the background processes; nothing is written but a failed verification's report.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import pathlib
+import threading
 import time
 from typing import Callable, Iterable
 
@@ -26,6 +33,7 @@ from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
 from tpuexport.artifact import tf_serving as serving_stage
 from tpuexport.errors import TpuExportError, VerificationError
+from tpuexport.verify.saved_model_check import TensorFlowProcess
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +45,12 @@ class ConversionOptions:
       out: the artifact directory.
       buckets: {dim name: sizes} to compile, or None for the example shapes.
       precision: "f32" or "bf16".
-      tolerances: verification tolerances, or None for the precision's defaults.
+      matmul_precision: the TPU arithmetic pinned on every dot and convolution: "default" (one
+        bf16 pass), "high" (bf16x3) or "highest" (f32 accuracy).
+      tolerance_overrides: {"atol"|"rtol"|"scale_tol": value} replacing the defaults of both
+        verification runs (verify/tolerances.py); empty for the defaults.
+      verify_budget_flops: matmul FLOPs the optional verification sizes may add (verify/sizes.py).
+      verify_sizes: dim sizes that must be verified ({dim: size}; other dims at their example size).
       overwrite: replace an existing artifact at `out`.
       saved_model: also write the TF Serving SavedModel (tf_serving/) and check it in TensorFlow.
       model_name: TF Serving's model name, or None for the stem of `out`.
@@ -52,7 +65,10 @@ class ConversionOptions:
     out: pathlib.Path
     buckets: dict[str, list[int]] | None = None
     precision: str = "f32"
-    tolerances: verify_stage.Tolerances | None = None
+    matmul_precision: str = "default"
+    tolerance_overrides: dict[str, float] = dataclasses.field(default_factory=dict)
+    verify_budget_flops: float = verify_stage.DEFAULT_BUDGET_FLOPS
+    verify_sizes: tuple[dict[str, int], ...] = ()
     overwrite: bool = False
     saved_model: bool = True
     model_name: str | None = None
@@ -64,23 +80,39 @@ class ConversionOptions:
 
 
 class StageClock:
-    """Times the stages and reports each one to an optional listener (the CLI's progress lines)."""
+    """Times the stages and reports each one to an optional listener (the CLI's progress lines).
+
+    Events from other threads (compilation in the background) are held and reported by the main
+    thread with its next event: the main thread may have the process's stderr redirected for a
+    moment (TensorFlow's native logging), and a line written then would be lost.
+    """
 
     def __init__(self, listener: Callable[[str, float, str], None] | None):
         self.listener = listener
         self.seconds: dict[str, float] = {}
+        self.held: list[tuple[str, float, str]] = []
 
     @contextlib.contextmanager
     def stage(self, name: str, detail: Callable[[], str] = lambda: ""):
         start = time.perf_counter()
         yield
         self.seconds[name] = time.perf_counter() - start
-        if self.listener:
-            self.listener(name, self.seconds[name], detail())
+        self.event(name, self.seconds[name], detail())
 
     def event(self, name: str, seconds: float, detail: str) -> None:
-        if self.listener:
-            self.listener(name, seconds, detail)
+        if not self.listener:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            self.held.append((name, seconds, detail))
+            return
+        while self.held:
+            self.listener(*self.held.pop(0))
+        self.listener(name, seconds, detail)
+
+    def record(self, name: str, seconds: float, detail: str) -> None:
+        """A stage timed elsewhere (e.g. compilation running in the background): kept and reported."""
+        self.seconds[name] = seconds
+        self.event(name, seconds, detail)
 
 
 def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions, progress=None) -> artifact_stage.Artifact:
@@ -101,52 +133,69 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
     artifact_stage.check_destination(options.out, options.overwrite)
     if options.precision not in lower_stage.PRECISIONS:
         raise TpuExportError(f"unknown precision {options.precision!r}; use one of {', '.join(lower_stage.PRECISIONS)}")
+    if options.matmul_precision not in lower_stage.MATMUL_PRECISIONS:
+        raise TpuExportError(f"unknown matmul precision {options.matmul_precision!r}; use one of {', '.join(lower_stage.MATMUL_PRECISIONS)}")
     model_name = serving_stage.check_model_name(options.model_name or serving_stage.default_model_name(options.out))
     serving_stage.check_model_version(options.model_version)
     clock = StageClock(progress)
+    with contextlib.ExitStack() as running:
+        # TensorFlow's import (seconds) overlaps export and lowering in the checking process.
+        checker = running.enter_context(TensorFlowProcess()) if options.saved_model else None
+        with clock.stage("export", lambda: _describe_dims(captured.signature)):
+            captured = export_stage.capture(loaded)
+        quantized = None
+        if options.quantize:
+            quantized = _quantize(captured, options, clock)
+            captured = quantized.captured
+        buckets = compile_stage.make_buckets(captured.signature, options.buckets)
+        requested_sizes = verify_stage.resolve_requested_sizes(captured.signature, options.verify_sizes)
+        with clock.stage("lower", lambda: f"{len(lowered.weights)} weight arrays, precision {options.precision}, "
+                                          f"matmul precision {options.matmul_precision}"):
+            lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision)
 
-    with clock.stage("export", lambda: _describe_dims(captured.signature)):
-        captured = export_stage.capture(loaded)
-    quantized = None
-    if options.quantize:
-        quantized = _quantize(captured, options, clock)
-        captured = quantized.captured
-    buckets = compile_stage.make_buckets(captured.signature, options.buckets)
-    with clock.stage("lower", lambda: f"{len(lowered.weights)} weight arrays, precision {options.precision}"):
-        lowered = lower_stage.lower(captured.program, captured.signature, options.precision)
-    with clock.stage("verify", lambda: f"{len(report.cases)} size(s), {'passed' if report.passed else 'FAILED'}"):
-        tolerances = options.tolerances or (verify_stage.QUANTIZED_TOLERANCES if quantized else None)
-        report = verify_stage.verify(lowered, captured.reference, captured.example_inputs, tolerances)
-        if quantized:
-            report = dataclasses.replace(report, against="the PT2E-converted model, eager PyTorch")
-    if not report.passed:
-        raise VerificationError(report, _write_failed_report(options.out, report.to_json()))
-
-    def compiled_one(result: compile_stage.CompiledBucket) -> None:
-        clock.event(
-            f"compile {result.target.name} {result.bucket.name}", result.compile_seconds,
-            f"{result.memory['total_bytes'] / 2**20:.1f} MiB of {result.target.hbm_bytes / 2**30:.0f} GiB HBM, "
-            f"{result.cost['flops']:.3g} flops",
-        )
-
-    with clock.stage("compile", lambda: f"{len(compiled.results)} executable(s)"):
-        compiled = compile_stage.compile_program(lowered, targets, buckets, on_compiled=compiled_one)
-    extra_writers = ()
-    if options.saved_model:
-        extra_writers = (serving_stage.TfServingExport(
-            lowered, report, buckets, model_name, options.model_version, options.out, on_step=clock.event,
-        ),)
-    if quantized:
-        extra_writers += (_quantization_report(quantized, lowered, compiled.results[0], clock),)
-    with clock.stage("write", lambda: str(options.out)):
-        stage_seconds = dict(clock.seconds)
-        try:
-            artifact_stage.write_artifact(
-                options.out, source=captured.source, lowered=lowered, compiled=compiled, verification=report,
-                stage_seconds=stage_seconds, overwrite=options.overwrite, extra_writers=extra_writers,
+        def compiled_one(result: compile_stage.CompiledBucket) -> None:
+            clock.event(
+                f"compile {result.target.name} {result.bucket.name}", result.compile_seconds,
+                f"{result.memory['total_bytes'] / 2**20:.1f} MiB of {result.target.hbm_bytes / 2**30:.0f} GiB HBM, "
+                f"{result.cost['flops']:.3g} flops",
             )
-        except serving_stage.SavedModelMismatch as mismatch:
-            raise VerificationError(report, _write_failed_report(options.out, mismatch.report), mismatch.summary) from None
+
+        # The TPU compiler runs in its own processes from here on, while verify and the SavedModel run.
+        compiling = running.enter_context(compile_stage.CompileJob(lowered, targets, buckets, on_compiled=compiled_one))
+        with clock.stage("verify", lambda: _describe_verification(report)):
+            tolerances = verify_stage.with_overrides(
+                verify_stage.default_tolerances(options.precision, options.matmul_precision, quantized is not None),
+                **options.tolerance_overrides,
+            )
+            report = verify_stage.verify(lowered, captured.reference, captured.example_inputs, tolerances,
+                                         options.verify_budget_flops, requested_sizes)
+            if quantized:
+                report = dataclasses.replace(report, against="the PT2E-converted model, eager PyTorch")
+        if not report.passed:
+            raise VerificationError(report, _write_failed_report(options.out, report.to_json()))
+
+        @functools.cache
+        def compiled() -> compile_stage.CompileReport:
+            result = compiling.result()
+            clock.record("compile", compiling.seconds, f"{len(result.results)} executable(s), alongside verify and the SavedModel")
+            return result
+
+        extra_writers = ()
+        if options.saved_model:
+            extra_writers = (serving_stage.TfServingExport(
+                lowered, report, buckets, model_name, options.model_version, options.out, checker=checker,
+                buckets_compiled=compiled, on_step=clock.event,
+            ),)
+        if quantized:
+            extra_writers += (_quantization_report(quantized, lowered, compiled, clock),)
+        with clock.stage("write", lambda: str(options.out)):
+            try:
+                artifact_stage.write_artifact(
+                    options.out, source=captured.source, lowered=lowered, compiled=compiled, verification=report,
+                    stage_seconds=clock.seconds, overwrite=options.overwrite, extra_writers=extra_writers,
+                )
+            except serving_stage.SavedModelMismatch as mismatch:
+                raise VerificationError(report, _write_failed_report(options.out, mismatch.report), mismatch.summary) from None
     return artifact_stage.load(options.out)
 
 
@@ -163,16 +212,20 @@ def _quantize(captured: export_stage.CapturedModel, options: ConversionOptions, 
     return quantized
 
 
-def _quantization_report(quantized, lowered: lower_stage.LoweredProgram, executable: compile_stage.CompiledBucket,
+def _quantization_report(quantized, lowered: lower_stage.LoweredProgram, compiled: Callable[[], compile_stage.CompileReport],
                          clock: StageClock):
-    """Measures SQNR against the float model and the integer share of the TPU executable's matmul
-    FLOPs; returns the writer that puts the report in the artifact."""
+    """The writer that measures SQNR against the float model and the integer share of the first
+    TPU executable's matmul FLOPs, and puts the report in the artifact."""
     from tpuexport import quantize as quantize_stage
 
-    with clock.stage("quantization report", lambda: quantize_stage.describe_report(report)):
-        compiled = quantize_stage.CompiledMatmuls(executable.target.name, executable.bucket.name, executable.matmul_flops)
-        report = quantize_stage.build_report(quantized, lowered, compiled)
-    return quantize_stage.report_writer(report)
+    def write(staging: pathlib.Path) -> dict:
+        executable = compiled().results[0]
+        with clock.stage("quantization report", lambda: quantize_stage.describe_report(report)):
+            matmuls = quantize_stage.CompiledMatmuls(executable.target.name, executable.bucket.name, executable.matmul_flops)
+            report = quantize_stage.build_report(quantized, lowered, matmuls)
+        return quantize_stage.report_writer(report)(staging)
+
+    return write
 
 
 def _write_failed_report(out: pathlib.Path, report: dict) -> pathlib.Path:
@@ -180,6 +233,12 @@ def _write_failed_report(out: pathlib.Path, report: dict) -> pathlib.Path:
     report_path = out.parent / f"{out.name}.verification-report.json"
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     return report_path
+
+
+def _describe_verification(report: verify_stage.VerificationReport) -> str:
+    worst = report.worst_errors()
+    return (f"{len(report.cases)} size(s), {'passed' if report.passed else 'FAILED'}; worst relative RMS error "
+            f"{worst['tpu']:.1e} as the TPU computes (matmul precision {report.matmul_precision}), {worst['cpu']:.1e} in f32")
 
 
 def _describe_dims(signature) -> str:

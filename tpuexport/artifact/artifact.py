@@ -22,11 +22,13 @@ from tpuexport.signature import ProgramSignature
 REQUIRED_MANIFEST_ENTRIES = {
     "versions": dict,
     "precision": str,
+    "matmul_precision": str,
     "signature": dict,
     "program": dict,
     "program.exported": str,
     "program.weights": str,
     "program.weight_names": list,
+    "program.matmul_flops": str,
     "targets": dict,
     "verification": dict,
     "verification.tolerances": dict,
@@ -62,7 +64,8 @@ class Artifact:
         exported = jax.export.deserialize(bytearray((self.path / program["exported"]).read_bytes()))
         arrays = load_arrays((self.path / program["weights"]).read_bytes())
         weights = tuple(arrays[name] for name in program["weight_names"])
-        return LoweredProgram(exported, tuple(program["weight_names"]), weights, self.signature, self.manifest["precision"])
+        return LoweredProgram(exported, tuple(program["weight_names"]), weights, self.signature, self.manifest["precision"],
+                              self.manifest["matmul_precision"], program["matmul_flops"])
 
     def run(self, *inputs):
         """Runs the lowered StableHLO on CPU.

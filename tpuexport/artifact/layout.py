@@ -1,7 +1,7 @@
 """Where each file lives inside an artifact directory (documented in the README)."""
 
 FORMAT = "tpuexport.artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 MANIFEST = "manifest.json"
 EXPORTED = "program/exported.jaxexport"  # jax.export serialization (flatbuffer), versioned

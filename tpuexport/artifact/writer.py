@@ -10,6 +10,7 @@ import os
 import pathlib
 import shutil
 import uuid
+from typing import Callable
 
 from tpuexport.artifact import layout
 from tpuexport.artifact.manifest import build_section, dumps, hash_tree, package_versions
@@ -61,7 +62,7 @@ def write_artifact(
     *,
     source: SourceInfo,
     lowered: LoweredProgram,
-    compiled: CompileReport,
+    compiled: Callable[[], CompileReport],
     verification: VerificationReport,
     stage_seconds: dict[str, float],
     overwrite: bool = False,
@@ -73,13 +74,16 @@ def write_artifact(
       out: the artifact directory to create (or replace, with overwrite).
       source: where the model came from.
       lowered: the lowered program and weights.
-      compiled: the TPU executables and their figures.
+      compiled: returns the TPU executables and their figures; called once the program files and
+        the extra writers are done, so that compilation running in the background overlaps them.
       verification: the passed verification report with golden data.
-      stage_seconds: wall time per stage, recorded under "build".
+      stage_seconds: wall time per stage, recorded under "build" (read when the manifest is
+        written, after `compiled` returned).
       overwrite: replace an existing artifact.
-      extra_writers: callables (staging_dir) -> dict of manifest sections, run before hashing
-        (e.g. the TF Serving SavedModel). A "build" entry among them (run-dependent figures such
-        as timings) is merged into the manifest's "build" section rather than replacing it.
+      extra_writers: callables (staging_dir) -> dict of manifest sections, run in order after the
+        program files, verification report and golden data are written (e.g. the TF Serving
+        SavedModel). A "build" entry among them (run-dependent figures such as timings) is merged
+        into the manifest's "build" section rather than replacing it.
     Returns:
       The manifest written.
     """
@@ -101,11 +105,32 @@ def write_artifact(
             "weights": put(layout.WEIGHTS, save_arrays(dict(zip(lowered.weight_names, lowered.weights)))),
             "weight_names": list(lowered.weight_names),
             "weight_bytes": int(sum(w.nbytes for w in lowered.weights)),
+            "matmul_flops": lowered.matmul_flops,
         }
-        targets: dict[str, dict] = {}
-        for result in compiled.results:
+        report = verification.to_json()
+        put(layout.VERIFICATION_REPORT, json.dumps(report, indent=2) + "\n")
+        put(layout.GOLDEN, save_arrays(verification.golden))
+        manifest = {
+            "format": layout.FORMAT,
+            "format_version": layout.FORMAT_VERSION,
+            "versions": package_versions(),
+            "source": {"kind": source.kind, "path": source.path, "sha256": source.sha256, "reference": source.reference},
+            "precision": lowered.precision,
+            "matmul_precision": lowered.matmul_precision,
+            "signature": lowered.signature.to_json(),
+            "program": program,
+            "targets": {},
+            "verification": verification_section(verification),
+        }
+        extra_build = {}
+        for writer in extra_writers:
+            sections = writer(staging)
+            extra_build.update(sections.pop("build", {}))
+            manifest.update(sections)
+        results = compiled().results
+        for result in results:
             target = result.target
-            entry = targets.setdefault(target.name, {
+            entry = manifest["targets"].setdefault(target.name, {
                 "generation": target.generation,
                 "topology": target.topology,
                 "hbm_bytes": target.hbm_bytes,
@@ -122,28 +147,9 @@ def write_artifact(
                 "fingerprint": result.fingerprint,
                 "matmul_flops": result.matmul_flops,
             })
-        report = verification.to_json()
-        put(layout.VERIFICATION_REPORT, json.dumps(report, indent=2) + "\n")
-        put(layout.GOLDEN, save_arrays(verification.golden))
-        manifest = {
-            "format": layout.FORMAT,
-            "format_version": layout.FORMAT_VERSION,
-            "versions": package_versions(),
-            "source": {"kind": source.kind, "path": source.path, "sha256": source.sha256, "reference": source.reference},
-            "precision": lowered.precision,
-            "signature": lowered.signature.to_json(),
-            "program": program,
-            "targets": targets,
-            "verification": verification_section(verification),
-        }
-        extra_build = {}
-        for writer in extra_writers:
-            sections = writer(staging)
-            extra_build.update(sections.pop("build", {}))
-            manifest.update(sections)
         manifest["build"] = {**build_section(stage_seconds), **extra_build}
         manifest["build"]["compile_seconds"] = {
-            f"{r.target.name}/{r.bucket.name}": round(r.compile_seconds, 3) for r in compiled.results
+            f"{r.target.name}/{r.bucket.name}": round(r.compile_seconds, 3) for r in results
         }
         manifest["files"] = hash_tree(staging)
         put(layout.MANIFEST, dumps(manifest))
@@ -155,8 +161,9 @@ def verification_section(verification: VerificationReport) -> dict:
     return {
         "passed": verification.passed,
         "against": verification.against,
-        "tolerances": dataclasses.asdict(verification.tolerances),
+        "matmul_precision": verification.matmul_precision,
+        "tolerances": verification.tolerances.to_json(),
         "report": layout.VERIFICATION_REPORT,
         "golden": layout.GOLDEN,
-        "cases": [{"label": c.label, "sizes": c.sizes, "golden": c.golden} for c in verification.cases],
+        "cases": [{"label": c.label, "sizes": c.sizes, "reason": c.reason, "golden": c.golden} for c in verification.cases],
     }

@@ -1,12 +1,13 @@
 """Compile stage: AOT TPU executables per target and shape bucket, with memory/cost figures."""
 
-from tpuexport.compile.aot import CompiledBucket, CompileReport, compile_program, compile_target
+from tpuexport.compile.aot import CompiledBucket, CompileJob, CompileReport, compile_program, compile_target
 from tpuexport.compile.buckets import Bucket, make_buckets, parse_bucket_options
 from tpuexport.compile.targets import TARGETS, Target, resolve_targets
 
 __all__ = [
     "TARGETS",
     "Bucket",
+    "CompileJob",
     "CompileReport",
     "CompiledBucket",
     "Target",

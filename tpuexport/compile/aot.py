@@ -6,6 +6,10 @@ libtpu's compiler (seen: a segfault compiling a transformer for 7x at one bucket
 becomes an error naming the target and bucket instead of killing the conversion, and the
 user's process never loads libtpu. XLA's own memory and cost analyses give the figures for the
 report and the HBM-fit verdict.
+
+The targets' processes run at the same time (up to one per core), and in the background of the
+conversion (`CompileJob`): verification and the SavedModel need only the lowered program, so
+they run while the TPU compiler works.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from tpuexport.compile.buckets import Bucket
@@ -79,7 +86,7 @@ def compile_program(
     buckets: list[Bucket],
     on_compiled: Callable[[CompiledBucket], None] | None = None,
 ) -> CompileReport:
-    """Compiles the lowered program for every target and bucket.
+    """Compiles the lowered program for every target and bucket, and waits for it.
 
     Args:
       lowered: the lowering stage's result.
@@ -92,7 +99,73 @@ def compile_program(
       TpuExportError: XLA refused to compile or libtpu crashed (naming the target and bucket), or
         a bucket does not fit in a chip's HBM (all such buckets are named).
     """
-    results = [result for target in targets for result in compile_target(lowered, target, buckets, on_compiled)]
+    with CompileJob(lowered, targets, buckets, on_compiled) as job:
+        return job.result()
+
+
+class CompileJob:
+    """Compilation running in child processes while the caller goes on.
+
+    Used as a context manager: leaving the block before `result()` (e.g. verification failed)
+    kills the compiler processes. `on_compiled` is called from the job's threads.
+    """
+
+    def __init__(
+        self,
+        lowered: LoweredProgram,
+        targets: list[Target],
+        buckets: list[Bucket],
+        on_compiled: Callable[[CompiledBucket], None] | None = None,
+    ):
+        self.targets = targets
+        self.children: list[subprocess.Popen] = []
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.pool = ThreadPoolExecutor(max_workers=max(1, min(len(targets), os.cpu_count() or 1)), thread_name_prefix="tpu-compile")
+        self.started_at = time.perf_counter()
+        self.finished_at = self.started_at
+        self.futures = [self.pool.submit(compile_target, lowered, target, buckets, on_compiled, self) for target in targets]
+        for future in self.futures:
+            future.add_done_callback(self._finished)
+
+    def _finished(self, _future) -> None:
+        with self.lock:
+            self.finished_at = max(self.finished_at, time.perf_counter())
+
+    @property
+    def seconds(self) -> float:
+        """Wall time from the start of the job to its last target's end (once `result()` returned)."""
+        return self.finished_at - self.started_at
+
+    def __enter__(self) -> "CompileJob":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.cancel()
+
+    def started(self, child: subprocess.Popen) -> None:
+        """Registers a compiler process (killed at once if the job was cancelled meanwhile)."""
+        with self.lock:
+            self.children.append(child)
+            if self.cancelled:
+                child.kill()
+
+    def result(self) -> CompileReport:
+        """Waits for every target; see `compile_program` for what it returns and raises."""
+        results = [result for future in self.futures for result in future.result()]
+        return _judge_hbm_fit(results)
+
+    def cancel(self) -> None:
+        """Kills compiler processes still running and waits for the threads."""
+        with self.lock:
+            self.cancelled = True
+            for child in self.children:
+                if child.poll() is None:
+                    child.kill()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _judge_hbm_fit(results: list[CompiledBucket]) -> CompileReport:
     misfits = [r for r in results if not r.fits_in_hbm]
     if misfits:
         listed = "; ".join(
@@ -108,6 +181,7 @@ def compile_target(
     target: Target,
     buckets: list[Bucket],
     on_compiled: Callable[[CompiledBucket], None] | None = None,
+    job: CompileJob | None = None,
 ) -> list[CompiledBucket]:
     """Compiles every bucket for one target in one compiler process (see the module docstring).
 
@@ -116,6 +190,7 @@ def compile_target(
       target: the TPU target.
       buckets: concrete dim sizes, one executable each.
       on_compiled: called after each executable.
+      job: the CompileJob running this, which may kill the process, or None.
     Returns:
       One CompiledBucket per bucket, in order (HBM fit is not judged here).
     Raises:
@@ -135,16 +210,18 @@ def compile_target(
                 for bucket in buckets
             ],
         }
-        return list(_run_compiler(request, target, buckets, scratch_dir, on_compiled))
+        return list(_run_compiler(request, target, buckets, scratch_dir, on_compiled, job))
 
 
-def _run_compiler(request, target, buckets, scratch_dir, on_compiled):
+def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job):
     # libtpu's start-up warnings go to the child's stderr, kept in a file for crash reports only.
     with open(scratch_dir / "stderr.txt", "w+b") as stderr:
         child = subprocess.Popen(
             [sys.executable, "-I", str(CHILD_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=stderr, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"},
         )
+        if job is not None:
+            job.started(child)
         child.stdin.write(json.dumps(request))
         child.stdin.close()
         compiling = None

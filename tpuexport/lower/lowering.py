@@ -5,6 +5,8 @@ Passes, in order:
   check_operators    every operator without a lowering, reported at once with user source lines
   collect_weights    parameters, buffers and constants in the program's placeholder order
   trace_and_export   torchax's interpreter traced by jax.export with one-scope symbolic dims
+  pin_precision      the matmul precision written on every dot and convolution (matmul_precision.py)
+and, beside the program, its matmul FLOPs as a polynomial in the dims (cost.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 
 from tpuexport.arrays import to_numpy
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError
+from tpuexport.lower.cost import matmul_flops_expression
+from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS, pin_matmul_precision
 from tpuexport.lower.registry import OWN_LOWERINGS
 from tpuexport.lower.op_support import find_unsupported, user_source
 from tpuexport.lower.shapes import symbolic_input_avals
@@ -44,6 +48,10 @@ class LoweredProgram:
       weights: the weight arrays, in call order (bfloat16 for precision "bf16").
       signature: named inputs, outputs and dims.
       precision: "f32" or "bf16".
+      matmul_precision: the TPU matmul precision pinned on every dot and convolution
+        ("default", "high" or "highest"; see matmul_precision.py).
+      matmul_flops: FLOPs of its dots and convolutions as an expression over the dim names
+        (see cost.py; `cost.flops_at` evaluates it).
     """
 
     exported: jax.export.Exported
@@ -51,16 +59,20 @@ class LoweredProgram:
     weights: tuple[np.ndarray, ...]
     signature: ProgramSignature
     precision: str
+    matmul_precision: str
+    matmul_flops: str
 
     @functools.cached_property
     def _device_weights(self):
         return [jnp.asarray(weight) for weight in self.weights]
 
-    def run(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def run(self, inputs: Sequence[np.ndarray], program: jax.export.Exported | None = None) -> list[np.ndarray]:
         """Runs the program on CPU.
 
         Args:
           inputs: one array per signature input (cast to the artifact dtype here).
+          program: another Exported with this one's signature and weights to run instead (e.g.
+            its TPU-faithful rewrite), or None.
         Returns:
           One numpy array per output, in the model's output dtypes.
         Raises:
@@ -76,7 +88,7 @@ class LoweredProgram:
             raise TpuExportError(f"input shapes do not fit the program: {error}") from None
         for array, spec in zip(arrays, specs):
             _check_integer_range(array, spec)
-        outputs = self.exported.call(self._device_weights, [jnp.asarray(a.astype(s.dtype)) for a, s in zip(arrays, specs)])
+        outputs = (program or self.exported).call(self._device_weights, [jnp.asarray(a.astype(s.dtype)) for a, s in zip(arrays, specs)])
         return [np.asarray(output) for output in outputs]
 
 
@@ -93,7 +105,9 @@ def _check_integer_range(array: np.ndarray, spec) -> None:
         )
 
 
-def lower(program: torch.export.ExportedProgram, signature: ProgramSignature, precision: str = "f32") -> LoweredProgram:
+def lower(
+    program: torch.export.ExportedProgram, signature: ProgramSignature, precision: str = "f32", matmul_precision: str = "default",
+) -> LoweredProgram:
     """Lowers an exported program to StableHLO through torchax's op library.
 
     Args:
@@ -101,19 +115,25 @@ def lower(program: torch.export.ExportedProgram, signature: ProgramSignature, pr
       signature: its named signature (from the export stage).
       precision: "f32" (as exported) or "bf16" (weights and compute in bfloat16, outputs in the
         model's dtypes).
+      matmul_precision: the TPU arithmetic of dots and convolutions, pinned in the program
+        ("default", "high" or "highest").
     Returns:
       The LoweredProgram.
     Raises:
       UnsupportedOperatorsError: operators with no lowering (all listed).
-      TpuExportError: decomposition or tracing failed, or unknown precision.
+      TpuExportError: decomposition or tracing failed, or an unknown precision.
     """
     if precision not in PRECISIONS:
         raise TpuExportError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    if matmul_precision not in MATMUL_PRECISIONS:
+        raise TpuExportError(f"unknown matmul precision {matmul_precision!r}; use one of {', '.join(MATMUL_PRECISIONS)}")
     decomposed = decompose(program)
     check_operators(decomposed)
     names, weights = collect_weights(decomposed, precision)
     exported = trace_and_export(decomposed, signature, weights, precision)
-    return LoweredProgram(exported, names, weights, signature, precision)
+    exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision])
+    flops = matmul_flops_expression(decomposed, signature)
+    return LoweredProgram(exported, names, weights, signature, precision, matmul_precision, flops)
 
 
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

@@ -15,10 +15,13 @@ All scales here are symmetric: zero points are 0 (the rewrite pass only matches 
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import torch
 import torch.nn.functional as F
 from jax import lax
+from torch.utils.flop_counter import register_flop_formula
 
 from tpuexport.lower.registry import register_lowering
 
@@ -70,6 +73,23 @@ int8_linear = _define("int8_linear", _int8_linear_reference)
 int8_conv = _define("int8_conv", _int8_conv_reference)
 int8_matmul = _define("int8_matmul", _int8_matmul_reference)
 int8_embedding = _define("int8_embedding", _int8_embedding_reference)
+
+
+# FLOPs of the integer ops, for verification's cost estimates (tpuexport/lower/cost.py): two per
+# multiply-add, from the output's size and the contracted (or kernel) size.
+@register_flop_formula(torch.ops.tpuexport.int8_linear)
+def _int8_linear_flops(x_shape, x_scale_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * math.prod(out_shape) * w_shape[1]
+
+
+@register_flop_formula(torch.ops.tpuexport.int8_conv)
+def _int8_conv_flops(x_shape, x_scale_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * math.prod(out_shape) * math.prod(w_shape[1:])
+
+
+@register_flop_formula(torch.ops.tpuexport.int8_matmul)
+def _int8_matmul_flops(a_shape, a_scale_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * math.prod(out_shape) * a_shape[-1]
 
 
 def _scalar(scale):

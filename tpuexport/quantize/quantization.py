@@ -165,7 +165,8 @@ def _attention_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
         scores = scores.masked_fill(~causal, float("-inf"))
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
-    return torch.matmul(torch.softmax(scores, dim=-1), value)
+    # A query masked from every key (a padded row) gets zeros from torch's attention, NaN from a plain softmax.
+    return torch.matmul(torch.ops.aten._safe_softmax(scores, -1), value)
 
 
 def _weight_bytes(program: torch.export.ExportedProgram) -> int:

@@ -1,18 +1,25 @@
-"""Verify stage: run the lowered program on CPU and compare with eager PyTorch."""
+"""Verify stage: run the lowered program on CPU (TPU-faithfully and in plain f32) and compare with eager PyTorch."""
 
-from tpuexport.verify.compare import DEFAULT_TOLERANCES, QUANTIZED_TOLERANCES, OutputComparison, Tolerances, compare_output
+from tpuexport.verify.compare import OutputComparison, Tolerances, compare_output
 from tpuexport.verify.report import VerificationCase, VerificationReport
-from tpuexport.verify.verification import make_inputs, verification_sizes, verify
+from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS, PlannedCase, plan_cases, resolve_requested_sizes
+from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances, with_overrides
+from tpuexport.verify.verification import ProgramRuns, make_inputs, verify
 
 __all__ = [
-    "DEFAULT_TOLERANCES",
+    "DEFAULT_BUDGET_FLOPS",
     "OutputComparison",
-    "QUANTIZED_TOLERANCES",
+    "PlannedCase",
+    "ProgramRuns",
     "Tolerances",
     "VerificationCase",
     "VerificationReport",
+    "VerificationTolerances",
     "compare_output",
+    "default_tolerances",
     "make_inputs",
-    "verification_sizes",
+    "plan_cases",
+    "resolve_requested_sizes",
     "verify",
+    "with_overrides",
 ]

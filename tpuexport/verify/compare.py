@@ -1,13 +1,18 @@
 """Comparing outputs with explicit tolerances, and the per-output result.
 
-An element matches when |actual - expected| <= atol + rtol * |expected| (numpy.isclose's rule;
-NaN matches NaN at the same place). Integer and bool outputs must match exactly.
+An element matches when
 
-Quantized programs (int8) are compared with the PT2E-converted model: an element also matches
-when it is within `quantization_steps` steps of the output, one step being max|expected| / 127
-(the step of int8 symmetric per-tensor quantization of that output), and an output passes when
-at least `min_fraction` of its elements match (a value that lands on the other side of a
-rounding boundary in one layer moves the outputs it feeds by a step or so).
+    |actual - expected| <= atol + rtol * |expected| + scale_tol * rms(expected)
+                           + quantization_steps * max|expected| / 127
+
+(NaN matches NaN at the same place). `rms(expected)` is the output's scale: an error of 1e-3 means
+little in logits of size 30 and much in probabilities, and a purely elementwise rule cannot say
+so for elements near zero. `max|expected| / 127` is one step of int8 symmetric per-tensor
+quantization of that output. An output passes when at least `min_fraction` of its elements match
+and, when `min_sqnr_db` is set, its SQNR against the expected output is at least that many dB.
+Integer and bool outputs must match exactly.
+
+This module imports nothing from tpuexport: the TensorFlow-only SavedModel check loads it by path.
 """
 
 from __future__ import annotations
@@ -21,70 +26,110 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Tolerances:
-    """Absolute and relative tolerance of the elementwise rule above, and for quantized programs
-    the allowance in quantization steps and the fraction of elements that must match."""
+    """The terms of the rule above.
+
+    Attributes:
+      atol: absolute tolerance.
+      rtol: tolerance relative to |expected| of the element.
+      scale_tol: tolerance relative to the output's scale, rms(expected).
+      quantization_steps: allowance in int8 steps of the output (quantized programs).
+      min_fraction: fraction of each output's elements that must match.
+      min_sqnr_db: lowest SQNR (dB) of each output against the expected one, or None.
+    """
 
     atol: float
     rtol: float
+    scale_tol: float = 0.0
     quantization_steps: float = 0.0
     min_fraction: float = 1.0
+    min_sqnr_db: float | None = None
 
-
-# f32: XLA CPU and PyTorch CPU differ by reassociated sums (~1e-6 relative on the examples).
-# bf16: 8 mantissa bits give ~4e-3 relative error per rounding, compounding over layers.
-DEFAULT_TOLERANCES = {"f32": Tolerances(atol=1e-4, rtol=1e-4), "bf16": Tolerances(atol=5e-2, rtol=5e-2)}
-# int8: within one quantization step of the output on >= 99.9% of elements.
-QUANTIZED_TOLERANCES = Tolerances(atol=1e-4, rtol=1e-4, quantization_steps=1.0, min_fraction=0.999)
+    def describe(self) -> str:
+        terms = [f"atol={self.atol:g}", f"rtol={self.rtol:g}"]
+        if self.scale_tol:
+            terms.append(f"scale_tol={self.scale_tol:g}")
+        if self.quantization_steps:
+            terms.append(f"{self.quantization_steps:g} int8 step(s) on {self.min_fraction:.4%} of elements")
+        if self.min_sqnr_db is not None:
+            terms.append(f"SQNR >= {self.min_sqnr_db:g} dB")
+        return " ".join(terms)
 
 
 @dataclasses.dataclass(frozen=True)
 class OutputComparison:
-    """How one output compares with eager PyTorch.
+    """How one output compares with the expected one.
 
     Attributes:
       name: the output's name.
       max_abs_error: largest |actual - expected|.
       max_rel_error: largest |actual - expected| / |expected| over elements with expected != 0.
+      scale: rms(expected).
+      relative_rms_error: rms(actual - expected) / rms(expected) (0 when both are all zero).
+      sqnr_db: SQNR of actual against expected (None when identical).
       mismatched: number of elements outside tolerance (or of a different shape: all of them).
       elements: number of elements.
       allowed_mismatches: mismatched elements tolerated (0 unless Tolerances.min_fraction < 1).
+      min_sqnr_db: the SQNR the output must reach, or None.
     """
 
     name: str
     max_abs_error: float
     max_rel_error: float
+    scale: float
+    relative_rms_error: float
+    sqnr_db: float | None
     mismatched: int
     elements: int
     allowed_mismatches: int = 0
+    min_sqnr_db: float | None = None
 
     @property
     def passed(self) -> bool:
-        return self.mismatched <= self.allowed_mismatches
+        sqnr_ok = self.min_sqnr_db is None or self.sqnr_db is None or self.sqnr_db >= self.min_sqnr_db
+        return self.mismatched <= self.allowed_mismatches and sqnr_ok
+
+    def describe_failure(self) -> str:
+        """What is wrong with this output, in one clause."""
+        text = (f"max abs error {self.max_abs_error:.3g}, max rel error {self.max_rel_error:.3g}, "
+                f"relative RMS error {self.relative_rms_error:.3g}, {self.mismatched}/{self.elements} elements outside tolerance")
+        if self.allowed_mismatches:
+            text += f" ({self.allowed_mismatches} allowed)"
+        if self.min_sqnr_db is not None and self.sqnr_db is not None and self.sqnr_db < self.min_sqnr_db:
+            text += f", SQNR {self.sqnr_db:.1f} dB < {self.min_sqnr_db:g} dB"
+        return text
 
 
 def compare_output(name: str, actual: np.ndarray, expected: np.ndarray, tolerances: Tolerances) -> OutputComparison:
     """Compares one output; see the module docstring for the rule."""
     if actual.shape != expected.shape:
-        return OutputComparison(name, float("inf"), float("inf"), max(expected.size, 1), expected.size)
+        return OutputComparison(name, float("inf"), float("inf"), 0.0, float("inf"), None, max(expected.size, 1), expected.size)
     if not np.issubdtype(expected.dtype, np.floating):
         differ = actual != expected
         error = float(np.abs(actual.astype(np.float64) - expected.astype(np.float64)).max(initial=0.0))
-        return OutputComparison(name, error, error, int(differ.sum()), expected.size)
+        return OutputComparison(name, error, error, 0.0, 0.0 if error == 0 else float("inf"), None, int(differ.sum()), expected.size)
     actual64, expected64 = actual.astype(np.float64), expected.astype(np.float64)
-    step = float(np.nan_to_num(np.abs(expected64), posinf=0.0).max(initial=0.0)) / 127.0
-    atol = tolerances.atol + tolerances.quantization_steps * step
+    finite = np.isfinite(expected64)
+    scale = float(np.sqrt(np.mean(np.square(expected64[finite])))) if finite.any() else 0.0
+    step = float(np.abs(expected64[finite]).max(initial=0.0)) / 127.0
+    atol = tolerances.atol + tolerances.scale_tol * scale + tolerances.quantization_steps * step
     close = np.isclose(actual64, expected64, atol=atol, rtol=tolerances.rtol, equal_nan=True)
     difference = np.abs(actual64 - expected64)
     difference = np.where(np.isnan(actual64) & np.isnan(expected64), 0.0, difference)
     nonzero = expected64 != 0
     relative = difference[nonzero] / np.abs(expected64[nonzero])
+    both_finite = finite & np.isfinite(actual64)
+    rms_error = float(np.sqrt(np.mean(np.square(np.nan_to_num(difference, nan=np.inf))))) if difference.size else 0.0
     return OutputComparison(
         name,
         float(np.nan_to_num(difference, nan=np.inf).max(initial=0.0)),
         float(np.nan_to_num(relative, nan=np.inf).max(initial=0.0)),
+        scale,
+        rms_error / scale if scale else (0.0 if rms_error == 0 else float("inf")),
+        sqnr_db([expected64[both_finite]], [actual64[both_finite]]),
         int((~close).sum()),
         expected.size,
         int((1.0 - tolerances.min_fraction) * expected.size),
+        tolerances.min_sqnr_db,
     )
 
 

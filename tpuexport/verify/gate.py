@@ -27,11 +27,13 @@ from tpuexport.artifact import Artifact, layout, load
 from tpuexport.artifact.manifest import hash_tree, package_versions
 from tpuexport.errors import EXIT_OK, EXIT_VERIFICATION_FAILED
 from tpuexport.signature import ProgramSignature
-from tpuexport.verify.compare import Tolerances, sqnr_db
+from tpuexport.verify.compare import sqnr_db
 from tpuexport.verify.report import VerificationCase, VerificationReport, describe_sizes
 from tpuexport.verify.saved_model_check import check_saved_model, failure_summary
+from tpuexport.verify.sizes import PlannedCase, plan_cases
+from tpuexport.verify.tolerances import VerificationTolerances
 from tpuexport.verify.verification import (
-    compare_case, eager_outputs, make_inputs, run_case, short_error, to_numpy, verification_sizes,
+    ProgramRuns, compare_case, eager_outputs, make_inputs, run_case, short_error, to_numpy,
 )
 
 PASSED, FAILED, WARNING, SKIPPED = "passed", "failed", "warning", "skipped"
@@ -229,10 +231,7 @@ def check_golden(artifact: Artifact):
     Returns:
       (status, message, details); details holds every case's per-output errors.
     """
-    tolerances = _tolerances(artifact)
-    report = VerificationReport(
-        artifact.manifest["precision"], tolerances, tuple(golden_cases(artifact, tolerances)), {}, "stored eager outputs"
-    )
+    report = _report(artifact, golden_cases(artifact, _tolerances(artifact)), "stored eager outputs")
     details = {"cases": report.to_json()["cases"]}
     if not report.cases:
         return FAILED, "the artifact stores no golden data; convert again", details
@@ -242,8 +241,8 @@ def check_golden(artifact: Artifact):
     return PASSED, f"{len(report.cases)} stored size(s) match ({sizes}) within {_describe(report.tolerances)}", details
 
 
-def golden_cases(artifact: Artifact, tolerances: Tolerances) -> list[VerificationCase]:
-    """Re-runs every stored golden case.
+def golden_cases(artifact: Artifact, tolerances: VerificationTolerances) -> list[VerificationCase]:
+    """Re-runs every stored golden case, TPU-faithfully and in plain f32.
 
     Args:
       artifact: the opened artifact.
@@ -252,11 +251,17 @@ def golden_cases(artifact: Artifact, tolerances: Tolerances) -> list[Verificatio
       One VerificationCase per stored size; a run that raises becomes that case's error.
     """
     labels = [case["label"] for case in artifact.manifest["verification"]["cases"] if case["golden"]]
+    runs = ProgramRuns(artifact.program)
     cases = []
     for label, (sizes, inputs, expected) in zip(labels, artifact.golden_cases()):
-        case = compare_case(artifact.program, inputs, expected, label, sizes, tolerances)
+        case = compare_case(runs, inputs, expected, PlannedCase(label, sizes, "stored", 0.0), tolerances)
         cases.append(dataclasses.replace(case, golden=case.error is None))
     return cases
+
+
+def _report(artifact: Artifact, cases: list[VerificationCase], against: str) -> VerificationReport:
+    return VerificationReport(artifact.manifest["precision"], artifact.manifest["matmul_precision"], _tolerances(artifact),
+                              tuple(cases), {}, against)
 
 
 @gate_check("saved_model")
@@ -327,12 +332,9 @@ def check_against(artifact: Artifact, loaded: export_stage.LoadedSource):
         return FAILED, f"{loaded.info.reference} no longer matches the artifact's interface: {difference}", {}
     if "quantization" in artifact.manifest:
         return _against_float_model(artifact, captured, loaded.info.reference)
-    tolerances = _tolerances(artifact)
-    cases = [
-        run_case(artifact.program, captured.reference, inputs, label, sizes, tolerances)[0]
-        for label, sizes, inputs in _fresh_inputs(artifact.signature, captured)
-    ]
-    report = VerificationReport(artifact.manifest["precision"], tolerances, tuple(cases), {}, loaded.info.reference)
+    runs, tolerances = ProgramRuns(artifact.program), _tolerances(artifact)
+    cases = [run_case(runs, captured.reference, inputs, planned, tolerances)[0] for planned, inputs in _fresh_inputs(artifact, captured)]
+    report = _report(artifact, cases, loaded.info.reference)
     details = {"cases": report.to_json()["cases"]}
     if not report.passed:
         return FAILED, f"differs from {loaded.info.reference}: {report.failure_summary()}", details
@@ -351,8 +353,9 @@ def _against_float_model(artifact: Artifact, captured: export_stage.CapturedMode
       (status, message, details) with the measured and recorded SQNR per output.
     """
     actual, expected = [], []  # per case, the flat outputs
-    for _, _, inputs in _fresh_inputs(artifact.signature, captured):
-        actual.append(artifact.program.run([to_numpy(t) for t in inputs]))
+    runs = ProgramRuns(artifact.program)
+    for _, inputs in _fresh_inputs(artifact, captured):
+        actual.append(runs.run([to_numpy(t) for t in inputs])["tpu"])
         expected.append(eager_outputs(captured.reference, inputs))
     recorded = {o["name"]: o["sqnr_db"] for o in artifact.manifest["quantization"]["outputs"]}
     measured = {
@@ -372,10 +375,12 @@ def _against_float_model(artifact: Artifact, captured: export_stage.CapturedMode
     return PASSED, f"int8 artifact vs {reference} on fresh inputs: SQNR {listed} (within {QUANTIZED_SQNR_MARGIN_DB:g} dB of convert time)", details
 
 
-def _fresh_inputs(signature: ProgramSignature, captured: export_stage.CapturedModel):
-    """(label, sizes, inputs) at every verification size, drawn from seeds convert did not use."""
-    for index, (label, sizes) in enumerate(verification_sizes(signature)):
-        yield label, sizes, make_inputs(signature.inputs, captured.example_inputs, sizes, seed=AGAINST_SEED + index)
+def _fresh_inputs(artifact: Artifact, captured: export_stage.CapturedModel):
+    """(planned case, inputs) at every verification size (sizes.py, default budget), drawn from
+    seeds convert did not use."""
+    signature = artifact.signature
+    for index, planned in enumerate(plan_cases(signature, artifact.program.matmul_flops)):
+        yield planned, make_inputs(signature.inputs, captured.example_inputs, planned.sizes, seed=AGAINST_SEED + index)
 
 
 def interface_difference(source: ProgramSignature, artifact: ProgramSignature) -> str:
@@ -400,12 +405,12 @@ def interface_difference(source: ProgramSignature, artifact: ProgramSignature) -
     return "; ".join(clauses)
 
 
-def _tolerances(artifact: Artifact) -> Tolerances:
-    return Tolerances(**artifact.manifest["verification"]["tolerances"])
+def _tolerances(artifact: Artifact) -> VerificationTolerances:
+    return VerificationTolerances.from_json(artifact.manifest["verification"]["tolerances"])
 
 
-def _describe(tolerances: Tolerances) -> str:
-    return f"atol={tolerances.atol:g} rtol={tolerances.rtol:g}"
+def _describe(tolerances: VerificationTolerances) -> str:
+    return f"tpu run {tolerances.tpu.describe()}, cpu run {tolerances.cpu.describe()}"
 
 
 def _describe_versions(versions: dict) -> str:

@@ -1,4 +1,4 @@
-"""The verification report: one case per set of dim sizes, one comparison per output."""
+"""The verification report: one case per set of dim sizes, two runs per case, one comparison per output."""
 
 from __future__ import annotations
 
@@ -6,14 +6,16 @@ import dataclasses
 
 import numpy as np
 
-from tpuexport.verify.compare import OutputComparison, Tolerances
+from tpuexport.verify.compare import OutputComparison
+from tpuexport.verify.tolerances import VerificationTolerances
 
-
-_RULE = "|actual - expected| <= atol + rtol * |expected| elementwise; integer and bool outputs exactly"
-_QUANTIZED_RULE = (
-    "|actual - expected| <= atol + rtol * |expected| + quantization_steps * max|expected| / 127 on at least "
-    "min_fraction of each output's elements; integer and bool outputs exactly"
-)
+RUNS = {
+    "tpu": "the lowered program on CPU with the TPU's matmul arithmetic (operands rounded as the pinned precision rounds them)",
+    "cpu": "the lowered program on XLA:CPU in plain f32",
+}
+_RULE = ("element matches when |actual - expected| <= atol + rtol * |expected| + scale_tol * rms(expected) "
+         "+ quantization_steps * max|expected| / 127; an output passes when at least min_fraction of its elements "
+         "match and its SQNR is at least min_sqnr_db (when set); integer and bool outputs exactly; both runs must pass")
 
 
 def describe_sizes(sizes: dict[str, int]) -> str:
@@ -23,25 +25,29 @@ def describe_sizes(sizes: dict[str, int]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class VerificationCase:
-    """One run of the lowered program against eager PyTorch.
+    """The lowered program against eager PyTorch at one set of sizes.
 
     Attributes:
-      label: why these sizes were chosen ("example", "min", "max", "mid").
+      label: what the sizes are ("example", "min", "max", "mid", ...; see sizes.py).
       sizes: the dim sizes of this case.
-      outputs: one comparison per output (empty when the run failed).
+      runs: {"tpu": comparisons, "cpu": comparisons}, one comparison per output (empty on error).
       error: the failure message if the lowered or eager run raised, else None.
       golden: whether this case's inputs and eager outputs are stored as golden data.
+      reason: why the case ran ("always", "coverage", "requested", "within budget").
+      flops: the program's matmul FLOPs at these sizes.
     """
 
     label: str
     sizes: dict[str, int]
-    outputs: tuple[OutputComparison, ...]
+    runs: dict[str, tuple[OutputComparison, ...]]
     error: str | None = None
     golden: bool = False
+    reason: str = "always"
+    flops: float = 0.0
 
     @property
     def passed(self) -> bool:
-        return self.error is None and all(o.passed for o in self.outputs)
+        return self.error is None and all(o.passed for outputs in self.runs.values() for o in outputs)
 
     def describe_sizes(self) -> str:
         return describe_sizes(self.sizes)
@@ -52,53 +58,71 @@ class VerificationReport:
     """The verify stage's result.
 
     Attributes:
-      precision: the precision verified ("f32", "bf16").
-      tolerances: the tolerances applied.
+      precision: the program's precision ("f32", "bf16").
+      matmul_precision: the TPU matmul precision pinned in it.
+      tolerances: the tolerances of both runs.
       cases: the cases run, in order.
       golden: arrays to store, keyed "<case index>/input/<name>" and "<case index>/output/<name>".
       against: what the program was compared with (e.g. "eager PyTorch").
+      budget_flops: the FLOPs budget the optional cases were chosen within.
     """
 
     precision: str
-    tolerances: Tolerances
+    matmul_precision: str
+    tolerances: VerificationTolerances
     cases: tuple[VerificationCase, ...]
     golden: dict[str, np.ndarray]
     against: str = "eager PyTorch"
+    budget_flops: float = 0.0
 
     @property
     def passed(self) -> bool:
         return bool(self.cases) and all(case.passed for case in self.cases)
 
     def failure_summary(self) -> str:
-        """Names every mismatched output with its error, one clause each."""
+        """Names every mismatched output of every run, one clause each."""
         clauses = []
         for case in self.cases:
             if case.error is not None:
                 clauses.append(f"{case.label} case ({case.describe_sizes()}) raised: {case.error}")
-            for output in case.outputs:
-                if not output.passed:
-                    clauses.append(
-                        f"output {output.name!r} at {case.describe_sizes()}: max abs error {output.max_abs_error:.3g}, "
-                        f"max rel error {output.max_rel_error:.3g}, {output.mismatched}/{output.elements} elements "
-                        f"outside atol={self.tolerances.atol:g} rtol={self.tolerances.rtol:g}"
-                    )
+            for run, outputs in case.runs.items():
+                tolerances = getattr(self.tolerances, run)
+                for output in outputs:
+                    if not output.passed:
+                        clauses.append(f"output {output.name!r} at {case.describe_sizes()} ({run} run): "
+                                       f"{output.describe_failure()} [{tolerances.describe()}]")
         return "; ".join(clauses) or "all outputs match"
+
+    def worst_errors(self) -> dict[str, float]:
+        """Per run, the largest relative RMS error of any output in any case (for progress lines)."""
+        return {
+            run: max((o.relative_rms_error for case in self.cases for o in case.runs.get(run, ())), default=0.0)
+            for run in RUNS
+        }
 
     def to_json(self) -> dict:
         return {
             "passed": self.passed,
             "against": self.against,
             "precision": self.precision,
-            "tolerances": dataclasses.asdict(self.tolerances),
-            "rule": _RULE if self.tolerances.quantization_steps == 0 else _QUANTIZED_RULE,
+            "matmul_precision": self.matmul_precision,
+            "runs": RUNS,
+            "tolerances": self.tolerances.to_json(),
+            "rule": _RULE,
+            "budget_flops": self.budget_flops,
             "cases": [
                 {
                     "label": case.label,
                     "sizes": case.sizes,
+                    "reason": case.reason,
+                    "flops": case.flops,
                     "passed": case.passed,
                     "error": case.error,
                     "golden": case.golden,
-                    "outputs": [{**dataclasses.asdict(o), "passed": o.passed} for o in case.outputs],
+                    "runs": {
+                        run: [{**dataclasses.asdict(o), "passed": o.passed} for o in outputs]
+                        for run, outputs in case.runs.items()
+                    },
                 }
                 for case in self.cases
             ],

@@ -1,56 +1,59 @@
 """Running the lowered program on CPU at several dim sizes and comparing with eager PyTorch.
 
-Sizes: the example sizes, then every dim at its minimum, and at a middle size and at its maximum
-when those are cheap (inputs of at most MAX_CHEAP_ELEMENTS elements), so every dynamic dim is
-exercised at two or more sizes when its range allows. Inputs at new sizes are random but
-follow the example inputs: floats with their mean and spread, integers within their value
-range (token ids stay valid), bools with their rate of True (an all-True mask stays all True).
+Sizes: chosen by what they test and bounded by their matmul FLOPs (sizes.py). Each case runs the
+program twice, TPU-faithfully and in plain f32 (tolerances.py), and compares both with the eager
+outputs, computed once per case. Inputs at new sizes are random but follow the example inputs:
+floats with their mean and spread, integers within their value range (token ids stay valid), bools
+with their rate of True (an all-True mask stays all True).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
 from tpuexport.lower import LoweredProgram
-from tpuexport.signature import ProgramSignature, TensorSpec
-from tpuexport.verify.compare import DEFAULT_TOLERANCES, Tolerances, compare_output
+from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
+from tpuexport.signature import TensorSpec
+from tpuexport.verify.compare import compare_output
 from tpuexport.verify.report import VerificationCase, VerificationReport
+from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS, PlannedCase, plan_cases
+from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
+from tpuexport.verify.tpu_numerics import tpu_faithful
 
-MAX_CHEAP_ELEMENTS = 1 << 21
 MAX_GOLDEN_BYTES = 4 << 20
 
 
-def verification_sizes(signature: ProgramSignature) -> list[tuple[str, dict[str, int]]]:
-    """The (label, sizes) cases to verify; the first is always the example sizes."""
-    example = signature.example_sizes()
-    cases = [("example", example)]
-    if not signature.dims:
-        return cases
-    minimum = {d.name: d.min for d in signature.dims}
-    ceiling = {d.name: d.max if d.max is not None else max(4 * d.example, d.min) for d in signature.dims}
-    middle = {d.name: _middle_size(d, ceiling[d.name]) for d in signature.dims}
-    for label, sizes in (("min", minimum), ("mid", middle), ("max", ceiling)):
-        if label != "min" and _input_elements(signature, sizes) > MAX_CHEAP_ELEMENTS:
-            continue
-        if all(sizes != seen for _, seen in cases):
-            cases.append((label, sizes))
-    return cases
+class ProgramRuns:
+    """The two CPU runs of a lowered program: TPU-faithful ("tpu") and plain f32 ("cpu").
 
+    Attributes:
+      lowered: the program.
+      tpu_program: the TPU-faithful Exported; `lowered.exported` itself when the TPU computes as
+        the CPU does (matmul precision "highest", bfloat16 or integer matmuls only).
+    """
 
-def _middle_size(dim, ceiling: int) -> int:
-    """A size inside the range that differs from the example (the range's middle when possible)."""
-    middle = (dim.min + ceiling + 1) // 2
-    if middle == dim.example and middle + 1 <= ceiling:
-        middle += 1
-    return middle
+    def __init__(self, lowered: LoweredProgram):
+        self.lowered = lowered
+        self.tpu_program: jax.export.Exported = tpu_faithful(lowered.exported, MATMUL_PRECISIONS[lowered.matmul_precision])
 
+    @property
+    def runs_differ(self) -> bool:
+        return self.tpu_program is not self.lowered.exported
 
-def _input_elements(signature: ProgramSignature, sizes: dict[str, int]) -> int:
-    return sum(int(np.prod(spec.concrete_shape(sizes))) for spec in signature.inputs)
+    def run(self, inputs: Sequence[np.ndarray]) -> dict[str, list[np.ndarray]]:
+        """{"tpu": outputs, "cpu": outputs}; one run when both programs are the same.
+
+        Raises:
+          TpuExportError: inputs that do not fit the signature.
+        """
+        cpu = self.lowered.run(inputs)
+        return {"tpu": self.lowered.run(inputs, program=self.tpu_program) if self.runs_differ else cpu, "cpu": cpu}
 
 
 def make_inputs(specs: Sequence[TensorSpec], examples: Sequence[torch.Tensor], sizes: dict[str, int], seed: int) -> list[torch.Tensor]:
@@ -76,25 +79,30 @@ def verify(
     lowered: LoweredProgram,
     reference: Callable[..., Any],
     example_inputs: Sequence[torch.Tensor],
-    tolerances: Tolerances | None = None,
+    tolerances: VerificationTolerances | None = None,
+    budget_flops: float = DEFAULT_BUDGET_FLOPS,
+    requested_sizes: tuple[dict[str, int], ...] = (),
 ) -> VerificationReport:
-    """Compares the lowered program with the eager model at every verification size.
+    """Compares the lowered program with the eager model at every planned size.
 
     Args:
       lowered: the lowered program (runs on CPU).
       reference: the eager model (nn.Module or callable) taking the inputs positionally.
       example_inputs: the flat example inputs, in signature order.
-      tolerances: None for the precision's defaults (DEFAULT_TOLERANCES).
+      tolerances: None for the defaults of the program's settings (float programs).
+      budget_flops: matmul FLOPs the optional sizes may add (sizes.py).
+      requested_sizes: sizes that must be verified.
     Returns:
       The VerificationReport, passed or not; it also carries the golden data to store.
     """
-    tolerances = tolerances or DEFAULT_TOLERANCES[lowered.precision]
+    tolerances = tolerances or default_tolerances(lowered.precision, lowered.matmul_precision, quantized=False)
     signature = lowered.signature
+    runs = ProgramRuns(lowered)
     cases, golden = [], {}
     golden_bytes = 0
-    for index, (label, sizes) in enumerate(verification_sizes(signature)):
-        inputs = list(example_inputs) if label == "example" else make_inputs(signature.inputs, example_inputs, sizes, seed=index)
-        case, expected = run_case(lowered, reference, inputs, label, sizes, tolerances)
+    for index, planned in enumerate(plan_cases(signature, lowered.matmul_flops, budget_flops, requested_sizes)):
+        inputs = list(example_inputs) if planned.label == "example" else make_inputs(signature.inputs, example_inputs, planned.sizes, seed=index)
+        case, expected = run_case(runs, reference, inputs, planned, tolerances)
         if case.error is None:
             arrays = {f"{index}/input/{s.name}": to_numpy(t) for s, t in zip(signature.inputs, inputs)}
             arrays.update({f"{index}/output/{s.name}": e for s, e in zip(signature.outputs, expected)})
@@ -102,13 +110,13 @@ def verify(
             if index == 0 or golden_bytes + size <= MAX_GOLDEN_BYTES:
                 golden.update(arrays)
                 golden_bytes += size
-                case = VerificationCase(case.label, case.sizes, case.outputs, case.error, golden=True)
+                case = dataclasses.replace(case, golden=True)
         cases.append(case)
-    return VerificationReport(lowered.precision, tolerances, tuple(cases), golden)
+    return VerificationReport(lowered.precision, lowered.matmul_precision, tolerances, tuple(cases), golden, budget_flops=budget_flops)
 
 
-def run_case(lowered, reference, inputs, label, sizes, tolerances) -> tuple[VerificationCase, list[np.ndarray] | None]:
-    """Runs one case.
+def run_case(runs: ProgramRuns, reference, inputs, planned: PlannedCase, tolerances) -> tuple[VerificationCase, list[np.ndarray] | None]:
+    """Runs one case: eager once, then both program runs.
 
     Returns:
       (case, eager outputs); errors from either side become the case's error (outputs None).
@@ -116,22 +124,28 @@ def run_case(lowered, reference, inputs, label, sizes, tolerances) -> tuple[Veri
     try:
         expected = eager_outputs(reference, inputs)
     except Exception as error:  # the user's model may raise anything
-        return VerificationCase(label, sizes, (), error=f"eager PyTorch raised {type(error).__name__}: {short_error(error)}"), None
-    case = compare_case(lowered, [to_numpy(t) for t in inputs], expected, label, sizes, tolerances)
+        case = VerificationCase(planned.label, planned.sizes, {}, f"eager PyTorch raised {type(error).__name__}: {short_error(error)}",
+                                reason=planned.reason, flops=planned.flops)
+        return case, None
+    case = compare_case(runs, [to_numpy(t) for t in inputs], expected, planned, tolerances)
     return case, (expected if case.error is None else None)
 
 
-def compare_case(lowered, inputs: Sequence[np.ndarray], expected: Sequence[np.ndarray], label, sizes, tolerances) -> VerificationCase:
-    """Runs the lowered program on `inputs` and compares its outputs with `expected`; a run that
+def compare_case(runs: ProgramRuns, inputs: Sequence[np.ndarray], expected: Sequence[np.ndarray], planned: PlannedCase,
+                 tolerances: VerificationTolerances) -> VerificationCase:
+    """Runs both programs on `inputs` and compares their outputs with `expected`; a run that
     raises becomes the case's error."""
     try:
-        actual = lowered.run(inputs)
+        actual = runs.run(inputs)
     except Exception as error:  # shape assertions, XLA runtime errors
-        return VerificationCase(label, sizes, (), error=f"lowered program raised {type(error).__name__}: {short_error(error)}")
-    comparisons = tuple(
-        compare_output(spec.name, a, e, tolerances) for spec, a, e in zip(lowered.signature.outputs, actual, expected)
-    )
-    return VerificationCase(label, sizes, comparisons)
+        return VerificationCase(planned.label, planned.sizes, {}, f"lowered program raised {type(error).__name__}: {short_error(error)}",
+                                reason=planned.reason, flops=planned.flops)
+    outputs = runs.lowered.signature.outputs
+    comparisons = {
+        run: tuple(compare_output(spec.name, a, e, getattr(tolerances, run)) for spec, a, e in zip(outputs, actual[run], expected))
+        for run in ("tpu", "cpu")
+    }
+    return VerificationCase(planned.label, planned.sizes, comparisons, reason=planned.reason, flops=planned.flops)
 
 
 def eager_outputs(reference, inputs) -> list[np.ndarray]:

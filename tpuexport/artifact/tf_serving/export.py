@@ -11,6 +11,7 @@ conversion (SavedModelMismatch) before the artifact exists.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -91,6 +92,11 @@ class TfServingExport:
       model_name: TF Serving's model name.
       model_version: TF Serving's version directory.
       final_dir: where the artifact will live once renamed (models.config holds absolute paths).
+      checker: the TensorFlow-only process that checks the SavedModel; a conversion starts it
+        early so that TensorFlow's import overlaps its other stages. None starts one here.
+      buckets_compiled: waits until the buckets are compiled (raising if one cannot be, e.g. does
+        not fit in HBM), called once the SavedModel is built and before warmup requests are made
+        for the buckets; None when they already are.
       on_step: optional callable (step, seconds, detail), the conversion's progress lines.
     """
 
@@ -100,6 +106,8 @@ class TfServingExport:
     model_name: str
     model_version: int
     final_dir: pathlib.Path
+    checker: TensorFlowProcess | None = None
+    buckets_compiled: Callable[[], object] | None = None
     on_step: Callable[[str, float, str], None] | None = None
 
     def __call__(self, staging: pathlib.Path) -> dict:
@@ -113,8 +121,9 @@ class TfServingExport:
             out-of-range sizes.
         """
         verification = verification_section(self.verification)
-        # Started first: the checking process imports TensorFlow while the SavedModel is built.
-        with TensorFlowProcess() as checker:
+        # Started first (unless the conversion did earlier): the checking process imports TensorFlow
+        # while the SavedModel is built.
+        with (contextlib.nullcontext(self.checker) if self.checker else TensorFlowProcess()) as checker:
             started = time.perf_counter()
             section = self.write_files(staging)
             build_seconds = round(time.perf_counter() - started, 3)
@@ -145,14 +154,16 @@ class TfServingExport:
         directory = staging / saved_model
         # TensorFlow's native start-up logging (CUDA probing, CPU features) is noise for a CPU build.
         with captured_native_stderr():
-            requests = warmup_inputs(self.lowered.signature, self.verification, self.buckets)
             try:
                 build_saved_model(self.lowered, directory)
             except Exception as error:  # jax2tf and TensorFlow raise many kinds
                 message = " ".join(str(error).split())[:300]
                 raise TpuExportError(f"building the TF SavedModel failed ({type(error).__name__}: {message}); "
                                      "pass --no-saved-model (saved_model=False) to skip it") from None
-            write_warmup_file(directory / layout.WARMUP_REQUESTS, self.model_name, requests)
+        if self.buckets_compiled is not None:
+            self.buckets_compiled()  # warmup requests are made for buckets the TPU compiler accepted
+        requests = warmup_inputs(self.lowered.signature, self.verification, self.buckets)
+        write_warmup_file(directory / layout.WARMUP_REQUESTS, self.model_name, requests)
 
         base_path = f"{layout.TF_SERVING_DIR}/{self.model_name}"
         final_dir = pathlib.Path(self.final_dir).resolve()

@@ -1,0 +1,185 @@
+"""TPU numerics (#10): the matmul precision pinned on every dot and convolution, the TPU-faithful
+CPU run, cost-planned verification sizes, and verification failing on planted lowering bugs."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from jax._src.interpreters import mlir as jax_mlir
+from jax.extend.mlir import ir
+from planted_bugs import FLOAT_BUGS
+
+import tpuexport
+from tpuexport import compile as compile_stage
+from tpuexport.compile.hlo import matmul_ops
+from tpuexport.export import LoadedSource, SourceInfo, capture
+from tpuexport.lower import lower
+from tpuexport.signature import ProgramSignature, SymbolicDim, TensorSpec
+from tpuexport.verify import default_tolerances, plan_cases, verify
+from tpuexport.verify.sizes import resolve_requested_sizes
+
+
+class ConvNormLinear(torch.nn.Module):
+    """Every op the planted float bugs touch: a biased convolution, a batch norm, a layer norm,
+    a square biased linear and a batched matmul of activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = torch.nn.BatchNorm2d(8)
+        self.linear = torch.nn.Linear(8, 8)
+        self.layer_norm = torch.nn.LayerNorm(8)
+        with torch.no_grad():
+            self.norm.running_mean.uniform_(-0.5, 0.5)
+            self.norm.running_var.uniform_(0.5, 2.0)
+            self.linear.bias.normal_(0.0, 0.5)
+            self.conv.bias.normal_(0.0, 0.5)
+
+    def forward(self, image):
+        features = torch.relu(self.norm(self.conv(image))).flatten(2).transpose(1, 2)  # [batch, pixels, 8]
+        hidden = self.layer_norm(self.linear(features))
+        return torch.bmm(hidden, hidden.transpose(1, 2)).mean(-1)
+
+
+def captured_model():
+    torch.manual_seed(0)
+    batch = torch.export.Dim("batch", min=1, max=8)
+    return capture(LoadedSource(ConvNormLinear().eval(), (torch.randn(2, 3, 6, 6),), {"image": {0: batch}}, None, SourceInfo("api")))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return captured_model()
+
+
+def matmul_precisions(exported) -> list[tuple[str, str | None]]:
+    """(op name, precision_config attribute) of every dot_general and convolution in the module."""
+    found = []
+    with jax_mlir.make_ir_context(), ir.Location.unknown():
+        module = ir.Module.parse(exported.mlir_module())
+
+        def visit(op):
+            if op.name in ("stablehlo.dot_general", "stablehlo.convolution"):
+                found.append((op.name, str(op.attributes["precision_config"]) if "precision_config" in op.attributes else None))
+            return ir.WalkResult.ADVANCE
+
+        module.operation.walk(visit)
+    return found
+
+
+@pytest.mark.parametrize("setting,enum", [("default", "DEFAULT"), ("high", "HIGH"), ("highest", "HIGHEST")])
+def test_every_dot_and_convolution_carries_the_pinned_precision(model, setting, enum):
+    lowered = lower(model.program, model.signature, matmul_precision=setting)
+    found = matmul_precisions(lowered.exported)
+    assert {name for name, _ in found} == {"stablehlo.dot_general", "stablehlo.convolution"}
+    # Serialization leaves out an all-DEFAULT precision_config (StableHLO's default value); the
+    # module attribute records the choice.
+    pinned = None if enum == "DEFAULT" else f"[#stablehlo<precision {enum}>, #stablehlo<precision {enum}>]"
+    assert all(config == pinned for _, config in found), found
+    assert f'tpuexport.matmul_precision = "{setting}"' in lowered.exported.mlir_module()
+    # ... and the TPU compiler keeps it: the compiled v5e HLO's matmuls carry it as operand_precision.
+    [target] = compile_stage.resolve_targets(["v5e"])
+    [compiled] = compile_stage.compile_program(lowered, [target], compile_stage.make_buckets(lowered.signature, None)).results
+    lines = [line for line in compiled.hlo_text.splitlines() if " convolution(" in line or " dot(" in line]
+    assert len(lines) == len(matmul_ops(compiled.hlo_text)) >= 3
+    if setting == "default":  # DEFAULT is the TPU's own default and is not printed
+        assert not any("operand_precision" in line for line in lines)
+    else:
+        assert all(f"operand_precision={{{setting},{setting}}}" in line for line in lines), lines
+
+
+def bf16_parts(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    high = array.astype(ml_dtypes.bfloat16).astype(np.float64)
+    return high, (array - high).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+@pytest.mark.parametrize("setting,passes", [("default", 1), ("high", 3)])
+def test_tpu_faithful_run_multiplies_bf16_operands_as_the_tpu_does(setting, passes):
+    from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS, pin_matmul_precision
+    from tpuexport.verify.tpu_numerics import tpu_faithful
+
+    batch = jax.export.symbolic_shape("batch")[0]
+    exported = jax.export.export(jax.jit(lambda x, w: x @ w), platforms=("cpu", "tpu"))(
+        jax.ShapeDtypeStruct((batch, 64), np.float32), jax.ShapeDtypeStruct((64, 16), np.float32))
+    program = tpu_faithful(pin_matmul_precision(exported, MATMUL_PRECISIONS[setting]), MATMUL_PRECISIONS[setting])
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((5, 64)).astype(np.float32), rng.standard_normal((64, 16)).astype(np.float32)
+    (x_hi, x_lo), (w_hi, w_lo) = bf16_parts(x), bf16_parts(w)
+    expected = x_hi @ w_hi + ((x_hi @ w_lo + x_lo @ w_hi) if passes == 3 else 0)
+    actual = np.asarray(program.call(x, w))
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+    assert np.abs(actual - x.astype(np.float64) @ w).max() > 1e-6  # not f32: the rounding is really there
+
+
+def test_verification_runs_both_and_gates_on_the_tpu_arithmetic(model):
+    lowered = lower(model.program, model.signature)
+    report = verify(lowered, model.reference, model.example_inputs)
+    assert report.passed
+    for case in report.cases:
+        tpu, cpu = case.runs["tpu"][0], case.runs["cpu"][0]
+        assert 1e-4 < tpu.relative_rms_error < 0.05 and cpu.relative_rms_error < 1e-5
+    strict = default_tolerances("f32", "default", quantized=False)
+    tight = type(strict)(strict.cpu, strict.cpu)  # the f32 rule for the TPU run: bf16 rounding exceeds it
+    failed = verify(lowered, model.reference, model.example_inputs, tight)
+    assert not failed.passed and "(tpu run)" in failed.failure_summary() and "(cpu run)" not in failed.failure_summary()
+    assert verify(lower(model.program, model.signature, matmul_precision="highest"), model.reference, model.example_inputs, tight).passed
+
+
+@pytest.mark.parametrize("bug", sorted(FLOAT_BUGS))
+def test_planted_float_bugs_fail_verification(model, bug):
+    with FLOAT_BUGS[bug]():
+        lowered = lower(model.program, model.signature)
+    report = verify(lowered, model.reference, model.example_inputs)
+    assert not report.passed
+    # caught by the exact f32 run, and by the TPU-faithful run despite its wider tolerances
+    summary = report.failure_summary()
+    assert "(cpu run)" in summary and "(tpu run)" in summary
+
+
+def signature(**dims) -> ProgramSignature:
+    """Tokens [batch, seq] with the given dims as (min, max, example)."""
+    symbolic = tuple(SymbolicDim(name, *values) for name, values in dims.items())
+    return ProgramSignature((TensorSpec("tokens", tuple(dims), "int32", "int64"),), (), symbolic, "")
+
+
+def test_verification_sizes_are_chosen_by_cost():
+    text = signature(batch=(1, 64, 8), seq=(2, 512, 128))
+    flops = "2*batch*seq**2*768 + 170000000*batch*seq"
+    cheap = plan_cases(text, flops, budget_flops=1e15)
+    assert [c.label for c in cheap] == ["example", "min", "max", "mid"]
+    assert cheap[2].sizes == {"batch": 64, "seq": 512} and cheap[3].sizes == {"batch": 33, "seq": 257}
+    bounded = plan_cases(text, flops, budget_flops=1e12)
+    assert [c.label for c in bounded] == ["example", "min", "max-batch", "max-seq"]
+    assert sum(c.flops for c in bounded if c.reason == "within budget") <= 1e12
+    tight = plan_cases(text, flops, budget_flops=0)
+    assert [(c.label, c.reason) for c in tight] == [("example", "always"), ("min", "always")]
+    # every dim still runs at two sizes when the example sits at a dim's minimum
+    at_minimum = plan_cases(signature(batch=(1, 64, 1), seq=(2, 512, 128)), flops, budget_flops=0)
+    assert [c.label for c in at_minimum] == ["example", "min", "second-batch"] and at_minimum[2].sizes == {"batch": 2, "seq": 2}
+    requested = resolve_requested_sizes(text, ({"batch": 64},))
+    assert plan_cases(text, flops, 0, requested)[-1].sizes == {"batch": 64, "seq": 128}
+    with pytest.raises(tpuexport.TpuExportError, match="seq=1024 is out of range: seq accepts 2..512"):
+        resolve_requested_sizes(text, ({"seq": 1024},))
+
+
+def test_cli_matmul_precision_and_verify_options(tmp_path):
+    from click.testing import CliRunner
+    from conftest import EXAMPLES
+
+    from tpuexport.cli import main
+
+    out = tmp_path / "mlp.tpu"
+    result = CliRunner().invoke(main, ["convert", f"{EXAMPLES / 'mlp.py'}:build", "--matmul-precision", "high", "--verify-budget", "0",
+                                       "--verify-size", "batch=200", "--no-saved-model", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["matmul_precision"] == "high" and manifest["verification"]["matmul_precision"] == "high"
+    assert [(c["label"], c["sizes"]["batch"]) for c in manifest["verification"]["cases"]] == [("example", 4), ("min", 1), ("requested", 200)]
+    assert manifest["verification"]["tolerances"] == default_tolerances("f32", "high", quantized=False).to_json()
+    bad = CliRunner().invoke(main, ["convert", f"{EXAMPLES / 'mlp.py'}:build", "--verify-size", "batch:3", "-o", str(tmp_path / "x.tpu")])
+    assert bad.exit_code == 2 and "malformed --verify-size 'batch:3'" in bad.output and not (tmp_path / "x.tpu").exists()

@@ -1,0 +1,83 @@
+"""The matmul precision every dot and convolution of an artifact carries.
+
+On TPU, an f32 dot or convolution runs as ONE bfloat16 pass with f32 accumulation unless its
+precision says otherwise, while XLA:CPU computes true f32; a program that leaves the choice to the
+platform computes different numbers on the chip that serves it than on the machine that verified
+it. So the artifact pins the precision on every floating-point dot_general and convolution:
+
+  setting   StableHLO precision_config   TPU arithmetic (= dot algorithm)
+  default   [DEFAULT, DEFAULT]           1 bf16 pass, f32 accumulation   (BF16_BF16_F32)
+  high      [HIGH, HIGH]                 3 bf16 passes (bf16x3)          (BF16_BF16_F32_X3)
+  highest   [HIGHEST, HIGHEST]           6 bf16 passes, f32 accuracy     (BF16_BF16_F32_X6)
+
+The precision enum, not the dot `algorithm` attribute: convolutions have no algorithm attribute,
+and XLA:CPU refuses algorithms on the small dots it emits elementwise ("Algorithm not supported by
+the ElementalIrEmitter"), so an artifact carrying them could not be verified or run on CPU. The
+compiled TPU HLO shows the enum as `operand_precision` (DEFAULT is StableHLO's default value, which
+serialization leaves out; the module's `tpuexport.matmul_precision` attribute names the setting).
+Integer dots (int8 x int8 -> int32) have no precision and are left alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.extend.mlir import ir
+
+from tpuexport.lower.stablehlo_rewrite import operand_element_types, rewrite_matmuls
+
+# The setting, recorded on the module itself: serialization drops precision_config attributes that
+# hold StableHLO's default value (DEFAULT), so for "default" this attribute is what says it was chosen.
+MODULE_ATTRIBUTE = "tpuexport.matmul_precision"
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulPrecision:
+    """One --matmul-precision setting.
+
+    Attributes:
+      name: "default", "high" or "highest".
+      enum: the StableHLO precision enum for convolutions ("DEFAULT", "HIGH", "HIGHEST").
+      bf16_passes: bfloat16 products per f32 product on the TPU's matrix units (1, 3, 6).
+      description: the arithmetic, for reports.
+    """
+
+    name: str
+    enum: str
+    bf16_passes: int
+    description: str
+
+    def precision_config(self) -> ir.Attribute:
+        return ir.Attribute.parse(f"[#stablehlo<precision {self.enum}>, #stablehlo<precision {self.enum}>]")
+
+
+MATMUL_PRECISIONS = {
+    p.name: p
+    for p in (
+        MatmulPrecision("default", "DEFAULT", 1, "one bfloat16 pass per f32 product, f32 accumulation"),
+        MatmulPrecision("high", "HIGH", 3, "three bfloat16 passes per f32 product (bf16x3), f32 accumulation"),
+        MatmulPrecision("highest", "HIGHEST", 6, "six bfloat16 passes per f32 product (f32 accuracy), f32 accumulation"),
+    )
+}
+
+
+def pin_matmul_precision(exported: jax.export.Exported, precision: MatmulPrecision) -> jax.export.Exported:
+    """Writes `precision` on every floating-point dot_general and convolution of the program.
+
+    Args:
+      exported: the lowered program.
+      precision: the setting to pin.
+    Returns:
+      The same program with the setting's precision on every floating-point dot and
+      convolution (replacing whatever precision or algorithm the op had); integer ops unchanged.
+    """
+
+    def pin(op: ir.Operation) -> None:
+        if not all(isinstance(t, ir.FloatType) for t in operand_element_types(op)):
+            return
+        op.attributes["precision_config"] = precision.precision_config()
+        if "algorithm" in op.attributes:
+            del op.attributes["algorithm"]
+
+    return rewrite_matmuls(exported, pin, {MODULE_ATTRIBUTE: precision.name})

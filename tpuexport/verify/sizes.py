@@ -1,0 +1,134 @@
+"""Which dim sizes verification runs: chosen by what they test, bounded by what they cost.
+
+Always (whatever they cost):
+  example   the sizes of the example inputs, with the user's own input values
+  min       every dim at its minimum (size-1 broadcasting, single-token and single-image paths)
+  second    for a dim the example leaves at its minimum: the minimum + 1 (every dim runs at two sizes)
+  requested sizes the user asked for (--verify-size)
+Then, in this order, each only if the extra cases' matmul FLOPs stay within the budget:
+  max       every dim at its maximum (the ends of position tables, the largest buckets)
+  max-<dim> one dim at its maximum, the others at their minimum (when "max" does not fit)
+  mid       a size inside each range that differs from the example (odd where possible)
+An unbounded dim's maximum counts as 4x its example size. Costs come from the program's matmul
+FLOPs polynomial (lower/cost.py), so choosing sizes runs nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from tpuexport.errors import TpuExportError
+from tpuexport.lower.cost import flops_at
+from tpuexport.signature import ProgramSignature
+
+# FLOPs the optional cases may add: about a second of matmuls per run on two CPU cores.
+DEFAULT_BUDGET_FLOPS = 5e10
+# Optional cases also stay below this many input elements (the eager and XLA runs hold them all).
+MAX_OPTIONAL_INPUT_ELEMENTS = 1 << 24
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedCase:
+    """One set of sizes to verify.
+
+    Attributes:
+      label: "example", "min", "second-<dim>", "requested", "max", "max-<dim>" or "mid".
+      sizes: {dim name: size}.
+      reason: why it runs ("always", "coverage", "requested", "within budget").
+      flops: matmul FLOPs of one run at these sizes.
+    """
+
+    label: str
+    sizes: dict[str, int]
+    reason: str
+    flops: float
+
+
+def plan_cases(
+    signature: ProgramSignature,
+    flops_expression: str,
+    budget_flops: float = DEFAULT_BUDGET_FLOPS,
+    requested: tuple[dict[str, int], ...] = (),
+) -> list[PlannedCase]:
+    """The cases to verify, by the rule in the module docstring; the first is always "example".
+
+    Args:
+      signature: the program's signature (dims with ranges and example sizes).
+      flops_expression: the program's matmul FLOPs over the dim names.
+      budget_flops: FLOPs the optional cases may add.
+      requested: sizes that must be verified (each checked against the dims' ranges by the caller).
+    Returns:
+      The planned cases, without duplicates.
+    """
+    cases: list[PlannedCase] = []
+
+    def add(label: str, sizes: dict[str, int], reason: str) -> None:
+        if all(sizes != case.sizes for case in cases):
+            cases.append(PlannedCase(label, dict(sizes), reason, flops_at(flops_expression, sizes)))
+
+    add("example", signature.example_sizes(), "always")
+    if not signature.dims:
+        return cases
+    minimum = {d.name: d.min for d in signature.dims}
+    ceiling = {d.name: d.max if d.max is not None else max(4 * d.example, d.min) for d in signature.dims}
+    add("min", minimum, "always")
+    for dim in signature.dims:
+        # Only seen at its minimum so far (the example uses it too): the next size up is the cheapest second one.
+        if len({case.sizes[dim.name] for case in cases}) == 1 and ceiling[dim.name] > dim.min:
+            add(f"second-{dim.name}", {**minimum, dim.name: dim.min + 1}, "coverage")
+    for sizes in requested:
+        add("requested", sizes, "requested")
+
+    spent = 0.0
+
+    def add_within_budget(label: str, sizes: dict[str, int]) -> bool:
+        nonlocal spent
+        cost = flops_at(flops_expression, sizes)
+        if spent + cost > budget_flops or _input_elements(signature, sizes) > MAX_OPTIONAL_INPUT_ELEMENTS:
+            return False
+        if all(sizes != case.sizes for case in cases):
+            spent += cost
+            add(label, sizes, "within budget")
+        return True
+
+    if not add_within_budget("max", ceiling) and len(signature.dims) > 1:
+        for dim in signature.dims:
+            add_within_budget(f"max-{dim.name}", {**minimum, dim.name: ceiling[dim.name]})
+    example = signature.example_sizes()
+    add_within_budget("mid", {d.name: _middle_size(d.min, ceiling[d.name], example[d.name]) for d in signature.dims})
+    return cases
+
+
+def _middle_size(low: int, high: int, example: int) -> int:
+    """A size inside [low, high] that differs from the example: the middle, made odd when possible."""
+    middle = (low + high) // 2
+    if middle % 2 == 0 and middle + 1 <= high:
+        middle += 1
+    if middle == example and middle + 2 <= high:
+        middle += 2
+    return middle
+
+
+def _input_elements(signature: ProgramSignature, sizes: dict[str, int]) -> int:
+    return sum(int(np.prod(spec.concrete_shape(sizes))) for spec in signature.inputs)
+
+
+def resolve_requested_sizes(signature: ProgramSignature, requested: tuple[dict[str, int], ...]) -> tuple[dict[str, int], ...]:
+    """Completes and checks user-requested verification sizes (dims not named keep their example size).
+
+    Raises:
+      TpuExportError: an unknown dim or a size outside its range.
+    """
+    known = {dim.name: dim for dim in signature.dims}
+    resolved = []
+    for sizes in requested:
+        for name, size in sizes.items():
+            dim = known.get(name)
+            if dim is None:
+                raise TpuExportError(f"--verify-size names unknown dim {name!r}; the program's dims are: {', '.join(known) or 'none'}")
+            if not dim.accepts(size):
+                raise TpuExportError(f"--verify-size {name}={size} is out of range: {name} accepts {dim.range_text}")
+        resolved.append({**signature.example_sizes(), **sizes})
+    return tuple(resolved)
