@@ -1,12 +1,24 @@
 """Deliberately wrong lowerings, to show that verification catches real bugs (tests and benchmarks).
 
-Each bug is a context manager that swaps one of tpuexport's own JAX lowerings for a subtly wrong
-one while a program is lowered. They are the mistakes an integer lowering can plausibly make:
+Each bug is a context manager that swaps one JAX lowering (tpuexport's own, or torchax's for an
+ATen op) for a subtly wrong one while a program is lowered; it applies to every use of the op.
+They are mistakes a lowering can plausibly make.
 
+int8 (FLOAT ops untouched):
   int8_scale_off_by_one_step  the rescale uses max|x|/128 where the quantizer used max|x|/127
                               (every integer matmul/conv result 0.8% too small)
   int8_missing_bias           the bias of every integer linear/convolution is dropped
   int8_wrong_zero_point       activations are quantized with zero point 1 instead of 0 (a one-step shift)
+
+float:
+  dropped_bias                addmm and convolution ignore their bias
+  wrong_norm_epsilon          layer and batch norms use epsilon 0.1 (batch norm's momentum, a
+                              positional mix-up) instead of the model's
+  swapped_channels            output channels 0 and 1 of every addmm, mm and convolution trade places
+  transposed_weight           square weights of addmm/mm are used transposed; convolution kernels
+                              have their two spatial axes swapped
+A bug whose op the program does not use (no biases, no norms) leaves it unchanged: the benchmark
+reports such rows as exact.
 """
 
 from __future__ import annotations
@@ -16,21 +28,33 @@ import contextlib
 import jax.numpy as jnp
 import torch
 
+from tpuexport.lower.op_support import lowering_for
 from tpuexport.lower.registry import OWN_LOWERINGS
 from tpuexport.quantize import ops
 
 _tx = torch.ops.tpuexport
 _qd = torch.ops.quantized_decomposed
+_aten = torch.ops.aten
 
 
 @contextlib.contextmanager
 def _swapped(replacements: dict):
-    saved = {operator: OWN_LOWERINGS[operator] for operator in replacements}
+    saved = {operator: OWN_LOWERINGS.get(operator) for operator in replacements}
     OWN_LOWERINGS.update(replacements)
     try:
         yield
     finally:
-        OWN_LOWERINGS.update(saved)
+        for operator, lowering in saved.items():
+            if lowering is None:
+                del OWN_LOWERINGS[operator]
+            else:
+                OWN_LOWERINGS[operator] = lowering
+
+
+def _correct(operator):
+    """The lowering tpuexport uses for `operator` (its own or torchax's), as a function."""
+    lowering = lowering_for(operator)
+    return getattr(lowering, "func", lowering)
 
 
 def _scaled(lowering, factor: float):
@@ -76,6 +100,79 @@ def int8_wrong_zero_point():
         return static(x, scale, 1, quant_min, quant_max, dtype)
 
     return _swapped({_qd.quantize_per_tensor.default: shifted_static, _qd.quantize_per_tensor.tensor: _shifted_quantize})
+
+
+def dropped_bias():
+    addmm, convolution = _correct(_aten.addmm.default), _correct(_aten.convolution.default)
+
+    def addmm_without_bias(bias, mat1, mat2, *, beta=1, alpha=1):
+        return addmm(jnp.zeros_like(bias), mat1, mat2, beta=beta, alpha=alpha)
+
+    def convolution_without_bias(x, weight, bias, *options):
+        return convolution(x, weight, None, *options)
+
+    return _swapped({_aten.addmm.default: addmm_without_bias, _aten.convolution.default: convolution_without_bias})
+
+
+BATCH_NORM_MOMENTUM = 0.1
+
+
+def wrong_norm_epsilon():
+    layer_norm = _correct(_aten.native_layer_norm.default)
+    batch_norm = _correct(_aten._native_batch_norm_legit_no_training.default)
+
+    def layer_norm_wrong_epsilon(x, normalized_shape, weight, bias, eps):
+        return layer_norm(x, normalized_shape, weight, bias, BATCH_NORM_MOMENTUM)
+
+    def batch_norm_wrong_epsilon(x, weight, bias, mean, var, momentum, eps):
+        return batch_norm(x, weight, bias, mean, var, momentum, momentum)
+
+    return _swapped({_aten.native_layer_norm.default: layer_norm_wrong_epsilon,
+                     _aten._native_batch_norm_legit_no_training.default: batch_norm_wrong_epsilon})
+
+
+def _swap_first_two(values, axis: int):
+    if values.shape[axis] < 2:
+        return values
+    order = jnp.arange(values.shape[axis]).at[0].set(1).at[1].set(0)
+    return jnp.take(values, order, axis=axis)
+
+
+def swapped_channels():
+    addmm, mm, convolution = _correct(_aten.addmm.default), _correct(_aten.mm.default), _correct(_aten.convolution.default)
+    return _swapped({
+        _aten.addmm.default: lambda *args, **kwargs: _swap_first_two(addmm(*args, **kwargs), -1),
+        _aten.mm.default: lambda *args, **kwargs: _swap_first_two(mm(*args, **kwargs), -1),
+        _aten.convolution.default: lambda *args, **kwargs: _swap_first_two(convolution(*args, **kwargs), 1),
+    })
+
+
+def _transposed_if_square(matrix):
+    return matrix.T if matrix.shape[0] == matrix.shape[1] else matrix
+
+
+def transposed_weight():
+    addmm, mm, convolution = _correct(_aten.addmm.default), _correct(_aten.mm.default), _correct(_aten.convolution.default)
+
+    def addmm_transposed(bias, mat1, mat2, **kwargs):
+        return addmm(bias, mat1, _transposed_if_square(mat2), **kwargs)
+
+    def mm_transposed(mat1, mat2):
+        return mm(mat1, _transposed_if_square(mat2))
+
+    def convolution_transposed(x, weight, *options):
+        return convolution(x, jnp.swapaxes(weight, -1, -2) if weight.ndim == 4 else weight, *options)
+
+    return _swapped({_aten.addmm.default: addmm_transposed, _aten.mm.default: mm_transposed,
+                     _aten.convolution.default: convolution_transposed})
+
+
+FLOAT_BUGS = {
+    "dropped_bias": dropped_bias,
+    "wrong_norm_epsilon": wrong_norm_epsilon,
+    "swapped_channels": swapped_channels,
+    "transposed_weight": transposed_weight,
+}
 
 
 INT8_BUGS = {
