@@ -1,7 +1,9 @@
 """Lowering: a CapturedModel becomes a `jax.export.Exported` for CPU and TPU, plus its weights.
 
 Passes, in order:
+  reshape_views      views that torch's decompositions could not stride become reshapes
   decompose          torch's core ATen decompositions, then torchax's own
+  expand_convolution_arguments  one stride/padding/dilation per spatial dim
   check_operators    every operator without a lowering, reported at once with user source lines
   collect_weights    parameters, buffers and constants in the program's placeholder order
   trace_and_export   torchax's interpreter traced by jax.export with one-scope symbolic dims
@@ -21,6 +23,8 @@ import torch
 
 from tpuexport.arrays import to_numpy
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError
+from tpuexport.lower import aten_lowerings  # noqa: F401  (registers tpuexport's own ATen lowerings)
+from tpuexport.lower.graph_passes import expand_convolution_arguments, reshape_views
 from tpuexport.lower.registry import OWN_LOWERINGS
 from tpuexport.lower.op_support import find_unsupported, user_source
 from tpuexport.lower.shapes import symbolic_input_avals
@@ -109,7 +113,7 @@ def lower(program: torch.export.ExportedProgram, signature: ProgramSignature, pr
     """
     if precision not in PRECISIONS:
         raise TpuExportError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
-    decomposed = decompose(program)
+    decomposed = expand_convolution_arguments(decompose(reshape_views(program)))
     check_operators(decomposed)
     names, weights = collect_weights(decomposed, precision)
     exported = trace_and_export(decomposed, signature, weights, precision)

@@ -1,8 +1,9 @@
 """tpuexport's own lowerings, consulted before torchax's op library.
 
 Maps an operator (an OpOverload, e.g. a torch.library op defined by the quantization stage) to a
-function on JAX arrays with the operator's signature. Registered by the modules that define the
-operators; the lowering stage imports nothing from them.
+function on JAX arrays with the operator's signature. Operators tpuexport defines are registered by
+the modules that define them, which the lowering stage does not import; lowerings of torch's own
+operators (lower/aten_lowerings.py and its neighbours) are imported by the lowering stage.
 """
 
 from __future__ import annotations

@@ -1,0 +1,77 @@
+"""Patterns real models use (issue #9), one tiny module each, lowered and verified against eager
+PyTorch; and a conversion, failed or not, leaves torch's process-wide state as it found it."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tpuexport
+from tpuexport.export import LoadedSource, SourceInfo, capture
+from tpuexport.lower import lower
+from tpuexport.verify import verify
+
+
+def captured(model, args, dynamic_shapes):
+    return capture(LoadedSource(model, args, dynamic_shapes, None, SourceInfo("api")))
+
+
+def lowered_and_verified(model, args, dynamic_shapes):
+    """Lowers the model and checks it against eager PyTorch at every verification size."""
+    model = captured(model, args, dynamic_shapes)
+    lowered = lower(model.program, model.signature)
+    report = verify(lowered, model.reference, model.example_inputs)
+    assert report.passed, report.failure_summary()
+    return lowered, report
+
+
+batch = torch.export.Dim("batch", min=1, max=16)
+seq = torch.export.Dim("seq", min=2, max=32)
+
+
+class ProjectedAttention(nn.Module):
+    """GPT-2's attention: the output's `.contiguous()` is a no-op when exported, and after torch
+    decomposes scaled_dot_product_attention the `view` in its Conv1D projection sees other strides."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.weight = nn.Parameter(torch.randn(16, 16))
+        self.bias = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, 4, 4).transpose(1, 2) for t in self.qkv(x).split(16, dim=2))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1).contiguous()
+        return torch.addmm(self.bias, out.view(-1, out.size(-1)), self.weight).view(b, s, -1)
+
+
+def test_view_of_a_transposed_tensor_with_symbolic_strides():
+    lowered_and_verified(ProjectedAttention(), (torch.randn(2, 8, 16),), {"x": {0: batch, 1: seq}})
+
+
+class DepthwiseBlock(nn.Module):
+    """EfficientNet: depthwise convolutions with padding "same" and, strided, "valid"; its last hidden
+    state, an output, is also pooled with a kernel larger than the 1x1 map, in ceil_mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.same = nn.Conv2d(8, 8, 3, padding="same", groups=8)
+        self.valid = nn.Conv2d(8, 8, 3, stride=2, padding="valid", groups=8)
+        self.head = nn.Conv2d(8, 320, 1)
+        self.pool = nn.AvgPool2d(16, ceil_mode=True)
+
+    def forward(self, x):
+        hidden = self.head(self.valid(self.valid(self.valid(F.pad(self.same(x), (0, 1, 0, 1))))))
+        return hidden, self.pool(hidden).flatten(1)
+
+
+def test_depthwise_convolution_with_padding_modes_and_a_ceil_mode_pooler():
+    # XLA:CPU summed such a pooler's padded window wrongly at batch 16 before the fix
+    _, report = lowered_and_verified(DepthwiseBlock(), (torch.randn(2, 8, 16, 16),), {"x": {0: batch}})
+    assert max(case.sizes["batch"] for case in report.cases) == 16

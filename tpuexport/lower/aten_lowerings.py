@@ -1,0 +1,70 @@
+"""tpuexport's own lowerings of ATen operators whose torchax lowering fails on patterns real models use.
+
+Each is registered in lower/registry.py and so runs instead of torchax's; where only some
+arguments need it, the rest go to torchax's lowering unchanged.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from tpuexport.lower.registry import register_lowering
+from tpuexport.lower.torchax_import import import_torchax
+
+aten = torch.ops.aten
+
+
+def torchax_lowering(operator):
+    """torchax's JAX function for `operator`."""
+    return import_torchax().ops.ops_registry.all_aten_ops[operator].func
+
+
+@register_lowering(aten.avg_pool1d.default)
+@register_lowering(aten.avg_pool2d.default)
+@register_lowering(aten.avg_pool3d.default)
+def avg_pool(inputs, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    """Average pooling where `ceil_mode` adds a partial last window and padding counts in the mean
+    (EfficientNet's pooler: `AvgPool2d(kernel, ceil_mode=True)`).
+
+    torchax corrects the divisor of such windows element by element, looping over every output
+    index, which fails on a symbolic batch dim. Here the divisor is itself a window sum, of ones over
+    the input and its declared padding; the extra padding that ceil_mode adds counts as zero, as in
+    torch. Other cases, and spatial dims that are symbolic, go to torchax's lowering.
+    """
+    spatial = inputs.shape[inputs.ndim - len(kernel_size):]
+    if not (ceil_mode and count_include_pad and divisor_override is None and all(isinstance(s, int) for s in spatial)):
+        # torchax registers one function for 1-, 2- and 3-d pooling.
+        return torchax_lowering(aten.avg_pool2d.default)(inputs, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    dims = len(kernel_size)
+    stride = list(stride) or list(kernel_size)
+    padding = [padding] if isinstance(padding, int) else list(padding)
+    padding = padding * dims if len(padding) == 1 else padding
+    kernel, extra = zip(*(_ceil_mode_window(*args) for args in zip(spatial, kernel_size, stride, padding)))
+    leading = inputs.ndim - dims
+    sums = jax.lax.reduce_window(inputs, jnp.array(0, inputs.dtype), jax.lax.add, (1,) * leading + kernel,
+                                 (1,) * leading + tuple(stride), [(0, 0)] * leading + [(p, p + e) for p, e in zip(padding, extra)])
+    counted = jnp.pad(jnp.ones(spatial, inputs.dtype), [(p, p) for p in padding], constant_values=1)
+    counts = jax.lax.reduce_window(counted, jnp.array(0, inputs.dtype), jax.lax.add, kernel, tuple(stride), [(0, e) for e in extra])
+    return (sums / counts).astype(inputs.dtype)
+
+
+def _ceil_mode_window(size: int, kernel: int, stride: int, padding: int) -> tuple[int, int]:
+    """The window and the padding past the right edge for one spatial dim of a ceil_mode pooling.
+
+    torch's ceil_mode output size needs that extra padding, as its last window may reach past the
+    padded input (it must only start inside the input or its left padding). A single window larger
+    than the padded input is clipped to it: the rest would only sum padding zeros, and XLA:CPU's
+    reduce_window returns wrong sums when padding exceeds a size-1 input at larger batches
+    (EfficientNet's pooler `AvgPool2d(hidden_dim, ceil_mode=True)` over a 1x1 map, seen from batch 15).
+
+    Returns:
+      (window, extra right padding).
+    """
+    windows = -(-(size + 2 * padding - kernel) // stride) + 1
+    if (windows - 1) * stride >= size + padding:
+        windows -= 1
+    if windows == 1:
+        return min(kernel, size + 2 * padding), 0
+    return kernel, max((windows - 1) * stride + kernel - (size + 2 * padding), 0)
