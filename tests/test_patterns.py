@@ -75,3 +75,26 @@ def test_depthwise_convolution_with_padding_modes_and_a_ceil_mode_pooler():
     # XLA:CPU summed such a pooler's padded window wrongly at batch 16 before the fix
     _, report = lowered_and_verified(DepthwiseBlock(), (torch.randn(2, 8, 16, 16),), {"x": {0: batch}})
     assert max(case.sizes["batch"] for case in report.cases) == 16
+
+
+class Positions(nn.Module):
+    """Position ids and relative-position buckets from symbolic lengths (T5, BART, DeBERTa)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(64, 8)
+
+    def forward(self, ids):
+        length = ids.shape[1]
+        offset_positions = torch.arange(2, length + 2, dtype=torch.long, device=ids.device)
+        relative = torch.arange(length, dtype=torch.long)[None, :] - torch.arange(length)[:, None]
+        every_other = torch.arange(0, length, 2)
+        return (self.embedding(ids) + self.embedding(offset_positions), self.embedding(relative.abs().clamp(max=63)).sum(-1),
+                every_other)
+
+
+def test_arange_of_a_symbolic_length():
+    # from 3: at 2, every_other would have one element, which torch.export specializes
+    length = torch.export.Dim("seq", min=3, max=32)
+    _, report = lowered_and_verified(Positions(), (torch.randint(0, 60, (2, 8)),), {"ids": {0: batch, 1: length}})
+    assert {case.sizes["seq"] for case in report.cases} >= {3, 8, 32}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from tpuexport.lower.registry import register_lowering
@@ -19,6 +20,33 @@ aten = torch.ops.aten
 def torchax_lowering(operator):
     """torchax's JAX function for `operator`."""
     return import_torchax().ops.ops_registry.all_aten_ops[operator].func
+
+
+def _is_integer(value) -> bool:
+    """A Python int or a JAX symbolic dim (an integer expression such as `seq + 2`)."""
+    return isinstance(value, (int, np.integer)) or jax.export.is_symbolic_dim(value)
+
+
+@register_lowering(aten.arange.default)
+@register_lowering(aten.arange.start)
+@register_lowering(aten.arange.start_step)
+def arange(start, end=None, step=1, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """`torch.arange` whose bounds may be symbolic dims (position ids `arange(seq)`, BART's
+    `arange(past, past + seq)`, relative-position buckets).
+
+    jnp.arange needs concrete bounds; with integer bounds the length is the integer expression
+    ceil((end - start) / step), which a symbolic dim can express, and the values are an iota.
+    """
+    if end is None:
+        start, end = 0, start
+    if not all(_is_integer(value) for value in (start, end, step)):
+        return torchax_lowering(aten.arange.start_step)(start, end, step, dtype=dtype)
+    if step > 0:
+        length = (end - start + step - 1) // step
+    else:
+        length = (start - end - step - 1) // -step
+    jax_dtype = jax.dtypes.canonicalize_dtype(import_torchax().ops.mappings.t2j_dtype(dtype or torch.int64))
+    return jax.lax.iota(jax_dtype, length) * jnp.asarray(step, jax_dtype) + jnp.asarray(start, jax_dtype)
 
 
 @register_lowering(aten.avg_pool1d.default)
