@@ -98,3 +98,40 @@ def test_arange_of_a_symbolic_length():
     length = torch.export.Dim("seq", min=3, max=32)
     _, report = lowered_and_verified(Positions(), (torch.randint(0, 60, (2, 8)),), {"ids": {0: batch, 1: length}})
     assert {case.sizes["seq"] for case in report.cases} >= {3, 8, 32}
+
+
+class EarlyExit(nn.Module):
+    """A data-dependent branch: the second layer runs only when the first one's mean is positive."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+
+    def forward(self, x):
+        hidden = self.first(x)
+        return torch.cond(hidden.mean() > 0, lambda h: self.second(h).relu(), lambda h: h * 0.5 - 1, (hidden,))
+
+
+def test_torch_cond_takes_either_branch_at_run_time():
+    model = EarlyExit().eval()
+    with torch.no_grad():
+        model.first.weight.copy_(torch.eye(8))  # the first layer passes x through: x's sign picks the branch
+        model.first.bias.zero_()
+    lowered, _ = lowered_and_verified(model, (torch.randn(2, 8),), {"x": {0: batch}})
+    x = torch.rand(3, 8) + 0.1
+    with torch.no_grad():
+        taken, skipped = model(x), x * 0.5 - 1
+        assert not torch.allclose(taken, skipped)
+        for inputs, expected in ((x, taken), (-x, -x * 0.5 - 1)):
+            np.testing.assert_allclose(lowered.run([inputs.numpy()])[0], expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+class ShapeGate(nn.Module):
+    def forward(self, x):
+        return torch.cond(x.shape[0] > 4, lambda x: x.sum(0, keepdim=True) + x, lambda x: x * 2, (x,))
+
+
+def test_torch_cond_on_a_symbolic_size():
+    _, report = lowered_and_verified(ShapeGate(), (torch.randn(2, 8),), {"x": {0: batch}})
+    assert {case.sizes["batch"] <= 4 for case in report.cases} == {True, False}

@@ -23,7 +23,7 @@ import torch
 
 from tpuexport.arrays import to_numpy
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError
-from tpuexport.lower import aten_lowerings  # noqa: F401  (registers tpuexport's own ATen lowerings)
+from tpuexport.lower import aten_lowerings, control_flow, symbolic_ops  # noqa: F401  (they register tpuexport's own lowerings)
 from tpuexport.lower.graph_passes import expand_convolution_arguments, reshape_views
 from tpuexport.lower.registry import OWN_LOWERINGS
 from tpuexport.lower.op_support import find_unsupported, user_source
@@ -169,8 +169,9 @@ def _to_numpy(tensor: torch.Tensor, precision: str) -> np.ndarray:
 
 
 class _TracingInterpreter:
-    """torchax's interpreter, remembering which node it is on so a failure can name it, and
-    running tpuexport's own lowerings (lower/registry.py) before torchax's."""
+    """torchax's interpreter, remembering which node it is on so a failure can name it, running
+    tpuexport's own lowerings (lower/registry.py) before torchax's, and handing subgraphs (torch.cond's
+    branches) to the lowerings as functions of JAX arrays run by the same interpreter."""
 
     def __init__(self, graph_module):
         torchax = import_torchax()
@@ -187,6 +188,12 @@ class _TracingInterpreter:
                 if own is not None:
                     return own(*args, **kwargs)
                 return super().call_function(target, args, kwargs)
+
+            def get_attr(self, target, args, kwargs):
+                value = super().get_attr(target, args, kwargs)
+                if isinstance(value, torch.fx.GraphModule):
+                    return lambda *operands: Interpreter(value).run(*operands, enable_io_processing=False)
+                return value
 
         self.node = None
         self.interpreter = Interpreter(graph_module)
