@@ -135,3 +135,33 @@ class ShapeGate(nn.Module):
 def test_torch_cond_on_a_symbolic_size():
     _, report = lowered_and_verified(ShapeGate(), (torch.randn(2, 8),), {"x": {0: batch}})
     assert {case.sizes["batch"] <= 4 for case in report.cases} == {True, False}
+
+
+class TinyUNet(nn.Module):
+    """Two stride-2 downsamplings, upsampling back and skip connections: the image side must be a
+    multiple of 4, which torch.export is told as `4*h`."""
+
+    def __init__(self):
+        super().__init__()
+        self.down1 = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.down2 = nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        self.up = nn.Conv2d(8, 3, 1)
+
+    def forward(self, image):
+        half = F.relu(self.down1(image))
+        quarter = F.relu(self.down2(half))
+        half = half + F.interpolate(quarter, scale_factor=2.0, mode="nearest")
+        return image + self.up(F.interpolate(half, scale_factor=2.0, mode="nearest"))
+
+
+def test_dims_that_appear_only_as_multiples():
+    h, w = torch.export.Dim("h", min=2, max=16), torch.export.Dim("w", min=2, max=8)
+    lowered, report = lowered_and_verified(TinyUNet(), (torch.randn(2, 3, 32, 24),), {"image": {0: batch, 2: 4 * h, 3: 4 * w}})
+    signature = lowered.signature
+    assert [(d.name, d.min, d.max, d.example) for d in signature.dims] == [("batch", 1, 16, 2), ("h", 2, 16, 8), ("w", 2, 8, 6)]
+    assert signature.inputs[0].shape == ("batch", 3, "4*h", "4*w")
+    assert {case.sizes["h"] for case in report.cases} >= {2, 8, 16}
+    with pytest.raises(tpuexport.TpuExportError, match=r"input 'image' axis 2 is 30, which is not 4\*h for any whole h"):
+        lowered.run([np.zeros((1, 3, 30, 8), np.float32)])
+    with pytest.raises(tpuexport.TpuExportError, match=r"h=17 is out of range: h accepts 2\.\.16"):
+        lowered.run([np.zeros((1, 3, 68, 8), np.float32)])

@@ -1,5 +1,5 @@
-"""Lowerings of the Python operations on sizes that a graph holds (`x.shape[0] > 4`) where JAX's
-symbolic dims cannot express the result.
+"""Lowerings of the Python operations on sizes that a graph holds (`x.shape[0] > 4`,
+`float(h) * 4.0`) where JAX's symbolic dims cannot express the result.
 
 JAX dim expressions are integers, and comparing two of them raises unless the dims' ranges decide
 it. Such results become arrays instead, computed from the actual sizes when the program runs.
@@ -11,6 +11,7 @@ import operator
 
 import jax
 import jax.numpy as jnp
+import torch
 
 from tpuexport.lower.registry import register_lowering
 
@@ -31,3 +32,9 @@ def _decided_at_run_time(compare):
 for _comparison in (operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge):
     register_lowering(_comparison)(_decided_at_run_time(_comparison))
 
+
+@register_lowering(torch.sym_float)
+def sym_float(size):
+    """A size as a float (`F.interpolate(scale_factor=...)` on a symbolic image side computes its
+    sampling step so): a float32 scalar array for a symbolic dim."""
+    return jnp.asarray(size, jnp.float32) if jax.export.is_symbolic_dim(size) else float(size)
