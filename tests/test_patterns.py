@@ -165,3 +165,49 @@ def test_dims_that_appear_only_as_multiples():
         lowered.run([np.zeros((1, 3, 30, 8), np.float32)])
     with pytest.raises(tpuexport.TpuExportError, match=r"h=17 is out of range: h accepts 2\.\.16"):
         lowered.run([np.zeros((1, 3, 68, 8), np.float32)])
+
+
+def torch_global_state() -> dict:
+    """What torch (and the JAX flags and environment a torch user shares) holds process-wide."""
+    import jax
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return {
+        "function modes": list(torch.overrides._get_current_function_mode_stack()),
+        "dispatch modes": list(_get_current_dispatch_mode_stack()),
+        "default dtype": torch.get_default_dtype(),
+        "default device": torch.get_default_device(),
+        "grad enabled": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "mha fast path": torch.backends.mha.get_fastpath_enabled(),
+        "privateuse1 backend": torch._C._get_privateuse1_backend_name(),
+        "accelerator": torch.accelerator.current_accelerator(),
+        "device modules": sorted(name for name in ("jax", "tpu", "xla") if hasattr(torch, name)),
+        "decompositions": {stage: dict(table) for stage, table in torch._decomp.global_decomposition_table.items()},
+        "environment": dict(os.environ),
+        "jax x64": jax.config.jax_enable_x64,
+        "jax matmul precision": jax.config.jax_default_matmul_precision,
+    }
+
+
+class Unsupported(nn.Module):
+    def forward(self, x):
+        return torch.special.airy_ai(x)
+
+
+def test_a_conversion_failed_or_not_leaves_torch_as_it_found_it(tmp_path):
+    # torch.export itself sets TORCHINDUCTOR_CACHE_DIR the first time it runs: that is the baseline
+    torch.export.export(ShapeGate(), (torch.randn(2, 3),))
+    before = torch_global_state()
+    with pytest.raises(tpuexport.UnsupportedOperatorsError):
+        tpuexport.convert(Unsupported(), (torch.randn(2, 3),), out=tmp_path / "failed.tpu", saved_model=False)
+    assert torch_global_state() == before
+    tpuexport.convert(EarlyExit(), (torch.randn(2, 8),), {"x": {0: batch}}, out=tmp_path / "passed.tpu", saved_model=False)
+    assert torch_global_state() == before
+    # torchax's import used to rename torch's PrivateUse1 backend to "jax", which torch.compile (and
+    # so eager torch.cond) then took for an accelerator without a device: absolute, whatever ran before
+    assert before["privateuse1 backend"] == "privateuseone" and before["accelerator"] is None
+    torch.compile(lambda x: x * 2, backend="eager", fullgraph=True)(torch.ones(2))
+    model = ShapeGate()
+    assert torch.equal(model(torch.ones(2, 3)), torch.full((2, 3), 2.0))
