@@ -167,6 +167,88 @@ def test_dims_that_appear_only_as_multiples():
         lowered.run([np.zeros((1, 3, 68, 8), np.float32)])
 
 
+@torch.library.custom_op("tpuexport_patterns::scaled_softplus", mutates_args=())
+def scaled_softplus(x: torch.Tensor, beta: float) -> torch.Tensor:
+    return F.softplus(x * beta) / beta
+
+
+scaled_softplus.register_fake(lambda x, beta: torch.empty_like(x))
+
+
+def _keep_first(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Keeps each row's first lengths[i] values: a loop over tensor values, which cannot be traced."""
+    kept = torch.zeros_like(x)
+    for row, length in enumerate(lengths.tolist()):
+        kept[row, :length] = x[row, :length]
+    return kept
+
+
+for _name in ("keep_first", "keep_first_decomposed"):
+    torch.library.custom_op(f"tpuexport_patterns::{_name}", _keep_first, mutates_args=()).register_fake(
+        lambda x, lengths: torch.empty_like(x))
+
+
+@torch._decomp.register_decomposition(torch.ops.tpuexport_patterns.keep_first_decomposed.default)
+def _keep_first_decomposed(x, lengths):
+    return torch.where(torch.arange(x.shape[1])[None, :] < lengths[:, None], x, 0.0)
+
+
+class LibraryOps(nn.Module):
+    def __init__(self, keep_first):
+        super().__init__()
+        self.keep_first = keep_first
+
+    def forward(self, x, lengths):
+        return self.keep_first(scaled_softplus(x, 2.0), lengths)
+
+
+def test_custom_operators_lower_through_their_python_implementation_or_registered_decomposition():
+    lengths = torch.tensor([3, 5])
+    lowered_and_verified(LibraryOps(torch.ops.tpuexport_patterns.keep_first_decomposed), (torch.randn(2, 8), lengths), None)
+    model = captured(LibraryOps(torch.ops.tpuexport_patterns.keep_first), (torch.randn(2, 8), lengths), None)
+    with pytest.raises(tpuexport.TpuExportError) as caught:
+        lower(model.program, model.signature)
+    message = str(caught.value)
+    assert message.startswith("custom operator(s) tpuexport_patterns::keep_first could not be traced through their Python implementation")
+    assert "register a decomposition without data-dependent Python" in message and "\n" not in message
+
+
+class TinyMixtureOfExperts(nn.Module):
+    """Tokens routed to one of four experts, each expert's rows multiplied by transformers' kernel."""
+
+    def __init__(self, experts=4, width=8, hidden=16):
+        super().__init__()
+        self.router = nn.Linear(width, experts)
+        self.up = nn.Parameter(torch.randn(experts, width, hidden) * 0.3)
+        self.down = nn.Parameter(torch.randn(experts, hidden, width) * 0.3)
+
+    def forward(self, x):
+        import transformers.integrations.moe  # noqa: F401  (defines torch.ops.transformers.grouped_mm_fallback)
+
+        expert = self.router(x).argmax(-1)
+        order = expert.argsort(stable=True)
+        offsets = (expert[:, None] == torch.arange(self.up.shape[0])).sum(0).cumsum(0).to(torch.int32)
+        hidden = torch.ops.transformers.grouped_mm_fallback(x[order], self.up, offsets).relu()
+        return torch.ops.transformers.grouped_mm_fallback(hidden, self.down, offsets)[order.argsort()]
+
+
+def test_transformers_mixture_of_experts_kernel_is_a_ragged_dot():
+    tokens = torch.export.Dim("tokens", min=2, max=64)
+    lowered, _ = lowered_and_verified(TinyMixtureOfExperts(), (torch.randn(12, 8),), {"x": {0: tokens}})
+    assert lowered.exported.mlir_module().count('stablehlo.composite "chlo.ragged_dot"') == 2
+
+
+class BFloat16GroupedMatmul(nn.Module):
+    def forward(self, x, weights, group_sizes):
+        return torch._grouped_mm(x.bfloat16(), weights.bfloat16(), offs=group_sizes.cumsum(0).to(torch.int32)).float()
+
+
+def test_torch_grouped_mm():
+    # small integers: bfloat16 products and sums are exact, so XLA and torch agree to the bit
+    x, weights = torch.randint(-3, 4, (10, 8)).float(), torch.randint(-3, 4, (3, 8, 8)).float()
+    lowered_and_verified(BFloat16GroupedMatmul(), (x, weights, torch.tensor([4, 0, 6])), None)
+
+
 def torch_global_state() -> dict:
     """What torch (and the JAX flags and environment a torch user shares) holds process-wide."""
     import jax

@@ -96,3 +96,17 @@ def _ceil_mode_window(size: int, kernel: int, stride: int, padding: int) -> tupl
     if windows == 1:
         return min(kernel, size + 2 * padding), 0
     return kernel, max((windows - 1) * stride + kernel - (size + 2 * padding), 0)
+
+
+@register_lowering(aten._grouped_mm.default)
+def grouped_mm(inputs, weights, offsets=None, bias=None, out_dtype=None):
+    """`torch._grouped_mm` as mixture-of-experts layers call it: rows of `inputs` (M, K), sorted by
+    expert, times their expert's matrix of `weights` (G, K, N); `offsets` (G,) holds where each
+    expert's rows end. That is `jax.lax.ragged_dot`, with group sizes the offsets' differences.
+    """
+    if not (inputs.ndim == 2 and weights.ndim == 3 and offsets is not None and bias is None):
+        raise NotImplementedError("only the mixture-of-experts form of grouped_mm lowers: "
+                                  "(M, K) rows by (G, K, N) weights, with offsets and no bias")
+    group_sizes = jnp.diff(offsets, prepend=jnp.zeros((1,), offsets.dtype)).astype(jnp.int32)
+    result = jax.lax.ragged_dot(inputs, weights, group_sizes)
+    return result.astype(import_torchax().ops.mappings.t2j_dtype(out_dtype) if out_dtype is not None else inputs.dtype)

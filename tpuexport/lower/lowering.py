@@ -2,7 +2,8 @@
 
 Passes, in order:
   reshape_views      views that torch's decompositions could not stride become reshapes
-  decompose          torch's core ATen decompositions, then torchax's own
+  decompose          torch's core ATen decompositions (custom operators through their
+                     definitions), then torchax's own
   expand_convolution_arguments  one stride/padding/dilation per spatial dim
   check_operators    every operator without a lowering, reported at once with user source lines
   collect_weights    parameters, buffers and constants in the program's placeholder order
@@ -24,8 +25,9 @@ import torch
 from tpuexport.arrays import to_numpy
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError
 from tpuexport.lower import aten_lowerings, control_flow, symbolic_ops  # noqa: F401  (they register tpuexport's own lowerings)
+from tpuexport.lower.custom_ops import custom_operator_decompositions
 from tpuexport.lower.graph_passes import expand_convolution_arguments, reshape_views
-from tpuexport.lower.registry import OWN_LOWERINGS
+from tpuexport.lower.registry import own_lowering
 from tpuexport.lower.op_support import find_unsupported, user_source
 from tpuexport.lower.shapes import symbolic_input_avals
 from tpuexport.lower.torchax_import import import_torchax
@@ -121,14 +123,43 @@ def lower(program: torch.export.ExportedProgram, signature: ProgramSignature, pr
 
 
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """Runs torch's default decompositions, then torchax's extra ones (as torchax's exporter does)."""
+    """Runs torch's default decompositions, with library custom operators decomposed through what
+    defines them (lower/custom_ops.py), then torchax's extra ones (as torchax's exporter does).
+
+    Raises:
+      TpuExportError: decomposition failed; when it is a custom operator's decomposition that fails
+        (the rest decompose without it), the message names the operator.
+    """
     torchax = import_torchax()
+    custom = custom_operator_decompositions(program)
+
+    def decomposed(extra: dict) -> torch.export.ExportedProgram:
+        table = torch.export.default_decompositions()
+        table.update(extra)
+        return program.run_decompositions(table).run_decompositions(torchax.decompositions.DECOMPOSITIONS)
+
     try:
-        return program.run_decompositions().run_decompositions(torchax.decompositions.DECOMPOSITIONS)
+        return decomposed(custom)
     except Exception as error:  # torch's decomposition passes raise many kinds
-        message = " ".join(str(error).split())[:300]
-        raise TpuExportError(f"torch could not decompose the program ({type(error).__name__}: {message}); "
-                             "simplify the failing op (e.g. .reshape instead of .view after a transpose)") from None
+        message = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    untraceable = []
+    if custom and _succeeds(lambda: decomposed({})):
+        untraceable = [operator._name for operator, decomposition in custom.items()
+                       if not _succeeds(lambda: decomposed({operator: decomposition}))]
+    if untraceable:
+        raise TpuExportError(
+            f"custom operator(s) {', '.join(untraceable)} could not be traced through their Python implementation "
+            f"({message}); register a decomposition without data-dependent Python (.tolist(), .item(), branches on "
+            "tensor values) with torch._decomp.register_decomposition") from None
+    raise TpuExportError(f"torch could not decompose the program ({message}); simplify the failing op") from None
+
+
+def _succeeds(attempt) -> bool:
+    try:
+        attempt()
+    except Exception:  # any failure answers the question
+        return False
+    return True
 
 
 def check_operators(program: torch.export.ExportedProgram) -> None:
@@ -184,7 +215,7 @@ class _TracingInterpreter:
                 return super().run_node(node)
 
             def call_function(self, target, args, kwargs):
-                own = OWN_LOWERINGS.get(target)
+                own = own_lowering(target)
                 if own is not None:
                     return own(*args, **kwargs)
                 return super().call_function(target, args, kwargs)

@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from tpuexport.lower.registry import OWN_LOWERINGS
+from tpuexport.lower.registry import own_lowering
 from tpuexport.lower.torchax_import import import_torchax
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
@@ -30,8 +30,9 @@ class UnsupportedOperator:
 
 def lowering_for(target):
     """The JAX lowering for an operator (tpuexport's own first, then torchax's), or None."""
-    if target in OWN_LOWERINGS:
-        return OWN_LOWERINGS[target]
+    own = own_lowering(target)
+    if own is not None:
+        return own
     registry = import_torchax().ops.ops_registry.all_aten_ops
     op = registry.get(target) or registry.get(getattr(target, "overloadpacket", None))
     return op if op is not None and op.is_jax_function else None
@@ -52,7 +53,7 @@ def find_unsupported(graph_module: torch.fx.GraphModule) -> list[UnsupportedOper
             continue
         target = node.target
         if isinstance(target, torch._ops.HigherOrderOperator):
-            if target in OWN_LOWERINGS:
+            if own_lowering(target) is not None:
                 continue
             name = f"higher-order op {target.name()}"
         elif isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and lowering_for(target) is None:
