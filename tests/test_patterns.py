@@ -249,6 +249,32 @@ def test_torch_grouped_mm():
     lowered_and_verified(BFloat16GroupedMatmul(), (x, weights, torch.tensor([4, 0, 6])), None)
 
 
+class Ranking(nn.Module):
+    """A ranking head: the top 3 scores with their indices, and all scores sorted."""
+
+    def __init__(self):
+        super().__init__()
+        self.score = nn.Linear(8, 1)
+
+    def forward(self, items):
+        scores = self.score(items).squeeze(-1)
+        values, indices = torch.topk(scores, 3, dim=-1)
+        return {"top_scores": values, "top_items": indices, "sorted": torch.sort(scores, dim=-1, descending=True).values,
+                "erf": torch.erf(scores)}
+
+
+def test_top_k_and_sort_load_in_the_tf_saved_model(tmp_path):
+    stages = []
+    artifact = tpuexport.convert(Ranking(), (torch.randn(2, 10, 8),), {"items": {0: batch}}, out=tmp_path / "ranking.tpu",
+                                 progress=lambda stage, seconds, detail: stages.append(stage))
+    # whether TensorFlow can load the program is known before verification and compilation start
+    assert stages[:4] == ["export", "lower", "tensorflow", "verify"]
+    saved_model = artifact.manifest["verification"]["saved_model"]
+    assert saved_model["passed"] and len(saved_model["cases"]) >= 3 and saved_model["out_of_range"]["rejected"]
+    # the artifact's own program keeps jax's top_k and erf composites, for the TPU's native kernels
+    assert 'stablehlo.composite "chlo.top_k"' in (artifact.path / "program/stablehlo.mlir").read_text()
+
+
 def torch_global_state() -> dict:
     """What torch (and the JAX flags and environment a torch user shares) holds process-wide."""
     import jax

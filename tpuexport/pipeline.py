@@ -3,6 +3,7 @@
   export   load/capture with torch.export           -> CapturedModel
   quantize PT2E int8 (optional), re-exported         -> CapturedModel (reference: the PT2E model)
   lower    torchax op library -> jax.export          -> LoweredProgram
+           (with a SavedModel: the program is checked to load in TensorFlow)
   verify   CPU run vs eager PyTorch (fails fast)     -> VerificationReport
   compile  libtpu AOT per target and bucket          -> CompileReport
   write    the artifact directory, atomically        -> Artifact
@@ -114,6 +115,10 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
     buckets = compile_stage.make_buckets(captured.signature, options.buckets)
     with clock.stage("lower", lambda: f"{len(lowered.weights)} weight arrays, precision {options.precision}"):
         lowered = lower_stage.lower(captured.program, captured.signature, options.precision)
+    if options.saved_model:
+        # Before verification and compilation: a program TensorFlow cannot load fails in seconds.
+        with clock.stage("tensorflow", lambda: "TensorFlow's XlaCallModule loads the program"):
+            serving_stage.tensorflow_module(lowered)
     with clock.stage("verify", lambda: f"{len(report.cases)} size(s), {'passed' if report.passed else 'FAILED'}"):
         tolerances = options.tolerances or (verify_stage.QUANTIZED_TOLERANCES if quantized else None)
         report = verify_stage.verify(lowered, captured.reference, captured.example_inputs, tolerances)

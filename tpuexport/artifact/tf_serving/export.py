@@ -108,7 +108,7 @@ class TfServingExport:
         Returns:
           The manifest sections {"tf_serving": ..., "verification": ..., "build": {"tf_serving_seconds": ...}}.
         Raises:
-          TpuExportError: jax2tf or TensorFlow could not build the SavedModel.
+          TpuExportError: TensorFlow could not build the SavedModel.
           SavedModelMismatch: the SavedModel does not reproduce the golden outputs, or accepts
             out-of-range sizes.
         """
@@ -148,7 +148,9 @@ class TfServingExport:
             requests = warmup_inputs(self.lowered.signature, self.verification, self.buckets)
             try:
                 build_saved_model(self.lowered, directory)
-            except Exception as error:  # jax2tf and TensorFlow raise many kinds
+            except TpuExportError:
+                raise
+            except Exception as error:  # TensorFlow raises many kinds
                 message = " ".join(str(error).split())[:300]
                 raise TpuExportError(f"building the TF SavedModel failed ({type(error).__name__}: {message}); "
                                      "pass --no-saved-model (saved_model=False) to skip it") from None
