@@ -48,20 +48,20 @@ def tensorflow_module(lowered: LoweredProgram) -> bytes:
     Raises:
       TpuExportError: TensorFlow's XlaCallModule or StableHLO cannot take the program.
     """
-    import tensorflow as tf
-    from jax.extend.mlir import serialize_portable_artifact
-    from jax.extend.mlir.dialects import stablehlo
-    from tensorflow.compiler.mlir.stablehlo import stablehlo as tf_stablehlo
-    from tensorflow.compiler.tf2xla.python import xla as tfxla
-
-    exported = lowered.exported
-    supported = tfxla.call_module_maximum_supported_version()
-    if exported.calling_convention_version > supported:
-        raise TpuExportError(f"TensorFlow {tf.__version__} runs jax.export calling convention {supported} at most, the program "
-                             f"needs {exported.calling_convention_version}; {SKIP_HINT}, or upgrade tensorflow-cpu")
-    version = stablehlo.get_smaller_version(tf_stablehlo.get_current_version(), stablehlo.get_current_version())
-    # TensorFlow's reader says why it refuses a module only on the native stderr.
+    # TensorFlow logs its start-up on the native stderr, and says there why its reader refuses a module.
     with captured_native_stderr() as diagnostics:
+        import tensorflow as tf
+        from jax.extend.mlir import serialize_portable_artifact
+        from jax.extend.mlir.dialects import stablehlo
+        from tensorflow.compiler.mlir.stablehlo import stablehlo as tf_stablehlo
+        from tensorflow.compiler.tf2xla.python import xla as tfxla
+
+        exported = lowered.exported
+        supported = tfxla.call_module_maximum_supported_version()
+        if exported.calling_convention_version > supported:
+            raise TpuExportError(f"TensorFlow {tf.__version__} runs jax.export calling convention {supported} at most, the "
+                                 f"program needs {exported.calling_convention_version}; {SKIP_HINT}, or upgrade tensorflow-cpu")
+        version = stablehlo.get_smaller_version(tf_stablehlo.get_current_version(), stablehlo.get_current_version())
         try:
             module = serialize_portable_artifact(composites_as_calls(exported.mlir_module()), version)
             tf_stablehlo.deserialize_portable_artifact_str(module)
