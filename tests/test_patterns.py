@@ -223,8 +223,6 @@ class TinyMixtureOfExperts(nn.Module):
         self.down = nn.Parameter(torch.randn(experts, hidden, width) * 0.3)
 
     def forward(self, x):
-        import transformers.integrations.moe  # noqa: F401  (defines torch.ops.transformers.grouped_mm_fallback)
-
         expert = self.router(x).argmax(-1)
         order = expert.argsort(stable=True)
         offsets = (expert[:, None] == torch.arange(self.up.shape[0])).sum(0).cumsum(0).to(torch.int32)
@@ -233,6 +231,8 @@ class TinyMixtureOfExperts(nn.Module):
 
 
 def test_transformers_mixture_of_experts_kernel_is_a_ragged_dot():
+    import transformers.integrations.moe  # noqa: F401  (defines torch.ops.transformers.grouped_mm_fallback)
+
     tokens = torch.export.Dim("tokens", min=2, max=64)
     lowered, _ = lowered_and_verified(TinyMixtureOfExperts(), (torch.randn(12, 8),), {"x": {0: tokens}})
     assert lowered.exported.mlir_module().count('stablehlo.composite "chlo.ragged_dot"') == 2
@@ -250,7 +250,8 @@ def test_torch_grouped_mm():
 
 
 class Ranking(nn.Module):
-    """A ranking head: the top 3 scores with their indices, and all scores sorted."""
+    """A ranking head: the top 3 scores with their indices, and all scores sorted; erf, like top_k,
+    is a composite op in jax's lowering."""
 
     def __init__(self):
         super().__init__()
