@@ -3,6 +3,7 @@
   export   load/capture with torch.export           -> CapturedModel
   quantize PT2E int8 (optional), re-exported         -> CapturedModel (reference: the PT2E model)
   lower    torchax op library -> jax.export          -> LoweredProgram
+           (with a SavedModel: the program is checked to load in TensorFlow)
   compile  libtpu AOT per target and bucket          -> CompileReport      (child processes, in the
                                                                              background from here)
   verify   CPU runs vs eager PyTorch (fails fast)    -> VerificationReport
@@ -153,6 +154,11 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
                                           f"matmul precision {options.matmul_precision}"):
             lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision)
 
+        if options.saved_model:
+            # Before verification and compilation: a program TensorFlow cannot load fails in seconds.
+            with clock.stage("tensorflow", lambda: "TensorFlow's XlaCallModule loads the program"):
+                tensorflow_module = serving_stage.tensorflow_module(lowered)
+
         def compiled_one(result: compile_stage.CompiledBucket) -> None:
             clock.event(
                 f"compile {result.target.name} {result.bucket.name}", result.compile_seconds,
@@ -184,7 +190,7 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         if options.saved_model:
             extra_writers = (serving_stage.TfServingExport(
                 lowered, report, buckets, model_name, options.model_version, options.out, checker=checker,
-                buckets_compiled=compiled, on_step=clock.event,
+                buckets_compiled=compiled, module_bytes=tensorflow_module, on_step=clock.event,
             ),)
         if quantized:
             extra_writers += (_quantization_report(quantized, lowered, compiled, clock),)

@@ -120,6 +120,19 @@ class ProgramSignature:
                         raise ValueError(
                             f"input {spec.name!r} axis {axis} is {actual} but {declared} is {sizes[declared]} in another input"
                         )
+        # A dim that no axis holds alone is solved from one holding a multiple of it ("4*h").
+        for spec, shape in zip(self.inputs, shapes):
+            for axis, (declared, actual) in enumerate(zip(spec.shape, shape)):
+                if isinstance(declared, int) or declared in names:
+                    continue
+                symbols = _parse(declared).free_symbols
+                if len(symbols) != 1 or str(next(iter(symbols))) in sizes:
+                    continue
+                (symbol,) = symbols
+                solutions = sympy.solve(_parse(declared) - actual, symbol)
+                if len(solutions) != 1 or not solutions[0].is_integer:
+                    raise ValueError(f"input {spec.name!r} axis {axis} is {actual}, which is not {declared} for any whole {symbol}")
+                sizes[str(symbol)] = int(solutions[0])
         for dim in self.dims:
             size = sizes.get(dim.name)
             if size is not None and not dim.accepts(size):

@@ -159,6 +159,13 @@ def _name_symbols(program, user_nodes, input_names) -> dict[sympy.Symbol, str]:
 
 
 def _shape_env_debug_names(user_nodes) -> dict[sympy.Symbol, str]:
+    """The torch.export.Dim names of the shape environment's symbols.
+
+    A dim used directly is named after its input axis's source; a dim used only inside an
+    expression (`4*h`) has no axis of its own, and its source is a constant holding the Dim's name.
+    """
+    from torch._dynamo.source import ConstantSource
+
     for node in user_nodes:
         for size in node.meta["val"].shape:
             if isinstance(size, torch.SymInt):
@@ -169,6 +176,9 @@ def _shape_env_debug_names(user_nodes) -> dict[sympy.Symbol, str]:
                     for source in sources:
                         if source.name in debug:
                             found[symbol] = debug[source.name]
+                            break
+                        if isinstance(source, ConstantSource):
+                            found[symbol] = source.source_name
                             break
                 return found
     return {}
@@ -189,11 +199,18 @@ def _dim_expression(size, symbol_names) -> int | str:
 
 
 def _example_size(symbol, user_nodes, example_inputs) -> int:
+    """The dim's size in the example inputs, read off an input axis that is the dim itself or a
+    multiple of it plus a constant (`4*h`: torch.export's way to say a size is a multiple of 4)."""
     for node, tensor in zip(user_nodes, example_inputs):
         for axis, size in enumerate(node.meta["val"].shape):
-            if isinstance(size, torch.SymInt) and size.node.expr == symbol:
-                return int(tensor.shape[axis])
-    raise TpuExportError(f"dim {symbol} appears only inside expressions; give it its own input axis")
+            if not isinstance(size, torch.SymInt) or size.node.expr.free_symbols != {symbol}:
+                continue
+            expression = size.node.expr
+            coefficient, offset = expression.coeff(symbol), expression.subs(symbol, 0)
+            if expression == coefficient * symbol + offset:
+                return int((int(tensor.shape[axis]) - offset) / coefficient)
+    raise TpuExportError(f"dim {symbol} appears only in expressions of several dims; give it an input axis of its own "
+                         "(or a multiple of it, e.g. 4*h)")
 
 
 def _output_names(tree, count: int) -> list[str]:

@@ -1,7 +1,10 @@
 """Lowering: a CapturedModel becomes a `jax.export.Exported` for CPU and TPU, plus its weights.
 
 Passes, in order:
-  decompose          torch's core ATen decompositions, then torchax's own
+  reshape_views      views that torch's decompositions could not stride become reshapes
+  decompose          torch's core ATen decompositions (custom operators through their
+                     definitions), then torchax's own
+  expand_convolution_arguments  one stride/padding/dilation per spatial dim
   check_operators    every operator without a lowering, reported at once with user source lines
   collect_weights    parameters, buffers and constants in the program's placeholder order
   trace_and_export   torchax's interpreter traced by jax.export with one-scope symbolic dims
@@ -23,9 +26,12 @@ import torch
 
 from tpuexport.arrays import to_numpy
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError
+from tpuexport.lower import aten_lowerings, control_flow, symbolic_ops  # noqa: F401  (they register tpuexport's own lowerings)
 from tpuexport.lower.cost import matmul_flops_expression
+from tpuexport.lower.custom_ops import custom_operator_decompositions
+from tpuexport.lower.graph_passes import expand_convolution_arguments, reshape_views
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS, pin_matmul_precision
-from tpuexport.lower.registry import OWN_LOWERINGS
+from tpuexport.lower.registry import own_lowering
 from tpuexport.lower.op_support import find_unsupported, user_source
 from tpuexport.lower.shapes import symbolic_input_avals
 from tpuexport.lower.torchax_import import import_torchax
@@ -127,7 +133,7 @@ def lower(
         raise TpuExportError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     if matmul_precision not in MATMUL_PRECISIONS:
         raise TpuExportError(f"unknown matmul precision {matmul_precision!r}; use one of {', '.join(MATMUL_PRECISIONS)}")
-    decomposed = decompose(program)
+    decomposed = expand_convolution_arguments(decompose(reshape_views(program)))
     check_operators(decomposed)
     names, weights = collect_weights(decomposed, precision)
     exported = trace_and_export(decomposed, signature, weights, precision)
@@ -137,14 +143,43 @@ def lower(
 
 
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """Runs torch's default decompositions, then torchax's extra ones (as torchax's exporter does)."""
+    """Runs torch's default decompositions, with library custom operators decomposed through what
+    defines them (lower/custom_ops.py), then torchax's extra ones (as torchax's exporter does).
+
+    Raises:
+      TpuExportError: decomposition failed; when it is a custom operator's decomposition that fails
+        (the rest decompose without it), the message names the operator.
+    """
     torchax = import_torchax()
+    custom = custom_operator_decompositions(program)
+
+    def decomposed(extra: dict) -> torch.export.ExportedProgram:
+        table = torch.export.default_decompositions()
+        table.update(extra)
+        return program.run_decompositions(table).run_decompositions(torchax.decompositions.DECOMPOSITIONS)
+
     try:
-        return program.run_decompositions().run_decompositions(torchax.decompositions.DECOMPOSITIONS)
+        return decomposed(custom)
     except Exception as error:  # torch's decomposition passes raise many kinds
-        message = " ".join(str(error).split())[:300]
-        raise TpuExportError(f"torch could not decompose the program ({type(error).__name__}: {message}); "
-                             "simplify the failing op (e.g. .reshape instead of .view after a transpose)") from None
+        message = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    untraceable = []
+    if custom and _succeeds(lambda: decomposed({})):
+        untraceable = [operator._name for operator, decomposition in custom.items()
+                       if not _succeeds(lambda: decomposed({operator: decomposition}))]
+    if untraceable:
+        raise TpuExportError(
+            f"custom operator(s) {', '.join(untraceable)} could not be traced through their Python implementation "
+            f"({message}); register a decomposition without data-dependent Python (.tolist(), .item(), branches on "
+            "tensor values) with torch._decomp.register_decomposition") from None
+    raise TpuExportError(f"torch could not decompose the program ({message}); simplify the failing op") from None
+
+
+def _succeeds(attempt) -> bool:
+    try:
+        attempt()
+    except Exception:  # any failure answers the question
+        return False
+    return True
 
 
 def check_operators(program: torch.export.ExportedProgram) -> None:
@@ -185,8 +220,9 @@ def _to_numpy(tensor: torch.Tensor, precision: str) -> np.ndarray:
 
 
 class _TracingInterpreter:
-    """torchax's interpreter, remembering which node it is on so a failure can name it, and
-    running tpuexport's own lowerings (lower/registry.py) before torchax's."""
+    """torchax's interpreter, remembering which node it is on so a failure can name it, running
+    tpuexport's own lowerings (lower/registry.py) before torchax's, and handing subgraphs (torch.cond's
+    branches) to the lowerings as functions of JAX arrays run by the same interpreter."""
 
     def __init__(self, graph_module):
         torchax = import_torchax()
@@ -199,10 +235,16 @@ class _TracingInterpreter:
                 return super().run_node(node)
 
             def call_function(self, target, args, kwargs):
-                own = OWN_LOWERINGS.get(target)
+                own = own_lowering(target)
                 if own is not None:
                     return own(*args, **kwargs)
                 return super().call_function(target, args, kwargs)
+
+            def get_attr(self, target, args, kwargs):
+                value = super().get_attr(target, args, kwargs)
+                if isinstance(value, torch.fx.GraphModule):
+                    return lambda *operands: Interpreter(value).run(*operands, enable_io_processing=False)
+                return value
 
         self.node = None
         self.interpreter = Interpreter(graph_module)

@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from tpuexport.lower.registry import OWN_LOWERINGS
+from tpuexport.lower.registry import own_lowering
 from tpuexport.lower.torchax_import import import_torchax
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
@@ -30,15 +30,16 @@ class UnsupportedOperator:
 
 def lowering_for(target):
     """The JAX lowering for an operator (tpuexport's own first, then torchax's), or None."""
-    if target in OWN_LOWERINGS:
-        return OWN_LOWERINGS[target]
+    own = own_lowering(target)
+    if own is not None:
+        return own
     registry = import_torchax().ops.ops_registry.all_aten_ops
     op = registry.get(target) or registry.get(getattr(target, "overloadpacket", None))
     return op if op is not None and op.is_jax_function else None
 
 
 def find_unsupported(graph_module: torch.fx.GraphModule) -> list[UnsupportedOperator]:
-    """Lists every call in the (decomposed) graph that nothing can lower.
+    """Lists every call in the (decomposed) graph and its subgraphs that nothing can lower.
 
     Args:
       graph_module: the decomposed program's graph module.
@@ -46,11 +47,14 @@ def find_unsupported(graph_module: torch.fx.GraphModule) -> list[UnsupportedOper
       One entry per distinct (operator, source line), in graph order; empty when all lower.
     """
     found: dict[tuple[str, str], UnsupportedOperator] = {}
-    for node in graph_module.graph.nodes:
+    nodes = [node for module in graph_module.modules() if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes]
+    for node in nodes:
         if node.op != "call_function":
             continue
         target = node.target
         if isinstance(target, torch._ops.HigherOrderOperator):
+            if own_lowering(target) is not None:
+                continue
             name = f"higher-order op {target.name()}"
         elif isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and lowering_for(target) is None:
             name = str(target)
@@ -64,7 +68,8 @@ def find_unsupported(graph_module: torch.fx.GraphModule) -> list[UnsupportedOper
 def user_source(node: torch.fx.Node) -> str:
     """The innermost frame of the node's stack trace that is the user's code, not torch's."""
     frames = _FRAME.findall(node.meta.get("stack_trace") or "")
-    user_frames = [frame for frame in frames if not os.path.abspath(frame[0]).startswith(_TORCH_DIR)]
+    # Frames of torch itself, and of code it generated while tracing ("<eval_with_key>.5"), are not the user's.
+    user_frames = [frame for frame in frames if not frame[0].startswith("<") and not os.path.abspath(frame[0]).startswith(_TORCH_DIR)]
     if user_frames:
         path, line, code = user_frames[-1]
         return f"{path}:{line} ({code.strip()})"

@@ -1,19 +1,33 @@
-"""Importing torchax 0.0.13 under torch 2.13.
+"""Importing torchax 0.0.13 under torch 2.13, without changing the user's process.
 
-torchax builds op tables at import time that name 22 named-dimension (Dimname) ATen overloads
-which torch 2.13 removed, so a plain `import torchax` raises AttributeError. While torchax
-imports, and only then, a lookup of exactly one of those overloads returns an inert placeholder
-instead of raising; every other missing overload still raises. The placeholders end up only in
-torchax's decomposition list and autocast table, whose consumers skip objects that are not
-operators, so no lowering changes. Once torchax names none of them, the shim does nothing.
+Two problems, each handled only while torchax imports:
+
+1. torchax builds op tables at import time that name 22 named-dimension (Dimname) ATen overloads
+   which torch 2.13 removed, so a plain `import torchax` raises AttributeError. A lookup of exactly
+   one of those overloads returns an inert placeholder instead of raising; every other missing
+   overload still raises. The placeholders end up only in torchax's decomposition list and autocast
+   table, whose consumers skip objects that are not operators, so no lowering changes. Once torchax
+   names none of them, the shim does nothing.
+
+2. torchax's import reconfigures torch for its eager tensor mode, which tpuexport does not use (it
+   only runs torchax's op lowerings on JAX arrays). It renames torch's PrivateUse1 backend to "jax"
+   and registers `torch.jax` as a device module; torch then takes "jax" for an available
+   accelerator, and torch.compile (which eager `torch.cond` runs) fails with "PyTorch is not linked
+   with support for jax devices". The rename cannot be undone (torch allows one per process), so
+   both calls are skipped. It also turns off the nn.MultiheadAttention fast path, adds entries to
+   torch's global decomposition table (its own DECOMPOSITIONS copy, which tpuexport passes
+   explicitly, keeps them) and sets ENABLE_RUNTIME_UPTIME_TELEMETRY; all three are put back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import threading
 
 import torch
+import torch._decomp
 
 # (overload packet, overload) pairs referenced by torchax 0.0.13 and absent from torch 2.13.
 REMOVED_NAMED_DIM_OVERLOADS = frozenset(
@@ -42,6 +56,9 @@ REMOVED_NAMED_DIM_OVERLOADS = frozenset(
     }
 )
 
+# Set by torchax's import (os.environ.setdefault); removed again unless the user had set it.
+TELEMETRY_VARIABLE = "ENABLE_RUNTIME_UPTIME_TELEMETRY"
+
 _lock = threading.Lock()
 
 
@@ -55,6 +72,53 @@ class RemovedOverload:
         return f"<removed overload {self.qualified_name}>"
 
 
+@contextlib.contextmanager
+def _removed_overloads_tolerated():
+    """Lookups of REMOVED_NAMED_DIM_OVERLOADS return placeholders inside the block."""
+    packet_getattr = torch._ops.OpOverloadPacket.__getattr__
+
+    def tolerant_getattr(packet, key):
+        try:
+            return packet_getattr(packet, key)
+        except AttributeError:
+            name = packet._qualified_op_name.split("::")[-1]
+            if (name, key) in REMOVED_NAMED_DIM_OVERLOADS:
+                return RemovedOverload(name, key)
+            raise
+
+    torch._ops.OpOverloadPacket.__getattr__ = tolerant_getattr
+    try:
+        yield
+    finally:
+        torch._ops.OpOverloadPacket.__getattr__ = packet_getattr
+
+
+def _skip(*args, **kwargs) -> None:
+    """Replaces torch's backend-rename and device-module registration during torchax's import."""
+
+
+@contextlib.contextmanager
+def _torch_globals_kept():
+    """torch's process-wide settings are the same after the block as before it (see module doc)."""
+    rename_backend, register_device_module = torch.utils.rename_privateuse1_backend, torch._register_device_module
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    tables = {stage: dict(table) for stage, table in torch._decomp.global_decomposition_table.items()}
+    telemetry = os.environ.get(TELEMETRY_VARIABLE)
+    torch.utils.rename_privateuse1_backend, torch._register_device_module = _skip, _skip
+    try:
+        yield
+    finally:
+        torch.utils.rename_privateuse1_backend, torch._register_device_module = rename_backend, register_device_module
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+        for stage, table in torch._decomp.global_decomposition_table.items():
+            table.clear()
+            table.update(tables.get(stage, {}))
+        if telemetry is None:
+            os.environ.pop(TELEMETRY_VARIABLE, None)
+        else:
+            os.environ[TELEMETRY_VARIABLE] = telemetry
+
+
 @functools.cache
 def import_torchax():
     """Imports torchax (once) and returns the module, with its ATen op registry populated.
@@ -62,23 +126,9 @@ def import_torchax():
     Returns:
       The `torchax` module; `torchax.default_env()` has run, which registers its lowerings.
     """
-    with _lock:
-        packet_getattr = torch._ops.OpOverloadPacket.__getattr__
+    with _lock, _removed_overloads_tolerated(), _torch_globals_kept():
+        import torchax
+        import torchax.export
 
-        def tolerant_getattr(packet, key):
-            try:
-                return packet_getattr(packet, key)
-            except AttributeError:
-                name = packet._qualified_op_name.split("::")[-1]
-                if (name, key) in REMOVED_NAMED_DIM_OVERLOADS:
-                    return RemovedOverload(name, key)
-                raise
-
-        torch._ops.OpOverloadPacket.__getattr__ = tolerant_getattr
-        try:
-            import torchax
-            import torchax.export
-        finally:
-            torch._ops.OpOverloadPacket.__getattr__ = packet_getattr
-    torchax.default_env()
+        torchax.default_env()
     return torchax

@@ -97,6 +97,8 @@ class TfServingExport:
       buckets_compiled: waits until the buckets are compiled (raising if one cannot be, e.g. does
         not fit in HBM), called once the SavedModel is built and before warmup requests are made
         for the buckets; None when they already are.
+      module_bytes: the program as TensorFlow runs it (`tensorflow_module`), when the conversion
+        has made it already, or None.
       on_step: optional callable (step, seconds, detail), the conversion's progress lines.
     """
 
@@ -108,6 +110,7 @@ class TfServingExport:
     final_dir: pathlib.Path
     checker: TensorFlowProcess | None = None
     buckets_compiled: Callable[[], object] | None = None
+    module_bytes: bytes | None = None
     on_step: Callable[[str, float, str], None] | None = None
 
     def __call__(self, staging: pathlib.Path) -> dict:
@@ -116,7 +119,7 @@ class TfServingExport:
         Returns:
           The manifest sections {"tf_serving": ..., "verification": ..., "build": {"tf_serving_seconds": ...}}.
         Raises:
-          TpuExportError: jax2tf or TensorFlow could not build the SavedModel.
+          TpuExportError: TensorFlow could not build the SavedModel.
           SavedModelMismatch: the SavedModel does not reproduce the golden outputs, or accepts
             out-of-range sizes.
         """
@@ -155,8 +158,10 @@ class TfServingExport:
         # TensorFlow's native start-up logging (CUDA probing, CPU features) is noise for a CPU build.
         with captured_native_stderr():
             try:
-                build_saved_model(self.lowered, directory)
-            except Exception as error:  # jax2tf and TensorFlow raise many kinds
+                build_saved_model(self.lowered, directory, self.module_bytes)
+            except TpuExportError:
+                raise
+            except Exception as error:  # TensorFlow raises many kinds
                 message = " ".join(str(error).split())[:300]
                 raise TpuExportError(f"building the TF SavedModel failed ({type(error).__name__}: {message}); "
                                      "pass --no-saved-model (saved_model=False) to skip it") from None

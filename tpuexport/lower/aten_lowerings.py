@@ -1,0 +1,112 @@
+"""tpuexport's own lowerings of ATen operators whose torchax lowering fails on patterns real models use.
+
+Each is registered in lower/registry.py and so runs instead of torchax's; where only some
+arguments need it, the rest go to torchax's lowering unchanged.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from tpuexport.lower.registry import register_lowering
+from tpuexport.lower.torchax_import import import_torchax
+
+aten = torch.ops.aten
+
+
+def torchax_lowering(operator):
+    """torchax's JAX function for `operator`."""
+    return import_torchax().ops.ops_registry.all_aten_ops[operator].func
+
+
+def _is_integer(value) -> bool:
+    """A Python int or a JAX symbolic dim (an integer expression such as `seq + 2`)."""
+    return isinstance(value, (int, np.integer)) or jax.export.is_symbolic_dim(value)
+
+
+@register_lowering(aten.arange.default)
+@register_lowering(aten.arange.start)
+@register_lowering(aten.arange.start_step)
+def arange(start, end=None, step=1, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """`torch.arange` whose bounds may be symbolic dims (position ids `arange(seq)`, BART's
+    `arange(past, past + seq)`, relative-position buckets).
+
+    jnp.arange needs concrete bounds; with integer bounds the length is the integer expression
+    ceil((end - start) / step), which a symbolic dim can express, and the values are an iota.
+    """
+    if end is None:
+        start, end = 0, start
+    if not all(_is_integer(value) for value in (start, end, step)):
+        return torchax_lowering(aten.arange.start_step)(start, end, step, dtype=dtype)
+    if step > 0:
+        length = (end - start + step - 1) // step
+    else:
+        length = (start - end - step - 1) // -step
+    jax_dtype = jax.dtypes.canonicalize_dtype(import_torchax().ops.mappings.t2j_dtype(dtype or torch.int64))
+    return jax.lax.iota(jax_dtype, length) * jnp.asarray(step, jax_dtype) + jnp.asarray(start, jax_dtype)
+
+
+@register_lowering(aten.avg_pool1d.default)
+@register_lowering(aten.avg_pool2d.default)
+@register_lowering(aten.avg_pool3d.default)
+def avg_pool(inputs, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    """Average pooling where `ceil_mode` adds a partial last window and padding counts in the mean
+    (EfficientNet's pooler: `AvgPool2d(kernel, ceil_mode=True)`).
+
+    torchax corrects the divisor of such windows element by element, looping over every output
+    index, which fails on a symbolic batch dim. Here the divisor is itself a window sum, of ones over
+    the input and its declared padding; the extra padding that ceil_mode adds counts as zero, as in
+    torch. Other cases, and spatial dims that are symbolic, go to torchax's lowering.
+    """
+    spatial = inputs.shape[inputs.ndim - len(kernel_size):]
+    if not (ceil_mode and count_include_pad and divisor_override is None and all(isinstance(s, int) for s in spatial)):
+        # torchax registers one function for 1-, 2- and 3-d pooling.
+        return torchax_lowering(aten.avg_pool2d.default)(inputs, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    dims = len(kernel_size)
+    stride = list(stride) or list(kernel_size)
+    padding = [padding] if isinstance(padding, int) else list(padding)
+    padding = padding * dims if len(padding) == 1 else padding
+    kernel, extra = zip(*(_ceil_mode_window(*args) for args in zip(spatial, kernel_size, stride, padding)))
+    leading = inputs.ndim - dims
+    sums = jax.lax.reduce_window(inputs, jnp.array(0, inputs.dtype), jax.lax.add, (1,) * leading + kernel,
+                                 (1,) * leading + tuple(stride), [(0, 0)] * leading + [(p, p + e) for p, e in zip(padding, extra)])
+    counted = jnp.pad(jnp.ones(spatial, inputs.dtype), [(p, p) for p in padding], constant_values=1)
+    counts = jax.lax.reduce_window(counted, jnp.array(0, inputs.dtype), jax.lax.add, kernel, tuple(stride), [(0, e) for e in extra])
+    return (sums / counts).astype(inputs.dtype)
+
+
+def _ceil_mode_window(size: int, kernel: int, stride: int, padding: int) -> tuple[int, int]:
+    """The window and the padding past the right edge for one spatial dim of a ceil_mode pooling.
+
+    torch's ceil_mode output size needs that extra padding, as its last window may reach past the
+    padded input (it must only start inside the input or its left padding). A single window larger
+    than the padded input is clipped to it: the rest would only sum padding zeros, and XLA:CPU's
+    reduce_window returns wrong sums when padding exceeds a size-1 input at larger batches
+    (EfficientNet's pooler `AvgPool2d(hidden_dim, ceil_mode=True)` over a 1x1 map, seen from batch 15).
+
+    Returns:
+      (window, extra right padding).
+    """
+    windows = -(-(size + 2 * padding - kernel) // stride) + 1
+    if (windows - 1) * stride >= size + padding:
+        windows -= 1
+    if windows == 1:
+        return min(kernel, size + 2 * padding), 0
+    return kernel, max((windows - 1) * stride + kernel - (size + 2 * padding), 0)
+
+
+@register_lowering(aten._grouped_mm.default)
+def grouped_mm(inputs, weights, offsets=None, bias=None, out_dtype=None):
+    """`torch._grouped_mm` as mixture-of-experts layers call it: rows of `inputs` (M, K), sorted by
+    expert, times their expert's matrix of `weights` (G, K, N); `offsets` (G,) holds where each
+    expert's rows end. That is `jax.lax.ragged_dot`, with group sizes the offsets' differences.
+    """
+    if not (inputs.ndim == 2 and weights.ndim == 3 and offsets is not None and bias is None):
+        raise NotImplementedError("only the mixture-of-experts form of grouped_mm lowers: "
+                                  "(M, K) rows by (G, K, N) weights, with offsets and no bias")
+    group_sizes = jnp.diff(offsets, prepend=jnp.zeros((1,), offsets.dtype)).astype(jnp.int32)
+    result = jax.lax.ragged_dot(inputs, weights, group_sizes)
+    return result.astype(import_torchax().ops.mappings.t2j_dtype(out_dtype) if out_dtype is not None else inputs.dtype)

@@ -1,0 +1,86 @@
+"""Rewrites of the exported graph that put patterns real models use into a form that lowers.
+
+Each pass takes an ExportedProgram and returns one; `lower()` runs them in its pass list. A pass
+never changes the program it is given when that program may be the user's (a copy is rewritten).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+aten = torch.ops.aten
+
+
+def graph_modules(program: torch.export.ExportedProgram) -> list[torch.fx.GraphModule]:
+    """The program's graph module and the subgraphs it calls (e.g. torch.cond's branches)."""
+    return [module for module in program.graph_module.modules() if isinstance(module, torch.fx.GraphModule)]
+
+
+def _mutated(node: torch.fx.Node) -> bool:
+    """Whether an operator that writes into its arguments uses `node`."""
+    return any(isinstance(user.target, torch._ops.OpOverload) and user.target._schema.is_mutable for user in node.users)
+
+
+def reshape_views(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Rewrites `aten.view` into `aten.reshape` where nothing writes through the view.
+
+    torch.export drops a `.contiguous()` that is a no-op on the example's strides, and torch's
+    decompositions (scaled_dot_product_attention's, for one) give some tensors other strides than
+    eager does, so a later `view` fails inside `run_decompositions` ("Cannot view a tensor with shape
+    [s43, s53, 64] and strides (64, 64*s43, 1)"): GPT-2's attention output before its projection,
+    in library code the user cannot change. `reshape` is the same view wherever `view` succeeds and
+    a copy elsewhere, which only differs when something writes through the view or its base: those
+    views are kept.
+
+    Args:
+      program: the exported program (not changed).
+    Returns:
+      `program` itself when it has no such view, else a copy with the views rewritten.
+    """
+    def rewritable(node):
+        return node.target is aten.view.default and not _mutated(node) and not _mutated(node.args[0])
+
+    if not any(rewritable(node) for module in graph_modules(program) for node in module.graph.nodes):
+        return program
+    graph_module = copy.deepcopy(program.graph_module)
+    for module in graph_module.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if rewritable(node):
+                node.target = aten.reshape.default
+        module.recompile()
+    return program._update(graph_module, program.graph_signature)
+
+
+# Positions of aten.convolution's per-spatial-dim lists: stride, padding, dilation, output_padding.
+_PER_SPATIAL_DIM_ARGUMENTS = (3, 4, 5, 7)
+
+
+def expand_convolution_arguments(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Gives every `aten.convolution` one stride, padding, dilation and output padding per spatial dim.
+
+    torch accepts a single value for all spatial dims, and decomposing `conv2d(padding="valid")`
+    (EfficientNet's strided depthwise convolutions) leaves `padding=[0]`; torchax's lowering
+    expands such a list in place, which fails on the graph's immutable argument lists.
+
+    Args:
+      program: a decomposed program that the lowering stage owns (rewritten in place).
+    Returns:
+      `program`.
+    """
+    for module in graph_modules(program):
+        for node in module.graph.nodes:
+            if node.target is not aten.convolution.default:
+                continue
+            spatial_dims = len(node.args[1].meta["val"].shape) - 2
+            arguments = list(node.args)
+            for position in _PER_SPATIAL_DIM_ARGUMENTS:
+                values = list(arguments[position])
+                if len(values) == 1 and spatial_dims > 1:
+                    arguments[position] = values * spatial_dims
+            node.args = tuple(arguments)
+        module.recompile()
+    return program
