@@ -1,19 +1,29 @@
-"""Compile stage: AOT TPU executables per target and shape bucket, with memory/cost figures."""
+"""Compile stage: AOT TPU executables per target (a chip, or a slice with its sharding plan) and shape
+bucket, with per-device memory/cost figures and, for slices, the collectives."""
 
 from tpuexport.compile.aot import CompiledBucket, CompileJob, CompileReport, compile_program, compile_target
 from tpuexport.compile.buckets import Bucket, make_buckets, parse_bucket_options
-from tpuexport.compile.targets import TARGETS, Target, resolve_targets
+from tpuexport.compile.sharding import PRESETS, ShardingPlan, ShardingRequest, make_request, plan_sharding, resolve_mesh
+from tpuexport.compile.slices import SLICES, resolve_targets
+from tpuexport.compile.targets import TARGETS, Target
 
 __all__ = [
+    "PRESETS",
+    "SLICES",
     "TARGETS",
     "Bucket",
     "CompileJob",
     "CompileReport",
     "CompiledBucket",
+    "ShardingPlan",
+    "ShardingRequest",
     "Target",
     "compile_program",
     "compile_target",
     "make_buckets",
+    "make_request",
     "parse_bucket_options",
+    "plan_sharding",
+    "resolve_mesh",
     "resolve_targets",
 ]

@@ -1,11 +1,12 @@
 """Ahead-of-time TPU compilation through libtpu's compile-only topologies (no TPU needed).
 
-For each target the lowered program's buckets are compiled by XLA's TPU compiler for one chip,
-in a child process (compile_child.py) that loads nothing but jax and libtpu: a crash inside
+For each target the lowered program's buckets are compiled by XLA's TPU compiler, for one chip
+or, for a slice, partitioned over its devices by a sharding plan (sharding.py), in a child process (compile_child.py) that loads nothing but jax and libtpu: a crash inside
 libtpu's compiler (seen: a segfault compiling a transformer for 7x at one bucket size) then
 becomes an error naming the target and bucket instead of killing the conversion, and the
 user's process never loads libtpu. XLA's own memory and cost analyses give the figures for the
-report and the HBM-fit verdict.
+report and the HBM-fit verdict, per device; a slice's compiled HLO also says which collectives
+its devices exchange (hlo.py).
 
 The targets' processes run at the same time (up to one per core), and in the background of the
 conversion (`CompileJob`): verification and the SavedModel need only the lowered program, so
@@ -29,7 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from tpuexport.compile.buckets import Bucket
-from tpuexport.compile.hlo import matmul_flops_by_types
+from tpuexport.compile.hlo import collectives, matmul_flops_by_types
+from tpuexport.compile.sharding import DATA_AXIS, ShardingPlan, describe_buffers, per_device_buffers
 from tpuexport.compile.targets import Target
 from tpuexport.errors import TpuExportError
 from tpuexport.lower import LoweredProgram
@@ -46,13 +48,17 @@ class CompiledBucket:
       bucket: the concrete dim sizes.
       executable: the serialized PJRT executable (loadable only on a real TPU of that kind).
       compile_seconds: wall time of lowering + compiling.
-      memory: bytes from `memory_analysis()`: argument, output, temp, alias, generated_code and
-        their total (argument + output + temp + generated_code - alias).
+      memory: bytes per device from `memory_analysis()`: argument, output, temp, alias,
+        generated_code and their total (argument + output + temp + generated_code - alias).
       cost: `cost_analysis()` figures: flops, bytes_accessed, optimal_seconds (XLA's estimate).
       fingerprint: sha256 of the compiled HLO text, to detect compiler drift later.
       hlo_text: the compiled HLO text (TPU layouts and op types), kept in memory only.
       matmul_flops: FLOPs of the compiled dots and convolutions per operand types, e.g.
         {"s8xs8->s32": ..., "f32xf32->f32": ...} (see compile/hlo.py).
+      plan: the sharding plan a slice was compiled with, None for a single chip.
+      collectives: {kind: {"count", "bytes"}} of the compiled HLO (hlo.collectives; empty for a
+        single chip).
+      device_ids: the topology's device ids in mesh order (one id for a single chip).
     """
 
     target: Target
@@ -64,10 +70,13 @@ class CompiledBucket:
     fingerprint: str
     hlo_text: str
     matmul_flops: dict[str, int]
+    plan: ShardingPlan | None = None
+    collectives: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    device_ids: tuple[int, ...] = ()
 
     @property
     def fits_in_hbm(self) -> bool:
-        return self.memory["total_bytes"] <= self.target.hbm_bytes
+        return self.memory["total_bytes"] <= self.target.hbm_bytes_per_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,21 +94,25 @@ def compile_program(
     targets: list[Target],
     buckets: list[Bucket],
     on_compiled: Callable[[CompiledBucket], None] | None = None,
+    plans: dict[str, ShardingPlan] | None = None,
 ) -> CompileReport:
     """Compiles the lowered program for every target and bucket, and waits for it.
 
     Args:
       lowered: the lowering stage's result.
-      targets: TPU targets.
+      targets: TPU targets (single chips and slices).
       buckets: concrete dim sizes, one executable each.
       on_compiled: called after each executable (for progress output).
+      plans: {slice target name: its sharding plan} (sharding.plan_sharding); a slice without a
+        plan is compiled with every weight and input whole on every device.
     Returns:
       The CompileReport.
     Raises:
       TpuExportError: XLA refused to compile or libtpu crashed (naming the target and bucket), or
-        a bucket does not fit in a chip's HBM (all such buckets are named).
+        a bucket does not fit in a device's HBM (all such buckets are named, with their largest
+        buffers).
     """
-    with CompileJob(lowered, targets, buckets, on_compiled) as job:
+    with CompileJob(lowered, targets, buckets, on_compiled, plans) as job:
         return job.result()
 
 
@@ -116,15 +129,19 @@ class CompileJob:
         targets: list[Target],
         buckets: list[Bucket],
         on_compiled: Callable[[CompiledBucket], None] | None = None,
+        plans: dict[str, ShardingPlan] | None = None,
     ):
+        self.lowered = lowered
         self.targets = targets
+        self.plans = plans or {}
         self.children: list[subprocess.Popen] = []
         self.lock = threading.Lock()
         self.cancelled = False
         self.pool = ThreadPoolExecutor(max_workers=max(1, min(len(targets), os.cpu_count() or 1)), thread_name_prefix="tpu-compile")
         self.started_at = time.perf_counter()
         self.finished_at = self.started_at
-        self.futures = [self.pool.submit(compile_target, lowered, target, buckets, on_compiled, self) for target in targets]
+        self.futures = [self.pool.submit(compile_target, lowered, target, buckets, on_compiled, self, self.plans.get(target.name))
+                        for target in targets]
         for future in self.futures:
             future.add_done_callback(self._finished)
 
@@ -153,7 +170,7 @@ class CompileJob:
     def result(self) -> CompileReport:
         """Waits for every target; see `compile_program` for what it returns and raises."""
         results = [result for future in self.futures for result in future.result()]
-        return _judge_hbm_fit(results)
+        return _judge_hbm_fit(results, self.lowered)
 
     def cancel(self) -> None:
         """Kills compiler processes still running and waits for the threads."""
@@ -165,15 +182,26 @@ class CompileJob:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _judge_hbm_fit(results: list[CompiledBucket]) -> CompileReport:
+def _judge_hbm_fit(results: list[CompiledBucket], lowered: LoweredProgram) -> CompileReport:
     misfits = [r for r in results if not r.fits_in_hbm]
     if misfits:
         listed = "; ".join(
-            f"{r.target.name} bucket {r.bucket.name} needs {r.memory['total_bytes']:,} bytes, HBM is {r.target.hbm_bytes:,}"
+            f"{r.target.name} bucket {r.bucket.name} needs {r.memory['total_bytes']:,} bytes{_per_device(r.target)} "
+            f"(temporaries {r.memory['temp_bytes']:,}), HBM is {r.target.hbm_bytes_per_device:,}; largest"
+            f"{_per_device(r.target)}: {_largest_buffers(lowered, r.plan, r.bucket)}"
             for r in misfits
         )
-        raise TpuExportError(f"does not fit in HBM: {listed}; use smaller buckets or a target with more HBM")
+        raise TpuExportError(f"does not fit in HBM: {listed}; use smaller buckets, a sharding plan that splits more, "
+                             "or a target with more HBM")
     return CompileReport(tuple(results))
+
+
+def _per_device(target: Target) -> str:
+    return " per device" if target.is_slice else ""
+
+
+def _largest_buffers(lowered: LoweredProgram, plan: ShardingPlan | None, bucket: Bucket) -> str:
+    return describe_buffers(per_device_buffers(plan, lowered.weight_names, lowered.weights, lowered.signature, bucket))
 
 
 def compile_target(
@@ -182,6 +210,7 @@ def compile_target(
     buckets: list[Bucket],
     on_compiled: Callable[[CompiledBucket], None] | None = None,
     job: CompileJob | None = None,
+    plan: ShardingPlan | None = None,
 ) -> list[CompiledBucket]:
     """Compiles every bucket for one target in one compiler process (see the module docstring).
 
@@ -191,6 +220,8 @@ def compile_target(
       buckets: concrete dim sizes, one executable each.
       on_compiled: called after each executable.
       job: the CompileJob running this, which may kill the process, or None.
+      plan: the sharding plan of a slice target; None compiles a slice with everything whole on
+        every device, and a single chip for its one device.
     Returns:
       One CompiledBucket per bucket, in order (HBM fit is not judged here).
     Raises:
@@ -200,6 +231,10 @@ def compile_target(
         scratch_dir = pathlib.Path(scratch)
         exported_path = scratch_dir / "exported.jaxexport"
         exported_path.write_bytes(bytes(lowered.exported.serialize()))
+        if target.is_slice and plan is None:
+            plan = ShardingPlan(((DATA_AXIS, target.devices),), "replicated",
+                                tuple((name, ()) for name in lowered.weight_names),
+                                tuple((spec.name, ()) for spec in lowered.signature.inputs))
         request = {
             "exported": str(exported_path),
             "topology": target.topology,
@@ -209,11 +244,14 @@ def compile_target(
                 {"inputs": [[list(spec.concrete_shape(bucket.as_dict())), spec.dtype] for spec in lowered.signature.inputs]}
                 for bucket in buckets
             ],
+            "mesh": plan.to_json()["mesh"] if plan else None,
+            "weight_specs": list(plan.to_json()["weights"].values()) if plan else None,
+            "input_specs": list(plan.to_json()["inputs"].values()) if plan else None,
         }
-        return list(_run_compiler(request, target, buckets, scratch_dir, on_compiled, job))
+        return list(_run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan))
 
 
-def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job):
+def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan):
     # libtpu's start-up warnings go to the child's stderr, kept in a file for crash reports only.
     with open(scratch_dir / "stderr.txt", "w+b") as stderr:
         child = subprocess.Popen(
@@ -232,10 +270,10 @@ def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job):
                 if event["event"] == "start":
                     compiling = bucket
                 elif event["event"] == "error":
-                    raise _compile_error(target, bucket, event["message"])
+                    raise _compile_error(target, bucket, event["message"], _largest_buffers(lowered, plan, bucket))
                 else:
                     compiling = None
-                    result = _compiled_bucket(target, bucket, event, scratch_dir)
+                    result = _compiled_bucket(target, bucket, event, scratch_dir, plan)
                     if on_compiled:
                         on_compiled(result)
                     yield result
@@ -247,7 +285,7 @@ def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job):
             raise _crash_error(target, compiling, returncode, stderr.read().decode(errors="replace"))
 
 
-def _compiled_bucket(target: Target, bucket: Bucket, event: dict, scratch_dir: pathlib.Path) -> CompiledBucket:
+def _compiled_bucket(target: Target, bucket: Bucket, event: dict, scratch_dir: pathlib.Path, plan: ShardingPlan | None) -> CompiledBucket:
     index = event["bucket"]
     memory = dict(event["memory"])
     memory["total_bytes"] = (
@@ -258,15 +296,17 @@ def _compiled_bucket(target: Target, bucket: Bucket, event: dict, scratch_dir: p
     return CompiledBucket(
         target, bucket, (scratch_dir / f"{index}.executable").read_bytes(), event["seconds"], memory, event["cost"],
         hashlib.sha256(hlo_text.encode()).hexdigest(), hlo_text, matmul_flops_by_types(hlo_text),
+        plan, collectives(hlo_text) if target.is_slice else {}, tuple(event["device_ids"]),
     )
 
 
-def _compile_error(target: Target, bucket: Bucket, message: str) -> TpuExportError:
+def _compile_error(target: Target, bucket: Bucket, message: str, largest_buffers: str) -> TpuExportError:
     if "RESOURCE_EXHAUSTED" in message:
         # XLA's TPU compiler checks temporaries against the chip's usable HBM itself.
         return TpuExportError(
-            f"does not fit in HBM: {target.name} bucket {bucket.name} ({message[:240]}); chip HBM is "
-            f"{target.hbm_bytes:,} bytes; use smaller buckets or a target with more HBM"
+            f"does not fit in HBM: {target.name} bucket {bucket.name} ({message[:240]}); HBM is "
+            f"{target.hbm_bytes_per_device:,} bytes{_per_device(target)}; largest{_per_device(target)}: {largest_buffers}; "
+            "use smaller buckets, a sharding plan that splits more, or a target with more HBM"
         )
     return TpuExportError(f"XLA could not compile for {target.name} bucket {bucket.name}: {message[:300]}")
 

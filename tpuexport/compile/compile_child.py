@@ -2,10 +2,14 @@
 
 Started by aot.py as `python -I compile_child.py` with a JSON request on stdin. It imports only
 jax (not tpuexport, torch or TensorFlow), so a crash inside libtpu's compiler takes down this
-process alone and the parent can name the bucket that was compiling. Protocol, one JSON object
-per stdout line, flushed as it happens:
+process alone and the parent can name the bucket that was compiling. A single chip compiles for
+one device; a slice ("mesh" in the request) for a Mesh over the topology's devices, each weight
+and input a NamedSharding with its PartitionSpec (JSON lists: null, an axis, or a list of axes).
+Protocol, one JSON object per stdout line, flushed as it happens:
   {"event": "start", "bucket": i}                          before compiling bucket i
-  {"event": "done", "bucket": i, "seconds", "memory", "cost"}   files <i>.executable, <i>.hlo.txt written
+  {"event": "done", "bucket": i, "seconds", "memory", "cost", "device_ids"}
+                                                           files <i>.executable, <i>.hlo.txt written;
+                                                           memory is per device; device_ids in mesh order
   {"event": "error", "bucket": i, "message"}               XLA raised; the process stops there
 """
 
@@ -19,8 +23,9 @@ import time
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
-from jax.experimental import serialize_executable, topologies  # noqa: E402
-from jax.sharding import SingleDeviceSharding  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import mesh_utils, serialize_executable, topologies  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 
@@ -29,18 +34,42 @@ def emit(**event) -> None:
     print(json.dumps(event), flush=True)
 
 
+def partition_spec(entries) -> PartitionSpec:
+    return PartitionSpec(*(tuple(entry) if isinstance(entry, list) else entry for entry in entries))
+
+
+def shardings(request, topology):
+    """(weight shardings, input shardings, device ids in mesh order) for the request."""
+    mesh_request = request["mesh"]
+    if mesh_request is None:
+        device = SingleDeviceSharding(topology.devices[0])
+        return [device] * len(request["weights"]), [device] * len(request["buckets"][0]["inputs"]), [topology.devices[0].id]
+    shape = tuple(mesh_request["shape"])
+    try:
+        # Places neighbouring mesh positions on neighbouring chips of the torus.
+        devices = mesh_utils.create_device_mesh(shape, devices=topology.devices)
+    except (ValueError, NotImplementedError, AssertionError):  # shapes it has no physical mapping for
+        devices = np.array(topology.devices).reshape(shape)
+    mesh = Mesh(devices, tuple(mesh_request["axes"]))
+    weights = [NamedSharding(mesh, partition_spec(spec)) for spec in request["weight_specs"]]
+    inputs = [NamedSharding(mesh, partition_spec(spec)) for spec in request["input_specs"]]
+    return weights, inputs, [int(device.id) for device in devices.flat]
+
+
 def main() -> None:
     request = json.load(sys.stdin)
     out_dir = pathlib.Path(request["out_dir"])
     exported = jax.export.deserialize(bytearray(pathlib.Path(request["exported"]).read_bytes()))
-    topology = topologies.get_topology_desc(
-        topology_name=request["topology"], platform="tpu", chips_per_host_bounds=(1, 1, 1)
-    )
-    sharding = SingleDeviceSharding(topology.devices[0])
-    weights = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding) for shape, dtype in request["weights"]]
+    # A single chip is a one-chip host; a slice keeps libtpu's default hosts for its topology.
+    bounds = {"chips_per_host_bounds": (1, 1, 1)} if request["mesh"] is None else {}
+    topology = topologies.get_topology_desc(topology_name=request["topology"], platform="tpu", **bounds)
+    weight_shardings, input_shardings, device_ids = shardings(request, topology)
+    weights = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+               for (shape, dtype), sharding in zip(request["weights"], weight_shardings)]
     for index, bucket in enumerate(request["buckets"]):
         emit(event="start", bucket=index)
-        inputs = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding) for shape, dtype in bucket["inputs"]]
+        inputs = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+                  for (shape, dtype), sharding in zip(bucket["inputs"], input_shardings)]
         start = time.perf_counter()
         try:
             compiled = jax.jit(exported.call).trace(weights, inputs).lower().compile()
@@ -56,7 +85,7 @@ def main() -> None:
         if isinstance(analysis, list):  # older jax returned one dict per computation
             analysis = analysis[0] if analysis else {}
         emit(
-            event="done", bucket=index, seconds=seconds,
+            event="done", bucket=index, seconds=seconds, device_ids=device_ids,
             memory={
                 "argument_bytes": int(stats.argument_size_in_bytes),
                 "output_bytes": int(stats.output_size_in_bytes),

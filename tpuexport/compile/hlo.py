@@ -1,4 +1,5 @@
-"""Reading the compiled TPU HLO text: which matmuls and convolutions the chip runs, on what types.
+"""Reading the compiled TPU HLO text: which matmuls and convolutions the chip runs, on what types,
+and which collectives a sharded program exchanges between chips.
 
 XLA's TPU compiler rewrites the program (fusions, layouts, dots turned into convolutions), so what
 the TPU really computes is only visible in the compiled module's text (`compiled.as_text()`):
@@ -81,3 +82,54 @@ def matmul_flops_by_types(hlo_text: str) -> dict[str, int]:
         totals[op.types] = totals.get(op.types, 0) + op.flops
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
+
+
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# `%name = <result type> <opcode>(<operands>)`, the result an array type or a tuple of them; async
+# collectives appear as `<kind>-start` (counted) and `<kind>-done` (not counted).
+_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(\(.*?\)|\w+\[[\d,]*\]\S*)\s+("
+    + "|".join(COLLECTIVE_KINDS) + r")(-start)?\(([^)]*)\)",
+    re.MULTILINE,
+)
+_ARRAY_TYPE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def element_bytes(element_type: str) -> float:
+    """Bytes per element of an HLO element type ("f32" 4, "bf16" 2, "s8" 1, "pred" 1, "s4" 0.5)."""
+    if element_type == "pred":
+        return 1.0
+    bits = re.match(r"[a-z]+(\d+)", element_type)
+    return int(bits.group(1)) / 8 if bits else 0.0
+
+
+def _array_bytes(element_type: str, dims: str) -> int:
+    return int(element_bytes(element_type) * math.prod(_dims(dims)))
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """The collectives of a compiled (sharded) HLO module, per kind.
+
+    Each all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute instruction
+    counts once (an async `-start`/`-done` pair once); XLA may split one logical exchange into
+    several instructions, and an instruction inside a loop body runs once per iteration. Bytes
+    are per device: the larger of what the instruction takes and what it returns (the gathered
+    result of an all-gather, the unscattered operand of a reduce-scatter).
+
+    Args:
+      hlo_text: `compiled.as_text()` of an XLA executable.
+    Returns:
+      {kind: {"count": instructions, "bytes": bytes per device}} for every kind present, in
+      COLLECTIVE_KINDS order.
+    """
+    shapes = {name: _array_bytes(element, dims) for name, element, dims in _DEFINITION.findall(hlo_text)}
+    totals: dict[str, dict[str, int]] = {}
+    for result_type, kind, is_async, operands in _COLLECTIVE.findall(hlo_text):
+        results = [_array_bytes(element, dims) for element, dims in _ARRAY_TYPE.findall(result_type)]
+        # An async start returns (operands..., results...) in one tuple: the largest element is the payload.
+        returned = max(results, default=0) if is_async else sum(results)
+        taken = sum(shapes.get(operand.strip(), 0) for operand in operands.split(",") if operand.strip())
+        entry = totals.setdefault(kind, {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += max(returned, taken)
+    return {kind: totals[kind] for kind in COLLECTIVE_KINDS if kind in totals}

@@ -1,32 +1,36 @@
-"""TPU generations tpuexport compiles for: one chip each, with its published figures.
+"""TPU generations tpuexport compiles for, one chip each, with its published figures.
 
 Figures are per chip, from Google Cloud's TPU documentation pages (cited per row):
 HBM capacity, peak bf16 and int8 compute, and HBM bandwidth. The topology name is what
 libtpu's compile-only `get_topology_desc` accepts; no TPU is needed to compile for it.
+Multi-chip slices (`v5e-8`, ...) are Targets too, built from these rows in slices.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from tpuexport.errors import TpuExportError
-
 GIB = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """One single-chip TPU target.
+    """A TPU target: one chip, or a slice of several chips (slices.py).
 
     Attributes:
-      name: the name users pass to --target (e.g. "v5e").
+      name: the name users pass to --target (e.g. "v5e", "v5e-8").
       generation: a human name ("TPU v5e").
-      topology: libtpu topology name for one chip.
+      topology: libtpu topology name (one chip, or the slice's chip grid such as "v5e:2x4").
       hbm_bytes: HBM capacity per chip, in bytes.
       peak_bf16_tflops: peak dense bf16 compute per chip.
       peak_int8_tops: peak int8 compute per chip (None where not published).
       hbm_gbps: HBM bandwidth per chip, GB/s.
       source: the page the figures come from.
+      chips: chips in the target (1 for a single chip).
+      devices: JAX devices the program is partitioned over: the chips, or two per chip on TPU7x,
+        whose chip is two devices with half its HBM each. A single-chip target compiles for one
+        device standing for the whole chip.
+      name_counts: what the number in a slice's name counts, "chips" or "TensorCores".
     """
 
     name: str
@@ -37,6 +41,18 @@ class Target:
     peak_int8_tops: float | None
     hbm_gbps: float
     source: str
+    chips: int = 1
+    devices: int = 1
+    name_counts: str = "chips"
+
+    @property
+    def is_slice(self) -> bool:
+        return self.chips > 1
+
+    @property
+    def hbm_bytes_per_device(self) -> int:
+        """The HBM one device's program may use: the chip's, or its share on multi-device chips."""
+        return self.hbm_bytes * self.chips // self.devices
 
 
 TARGETS: dict[str, Target] = {
@@ -50,22 +66,3 @@ TARGETS: dict[str, Target] = {
     )
 }
 
-
-def resolve_targets(names) -> list[Target]:
-    """Looks up target names (a string or a list), keeping order and dropping repeats.
-
-    Raises:
-      TpuExportError: an unknown name, or none at all.
-    """
-    if isinstance(names, str):
-        names = [names]
-    resolved: list[Target] = []
-    for name in names:
-        target = TARGETS.get(str(name).lower().removeprefix("tpu"))
-        if target is None:
-            raise TpuExportError(f"unknown target {name!r}; use one of {', '.join(TARGETS)} (see `tpuexport targets`)")
-        if target not in resolved:
-            resolved.append(target)
-    if not resolved:
-        raise TpuExportError(f"no target given; pass --target with one of {', '.join(TARGETS)}")
-    return resolved

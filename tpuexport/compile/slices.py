@@ -1,0 +1,101 @@
+"""Multi-chip TPU slices, named as Cloud TPU names its accelerator types, mapped to libtpu topologies.
+
+The number in a Cloud TPU accelerator type counts different things per generation:
+
+  v5e  `v5litepod-N` (also written `v5e-N`)  N chips, one TensorCore each; v5e-8 is 2x4
+  v6e  `v6e-N`                               N chips, one TensorCore each; v6e-8 is 2x4
+  v5p  `v5p-N`                               N TensorCores, two per chip: v5p-8 is 4 chips (2x2x1);
+                                             JAX sees one device per chip (megacore)
+  7x   `tpu7x-N` (also `7x-N`)               N TensorCores, two per chip: tpu7x-8 is 4 chips (2x2x1);
+                                             JAX sees each TensorCore as a device with half the
+                                             chip's HBM (Ironwood's two chiplets)
+  v4   `v4-N`                                N TensorCores, two per chip; refused, see below
+
+Every topology listed builds with libtpu's compile-only `get_topology_desc` on this CPU-only
+machine with the device count given here (tests/test_slices.py checks each one).
+
+v4 slices are refused: libtpu's compile-only v4 topology has one device per TensorCore, while v4
+slices run in megacore mode, one device per chip (JAX's own mesh_utils refuses per-core v4
+devices), so an executable compiled for it would not load on a v4 slice. The single-chip `v4`
+target is unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from tpuexport.compile.targets import TARGETS, Target
+from tpuexport.errors import TpuExportError
+
+# Per generation: what the name's number counts, devices per chip in JAX, {number: chip grid}.
+# Shapes are Cloud TPU's default topology for each accelerator type.
+_SLICE_SHAPES = {
+    "v5e": ("chips", 1, {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}),
+    "v6e": ("chips", 1, {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}),
+    "v5p": ("TensorCores", 1, {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4", 256: "4x4x8"}),
+    "7x": ("TensorCores", 2, {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4"}),
+}
+# Other spellings Cloud TPU uses for the same slices.
+_ALIASES = {"v5litepod": "v5e"}
+_SLICE_NAME = re.compile(r"([a-z0-9]+)-(\d+)")
+
+
+def _slice(chip: Target, number: int, grid: str, name_counts: str, devices_per_chip: int) -> Target:
+    chips = math.prod(int(side) for side in grid.split("x"))
+    return dataclasses.replace(
+        chip, name=f"{chip.name}-{number}", topology=f"{chip.topology.split(':')[0]}:{grid}",
+        chips=chips, devices=chips * devices_per_chip, name_counts=name_counts,
+    )
+
+
+SLICES: dict[str, Target] = {
+    target.name: target
+    for chip_name, (name_counts, devices_per_chip, shapes) in _SLICE_SHAPES.items()
+    for number, grid in shapes.items()
+    for target in [_slice(TARGETS[chip_name], number, grid, name_counts, devices_per_chip)]
+}
+
+
+def resolve_targets(names) -> list[Target]:
+    """Looks up target names (a string or a list): single chips ("v5e") and slices ("v5e-8",
+    "v5litepod-8", "tpu7x-8"), keeping order and dropping repeats.
+
+    Raises:
+      TpuExportError: an unknown name (naming the sizes its generation has), a v4 slice (see the
+        module docstring), or no name at all.
+    """
+    if isinstance(names, str):
+        names = [names]
+    resolved: list[Target] = []
+    for name in names:
+        target = _lookup(str(name))
+        if target not in resolved:
+            resolved.append(target)
+    if not resolved:
+        raise TpuExportError(f"no target given; pass --target with one of {', '.join(TARGETS)} or a slice such as v5e-8")
+    return resolved
+
+
+def _lookup(name: str) -> Target:
+    key = name.lower().removeprefix("tpu")
+    match = _SLICE_NAME.fullmatch(key)
+    if match:
+        key = f"{_ALIASES.get(match.group(1), match.group(1))}-{match.group(2)}"
+    target = TARGETS.get(key) or SLICES.get(key)
+    if target is not None:
+        return target
+    generation = match.group(1) if match else None
+    generation = _ALIASES.get(generation, generation)
+    if generation == "v4":
+        raise TpuExportError(
+            f"v4 slices ({name}) are not supported: libtpu's compile-only v4 topology has one device per TensorCore "
+            "while v4 slices run in megacore mode (one device per chip), so its executables would not load; "
+            "use a v5p, v6e, v5e or 7x slice, or the single-chip target v4")
+    if generation in _SLICE_SHAPES:
+        name_counts, _, shapes = _SLICE_SHAPES[generation]
+        sizes = ", ".join(f"{generation}-{number}" for number in shapes)
+        raise TpuExportError(f"unknown slice {name!r}; {generation} slices (the number counts {name_counts}) are: {sizes}")
+    raise TpuExportError(f"unknown target {name!r}; use one of {', '.join(TARGETS)} or a slice such as v5e-8, v5p-8, "
+                         "v6e-8, 7x-8 (see `tpuexport targets`)")
