@@ -2,6 +2,7 @@
 
 from tpuexport.verify.compare import OutputComparison, Tolerances, compare_output
 from tpuexport.verify.report import VerificationCase, VerificationReport
+from tpuexport.verify.sharded import ShardedVerification, verify_sharded
 from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS, PlannedCase, plan_cases, resolve_requested_sizes
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances, with_overrides
 from tpuexport.verify.verification import ProgramRuns, make_inputs, verify
@@ -11,6 +12,7 @@ __all__ = [
     "OutputComparison",
     "PlannedCase",
     "ProgramRuns",
+    "ShardedVerification",
     "Tolerances",
     "VerificationCase",
     "VerificationReport",
@@ -21,5 +23,6 @@ __all__ = [
     "plan_cases",
     "resolve_requested_sizes",
     "verify",
+    "verify_sharded",
     "with_overrides",
 ]

@@ -1,0 +1,83 @@
+"""Runs a lowered program partitioned by a sharding plan over N virtual CPU devices; jax only.
+
+Started by sharded.py as `python -I sharded_child.py` with XLA_FLAGS asking XLA's host platform
+for N devices (the parent's JAX backend is already initialized with one, so this needs its own
+process), and a JSON request on stdin:
+  devices, mesh {axes, shape}: the mesh, laid over the first N CPU devices in order
+  programs {run: path}: jax.export serializations ("cpu", and "tpu" for the TPU-faithful one)
+  weights, cases[i]: arrays as {path, dtype, shape} raw files; weight_specs, input_specs:
+    PartitionSpecs as JSON lists (null, an axis, or a list of axes)
+  out_dir: where outputs go
+Every weight and input is placed with its NamedSharding and the program is called through
+`jax.jit(exported.call)`, so XLA's partitioner splits it as it does for the TPU. Protocol, one
+JSON object per stdout line:
+  {"event": "case", "case": i, "outputs": {run: [{path, dtype, shape}, ...]}}
+  {"event": "error", "case": i, "message"}      the run raised; the process goes on
+  {"event": "compiled", "hlo": path}            the first case's compiled "cpu" program, as text
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+jax.config.update("jax_platforms", "cpu")
+
+
+def emit(**event) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def read_array(entry: dict) -> np.ndarray:
+    data = pathlib.Path(entry["path"]).read_bytes()
+    return np.frombuffer(data, dtype=jnp.dtype(entry["dtype"])).reshape(entry["shape"])
+
+
+def write_array(array: np.ndarray, path: pathlib.Path) -> dict:
+    array = np.ascontiguousarray(array)
+    path.write_bytes(array.tobytes())
+    return {"path": str(path), "dtype": str(array.dtype), "shape": list(array.shape)}
+
+
+def partition_spec(entries) -> PartitionSpec:
+    return PartitionSpec(*(tuple(entry) if isinstance(entry, list) else entry for entry in entries))
+
+
+def main() -> None:
+    request = json.load(sys.stdin)
+    out_dir = pathlib.Path(request["out_dir"])
+    devices = jax.devices()[: request["devices"]]
+    if len(devices) != request["devices"]:
+        raise SystemExit(f"XLA gave {len(devices)} CPU devices, {request['devices']} asked ({os.environ.get('XLA_FLAGS')})")
+    mesh = Mesh(np.array(devices).reshape(request["mesh"]["shape"]), tuple(request["mesh"]["axes"]))
+    weights = [jax.device_put(read_array(entry), NamedSharding(mesh, partition_spec(spec)))
+               for entry, spec in zip(request["weights"], request["weight_specs"])]
+    input_shardings = [NamedSharding(mesh, partition_spec(spec)) for spec in request["input_specs"]]
+    programs = {run: jax.jit(jax.export.deserialize(bytearray(pathlib.Path(path).read_bytes())).call)
+                for run, path in request["programs"].items()}
+    for index, case in enumerate(request["cases"]):
+        inputs = [jax.device_put(read_array(entry), sharding) for entry, sharding in zip(case, input_shardings)]
+        outputs = {}
+        try:
+            for run, program in programs.items():
+                compiled = program.lower(weights, inputs).compile()
+                if index == 0 and run == "cpu":
+                    hlo_path = out_dir / "cpu.hlo.txt"
+                    hlo_path.write_text(compiled.as_text())
+                    emit(event="compiled", hlo=str(hlo_path))
+                results = compiled(weights, inputs)
+                outputs[run] = [write_array(np.asarray(result), out_dir / f"{index}.{run}.{number}.bin")
+                                for number, result in enumerate(results)]
+        except Exception as error:  # XLA and shape assertions raise many kinds; the parent words it
+            emit(event="error", case=index, message=" ".join(str(error).split())[:300])
+            continue
+        emit(event="case", case=index, outputs=outputs)
+
+
+if __name__ == "__main__":
+    main()
