@@ -14,7 +14,7 @@ import torch
 
 from tpuexport import _runtime  # noqa: F401  (pins JAX to CPU before anything starts a backend)
 from tpuexport.artifact import Artifact, load
-from tpuexport.compile import TARGETS
+from tpuexport.compile import SLICES, TARGETS, make_request
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError, VerificationError
 from tpuexport.export import LoadedSource, SourceInfo
 from tpuexport.pipeline import ConversionOptions, run_conversion
@@ -24,6 +24,7 @@ from tpuexport.verify.gate import CheckResult, GateReport, verify_artifact
 __version__ = "0.1.0"
 
 __all__ = [
+    "SLICES",
     "TARGETS",
     "Artifact",
     "CheckResult",
@@ -58,6 +59,10 @@ def convert(
     quantize: str | None = None,
     calibration=None,
     random_calibration: bool = False,
+    mesh: str | dict[str, int] | None = None,
+    sharding: str | None = None,
+    rules=(),
+    input_rules=(),
     progress=None,
 ) -> Artifact:
     """Converts a PyTorch model into a verified TPU artifact directory.
@@ -67,7 +72,8 @@ def convert(
         torch.export.ExportedProgram (which carries its own example inputs and dims).
       args: example positional inputs for an nn.Module.
       dynamic_shapes: torch.export dynamic_shapes (torch.export.Dim objects name the dims).
-      target: a TPU target name or a list of them ("v4", "v5e", "v5p", "v6e", "7x").
+      target: a TPU target name or a list of them: single chips ("v4", "v5e", "v5p", "v6e", "7x")
+        or slices ("v5e-8", "v5p-8", "v6e-8", "7x-8", ...; see SLICES).
       out: the artifact directory to create.
       buckets: {dim name: [sizes]} compiled as a cartesian product; None for the example shapes.
       precision: "f32" or "bf16".
@@ -85,6 +91,13 @@ def convert(
       calibration: for "int8": an iterable of example-args tuples [(x,), ...], or a path to a .npz /
         .safetensors file (one array per input name, samples on axis 0).
       random_calibration: allow "int8" without calibration data, calibrated on random inputs (warned).
+      mesh: the slice's device mesh, "data=2,model=4" or {"data": 2, "model": 4}; sizes multiply
+        to the slice's device count. None: the preset's one-axis mesh.
+      sharding: a preset for slices: "replicated" (default), "data-parallel", "tensor-parallel", "fsdp".
+      rules: weight layouts applied after the preset, later ones winning: "REGEX=SPEC" strings,
+        (regex, spec) pairs or a {regex: spec} dict; regexes search state_dict names, a spec gives
+        each leading dim a mesh axis or None, e.g. ("model", None) or "model,None".
+      input_rules: input layouts in the same forms, keyed by input name.
       progress: optional callable (stage, seconds, detail) called as each stage ends.
     Returns:
       The Artifact written at `out`.
@@ -105,7 +118,7 @@ def convert(
         tolerance_overrides=dict(tolerances or {}), verify_budget_flops=verify_budget_flops, verify_sizes=tuple(verify_sizes or ()),
         overwrite=overwrite, saved_model=saved_model, model_name=model_name, model_version=model_version,
         quantize=quantize, calibration=None if calibration_file else calibration, calibration_file=calibration_file,
-        random_calibration=random_calibration,
+        random_calibration=random_calibration, sharding=make_request(mesh, sharding, rules, input_rules),
     )
     return run_conversion(loaded, options, progress)
 

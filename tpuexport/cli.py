@@ -48,7 +48,7 @@ def main():
 @main.command()
 @click.argument("source")
 @click.option("--target", "targets", multiple=True, default=("v5e",), show_default=True,
-              help="TPU target (repeat for several): v4, v5e, v5p, v6e, 7x.")
+              help="TPU target (repeat for several): a chip (v4, v5e, v5p, v6e, 7x) or a slice (v5e-8, v5p-8, v6e-8, 7x-8, ...).")
 @click.option("-o", "--out", type=click.Path(path_type=pathlib.Path), help="Artifact directory [default: SOURCE stem + .tpu].")
 @click.option("--bucket", "buckets", multiple=True, metavar="DIM=S1,S2,...",
               help="Sizes to compile for a dim (repeat per dim; cartesian product). Default: the example shapes.")
@@ -75,11 +75,17 @@ def main():
 @click.option("--calibration", "calibration_file", type=click.Path(path_type=pathlib.Path),
               help="Calibration samples for --quantize int8: .npz/.safetensors, one array per input name, samples on axis 0.")
 @click.option("--random-calibration", is_flag=True, help="Calibrate --quantize int8 on random inputs (not real data; warned).")
+@click.option("--mesh", metavar="AXIS=SIZE,...", help="Device mesh of slice targets, e.g. data=2,model=4 (sizes multiply to the slice's devices).")
+@click.option("--sharding", type=click.Choice(["replicated", "data-parallel", "tensor-parallel", "fsdp"]),
+              help="Sharding preset for slice targets [default: replicated].")
+@click.option("--shard", "shard_rules", multiple=True, metavar="REGEX=SPEC",
+              help="Lay out weights whose state_dict name matches REGEX, e.g. 'q_proj=model,None' (repeat; later rules win).")
+@click.option("--shard-input", "shard_inputs", multiple=True, metavar="NAME=SPEC", help="Lay out one input, e.g. tokens=data,None (repeat).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @handles_errors
 def convert(source, targets, out, buckets, precision, matmul_precision, inputs, dims, trust_pickle, atol, rtol, scale_tol,
             verify_budget, verify_sizes, force, saved_model, model_name, model_version, quantize, calibration_file,
-            random_calibration, as_json):
+            random_calibration, mesh, sharding, shard_rules, shard_inputs, as_json):
     """Convert SOURCE (model.pt2, file.py:factory, or model.pt with --trust-pickle) into an artifact."""
     from tpuexport import compile as compile_stage
     from tpuexport import export as export_stage
@@ -92,6 +98,7 @@ def convert(source, targets, out, buckets, precision, matmul_precision, inputs, 
     input_specs = [export_stage.parse_input(text, by_name) for text in inputs]
     bucket_sizes = compile_stage.parse_bucket_options(buckets)
     compile_stage.resolve_targets(list(targets))
+    sharding_request = compile_stage.make_request(mesh, sharding, shard_rules, shard_inputs)
     overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
     if verify_budget < 0:
         raise TpuExportError(f"--verify-budget {verify_budget:g} is negative; give GFLOP >= 0 (0 runs only the sizes every conversion runs)")
@@ -102,7 +109,7 @@ def convert(source, targets, out, buckets, precision, matmul_precision, inputs, 
         tolerance_overrides=overrides, verify_budget_flops=verify_budget * 1e9,
         verify_sizes=tuple(parse_sizes(text, "--verify-size") for text in verify_sizes), overwrite=force, saved_model=saved_model,
         model_name=model_name or source_stem, model_version=model_version,
-        quantize=quantize, calibration_file=calibration_file, random_calibration=random_calibration,
+        quantize=quantize, calibration_file=calibration_file, random_calibration=random_calibration, sharding=sharding_request,
     )
 
     loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs)
@@ -145,11 +152,14 @@ def summary(artifact) -> dict:
         "verification": {"passed": manifest["verification"]["passed"], "cases": manifest["verification"]["cases"]},
         "targets": {
             name: [
-                {k: bucket[k] for k in ("name", "sizes", "executable", "memory", "cost", "fits_in_hbm", "hbm_utilization")}
+                {k: bucket[k] for k in ("name", "sizes", "executable", "memory", "cost", "fits_in_hbm", "hbm_utilization", "collectives")
+                 if k in bucket}
                 for bucket in target["buckets"]
             ]
             for name, target in manifest["targets"].items()
         },
+        **({"sharding": {name: target["sharding"] for name, target in manifest["targets"].items() if "sharding" in target}}
+           if any("sharding" in target for target in manifest["targets"].values()) else {}),
         "build": manifest["build"],
         **({"quantization": manifest["quantization"]} if "quantization" in manifest else {}),
         **({"tf_serving": manifest["tf_serving"]} if "tf_serving" in manifest else {}),
@@ -178,14 +188,36 @@ def inspect(artifact_dir, as_json):
     for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
         for spec in specs:
             console.print(f"  {kind} {spec.name}: {spec.dtype}[{', '.join(map(str, spec.shape))}]")
-    table = Table("target", "bucket", "HBM used", "of HBM", "GFLOP", "est. µs", "executable")
+    for name, plan in data.get("sharding", {}).items():
+        split = {weight: spec for weight, spec in plan["weights"].items() if any(entry is not None for entry in spec)}
+        console.print(f"  {name}: mesh {describe_mesh(plan['mesh'])}, {plan['preset']}, {len(split)}/{len(plan['weights'])} weights split; "
+                      f"inputs {', '.join(f'{n} {describe_spec(spec)}' for n, spec in plan['inputs'].items())}")
+    table = Table("target", "bucket", "HBM used (per chip)", "of HBM", "collectives", "GFLOP", "est. µs", "executable")
     for name, buckets in data["targets"].items():
         for bucket in buckets:
             table.add_row(
                 name, bucket["name"], f"{bucket['memory']['total_bytes'] / 2**20:.2f} MiB", f"{bucket['hbm_utilization']:.4%}",
-                f"{bucket['cost']['flops'] / 1e9:.4f}", f"{bucket['cost']['optimal_seconds'] * 1e6:.1f}", bucket["executable"],
+                describe_collectives(bucket.get("collectives")), f"{bucket['cost']['flops'] / 1e9:.4f}",
+                f"{bucket['cost']['optimal_seconds'] * 1e6:.1f}", bucket["executable"],
             )
     console.print(table)
+
+
+def describe_mesh(mesh: dict) -> str:
+    """A manifest mesh as "data=2,model=4"."""
+    return ",".join(f"{axis}={size}" for axis, size in zip(mesh["axes"], mesh["shape"]))
+
+
+def describe_spec(spec: list) -> str:
+    """A manifest PartitionSpec as "P(data, None)"."""
+    return "P(" + ", ".join("None" if entry is None else "+".join(entry) if isinstance(entry, list) else entry for entry in spec) + ")"
+
+
+def describe_collectives(collectives: dict | None) -> str:
+    """Collectives as "all-reduce x4 0.06 MiB, ..." ("-" for a single chip)."""
+    if collectives is None:
+        return "-"
+    return ", ".join(f"{kind} x{entry['count']} {entry['bytes'] / 2**20:.2f} MiB" for kind, entry in collectives.items()) or "none"
 
 
 @main.command()
@@ -226,19 +258,30 @@ def _print_gate_table(report) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the targets as JSON on stdout.")
 @handles_errors
 def targets(as_json):
-    """List the TPU targets with their per-chip figures."""
-    import dataclasses
-
-    from tpuexport.compile import TARGETS
+    """List the TPU chips with their per-chip figures, and the slices with chips and HBM."""
+    from tpuexport.compile import SLICES, TARGETS
 
     if as_json:
-        click.echo(json.dumps([dataclasses.asdict(t) for t in TARGETS.values()], indent=2))
+        click.echo(json.dumps([
+            {**dataclasses.asdict(t), "hbm_bytes_per_device": t.hbm_bytes_per_device, "total_hbm_bytes": t.hbm_bytes * t.chips}
+            for t in [*TARGETS.values(), *SLICES.values()]
+        ], indent=2))
         return
-    table = Table("target", "generation", "HBM", "bf16 TFLOP/s", "int8 TOP/s", "HBM GB/s", "topology", "source")
+    console = Console(highlight=False, width=200)
+    table = Table("target", "generation", "HBM", "bf16 TFLOP/s", "int8 TOP/s", "HBM GB/s", "topology", "source", title="chips")
     for t in TARGETS.values():
         table.add_row(t.name, t.generation, f"{t.hbm_bytes / 2**30:.0f} GiB", f"{t.peak_bf16_tflops:g}",
                       f"{t.peak_int8_tops:g}" if t.peak_int8_tops else "-", f"{t.hbm_gbps:g}", t.topology, t.source)
-    Console(highlight=False, width=200).print(table)
+    console.print(table)
+    table = Table("slice", "name counts", "chips", "devices (mesh size)", "HBM per chip", "HBM per device", "total HBM", "topology",
+                  title="slices (also v5litepod-N for v5e-N, tpu7x-N for 7x-N)")
+    for t in SLICES.values():
+        table.add_row(t.name, t.name_counts, str(t.chips), str(t.devices), f"{t.hbm_bytes / 2**30:.0f} GiB",
+                      f"{t.hbm_bytes_per_device / 2**30:.0f} GiB", f"{t.hbm_bytes * t.chips / 2**30:,.0f} GiB", t.topology)
+    console.print(table)
+    console.print("v5e and v6e slice names count chips; v5p and 7x names count TensorCores, two per chip (v5p-8 and 7x-8 are "
+                  "4 chips). A 7x chip is two devices with half its HBM each. v4 slices are not offered: libtpu's compile-only "
+                  "v4 topology has one device per TensorCore, while v4 slices run one device per chip (megacore).")
 
 
 if __name__ == "__main__":

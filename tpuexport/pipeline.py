@@ -4,9 +4,11 @@
   quantize PT2E int8 (optional), re-exported         -> CapturedModel (reference: the PT2E model)
   lower    torchax op library -> jax.export          -> LoweredProgram
            (with a SavedModel: the program is checked to load in TensorFlow)
+  plan     a sharding plan per slice target          -> {target: ShardingPlan}
   compile  libtpu AOT per target and bucket          -> CompileReport      (child processes, in the
                                                                              background from here)
   verify   CPU runs vs eager PyTorch (fails fast)    -> VerificationReport
+  verify sharded  each plan on N CPU devices vs eager -> ShardedVerification per plan (slices only)
   write    the artifact directory, atomically        -> Artifact
            (with the TF Serving SavedModel, checked in TensorFlow before the rename, and the
            quantization report; the executables once compile is done)
@@ -60,6 +62,8 @@ class ConversionOptions:
       calibration: calibration samples (tuples of inputs) for static int8, or None.
       calibration_file: a .npz / .safetensors calibration file (wins over `calibration`), or None.
       random_calibration: allow static int8 without samples, calibrated on random inputs (warned).
+      sharding: mesh, preset and rules for slice targets (compile.make_request); the default lays
+        every weight and input whole on every device of a slice.
     """
 
     targets: tuple[str, ...]
@@ -78,6 +82,7 @@ class ConversionOptions:
     calibration: Iterable | None = None
     calibration_file: pathlib.Path | None = None
     random_calibration: bool = False
+    sharding: compile_stage.ShardingRequest = compile_stage.ShardingRequest()
 
 
 class StageClock:
@@ -131,6 +136,12 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         (exit code 1); only the verification report is written, next to `out`.
     """
     targets = compile_stage.resolve_targets(list(options.targets))
+    slices = [target for target in targets if target.is_slice]
+    if options.sharding != compile_stage.ShardingRequest() and not slices:
+        raise TpuExportError(f"sharding options need a slice target such as v5e-8; {', '.join(t.name for t in targets)} "
+                             "is a single chip (see `tpuexport targets`)")
+    for target in slices:
+        compile_stage.resolve_mesh(options.sharding, target)
     artifact_stage.check_destination(options.out, options.overwrite)
     if options.precision not in lower_stage.PRECISIONS:
         raise TpuExportError(f"unknown precision {options.precision!r}; use one of {', '.join(lower_stage.PRECISIONS)}")
@@ -159,15 +170,17 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             with clock.stage("tensorflow", lambda: "TensorFlow's XlaCallModule loads the program"):
                 tensorflow_module = serving_stage.tensorflow_module(lowered)
 
+        plans = {}
+        for target in slices:
+            with clock.stage(f"plan {target.name}", lambda: _describe_plan(plans[target.name])):
+                plans[target.name] = compile_stage.plan_sharding(options.sharding, target, lowered.weight_names, lowered.weights,
+                                                                 lowered.signature, buckets)
+
         def compiled_one(result: compile_stage.CompiledBucket) -> None:
-            clock.event(
-                f"compile {result.target.name} {result.bucket.name}", result.compile_seconds,
-                f"{result.memory['total_bytes'] / 2**20:.1f} MiB of {result.target.hbm_bytes / 2**30:.0f} GiB HBM, "
-                f"{result.cost['flops']:.3g} flops",
-            )
+            clock.event(f"compile {result.target.name} {result.bucket.name}", result.compile_seconds, _describe_compiled(result))
 
         # The TPU compiler runs in its own processes from here on, while verify and the SavedModel run.
-        compiling = running.enter_context(compile_stage.CompileJob(lowered, targets, buckets, on_compiled=compiled_one))
+        compiling = running.enter_context(compile_stage.CompileJob(lowered, targets, buckets, compiled_one, plans))
         with clock.stage("verify", lambda: _describe_verification(report)):
             tolerances = verify_stage.with_overrides(
                 verify_stage.default_tolerances(options.precision, options.matmul_precision, quantized is not None),
@@ -179,6 +192,13 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
                 report = dataclasses.replace(report, against="the PT2E-converted model, eager PyTorch")
         if not report.passed:
             raise VerificationError(report, _write_failed_report(options.out, report.to_json()))
+        sharded = []
+        for plan, names in _distinct_plans(plans):
+            with clock.stage(f"verify sharded {plan.mesh_text}", lambda: sharded[-1].describe()):
+                sharded.append(verify_stage.verify_sharded(lowered, plan, names, report, captured.reference, captured.example_inputs, buckets))
+            if not sharded[-1].passed:
+                failed = {**report.to_json(), "sharded": [result.to_json() for result in sharded]}
+                raise VerificationError(report, _write_failed_report(options.out, failed), sharded[-1].failure_summary())
 
         @functools.cache
         def compiled() -> compile_stage.CompileReport:
@@ -199,6 +219,7 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
                 artifact_stage.write_artifact(
                     options.out, source=captured.source, lowered=lowered, compiled=compiled, verification=report,
                     stage_seconds=clock.seconds, overwrite=options.overwrite, extra_writers=extra_writers,
+                    sharded_verification=[result.to_json() for result in sharded],
                 )
             except serving_stage.SavedModelMismatch as mismatch:
                 raise VerificationError(report, _write_failed_report(options.out, mismatch.report), mismatch.summary) from None
@@ -245,6 +266,29 @@ def _describe_verification(report: verify_stage.VerificationReport) -> str:
     worst = report.worst_errors()
     return (f"{len(report.cases)} size(s), {'passed' if report.passed else 'FAILED'}; worst relative RMS error "
             f"{worst['tpu']:.1e} as the TPU computes (matmul precision {report.matmul_precision}), {worst['cpu']:.1e} in f32")
+
+
+def _distinct_plans(plans: dict[str, compile_stage.ShardingPlan]) -> list[tuple[compile_stage.ShardingPlan, tuple[str, ...]]]:
+    """Each distinct plan once, with the targets that use it (two slices of one size share a plan)."""
+    grouped: dict[compile_stage.ShardingPlan, list[str]] = {}
+    for name, plan in plans.items():
+        grouped.setdefault(plan, []).append(name)
+    return [(plan, tuple(names)) for plan, names in grouped.items()]
+
+
+def _describe_plan(plan: compile_stage.ShardingPlan) -> str:
+    return plan.describe() + (f"; {len(plan.notes)} left whole (see the manifest's notes)" if plan.notes else "")
+
+
+def _describe_compiled(result: compile_stage.CompiledBucket) -> str:
+    target = result.target
+    where = "per chip" if target.devices == target.chips else "per device"
+    text = (f"{result.memory['total_bytes'] / 2**20:.1f} MiB{' ' + where if target.is_slice else ''} of "
+            f"{target.hbm_bytes_per_device / 2**30:.0f} GiB HBM, {result.cost['flops']:.3g} flops")
+    if target.is_slice:
+        exchanged = ", ".join(f"{kind} x{entry['count']} ({entry['bytes'] / 2**20:.2f} MiB)" for kind, entry in result.collectives.items())
+        text += f"; {exchanged or 'no collectives'}"
+    return text
 
 
 def _describe_dims(signature) -> str:

@@ -67,6 +67,7 @@ def write_artifact(
     stage_seconds: dict[str, float],
     overwrite: bool = False,
     extra_writers=(),
+    sharded_verification: list[dict] | tuple = (),
 ) -> dict:
     """Writes the artifact directory.
 
@@ -84,6 +85,9 @@ def write_artifact(
         program files, verification report and golden data are written (e.g. the TF Serving
         SavedModel). A "build" entry among them (run-dependent figures such as timings) is merged
         into the manifest's "build" section rather than replacing it.
+      sharded_verification: each sharding plan's run on virtual CPU devices
+        (ShardedVerification.to_json()), recorded under "sharded" in the report and the manifest's
+        "verification"; empty without slice targets.
     Returns:
       The manifest written.
     """
@@ -108,6 +112,8 @@ def write_artifact(
             "matmul_flops": lowered.matmul_flops,
         }
         report = verification.to_json()
+        if sharded_verification:
+            report["sharded"] = list(sharded_verification)
         put(layout.VERIFICATION_REPORT, json.dumps(report, indent=2) + "\n")
         put(layout.GOLDEN, save_arrays(verification.golden))
         manifest = {
@@ -122,6 +128,12 @@ def write_artifact(
             "targets": {},
             "verification": verification_section(verification),
         }
+        if sharded_verification:
+            manifest["verification"]["sharded"] = [
+                {key: entry[key] for key in ("targets", "passed", "devices", "mesh", "collectives")}
+                | {"cases": [{key: case[key] for key in ("label", "sizes", "reason", "passed")} for case in entry["cases"]]}
+                for entry in sharded_verification
+            ]
         extra_build = {}
         for writer in extra_writers:
             sections = writer(staging)
@@ -136,17 +148,28 @@ def write_artifact(
                 "hbm_bytes": target.hbm_bytes,
                 "buckets": [],
             })
-            entry["buckets"].append({
+            if target.is_slice:
+                entry.update({
+                    "chips": target.chips,
+                    "devices": target.devices,
+                    "hbm_bytes_per_device": target.hbm_bytes_per_device,
+                    "device_ids": list(result.device_ids),
+                    "sharding": result.plan.to_json(),
+                })
+            bucket = {
                 "name": result.bucket.name,
                 "sizes": result.bucket.as_dict(),
                 "executable": put(layout.executable_path(target.name, result.bucket.name), result.executable),
                 "memory": result.memory,
                 "cost": result.cost,
                 "fits_in_hbm": result.fits_in_hbm,
-                "hbm_utilization": round(result.memory["total_bytes"] / target.hbm_bytes, 6),
+                "hbm_utilization": round(result.memory["total_bytes"] / target.hbm_bytes_per_device, 6),
                 "fingerprint": result.fingerprint,
                 "matmul_flops": result.matmul_flops,
-            })
+            }
+            if target.is_slice:
+                bucket["collectives"] = result.collectives
+            entry["buckets"].append(bucket)
         manifest["build"] = {**build_section(stage_seconds), **extra_build}
         manifest["build"]["compile_seconds"] = {
             f"{r.target.name}/{r.bucket.name}": round(r.compile_seconds, 3) for r in results

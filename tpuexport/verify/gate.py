@@ -298,7 +298,8 @@ def check_recompile(artifact: Artifact, strict: bool = False):
     for target_name, entry in artifact.manifest["targets"].items():
         target = compile_stage.resolve_targets([target_name])[0]
         buckets = [compile_stage.Bucket(tuple(recorded["sizes"].items())) for recorded in entry["buckets"]]
-        for recorded, result in zip(entry["buckets"], compile_stage.compile_target(program, target, buckets)):
+        plan = compile_stage.ShardingPlan.from_json(entry["sharding"]) if "sharding" in entry else None
+        for recorded, result in zip(entry["buckets"], compile_stage.compile_target(program, target, buckets, plan=plan)):
             key = f"{target_name}/{result.bucket.name}"
             fingerprints[key] = {"then": recorded["fingerprint"], "now": result.fingerprint}
             if fingerprints[key]["then"] != fingerprints[key]["now"]:
