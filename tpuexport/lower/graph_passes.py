@@ -84,3 +84,46 @@ def expand_convolution_arguments(program: torch.export.ExportedProgram) -> torch
             node.args = tuple(arguments)
         module.recompile()
     return program
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def unmerge_batched_matmuls(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Turns `bmm` over merged leading dims back into one matmul over those dims.
+
+    torch's decompositions compute a matmul of rank-4 tensors (attention's q @ k^T and p @ v, shaped
+    (batch, heads, seq, dim)) as `view(a, [batch*heads, m, k])`, `bmm`, `view([batch, heads, m, n])`.
+    The merged dim hides batch and heads from XLA's sharding propagation: with the batch split over
+    one mesh axis and the heads over another, the partitioner gathers every head on every device
+    instead of keeping each device's heads. `aten.matmul` of the rank-4 tensors is the same
+    computation (a dot_general with two batch dims) and keeps them apart. Only a bmm whose operands
+    are views of tensors with the same leading dims, and whose every user views it back to them, is
+    rewritten.
+
+    Args:
+      program: a decomposed program that the lowering stage owns (rewritten in place).
+    Returns:
+      `program`.
+    """
+    for module in graph_modules(program):
+        graph = module.graph
+        for node in list(graph.nodes):
+            if node.target is not aten.bmm.default or not all(arg.target in _VIEWS for arg in node.args):
+                continue
+            left, right = (view.args[0] for view in node.args)
+            left_shape, right_shape = (tuple(map(str, source.meta["val"].shape)) for source in (left, right))
+            leading = left_shape[:-2]
+            result_shape = (*leading, left_shape[-2], right_shape[-1])
+            users = list(node.users)
+            if (len(leading) < 2 or right_shape[:-2] != leading or not users
+                    or not all(user.target in _VIEWS and tuple(map(str, user.meta["val"].shape)) == result_shape for user in users)):
+                continue
+            with graph.inserting_before(node):
+                matmul = graph.call_function(aten.matmul.default, (left, right))
+            matmul.meta = dict(users[0].meta)
+            for user in users:
+                user.replace_all_uses_with(matmul)
+        graph.eliminate_dead_code()
+        module.recompile()
+    return program

@@ -6,6 +6,8 @@ Passes, in order:
                      definitions), then torchax's own
   expand_convolution_arguments  one stride/padding/dilation per spatial dim
   check_operators    every operator without a lowering, reported at once with user source lines
+  unmerge_batched_matmuls  bmm over merged (batch, heads) dims back to one matmul over both, so
+                     that sharding propagation sees them (after the FLOPs are counted on the bmm)
   collect_weights    parameters, buffers and constants in the program's placeholder order
   trace_and_export   torchax's interpreter traced by jax.export with one-scope symbolic dims
   pin_precision      the matmul precision written on every dot and convolution (matmul_precision.py)
@@ -29,7 +31,7 @@ from tpuexport.errors import TpuExportError, UnsupportedOperatorsError
 from tpuexport.lower import aten_lowerings, control_flow, symbolic_ops  # noqa: F401  (they register tpuexport's own lowerings)
 from tpuexport.lower.cost import matmul_flops_expression
 from tpuexport.lower.custom_ops import custom_operator_decompositions
-from tpuexport.lower.graph_passes import expand_convolution_arguments, reshape_views
+from tpuexport.lower.graph_passes import expand_convolution_arguments, reshape_views, unmerge_batched_matmuls
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS, pin_matmul_precision
 from tpuexport.lower.registry import own_lowering
 from tpuexport.lower.op_support import find_unsupported, user_source
@@ -135,10 +137,12 @@ def lower(
         raise TpuExportError(f"unknown matmul precision {matmul_precision!r}; use one of {', '.join(MATMUL_PRECISIONS)}")
     decomposed = expand_convolution_arguments(decompose(reshape_views(program)))
     check_operators(decomposed)
+    # torch's FLOP counter knows bmm, not the matmul the next pass makes of it.
+    flops = matmul_flops_expression(decomposed, signature)
+    decomposed = unmerge_batched_matmuls(decomposed)
     names, weights = collect_weights(decomposed, precision)
     exported = trace_and_export(decomposed, signature, weights, precision)
     exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision])
-    flops = matmul_flops_expression(decomposed, signature)
     return LoweredProgram(exported, names, weights, signature, precision, matmul_precision, flops)
 
 
