@@ -179,7 +179,7 @@ def inspect(artifact_dir, as_json):
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
-    console = Console(highlight=False)
+    console = Console(highlight=False, width=200)
     signature = artifact.signature
     console.print(f"[bold]{artifact.path}[/]  source {data['source']['reference'] or data['source']['kind']}, "
                   f"precision {data['precision']}, verification {'passed' if data['verification']['passed'] else 'FAILED'}")
@@ -192,7 +192,7 @@ def inspect(artifact_dir, as_json):
         split = {weight: spec for weight, spec in plan["weights"].items() if any(entry is not None for entry in spec)}
         console.print(f"  {name}: mesh {describe_mesh(plan['mesh'])}, {plan['preset']}, {len(split)}/{len(plan['weights'])} weights split; "
                       f"inputs {', '.join(f'{n} {describe_spec(spec)}' for n, spec in plan['inputs'].items())}")
-    table = Table("target", "bucket", "HBM used (per chip)", "of HBM", "collectives", "GFLOP", "est. µs", "executable")
+    table = Table("target", "bucket", "HBM per chip", "of HBM", "collectives", "GFLOP", "est. µs", "executable")
     for name, buckets in data["targets"].items():
         for bucket in buckets:
             table.add_row(

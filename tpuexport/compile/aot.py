@@ -187,7 +187,7 @@ def _judge_hbm_fit(results: list[CompiledBucket], lowered: LoweredProgram) -> Co
     if misfits:
         listed = "; ".join(
             f"{r.target.name} bucket {r.bucket.name} needs {r.memory['total_bytes']:,} bytes{_per_device(r.target)} "
-            f"(temporaries {r.memory['temp_bytes']:,}), HBM is {r.target.hbm_bytes_per_device:,}; largest"
+            f"(temporaries {r.memory['temp_bytes']:,}), HBM is {r.target.hbm_bytes_per_device:,}; largest arguments"
             f"{_per_device(r.target)}: {_largest_buffers(lowered, r.plan, r.bucket)}"
             for r in misfits
         )
@@ -305,7 +305,7 @@ def _compile_error(target: Target, bucket: Bucket, message: str, largest_buffers
         # XLA's TPU compiler checks temporaries against the chip's usable HBM itself.
         return TpuExportError(
             f"does not fit in HBM: {target.name} bucket {bucket.name} ({message[:240]}); HBM is "
-            f"{target.hbm_bytes_per_device:,} bytes{_per_device(target)}; largest{_per_device(target)}: {largest_buffers}; "
+            f"{target.hbm_bytes_per_device:,} bytes{_per_device(target)}; largest arguments{_per_device(target)}: {largest_buffers}; "
             "use smaller buckets, a sharding plan that splits more, or a target with more HBM"
         )
     return TpuExportError(f"XLA could not compile for {target.name} bucket {bucket.name}: {message[:300]}")
