@@ -138,6 +138,19 @@ def test_tensor_parallel_splits_heads_and_mlp_columns_then_rows(tmp_path):
     np.testing.assert_allclose(artifact.run(tokens)["logits"].numpy(), expected["logits"].numpy(), atol=1e-4, rtol=1e-4)
 
 
+def test_tensor_parallel_int8_splits_the_integer_weights_with_their_scales(tmp_path):
+    calibration = [(torch.randint(0, VOCAB, (8, 16)),) for _ in range(4)]
+    artifact = convert_decoder(tmp_path / "int8.tpu", target="v5e-8", mesh="data=2,model=4", sharding="tensor-parallel",
+                               quantize="int8", calibration=calibration)
+    weights, _ = specs(artifact)
+    assert weights["layers.0.self_attn.q_proj.weight_int8"] == ["model"] and weights["layers.0.self_attn.q_proj.weight_scale"] == ["model"]
+    assert weights["layers.0.mlp.down_proj.weight_int8"] == [None, "model"] and weights["layers.0.mlp.down_proj.weight_scale"] == []
+    bucket = only_bucket(artifact)
+    assert next(iter(bucket["matmul_flops"])) == "s8xs8->s32"  # the split matmuls still run in int8 on each chip
+    assert bucket["collectives"]["all-reduce"]["count"] >= 4
+    sharded_run(artifact)
+
+
 def test_fsdp_splits_each_weights_largest_divisible_dim(tmp_path):
     artifact = convert_decoder(tmp_path / "fsdp.tpu", target="v5e-8", sharding="fsdp")
     weights, inputs = specs(artifact)

@@ -17,7 +17,8 @@ What the user asks for (a `ShardingRequest`):
                             vocabulary. Found from state_dict names (`_COLUMN_PARALLEL`,
                             `_ROW_PARALLEL`, `_VOCAB_PARALLEL`) and checked against shapes: a row-
                             parallel weight is split only when a column-parallel weight of its
-                            module produces its input features. Inputs as data-parallel when
+                            module produces its input features. int8 programs' `weight_int8`
+                            and `weight_scale` follow their layer. Inputs as data-parallel when
                             the mesh also has a "data" axis.
            fsdp             every weight's largest dim divisible by the "data" size over "data";
                             inputs as data-parallel
@@ -53,15 +54,19 @@ MODEL_AXIS = "model"
 DimSharding = str | tuple[str, ...] | None
 Spec = tuple[DimSharding, ...]
 
-# Linear layers whose output features are split (nn.Linear weight (out, in), bias (out,)).
+# Linear layers whose output features are split (nn.Linear weight (out, in), bias (out,); int8 programs
+# hold `weight_int8` (out, in) and a per-output-feature `weight_scale` (out,), see tpuexport.quantize).
 _COLUMN_PARALLEL = re.compile(
     r"(?:^|\.)(?:q_proj|k_proj|v_proj|qkv_proj|query|key|value|gate_proj|up_proj|gate_up_proj|w1|w3|fc1|wi|wi_0|wi_1"
-    r"|intermediate\.dense|c_attn|c_fc)\.(?:weight|bias)$")
-# Linear layers whose input features are split (their bias stays whole: it is added after the all-reduce).
+    r"|intermediate\.dense|c_attn|c_fc)\.(?:weight|weight_int8|weight_scale|bias)$")
+# Linear layers whose input features are split (their bias and scales stay whole: applied after the all-reduce).
 _ROW_PARALLEL = re.compile(
-    r"(?:^|\.)(?:o_proj|out_proj|down_proj|w2|fc2|wo|attention\.output\.dense|(?<!attention\.)output\.dense|c_proj)\.weight$")
-# Vocabulary-sized tables: split by vocabulary rows.
-_VOCAB_PARALLEL = re.compile(r"(?:^|\.)(?:embed_tokens|wte|word_embeddings|embed_in|tok_embeddings|lm_head|embed_out)\.weight$")
+    r"(?:^|\.)(?:o_proj|out_proj|down_proj|w2|fc2|wo|attention\.output\.dense|(?<!attention\.)output\.dense|c_proj)"
+    r"\.(?:weight|weight_int8)$")
+# Vocabulary-sized tables (and their per-row int8 scales): split by vocabulary rows.
+_VOCAB_PARALLEL = re.compile(
+    r"(?:^|\.)(?:embed_tokens|wte|word_embeddings|embed_in|tok_embeddings|lm_head|embed_out)\.(?:weight|weight_int8|weight_scale)$")
+_WEIGHT = re.compile(r"\.weight(?:_int8)?$")
 # GPT-2's Conv1D layers store their weight as (in, out), transposed from nn.Linear.
 _TRANSPOSED = re.compile(r"(?:^|\.)(?:c_attn|c_fc|c_proj)\.weight$")
 
@@ -349,7 +354,7 @@ def _tensor_parallel_specs(names: Sequence[str], shapes: Sequence[tuple[int, ...
     # Output features of the column-parallel layers, per module (the prefix before the layer's name).
     column_outputs: dict[str, set[int]] = {}
     for name, shape in zip(names, shapes):
-        if _COLUMN_PARALLEL.search(name) and name.endswith(".weight") and len(shape) == 2:
+        if _COLUMN_PARALLEL.search(name) and _WEIGHT.search(name) and len(shape) == 2:
             column_outputs.setdefault(_module_of(name), set()).add(shape[out_axis(name)])
 
     def split(index: int, axis: int) -> None:
@@ -360,7 +365,7 @@ def _tensor_parallel_specs(names: Sequence[str], shapes: Sequence[tuple[int, ...
         specs[index] = tuple(MODEL_AXIS if a == axis else None for a in range(axis + 1))
 
     for index, (name, shape) in enumerate(zip(names, shapes)):
-        if _VOCAB_PARALLEL.search(name) and len(shape) == 2:
+        if _VOCAB_PARALLEL.search(name) and len(shape) in (1, 2):
             split(index, 0)
         elif _COLUMN_PARALLEL.search(name) and len(shape) in (1, 2):
             split(index, out_axis(name) if len(shape) == 2 else 0)
