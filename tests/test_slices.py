@@ -111,6 +111,18 @@ def test_data_parallel_splits_the_batch_and_keeps_weights_whole(tmp_path):
     sharded_run(artifact)
 
 
+def test_sharded_run_uses_the_first_bucket_when_no_verified_size_splits_evenly(tmp_path):
+    # The verified batches (4, the example, and 1, the minimum) do not split over data=8; the bucket 16 does.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10)).eval()
+    artifact = tpuexport.convert(model, (torch.randn(4, 32),), {"input": {0: torch.export.Dim("batch", min=1, max=100)}},
+                                 target="v5e-8", sharding="data-parallel", buckets={"batch": [16]}, out=tmp_path / "mlp.tpu",
+                                 saved_model=False, verify_budget_flops=0)
+    assert all(case["sizes"]["batch"] % 8 for case in artifact.manifest["verification"]["cases"])
+    [case] = sharded_run(artifact)["cases"]
+    assert case["label"] == "bucket batch16" and case["sizes"] == {"batch": 16} and "splits evenly" in case["reason"]
+
+
 def test_tensor_parallel_splits_heads_and_mlp_columns_then_rows(tmp_path):
     artifact = convert_decoder(tmp_path / "tp.tpu", target="v5e-8", mesh="data=2,model=4", sharding="tensor-parallel")
     weights, inputs = specs(artifact)

@@ -75,12 +75,14 @@ def main():
 @click.option("--calibration", "calibration_file", type=click.Path(path_type=pathlib.Path),
               help="Calibration samples for --quantize int8: .npz/.safetensors, one array per input name, samples on axis 0.")
 @click.option("--random-calibration", is_flag=True, help="Calibrate --quantize int8 on random inputs (not real data; warned).")
-@click.option("--mesh", metavar="AXIS=SIZE,...", help="Device mesh of slice targets, e.g. data=2,model=4 (sizes multiply to the slice's devices).")
+@click.option("--mesh", metavar="AXIS=SIZE,...",
+              help="Device mesh of slice targets, e.g. data=2,model=4 (sizes multiply to the slice's devices).")
 @click.option("--sharding", type=click.Choice(["replicated", "data-parallel", "tensor-parallel", "fsdp"]),
               help="Sharding preset for slice targets [default: replicated].")
 @click.option("--shard", "shard_rules", multiple=True, metavar="REGEX=SPEC",
               help="Lay out weights whose state_dict name matches REGEX, e.g. 'q_proj=model,None' (repeat; later rules win).")
-@click.option("--shard-input", "shard_inputs", multiple=True, metavar="NAME=SPEC", help="Lay out one input, e.g. tokens=data,None (repeat).")
+@click.option("--shard-input", "shard_inputs", multiple=True, metavar="NAME=SPEC",
+              help="Lay out one input, e.g. tokens=data,None (repeat).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @handles_errors
 def convert(source, targets, out, buckets, precision, matmul_precision, inputs, dims, trust_pickle, atol, rtol, scale_tol,

@@ -138,8 +138,9 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
     targets = compile_stage.resolve_targets(list(options.targets))
     slices = [target for target in targets if target.is_slice]
     if options.sharding != compile_stage.ShardingRequest() and not slices:
-        raise TpuExportError(f"sharding options need a slice target such as v5e-8; {', '.join(t.name for t in targets)} "
-                             "is a single chip (see `tpuexport targets`)")
+        chips = ", ".join(t.name for t in targets)
+        raise TpuExportError(f"sharding options need a slice target such as v5e-8; {chips} "
+                             f"{'is a single chip' if len(targets) == 1 else 'are single chips'} (see `tpuexport targets`)")
     for target in slices:
         compile_stage.resolve_mesh(options.sharding, target)
     artifact_stage.check_destination(options.out, options.overwrite)
@@ -195,7 +196,8 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         sharded = []
         for plan, names in _distinct_plans(plans):
             with clock.stage(f"verify sharded {plan.mesh_text}", lambda: sharded[-1].describe()):
-                sharded.append(verify_stage.verify_sharded(lowered, plan, names, report, captured.reference, captured.example_inputs, buckets))
+                sharded.append(verify_stage.verify_sharded(lowered, plan, names, report, captured.reference, captured.example_inputs,
+                                                           buckets))
             if not sharded[-1].passed:
                 failed = {**report.to_json(), "sharded": [result.to_json() for result in sharded]}
                 raise VerificationError(report, _write_failed_report(options.out, failed), sharded[-1].failure_summary())

@@ -1,10 +1,11 @@
 """Ahead-of-time TPU compilation through libtpu's compile-only topologies (no TPU needed).
 
 For each target the lowered program's buckets are compiled by XLA's TPU compiler, for one chip
-or, for a slice, partitioned over its devices by a sharding plan (sharding.py), in a child process (compile_child.py) that loads nothing but jax and libtpu: a crash inside
-libtpu's compiler (seen: a segfault compiling a transformer for 7x at one bucket size) then
-becomes an error naming the target and bucket instead of killing the conversion, and the
-user's process never loads libtpu. XLA's own memory and cost analyses give the figures for the
+or, for a slice, partitioned over its devices by a sharding plan (sharding.py), in a child
+process (compile_child.py) that loads nothing but jax and libtpu: a crash inside libtpu's
+compiler (seen: a segfault compiling a transformer for 7x at one bucket size) then becomes an
+error naming the target and bucket instead of killing the conversion, and the user's process
+never loads libtpu. XLA's own memory and cost analyses give the figures for the
 report and the HBM-fit verdict, per device; a slice's compiled HLO also says which collectives
 its devices exchange (hlo.py).
 

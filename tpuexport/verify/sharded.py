@@ -195,7 +195,8 @@ def _input_sets(lowered, plan, report, reference, example_inputs, buckets) -> li
     try:
         expected = eager_outputs(reference, made)
     except Exception as error:  # the user's model may raise anything
-        return [_Inputs(label, bucket.as_dict(), reason, inputs, None, f"eager PyTorch raised {type(error).__name__}: {short_error(error)}")]
+        failure = f"eager PyTorch raised {type(error).__name__}: {short_error(error)}"
+        return [_Inputs(label, bucket.as_dict(), reason, inputs, None, failure)]
     return [_Inputs(label, bucket.as_dict(), reason, inputs, expected)]
 
 
