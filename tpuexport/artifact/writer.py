@@ -67,6 +67,7 @@ def write_artifact(
     stage_seconds: dict[str, float],
     overwrite: bool = False,
     extra_writers=(),
+    weights_file: pathlib.Path | None = None,
 ) -> dict:
     """Writes the artifact directory.
 
@@ -84,6 +85,8 @@ def write_artifact(
         program files, verification report and golden data are written (e.g. the TF Serving
         SavedModel). A "build" entry among them (run-dependent figures such as timings) is merged
         into the manifest's "build" section rather than replacing it.
+      weights_file: the weights already written as safetensors (by name), moved into the artifact
+        instead of being written again; None to write them here.
     Returns:
       The manifest written.
     """
@@ -94,6 +97,11 @@ def write_artifact(
             path.write_bytes(data.encode() if isinstance(data, str) else data)
             return relative
 
+        def move(source: pathlib.Path, relative: str) -> str:
+            (staging / relative).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(source, staging / relative)
+            return relative
+
         exported = lowered.exported
         program = {
             "exported": put(layout.EXPORTED, bytes(exported.serialize())),
@@ -102,7 +110,8 @@ def write_artifact(
             "calling_convention_version": exported.calling_convention_version,
             "platforms": list(exported.platforms),
             "call": "exported.call(weights, inputs): two lists, in weight_names and signature.inputs order",
-            "weights": put(layout.WEIGHTS, save_arrays(dict(zip(lowered.weight_names, lowered.weights)))),
+            "weights": move(weights_file, layout.WEIGHTS) if weights_file else put(
+                layout.WEIGHTS, save_arrays(dict(zip(lowered.weight_names, lowered.weights)))),
             "weight_names": list(lowered.weight_names),
             "weight_bytes": int(sum(w.nbytes for w in lowered.weights)),
             "matmul_flops": lowered.matmul_flops,
