@@ -3,11 +3,13 @@ for correct lowerings and for planted bugs.
 
     python benchmarks/float_errors.py                          # the tiny coverage families
     python benchmarks/float_errors.py resnet-50 bert-base      # full-size configs (slow)
+    python benchmarks/float_errors.py mlp cnn transformer      # the examples (examples/*.py)
     python benchmarks/float_errors.py --bugs none --json errors.json
 
 For every family the program is lowered as tpuexport lowers it, and again under each planted bug
 (benchmarks/planted_bugs.py FLOAT_BUGS), then run at the example sizes and every dim's minimum:
-plainly on XLA:CPU (true f32) and TPU-faithfully for each matmul precision (verify/tpu_numerics.py).
+plainly on XLA:CPU (true f32), TPU-faithfully for each matmul precision (verify/tpu_numerics.py),
+and lowered with --precision bf16 and bf16-mixed (bfloat16 arithmetic, the same on CPU and TPU).
 Per run it prints the worst output's
 
   normalized error  max over elements of |actual - expected| / (|expected| + rms(expected))
@@ -26,7 +28,7 @@ import sys
 import warnings
 
 HERE = pathlib.Path(__file__).resolve().parent
-RUNS = ("cpu-f32", "tpu-default", "tpu-high")
+RUNS = ("cpu-f32", "tpu-default", "tpu-high", "bf16", "bf16-mixed")
 
 
 def output_errors(actual, expected) -> tuple[float, float]:
@@ -39,6 +41,21 @@ def output_errors(actual, expected) -> tuple[float, float]:
         return (0.0, 0.0) if np.array_equal(a, e) else (float("inf"), float("inf"))
     difference = np.abs(a - e)
     return float(np.max(difference / (np.abs(e) + scale))), float(np.sqrt(np.mean(np.square(difference))) / scale)
+
+
+def example_families() -> dict:
+    """examples/<name>.py as families (their build() returns the same dict)."""
+    import importlib.util
+
+    from families import Family
+
+    def build(path):
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.build()
+
+    return {path.stem: Family(path.stem, "example", lambda path=path: build(path)) for path in (HERE.parent / "examples").glob("*.py")}
 
 
 def main() -> None:
@@ -60,7 +77,7 @@ def main() -> None:
     from tpuexport.verify.sizes import plan_cases
     from tpuexport.verify.verification import eager_outputs, make_inputs, to_numpy
 
-    known = {**FAMILIES, **BASE_FAMILIES}
+    known = {**FAMILIES, **BASE_FAMILIES, **example_families()}
     names = options.families or [name for name, family in FAMILIES.items() if family.kind != "pattern"]
     bugs = [] if options.bugs == "none" else list(FLOAT_BUGS) if options.bugs == "all" else options.bugs.split(",")
     print("| family | lowering | run | sizes | worst output | normalized error | relative RMS |")
@@ -85,13 +102,16 @@ def main() -> None:
             planted = contextlib.nullcontext() if variant == "correct" else FLOAT_BUGS[variant]()
             with planted:
                 lowered = lower_stage.lower(captured.program, signature)
-            programs = {"cpu-f32": lowered.exported}
-            for run in RUNS[1:]:
-                programs[run] = tpu_faithful(lowered.exported, MATMUL_PRECISIONS[run.removeprefix("tpu-")])
-            for run, program in programs.items():
+                bf16 = lower_stage.lower(captured.program, signature, precision="bf16")
+                mixed = lower_stage.lower(captured.program, signature, precision="bf16-mixed")
+            programs = {"cpu-f32": (lowered.exported, lowered.weights), "bf16": (bf16.exported, bf16.weights),
+                        "bf16-mixed": (mixed.exported, mixed.weights)}
+            for run in ("tpu-default", "tpu-high"):
+                programs[run] = (tpu_faithful(lowered.exported, MATMUL_PRECISIONS[run.removeprefix("tpu-")]), lowered.weights)
+            for run, (program, weights) in programs.items():
                 for sizes, inputs, expected in cases:
-                    weights = list(lowered.weights)
-                    actual = [np.asarray(o) for o in program.call(weights, [a.astype(s.dtype) for a, s in zip(inputs, signature.inputs)])]
+                    actual = [np.asarray(o, dtype=np.float32) if np.issubdtype(np.asarray(o).dtype, np.floating) else np.asarray(o)
+                              for o in program.call(list(weights), [a.astype(s.dtype) for a, s in zip(inputs, signature.inputs)])]
                     errors = {spec.name: output_errors(a, e) for spec, a, e in zip(signature.outputs, actual, expected)
                               if np.issubdtype(e.dtype, np.floating)}
                     worst = max(errors, key=lambda output: errors[output][0])

@@ -158,7 +158,7 @@ def test_bf16_keeps_weights_in_bfloat16_and_outputs_in_float32(tmp_path):
 def test_verification_failure_raises_and_leaves_only_the_report(tmp_path):
     out = tmp_path / "mlp.tpu"
     with pytest.raises(tpuexport.VerificationError) as caught:
-        convert_example("mlp", out, precision="bf16", tolerances=(0.0, 0.0))
+        convert_example("mlp", out, precision="bf16", tolerances={"atol": 0.0, "rtol": 0.0, "scale_tol": 0.0})
     assert "output 'output_0'" in str(caught.value) and "max abs error" in str(caught.value)
     assert not out.exists()
     report = json.loads((tmp_path / "mlp.tpu.verification-report.json").read_text())

@@ -112,7 +112,7 @@ def test_targets_lists_every_generation_with_its_hbm():
 
 
 def test_verification_failure_exits_1_and_keeps_only_the_report(tmp_path):
-    result = tpuexport("convert", f"{EXAMPLES / 'mlp.py'}:build", "--precision", "bf16", "--atol", "0", "--rtol", "0",
+    result = tpuexport("convert", f"{EXAMPLES / 'mlp.py'}:build", "--precision", "bf16", "--atol", "0", "--rtol", "0", "--scale-tol", "0",
                        "-o", tmp_path / "mlp.tpu")
     assert result.returncode == 1, result.stderr
     assert "output 'output_0'" in result.stderr and "mlp.tpu.verification-report.json" in result.stderr

@@ -183,3 +183,29 @@ def test_cli_matmul_precision_and_verify_options(tmp_path):
     assert manifest["verification"]["tolerances"] == default_tolerances("f32", "high", quantized=False).to_json()
     bad = CliRunner().invoke(main, ["convert", f"{EXAMPLES / 'mlp.py'}:build", "--verify-size", "batch:3", "-o", str(tmp_path / "x.tpu")])
     assert bad.exit_code == 2 and "malformed --verify-size 'batch:3'" in bad.output and not (tmp_path / "x.tpu").exists()
+
+
+class BestItem(torch.nn.Module):
+    """Index of the best-scoring item: a discrete output that the TPU's bf16 operand rounding can change."""
+
+    def __init__(self):
+        super().__init__()
+        self.score = torch.nn.Linear(2, 1, bias=False)
+        with torch.no_grad():
+            self.score.weight.fill_(1.0)
+
+    def forward(self, items):
+        return self.score(items).squeeze(-1).argmax(-1)
+
+
+def test_a_discrete_output_the_tpu_would_change_fails_with_the_precision_named(tmp_path):
+    # 1e-3 and 1.0005e-3 round to the same bfloat16: in one bf16 pass the two items tie (argmax picks
+    # the first), in f32 the second wins.
+    items = torch.tensor([[[1.0, 1e-3], [1.0, 1.0005e-3]]] * 2)
+    batch = torch.export.Dim("batch", min=1, max=4)
+    with pytest.raises(tpuexport.VerificationError) as failure:
+        tpuexport.convert(BestItem(), (items,), {"items": {0: batch}}, out=tmp_path / "best.tpu", saved_model=False)
+    assert "output 'output_0' at batch=2 (tpu run)" in str(failure.value) and "--matmul-precision high or highest" in str(failure.value)
+    artifact = tpuexport.convert(BestItem(), (items,), {"items": {0: batch}}, out=tmp_path / "best.tpu", saved_model=False,
+                                 matmul_precision="highest")
+    assert artifact.run(items).tolist() == [1, 1]

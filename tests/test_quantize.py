@@ -10,11 +10,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import EXAMPLES, build_example
+from planted_bugs import INT8_BUGS
 
 import tpuexport
 from tpuexport import compile as compile_stage
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
+from tpuexport import verify as verify_stage
 from tpuexport.cli import main
 from tpuexport.compile.hlo import matmul_ops
 from tpuexport.errors import EXIT_BAD_INPUT, TpuExportError
@@ -190,3 +192,19 @@ def test_derived_dims_survive_quantization(tmp_path):
     assert artifact.run(torch.randn(2, 5, 3), torch.randn(2, 10, 3)).shape == (2, 3)
     with pytest.raises(TpuExportError, match=r"expected 2\*seq = 10"):
         artifact.run(torch.randn(2, 5, 3), torch.randn(2, 9, 3))
+
+
+@pytest.mark.parametrize("bug", sorted(INT8_BUGS))
+def test_planted_int8_bugs_fail_verification_op_by_op(bug):
+    captured = captured_example("cnn")
+    quantized = quantize(captured, "int8")
+    program, signature = quantized.captured.program, quantized.captured.signature
+    tolerances = verify_stage.default_tolerances("f32", "default", quantized=True)
+    correct = verify_stage.verify(lower_stage.lower(program, signature), quantized.captured.reference, captured.example_inputs,
+                                  tolerances, check_op_by_op=True)
+    assert correct.passed and correct.conformance.ops > 10 and correct.conformance.worst_float_error < 1e-5
+    with INT8_BUGS[bug]():
+        lowered = lower_stage.lower(program, signature)
+    report = verify_stage.verify(lowered, quantized.captured.reference, captured.example_inputs, tolerances, check_op_by_op=True)
+    assert not report.passed and not report.conformance.passed
+    assert "do not reproduce the reference given its own inputs" in report.failure_summary()

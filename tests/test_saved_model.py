@@ -1,4 +1,4 @@
-"""The TF Serving SavedModel of an artifact (real TensorFlow, jax2tf, TF Serving protos; no mocks)."""
+"""The TF Serving SavedModel of an artifact (real TensorFlow and TF Serving protos; no mocks)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tpuexport.artifact import write_artifact
 from tpuexport.cli import main
 from tpuexport.compile import Bucket, CompileReport
 from tpuexport.export import SourceInfo
-from tpuexport.artifact.tf_serving import SavedModelMismatch, TfServingExport
+from tpuexport.artifact.tf_serving import SavedModelBuild, SavedModelMismatch, TensorFlowProcess, TfServingExport
 from tpuexport.verify import verify
 from tpuexport.verify.saved_model_check import check_saved_model
 
@@ -175,16 +175,18 @@ def test_no_saved_model_leaves_no_tf_serving_directory(tmp_path):
     assert "tf_serving" not in manifest and "saved_model" not in manifest["verification"]
 
 
-def test_a_saved_model_mismatch_stops_the_write_and_leaves_nothing(mlp_artifact, tmp_path):
+def test_a_saved_model_mismatch_stops_the_write_and_leaves_nothing(mlp_artifact, tmp_path, tmp_path_factory):
     built = build_example("mlp")
     report = verify(mlp_artifact.program, built["model"], built["args"])
     # Eager outputs moved by 1: the SavedModel, which is right, no longer matches them.
     shifted = dataclasses.replace(report, golden={k: v + 1 if "/output/" in k else v for k, v in report.golden.items()})
-    out = tmp_path / "mlp.tpu"
-    writer = TfServingExport(mlp_artifact.program, shifted, [Bucket((("batch", 4),))], "mlp", 1, out)
-    with pytest.raises(SavedModelMismatch) as caught:
-        write_artifact(out, source=SourceInfo("api"), lowered=mlp_artifact.program, compiled=CompileReport(()),
-                       verification=shifted, stage_seconds={}, extra_writers=(writer,))
+    out, scratch = tmp_path / "mlp.tpu", tmp_path_factory.mktemp("scratch")
+    with TensorFlowProcess() as tensorflow:
+        build = SavedModelBuild(mlp_artifact.program, tensorflow, scratch)
+        writer = TfServingExport(mlp_artifact.program, shifted, [Bucket((("batch", 4),))], "mlp", 1, out, build, scratch)
+        with pytest.raises(SavedModelMismatch) as caught:
+            write_artifact(out, source=SourceInfo("api"), lowered=mlp_artifact.program, compiled=lambda: CompileReport(()),
+                           verification=shifted, stage_seconds={}, extra_writers=(writer,))
     assert "TF SavedModel output 'output_0' at batch=4: max abs error 1" in caught.value.summary
     assert caught.value.report["passed"] is False and caught.value.report["saved_model"]["out_of_range"]["rejected"]
     assert list(tmp_path.iterdir()) == []

@@ -52,7 +52,8 @@ def main():
 @click.option("-o", "--out", type=click.Path(path_type=pathlib.Path), help="Artifact directory [default: SOURCE stem + .tpu].")
 @click.option("--bucket", "buckets", multiple=True, metavar="DIM=S1,S2,...",
               help="Sizes to compile for a dim (repeat per dim; cartesian product). Default: the example shapes.")
-@click.option("--precision", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True)
+@click.option("--precision", type=click.Choice(["f32", "bf16", "bf16-mixed"]), default="f32", show_default=True,
+              help="bf16: weights and every op in bfloat16; bf16-mixed: matmuls/convolutions in bfloat16, softmax, norms and reductions in f32.")
 @click.option("--matmul-precision", type=click.Choice(["default", "high", "highest"]), default="default", show_default=True,
               help="TPU arithmetic of every dot/convolution: one bf16 pass, bf16x3, or f32 accuracy (six passes).")
 @click.option("--input", "inputs", multiple=True, metavar="NAME:D0,D1,...[:DTYPE]", help="Input of a pickled model (repeat, in order).")

@@ -25,6 +25,8 @@ import dataclasses
 import functools
 import json
 import pathlib
+import shutil
+import tempfile
 import threading
 import time
 from typing import Callable, Iterable
@@ -36,7 +38,6 @@ from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
 from tpuexport.artifact import tf_serving as serving_stage
 from tpuexport.errors import TpuExportError, VerificationError
-from tpuexport.verify.saved_model_check import TensorFlowProcess
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +154,9 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
     clock = StageClock(progress)
     with contextlib.ExitStack() as running:
         # TensorFlow's import (seconds) overlaps export and lowering in the checking process.
-        checker = running.enter_context(TensorFlowProcess()) if options.saved_model else None
+        scratch = running.enter_context(_scratch_directory(options.out))
+        # Entered last, ended first: the TensorFlow process may still write into `scratch`.
+        tensorflow = running.enter_context(serving_stage.TensorFlowProcess()) if options.saved_model else None
         with clock.stage("export", lambda: _describe_dims(captured.signature)):
             captured = export_stage.capture(loaded)
         quantized = None
@@ -167,9 +170,10 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision)
 
         if options.saved_model:
-            # Before verification and compilation: a program TensorFlow cannot load fails in seconds.
-            with clock.stage("tensorflow", lambda: "TensorFlow's XlaCallModule loads the program"):
-                tensorflow_module = serving_stage.tensorflow_module(lowered)
+            # Before verification and compilation: a program TensorFlow cannot load fails in seconds;
+            # then TensorFlow saves the SavedModel in its process while verify and compile run.
+            with clock.stage("tensorflow", lambda: "TensorFlow loads the program; it saves the SavedModel meanwhile"):
+                saved_model_build = serving_stage.SavedModelBuild(lowered, tensorflow, scratch)
 
         plans = {}
         for target in slices:
@@ -188,7 +192,7 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
                 **options.tolerance_overrides,
             )
             report = verify_stage.verify(lowered, captured.reference, captured.example_inputs, tolerances,
-                                         options.verify_budget_flops, requested_sizes)
+                                         options.verify_budget_flops, requested_sizes, check_op_by_op=quantized is not None)
             if quantized:
                 report = dataclasses.replace(report, against="the PT2E-converted model, eager PyTorch")
         if not report.passed:
@@ -211,8 +215,8 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         extra_writers = ()
         if options.saved_model:
             extra_writers = (serving_stage.TfServingExport(
-                lowered, report, buckets, model_name, options.model_version, options.out, checker=checker,
-                buckets_compiled=compiled, module_bytes=tensorflow_module, on_step=clock.event,
+                lowered, report, buckets, model_name, options.model_version, options.out, saved_model_build, scratch,
+                buckets_compiled=compiled, on_step=clock.event,
             ),)
         if quantized:
             extra_writers += (_quantization_report(quantized, lowered, compiled, clock),)
@@ -222,6 +226,7 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
                     options.out, source=captured.source, lowered=lowered, compiled=compiled, verification=report,
                     stage_seconds=clock.seconds, overwrite=options.overwrite, extra_writers=extra_writers,
                     sharded_verification=[result.to_json() for result in sharded],
+                    weights_file=saved_model_build.weights_file if options.saved_model else None,
                 )
             except serving_stage.SavedModelMismatch as mismatch:
                 raise VerificationError(report, _write_failed_report(options.out, mismatch.report), mismatch.summary) from None
@@ -232,8 +237,6 @@ def _quantize(captured: export_stage.CapturedModel, options: ConversionOptions, 
     """The quantize pass (imported here: torchao loads only for quantized conversions)."""
     from tpuexport import quantize as quantize_stage
 
-    if options.precision != "f32":
-        raise TpuExportError(f"quantization runs with precision f32 (int8 weights, float rescaling), not {options.precision}; drop --precision")
     with clock.stage("quantize", lambda: quantized.describe()):
         quantized = quantize_stage.quantize(
             captured, options.quantize, options.calibration, options.calibration_file, options.random_calibration,
@@ -255,6 +258,17 @@ def _quantization_report(quantized, lowered: lower_stage.LoweredProgram, compile
         return quantize_stage.report_writer(report)(staging)
 
     return write
+
+
+@contextlib.contextmanager
+def _scratch_directory(out: pathlib.Path):
+    """A hidden directory next to `out` (same filesystem: its files are moved into the artifact),
+    removed when the conversion ends, failed or not."""
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.scratch-", dir=out.parent))
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _write_failed_report(out: pathlib.Path, report: dict) -> pathlib.Path:

@@ -68,6 +68,7 @@ def write_artifact(
     overwrite: bool = False,
     extra_writers=(),
     sharded_verification: list[dict] | tuple = (),
+    weights_file: pathlib.Path | None = None,
 ) -> dict:
     """Writes the artifact directory.
 
@@ -88,6 +89,8 @@ def write_artifact(
       sharded_verification: each sharding plan's run on virtual CPU devices
         (ShardedVerification.to_json()), recorded under "sharded" in the report and the manifest's
         "verification"; empty without slice targets.
+      weights_file: the weights already written as safetensors (by name), moved into the artifact
+        instead of being written again; None to write them here.
     Returns:
       The manifest written.
     """
@@ -98,6 +101,11 @@ def write_artifact(
             path.write_bytes(data.encode() if isinstance(data, str) else data)
             return relative
 
+        def move(source: pathlib.Path, relative: str) -> str:
+            (staging / relative).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(source, staging / relative)
+            return relative
+
         exported = lowered.exported
         program = {
             "exported": put(layout.EXPORTED, bytes(exported.serialize())),
@@ -106,7 +114,8 @@ def write_artifact(
             "calling_convention_version": exported.calling_convention_version,
             "platforms": list(exported.platforms),
             "call": "exported.call(weights, inputs): two lists, in weight_names and signature.inputs order",
-            "weights": put(layout.WEIGHTS, save_arrays(dict(zip(lowered.weight_names, lowered.weights)))),
+            "weights": move(weights_file, layout.WEIGHTS) if weights_file else put(
+                layout.WEIGHTS, save_arrays(dict(zip(lowered.weight_names, lowered.weights)))),
             "weight_names": list(lowered.weight_names),
             "weight_bytes": int(sum(w.nbytes for w in lowered.weights)),
             "matmul_flops": lowered.matmul_flops,

@@ -22,7 +22,6 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import torch
 
@@ -33,13 +32,13 @@ from tpuexport.lower.cost import matmul_flops_expression
 from tpuexport.lower.custom_ops import custom_operator_decompositions
 from tpuexport.lower.graph_passes import expand_convolution_arguments, reshape_views, unmerge_batched_matmuls
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS, pin_matmul_precision
+from tpuexport.lower.mixed_precision import PRECISIONS, cast_arguments, cast_result, is_quantization_op, stored_weight
 from tpuexport.lower.registry import own_lowering
 from tpuexport.lower.op_support import find_unsupported, user_source
 from tpuexport.lower.shapes import symbolic_input_avals
 from tpuexport.lower.torchax_import import import_torchax
 from tpuexport.signature import ProgramSignature
 
-PRECISIONS = ("f32", "bf16")
 PLATFORMS = ("cpu", "tpu")
 
 
@@ -55,11 +54,13 @@ class LoweredProgram:
       weight_names: state_dict-style names of the weights, in call order.
       weights: the weight arrays, in call order (bfloat16 for precision "bf16").
       signature: named inputs, outputs and dims.
-      precision: "f32" or "bf16".
+      precision: "f32", "bf16" or "bf16-mixed" (mixed_precision.py).
       matmul_precision: the TPU matmul precision pinned on every dot and convolution
         ("default", "high" or "highest"; see matmul_precision.py).
       matmul_flops: FLOPs of its dots and convolutions as an expression over the dim names
         (see cost.py; `cost.flops_at` evaluates it).
+      graph: the decomposed torch program the lowering traced, op for op (in memory only, for
+        op-by-op checks; None for a program read back from an artifact).
     """
 
     exported: jax.export.Exported
@@ -69,6 +70,7 @@ class LoweredProgram:
     precision: str
     matmul_precision: str
     matmul_flops: str
+    graph: torch.export.ExportedProgram | None = None
 
     @functools.cached_property
     def _device_weights(self):
@@ -121,8 +123,8 @@ def lower(
     Args:
       program: the torch.export program (eval mode).
       signature: its named signature (from the export stage).
-      precision: "f32" (as exported) or "bf16" (weights and compute in bfloat16, outputs in the
-        model's dtypes).
+      precision: "f32" (as exported), "bf16" (weights and compute in bfloat16) or "bf16-mixed"
+        (autocast-like, see mixed_precision.py); outputs in the model's dtypes either way.
       matmul_precision: the TPU arithmetic of dots and convolutions, pinned in the program
         ("default", "high" or "highest").
     Returns:
@@ -143,7 +145,7 @@ def lower(
     names, weights = collect_weights(decomposed, precision)
     exported = trace_and_export(decomposed, signature, weights, precision)
     exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision])
-    return LoweredProgram(exported, names, weights, signature, precision, matmul_precision, flops)
+    return LoweredProgram(exported, names, weights, signature, precision, matmul_precision, flops, decomposed)
 
 
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -197,38 +199,37 @@ def collect_weights(program: torch.export.ExportedProgram, precision: str) -> tu
     """Parameters, buffers and lifted constants in placeholder order, as numpy arrays.
 
     Returns:
-      (names, arrays); floating weights are bfloat16 for precision "bf16". 64-bit weights
-      become 32-bit (JAX runs with 32-bit defaults, like the TPU).
+      (names, arrays), stored in the precision's dtypes (mixed_precision.stored_weight). 64-bit
+      weights become 32-bit (JAX runs with 32-bit defaults, like the TPU).
     """
     names, arrays = [], []
     state = {**program.state_dict, **program.constants}
+    placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
     for spec in program.graph_signature.input_specs:
         if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT:
             continue
         tensor = state[spec.target]
         if not isinstance(tensor, torch.Tensor):
             raise TpuExportError(f"the program holds a non-tensor constant {spec.target!r}; tpuexport lowers tensor state only")
+        quantization_input = any(is_quantization_op(user.target) for user in placeholders[spec.arg.name].users)
         names.append(spec.target)
-        arrays.append(_to_numpy(tensor.detach(), precision))
+        arrays.append(stored_weight(_to_numpy(tensor.detach()), precision, quantization_input))
     return tuple(names), tuple(arrays)
 
 
-def _to_numpy(tensor: torch.Tensor, precision: str) -> np.ndarray:
+def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
     array = to_numpy(tensor)
     narrower = {np.dtype(np.int64): np.int32, np.dtype(np.float64): np.float32}.get(array.dtype)
-    if narrower is not None:
-        array = array.astype(narrower)
-    if precision == "bf16" and jnp.issubdtype(array.dtype, jnp.floating):
-        array = array.astype(ml_dtypes.bfloat16)
-    return array
+    return array if narrower is None else array.astype(narrower)
 
 
 class _TracingInterpreter:
     """torchax's interpreter, remembering which node it is on so a failure can name it, running
-    tpuexport's own lowerings (lower/registry.py) before torchax's, and handing subgraphs (torch.cond's
+    tpuexport's own lowerings (lower/registry.py) before torchax's, casting each op's operands and
+    result as the precision computes them (mixed_precision.py), and handing subgraphs (torch.cond's
     branches) to the lowerings as functions of JAX arrays run by the same interpreter."""
 
-    def __init__(self, graph_module):
+    def __init__(self, graph_module, precision: str = "f32"):
         torchax = import_torchax()
         base = torchax.export.JaxInterpreter
         owner = self
@@ -239,10 +240,10 @@ class _TracingInterpreter:
                 return super().run_node(node)
 
             def call_function(self, target, args, kwargs):
+                args, kwargs = cast_arguments(precision, target, args, kwargs)
                 own = own_lowering(target)
-                if own is not None:
-                    return own(*args, **kwargs)
-                return super().call_function(target, args, kwargs)
+                result = own(*args, **kwargs) if own is not None else super().call_function(target, args, kwargs)
+                return cast_result(precision, target, result)
 
             def get_attr(self, target, args, kwargs):
                 value = super().get_attr(target, args, kwargs)
@@ -266,7 +267,7 @@ def trace_and_export(program, signature, weights, precision) -> jax.export.Expor
     mutations = len(program.graph_signature.buffers_to_mutate)
     output_dtypes = [jnp.dtype(spec.dtype) for spec in signature.outputs]
     compute_dtype = jnp.bfloat16 if precision == "bf16" else None
-    tracer = _TracingInterpreter(program.graph_module)
+    tracer = _TracingInterpreter(program.graph_module, precision)
 
     def program_fn(weights_list, inputs_list):
         if compute_dtype is not None:

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 from tpuexport.verify.compare import OutputComparison
+from tpuexport.verify.conformance import OpConformance
 from tpuexport.verify.tolerances import VerificationTolerances
 
 RUNS = {
@@ -65,6 +66,7 @@ class VerificationReport:
       golden: arrays to store, keyed "<case index>/input/<name>" and "<case index>/output/<name>".
       against: what the program was compared with (e.g. "eager PyTorch").
       budget_flops: the FLOPs budget the optional cases were chosen within.
+      conformance: the op-by-op check (quantized programs), or None.
     """
 
     precision: str
@@ -74,14 +76,20 @@ class VerificationReport:
     golden: dict[str, np.ndarray]
     against: str = "eager PyTorch"
     budget_flops: float = 0.0
+    conformance: OpConformance | None = None
 
     @property
     def passed(self) -> bool:
-        return bool(self.cases) and all(case.passed for case in self.cases)
+        return bool(self.cases) and all(case.passed for case in self.cases) and (self.conformance is None or self.conformance.passed)
 
     def failure_summary(self) -> str:
         """Names every mismatched output of every run, one clause each."""
         clauses = []
+        if self.conformance is not None and not self.conformance.passed:
+            shown = "; ".join(self.conformance.failures[:5])
+            more = len(self.conformance.failures) - 5
+            clauses.append(f"{len(self.conformance.failures)} op(s) do not reproduce the reference given its own inputs, at "
+                           f"{describe_sizes(self.conformance.sizes)}: {shown}" + (f"; and {more} more" if more > 0 else ""))
         for case in self.cases:
             if case.error is not None:
                 clauses.append(f"{case.label} case ({case.describe_sizes()}) raised: {case.error}")
@@ -91,7 +99,15 @@ class VerificationReport:
                     if not output.passed:
                         clauses.append(f"output {output.name!r} at {case.describe_sizes()} ({run} run): "
                                        f"{output.describe_failure()} [{tolerances.describe()}]")
+        if self._only_the_tpu_run_failed():
+            clauses.append(f"only the TPU's arithmetic (matmul precision {self.matmul_precision}) departs from eager PyTorch this "
+                           "much: --matmul-precision high or highest computes closer to f32 on the TPU (at 3x or 6x the matmul "
+                           "passes), or loosen --rtol/--scale-tol if this error is acceptable")
         return "; ".join(clauses) or "all outputs match"
+
+    def _only_the_tpu_run_failed(self) -> bool:
+        failed = {run for case in self.cases for run, outputs in case.runs.items() if not all(o.passed for o in outputs)}
+        return failed == {"tpu"} and self.matmul_precision != "highest" and all(case.error is None for case in self.cases)
 
     def worst_errors(self) -> dict[str, float]:
         """Per run, the largest relative RMS error of any output in any case (for progress lines)."""
@@ -110,6 +126,7 @@ class VerificationReport:
             "tolerances": self.tolerances.to_json(),
             "rule": _RULE,
             "budget_flops": self.budget_flops,
+            "conformance": None if self.conformance is None else self.conformance.to_json(),
             "cases": [
                 {
                     "label": case.label,

@@ -1,8 +1,8 @@
 """Checking an artifact's TF SavedModel against the stored eager outputs, in a TensorFlow-only process.
 
 The SavedModel is what a TF Serving host runs, with neither tpuexport nor jax nor torch
-installed; so it is loaded and run in a child process (saved_model_child.py, started with
-`python -I` so that nothing of this package is importable) that blocks jax and torch. The child
+installed; so it is loaded and run in a child process (artifact/tf_serving/tensorflow_child.py,
+started with `python -I` so that nothing of this package is importable) that blocks jax and torch. The child
 runs `serving_default` on every golden case, compares each output with the eager PyTorch output
 under the artifact's tolerances, and calls it once at sizes outside a dim's range, which must
 fail with TensorFlow's shape-assertion error.
@@ -10,19 +10,13 @@ fail with TensorFlow's shape-assertion error.
 
 from __future__ import annotations
 
-import json
 import pathlib
-import subprocess
-import sys
-import time
 
 from tpuexport.errors import TpuExportError
 from tpuexport.signature import ProgramSignature
 from tpuexport.verify.report import describe_sizes
 
-CHILD_SCRIPT = pathlib.Path(__file__).with_name("saved_model_child.py")
 COMPARE_MODULE = pathlib.Path(__file__).with_name("compare.py")
-TIMEOUT_SECONDS = 900
 
 
 def check_saved_model(artifact_dir: pathlib.Path, manifest: dict) -> dict:
@@ -36,57 +30,24 @@ def check_saved_model(artifact_dir: pathlib.Path, manifest: dict) -> dict:
       JSON-able: "passed"; "cases" (one per golden case: label, sizes, passed, error, outputs
       with their errors, as in verification/report.json); "out_of_range" (sizes, rejected,
       error; None when no dim has a bound); "tensorflow" (its version); "jax_or_torch_loaded";
-      "tf_seconds" (import, load, run in the child); "seconds" (wall time from process start);
-      "error" when the child itself failed.
+      "tf_seconds" (import, load, run in the child); "seconds" (wall time, the process's start
+      included); "error" when the child itself failed.
     Raises:
       TpuExportError: the manifest has no "tf_serving" section.
     """
-    with TensorFlowProcess() as process:
-        return process.check(artifact_dir, manifest)
+    from tpuexport.artifact.tf_serving.tensorflow_process import TensorFlowProcess
 
-
-class TensorFlowProcess:
-    """The child process. It imports TensorFlow as soon as it starts and then waits for its
-    request, so a conversion starts it early and TensorFlow's import overlaps its other stages."""
-
-    def __init__(self):
-        self.started = time.perf_counter()
-        self.process = subprocess.Popen(
-            [sys.executable, "-I", str(CHILD_SCRIPT)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-
-    def __enter__(self) -> "TensorFlowProcess":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.communicate()
-
-    def check(self, artifact_dir: pathlib.Path, manifest: dict) -> dict:
-        """Sends the check of `artifact_dir` to the process and waits for the result.
-
-        Returns:
-          The result described in `check_saved_model`.
-        Raises:
-          TpuExportError: the manifest has no "tf_serving" section.
-        """
-        if "tf_serving" not in manifest:
-            raise TpuExportError(f"{artifact_dir} has no TF SavedModel (converted with --no-saved-model); convert again without it")
-        request = child_request(pathlib.Path(artifact_dir).resolve(), manifest)
-        self.started = time.perf_counter()  # from here on the check's own time; TF's import is in tf_seconds
+    if "tf_serving" not in manifest:
+        raise TpuExportError(f"{artifact_dir} has no TF SavedModel (converted with --no-saved-model); convert again without it")
+    with TensorFlowProcess() as tensorflow:
         try:
-            stdout, stderr = self.process.communicate(json.dumps(request), timeout=TIMEOUT_SECONDS)
-        except subprocess.TimeoutExpired:
-            return failed_check(f"TensorFlow did not finish within {TIMEOUT_SECONDS} s", self.elapsed())
-        if self.process.returncode != 0:
-            return failed_check(f"the TensorFlow process exited with code {self.process.returncode}: {stderr_tail(stderr)}",
-                                self.elapsed())
-        return {**json.loads(stdout), "seconds": self.elapsed()}
-
-    def elapsed(self) -> float:
-        return round(time.perf_counter() - self.started, 3)
+            reply = tensorflow.request("check", **child_request(pathlib.Path(artifact_dir).resolve(), manifest))
+        except TpuExportError as error:
+            return failed_check(str(error), tensorflow.elapsed())
+        if not reply["ok"]:
+            return failed_check(reply["error"], tensorflow.elapsed())
+        tf_seconds = {"import": tensorflow.versions()["import_seconds"], **reply["tf_seconds"]}
+        return {**reply, "tf_seconds": tf_seconds, "seconds": tensorflow.elapsed()}
 
 
 def child_request(artifact_dir: pathlib.Path, manifest: dict) -> dict:
@@ -138,11 +99,6 @@ def out_of_range_call(signature: ProgramSignature) -> dict | None:
 
 def failed_check(error: str, seconds: float) -> dict:
     return {"passed": False, "error": error, "cases": [], "out_of_range": None, "seconds": round(seconds, 3)}
-
-
-def stderr_tail(text: str, lines: int = 5) -> str:
-    """The last lines of the child's stderr, on one line (TensorFlow's log noise comes first)."""
-    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
 
 
 def failure_summary(result: dict) -> str:

@@ -21,6 +21,7 @@ from tpuexport.lower import LoweredProgram
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
 from tpuexport.signature import TensorSpec
 from tpuexport.verify.compare import compare_output
+from tpuexport.verify.conformance import check_ops
 from tpuexport.verify.report import VerificationCase, VerificationReport
 from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS, PlannedCase, plan_cases
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
@@ -82,6 +83,7 @@ def verify(
     tolerances: VerificationTolerances | None = None,
     budget_flops: float = DEFAULT_BUDGET_FLOPS,
     requested_sizes: tuple[dict[str, int], ...] = (),
+    check_op_by_op: bool = False,
 ) -> VerificationReport:
     """Compares the lowered program with the eager model at every planned size.
 
@@ -92,6 +94,9 @@ def verify(
       tolerances: None for the defaults of the program's settings (float programs).
       budget_flops: matmul FLOPs the optional sizes may add (sizes.py).
       requested_sizes: sizes that must be verified.
+      check_op_by_op: also check every op against the reference's own values at the cheapest
+        case (conformance.py; for quantized programs, whose end-to-end rounding differences
+        compound). Needs `lowered.graph`.
     Returns:
       The VerificationReport, passed or not; it also carries the golden data to store.
     """
@@ -100,8 +105,12 @@ def verify(
     runs = ProgramRuns(lowered)
     cases, golden = [], {}
     golden_bytes = 0
-    for index, planned in enumerate(plan_cases(signature, lowered.matmul_flops, budget_flops, requested_sizes)):
+    planned_cases = plan_cases(signature, lowered.matmul_flops, budget_flops, requested_sizes)
+    conformance = None
+    for index, planned in enumerate(planned_cases):
         inputs = list(example_inputs) if planned.label == "example" else make_inputs(signature.inputs, example_inputs, planned.sizes, seed=index)
+        if check_op_by_op and planned is min(planned_cases, key=lambda case: case.flops):
+            conformance = check_ops(lowered.graph, inputs, planned.sizes)
         case, expected = run_case(runs, reference, inputs, planned, tolerances)
         if case.error is None:
             arrays = {f"{index}/input/{s.name}": to_numpy(t) for s, t in zip(signature.inputs, inputs)}
@@ -112,7 +121,8 @@ def verify(
                 golden_bytes += size
                 case = dataclasses.replace(case, golden=True)
         cases.append(case)
-    return VerificationReport(lowered.precision, lowered.matmul_precision, tolerances, tuple(cases), golden, budget_flops=budget_flops)
+    return VerificationReport(lowered.precision, lowered.matmul_precision, tolerances, tuple(cases), golden,
+                              budget_flops=budget_flops, conformance=conformance)
 
 
 def run_case(runs: ProgramRuns, reference, inputs, planned: PlannedCase, tolerances) -> tuple[VerificationCase, list[np.ndarray] | None]:

@@ -5,34 +5,39 @@
   tf_serving/batching_parameters.txt           --batching_parameters_file (when the program batches)
   tf_serving/models.config                     --model_config_file
 
-and then checked in a TensorFlow-only process against the golden data. A failed check stops the
-conversion (SavedModelMismatch) before the artifact exists.
+all made by a TensorFlow-only process (tensorflow_process.py), which then checks the SavedModel
+against the golden data. A failed check stops the conversion (SavedModelMismatch) before the
+artifact exists.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
+import os
 import pathlib
 import re
 import time
 from typing import Callable, Sequence
 
-from tpuexport._runtime import captured_native_stderr
 from tpuexport.artifact import layout
 from tpuexport.artifact.writer import verification_section
 from tpuexport.compile import Bucket
 from tpuexport.errors import TpuExportError
 from tpuexport.lower import LoweredProgram
 from tpuexport.artifact.tf_serving import config
-from tpuexport.artifact.tf_serving.saved_model import PLATFORMS, SIGNATURE_NAME, build_saved_model, saved_model_bytes
+from tpuexport.arrays import save_arrays
+from tpuexport.artifact.tf_serving.saved_model import (
+    PLATFORMS, SIGNATURE_NAME, SKIP_HINT, build_request, saved_model_bytes, tensorflow_module,
+)
+from tpuexport.artifact.tf_serving.tensorflow_process import TensorFlowProcess
 from tpuexport.artifact.tf_serving.warmup import warmup_inputs, write_warmup_file
 from tpuexport.verify import VerificationReport
-from tpuexport.verify.saved_model_check import TensorFlowProcess, failure_summary
+from tpuexport.verify.saved_model_check import child_request, failed_check, failure_summary
 
-# Run-dependent parts of a check result: they go to the manifest's "build" section only.
-TIMINGS = ("seconds", "tf_seconds")
+# Run-dependent parts of a check result: they go to the manifest's "build" section only ("ok" is the
+# reply's own flag).
+TIMINGS = ("seconds", "tf_seconds", "ok")
 # TF Serving puts the name in URLs (/v1/models/<name>) and the base path; keep it to safe characters.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -78,10 +83,58 @@ class SavedModelMismatch(Exception):
         self.summary = summary
 
 
+class SavedModelBuild:
+    """The SavedModel, saved by the TensorFlow process while the conversion goes on.
+
+    Started right after lowering: the program's module is written in TensorFlow's form and loaded
+    by TensorFlow's reader (a program TensorFlow cannot take fails here, in seconds), the weights
+    are written once (the file becomes the artifact's weights file), and the process is asked to
+    save the SavedModel; `finish` collects it.
+
+    Attributes:
+      directory: where the SavedModel is being saved (inside `scratch`).
+      weights_file: the weights as safetensors, by state_dict name.
+    """
+
+    def __init__(self, lowered: LoweredProgram, tensorflow: TensorFlowProcess, scratch: pathlib.Path):
+        """Starts the build.
+
+        Args:
+          lowered: the lowered program and its weights.
+          tensorflow: the TensorFlow process (started earlier, so its import overlapped).
+          scratch: a directory of the conversion's own, on the artifact's filesystem (the files
+            made here are moved into the artifact).
+        Raises:
+          TpuExportError: TensorFlow cannot load the program.
+        """
+        self.tensorflow = tensorflow
+        module = tensorflow_module(lowered, tensorflow, scratch / "tensorflow_module.mlirbc")
+        self.weights_file = scratch / "weights.safetensors"
+        self.weights_file.write_bytes(save_arrays(dict(zip(lowered.weight_names, lowered.weights))))
+        self.directory = scratch / "saved_model"
+        self.started = time.perf_counter()
+        tensorflow.send("build", **build_request(lowered, self.directory, module, self.weights_file))
+
+    def finish(self, destination: pathlib.Path) -> float:
+        """Waits for the SavedModel and moves it to `destination`.
+
+        Returns:
+          Seconds from the start of the build to its end (it ran alongside the conversion).
+        Raises:
+          TpuExportError: TensorFlow could not save it.
+        """
+        reply = self.tensorflow.receive("build")
+        if not reply["ok"]:
+            raise TpuExportError(f"building the TF SavedModel failed ({reply['error']}); {SKIP_HINT}")
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(self.directory, destination)
+        return round(time.perf_counter() - self.started, 3)
+
+
 @dataclasses.dataclass(frozen=True)
 class TfServingExport:
-    """An extra writer for `write_artifact`: called with the staging directory, it writes the TF
-    Serving files, checks the SavedModel and returns the manifest sections "tf_serving",
+    """An extra writer for `write_artifact`: called with the staging directory, it puts the TF
+    Serving files there, checks the SavedModel and returns the manifest sections "tf_serving",
     "verification" (the verify stage's block plus the "saved_model" check) and "build" (timings,
     kept there so that two conversions of the same source differ only under "build").
 
@@ -92,13 +145,11 @@ class TfServingExport:
       model_name: TF Serving's model name.
       model_version: TF Serving's version directory.
       final_dir: where the artifact will live once renamed (models.config holds absolute paths).
-      checker: the TensorFlow-only process that checks the SavedModel; a conversion starts it
-        early so that TensorFlow's import overlaps its other stages. None starts one here.
+      build: the SavedModel being saved (SavedModelBuild).
+      scratch: the conversion's scratch directory (for the warmup requests' arrays).
       buckets_compiled: waits until the buckets are compiled (raising if one cannot be, e.g. does
-        not fit in HBM), called once the SavedModel is built and before warmup requests are made
-        for the buckets; None when they already are.
-      module_bytes: the program as TensorFlow runs it (`tensorflow_module`), when the conversion
-        has made it already, or None.
+        not fit in HBM), called before warmup requests are made for the buckets; None when they
+        already are.
       on_step: optional callable (step, seconds, detail), the conversion's progress lines.
     """
 
@@ -108,9 +159,9 @@ class TfServingExport:
     model_name: str
     model_version: int
     final_dir: pathlib.Path
-    checker: TensorFlowProcess | None = None
+    build: SavedModelBuild
+    scratch: pathlib.Path
     buckets_compiled: Callable[[], object] | None = None
-    module_bytes: bytes | None = None
     on_step: Callable[[str, float, str], None] | None = None
 
     def __call__(self, staging: pathlib.Path) -> dict:
@@ -119,56 +170,49 @@ class TfServingExport:
         Returns:
           The manifest sections {"tf_serving": ..., "verification": ..., "build": {"tf_serving_seconds": ...}}.
         Raises:
-          TpuExportError: TensorFlow could not build the SavedModel.
+          TpuExportError: TensorFlow could not build the SavedModel or its warmup file.
           SavedModelMismatch: the SavedModel does not reproduce the golden outputs, or accepts
             out-of-range sizes.
         """
         verification = verification_section(self.verification)
-        # Started first (unless the conversion did earlier): the checking process imports TensorFlow
-        # while the SavedModel is built.
-        with (contextlib.nullcontext(self.checker) if self.checker else TensorFlowProcess()) as checker:
-            started = time.perf_counter()
-            section = self.write_files(staging)
-            build_seconds = round(time.perf_counter() - started, 3)
-            self.report_step("saved_model", build_seconds,
-                             f"{section['saved_model_bytes'] / 2**20:.2f} MiB, TF Serving model {self.model_name} v{self.model_version}")
-            result = checker.check(staging, {"signature": self.lowered.signature.to_json(),
-                                             "verification": verification, "tf_serving": section})
+        tensorflow = self.build.tensorflow
+        saved_model = layout.saved_model_path(self.model_name, self.model_version)
+        build_seconds = self.build.finish(staging / saved_model)
+        section = self.write_files(staging, saved_model, tensorflow)
+        self.report_step("saved_model", build_seconds,
+                         f"{section['saved_model_bytes'] / 2**20:.2f} MiB, TF Serving model {self.model_name} v{self.model_version}, "
+                         "saved by TensorFlow alongside verify")
+        started = time.perf_counter()
+        reply = tensorflow.request("check", **child_request(staging, {"signature": self.lowered.signature.to_json(),
+                                                                      "verification": verification, "tf_serving": section}))
+        result = {**reply, "seconds": round(time.perf_counter() - started, 3)} if reply["ok"] else failed_check(reply["error"], 0.0)
         self.report_step("check saved_model", result["seconds"],
                          f"{len(result['cases'])} size(s) in TensorFlow, {'passed' if result['passed'] else 'FAILED'}")
         outcome = {name: value for name, value in result.items() if name not in TIMINGS}
         report = self.record_in_report(staging, outcome)
         if not result["passed"]:
             raise SavedModelMismatch(report, failure_summary(result))
-        timings = {"build": build_seconds, "check": result["seconds"], **{f"tf_{k}": v for k, v in result["tf_seconds"].items()}}
+        timings = {"build": build_seconds, "check": result["seconds"], "tf_import": tensorflow.versions()["import_seconds"],
+                   **{f"tf_{k}": v for k, v in result["tf_seconds"].items()}}
         return {
             "tf_serving": section,
             "verification": {**verification, "saved_model": manifest_summary(outcome)},
             "build": {"tf_serving_seconds": timings},
         }
 
-    def write_files(self, staging: pathlib.Path) -> dict:
-        """Writes the SavedModel, its warmup requests and the server configuration.
+    def write_files(self, staging: pathlib.Path, saved_model: str, tensorflow: TensorFlowProcess) -> dict:
+        """Writes the SavedModel's warmup requests and the server configuration.
 
         Returns:
           The manifest's "tf_serving" section (without timings).
+        Raises:
+          TpuExportError: TensorFlow could not write the warmup file.
         """
-        saved_model = layout.saved_model_path(self.model_name, self.model_version)
         directory = staging / saved_model
-        # TensorFlow's native start-up logging (CUDA probing, CPU features) is noise for a CPU build.
-        with captured_native_stderr():
-            try:
-                build_saved_model(self.lowered, directory, self.module_bytes)
-            except TpuExportError:
-                raise
-            except Exception as error:  # TensorFlow raises many kinds
-                message = " ".join(str(error).split())[:300]
-                raise TpuExportError(f"building the TF SavedModel failed ({type(error).__name__}: {message}); "
-                                     "pass --no-saved-model (saved_model=False) to skip it") from None
         if self.buckets_compiled is not None:
             self.buckets_compiled()  # warmup requests are made for buckets the TPU compiler accepted
         requests = warmup_inputs(self.lowered.signature, self.verification, self.buckets)
-        write_warmup_file(directory / layout.WARMUP_REQUESTS, self.model_name, requests)
+        write_warmup_file(tensorflow, directory / layout.WARMUP_REQUESTS, self.model_name, requests, self.scratch)
 
         base_path = f"{layout.TF_SERVING_DIR}/{self.model_name}"
         final_dir = pathlib.Path(self.final_dir).resolve()

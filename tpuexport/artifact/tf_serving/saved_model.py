@@ -6,9 +6,8 @@ constants folded into `saved_model.pb`. Dynamic dims are `None` in the serving s
 ranges are enforced by the module's shape assertions, which TensorFlow runs at call time.
 
 The module is the lowered program itself (in the op jax2tf would build for it), in a form the
-installed TensorFlow runs (see `tensorflow_module`).
-
-TensorFlow is imported here, lazily, by the functions that need it: importing it costs seconds.
+installed TensorFlow runs (see `tensorflow_module`). TensorFlow itself runs in its own process
+(tensorflow_process.py); this module prepares what that process is asked to do.
 """
 
 from __future__ import annotations
@@ -16,20 +15,21 @@ from __future__ import annotations
 import pathlib
 
 import jax
+import ml_dtypes
 import numpy as np
 
-from tpuexport._runtime import captured_native_stderr
+from tpuexport.artifact.tf_serving.tensorflow_process import TensorFlowProcess
 from tpuexport.errors import TpuExportError
 from tpuexport.lower import LoweredProgram
-from tpuexport.signature import ProgramSignature, TensorSpec
+from tpuexport.signature import TensorSpec
 
 SIGNATURE_NAME = "serving_default"
 PLATFORMS = ("cpu", "tpu")
 SKIP_HINT = "pass --no-saved-model (saved_model=False) to skip the TF SavedModel"
 
 
-def tensorflow_module(lowered: LoweredProgram) -> bytes:
-    """The lowered program's StableHLO in a form the installed TensorFlow's XlaCallModule runs.
+def tensorflow_module(lowered: LoweredProgram, tensorflow: TensorFlowProcess, path: pathlib.Path) -> pathlib.Path:
+    """Writes the lowered program's StableHLO in a form the installed TensorFlow's XlaCallModule runs.
 
     jax lowers top_k, erf, asinh, ragged_dot and other ops to `stablehlo.composite` ops (a name
     plus a decomposition function). TensorFlow 2.21 cannot take them: jax.export serializes them in
@@ -37,42 +37,34 @@ def tensorflow_module(lowered: LoweredProgram) -> bytes:
     'vhlo.composite_v2'"), and its shape refinement leaves their decompositions with dynamic shapes
     ("Module has dynamic shapes"), both only when the SavedModel runs. Here each composite becomes
     a call of its decomposition, the module is serialized for TensorFlow's StableHLO version and
-    read back by TensorFlow's own reader, so a program that cannot load fails now, before
-    verification and compilation. (The artifact's own program keeps the composites, which the TPU
-    compiler maps to its native kernels.)
+    read back by TensorFlow's own reader (in its process), so a program that cannot load fails now,
+    before verification and compilation. (The artifact's own program keeps the composites, which
+    the TPU compiler maps to its native kernels.)
 
     Args:
       lowered: the lowered program.
+      tensorflow: the TensorFlow process.
+      path: where to write the module (a portable artifact, StableHLO bytecode).
     Returns:
-      The portable artifact (StableHLO bytecode) for XlaCallModule's `module` attribute.
+      `path`.
     Raises:
       TpuExportError: TensorFlow's XlaCallModule or StableHLO cannot take the program.
     """
-    # TensorFlow logs its start-up on the native stderr, and says there why its reader refuses a module.
-    with captured_native_stderr() as diagnostics:
-        import tensorflow as tf
-        from jax.extend.mlir import serialize_portable_artifact
-        from jax.extend.mlir.dialects import stablehlo
-        from tensorflow.compiler.mlir.stablehlo import stablehlo as tf_stablehlo
-        from tensorflow.compiler.tf2xla.python import xla as tfxla
+    from jax.extend.mlir import serialize_portable_artifact
+    from jax.extend.mlir.dialects import stablehlo
 
-        exported = lowered.exported
-        supported = tfxla.call_module_maximum_supported_version()
-        if exported.calling_convention_version > supported:
-            raise TpuExportError(f"TensorFlow {tf.__version__} runs jax.export calling convention {supported} at most, the "
-                                 f"program needs {exported.calling_convention_version}; {SKIP_HINT}, or upgrade tensorflow-cpu")
-        version = stablehlo.get_smaller_version(tf_stablehlo.get_current_version(), stablehlo.get_current_version())
-        try:
-            module = serialize_portable_artifact(composites_as_calls(exported.mlir_module()), version)
-            tf_stablehlo.deserialize_portable_artifact_str(module)
-            failure = None
-        except Exception as error:  # MLIR raises ValueError or RuntimeError with few details
-            failure = error
-    if failure is None:
-        return module
-    reasons = [line for line in "".join(diagnostics).splitlines() if "error:" in line] or [str(failure)]
-    reason = " ".join(reasons[0].split("error:", 1)[-1].split())[:200]
-    raise TpuExportError(f"TensorFlow {tf.__version__} cannot load this program as StableHLO {version} ({reason}); {SKIP_HINT}")
+    installed = tensorflow.versions()
+    exported = lowered.exported
+    if exported.calling_convention_version > installed["call_module_version"]:
+        raise TpuExportError(f"TensorFlow {installed['tensorflow']} runs jax.export calling convention {installed['call_module_version']} "
+                             f"at most, the program needs {exported.calling_convention_version}; {SKIP_HINT}, or upgrade tensorflow-cpu")
+    version = stablehlo.get_smaller_version(installed["stablehlo_version"], stablehlo.get_current_version())
+    path.write_bytes(serialize_portable_artifact(composites_as_calls(exported.mlir_module()), version))
+    loaded = tensorflow.request("load_module", module=str(path))
+    if not loaded["ok"]:
+        raise TpuExportError(f"TensorFlow {installed['tensorflow']} cannot load this program as StableHLO {version} ({loaded['error']}); "
+                             f"{SKIP_HINT}")
+    return path
 
 
 def composites_as_calls(module_text: str) -> str:
@@ -108,72 +100,42 @@ def composites_as_calls(module_text: str) -> str:
         return str(module)
 
 
-def build_saved_model(lowered: LoweredProgram, directory: pathlib.Path, module_bytes: bytes | None = None) -> None:
-    """Saves the lowered program as a SavedModel with one signature, `serving_default`.
+def build_request(lowered: LoweredProgram, directory: pathlib.Path, module: pathlib.Path, weights: pathlib.Path) -> dict:
+    """The TensorFlow process's "build" request: save a SavedModel with one signature, `serving_default`.
 
     Args:
-      lowered: the lowered program and its weights.
+      lowered: the lowered program (its signature and calling convention).
       directory: the SavedModel directory to create (TF Serving's <base path>/<version>).
-      module_bytes: `tensorflow_module(lowered)` when the caller already has it, or None.
-    Raises:
-      TpuExportError: TensorFlow cannot load the program (see `tensorflow_module`).
-      Whatever TensorFlow raises otherwise; the caller names the failure.
+      module: the file `tensorflow_module` wrote.
+      weights: a safetensors file holding every weight by name (the artifact's weights file).
+    Returns:
+      The request's fields.
     """
-    import tensorflow as tf
-    from tensorflow.compiler.tf2xla.python import xla as tfxla
-
-    signature, exported = lowered.signature, lowered.exported
-    module_bytes = module_bytes or tensorflow_module(lowered)
-    module = tf.Module()
-    module.weights = [
-        tf.Variable(weight, trainable=False, name=variable_name(name))
-        for name, weight in zip(lowered.weight_names, lowered.weights)
-    ]
-
-    @tf.function(input_signature=serving_input_specs(signature), autograph=False)
-    def serve(*inputs):
-        # The program's flat arguments are the weights, then the inputs; it keeps those it reads.
-        arguments = [*module.weights, *inputs]
-        outputs = tfxla.call_module(
-            [arguments[index] for index in exported.module_kept_var_idx],
-            version=exported.calling_convention_version,
-            module=module_bytes,
-            Tout=[tf.as_dtype(aval.dtype) for aval in exported.out_avals],
-            Sout=[[size if isinstance(size, int) else None for size in aval.shape] for aval in exported.out_avals],
-            platforms=[platform.upper() for platform in exported.platforms],
-            function_list=[],
-            has_token_input_output=False,
-            disabled_checks=[str(check) for check in exported.disabled_safety_checks],
-            use_shardy_partitioner=jax.config.jax_use_shardy_partitioner,
-        )
-        return {spec.name: output for spec, output in zip(signature.outputs, outputs)}
-
-    module.serve = serve
-    tf.saved_model.save(module, str(directory), signatures={SIGNATURE_NAME: serve})
-
-
-def variable_name(weight_name: str) -> str:
-    """The weight's name as a TensorFlow variable name. State-dict names ("layers.0.weight") are
-    valid as they are, except for a leading underscore ("_offset", PT2E's "_frozen_param0"), which
-    TensorFlow refuses at the start of a scope name; the variables are found by position anyway."""
-    return weight_name.lstrip("_") or "weight"
-
-
-def serving_input_specs(signature: ProgramSignature) -> list:
-    """tf.TensorSpecs named after the inputs, in the artifact dtypes, with None for dynamic dims."""
-    import tensorflow as tf
-
-    return [
-        tf.TensorSpec([size if isinstance(size, int) else None for size in spec.shape], tf.as_dtype(spec.dtype), name=spec.name)
-        for spec in signature.inputs
-    ]
+    exported, signature = lowered.exported, lowered.signature
+    return {
+        "directory": str(directory),
+        "module": str(module),
+        "weights": str(weights),
+        "weight_names": list(lowered.weight_names),
+        "inputs": [{"name": spec.name, "dtype": spec.dtype, "shape": [size if isinstance(size, int) else None for size in spec.shape]}
+                   for spec in signature.inputs],
+        "outputs": [spec.name for spec in signature.outputs],
+        "call": {
+            # The program's flat arguments are the weights, then the inputs; it keeps those it reads.
+            "kept_arguments": list(exported.module_kept_var_idx),
+            "version": exported.calling_convention_version,
+            "output_dtypes": [str(aval.dtype) for aval in exported.out_avals],
+            "output_shapes": [[size if isinstance(size, int) else None for size in aval.shape] for aval in exported.out_avals],
+            "platforms": [platform.upper() for platform in exported.platforms],
+            "disabled_checks": [str(check) for check in exported.disabled_safety_checks],
+            "use_shardy_partitioner": bool(jax.config.jax_use_shardy_partitioner),
+        },
+    }
 
 
 def as_artifact_dtype(array: np.ndarray, spec: TensorSpec) -> np.ndarray:
     """`array` in the input's artifact dtype (golden data keeps the model's dtypes, e.g. int64)."""
-    import tensorflow as tf
-
-    return np.asarray(array).astype(tf.as_dtype(spec.dtype).as_numpy_dtype)
+    return np.asarray(array).astype(ml_dtypes.bfloat16 if spec.dtype == "bfloat16" else np.dtype(spec.dtype))
 
 
 # TensorFlow writes a random uuid into this file on every save; its size varies by a byte with it.

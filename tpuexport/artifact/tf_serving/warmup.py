@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from tpuexport.compile import Bucket
-from tpuexport.artifact.tf_serving.saved_model import SIGNATURE_NAME, as_artifact_dtype
+from tpuexport.errors import TpuExportError
+from tpuexport.artifact.tf_serving.saved_model import as_artifact_dtype
 from tpuexport.signature import ProgramSignature
 from tpuexport.verify import VerificationReport, make_inputs
 
@@ -49,23 +50,23 @@ def warmup_inputs(signature: ProgramSignature, verification: VerificationReport,
     return requests
 
 
-def write_warmup_file(path: pathlib.Path, model_name: str, requests: Sequence[dict[str, np.ndarray]]) -> None:
-    """Writes the requests as a TFRecord of PredictionLog protos (TF Serving's warmup format).
+def write_warmup_file(tensorflow, path: pathlib.Path, model_name: str, requests: Sequence[dict[str, np.ndarray]],
+                      scratch: pathlib.Path) -> None:
+    """Has the TensorFlow process write the requests as a TFRecord of PredictionLog protos (TF
+    Serving's warmup format).
 
     Args:
+      tensorflow: the TensorFlow process (TensorFlowProcess).
       path: <SavedModel>/assets.extra/tf_serving_warmup_requests.
       model_name: the served model's name (ModelSpec.name).
       requests: {input name: array} per request.
+      scratch: a directory for the requests' arrays on their way to the process.
+    Raises:
+      TpuExportError: TensorFlow could not write the file.
     """
-    import tensorflow as tf
-    from tensorflow_serving.apis import model_pb2, predict_pb2, prediction_log_pb2
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tf.io.TFRecordWriter(str(path)) as writer:
-        for inputs in requests:
-            request = predict_pb2.PredictRequest(
-                model_spec=model_pb2.ModelSpec(name=model_name, signature_name=SIGNATURE_NAME),
-                inputs={name: tf.make_tensor_proto(array) for name, array in inputs.items()},
-            )
-            log = prediction_log_pb2.PredictionLog(predict_log=prediction_log_pb2.PredictLog(request=request))
-            writer.write(log.SerializeToString())
+    arrays = scratch / "warmup_requests.npz"
+    np.savez(arrays, **{f"{index}/{name}": array for index, inputs in enumerate(requests) for name, array in inputs.items()})
+    reply = tensorflow.request("warmup", path=str(path), model_name=model_name, requests=str(arrays), count=len(requests),
+                               inputs=list(requests[0]) if requests else [])
+    if not reply["ok"]:
+        raise TpuExportError(f"writing TF Serving's warmup requests failed ({reply['error']}); pass --no-saved-model to skip the SavedModel")
