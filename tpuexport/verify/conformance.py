@@ -75,10 +75,14 @@ def check_ops(program: torch.export.ExportedProgram, inputs, sizes: dict[str, in
     nodes = [node for node in program.graph.nodes
              if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and lowering_for(node.target) is not None]
     producers = sorted({arg for node in nodes for arg in _argument_nodes(node)}, key=lambda n: n.name)
-    arrays = [_to_jax(values[producer]) for producer in producers]
+    # Sizes (sym_size results) and other non-tensor values stay Python constants: traced, they
+    # could not give shapes.
+    constants = {producer: values[producer] for producer in producers if not isinstance(values[producer], torch.Tensor)}
+    tensors = [producer for producer in producers if producer not in constants]
+    arrays = [_to_jax(values[producer]) for producer in tensors]
 
     def all_ops(operands):
-        bound = dict(zip(producers, operands))
+        bound = {**constants, **dict(zip(tensors, operands))}
         results = []
         for node in nodes:
             lowering = lowering_for(node.target)
@@ -116,9 +120,7 @@ def _argument_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [arg for arg in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(arg, torch.fx.Node)]
 
 
-def _to_jax(value):
-    if not isinstance(value, torch.Tensor):
-        return value
+def _to_jax(value: torch.Tensor):
     narrower = {torch.int64: torch.int32, torch.float64: torch.float32}.get(value.dtype)
     tensor = value.detach().to(narrower) if narrower else value.detach()
     if tensor.dtype == torch.bfloat16:
