@@ -198,4 +198,5 @@ def verification_section(verification: VerificationReport) -> dict:
         "report": layout.VERIFICATION_REPORT,
         "golden": layout.GOLDEN,
         "cases": [{"label": c.label, "sizes": c.sizes, "reason": c.reason, "golden": c.golden} for c in verification.cases],
+        "conformance": None if verification.conformance is None else verification.conformance.to_json(),
     }
