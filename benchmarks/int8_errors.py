@@ -8,7 +8,9 @@ For every family and mode the program is lowered as tpuexport lowers it and agai
 planted bug (benchmarks/planted_bugs.py INT8_BUGS), run at the verification sizes plainly on
 XLA:CPU ("cpu") and TPU-faithfully ("tpu", default matmul precision), and compared with the
 PT2E-converted model run eagerly. Per output and size it prints the SQNR against that reference
-and the share of elements more than k int8 steps away (one step = max|reference| / 127). These
+and the share of elements more than k int8 steps away (one step = max|reference| / 127); per
+lowering, one "op-by-op" row: whether every op conforms when fed the reference's own values
+(verify/conformance.py, at the cheapest size), and the worst float error and tie share. These
 distributions set the int8 verification rule (docs/quantization.md).
 """
 
@@ -42,6 +44,7 @@ def main() -> None:
     from tpuexport import lower as lower_stage
     from tpuexport.quantize import quantize
     from tpuexport.verify.compare import sqnr_db
+    from tpuexport.verify.conformance import check_ops
     from tpuexport.verify.sizes import plan_cases
     from tpuexport.verify.verification import ProgramRuns, eager_outputs, make_inputs, to_numpy
 
@@ -65,14 +68,24 @@ def main() -> None:
                 print(f"| {name} | {mode} | - | - | - | - | {type(error).__name__}: {' '.join(str(error).split())[:100]} |", flush=True)
                 continue
             cases = []
-            for index, planned in enumerate(plan_cases(signature, flops)):
+            planned_cases = plan_cases(signature, flops)
+            cheapest = min(range(len(planned_cases)), key=lambda index: planned_cases[index].flops)
+            for index, planned in enumerate(planned_cases):
                 inputs = list(captured.example_inputs) if planned.label == "example" else make_inputs(
                     signature.inputs, captured.example_inputs, planned.sizes, seed=index)
                 cases.append((planned.sizes, inputs, eager_outputs(quantized.captured.reference, inputs)))
             for variant in ["correct", *bugs]:
                 planted = contextlib.nullcontext() if variant == "correct" else INT8_BUGS[variant]()
                 with planted:
-                    runs = ProgramRuns(lower_stage.lower(program, signature))
+                    lowered = lower_stage.lower(program, signature)
+                    runs = ProgramRuns(lowered)
+                    sizes, inputs, _ = cases[cheapest]
+                    conformance = check_ops(lowered.graph, inputs, sizes)
+                verdict = "conforms" if conformance.passed else f"{len(conformance.failures)} op(s) fail, first: {conformance.failures[0][:80]}"
+                rows.append({"family": name, "mode": mode, "lowering": variant, "run": "op-by-op", "sizes": sizes,
+                             **conformance.to_json()})
+                print(f"| {name} | {mode} | {variant} | op-by-op | {conformance.ops} ops | {','.join(f'{k}={v}' for k, v in sizes.items())} | "
+                      f"{verdict}; worst float error {conformance.worst_float_error:.1e}, ties {conformance.worst_tie_fraction:.1e} |", flush=True)
                 for sizes, inputs, expected in cases:
                     actual = runs.run([to_numpy(t) for t in inputs])
                     for run in ("cpu", "tpu"):
