@@ -203,8 +203,10 @@ def test_planted_int8_bugs_fail_verification_op_by_op(bug):
     correct = verify_stage.verify(lower_stage.lower(program, signature), quantized.captured.reference, captured.example_inputs,
                                   tolerances, check_op_by_op=True)
     assert correct.passed and correct.conformance.ops > 10 and correct.conformance.worst_float_error < 1e-5
+    # The op-by-op check runs the lowerings the program was traced with: the planted bug stays in
+    # place for it too.
     with INT8_BUGS[bug]():
         lowered = lower_stage.lower(program, signature)
-    report = verify_stage.verify(lowered, quantized.captured.reference, captured.example_inputs, tolerances, check_op_by_op=True)
+        report = verify_stage.verify(lowered, quantized.captured.reference, captured.example_inputs, tolerances, check_op_by_op=True)
     assert not report.passed and not report.conformance.passed
     assert "do not reproduce the reference given its own inputs" in report.failure_summary()
