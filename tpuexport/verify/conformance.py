@@ -29,6 +29,9 @@ from tpuexport.verify.tolerances import EXACT_F32
 
 # Share of a quantized activation's elements allowed to round the other way (by one step).
 MAX_TIE_FRACTION = 1e-3
+# Ops whose results are uninitialized memory (written by a later op): nothing to compare.
+_UNINITIALIZED = {torch.ops.aten.empty, torch.ops.aten.empty_permuted, torch.ops.aten.empty_strided,
+                  torch.ops.aten.empty_like, torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +76,8 @@ def check_ops(program: torch.export.ExportedProgram, inputs, sizes: dict[str, in
                if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT]
     values = _torch_values(program, [*weights, *inputs])
     nodes = [node for node in program.graph.nodes
-             if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and lowering_for(node.target) is not None]
+             if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and lowering_for(node.target) is not None
+             and node.target.overloadpacket not in _UNINITIALIZED]
     producers = sorted({arg for node in nodes for arg in _argument_nodes(node)}, key=lambda n: n.name)
     # Sizes (sym_size results) and other non-tensor values stay Python constants: traced, they
     # could not give shapes.

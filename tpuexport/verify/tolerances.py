@@ -31,13 +31,20 @@ from tpuexport.verify.compare import Tolerances
 # Each default is rtol = scale_tol = about 3 to 10 times the worst: errors grow about as the square
 # root of depth, so the margin covers models several times deeper.
 EXACT_F32 = Tolerances(atol=1e-5, rtol=1e-4, scale_tol=1e-4)
+# Where the arithmetic rounds to bf16, a decision the model takes from computed values (a mixture of
+# experts' top-k routing, an argmax) can flip for a token near a tie, and that token's outputs then
+# differ by far more than rounding: Mixtral at batch 16 x seq 128 has 13 of 2,048,000 logits beyond
+# the tolerance (relative RMS error 0.5%). Such outliers are allowed on one element in 10^4 of a
+# float output (integer outputs stay exact; a NaN or infinity is never an outlier). Bugs change far
+# more elements, and the exact cpu run of f32 programs allows none.
+ROUNDED_OUTLIERS = 1e-4
 TPU_F32 = {
-    "default": Tolerances(atol=1e-5, rtol=0.2, scale_tol=0.2),
-    "high": Tolerances(atol=1e-5, rtol=1e-3, scale_tol=1e-3),
+    "default": Tolerances(atol=1e-5, rtol=0.2, scale_tol=0.2, min_fraction=1 - ROUNDED_OUTLIERS),
+    "high": Tolerances(atol=1e-5, rtol=1e-3, scale_tol=1e-3, min_fraction=1 - ROUNDED_OUTLIERS),
     "highest": EXACT_F32,
 }
 # bfloat16 programs: the same bf16 arithmetic on CPU and TPU, 8 mantissa bits compounding over layers.
-BF16 = {"bf16": Tolerances(atol=1e-3, rtol=0.25, scale_tol=0.25), "bf16-mixed": Tolerances(atol=1e-3, rtol=0.25, scale_tol=0.25)}
+BF16 = {name: Tolerances(atol=1e-3, rtol=0.25, scale_tol=0.25, min_fraction=1 - ROUNDED_OUTLIERS) for name in ("bf16", "bf16-mixed")}
 # int8 programs, compared end to end with the PT2E-converted model (benchmarks/int8_errors.py): correct
 # lowerings reach down to 25.9 dB SQNR and 1% of elements beyond 8 int8 steps (ViT-base, 12 layers),
 # rounding differences compounding through the layers; the strict check of an int8 program is the
