@@ -8,7 +8,7 @@ in float64, the TPU in float32), and the one-step difference compounds through t
 real lowering bug (a scale off by one step, a dropped bias, a zero point off by one) is smaller than
 that in many outputs. So each op is checked on its own instead: the decomposed program runs in
 torch (the PT2E model's arithmetic), and every op's JAX lowering, all in one jitted function, gets
-exactly the torch values of that op's inputs. Float results must match within the plain-f32 rule;
+exactly the torch values of that op's inputs. Float results must match within FLOAT_RULE;
 integer results (quantized activations) may differ by one step on ties, on at most
 `MAX_TIE_FRACTION` of the elements.
 """
@@ -25,10 +25,13 @@ from torch.utils import _pytree as pytree
 
 from tpuexport.lower.op_support import lowering_for
 from tpuexport.verify.compare import Tolerances
-from tpuexport.verify.tolerances import EXACT_F32
 
 # Share of a quantized activation's elements allowed to round the other way (by one step).
 MAX_TIE_FRACTION = 1e-3
+# The rule for float results (benchmarks/int8_errors.py, op-by-op rows, 6 tiny families x 3 modes):
+# correct lowerings err up to 5.3e-5 normalized (wav2vec2: erf and group norms reassociated), the
+# smallest planted bug (a scale off by one int8 step) 5.8e-3; this sits ten times from each.
+FLOAT_RULE = Tolerances(atol=1e-5, rtol=5e-4, scale_tol=5e-4)
 # Ops whose results are uninitialized memory (written by a later op): nothing to compare.
 _UNINITIALIZED = {torch.ops.aten.empty, torch.ops.aten.empty_permuted, torch.ops.aten.empty_strided,
                   torch.ops.aten.empty_like, torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided}
@@ -60,7 +63,7 @@ class OpConformance:
         return {**dataclasses.asdict(self), "passed": self.passed}
 
 
-def check_ops(program: torch.export.ExportedProgram, inputs, sizes: dict[str, int], tolerances: Tolerances = EXACT_F32) -> OpConformance:
+def check_ops(program: torch.export.ExportedProgram, inputs, sizes: dict[str, int], tolerances: Tolerances = FLOAT_RULE) -> OpConformance:
     """Checks every op of the decomposed program against torch, op by op.
 
     Args:
