@@ -322,3 +322,24 @@ def test_a_conversion_failed_or_not_leaves_torch_as_it_found_it(tmp_path):
     torch.compile(lambda x: x * 2, backend="eager", fullgraph=True)(torch.ones(2))
     model = ShapeGate()
     assert torch.equal(model(torch.ones(2, 3)), torch.full((2, 3), 2.0))
+
+
+def test_bf16_convolution_after_bilinear_upsampling():
+    """SegFormer's decode head: bilinear upsampling (f32 out of torchax even from bfloat16) feeds a
+    convolution, which must still get bfloat16 operands under --precision bf16."""
+
+    class DecodeHead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.project = torch.nn.Conv2d(3, 4, 1)
+            self.fuse = torch.nn.Conv2d(8, 2, 1)
+
+        def forward(self, x):
+            small = self.project(x)
+            large = torch.nn.functional.interpolate(small, scale_factor=2.0, mode="bilinear", align_corners=False)
+            return self.fuse(torch.cat([large, large * 2], dim=1))
+
+    program = torch.export.export(DecodeHead().eval(), (torch.randn(2, 3, 8, 8),))
+    captured = capture(LoadedSource(program, (torch.randn(2, 3, 8, 8),), None, None, SourceInfo("api")))
+    lowered = lower(captured.program, captured.signature, precision="bf16")
+    assert verify(lowered, captured.reference, captured.example_inputs).passed
