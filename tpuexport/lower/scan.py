@@ -97,7 +97,7 @@ class ScannedRun:
         }
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Block:
     """One child of a container: its ops (graph order) and the weights no other op reads."""
 
@@ -148,12 +148,30 @@ def _blocks_by_container(graph: torch.fx.Graph, weight_names: Mapping[str, str])
                 index = int(child["index"])
                 block = containers.setdefault(child["container"], {}).setdefault(index, _Block(index, str(module_type), []))
                 block.ops.append(node)
+    order = {node: position for position, node in enumerate(graph.nodes)}
     for children in containers.values():
+        _adopt_unowned_ops(graph, children)
         for block in children.values():
+            block.ops.sort(key=order.__getitem__)
             ops = set(block.ops)
             block.weights = {argument for op in block.ops for argument in op.all_input_nodes
                              if argument.op == "placeholder" and argument.name in weight_names and set(argument.users) <= ops}
     return containers
+
+
+def _adopt_unowned_ops(graph: torch.fx.Graph, children: dict[int, _Block]) -> None:
+    """Adds to a block the ops no module owns (PT2E's activation quantize ops and their scale
+    constants carry only the root module in `nn_module_stack`) that only that block reads."""
+    block_of = {op: block for block in children.values() for op in block.ops}
+    for node in reversed(graph.nodes):
+        paths = {path for path, _ in (node.meta.get("nn_module_stack") or {}).values()}
+        if node.op != "call_function" or _is_scalar(node) or node in block_of or paths - {""} or not node.users:
+            continue
+        readers = {block_of.get(user) for user in node.users}
+        if len(readers) == 1 and None not in readers:
+            block = readers.pop()
+            block.ops.append(node)
+            block_of[node] = block
 
 
 def _runs_of(container: str, children: list[_Block], weight_names: Mapping[str, str],
