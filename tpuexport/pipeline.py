@@ -57,7 +57,8 @@ class ConversionOptions:
       verify_sizes: dim sizes that must be verified ({dim: size}; other dims at their example size).
       overwrite: replace an existing artifact at `out`.
       scan: lower runs of identical blocks (a model's layers) as one jax.lax.scan each, their
-        weights stacked (lower/scan.py); False lowers every block on its own.
+        weights stacked (lower/scan.py); False lowers every block on its own. Slice targets
+        (sharding plans) always get the unrolled program.
       saved_model: also write the TF Serving SavedModel (tf_serving/) and check it in TensorFlow.
       model_name: TF Serving's model name, or None for the stem of `out`.
       model_version: TF Serving's version number.
@@ -170,8 +171,10 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         requested_sizes = verify_stage.resolve_requested_sizes(captured.signature, options.verify_sizes)
         with clock.stage("lower", lambda: f"{len(lowered.weights)} weight arrays, precision {options.precision}, "
                                           f"matmul precision {options.matmul_precision}; {_describe_scans(lowered.scanned)}"):
+            # Sharding plans and --shard rules address each layer's weights by its state_dict name and
+            # shape, so programs for slices keep their blocks unrolled.
             lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
-                                        options.scan)
+                                        options.scan and not slices)
 
         if options.saved_model:
             # Before verification and compilation: a program TensorFlow cannot load fails in seconds;

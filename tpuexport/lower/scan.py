@@ -32,6 +32,8 @@ import jax
 import numpy as np
 import torch
 
+from tpuexport.lower.mixed_precision import is_quantization_op
+
 _CHILD = re.compile(r"^(?P<container>.+)\.(?P<index>\d+)$")
 # Values the interpreter computes outside the scan even inside a block: symbolic sizes, plain scalars.
 _SCALAR_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
@@ -150,7 +152,7 @@ def _blocks_by_container(graph: torch.fx.Graph, weight_names: Mapping[str, str])
                 block.ops.append(node)
     order = {node: position for position, node in enumerate(graph.nodes)}
     for children in containers.values():
-        _adopt_unowned_ops(graph, children)
+        _adopt_quantization_ops(graph, children)
         for block in children.values():
             block.ops.sort(key=order.__getitem__)
             ops = set(block.ops)
@@ -159,19 +161,25 @@ def _blocks_by_container(graph: torch.fx.Graph, weight_names: Mapping[str, str])
     return containers
 
 
-def _adopt_unowned_ops(graph: torch.fx.Graph, children: dict[int, _Block]) -> None:
-    """Adds to a block the ops no module owns (PT2E's activation quantize ops and their scale
-    constants carry only the root module in `nn_module_stack`) that only that block reads."""
+def _adopt_quantization_ops(graph: torch.fx.Graph, children: dict[int, _Block]) -> None:
+    """Adds to a block the quantization ops that only it reads, and the module-less ops (scale
+    constants, getitems of computed scales) that feed them and only that block: PT2E inserts them
+    with the root module alone in `nn_module_stack`, as it is for the root's own ops, which must
+    stay outside the blocks."""
     block_of = {op: block for block in children.values() for op in block.ops}
+    adopted = set()
     for node in reversed(graph.nodes):
-        paths = {path for path, _ in (node.meta.get("nn_module_stack") or {}).values()}
-        if node.op != "call_function" or _is_scalar(node) or node in block_of or paths - {""} or not node.users:
+        if node.op != "call_function" or _is_scalar(node) or node in block_of or not node.users:
+            continue
+        module_less = not {path for path, _ in (node.meta.get("nn_module_stack") or {}).values()} - {""}
+        if not (module_less and (is_quantization_op(node.target) or not adopted.isdisjoint(node.users))):
             continue
         readers = {block_of.get(user) for user in node.users}
         if len(readers) == 1 and None not in readers:
             block = readers.pop()
             block.ops.append(node)
             block_of[node] = block
+            adopted.add(node)
 
 
 def _runs_of(container: str, children: list[_Block], weight_names: Mapping[str, str],
