@@ -53,6 +53,7 @@ def convert(
     verify_budget_flops: float = DEFAULT_BUDGET_FLOPS,
     verify_sizes: list[dict[str, int]] | None = None,
     overwrite: bool = False,
+    scan: bool = True,
     saved_model: bool = True,
     model_name: str | None = None,
     model_version: int = 1,
@@ -84,6 +85,8 @@ def convert(
       verify_budget_flops: matmul FLOPs the optional verification sizes may add.
       verify_sizes: dim sizes that must also be verified, e.g. [{"batch": 64, "seq": 512}].
       overwrite: replace an existing artifact at `out`.
+      scan: lower runs of identical blocks (a model's layers: BERT's, Llama's, ViT's) as one scan each,
+        their weights stacked (manifest "scanned" maps them to state_dict names); False unrolls them.
       saved_model: also write a TF Serving SavedModel under tf_serving/ (checked in TensorFlow).
       model_name: TF Serving's model name; None for the stem of `out` ("mlp" for "mlp.tpu").
       model_version: TF Serving's version directory (tf_serving/<name>/<version>).
@@ -116,7 +119,7 @@ def convert(
     options = ConversionOptions(
         targets, pathlib.Path(out), buckets=buckets, precision=precision, matmul_precision=matmul_precision,
         tolerance_overrides=dict(tolerances or {}), verify_budget_flops=verify_budget_flops, verify_sizes=tuple(verify_sizes or ()),
-        overwrite=overwrite, saved_model=saved_model, model_name=model_name, model_version=model_version,
+        overwrite=overwrite, scan=scan, saved_model=saved_model, model_name=model_name, model_version=model_version,
         quantize=quantize, calibration=None if calibration_file else calibration, calibration_file=calibration_file,
         random_calibration=random_calibration, sharding=make_request(mesh, sharding, rules, input_rules),
     )

@@ -67,6 +67,8 @@ def main():
 @click.option("--verify-size", "verify_sizes", multiple=True, metavar="DIM=S,DIM=S",
               help="Sizes that must also be verified (repeat for several; unnamed dims at their example size).")
 @click.option("--force", is_flag=True, help="Replace an existing artifact at --out.")
+@click.option("--scan/--no-scan", default=True, show_default=True,
+              help="Lower runs of identical blocks (a model's layers) as one scan, their weights stacked.")
 @click.option("--saved-model/--no-saved-model", default=True, show_default=True,
               help="Write a TF Serving SavedModel under tf_serving/ and check it in TensorFlow.")
 @click.option("--name", "model_name", help="TF Serving model name [default: SOURCE stem].")
@@ -87,7 +89,7 @@ def main():
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @handles_errors
 def convert(source, targets, out, buckets, precision, matmul_precision, inputs, dims, trust_pickle, atol, rtol, scale_tol,
-            verify_budget, verify_sizes, force, saved_model, model_name, model_version, quantize, calibration_file,
+            verify_budget, verify_sizes, force, scan, saved_model, model_name, model_version, quantize, calibration_file,
             random_calibration, mesh, sharding, shard_rules, shard_inputs, as_json):
     """Convert SOURCE (model.pt2, file.py:factory, or model.pt with --trust-pickle) into an artifact."""
     from tpuexport import compile as compile_stage
@@ -111,7 +113,7 @@ def convert(source, targets, out, buckets, precision, matmul_precision, inputs, 
         tuple(targets), out, buckets=bucket_sizes or None, precision=precision, matmul_precision=matmul_precision,
         tolerance_overrides=overrides, verify_budget_flops=verify_budget * 1e9,
         verify_sizes=tuple(parse_sizes(text, "--verify-size") for text in verify_sizes), overwrite=force, saved_model=saved_model,
-        model_name=model_name or source_stem, model_version=model_version,
+        model_name=model_name or source_stem, model_version=model_version, scan=scan,
         quantize=quantize, calibration_file=calibration_file, random_calibration=random_calibration, sharding=sharding_request,
     )
 
@@ -164,6 +166,7 @@ def summary(artifact) -> dict:
         **({"sharding": {name: target["sharding"] for name, target in manifest["targets"].items() if "sharding" in target}}
            if any("sharding" in target for target in manifest["targets"].values()) else {}),
         "build": manifest["build"],
+        "scanned": [{k: run[k] for k in ("module", "first", "count")} for run in manifest.get("scanned", [])],
         **({"quantization": manifest["quantization"]} if "quantization" in manifest else {}),
         **({"tf_serving": manifest["tf_serving"]} if "tf_serving" in manifest else {}),
     }
@@ -195,6 +198,8 @@ def inspect(artifact_dir, as_json):
         split = {weight: spec for weight, spec in plan["weights"].items() if any(entry is not None for entry in spec)}
         console.print(f"  {name}: mesh {describe_mesh(plan['mesh'])}, {plan['preset']}, {len(split)}/{len(plan['weights'])} weights split; "
                       f"inputs {', '.join(f'{n} {describe_spec(spec)}' for n, spec in plan['inputs'].items())}")
+    for run in data["scanned"]:
+        console.print(f"  scanned {run['module']} {run['first']}-{run['first'] + run['count'] - 1} ({run['count']} blocks, weights stacked)")
     table = Table("target", "bucket", "HBM per chip", "of HBM", "collectives", "GFLOP", "est. µs", "executable")
     for name, buckets in data["targets"].items():
         for bucket in buckets:

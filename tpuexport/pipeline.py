@@ -56,6 +56,9 @@ class ConversionOptions:
       verify_budget_flops: matmul FLOPs the optional verification sizes may add (verify/sizes.py).
       verify_sizes: dim sizes that must be verified ({dim: size}; other dims at their example size).
       overwrite: replace an existing artifact at `out`.
+      scan: lower runs of identical blocks (a model's layers) as one jax.lax.scan each, their
+        weights stacked (lower/scan.py); False lowers every block on its own. Slice targets
+        (sharding plans) always get the unrolled program.
       saved_model: also write the TF Serving SavedModel (tf_serving/) and check it in TensorFlow.
       model_name: TF Serving's model name, or None for the stem of `out`.
       model_version: TF Serving's version number.
@@ -76,6 +79,7 @@ class ConversionOptions:
     verify_budget_flops: float = verify_stage.DEFAULT_BUDGET_FLOPS
     verify_sizes: tuple[dict[str, int], ...] = ()
     overwrite: bool = False
+    scan: bool = True
     saved_model: bool = True
     model_name: str | None = None
     model_version: int = 1
@@ -166,8 +170,11 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         buckets = compile_stage.make_buckets(captured.signature, options.buckets)
         requested_sizes = verify_stage.resolve_requested_sizes(captured.signature, options.verify_sizes)
         with clock.stage("lower", lambda: f"{len(lowered.weights)} weight arrays, precision {options.precision}, "
-                                          f"matmul precision {options.matmul_precision}"):
-            lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision)
+                                          f"matmul precision {options.matmul_precision}; {_describe_scans(lowered.scanned)}"):
+            # Sharding plans and --shard rules address each layer's weights by its state_dict name and
+            # shape, so programs for slices keep their blocks unrolled.
+            lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
+                                        options.scan and not slices)
 
         if options.saved_model:
             # Before verification and compilation: a program TensorFlow cannot load fails in seconds;
@@ -305,6 +312,13 @@ def _describe_compiled(result: compile_stage.CompiledBucket) -> str:
         exchanged = ", ".join(f"{kind} x{entry['count']} ({entry['bytes'] / 2**20:.2f} MiB)" for kind, entry in result.collectives.items())
         text += f"; {exchanged or 'no collectives'}"
     return text
+
+
+def _describe_scans(scanned: tuple[dict, ...]) -> str:
+    """"scanned model.layers (32 blocks)", or "no layers scanned"."""
+    if not scanned:
+        return "no layers scanned"
+    return "scanned " + ", ".join(f"{run['module']} ({run['count']} blocks)" for run in scanned)
 
 
 def _describe_dims(signature) -> str:

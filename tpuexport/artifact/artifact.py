@@ -65,7 +65,8 @@ class Artifact:
         arrays = load_arrays((self.path / program["weights"]).read_bytes())
         weights = tuple(arrays[name] for name in program["weight_names"])
         return LoweredProgram(exported, tuple(program["weight_names"]), weights, self.signature, self.manifest["precision"],
-                              self.manifest["matmul_precision"], program["matmul_flops"])
+                              self.manifest["matmul_precision"], program["matmul_flops"],
+                              scanned=tuple(self.manifest.get("scanned", ())))
 
     def run(self, *inputs):
         """Runs the lowered StableHLO on CPU.

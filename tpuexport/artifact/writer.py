@@ -136,6 +136,9 @@ def write_artifact(
             "program": program,
             "targets": {},
             "verification": verification_section(verification),
+            # Runs of identical blocks lowered as one scan: module path, blocks, and which
+            # state_dict names each stacked weight (among program.weight_names) holds.
+            "scanned": list(lowered.scanned),
         }
         if sharded_verification:
             manifest["verification"]["sharded"] = [

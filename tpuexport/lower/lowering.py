@@ -9,7 +9,9 @@ Passes, in order:
   unmerge_batched_matmuls  bmm over merged (batch, heads) dims back to one matmul over both, so
                      that sharding propagation sees them (after the FLOPs are counted on the bmm)
   collect_weights    parameters, buffers and constants in the program's placeholder order
-  trace_and_export   torchax's interpreter traced by jax.export with one-scope symbolic dims
+  find_runs          runs of identical blocks (a model's layers), their weights stacked (scan.py)
+  trace_and_export   torchax's interpreter traced by jax.export with one-scope symbolic dims, each
+                     run of blocks as one jax.lax.scan
   pin_precision      the matmul precision written on every dot and convolution (matmul_precision.py)
 and, beside the program, its matmul FLOPs as a polynomial in the dims (cost.py).
 """
@@ -34,6 +36,7 @@ from tpuexport.lower.graph_passes import expand_convolution_arguments, reshape_v
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS, pin_matmul_precision
 from tpuexport.lower.mixed_precision import PRECISIONS, cast_arguments, cast_result, is_quantization_op, stored_weight
 from tpuexport.lower.registry import own_lowering
+from tpuexport.lower.scan import ScannedRun, find_runs, run_scan, stack_weights
 from tpuexport.lower.op_support import find_unsupported, user_source
 from tpuexport.lower.shapes import symbolic_input_avals
 from tpuexport.lower.torchax_import import import_torchax
@@ -61,6 +64,8 @@ class LoweredProgram:
         (see cost.py; `cost.flops_at` evaluates it).
       graph: the decomposed torch program the lowering traced, op for op (in memory only, for
         op-by-op checks; None for a program read back from an artifact).
+      scanned: the runs of identical blocks lowered as one scan each (ScannedRun.to_json: module
+        path, blocks, stacked weight name -> state_dict names); empty when none.
     """
 
     exported: jax.export.Exported
@@ -71,6 +76,7 @@ class LoweredProgram:
     matmul_precision: str
     matmul_flops: str
     graph: torch.export.ExportedProgram | None = None
+    scanned: tuple[dict, ...] = ()
 
     @functools.cached_property
     def _device_weights(self):
@@ -117,6 +123,7 @@ def _check_integer_range(array: np.ndarray, spec) -> None:
 
 def lower(
     program: torch.export.ExportedProgram, signature: ProgramSignature, precision: str = "f32", matmul_precision: str = "default",
+    scan: bool = True,
 ) -> LoweredProgram:
     """Lowers an exported program to StableHLO through torchax's op library.
 
@@ -127,6 +134,8 @@ def lower(
         (autocast-like, see mixed_precision.py); outputs in the model's dtypes either way.
       matmul_precision: the TPU arithmetic of dots and convolutions, pinned in the program
         ("default", "high" or "highest").
+      scan: lower runs of identical blocks (a model's layers) as one jax.lax.scan each, their
+        weights stacked (scan.py); False lowers every block on its own.
     Returns:
       The LoweredProgram.
     Raises:
@@ -143,9 +152,12 @@ def lower(
     flops = matmul_flops_expression(decomposed, signature)
     decomposed = unmerge_batched_matmuls(decomposed)
     names, weights = collect_weights(decomposed, precision)
-    exported = trace_and_export(decomposed, signature, weights, precision)
+    runs = find_runs(decomposed) if scan else ()
+    stacked_names, stacked_weights = stack_weights(names, weights, runs)
+    exported, before_scan = trace_and_export(decomposed, signature, names, stacked_names, stacked_weights, precision, runs)
     exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision])
-    return LoweredProgram(exported, names, weights, signature, precision, matmul_precision, flops, decomposed)
+    return LoweredProgram(exported, stacked_names, stacked_weights, signature, precision, matmul_precision, flops, decomposed,
+                          tuple(run.to_json(before_scan[run.last_op]) for run in runs))
 
 
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -226,18 +238,32 @@ def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
 class _TracingInterpreter:
     """torchax's interpreter, remembering which node it is on so a failure can name it, running
     tpuexport's own lowerings (lower/registry.py) before torchax's, casting each op's operands and
-    result as the precision computes them (mixed_precision.py), and handing subgraphs (torch.cond's
-    branches) to the lowerings as functions of JAX arrays run by the same interpreter."""
+    result as the precision computes them (mixed_precision.py), handing subgraphs (torch.cond's
+    branches) to the lowerings as functions of JAX arrays run by the same interpreter, and computing
+    each run of identical blocks as one scan at the run's last op (its other ops are skipped)."""
 
-    def __init__(self, graph_module, precision: str = "f32"):
+    def __init__(self, graph_module, precision: str = "f32", runs: tuple[ScannedRun, ...] = ()):
         torchax = import_torchax()
         base = torchax.export.JaxInterpreter
         owner = self
+        run_at = {run.last_op: run for run in runs}
+        skipped = frozenset().union(*(run.ops for run in runs))
 
         class Interpreter(base):
             def run_node(self, node):
                 owner.node = node
+                if node in run_at:
+                    outputs, owner.before_scan[node] = run_scan(run_at[node], self.env.__getitem__, self.call_node, owner.weights)
+                    self.env.update(outputs)
+                    return outputs.get(node)
+                if node in skipped:
+                    return None
                 return super().run_node(node)
+
+            def call_node(self, node, args, kwargs):
+                """One op of a scan body, run as run_node would run it."""
+                owner.node = node
+                return self.call_function(node.target, args, kwargs)
 
             def call_function(self, target, args, kwargs):
                 args, kwargs = cast_arguments(precision, target, args, kwargs)
@@ -252,33 +278,52 @@ class _TracingInterpreter:
                 return value
 
         self.node = None
+        self.weights: dict = {}  # the program's weights by name while tracing, stacked ones among them
+        self.before_scan: dict = {}  # {run's last op: blocks run on their own before its scan}
         self.interpreter = Interpreter(graph_module)
+        # A scan reads values computed outside its run after their last use in graph order
+        # (the ops that used them are skipped), so no value is dropped early.
+        self.interpreter.garbage_collect_values = False
 
     def run(self, *args):
         return self.interpreter.run(*args, enable_io_processing=False)
 
 
-def trace_and_export(program, signature, weights, precision) -> jax.export.Exported:
+def trace_and_export(program, signature, placeholder_names, weight_names, weights, precision,
+                     runs: tuple[ScannedRun, ...] = ()) -> tuple[jax.export.Exported, dict]:
     """Traces torchax's interpreter over the graph under jax.export for CPU and TPU.
 
+    Args:
+      program: the decomposed program.
+      signature: its named signature.
+      placeholder_names: state_dict names of the program's weight placeholders, in order.
+      weight_names: names of the program's weights, in call order (stacked ones for runs).
+      weights: the weights, in call order.
+      precision: one of PRECISIONS.
+      runs: runs of identical blocks to lower as scans (their weights among `weight_names`).
     Returns:
-      The Exported, called as `call(weights_list, inputs_list)`.
+      (the Exported, called as `call(weights_list, inputs_list)`; {run's last op: how many of its
+      blocks run before its scan}).
     """
     mutations = len(program.graph_signature.buffers_to_mutate)
     output_dtypes = [jnp.dtype(spec.dtype) for spec in signature.outputs]
     compute_dtype = jnp.bfloat16 if precision == "bf16" else None
-    tracer = _TracingInterpreter(program.graph_module, precision)
+    tracer = _TracingInterpreter(program.graph_module, precision, runs)
 
     def program_fn(weights_list, inputs_list):
         if compute_dtype is not None:
             inputs_list = [x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs_list]
-        outputs = tracer.run(*weights_list, *inputs_list)[mutations:]
+        tracer.weights = dict(zip(weight_names, weights_list))
+        # A stacked block weight's own placeholder is read by no op that runs, so it gets None.
+        placeholders = [tracer.weights.get(name) for name in placeholder_names]
+        outputs = tracer.run(*placeholders, *inputs_list)[mutations:]
         return [jnp.asarray(out).astype(dtype) for out, dtype in zip(outputs, output_dtypes)]
 
     weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
     input_avals = symbolic_input_avals(signature)
     try:
-        return jax.export.export(jax.jit(program_fn), platforms=PLATFORMS)(weight_avals, input_avals)
+        exported = jax.export.export(jax.jit(program_fn), platforms=PLATFORMS)(weight_avals, input_avals)
+        return exported, dict(tracer.before_scan)
     except Exception as error:  # torchax op implementations raise many kinds while tracing
         node = tracer.node
         where = f" at {node.target} from {user_source(node)}" if node is not None else ""
