@@ -61,6 +61,23 @@ def capture(source: LoadedSource) -> CapturedModel:
     return CapturedModel(program, reference, signature, example_inputs, source.info, source.calibration)
 
 
+def weights_on_meta(model) -> bool:
+    """Whether a model's weights live on the meta device (shapes without values: it can be
+    planned and compiled, not run).
+
+    Args:
+      model: an nn.Module (its parameters and buffers) or an ExportedProgram (its state and
+        lifted constants).
+    Returns:
+      True when any of them is a meta tensor.
+    """
+    if isinstance(model, torch.export.ExportedProgram):
+        tensors = [*model.state_dict.values(), *model.constants.values()]
+    else:
+        tensors = [*model.parameters(), *model.buffers()]
+    return any(isinstance(tensor, torch.Tensor) and tensor.is_meta for tensor in tensors)
+
+
 def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.ExportedProgram:
     try:
         with torch.no_grad():

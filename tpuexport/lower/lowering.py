@@ -8,7 +8,8 @@ Passes, in order:
   check_operators    every operator without a lowering, reported at once with user source lines
   unmerge_batched_matmuls  bmm over merged (batch, heads) dims back to one matmul over both, so
                      that sharding propagation sees them (after the FLOPs are counted on the bmm)
-  collect_weights    parameters, buffers and constants in the program's placeholder order
+  collect_weights    parameters, buffers and constants in the program's placeholder order (for a
+                     plan, collect_weight_specs: their shapes and dtypes only, nothing read)
   trace_and_export   torchax's interpreter traced by jax.export with one-scope symbolic dims
   pin_precision      the matmul precision written on every dot and convolution (matmul_precision.py)
 and, beside the program, its matmul FLOPs as a polynomial in the dims (cost.py).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Sequence
 
 import jax
@@ -32,12 +34,12 @@ from tpuexport.lower.cost import matmul_flops_expression
 from tpuexport.lower.custom_ops import custom_operator_decompositions
 from tpuexport.lower.graph_passes import expand_convolution_arguments, reshape_views, unmerge_batched_matmuls
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS, pin_matmul_precision
-from tpuexport.lower.mixed_precision import PRECISIONS, cast_arguments, cast_result, is_quantization_op, stored_weight
+from tpuexport.lower.mixed_precision import PRECISIONS, cast_arguments, cast_result, is_quantization_op, stored_dtype, stored_weight
 from tpuexport.lower.registry import own_lowering
 from tpuexport.lower.op_support import find_unsupported, user_source
 from tpuexport.lower.shapes import symbolic_input_avals
 from tpuexport.lower.torchax_import import import_torchax
-from tpuexport.signature import ProgramSignature
+from tpuexport.signature import ProgramSignature, artifact_dtype
 
 PLATFORMS = ("cpu", "tpu")
 
@@ -52,7 +54,9 @@ class LoweredProgram:
     Attributes:
       exported: the jax.export.Exported (platforms cpu and tpu, symbolic dims, shape assertions).
       weight_names: state_dict-style names of the weights, in call order.
-      weights: the weight arrays, in call order (bfloat16 for precision "bf16").
+      weights: the weight arrays, in call order (bfloat16 for precision "bf16"), or None for a
+        plan (a model without weights, e.g. built on the meta device): the program then carries
+        the weights' shapes and dtypes only (`weight_specs`).
       signature: named inputs, outputs and dims.
       precision: "f32", "bf16" or "bf16-mixed" (mixed_precision.py).
       matmul_precision: the TPU matmul precision pinned on every dot and convolution
@@ -65,12 +69,29 @@ class LoweredProgram:
 
     exported: jax.export.Exported
     weight_names: tuple[str, ...]
-    weights: tuple[np.ndarray, ...]
+    weights: tuple[np.ndarray, ...] | None
     signature: ProgramSignature
     precision: str
     matmul_precision: str
     matmul_flops: str
     graph: torch.export.ExportedProgram | None = None
+
+    @property
+    def plan_only(self) -> bool:
+        """True for a program lowered from weight shapes alone: it compiles but cannot run."""
+        return self.weights is None
+
+    @functools.cached_property
+    def weight_specs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Every weight's shape and dtype, in call order: the program's first arguments, so they
+        are known with or without the arrays."""
+        avals = self.exported.in_avals[:len(self.weight_names)]
+        return tuple(jax.ShapeDtypeStruct(aval.shape, aval.dtype) for aval in avals)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all weights as the program stores them (whether or not the arrays are here)."""
+        return int(sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in self.weight_specs))
 
     @functools.cached_property
     def _device_weights(self):
@@ -86,8 +107,12 @@ class LoweredProgram:
         Returns:
           One numpy array per output, in the model's output dtypes.
         Raises:
-          TpuExportError: wrong number of inputs, or sizes outside the dims' ranges.
+          TpuExportError: a plan without weights, wrong number of inputs, or sizes outside the
+            dims' ranges.
         """
+        if self.plan_only:
+            raise TpuExportError("this is a plan without weights: it compiles for TPUs but cannot run; convert the model "
+                                 "with its weights to run it")
         specs = self.signature.inputs
         if len(inputs) != len(specs):
             raise TpuExportError(f"the program takes {len(specs)} inputs ({', '.join(s.name for s in specs)}), got {len(inputs)}")
@@ -117,6 +142,7 @@ def _check_integer_range(array: np.ndarray, spec) -> None:
 
 def lower(
     program: torch.export.ExportedProgram, signature: ProgramSignature, precision: str = "f32", matmul_precision: str = "default",
+    weights: bool = True,
 ) -> LoweredProgram:
     """Lowers an exported program to StableHLO through torchax's op library.
 
@@ -127,6 +153,8 @@ def lower(
         (autocast-like, see mixed_precision.py); outputs in the model's dtypes either way.
       matmul_precision: the TPU arithmetic of dots and convolutions, pinned in the program
         ("default", "high" or "highest").
+      weights: False lowers from the weights' shapes and dtypes alone (a plan: no weight is read,
+        so the program's weights may be on the meta device); the result has `weights` None.
     Returns:
       The LoweredProgram.
     Raises:
@@ -142,10 +170,14 @@ def lower(
     # torch's FLOP counter knows bmm, not the matmul the next pass makes of it.
     flops = matmul_flops_expression(decomposed, signature)
     decomposed = unmerge_batched_matmuls(decomposed)
-    names, weights = collect_weights(decomposed, precision)
-    exported = trace_and_export(decomposed, signature, weights, precision)
+    if weights:
+        names, arrays = collect_weights(decomposed, precision)
+        specs = tuple(jax.ShapeDtypeStruct(array.shape, array.dtype) for array in arrays)
+    else:
+        (names, specs), arrays = collect_weight_specs(decomposed, precision), None
+    exported = trace_and_export(decomposed, signature, specs, precision)
     exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision])
-    return LoweredProgram(exported, names, weights, signature, precision, matmul_precision, flops, decomposed)
+    return LoweredProgram(exported, names, arrays, signature, precision, matmul_precision, flops, decomposed)
 
 
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -203,8 +235,37 @@ def collect_weights(program: torch.export.ExportedProgram, precision: str) -> tu
       weights become 32-bit (JAX runs with 32-bit defaults, like the TPU).
     """
     names, arrays = [], []
+    for name, tensor, quantization_input in _weight_tensors(program):
+        names.append(name)
+        arrays.append(stored_weight(_to_numpy(tensor.detach()), precision, quantization_input))
+    return tuple(names), tuple(arrays)
+
+
+def collect_weight_specs(program: torch.export.ExportedProgram, precision: str) -> tuple[tuple[str, ...], tuple[jax.ShapeDtypeStruct, ...]]:
+    """What `collect_weights` would return, as shapes and dtypes only: no tensor is read, so the
+    weights may be on the meta device (a plan of a model larger than this machine's memory).
+
+    Returns:
+      (names, ShapeDtypeStructs), in the dtypes `collect_weights` would store.
+    """
+    names, specs = [], []
+    for name, tensor, quantization_input in _weight_tensors(program):
+        exported_dtype = jnp.dtype(artifact_dtype(str(tensor.dtype).removeprefix("torch.")))
+        names.append(name)
+        specs.append(jax.ShapeDtypeStruct(tuple(tensor.shape), stored_dtype(exported_dtype, tensor.dim(), precision, quantization_input)))
+    return tuple(names), tuple(specs)
+
+
+def _weight_tensors(program: torch.export.ExportedProgram) -> list[tuple[str, torch.Tensor, bool]]:
+    """(name, tensor, whether a quantization op reads it) per parameter, buffer and lifted constant,
+    in placeholder order.
+
+    Raises:
+      TpuExportError: the program holds a non-tensor constant.
+    """
     state = {**program.state_dict, **program.constants}
     placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+    found = []
     for spec in program.graph_signature.input_specs:
         if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT:
             continue
@@ -212,9 +273,8 @@ def collect_weights(program: torch.export.ExportedProgram, precision: str) -> tu
         if not isinstance(tensor, torch.Tensor):
             raise TpuExportError(f"the program holds a non-tensor constant {spec.target!r}; tpuexport lowers tensor state only")
         quantization_input = any(is_quantization_op(user.target) for user in placeholders[spec.arg.name].users)
-        names.append(spec.target)
-        arrays.append(stored_weight(_to_numpy(tensor.detach()), precision, quantization_input))
-    return tuple(names), tuple(arrays)
+        found.append((spec.target, tensor, quantization_input))
+    return found
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -258,9 +318,14 @@ class _TracingInterpreter:
         return self.interpreter.run(*args, enable_io_processing=False)
 
 
-def trace_and_export(program, signature, weights, precision) -> jax.export.Exported:
+def trace_and_export(program, signature, weight_specs, precision) -> jax.export.Exported:
     """Traces torchax's interpreter over the graph under jax.export for CPU and TPU.
 
+    Args:
+      program: the decomposed program.
+      signature: its named signature.
+      weight_specs: the weights' shapes and dtypes (anything with .shape and .dtype), in call order.
+      precision: one of PRECISIONS.
     Returns:
       The Exported, called as `call(weights_list, inputs_list)`.
     """
@@ -275,7 +340,7 @@ def trace_and_export(program, signature, weights, precision) -> jax.export.Expor
         outputs = tracer.run(*weights_list, *inputs_list)[mutations:]
         return [jnp.asarray(out).astype(dtype) for out, dtype in zip(outputs, output_dtypes)]
 
-    weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
+    weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weight_specs]
     input_avals = symbolic_input_avals(signature)
     try:
         return jax.export.export(jax.jit(program_fn), platforms=PLATFORMS)(weight_avals, input_avals)
