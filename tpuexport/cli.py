@@ -162,9 +162,9 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
     loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs)
     artifact = run_conversion(loaded, conversion, progress=_print_stage)
     if artifact.plan_only:
-        stderr.print(f"[bold green]planned[/] {source} -> {artifact.path} (plan only: no weights, not verified)")
+        stderr.print(f"[bold green]planned[/] {source} -> {artifact.path} (plan only: no weights, not verified)", soft_wrap=True)
     else:
-        stderr.print(f"[bold green]converted[/] {source} -> {artifact.path}")
+        stderr.print(f"[bold green]converted[/] {source} -> {artifact.path}", soft_wrap=True)
     for warning in artifact.manifest.get("quantization", {}).get("warnings", []):
         stderr.print(f"[bold yellow]WARNING:[/] {warning}", soft_wrap=True)
     if as_json:

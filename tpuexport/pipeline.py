@@ -273,7 +273,7 @@ def _run_plan(loaded: export_stage.LoadedSource, options: ConversionOptions, tar
         device's HBM (naming the largest buffers).
     """
     with clock.stage("export", lambda: _describe_dims(captured.signature)):
-        captured = export_stage.capture(loaded)
+        captured = export_stage.capture(export_stage.with_meta_inputs(loaded))
     buckets = compile_stage.make_buckets(captured.signature, options.buckets)
     with clock.stage("lower", lambda: f"{len(lowered.weight_names)} weight shapes ({lowered.weight_bytes / 2**30:.2f} GiB, "
                                       f"not read), precision {options.precision}, matmul precision {options.matmul_precision}"):

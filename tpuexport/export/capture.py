@@ -78,6 +78,23 @@ def weights_on_meta(model) -> bool:
     return any(isinstance(tensor, torch.Tensor) and tensor.is_meta for tensor in tensors)
 
 
+def with_meta_inputs(source: LoadedSource) -> LoadedSource:
+    """The source with its example inputs moved to the meta device when its weights are there.
+
+    torch.export refuses to mix devices (an nn.Linear with meta weights called on a CPU tensor
+    fails), and a model planned without weights needs only the inputs' shapes and dtypes.
+
+    Args:
+      source: the loaded source.
+    Returns:
+      `source` unchanged, or a copy whose example args are meta tensors.
+    """
+    if isinstance(source.model, torch.export.ExportedProgram) or not weights_on_meta(source.model):
+        return source
+    args = pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.to("meta"), source.args)
+    return dataclasses.replace(source, args=args)
+
+
 def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.ExportedProgram:
     try:
         with torch.no_grad():
