@@ -12,8 +12,9 @@ and planned for one bucket: the 8B for `v5e-8` tensor-parallel (model=8) at batc
 70B for `v5p-128` (64 devices) tensor-parallel (model=64) at batch 1 x seq 2048, and fsdp (data=64:
 each device holds 1/64 of every weight and one sequence) at batch 64 x seq 2048.
 
-Each case runs in its own process, so its figures are its own. Printed per case: wall time, the
-stages' seconds, peak RSS of the planning process and of its largest child (the TPU compiler;
+Each case runs in its own process, so its figures are its own. Printed per case: wall time, CPU
+time (user + system of the process and its children: unlike wall time, independent of other work on
+the machine), the stages' seconds, peak RSS of the planning process and of its largest child (the TPU compiler;
 `resource.getrusage` ru_maxrss of RUSAGE_SELF and RUSAGE_CHILDREN), their sum (a bound on the
 peak of both together), and per bucket XLA's per-device argument / output / temporary / total bytes
 against a device's HBM and the collectives. A plan that does not fit prints its one-line error.
@@ -94,8 +95,10 @@ def run_case(name: str) -> dict:
             result["error"] = str(error)
     result["seconds"] = time.perf_counter() - start
     result["stages"] = stages
-    result["peak_rss_self"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    result["peak_rss_children"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    result["peak_rss_self"], result["peak_rss_children"] = own.ru_maxrss * 1024, children.ru_maxrss * 1024
+    # CPU seconds do not depend on what else runs on the shared cores; wall time does.
+    result["cpu_seconds"] = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
     return result
 
 
@@ -104,7 +107,7 @@ def report(result: dict) -> None:
     gib = 2**30
     print(f"\n{result['case']}: {result['parameters'] / 1e9:.2f}B parameters on the meta device, {result['target']} "
           f"{result['sharding']} (mesh {result['mesh']}), bucket {result['buckets']}")
-    print(f"  wall time {result['seconds']:.1f} s; peak RSS: planning process {result['peak_rss_self'] / gib:.2f} GiB, "
+    print(f"  wall time {result['seconds']:.1f} s, CPU time {result['cpu_seconds']:.1f} s (process and children); peak RSS: planning process {result['peak_rss_self'] / gib:.2f} GiB, "
           f"largest child (TPU compiler) {result['peak_rss_children'] / gib:.2f} GiB, sum {(result['peak_rss_self'] + result['peak_rss_children']) / gib:.2f} GiB")
     for stage, (seconds, detail) in result["stages"].items():
         print(f"    {stage:<36} {seconds:7.1f} s  {detail}")
