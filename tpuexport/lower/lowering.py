@@ -8,7 +8,8 @@ Passes, in order:
   check_operators    every operator without a lowering, reported at once with user source lines
   unmerge_batched_matmuls  bmm over merged (batch, heads) dims back to one matmul over both, so
                      that sharding propagation sees them (after the FLOPs are counted on the bmm)
-  collect_weights    parameters, buffers and constants in the program's placeholder order
+  collect_weights    parameters, buffers and constants in the program's placeholder order (for a
+                     plan, collect_weight_specs: their shapes and dtypes only, nothing read)
   find_runs          runs of identical blocks (a model's layers), their weights stacked (scan.py)
   trace_and_export   torchax's interpreter traced by jax.export with one-scope symbolic dims, each
                      run of blocks as one jax.lax.scan
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Sequence
 
 import jax
@@ -34,13 +36,13 @@ from tpuexport.lower.cost import matmul_flops_expression
 from tpuexport.lower.custom_ops import custom_operator_decompositions
 from tpuexport.lower.graph_passes import expand_convolution_arguments, reshape_views, unmerge_batched_matmuls
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS, pin_matmul_precision
-from tpuexport.lower.mixed_precision import PRECISIONS, cast_arguments, cast_result, is_quantization_op, stored_weight
+from tpuexport.lower.mixed_precision import PRECISIONS, cast_arguments, cast_result, is_quantization_op, stored_dtype, stored_weight
 from tpuexport.lower.registry import own_lowering
 from tpuexport.lower.scan import ScannedRun, find_runs, run_scan, stack_weights
 from tpuexport.lower.op_support import find_unsupported, user_source
 from tpuexport.lower.shapes import symbolic_input_avals
 from tpuexport.lower.torchax_import import import_torchax
-from tpuexport.signature import ProgramSignature
+from tpuexport.signature import ProgramSignature, artifact_dtype
 
 PLATFORMS = ("cpu", "tpu")
 
@@ -55,7 +57,9 @@ class LoweredProgram:
     Attributes:
       exported: the jax.export.Exported (platforms cpu and tpu, symbolic dims, shape assertions).
       weight_names: state_dict-style names of the weights, in call order.
-      weights: the weight arrays, in call order (bfloat16 for precision "bf16").
+      weights: the weight arrays, in call order (bfloat16 for precision "bf16"), or None for a
+        plan (a model without weights, e.g. built on the meta device): the program then carries
+        the weights' shapes and dtypes only (`weight_specs`).
       signature: named inputs, outputs and dims.
       precision: "f32", "bf16" or "bf16-mixed" (mixed_precision.py).
       matmul_precision: the TPU matmul precision pinned on every dot and convolution
@@ -70,13 +74,30 @@ class LoweredProgram:
 
     exported: jax.export.Exported
     weight_names: tuple[str, ...]
-    weights: tuple[np.ndarray, ...]
+    weights: tuple[np.ndarray, ...] | None
     signature: ProgramSignature
     precision: str
     matmul_precision: str
     matmul_flops: str
     graph: torch.export.ExportedProgram | None = None
     scanned: tuple[dict, ...] = ()
+
+    @property
+    def plan_only(self) -> bool:
+        """True for a program lowered from weight shapes alone: it compiles but cannot run."""
+        return self.weights is None
+
+    @functools.cached_property
+    def weight_specs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Every weight's shape and dtype, in call order: the program's first arguments, so they
+        are known with or without the arrays."""
+        avals = self.exported.in_avals[:len(self.weight_names)]
+        return tuple(jax.ShapeDtypeStruct(aval.shape, aval.dtype) for aval in avals)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all weights as the program stores them (whether or not the arrays are here)."""
+        return int(sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in self.weight_specs))
 
     @functools.cached_property
     def _device_weights(self):
@@ -92,8 +113,12 @@ class LoweredProgram:
         Returns:
           One numpy array per output, in the model's output dtypes.
         Raises:
-          TpuExportError: wrong number of inputs, or sizes outside the dims' ranges.
+          TpuExportError: a plan without weights, wrong number of inputs, or sizes outside the
+            dims' ranges.
         """
+        if self.plan_only:
+            raise TpuExportError("this is a plan without weights: it compiles for TPUs but cannot run; convert the model "
+                                 "with its weights to run it")
         specs = self.signature.inputs
         if len(inputs) != len(specs):
             raise TpuExportError(f"the program takes {len(specs)} inputs ({', '.join(s.name for s in specs)}), got {len(inputs)}")
@@ -124,6 +149,7 @@ def _check_integer_range(array: np.ndarray, spec) -> None:
 def lower(
     program: torch.export.ExportedProgram, signature: ProgramSignature, precision: str = "f32", matmul_precision: str = "default",
     scan: bool = True,
+    weights: bool = True,
 ) -> LoweredProgram:
     """Lowers an exported program to StableHLO through torchax's op library.
 
@@ -136,6 +162,8 @@ def lower(
         ("default", "high" or "highest").
       scan: lower runs of identical blocks (a model's layers) as one jax.lax.scan each, their
         weights stacked (scan.py); False lowers every block on its own.
+      weights: False lowers from the weights' shapes and dtypes alone (a plan: no weight is read,
+        so the program's weights may be on the meta device); the result has `weights` None.
     Returns:
       The LoweredProgram.
     Raises:
@@ -151,12 +179,17 @@ def lower(
     # torch's FLOP counter knows bmm, not the matmul the next pass makes of it.
     flops = matmul_flops_expression(decomposed, signature)
     decomposed = unmerge_batched_matmuls(decomposed)
-    names, weights = collect_weights(decomposed, precision)
     runs = find_runs(decomposed) if scan else ()
-    stacked_names, stacked_weights = stack_weights(names, weights, runs)
-    exported, before_scan = trace_and_export(decomposed, signature, names, stacked_names, stacked_weights, precision, runs)
+    if weights:
+        names, arrays = collect_weights(decomposed, precision)
+        stacked_names, stacked = stack_weights(names, arrays, runs)
+        specs = tuple(jax.ShapeDtypeStruct(array.shape, array.dtype) for array in stacked)
+    else:
+        names, placeholder_specs = collect_weight_specs(decomposed, precision)
+        (stacked_names, specs), stacked = stack_weights(names, placeholder_specs, runs), None
+    exported, before_scan = trace_and_export(decomposed, signature, names, stacked_names, specs, precision, runs)
     exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision])
-    return LoweredProgram(exported, stacked_names, stacked_weights, signature, precision, matmul_precision, flops, decomposed,
+    return LoweredProgram(exported, stacked_names, stacked, signature, precision, matmul_precision, flops, decomposed,
                           tuple(run.to_json(before_scan[run.last_op]) for run in runs))
 
 
@@ -215,8 +248,37 @@ def collect_weights(program: torch.export.ExportedProgram, precision: str) -> tu
       weights become 32-bit (JAX runs with 32-bit defaults, like the TPU).
     """
     names, arrays = [], []
+    for name, tensor, quantization_input in _weight_tensors(program):
+        names.append(name)
+        arrays.append(stored_weight(_to_numpy(tensor.detach()), precision, quantization_input))
+    return tuple(names), tuple(arrays)
+
+
+def collect_weight_specs(program: torch.export.ExportedProgram, precision: str) -> tuple[tuple[str, ...], tuple[jax.ShapeDtypeStruct, ...]]:
+    """What `collect_weights` would return, as shapes and dtypes only: no tensor is read, so the
+    weights may be on the meta device (a plan of a model larger than this machine's memory).
+
+    Returns:
+      (names, ShapeDtypeStructs), in the dtypes `collect_weights` would store.
+    """
+    names, specs = [], []
+    for name, tensor, quantization_input in _weight_tensors(program):
+        exported_dtype = jnp.dtype(artifact_dtype(str(tensor.dtype).removeprefix("torch.")))
+        names.append(name)
+        specs.append(jax.ShapeDtypeStruct(tuple(tensor.shape), stored_dtype(exported_dtype, tensor.dim(), precision, quantization_input)))
+    return tuple(names), tuple(specs)
+
+
+def _weight_tensors(program: torch.export.ExportedProgram) -> list[tuple[str, torch.Tensor, bool]]:
+    """(name, tensor, whether a quantization op reads it) per parameter, buffer and lifted constant,
+    in placeholder order.
+
+    Raises:
+      TpuExportError: the program holds a non-tensor constant.
+    """
     state = {**program.state_dict, **program.constants}
     placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+    found = []
     for spec in program.graph_signature.input_specs:
         if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT:
             continue
@@ -224,9 +286,8 @@ def collect_weights(program: torch.export.ExportedProgram, precision: str) -> tu
         if not isinstance(tensor, torch.Tensor):
             raise TpuExportError(f"the program holds a non-tensor constant {spec.target!r}; tpuexport lowers tensor state only")
         quantization_input = any(is_quantization_op(user.target) for user in placeholders[spec.arg.name].users)
-        names.append(spec.target)
-        arrays.append(stored_weight(_to_numpy(tensor.detach()), precision, quantization_input))
-    return tuple(names), tuple(arrays)
+        found.append((spec.target, tensor, quantization_input))
+    return found
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -289,7 +350,7 @@ class _TracingInterpreter:
         return self.interpreter.run(*args, enable_io_processing=False)
 
 
-def trace_and_export(program, signature, placeholder_names, weight_names, weights, precision,
+def trace_and_export(program, signature, placeholder_names, weight_names, weight_specs, precision,
                      runs: tuple[ScannedRun, ...] = ()) -> tuple[jax.export.Exported, dict]:
     """Traces torchax's interpreter over the graph under jax.export for CPU and TPU.
 
@@ -298,7 +359,7 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
       signature: its named signature.
       placeholder_names: state_dict names of the program's weight placeholders, in order.
       weight_names: names of the program's weights, in call order (stacked ones for runs).
-      weights: the weights, in call order.
+      weight_specs: the weights' shapes and dtypes (anything with .shape and .dtype), in call order.
       precision: one of PRECISIONS.
       runs: runs of identical blocks to lower as scans (their weights among `weight_names`).
     Returns:
@@ -319,7 +380,7 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
         outputs = tracer.run(*placeholders, *inputs_list)[mutations:]
         return [jnp.asarray(out).astype(dtype) for out, dtype in zip(outputs, output_dtypes)]
 
-    weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
+    weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weight_specs]
     input_avals = symbolic_input_avals(signature)
     try:
         exported = jax.export.export(jax.jit(program_fn), platforms=PLATFORMS)(weight_avals, input_avals)

@@ -326,13 +326,13 @@ def _stacked_name(container: str, first: int, last: int, original: str) -> str:
     return f"{container}.{first}-{last}.{within}"
 
 
-def stack_weights(names: tuple[str, ...], arrays: tuple[np.ndarray, ...],
+def stack_weights(names: tuple[str, ...], arrays: tuple,
                   runs: tuple[ScannedRun, ...]) -> tuple[tuple[str, ...], tuple[np.ndarray, ...]]:
     """The program's weights with each run's blocks' weights stacked.
 
     Args:
       names: state_dict names of the weights, in placeholder order.
-      arrays: the weights, in the same order.
+      arrays: the weights (or, for a plan, their jax.ShapeDtypeStructs), in the same order.
       runs: the runs (find_runs).
     Returns:
       (names, arrays): unstacked weights in their order; a run's stacked weights where its first
@@ -350,8 +350,15 @@ def stack_weights(names: tuple[str, ...], arrays: tuple[np.ndarray, ...],
             placed.add(id(run))
             for weight in run.weights:
                 stacked_names.append(weight.name)
-                stacked_arrays.append(np.stack([by_name[original] for original in weight.originals]))
+                stacked_arrays.append(_stacked([by_name[original] for original in weight.originals]))
     return tuple(stacked_names), tuple(stacked_arrays)
+
+
+def _stacked(blocks: list):
+    """The blocks' arrays stacked on a new leading axis; for a plan's shapes and dtypes, that shape."""
+    if isinstance(blocks[0], jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(blocks), *blocks[0].shape), blocks[0].dtype)
+    return np.stack(blocks)
 
 
 def run_scan(run: ScannedRun, value_of: Callable[[torch.fx.Node], object], call: Callable,
