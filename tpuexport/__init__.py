@@ -4,6 +4,7 @@
     art.run(x)                       # the lowered StableHLO on CPU
     tpuexport.load("model.tpu")      # the same Artifact type
     tpuexport.verify_artifact("model.tpu", recompile=True).passed   # the CI gate
+    tpuexport.plan(meta_model, args=(x,), target="v5p-128", sharding="fsdp", out="big.tpu")  # no weights
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "VerificationError",
     "convert",
     "load",
+    "plan",
     "verify_artifact",
 ]
 
@@ -53,6 +55,7 @@ def convert(
     verify_budget_flops: float = DEFAULT_BUDGET_FLOPS,
     verify_sizes: list[dict[str, int]] | None = None,
     overwrite: bool = False,
+    scan: bool = True,
     saved_model: bool = True,
     model_name: str | None = None,
     model_version: int = 1,
@@ -64,6 +67,7 @@ def convert(
     rules=(),
     input_rules=(),
     progress=None,
+    weights: bool = True,
 ) -> Artifact:
     """Converts a PyTorch model into a verified TPU artifact directory.
 
@@ -84,6 +88,8 @@ def convert(
       verify_budget_flops: matmul FLOPs the optional verification sizes may add.
       verify_sizes: dim sizes that must also be verified, e.g. [{"batch": 64, "seq": 512}].
       overwrite: replace an existing artifact at `out`.
+      scan: lower runs of identical blocks (a model's layers: BERT's, Llama's, ViT's) as one scan each,
+        their weights stacked (manifest "scanned" maps them to state_dict names); False unrolls them.
       saved_model: also write a TF Serving SavedModel under tf_serving/ (checked in TensorFlow).
       model_name: TF Serving's model name; None for the stem of `out` ("mlp" for "mlp.tpu").
       model_version: TF Serving's version directory (tf_serving/<name>/<version>).
@@ -99,10 +105,13 @@ def convert(
         each leading dim a mesh axis or None, e.g. ("model", None) or "model,None".
       input_rules: input layouts in the same forms, keyed by input name.
       progress: optional callable (stage, seconds, detail) called as each stage ends.
+      weights: False for a plan (see `plan`); the verification, quantization and SavedModel
+        arguments then do not apply.
     Returns:
       The Artifact written at `out`.
     Raises:
-      TpuExportError: bad input; nothing is written.
+      TpuExportError: bad input, including a model whose weights are on the meta device with
+        `weights` True; nothing is written.
       VerificationError: the conversion (or its SavedModel) does not match eager PyTorch; nothing
         but the report is written.
     """
@@ -116,9 +125,51 @@ def convert(
     options = ConversionOptions(
         targets, pathlib.Path(out), buckets=buckets, precision=precision, matmul_precision=matmul_precision,
         tolerance_overrides=dict(tolerances or {}), verify_budget_flops=verify_budget_flops, verify_sizes=tuple(verify_sizes or ()),
-        overwrite=overwrite, saved_model=saved_model, model_name=model_name, model_version=model_version,
+        overwrite=overwrite, scan=scan, saved_model=saved_model, model_name=model_name, model_version=model_version,
         quantize=quantize, calibration=None if calibration_file else calibration, calibration_file=calibration_file,
-        random_calibration=random_calibration, sharding=make_request(mesh, sharding, rules, input_rules),
+        random_calibration=random_calibration, sharding=make_request(mesh, sharding, rules, input_rules), weights=weights,
     )
     return run_conversion(loaded, options, progress)
+
+
+def plan(
+    model,
+    args: tuple | None = None,
+    dynamic_shapes=None,
+    *,
+    target="v5e",
+    out,
+    buckets: dict[str, list[int]] | None = None,
+    precision: str = "f32",
+    matmul_precision: str = "default",
+    overwrite: bool = False,
+    mesh: str | dict[str, int] | None = None,
+    sharding: str | None = None,
+    rules=(),
+    input_rules=(),
+    progress=None,
+) -> Artifact:
+    """Plans a model without its weights: lowered from the weights' shapes and dtypes, compiled for
+    every target and bucket (slices with the sharding plan), with XLA's per-chip memory and an
+    HBM-fit verdict. For models larger than the build machine, built on the meta device:
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+
+    No weight is read or allocated, nothing is verified; the artifact has the program and the
+    executables, no weights, golden data or SavedModel, and its manifest says "plan_only": true.
+
+    Args:
+      model, args, dynamic_shapes, target, out, buckets, precision, matmul_precision, overwrite,
+      mesh, sharding, rules, input_rules, progress: as for `convert` (example inputs may be real
+        CPU tensors or meta tensors).
+    Returns:
+      The plan-only Artifact written at `out`.
+    Raises:
+      TpuExportError: bad input, or a bucket that does not fit a device's HBM (naming the
+        largest buffers); nothing is written.
+    """
+    return convert(model, args, dynamic_shapes, target=target, out=out, buckets=buckets, precision=precision,
+                   matmul_precision=matmul_precision, overwrite=overwrite, saved_model=False, mesh=mesh, sharding=sharding,
+                   rules=rules, input_rules=input_rules, progress=progress, weights=False)
 

@@ -45,20 +45,43 @@ def main():
     """Convert PyTorch models into verified TPU artifacts, on a CPU-only machine."""
 
 
+# Options `convert` and `plan` share: the model, what to compile it for, and where to write.
+SOURCE_AND_TARGET_OPTIONS = (
+    click.option("--target", "targets", multiple=True, default=("v5e",), show_default=True,
+                 help="TPU target (repeat for several): a chip (v4, v5e, v5p, v6e, 7x) or a slice (v5e-8, v5p-8, v6e-8, 7x-8, ...)."),
+    click.option("-o", "--out", type=click.Path(path_type=pathlib.Path), help="Artifact directory [default: SOURCE stem + .tpu]."),
+    click.option("--bucket", "buckets", multiple=True, metavar="DIM=S1,S2,...",
+                 help="Sizes to compile for a dim (repeat per dim; cartesian product). Default: the example shapes."),
+    click.option("--precision", type=click.Choice(["f32", "bf16", "bf16-mixed"]), default="f32", show_default=True,
+                 help="bf16: weights and every op in bfloat16; bf16-mixed: matmuls/convolutions in bfloat16, softmax, norms and reductions in f32."),
+    click.option("--matmul-precision", type=click.Choice(["default", "high", "highest"]), default="default", show_default=True,
+                 help="TPU arithmetic of every dot/convolution: one bf16 pass, bf16x3, or f32 accuracy (six passes)."),
+    click.option("--input", "inputs", multiple=True, metavar="NAME:D0,D1,...[:DTYPE]", help="Input of a pickled model (repeat, in order)."),
+    click.option("--dim", "dims", multiple=True, metavar="NAME=MIN:MAX", help="A symbolic dim used by --input."),
+    click.option("--trust-pickle", is_flag=True, help="Allow unpickling a .pt/.pth module (pickles run code when loaded)."),
+    click.option("--force", is_flag=True, help="Replace an existing artifact at --out."),
+    click.option("--mesh", metavar="AXIS=SIZE,...",
+                 help="Device mesh of slice targets, e.g. data=2,model=4 (sizes multiply to the slice's devices)."),
+    click.option("--sharding", type=click.Choice(["replicated", "data-parallel", "tensor-parallel", "fsdp"]),
+                 help="Sharding preset for slice targets [default: replicated]."),
+    click.option("--shard", "shard_rules", multiple=True, metavar="REGEX=SPEC",
+                 help="Lay out weights whose state_dict name matches REGEX, e.g. 'q_proj=model,None' (repeat; later rules win)."),
+    click.option("--shard-input", "shard_inputs", multiple=True, metavar="NAME=SPEC",
+                 help="Lay out one input, e.g. tokens=data,None (repeat)."),
+    click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout."),
+)
+
+
+def source_and_target_options(command):
+    """Adds SOURCE_AND_TARGET_OPTIONS to a command (in their order in --help)."""
+    for option in reversed(SOURCE_AND_TARGET_OPTIONS):
+        command = option(command)
+    return command
+
+
 @main.command()
 @click.argument("source")
-@click.option("--target", "targets", multiple=True, default=("v5e",), show_default=True,
-              help="TPU target (repeat for several): a chip (v4, v5e, v5p, v6e, 7x) or a slice (v5e-8, v5p-8, v6e-8, 7x-8, ...).")
-@click.option("-o", "--out", type=click.Path(path_type=pathlib.Path), help="Artifact directory [default: SOURCE stem + .tpu].")
-@click.option("--bucket", "buckets", multiple=True, metavar="DIM=S1,S2,...",
-              help="Sizes to compile for a dim (repeat per dim; cartesian product). Default: the example shapes.")
-@click.option("--precision", type=click.Choice(["f32", "bf16", "bf16-mixed"]), default="f32", show_default=True,
-              help="bf16: weights and every op in bfloat16; bf16-mixed: matmuls/convolutions in bfloat16, softmax, norms and reductions in f32.")
-@click.option("--matmul-precision", type=click.Choice(["default", "high", "highest"]), default="default", show_default=True,
-              help="TPU arithmetic of every dot/convolution: one bf16 pass, bf16x3, or f32 accuracy (six passes).")
-@click.option("--input", "inputs", multiple=True, metavar="NAME:D0,D1,...[:DTYPE]", help="Input of a pickled model (repeat, in order).")
-@click.option("--dim", "dims", multiple=True, metavar="NAME=MIN:MAX", help="A symbolic dim used by --input.")
-@click.option("--trust-pickle", is_flag=True, help="Allow unpickling a .pt/.pth module (pickles run code when loaded).")
+@source_and_target_options
 @click.option("--atol", type=float, help="Verification absolute tolerance [default per numeric setting].")
 @click.option("--rtol", type=float, help="Verification tolerance relative to each element [default per numeric setting].")
 @click.option("--scale-tol", type=float, help="Verification tolerance relative to each output's RMS [default per numeric setting].")
@@ -66,7 +89,8 @@ def main():
               help="Matmul GFLOP the optional verification sizes (max, mid) may add.")
 @click.option("--verify-size", "verify_sizes", multiple=True, metavar="DIM=S,DIM=S",
               help="Sizes that must also be verified (repeat for several; unnamed dims at their example size).")
-@click.option("--force", is_flag=True, help="Replace an existing artifact at --out.")
+@click.option("--scan/--no-scan", default=True, show_default=True,
+              help="Lower runs of identical blocks (a model's layers) as one scan, their weights stacked.")
 @click.option("--saved-model/--no-saved-model", default=True, show_default=True,
               help="Write a TF Serving SavedModel under tf_serving/ and check it in TensorFlow.")
 @click.option("--name", "model_name", help="TF Serving model name [default: SOURCE stem].")
@@ -76,20 +100,50 @@ def main():
 @click.option("--calibration", "calibration_file", type=click.Path(path_type=pathlib.Path),
               help="Calibration samples for --quantize int8: .npz/.safetensors, one array per input name, samples on axis 0.")
 @click.option("--random-calibration", is_flag=True, help="Calibrate --quantize int8 on random inputs (not real data; warned).")
-@click.option("--mesh", metavar="AXIS=SIZE,...",
-              help="Device mesh of slice targets, e.g. data=2,model=4 (sizes multiply to the slice's devices).")
-@click.option("--sharding", type=click.Choice(["replicated", "data-parallel", "tensor-parallel", "fsdp"]),
-              help="Sharding preset for slice targets [default: replicated].")
-@click.option("--shard", "shard_rules", multiple=True, metavar="REGEX=SPEC",
-              help="Lay out weights whose state_dict name matches REGEX, e.g. 'q_proj=model,None' (repeat; later rules win).")
-@click.option("--shard-input", "shard_inputs", multiple=True, metavar="NAME=SPEC",
-              help="Lay out one input, e.g. tokens=data,None (repeat).")
-@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
+@click.option("--weights/--no-weights", "weights", default=True, show_default=True,
+              help="--no-weights: a plan, as `tpuexport plan` (compiled from the weights' shapes; not verified, no SavedModel).")
 @handles_errors
-def convert(source, targets, out, buckets, precision, matmul_precision, inputs, dims, trust_pickle, atol, rtol, scale_tol,
-            verify_budget, verify_sizes, force, saved_model, model_name, model_version, quantize, calibration_file,
-            random_calibration, mesh, sharding, shard_rules, shard_inputs, as_json):
+def convert(source, targets, out, buckets, precision, matmul_precision, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
+            shard_inputs, as_json, atol, rtol, scale_tol, verify_budget, verify_sizes, scan, saved_model, model_name, model_version, quantize,
+            calibration_file, random_calibration, weights):
     """Convert SOURCE (model.pt2, file.py:factory, or model.pt with --trust-pickle) into an artifact."""
+    overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
+    if verify_budget < 0:
+        raise TpuExportError(f"--verify-budget {verify_budget:g} is negative; give GFLOP >= 0 (0 runs only the sizes every conversion runs)")
+    _convert_source(
+        source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json,
+        precision=precision, matmul_precision=matmul_precision, tolerance_overrides=overrides, verify_budget_flops=verify_budget * 1e9,
+        verify_sizes=tuple(parse_sizes(text, "--verify-size") for text in verify_sizes), overwrite=force,
+        scan=scan, saved_model=saved_model and weights, model_name=model_name, model_version=model_version, quantize=quantize,
+        calibration_file=calibration_file, random_calibration=random_calibration, weights=weights,
+    )
+
+
+@main.command()
+@click.argument("source")
+@source_and_target_options
+@handles_errors
+def plan(source, targets, out, buckets, precision, matmul_precision, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
+         shard_inputs, as_json):
+    """Plan SOURCE without weights (e.g. a model built on the meta device): compile for every target and bucket with the
+    sharding plan and report per-chip HBM; no verification, no weights in the artifact."""
+    _convert_source(source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json,
+                    precision=precision, matmul_precision=matmul_precision, overwrite=force, saved_model=False, weights=False)
+
+
+def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pickle: bool, sharding_options: tuple, as_json: bool,
+                    **options) -> None:
+    """Loads SOURCE, runs the conversion (or plan) and prints the outcome.
+
+    Args:
+      source: the SOURCE argument.
+      targets, out, buckets, inputs, dims, trust_pickle: the shared options as click gives them.
+      sharding_options: (--mesh, --sharding, --shard rules, --shard-input rules).
+      as_json: print the summary as JSON on stdout.
+      **options: the remaining ConversionOptions fields (model_name None for the source's stem).
+    Raises:
+      TpuExportError: bad input; VerificationError: the conversion did not verify.
+    """
     from tpuexport import compile as compile_stage
     from tpuexport import export as export_stage
     from tpuexport.pipeline import ConversionOptions, run_conversion
@@ -101,23 +155,18 @@ def convert(source, targets, out, buckets, precision, matmul_precision, inputs, 
     input_specs = [export_stage.parse_input(text, by_name) for text in inputs]
     bucket_sizes = compile_stage.parse_bucket_options(buckets)
     compile_stage.resolve_targets(list(targets))
-    sharding_request = compile_stage.make_request(mesh, sharding, shard_rules, shard_inputs)
-    overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
-    if verify_budget < 0:
-        raise TpuExportError(f"--verify-budget {verify_budget:g} is negative; give GFLOP >= 0 (0 runs only the sizes every conversion runs)")
+    sharding_request = compile_stage.make_request(*sharding_options)
     source_stem = pathlib.Path(source.partition(":")[0] if ".py:" in source else source).stem
-    out = out or pathlib.Path(source_stem + ".tpu")
-    options = ConversionOptions(
-        tuple(targets), out, buckets=bucket_sizes or None, precision=precision, matmul_precision=matmul_precision,
-        tolerance_overrides=overrides, verify_budget_flops=verify_budget * 1e9,
-        verify_sizes=tuple(parse_sizes(text, "--verify-size") for text in verify_sizes), overwrite=force, saved_model=saved_model,
-        model_name=model_name or source_stem, model_version=model_version,
-        quantize=quantize, calibration_file=calibration_file, random_calibration=random_calibration, sharding=sharding_request,
-    )
+    options["model_name"] = options.get("model_name") or source_stem
+    conversion = ConversionOptions(tuple(targets), out or pathlib.Path(source_stem + ".tpu"), buckets=bucket_sizes or None,
+                                   sharding=sharding_request, **options)
 
     loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs)
-    artifact = run_conversion(loaded, options, progress=_print_stage)
-    stderr.print(f"[bold green]converted[/] {source} -> {artifact.path}")
+    artifact = run_conversion(loaded, conversion, progress=_print_stage)
+    if artifact.plan_only:
+        stderr.print(f"[bold green]planned[/] {source} -> {artifact.path} (plan only: no weights, not verified)", soft_wrap=True)
+    else:
+        stderr.print(f"[bold green]converted[/] {source} -> {artifact.path}", soft_wrap=True)
     for warning in artifact.manifest.get("quantization", {}).get("warnings", []):
         stderr.print(f"[bold yellow]WARNING:[/] {warning}", soft_wrap=True)
     if as_json:
@@ -150,9 +199,10 @@ def summary(artifact) -> dict:
         "artifact": str(artifact.path),
         "format_version": manifest["format_version"],
         "source": manifest["source"],
+        "plan_only": artifact.plan_only,
         "precision": manifest["precision"],
         "signature": manifest["signature"],
-        "verification": {"passed": manifest["verification"]["passed"], "cases": manifest["verification"]["cases"]},
+        "verification": {key: manifest["verification"][key] for key in ("passed", "status", "cases") if key in manifest["verification"]},
         "targets": {
             name: [
                 {k: bucket[k] for k in ("name", "sizes", "executable", "memory", "cost", "fits_in_hbm", "hbm_utilization", "collectives")
@@ -164,6 +214,7 @@ def summary(artifact) -> dict:
         **({"sharding": {name: target["sharding"] for name, target in manifest["targets"].items() if "sharding" in target}}
            if any("sharding" in target for target in manifest["targets"].values()) else {}),
         "build": manifest["build"],
+        "scanned": [{k: run[k] for k in ("module", "first", "count")} for run in manifest.get("scanned", [])],
         **({"quantization": manifest["quantization"]} if "quantization" in manifest else {}),
         **({"tf_serving": manifest["tf_serving"]} if "tf_serving" in manifest else {}),
     }
@@ -184,8 +235,10 @@ def inspect(artifact_dir, as_json):
         return
     console = Console(highlight=False, width=200)
     signature = artifact.signature
+    verification = ("plan only (no weights, not verified)" if artifact.plan_only
+                    else f"verification {'passed' if data['verification']['passed'] else 'FAILED'}")
     console.print(f"[bold]{artifact.path}[/]  source {data['source']['reference'] or data['source']['kind']}, "
-                  f"precision {data['precision']}, verification {'passed' if data['verification']['passed'] else 'FAILED'}")
+                  f"precision {data['precision']}, {verification}")
     for dim in signature.dims:
         console.print(f"  dim {dim.name}: {dim.range_text} (example {dim.example})")
     for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
@@ -195,6 +248,8 @@ def inspect(artifact_dir, as_json):
         split = {weight: spec for weight, spec in plan["weights"].items() if any(entry is not None for entry in spec)}
         console.print(f"  {name}: mesh {describe_mesh(plan['mesh'])}, {plan['preset']}, {len(split)}/{len(plan['weights'])} weights split; "
                       f"inputs {', '.join(f'{n} {describe_spec(spec)}' for n, spec in plan['inputs'].items())}")
+    for run in data["scanned"]:
+        console.print(f"  scanned {run['module']} {run['first']}-{run['first'] + run['count'] - 1} ({run['count']} blocks, weights stacked)")
     table = Table("target", "bucket", "HBM per chip", "of HBM", "collectives", "GFLOP", "est. µs", "executable")
     for name, buckets in data["targets"].items():
         for bucket in buckets:
@@ -233,7 +288,7 @@ def describe_collectives(collectives: dict | None) -> str:
 @click.option("--against", metavar="SOURCE", help="Reload the original model (file.py:factory, .pt2) and compare on fresh inputs.")
 @handles_errors
 def verify(artifact_dir, as_json, junit_path, recompile, strict, against):
-    """Check an artifact before release: file hashes, golden outputs, SavedModel; exit 1 if a check fails."""
+    """Check an artifact before release: file hashes, golden outputs, SavedModel; exit 1 if a check fails (always for a plan)."""
     from tpuexport.verify.gate import verify_artifact, write_junit
 
     report = verify_artifact(artifact_dir, recompile=recompile, strict=strict, against=against)
@@ -243,7 +298,8 @@ def verify(artifact_dir, as_json, junit_path, recompile, strict, against):
         click.echo(json.dumps(report.to_json(), indent=2))
     else:
         _print_gate_table(report)
-    failed = ", ".join(check.name for check in report.failures())
+    failed = "plan only (no weights, not verified): nothing to verify" if report.plan_only else ", ".join(
+        check.name for check in report.failures())
     stderr.print(f"[bold green]verify passed[/] {report.artifact}" if report.passed
                  else f"[bold red]verify failed[/] {report.artifact}: {failed}", soft_wrap=True)
     sys.exit(report.exit_code)

@@ -13,6 +13,10 @@
            (with the TF Serving SavedModel, checked in TensorFlow before the rename, and the
            quantization report; the executables once compile is done)
 
+A plan (`weights=False`, `tpuexport plan`, for models larger than the build machine, built on the
+meta device) runs export, lower (from the weights' shapes and dtypes; no weight is read), plan,
+compile and write: no quantization, verification or SavedModel, and no weights in the artifact.
+
 What is independent overlaps: the TensorFlow process that checks the SavedModel imports TensorFlow
 from the start, and the TPU compiler works while verify and the SavedModel run. A failure anywhere
 kills the background processes; nothing is written but a failed verification's report.
@@ -56,6 +60,9 @@ class ConversionOptions:
       verify_budget_flops: matmul FLOPs the optional verification sizes may add (verify/sizes.py).
       verify_sizes: dim sizes that must be verified ({dim: size}; other dims at their example size).
       overwrite: replace an existing artifact at `out`.
+      scan: lower runs of identical blocks (a model's layers) as one jax.lax.scan each, their
+        weights stacked (lower/scan.py); False lowers every block on its own. Slice targets
+        (sharding plans) always get the unrolled program.
       saved_model: also write the TF Serving SavedModel (tf_serving/) and check it in TensorFlow.
       model_name: TF Serving's model name, or None for the stem of `out`.
       model_version: TF Serving's version number.
@@ -65,6 +72,9 @@ class ConversionOptions:
       random_calibration: allow static int8 without samples, calibrated on random inputs (warned).
       sharding: mesh, preset and rules for slice targets (compile.make_request); the default lays
         every weight and input whole on every device of a slice.
+      weights: False for a plan: lowered from the weights' shapes alone and compiled, not verified;
+        the artifact has no weights, golden data or SavedModel (the verification, quantization and
+        SavedModel options do not apply).
     """
 
     targets: tuple[str, ...]
@@ -76,6 +86,7 @@ class ConversionOptions:
     verify_budget_flops: float = verify_stage.DEFAULT_BUDGET_FLOPS
     verify_sizes: tuple[dict[str, int], ...] = ()
     overwrite: bool = False
+    scan: bool = True
     saved_model: bool = True
     model_name: str | None = None
     model_version: int = 1
@@ -84,6 +95,11 @@ class ConversionOptions:
     calibration_file: pathlib.Path | None = None
     random_calibration: bool = False
     sharding: compile_stage.ShardingRequest = compile_stage.ShardingRequest()
+    weights: bool = True
+
+
+# The one line a model without weights gets from a conversion that needs them.
+META_WEIGHTS_ERROR = "the model's weights are on the meta device; use `tpuexport plan` or --no-weights"
 
 
 class StageClock:
@@ -130,28 +146,21 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
       options: what to build.
       progress: optional callable (stage, seconds, detail) called as each stage ends.
     Returns:
-      The written Artifact.
+      The written Artifact (a plan-only one when `options.weights` is False).
     Raises:
-      TpuExportError: bad input (exit code 2); nothing is written.
+      TpuExportError: bad input (exit code 2), including a model whose weights are on the meta
+        device without `options.weights` False; nothing is written.
       VerificationError: the lowered program or its TF SavedModel does not match eager PyTorch
         (exit code 1); only the verification report is written, next to `out`.
     """
-    targets = compile_stage.resolve_targets(list(options.targets))
-    slices = [target for target in targets if target.is_slice]
-    if options.sharding != compile_stage.ShardingRequest() and not slices:
-        chips = ", ".join(t.name for t in targets)
-        raise TpuExportError(f"sharding options need a slice target such as v5e-8; {chips} "
-                             f"{'is a single chip' if len(targets) == 1 else 'are single chips'} (see `tpuexport targets`)")
-    for target in slices:
-        compile_stage.resolve_mesh(options.sharding, target)
-    artifact_stage.check_destination(options.out, options.overwrite)
-    if options.precision not in lower_stage.PRECISIONS:
-        raise TpuExportError(f"unknown precision {options.precision!r}; use one of {', '.join(lower_stage.PRECISIONS)}")
-    if options.matmul_precision not in lower_stage.MATMUL_PRECISIONS:
-        raise TpuExportError(f"unknown matmul precision {options.matmul_precision!r}; use one of {', '.join(lower_stage.MATMUL_PRECISIONS)}")
+    targets, slices = _check_options(options)
+    clock = StageClock(progress)
+    if not options.weights:
+        return _run_plan(loaded, options, targets, slices, clock)
+    if export_stage.weights_on_meta(loaded.model):
+        raise TpuExportError(f"{META_WEIGHTS_ERROR} (tpuexport.plan or convert(weights=False) in Python)")
     model_name = serving_stage.check_model_name(options.model_name or serving_stage.default_model_name(options.out))
     serving_stage.check_model_version(options.model_version)
-    clock = StageClock(progress)
     with contextlib.ExitStack() as running:
         # TensorFlow's import (seconds) overlaps export and lowering in the checking process.
         scratch = running.enter_context(_scratch_directory(options.out))
@@ -165,9 +174,12 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             captured = quantized.captured
         buckets = compile_stage.make_buckets(captured.signature, options.buckets)
         requested_sizes = verify_stage.resolve_requested_sizes(captured.signature, options.verify_sizes)
-        with clock.stage("lower", lambda: f"{len(lowered.weights)} weight arrays, precision {options.precision}, "
-                                          f"matmul precision {options.matmul_precision}"):
-            lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision)
+        with clock.stage("lower", lambda: f"{len(lowered.weight_names)} weight arrays, precision {options.precision}, "
+                                          f"matmul precision {options.matmul_precision}; {_describe_scans(lowered.scanned)}"):
+            # Sharding plans and --shard rules address each layer's weights by its state_dict name and
+            # shape, so programs for slices keep their blocks unrolled.
+            lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
+                                        options.scan and not slices)
 
         if options.saved_model:
             # Before verification and compilation: a program TensorFlow cannot load fails in seconds;
@@ -175,17 +187,10 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             with clock.stage("tensorflow", lambda: "TensorFlow loads the program; it saves the SavedModel meanwhile"):
                 saved_model_build = serving_stage.SavedModelBuild(lowered, tensorflow, scratch)
 
-        plans = {}
-        for target in slices:
-            with clock.stage(f"plan {target.name}", lambda: _describe_plan(plans[target.name])):
-                plans[target.name] = compile_stage.plan_sharding(options.sharding, target, lowered.weight_names, lowered.weights,
-                                                                 lowered.signature, buckets)
-
-        def compiled_one(result: compile_stage.CompiledBucket) -> None:
-            clock.event(f"compile {result.target.name} {result.bucket.name}", result.compile_seconds, _describe_compiled(result))
+        plans = _plan_slices(options.sharding, slices, lowered, buckets, clock)
 
         # The TPU compiler runs in its own processes from here on, while verify and the SavedModel run.
-        compiling = running.enter_context(compile_stage.CompileJob(lowered, targets, buckets, compiled_one, plans))
+        compiling = running.enter_context(compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock), plans))
         with clock.stage("verify", lambda: _describe_verification(report)):
             tolerances = verify_stage.with_overrides(
                 verify_stage.default_tolerances(options.precision, options.matmul_precision, quantized is not None),
@@ -231,6 +236,89 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             except serving_stage.SavedModelMismatch as mismatch:
                 raise VerificationError(report, _write_failed_report(options.out, mismatch.report), mismatch.summary) from None
     return artifact_stage.load(options.out)
+
+
+def _check_options(options: ConversionOptions) -> tuple[list, list]:
+    """Checks what can be checked before any work: targets, mesh sizes, destination, precisions.
+
+    Returns:
+      (targets, the slice targets among them).
+    Raises:
+      TpuExportError: the first bad option.
+    """
+    targets = compile_stage.resolve_targets(list(options.targets))
+    slices = [target for target in targets if target.is_slice]
+    if options.sharding != compile_stage.ShardingRequest() and not slices:
+        chips = ", ".join(t.name for t in targets)
+        raise TpuExportError(f"sharding options need a slice target such as v5e-8; {chips} "
+                             f"{'is a single chip' if len(targets) == 1 else 'are single chips'} (see `tpuexport targets`)")
+    for target in slices:
+        compile_stage.resolve_mesh(options.sharding, target)
+    artifact_stage.check_destination(options.out, options.overwrite)
+    if options.precision not in lower_stage.PRECISIONS:
+        raise TpuExportError(f"unknown precision {options.precision!r}; use one of {', '.join(lower_stage.PRECISIONS)}")
+    if options.matmul_precision not in lower_stage.MATMUL_PRECISIONS:
+        raise TpuExportError(f"unknown matmul precision {options.matmul_precision!r}; use one of {', '.join(lower_stage.MATMUL_PRECISIONS)}")
+    if options.quantize and not options.weights:
+        raise TpuExportError("--quantize needs the model's weights (it calibrates and rounds them); plan without it")
+    return targets, slices
+
+
+def _run_plan(loaded: export_stage.LoadedSource, options: ConversionOptions, targets: list, slices: list,
+              clock: StageClock) -> artifact_stage.Artifact:
+    """A conversion without weights: export, lower from shapes, plan, compile, write.
+
+    Args:
+      loaded: the source; its weights may be on the meta device (they are never read).
+      options: what to build (`options.weights` is False).
+      targets: the resolved targets; slices: those that are slices.
+      clock: times the stages.
+    Returns:
+      The plan-only Artifact (manifest "plan_only": true).
+    Raises:
+      TpuExportError: bad input, a failed export or lowering, or a bucket that does not fit a
+        device's HBM (naming the largest buffers).
+    """
+    with clock.stage("export", lambda: _describe_dims(captured.signature)):
+        captured = export_stage.capture(export_stage.with_meta_inputs(loaded))
+    buckets = compile_stage.make_buckets(captured.signature, options.buckets)
+    with clock.stage("lower", lambda: f"{len(lowered.weight_names)} weight shapes ({lowered.weight_bytes / 2**30:.2f} GiB, "
+                                      f"not read), precision {options.precision}, matmul precision {options.matmul_precision}; "
+                                      f"{_describe_scans(lowered.scanned)}"):
+        lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
+                                    options.scan and not slices, weights=False)
+    plans = _plan_slices(options.sharding, slices, lowered, buckets, clock)
+    with compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock), plans) as compiling:
+        report = compiling.result()
+    clock.record("compile", compiling.seconds, f"{len(report.results)} executable(s)")
+    with clock.stage("write", lambda: f"{options.out} (plan only: no weights, not verified)"):
+        artifact_stage.write_artifact(options.out, source=captured.source, lowered=lowered, compiled=lambda: report, verification=None,
+                                      stage_seconds=clock.seconds, overwrite=options.overwrite)
+    return artifact_stage.load(options.out)
+
+
+def _plan_slices(request: compile_stage.ShardingRequest, slices: list, lowered: lower_stage.LoweredProgram,
+                 buckets: list, clock: StageClock) -> dict[str, compile_stage.ShardingPlan]:
+    """The sharding plan of every slice target, from the weights' shapes (arrays are not needed).
+
+    Returns:
+      {slice target name: ShardingPlan}.
+    """
+    plans = {}
+    for target in slices:
+        with clock.stage(f"plan {target.name}", lambda: _describe_plan(plans[target.name])):
+            plans[target.name] = compile_stage.plan_sharding(request, target, lowered.weight_names, lowered.weight_specs,
+                                                             lowered.signature, buckets)
+    return plans
+
+
+def _compiled_event(clock: StageClock) -> Callable[[compile_stage.CompiledBucket], None]:
+    """Reports each executable as it is compiled (from the compile job's threads)."""
+
+    def compiled_one(result: compile_stage.CompiledBucket) -> None:
+        clock.event(f"compile {result.target.name} {result.bucket.name}", result.compile_seconds, _describe_compiled(result))
+
+    return compiled_one
 
 
 def _quantize(captured: export_stage.CapturedModel, options: ConversionOptions, clock: StageClock):
@@ -305,6 +393,13 @@ def _describe_compiled(result: compile_stage.CompiledBucket) -> str:
         exchanged = ", ".join(f"{kind} x{entry['count']} ({entry['bytes'] / 2**20:.2f} MiB)" for kind, entry in result.collectives.items())
         text += f"; {exchanged or 'no collectives'}"
     return text
+
+
+def _describe_scans(scanned: tuple[dict, ...]) -> str:
+    """"scanned model.layers (32 blocks)", or "no layers scanned"."""
+    if not scanned:
+        return "no layers scanned"
+    return "scanned " + ", ".join(f"{run['module']} ({run['count']} blocks)" for run in scanned)
 
 
 def _describe_dims(signature) -> str:

@@ -26,15 +26,18 @@ REQUIRED_MANIFEST_ENTRIES = {
     "signature": dict,
     "program": dict,
     "program.exported": str,
-    "program.weights": str,
     "program.weight_names": list,
     "program.matmul_flops": str,
     "targets": dict,
     "verification": dict,
+    "files": dict,
+}
+# What a converted (verified) artifact has beyond that; a plan has no weights and no golden data.
+VERIFIED_MANIFEST_ENTRIES = {
+    "program.weights": str,
     "verification.tolerances": dict,
     "verification.golden": str,
     "verification.cases": list,
-    "files": dict,
 }
 
 
@@ -51,7 +54,12 @@ class Artifact:
         self.manifest = manifest
 
     def __repr__(self) -> str:
-        return f"Artifact({str(self.path)!r}, targets={list(self.manifest['targets'])})"
+        return f"Artifact({str(self.path)!r}, targets={list(self.manifest['targets'])}{', plan only' if self.plan_only else ''})"
+
+    @property
+    def plan_only(self) -> bool:
+        """True for a plan: compiled from the weights' shapes, with no weights, never verified."""
+        return bool(self.manifest.get("plan_only", False))
 
     @functools.cached_property
     def signature(self) -> ProgramSignature:
@@ -59,13 +67,17 @@ class Artifact:
 
     @functools.cached_property
     def program(self) -> LoweredProgram:
-        """The lowered program and weights, read back from the artifact."""
+        """The lowered program and weights, read back from the artifact (a plan's has no weights:
+        it recompiles but does not run)."""
         program = self.manifest["program"]
         exported = jax.export.deserialize(bytearray((self.path / program["exported"]).read_bytes()))
-        arrays = load_arrays((self.path / program["weights"]).read_bytes())
-        weights = tuple(arrays[name] for name in program["weight_names"])
+        weights = None
+        if not self.plan_only:
+            arrays = load_arrays((self.path / program["weights"]).read_bytes())
+            weights = tuple(arrays[name] for name in program["weight_names"])
         return LoweredProgram(exported, tuple(program["weight_names"]), weights, self.signature, self.manifest["precision"],
-                              self.manifest["matmul_precision"], program["matmul_flops"])
+                              self.manifest["matmul_precision"], program["matmul_flops"],
+                              scanned=tuple(self.manifest.get("scanned", ())))
 
     def run(self, *inputs):
         """Runs the lowered StableHLO on CPU.
@@ -76,7 +88,7 @@ class Artifact:
           The outputs structured as the model returns them (tensor, tuple, dict), as torch tensors
           in the model's dtypes.
         Raises:
-          TpuExportError: wrong number of inputs or sizes outside the dims' ranges.
+          TpuExportError: a plan (no weights), wrong number of inputs or sizes outside the dims' ranges.
         """
         arrays = [value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value) for value in inputs]
         outputs = self.program.run(arrays)
@@ -87,7 +99,9 @@ class Artifact:
         return pytree.tree_unflatten(tensors, pytree.treespec_loads(self.signature.output_tree))
 
     def golden_cases(self) -> list[tuple[dict, list[np.ndarray], list[np.ndarray]]]:
-        """The stored golden cases: (sizes, inputs, eager outputs) each, in signature order."""
+        """The stored golden cases: (sizes, inputs, eager outputs) each, in signature order (none for a plan)."""
+        if self.plan_only:
+            return []
         arrays = load_arrays((self.path / self.manifest["verification"]["golden"]).read_bytes())
         cases = []
         for index, case in enumerate(self.manifest["verification"]["cases"]):
@@ -119,7 +133,8 @@ def load(path) -> Artifact:
             f"{root} has artifact format version {manifest.get('format_version')!r}; this tpuexport reads version "
             f"{layout.FORMAT_VERSION}, install the tpuexport that wrote it"
         )
-    for path, kind in REQUIRED_MANIFEST_ENTRIES.items():
+    required = REQUIRED_MANIFEST_ENTRIES if manifest.get("plan_only") else {**REQUIRED_MANIFEST_ENTRIES, **VERIFIED_MANIFEST_ENTRIES}
+    for path, kind in required.items():
         value = manifest
         for key in path.split("."):
             value = value.get(key) if isinstance(value, dict) else None

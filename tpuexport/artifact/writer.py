@@ -63,7 +63,7 @@ def write_artifact(
     source: SourceInfo,
     lowered: LoweredProgram,
     compiled: Callable[[], CompileReport],
-    verification: VerificationReport,
+    verification: VerificationReport | None,
     stage_seconds: dict[str, float],
     overwrite: bool = False,
     extra_writers=(),
@@ -75,10 +75,11 @@ def write_artifact(
     Args:
       out: the artifact directory to create (or replace, with overwrite).
       source: where the model came from.
-      lowered: the lowered program and weights.
+      lowered: the lowered program and weights (a plan without weights writes no weights file).
       compiled: returns the TPU executables and their figures; called once the program files and
         the extra writers are done, so that compilation running in the background overlaps them.
-      verification: the passed verification report with golden data.
+      verification: the passed verification report with golden data, or None for a plan
+        (`lowered.plan_only`): no report, no golden data, and the manifest says "plan_only": true.
       stage_seconds: wall time per stage, recorded under "build" (read when the manifest is
         written, after `compiled` returned).
       overwrite: replace an existing artifact.
@@ -114,20 +115,15 @@ def write_artifact(
             "calling_convention_version": exported.calling_convention_version,
             "platforms": list(exported.platforms),
             "call": "exported.call(weights, inputs): two lists, in weight_names and signature.inputs order",
-            "weights": move(weights_file, layout.WEIGHTS) if weights_file else put(
-                layout.WEIGHTS, save_arrays(dict(zip(lowered.weight_names, lowered.weights)))),
+            "weights": _weights_file(lowered, weights_file, put, move),
             "weight_names": list(lowered.weight_names),
-            "weight_bytes": int(sum(w.nbytes for w in lowered.weights)),
+            "weight_bytes": lowered.weight_bytes,
             "matmul_flops": lowered.matmul_flops,
         }
-        report = verification.to_json()
-        if sharded_verification:
-            report["sharded"] = list(sharded_verification)
-        put(layout.VERIFICATION_REPORT, json.dumps(report, indent=2) + "\n")
-        put(layout.GOLDEN, save_arrays(verification.golden))
         manifest = {
             "format": layout.FORMAT,
             "format_version": layout.FORMAT_VERSION,
+            "plan_only": lowered.plan_only,
             "versions": package_versions(),
             "source": {"kind": source.kind, "path": source.path, "sha256": source.sha256, "reference": source.reference},
             "precision": lowered.precision,
@@ -135,8 +131,17 @@ def write_artifact(
             "signature": lowered.signature.to_json(),
             "program": program,
             "targets": {},
-            "verification": verification_section(verification),
+            "verification": dict(PLAN_VERIFICATION) if verification is None else verification_section(verification),
+            # Runs of identical blocks lowered as one scan: module path, blocks, and which
+            # state_dict names each stacked weight (among program.weight_names) holds.
+            "scanned": list(lowered.scanned),
         }
+        if verification is not None:
+            report = verification.to_json()
+            if sharded_verification:
+                report["sharded"] = list(sharded_verification)
+            put(layout.VERIFICATION_REPORT, json.dumps(report, indent=2) + "\n")
+            put(layout.GOLDEN, save_arrays(verification.golden))
         if sharded_verification:
             manifest["verification"]["sharded"] = [
                 {key: entry[key] for key in ("targets", "passed", "devices", "mesh", "collectives")}
@@ -186,6 +191,23 @@ def write_artifact(
         manifest["files"] = hash_tree(staging)
         put(layout.MANIFEST, dumps(manifest))
     return manifest
+
+
+# The manifest's "verification" block of a plan: nothing ran, and it says so.
+PLAN_VERIFICATION = {"passed": None, "status": "not verified: plan only"}
+
+
+def _weights_file(lowered: LoweredProgram, weights_file: pathlib.Path | None, put, move) -> str | None:
+    """Puts the weights into the artifact: moves the file already written, else writes them.
+
+    Returns:
+      The weights file's path in the artifact, or None for a plan (no weights).
+    """
+    if lowered.plan_only:
+        return None
+    if weights_file:
+        return move(weights_file, layout.WEIGHTS)
+    return put(layout.WEIGHTS, save_arrays(dict(zip(lowered.weight_names, lowered.weights))))
 
 
 def verification_section(verification: VerificationReport) -> dict:

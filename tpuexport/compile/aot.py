@@ -202,7 +202,7 @@ def _per_device(target: Target) -> str:
 
 
 def _largest_buffers(lowered: LoweredProgram, plan: ShardingPlan | None, bucket: Bucket) -> str:
-    return describe_buffers(per_device_buffers(plan, lowered.weight_names, lowered.weights, lowered.signature, bucket))
+    return describe_buffers(per_device_buffers(plan, lowered.weight_names, lowered.weight_specs, lowered.signature, bucket))
 
 
 def compile_target(
@@ -240,7 +240,8 @@ def compile_target(
             "exported": str(exported_path),
             "topology": target.topology,
             "out_dir": scratch,
-            "weights": [[list(w.shape), str(w.dtype)] for w in lowered.weights],
+            # Shapes only: the compiler never sees a weight's values (nor needs them, for a plan).
+            "weights": [[list(w.shape), str(w.dtype)] for w in lowered.weight_specs],
             "buckets": [
                 {"inputs": [[list(spec.concrete_shape(bucket.as_dict())), spec.dtype] for spec in lowered.signature.inputs]}
                 for bucket in buckets

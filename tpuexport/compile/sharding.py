@@ -242,7 +242,7 @@ def make_request(mesh=None, sharding: str | None = None, rules: Iterable = (), i
     return ShardingRequest(parse_mesh(mesh), preset, parsed(rules, "--shard"), parsed(input_rules, "--shard-input"))
 
 
-def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequence[str], weights: Sequence[np.ndarray],
+def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequence[str], weights: Sequence,
                   signature: ProgramSignature, buckets: Sequence[Bucket]) -> ShardingPlan:
     """Resolves a request against a slice target and the lowered program.
 
@@ -250,7 +250,8 @@ def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequen
       request: what the user asked for.
       target: a slice target (`target.is_slice`).
       weight_names: the program's state_dict names, in call order.
-      weights: the weight arrays (or anything with .shape and .dtype), in call order.
+      weights: the weights' shapes and dtypes (LoweredProgram.weight_specs, or arrays: anything
+        with .shape and .dtype), in call order.
       signature: the program's inputs and dims.
       buckets: the sizes that will be compiled (every split input dim must divide at each).
     Returns:
@@ -426,14 +427,14 @@ def shard_shape(shape: Sequence[int], spec: Spec, sizes: dict[str, int]) -> tupl
     return tuple(size // part for size, part in zip(shape, parts))
 
 
-def per_device_buffers(plan: ShardingPlan | None, weight_names: Sequence[str], weights: Sequence[np.ndarray],
+def per_device_buffers(plan: ShardingPlan | None, weight_names: Sequence[str], weights: Sequence,
                        signature: ProgramSignature, bucket: Bucket) -> list[tuple[str, int]]:
     """Bytes of every weight and input one device holds at a bucket, largest first.
 
     Args:
       plan: the plan, or None for a single chip (everything whole).
       weight_names: the weights' state_dict names, in call order.
-      weights: the weight arrays (shape and dtype are read), in call order.
+      weights: the weights' shapes and dtypes (ShapeDtypeStructs or arrays), in call order.
       signature: the program's inputs.
       bucket: the dim sizes.
     Returns:

@@ -1,6 +1,6 @@
 """Export stage: load a source, capture it with torch.export, name its signature."""
 
-from tpuexport.export.capture import CapturedModel, capture, describe, torch_dynamic_shapes
+from tpuexport.export.capture import CapturedModel, capture, describe, torch_dynamic_shapes, weights_on_meta, with_meta_inputs
 from tpuexport.export.sources import LoadedSource, SourceInfo, load_source
 from tpuexport.export.specs import DimSpec, InputSpec, example_args, parse_dim, parse_input
 
@@ -17,4 +17,6 @@ __all__ = [
     "parse_dim",
     "parse_input",
     "torch_dynamic_shapes",
+    "weights_on_meta",
+    "with_meta_inputs",
 ]

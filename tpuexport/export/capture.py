@@ -61,6 +61,40 @@ def capture(source: LoadedSource) -> CapturedModel:
     return CapturedModel(program, reference, signature, example_inputs, source.info, source.calibration)
 
 
+def weights_on_meta(model) -> bool:
+    """Whether a model's weights live on the meta device (shapes without values: it can be
+    planned and compiled, not run).
+
+    Args:
+      model: an nn.Module (its parameters and buffers) or an ExportedProgram (its state and
+        lifted constants).
+    Returns:
+      True when any of them is a meta tensor.
+    """
+    if isinstance(model, torch.export.ExportedProgram):
+        tensors = [*model.state_dict.values(), *model.constants.values()]
+    else:
+        tensors = [*model.parameters(), *model.buffers()]
+    return any(isinstance(tensor, torch.Tensor) and tensor.is_meta for tensor in tensors)
+
+
+def with_meta_inputs(source: LoadedSource) -> LoadedSource:
+    """The source with its example inputs moved to the meta device when its weights are there.
+
+    torch.export refuses to mix devices (an nn.Linear with meta weights called on a CPU tensor
+    fails), and a model planned without weights needs only the inputs' shapes and dtypes.
+
+    Args:
+      source: the loaded source.
+    Returns:
+      `source` unchanged, or a copy whose example args are meta tensors.
+    """
+    if isinstance(source.model, torch.export.ExportedProgram) or not weights_on_meta(source.model):
+        return source
+    args = pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.to("meta"), source.args)
+    return dataclasses.replace(source, args=args)
+
+
 def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.ExportedProgram:
     try:
         with torch.no_grad():

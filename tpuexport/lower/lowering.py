@@ -8,8 +8,11 @@ Passes, in order:
   check_operators    every operator without a lowering, reported at once with user source lines
   unmerge_batched_matmuls  bmm over merged (batch, heads) dims back to one matmul over both, so
                      that sharding propagation sees them (after the FLOPs are counted on the bmm)
-  collect_weights    parameters, buffers and constants in the program's placeholder order
-  trace_and_export   torchax's interpreter traced by jax.export with one-scope symbolic dims
+  collect_weights    parameters, buffers and constants in the program's placeholder order (for a
+                     plan, collect_weight_specs: their shapes and dtypes only, nothing read)
+  find_runs          runs of identical blocks (a model's layers), their weights stacked (scan.py)
+  trace_and_export   torchax's interpreter traced by jax.export with one-scope symbolic dims, each
+                     run of blocks as one jax.lax.scan
   pin_precision      the matmul precision written on every dot and convolution (matmul_precision.py)
 and, beside the program, its matmul FLOPs as a polynomial in the dims (cost.py).
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Sequence
 
 import jax
@@ -32,12 +36,13 @@ from tpuexport.lower.cost import matmul_flops_expression
 from tpuexport.lower.custom_ops import custom_operator_decompositions
 from tpuexport.lower.graph_passes import expand_convolution_arguments, reshape_views, unmerge_batched_matmuls
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS, pin_matmul_precision
-from tpuexport.lower.mixed_precision import PRECISIONS, cast_arguments, cast_result, is_quantization_op, stored_weight
+from tpuexport.lower.mixed_precision import PRECISIONS, cast_arguments, cast_result, is_quantization_op, stored_dtype, stored_weight
 from tpuexport.lower.registry import own_lowering
+from tpuexport.lower.scan import ScannedRun, find_runs, run_scan, stack_weights
 from tpuexport.lower.op_support import find_unsupported, user_source
 from tpuexport.lower.shapes import symbolic_input_avals
 from tpuexport.lower.torchax_import import import_torchax
-from tpuexport.signature import ProgramSignature
+from tpuexport.signature import ProgramSignature, artifact_dtype
 
 PLATFORMS = ("cpu", "tpu")
 
@@ -52,7 +57,9 @@ class LoweredProgram:
     Attributes:
       exported: the jax.export.Exported (platforms cpu and tpu, symbolic dims, shape assertions).
       weight_names: state_dict-style names of the weights, in call order.
-      weights: the weight arrays, in call order (bfloat16 for precision "bf16").
+      weights: the weight arrays, in call order (bfloat16 for precision "bf16"), or None for a
+        plan (a model without weights, e.g. built on the meta device): the program then carries
+        the weights' shapes and dtypes only (`weight_specs`).
       signature: named inputs, outputs and dims.
       precision: "f32", "bf16" or "bf16-mixed" (mixed_precision.py).
       matmul_precision: the TPU matmul precision pinned on every dot and convolution
@@ -61,16 +68,36 @@ class LoweredProgram:
         (see cost.py; `cost.flops_at` evaluates it).
       graph: the decomposed torch program the lowering traced, op for op (in memory only, for
         op-by-op checks; None for a program read back from an artifact).
+      scanned: the runs of identical blocks lowered as one scan each (ScannedRun.to_json: module
+        path, blocks, stacked weight name -> state_dict names); empty when none.
     """
 
     exported: jax.export.Exported
     weight_names: tuple[str, ...]
-    weights: tuple[np.ndarray, ...]
+    weights: tuple[np.ndarray, ...] | None
     signature: ProgramSignature
     precision: str
     matmul_precision: str
     matmul_flops: str
     graph: torch.export.ExportedProgram | None = None
+    scanned: tuple[dict, ...] = ()
+
+    @property
+    def plan_only(self) -> bool:
+        """True for a program lowered from weight shapes alone: it compiles but cannot run."""
+        return self.weights is None
+
+    @functools.cached_property
+    def weight_specs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Every weight's shape and dtype, in call order: the program's first arguments, so they
+        are known with or without the arrays."""
+        avals = self.exported.in_avals[:len(self.weight_names)]
+        return tuple(jax.ShapeDtypeStruct(aval.shape, aval.dtype) for aval in avals)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all weights as the program stores them (whether or not the arrays are here)."""
+        return int(sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in self.weight_specs))
 
     @functools.cached_property
     def _device_weights(self):
@@ -86,8 +113,12 @@ class LoweredProgram:
         Returns:
           One numpy array per output, in the model's output dtypes.
         Raises:
-          TpuExportError: wrong number of inputs, or sizes outside the dims' ranges.
+          TpuExportError: a plan without weights, wrong number of inputs, or sizes outside the
+            dims' ranges.
         """
+        if self.plan_only:
+            raise TpuExportError("this is a plan without weights: it compiles for TPUs but cannot run; convert the model "
+                                 "with its weights to run it")
         specs = self.signature.inputs
         if len(inputs) != len(specs):
             raise TpuExportError(f"the program takes {len(specs)} inputs ({', '.join(s.name for s in specs)}), got {len(inputs)}")
@@ -117,6 +148,8 @@ def _check_integer_range(array: np.ndarray, spec) -> None:
 
 def lower(
     program: torch.export.ExportedProgram, signature: ProgramSignature, precision: str = "f32", matmul_precision: str = "default",
+    scan: bool = True,
+    weights: bool = True,
 ) -> LoweredProgram:
     """Lowers an exported program to StableHLO through torchax's op library.
 
@@ -127,6 +160,10 @@ def lower(
         (autocast-like, see mixed_precision.py); outputs in the model's dtypes either way.
       matmul_precision: the TPU arithmetic of dots and convolutions, pinned in the program
         ("default", "high" or "highest").
+      scan: lower runs of identical blocks (a model's layers) as one jax.lax.scan each, their
+        weights stacked (scan.py); False lowers every block on its own.
+      weights: False lowers from the weights' shapes and dtypes alone (a plan: no weight is read,
+        so the program's weights may be on the meta device); the result has `weights` None.
     Returns:
       The LoweredProgram.
     Raises:
@@ -142,10 +179,18 @@ def lower(
     # torch's FLOP counter knows bmm, not the matmul the next pass makes of it.
     flops = matmul_flops_expression(decomposed, signature)
     decomposed = unmerge_batched_matmuls(decomposed)
-    names, weights = collect_weights(decomposed, precision)
-    exported = trace_and_export(decomposed, signature, weights, precision)
+    runs = find_runs(decomposed) if scan else ()
+    if weights:
+        names, arrays = collect_weights(decomposed, precision)
+        stacked_names, stacked = stack_weights(names, arrays, runs)
+        specs = tuple(jax.ShapeDtypeStruct(array.shape, array.dtype) for array in stacked)
+    else:
+        names, placeholder_specs = collect_weight_specs(decomposed, precision)
+        (stacked_names, specs), stacked = stack_weights(names, placeholder_specs, runs), None
+    exported, before_scan = trace_and_export(decomposed, signature, names, stacked_names, specs, precision, runs)
     exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision])
-    return LoweredProgram(exported, names, weights, signature, precision, matmul_precision, flops, decomposed)
+    return LoweredProgram(exported, stacked_names, stacked, signature, precision, matmul_precision, flops, decomposed,
+                          tuple(run.to_json(before_scan[run.last_op]) for run in runs))
 
 
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -203,8 +248,37 @@ def collect_weights(program: torch.export.ExportedProgram, precision: str) -> tu
       weights become 32-bit (JAX runs with 32-bit defaults, like the TPU).
     """
     names, arrays = [], []
+    for name, tensor, quantization_input in _weight_tensors(program):
+        names.append(name)
+        arrays.append(stored_weight(_to_numpy(tensor.detach()), precision, quantization_input))
+    return tuple(names), tuple(arrays)
+
+
+def collect_weight_specs(program: torch.export.ExportedProgram, precision: str) -> tuple[tuple[str, ...], tuple[jax.ShapeDtypeStruct, ...]]:
+    """What `collect_weights` would return, as shapes and dtypes only: no tensor is read, so the
+    weights may be on the meta device (a plan of a model larger than this machine's memory).
+
+    Returns:
+      (names, ShapeDtypeStructs), in the dtypes `collect_weights` would store.
+    """
+    names, specs = [], []
+    for name, tensor, quantization_input in _weight_tensors(program):
+        exported_dtype = jnp.dtype(artifact_dtype(str(tensor.dtype).removeprefix("torch.")))
+        names.append(name)
+        specs.append(jax.ShapeDtypeStruct(tuple(tensor.shape), stored_dtype(exported_dtype, tensor.dim(), precision, quantization_input)))
+    return tuple(names), tuple(specs)
+
+
+def _weight_tensors(program: torch.export.ExportedProgram) -> list[tuple[str, torch.Tensor, bool]]:
+    """(name, tensor, whether a quantization op reads it) per parameter, buffer and lifted constant,
+    in placeholder order.
+
+    Raises:
+      TpuExportError: the program holds a non-tensor constant.
+    """
     state = {**program.state_dict, **program.constants}
     placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+    found = []
     for spec in program.graph_signature.input_specs:
         if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT:
             continue
@@ -212,9 +286,8 @@ def collect_weights(program: torch.export.ExportedProgram, precision: str) -> tu
         if not isinstance(tensor, torch.Tensor):
             raise TpuExportError(f"the program holds a non-tensor constant {spec.target!r}; tpuexport lowers tensor state only")
         quantization_input = any(is_quantization_op(user.target) for user in placeholders[spec.arg.name].users)
-        names.append(spec.target)
-        arrays.append(stored_weight(_to_numpy(tensor.detach()), precision, quantization_input))
-    return tuple(names), tuple(arrays)
+        found.append((spec.target, tensor, quantization_input))
+    return found
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -226,18 +299,32 @@ def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
 class _TracingInterpreter:
     """torchax's interpreter, remembering which node it is on so a failure can name it, running
     tpuexport's own lowerings (lower/registry.py) before torchax's, casting each op's operands and
-    result as the precision computes them (mixed_precision.py), and handing subgraphs (torch.cond's
-    branches) to the lowerings as functions of JAX arrays run by the same interpreter."""
+    result as the precision computes them (mixed_precision.py), handing subgraphs (torch.cond's
+    branches) to the lowerings as functions of JAX arrays run by the same interpreter, and computing
+    each run of identical blocks as one scan at the run's last op (its other ops are skipped)."""
 
-    def __init__(self, graph_module, precision: str = "f32"):
+    def __init__(self, graph_module, precision: str = "f32", runs: tuple[ScannedRun, ...] = ()):
         torchax = import_torchax()
         base = torchax.export.JaxInterpreter
         owner = self
+        run_at = {run.last_op: run for run in runs}
+        skipped = frozenset().union(*(run.ops for run in runs))
 
         class Interpreter(base):
             def run_node(self, node):
                 owner.node = node
+                if node in run_at:
+                    outputs, owner.before_scan[node] = run_scan(run_at[node], self.env.__getitem__, self.call_node, owner.weights)
+                    self.env.update(outputs)
+                    return outputs.get(node)
+                if node in skipped:
+                    return None
                 return super().run_node(node)
+
+            def call_node(self, node, args, kwargs):
+                """One op of a scan body, run as run_node would run it."""
+                owner.node = node
+                return self.call_function(node.target, args, kwargs)
 
             def call_function(self, target, args, kwargs):
                 args, kwargs = cast_arguments(precision, target, args, kwargs)
@@ -252,33 +339,52 @@ class _TracingInterpreter:
                 return value
 
         self.node = None
+        self.weights: dict = {}  # the program's weights by name while tracing, stacked ones among them
+        self.before_scan: dict = {}  # {run's last op: blocks run on their own before its scan}
         self.interpreter = Interpreter(graph_module)
+        # A scan reads values computed outside its run after their last use in graph order
+        # (the ops that used them are skipped), so no value is dropped early.
+        self.interpreter.garbage_collect_values = False
 
     def run(self, *args):
         return self.interpreter.run(*args, enable_io_processing=False)
 
 
-def trace_and_export(program, signature, weights, precision) -> jax.export.Exported:
+def trace_and_export(program, signature, placeholder_names, weight_names, weight_specs, precision,
+                     runs: tuple[ScannedRun, ...] = ()) -> tuple[jax.export.Exported, dict]:
     """Traces torchax's interpreter over the graph under jax.export for CPU and TPU.
 
+    Args:
+      program: the decomposed program.
+      signature: its named signature.
+      placeholder_names: state_dict names of the program's weight placeholders, in order.
+      weight_names: names of the program's weights, in call order (stacked ones for runs).
+      weight_specs: the weights' shapes and dtypes (anything with .shape and .dtype), in call order.
+      precision: one of PRECISIONS.
+      runs: runs of identical blocks to lower as scans (their weights among `weight_names`).
     Returns:
-      The Exported, called as `call(weights_list, inputs_list)`.
+      (the Exported, called as `call(weights_list, inputs_list)`; {run's last op: how many of its
+      blocks run before its scan}).
     """
     mutations = len(program.graph_signature.buffers_to_mutate)
     output_dtypes = [jnp.dtype(spec.dtype) for spec in signature.outputs]
     compute_dtype = jnp.bfloat16 if precision == "bf16" else None
-    tracer = _TracingInterpreter(program.graph_module, precision)
+    tracer = _TracingInterpreter(program.graph_module, precision, runs)
 
     def program_fn(weights_list, inputs_list):
         if compute_dtype is not None:
             inputs_list = [x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs_list]
-        outputs = tracer.run(*weights_list, *inputs_list)[mutations:]
+        tracer.weights = dict(zip(weight_names, weights_list))
+        # A stacked block weight's own placeholder is read by no op that runs, so it gets None.
+        placeholders = [tracer.weights.get(name) for name in placeholder_names]
+        outputs = tracer.run(*placeholders, *inputs_list)[mutations:]
         return [jnp.asarray(out).astype(dtype) for out, dtype in zip(outputs, output_dtypes)]
 
-    weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
+    weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weight_specs]
     input_avals = symbolic_input_avals(signature)
     try:
-        return jax.export.export(jax.jit(program_fn), platforms=PLATFORMS)(weight_avals, input_avals)
+        exported = jax.export.export(jax.jit(program_fn), platforms=PLATFORMS)(weight_avals, input_avals)
+        return exported, dict(tracer.before_scan)
     except Exception as error:  # torchax op implementations raise many kinds while tracing
         node = tracer.node
         where = f" at {node.target} from {user_source(node)}" if node is not None else ""

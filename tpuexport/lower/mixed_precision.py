@@ -56,11 +56,28 @@ def stored_weight(array: np.ndarray, precision: str, quantization_input: bool) -
     Returns:
       The array, bfloat16 where the precision stores it so.
     """
-    if quantization_input or not np.issubdtype(array.dtype, np.floating):
-        return array
-    if precision == "bf16" or (precision == "bf16-mixed" and array.ndim >= 2):
-        return array.astype(ml_dtypes.bfloat16)
-    return array
+    dtype = stored_dtype(array.dtype, array.ndim, precision, quantization_input)
+    return array if dtype == array.dtype else array.astype(dtype)
+
+
+def stored_dtype(dtype: np.dtype, ndim: int, precision: str, quantization_input: bool) -> np.dtype:
+    """The dtype the program stores a weight in, from its exported dtype and rank alone (plans
+    without weights need it without an array).
+
+    Args:
+      dtype: the weight's dtype as exported (64-bit already narrowed).
+      ndim: its rank.
+      precision: one of PRECISIONS.
+      quantization_input: whether a quantization op reads it (kept as it is).
+    Returns:
+      bfloat16 where the precision stores the weight so, else `dtype`.
+    """
+    dtype = np.dtype(dtype)
+    if quantization_input or not np.issubdtype(dtype, np.floating):
+        return dtype
+    if precision == "bf16" or (precision == "bf16-mixed" and ndim >= 2):
+        return np.dtype(ml_dtypes.bfloat16)
+    return dtype
 
 
 def _cast(values, source, destination):

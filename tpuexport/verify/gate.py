@@ -8,6 +8,10 @@ The checks, in the order they run (each gives one CheckResult):
                compiled-HLO fingerprint is compiler drift: a warning, or a failure when strict
   against      (opt-in) the original model reloaded and compared on fresh random inputs
 
+A plan (manifest "plan_only": true: compiled from the weights' shapes, no weights, no golden data)
+has nothing to verify: its golden check fails saying so (the gate exits 1, a plan is not a release),
+the SavedModel and against checks are skipped, integrity and recompile run as for any artifact.
+
 A check that reads a file the integrity check found changed or missing is skipped: the integrity
 failure already names the file, and damaged bytes must not reach XLA's native parsers, which may
 abort the whole process on malformed input instead of raising.
@@ -40,6 +44,9 @@ PASSED, FAILED, WARNING, SKIPPED = "passed", "failed", "warning", "skipped"
 COMPILER_PACKAGES = ("jax", "jaxlib", "libtpu")
 # Convert drew its random inputs with seeds 0..3; far-off seeds make --against's inputs fresh.
 AGAINST_SEED = 10_000
+# Why a plan fails the gate, in one line.
+PLAN_ONLY_MESSAGE = ("plan only (no weights, not verified): nothing to verify; convert the model with its weights "
+                     "for an artifact that can be released")
 # Fresh random inputs move an int8 output's SQNR by about a dB; more than this is real drift.
 QUANTIZED_SQNR_MARGIN_DB = 3.0
 
@@ -74,11 +81,13 @@ class GateReport:
       artifact: the artifact directory.
       checks: the results, in the order the checks ran.
       strict: whether compiler drift counts as a failure.
+      plan_only: whether the artifact is a plan (no weights; its golden check failed for that).
     """
 
     artifact: str
     checks: tuple[CheckResult, ...]
     strict: bool = False
+    plan_only: bool = False
 
     @property
     def passed(self) -> bool:
@@ -96,6 +105,7 @@ class GateReport:
             "artifact": self.artifact,
             "passed": self.passed,
             "strict": self.strict,
+            "plan_only": self.plan_only,
             "checks": [check.to_json() for check in self.checks],
         }
 
@@ -138,7 +148,7 @@ def verify_artifact(path, recompile: bool = False, strict: bool = False, against
       strict: count compiler drift as a failure instead of a warning.
       against: a source reference (`file.py:factory`, `.pt2`) to reload and compare with, or None.
     Returns:
-      The GateReport; `report.passed` is False when any check failed.
+      The GateReport; `report.passed` is False when any check failed, and always for a plan.
     Raises:
       TpuExportError: no artifact at `path`, an unreadable or incomplete manifest, an unknown
         format version, or an `against` source that cannot be loaded.
@@ -147,18 +157,26 @@ def verify_artifact(path, recompile: bool = False, strict: bool = False, against
     loaded = export_stage.load_source(against) if against is not None else None
     integrity = check_integrity(artifact)
     damaged = set(integrity.details.get("changed", ())) | set(integrity.details.get("missing", ()))
-    program_files = [artifact.manifest["program"]["exported"], artifact.manifest["program"]["weights"]]
-    checks = [
-        integrity,
-        _skip_if_damaged("golden", program_files + [artifact.manifest["verification"]["golden"]], damaged)
-        or check_golden(artifact),
-        _skip_if_damaged("saved_model", _saved_model_files(artifact), damaged) or check_saved_model_rerun(artifact),
-    ]
+    program_files = [name for name in (artifact.manifest["program"]["exported"], artifact.manifest["program"]["weights"]) if name]
+    if artifact.plan_only:
+        checks = [
+            integrity,
+            CheckResult("golden", FAILED, PLAN_ONLY_MESSAGE),
+            CheckResult("saved_model", SKIPPED, "plan only: no SavedModel"),
+        ]
+    else:
+        checks = [
+            integrity,
+            _skip_if_damaged("golden", program_files + [artifact.manifest["verification"]["golden"]], damaged)
+            or check_golden(artifact),
+            _skip_if_damaged("saved_model", _saved_model_files(artifact), damaged) or check_saved_model_rerun(artifact),
+        ]
     if recompile:
         checks.append(_skip_if_damaged("recompile", program_files, damaged) or check_recompile(artifact, strict))
     if loaded is not None:
-        checks.append(_skip_if_damaged("against", program_files, damaged) or check_against(artifact, loaded))
-    return GateReport(str(artifact.path), tuple(checks), strict)
+        checks.append(CheckResult("against", SKIPPED, "plan only: no weights to run") if artifact.plan_only
+                      else _skip_if_damaged("against", program_files, damaged) or check_against(artifact, loaded))
+    return GateReport(str(artifact.path), tuple(checks), strict, artifact.plan_only)
 
 
 def _skip_if_damaged(name: str, needed: list[str], damaged: set[str]) -> CheckResult | None:
