@@ -252,7 +252,8 @@ def _match(template: _Block, block: _Block, previous: _Block, initial: dict[int,
         if expected in template_position:
             return block_position.get(actual) == template_position[expected]
         if expected in template.weights:
-            return actual in block.weights and weights.setdefault(expected, actual) is actual and _tensor_type(expected) == _tensor_type(actual)
+            return (actual in block.weights and weights.setdefault(expected, actual) is actual
+                    and _tensor_type(expected) == _tensor_type(actual))
         if actual in previous_position:
             position = previous_position[actual]
             if position not in initial and discover and expected not in carried and not _is_scalar(expected):
