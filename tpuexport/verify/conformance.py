@@ -144,9 +144,11 @@ def _compare(actual: np.ndarray, expected: torch.Tensor, tolerances: Tolerances)
         a, e = actual.astype(np.float64), reference.astype(np.float64)
         finite = np.isfinite(e) & np.isfinite(a)
         scale = float(np.sqrt(np.mean(np.square(e[finite])))) if finite.any() else 0.0
-        error = float((np.abs(a - e) / (np.abs(e) + scale + 1e-30))[finite].max(initial=0.0))
-        bound = tolerances.atol + tolerances.rtol * np.abs(e) + tolerances.scale_tol * scale
-        outside = int((~np.isclose(a, e, atol=0, rtol=0, equal_nan=True) & ~(np.abs(a - e) <= bound)).sum())
+        # Masked attention scores are -inf on both sides; inf - inf is NaN and isclose handles it.
+        with np.errstate(invalid="ignore"):
+            error = float((np.abs(a - e) / (np.abs(e) + scale + 1e-30))[finite].max(initial=0.0))
+            bound = tolerances.atol + tolerances.rtol * np.abs(e) + tolerances.scale_tol * scale
+            outside = int((~np.isclose(a, e, atol=0, rtol=0, equal_nan=True) & ~(np.abs(a - e) <= bound)).sum())
         return (f"{outside}/{e.size} elements outside {tolerances.describe()} (max normalized error {error:.2e})" if outside else None,
                 error, 0.0)
     difference = np.abs(actual.astype(np.int64) - reference.astype(np.int64))
