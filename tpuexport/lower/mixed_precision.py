@@ -94,14 +94,16 @@ def _cast(values, source, destination):
 def cast_arguments(precision: str, target, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The arguments of one op in the dtypes the precision computes it in.
 
-    Under bf16 every op computes in bfloat16, but a few lowerings give f32 from bfloat16 operands
-    (SegFormer's bilinear upsampling feeds a convolution); a matmul or convolution takes bfloat16
-    operands under both bf16 precisions."""
-    if precision == "f32":
+    Under bf16 a few lowerings give f32 from bfloat16 operands (SegFormer's bilinear upsampling
+    feeds a convolution); a convolution, which unlike a dot does not promote mixed operands, then
+    gets them in bfloat16. bf16-mixed casts the operands of every matmul and convolution."""
+    if precision == "bf16" and target == _aten.convolution.default:
+        return tuple(_cast(args, jnp.float32, jnp.bfloat16)), kwargs
+    if precision != "bf16-mixed":
         return args, kwargs
     if target in MATMULS:
         return tuple(_cast(args, jnp.float32, jnp.bfloat16)), dict(zip(kwargs, _cast(kwargs.values(), jnp.float32, jnp.bfloat16)))
-    if precision == "bf16-mixed" and target in F32_OPS:
+    if target in F32_OPS:
         return tuple(_cast(args, jnp.bfloat16, jnp.float32)), dict(zip(kwargs, _cast(kwargs.values(), jnp.bfloat16, jnp.float32)))
     return args, kwargs
 
