@@ -29,6 +29,7 @@ import re
 from typing import Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -417,6 +418,10 @@ def run_scan(run: ScannedRun, value_of: Callable[[torch.fx.Node], object], call:
         carry = block(carry, weights)
         before_scan += 1
     if before_scan < run.count:
-        rest = {name: array[before_scan:] for name, array in blocks.items()}
-        carry, _ = jax.lax.scan(lambda values, weights: (block(values, weights), None), carry, rest)
+        # Each step indexes the stacked weights in place: scanning over `array[before_scan:]`
+        # would copy every stacked weight (XLA materializes a slice that feeds a loop).
+        def step(values, index):
+            return block(values, {name: jax.lax.dynamic_index_in_dim(array, index, keepdims=False) for name, array in blocks.items()}), None
+
+        carry, _ = jax.lax.scan(step, carry, jnp.arange(before_scan, run.count, dtype=jnp.int32))
     return dict(zip(run.outputs, carry)), before_scan

@@ -35,6 +35,7 @@ from tpuexport.compile.hlo import collectives
 from tpuexport.compile.sharding import ShardingPlan, spec_axes
 from tpuexport.errors import TpuExportError
 from tpuexport.lower import LoweredProgram
+from tpuexport.lower.lowering import CPU_COMPILER_OPTIONS
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
 from tpuexport.verify.compare import compare_output
 from tpuexport.verify.report import VerificationCase, VerificationReport
@@ -222,6 +223,7 @@ def _run_child(lowered: LoweredProgram, plan: ShardingPlan, cases: list[list[np.
                        for index, (array, spec) in enumerate(zip(inputs, lowered.signature.inputs))]
                       for case, inputs in enumerate(cases)],
             "out_dir": scratch,
+            "compiler_options": CPU_COMPILER_OPTIONS,
         }
         flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={plan.devices}".strip()
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}

@@ -65,7 +65,7 @@ def main() -> None:
         outputs = {}
         try:
             for run, program in programs.items():
-                compiled = program.lower(weights, inputs).compile()
+                compiled = program.lower(weights, inputs).compile(compiler_options=request["compiler_options"])
                 if index == 0 and run == "cpu":
                     hlo_path = out_dir / "cpu.hlo.txt"
                     hlo_path.write_text(compiled.as_text())

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib.util
 import json
 import os
@@ -67,20 +68,21 @@ SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F
 
 
 def read_safetensors(path: str) -> dict:
-    """{name: array} from a safetensors file, bfloat16 included (safetensors' numpy reader has no bfloat16)."""
+    """{name: array} from a safetensors file, bfloat16 included (safetensors' numpy reader has no
+    bfloat16), as views of a memory map: the weights are not read into this process's memory
+    before TensorFlow copies them into its variables."""
     import numpy as np
 
     with open(path, "rb") as file:
-        data = file.read()
-    (header_size,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + header_size])
-    body = memoryview(data)[8 + header_size:]
+        (header_size,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(header_size))
+    body = np.memmap(path, dtype=np.uint8, mode="r")[8 + header_size:]
     arrays = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         start, end = entry["data_offsets"]
-        arrays[name] = np.frombuffer(body[start:end], dtype=numpy_dtype(SAFETENSORS_DTYPES[entry["dtype"]])).reshape(entry["shape"])
+        arrays[name] = body[start:end].view(numpy_dtype(SAFETENSORS_DTYPES[entry["dtype"]])).reshape(entry["shape"])
     return arrays
 
 
@@ -143,6 +145,10 @@ def build(request: dict) -> dict:
 
     model.serve = serve
     tf.saved_model.save(model, request["directory"], signatures={SIGNATURE_NAME: serve})
+    # The variables hold the whole model; the check loads it again from the SavedModel. The
+    # function and the module refer to each other, so only the collector frees them.
+    del model, serve, weights
+    gc.collect()
     return {"ok": True, "seconds": round(time.perf_counter() - started, 3)}
 
 

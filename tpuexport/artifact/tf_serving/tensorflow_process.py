@@ -10,6 +10,7 @@ That it has no jax, torch or tpuexport is also what proves the SavedModel needs 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import select
 import subprocess
@@ -18,9 +19,17 @@ import tempfile
 import time
 
 from tpuexport.errors import TpuExportError
+from tpuexport.lower.lowering import CPU_COMPILER_OPTIONS
 
 CHILD_SCRIPT = pathlib.Path(__file__).with_name("tensorflow_child.py")
 TIMEOUT_SECONDS = 900
+
+
+def with_cpu_compiler_options(environment) -> dict:
+    """The environment with XLA_FLAGS carrying how the converting process compiles for CPU
+    (lowering.CPU_COMPILER_OPTIONS), so TensorFlow's XLA runs the program in the same memory."""
+    flags = " ".join(f"--{name}={value}" for name, value in CPU_COMPILER_OPTIONS.items())
+    return {**environment, "XLA_FLAGS": f"{environment.get('XLA_FLAGS', '')} {flags}".strip()}
 
 
 class TensorFlowProcess:
@@ -35,6 +44,7 @@ class TensorFlowProcess:
         self.stderr = tempfile.TemporaryFile(mode="w+b")  # TensorFlow logs there; read only when it fails
         self.process = subprocess.Popen(
             [sys.executable, "-I", str(CHILD_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+            env=with_cpu_compiler_options(os.environ),
         )
         self._versions: dict | None = None
 
