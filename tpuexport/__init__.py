@@ -5,6 +5,9 @@
     tpuexport.load("model.tpu")      # the same Artifact type
     tpuexport.verify_artifact("model.tpu", recompile=True).passed   # the CI gate
     tpuexport.plan(meta_model, args=(x,), target="v5p-128", sharding="fsdp", out="big.tpu")  # no weights
+    with tpuexport.parameters_on_meta():
+        model = build()                # no parameter memory
+    tpuexport.convert(model, args=(x,), checkpoint="ckpt/", out="big.tpu")  # weights streamed
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from tpuexport import _runtime  # noqa: F401  (pins JAX to CPU before anything s
 from tpuexport.artifact import Artifact, load
 from tpuexport.compile import SLICES, TARGETS, make_request
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError, VerificationError
-from tpuexport.export import LoadedSource, SourceInfo
+from tpuexport.export import LoadedSource, SourceInfo, open_checkpoint, parameters_on_meta
 from tpuexport.pipeline import ConversionOptions, run_conversion
 from tpuexport.verify import DEFAULT_BUDGET_FLOPS, Tolerances
 from tpuexport.verify.gate import CheckResult, GateReport, verify_artifact
@@ -36,6 +39,7 @@ __all__ = [
     "VerificationError",
     "convert",
     "load",
+    "parameters_on_meta",
     "plan",
     "verify_artifact",
 ]
@@ -68,6 +72,7 @@ def convert(
     input_rules=(),
     progress=None,
     weights: bool = True,
+    checkpoint=None,
 ) -> Artifact:
     """Converts a PyTorch model into a verified TPU artifact directory.
 
@@ -107,6 +112,10 @@ def convert(
       progress: optional callable (stage, seconds, detail) called as each stage ends.
       weights: False for a plan (see `plan`); the verification, quantization and SavedModel
         arguments then do not apply.
+      checkpoint: stream the weights from here instead of the model (which may then have its
+        parameters on the meta device, e.g. built within `tpuexport.parameters_on_meta()`): a
+        .safetensors file, a sharded checkpoint directory, a .pt state_dict, or a Mapping name ->
+        tensor read one tensor at a time. No more than a few tensors are in memory at once.
     Returns:
       The Artifact written at `out`.
     Raises:
@@ -119,7 +128,9 @@ def convert(
         tolerances = dict(zip(("atol", "rtol"), tolerances))
     if not isinstance(model, torch.export.ExportedProgram) and args is None:
         raise TpuExportError("convert(model) needs args=(example inputs,) for an nn.Module")
-    loaded = LoadedSource(model, tuple(args) if args is not None else None, dynamic_shapes, None, SourceInfo("api"))
+    opened = open_checkpoint(checkpoint) if checkpoint is not None else None
+    loaded = LoadedSource(model, tuple(args) if args is not None else None, dynamic_shapes, None,
+                          SourceInfo("api", checkpoint=opened.name if opened else None), checkpoint=opened)
     targets = (target,) if isinstance(target, str) else tuple(target)
     calibration_file = pathlib.Path(calibration) if isinstance(calibration, (str, pathlib.Path)) else None
     options = ConversionOptions(

@@ -102,10 +102,13 @@ def source_and_target_options(command):
 @click.option("--random-calibration", is_flag=True, help="Calibrate --quantize int8 on random inputs (not real data; warned).")
 @click.option("--weights/--no-weights", "weights", default=True, show_default=True,
               help="--no-weights: a plan, as `tpuexport plan` (compiled from the weights' shapes; not verified, no SavedModel).")
+@click.option("--checkpoint", type=click.Path(path_type=pathlib.Path),
+              help="Stream the weights from this checkpoint (.safetensors, a sharded directory with its index, or a .pt state_dict); "
+                   "the factory's model is built with its parameters on the meta device.")
 @handles_errors
 def convert(source, targets, out, buckets, precision, matmul_precision, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
             shard_inputs, as_json, atol, rtol, scale_tol, verify_budget, verify_sizes, scan, saved_model, model_name, model_version, quantize,
-            calibration_file, random_calibration, weights):
+            calibration_file, random_calibration, weights, checkpoint):
     """Convert SOURCE (model.pt2, file.py:factory, or model.pt with --trust-pickle) into an artifact."""
     overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
     if verify_budget < 0:
@@ -115,7 +118,7 @@ def convert(source, targets, out, buckets, precision, matmul_precision, inputs, 
         precision=precision, matmul_precision=matmul_precision, tolerance_overrides=overrides, verify_budget_flops=verify_budget * 1e9,
         verify_sizes=tuple(parse_sizes(text, "--verify-size") for text in verify_sizes), overwrite=force,
         scan=scan, saved_model=saved_model and weights, model_name=model_name, model_version=model_version, quantize=quantize,
-        calibration_file=calibration_file, random_calibration=random_calibration, weights=weights,
+        calibration_file=calibration_file, random_calibration=random_calibration, weights=weights, checkpoint=checkpoint,
     )
 
 
@@ -132,7 +135,7 @@ def plan(source, targets, out, buckets, precision, matmul_precision, inputs, dim
 
 
 def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pickle: bool, sharding_options: tuple, as_json: bool,
-                    **options) -> None:
+                    checkpoint: pathlib.Path | None = None, **options) -> None:
     """Loads SOURCE, runs the conversion (or plan) and prints the outcome.
 
     Args:
@@ -161,7 +164,7 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
     conversion = ConversionOptions(tuple(targets), out or pathlib.Path(source_stem + ".tpu"), buckets=bucket_sizes or None,
                                    sharding=sharding_request, **options)
 
-    loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs)
+    loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs, checkpoint=checkpoint)
     artifact = run_conversion(loaded, conversion, progress=_print_stage)
     if artifact.plan_only:
         stderr.print(f"[bold green]planned[/] {source} -> {artifact.path} (plan only: no weights, not verified)", soft_wrap=True)

@@ -3,6 +3,8 @@
   export   load/capture with torch.export           -> CapturedModel
   quantize PT2E int8 (optional), re-exported         -> CapturedModel (reference: the PT2E model)
   lower    torchax op library -> jax.export          -> LoweredProgram
+  weights  (a source with a checkpoint) streamed into the artifact's weights file, tensor by
+           tensor, and memory-mapped back                          -> LoweredProgram with weights
            (with a SavedModel: the program is checked to load in TensorFlow)
   plan     a sharding plan per slice target          -> {target: ShardingPlan}
   compile  libtpu AOT per target and bucket          -> CompileReport      (child processes, in the
@@ -12,6 +14,10 @@
   write    the artifact directory, atomically        -> Artifact
            (with the TF Serving SavedModel, checked in TensorFlow before the rename, and the
            quantization report; the executables once compile is done)
+
+A source with a checkpoint (export/checkpoints.py) never holds its weights: export runs on a meta
+copy, lower from shapes, and the weights pass copies the checkpoint's tensors into the artifact one
+at a time; verification, the SavedModel and the writer use that file, memory-mapped.
 
 A plan (`weights=False`, `tpuexport plan`, for models larger than the build machine, built on the
 meta device) runs export, lower (from the weights' shapes and dtypes; no weight is read), plan,
@@ -157,8 +163,11 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
     clock = StageClock(progress)
     if not options.weights:
         return _run_plan(loaded, options, targets, slices, clock)
-    if export_stage.weights_on_meta(loaded.model):
+    if loaded.checkpoint is None and export_stage.weights_on_meta(loaded.model):
         raise TpuExportError(f"{META_WEIGHTS_ERROR} (tpuexport.plan or convert(weights=False) in Python)")
+    if loaded.checkpoint is not None and options.quantize:
+        raise TpuExportError("--quantize with --checkpoint is not supported: PT2E calibrates and rounds the weights in memory; "
+                             "load the weights into the model and convert it without --checkpoint")
     model_name = serving_stage.check_model_name(options.model_name or serving_stage.default_model_name(options.out))
     serving_stage.check_model_version(options.model_version)
     with contextlib.ExitStack() as running:
@@ -179,13 +188,17 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             # Sharding plans and --shard rules address each layer's weights by its state_dict name and
             # shape, so programs for slices keep their blocks unrolled.
             lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
-                                        options.scan and not slices)
+                                        options.scan and not slices, weights=captured.checkpoint_state is None)
+        weights_file = None
+        if captured.checkpoint_state is not None:
+            lowered, weights_file = _stream_weights(captured, lowered, scratch, clock)
 
         if options.saved_model:
             # Before verification and compilation: a program TensorFlow cannot load fails in seconds;
             # then TensorFlow saves the SavedModel in its process while verify and compile run.
             with clock.stage("tensorflow", lambda: "TensorFlow loads the program; it saves the SavedModel meanwhile"):
-                saved_model_build = serving_stage.SavedModelBuild(lowered, tensorflow, scratch)
+                saved_model_build = serving_stage.SavedModelBuild(lowered, tensorflow, scratch, weights_file)
+                weights_file = saved_model_build.weights_file
 
         plans = _plan_slices(options.sharding, slices, lowered, buckets, clock)
 
@@ -231,7 +244,7 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
                     options.out, source=captured.source, lowered=lowered, compiled=compiled, verification=report,
                     stage_seconds=clock.seconds, overwrite=options.overwrite, extra_writers=extra_writers,
                     sharded_verification=[result.to_json() for result in sharded],
-                    weights_file=saved_model_build.weights_file if options.saved_model else None,
+                    weights_file=weights_file,
                 )
             except serving_stage.SavedModelMismatch as mismatch:
                 raise VerificationError(report, _write_failed_report(options.out, mismatch.report), mismatch.summary) from None
@@ -280,7 +293,7 @@ def _run_plan(loaded: export_stage.LoadedSource, options: ConversionOptions, tar
         device's HBM (naming the largest buffers).
     """
     with clock.stage("export", lambda: _describe_dims(captured.signature)):
-        captured = export_stage.capture(export_stage.with_meta_inputs(loaded))
+        captured = export_stage.capture(export_stage.on_meta_device(dataclasses.replace(loaded, checkpoint=None)))
     buckets = compile_stage.make_buckets(captured.signature, options.buckets)
     with clock.stage("lower", lambda: f"{len(lowered.weight_names)} weight shapes ({lowered.weight_bytes / 2**30:.2f} GiB, "
                                       f"not read), precision {options.precision}, matmul precision {options.matmul_precision}; "
@@ -295,6 +308,28 @@ def _run_plan(loaded: export_stage.LoadedSource, options: ConversionOptions, tar
         artifact_stage.write_artifact(options.out, source=captured.source, lowered=lowered, compiled=lambda: report, verification=None,
                                       stage_seconds=clock.seconds, overwrite=options.overwrite)
     return artifact_stage.load(options.out)
+
+
+def _stream_weights(captured: export_stage.CapturedModel, lowered: lower_stage.LoweredProgram, scratch: pathlib.Path,
+                    clock: StageClock) -> tuple[lower_stage.LoweredProgram, pathlib.Path]:
+    """The weights pass: copies the checkpoint's tensors into the artifact's weights file one at a
+    time (cast to the program's dtypes, scanned blocks stacked) and maps the file back.
+
+    Args:
+      captured: the export stage's result, with `checkpoint_state`.
+      lowered: the program lowered from the weights' shapes (`weights` None).
+      scratch: the conversion's scratch directory (the file moves into the artifact from there).
+      clock: times the pass.
+    Returns:
+      (the program with its weights as read-only memory maps of the file, the file).
+    """
+    path = scratch / "weights.safetensors"
+    with clock.stage("weights", lambda: f"{len(lowered.weight_names)} arrays, {written / 2**30:.2f} GiB streamed from the checkpoint "
+                                        f"{captured.source.checkpoint}"):
+        written = artifact_stage.write_weights(path, lowered.weight_names, lowered.weight_specs,
+                                               lambda name: (captured.checkpoint_state[part] for part in lowered.weight_parts[name]))
+        arrays = artifact_stage.map_weights(path)
+    return dataclasses.replace(lowered, weights=tuple(arrays[name] for name in lowered.weight_names)), path
 
 
 def _plan_slices(request: compile_stage.ShardingRequest, slices: list, lowered: lower_stage.LoweredProgram,

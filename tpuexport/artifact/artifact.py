@@ -12,6 +12,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from tpuexport.arrays import load_arrays
+from tpuexport.artifact.weights import map_weights
 from tpuexport.artifact import layout
 from tpuexport.errors import TpuExportError
 from tpuexport.lower import LoweredProgram
@@ -73,7 +74,7 @@ class Artifact:
         exported = jax.export.deserialize(bytearray((self.path / program["exported"]).read_bytes()))
         weights = None
         if not self.plan_only:
-            arrays = load_arrays((self.path / program["weights"]).read_bytes())
+            arrays = map_weights(self.path / program["weights"])
             weights = tuple(arrays[name] for name in program["weight_names"])
         return LoweredProgram(exported, tuple(program["weight_names"]), weights, self.signature, self.manifest["precision"],
                               self.manifest["matmul_precision"], program["matmul_flops"],

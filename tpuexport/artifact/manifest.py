@@ -30,8 +30,10 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def sha256_file(path: pathlib.Path) -> str:
+    """sha256 of a file, read in blocks (weights files can be larger than memory)."""
+    with open(path, "rb") as stream:
+        return hashlib.file_digest(stream, "sha256").hexdigest()
 
 
 def hash_tree(root: pathlib.Path) -> dict[str, str]:
@@ -40,7 +42,7 @@ def hash_tree(root: pathlib.Path) -> dict[str, str]:
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         relative = path.relative_to(root).as_posix()
         if relative != layout.MANIFEST:
-            hashes[relative] = sha256_bytes(path.read_bytes())
+            hashes[relative] = sha256_file(path)
     return hashes
 
 

@@ -1,11 +1,13 @@
 """Export stage: load a source, capture it with torch.export, name its signature."""
 
-from tpuexport.export.capture import CapturedModel, capture, describe, torch_dynamic_shapes, weights_on_meta, with_meta_inputs
+from tpuexport.export.capture import CapturedModel, capture, describe, on_meta_device, torch_dynamic_shapes, weights_on_meta
+from tpuexport.export.checkpoints import Checkpoint, open_checkpoint, parameters_on_meta
 from tpuexport.export.sources import LoadedSource, SourceInfo, load_source
 from tpuexport.export.specs import DimSpec, InputSpec, example_args, parse_dim, parse_input
 
 __all__ = [
     "CapturedModel",
+    "Checkpoint",
     "DimSpec",
     "InputSpec",
     "LoadedSource",
@@ -14,9 +16,11 @@ __all__ = [
     "describe",
     "example_args",
     "load_source",
+    "on_meta_device",
+    "open_checkpoint",
     "parse_dim",
     "parse_input",
+    "parameters_on_meta",
     "torch_dynamic_shapes",
     "weights_on_meta",
-    "with_meta_inputs",
 ]

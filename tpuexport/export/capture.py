@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from typing import Any, Callable
@@ -11,6 +12,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from tpuexport.errors import TpuExportError
+from tpuexport.export.checkpoints import with_checkpoint_weights
 from tpuexport.export.sources import LoadedSource, SourceInfo
 from tpuexport.signature import ProgramSignature, SymbolicDim, TensorSpec, artifact_dtype
 
@@ -27,6 +29,10 @@ class CapturedModel:
       example_inputs: flat example input tensors, in signature order.
       source: provenance for the manifest.
       calibration: calibration samples passed through for quantization, or None.
+      checkpoint_state: for a source with a checkpoint, the program's weights by state name
+        (parameters, buffers and lifted constants; views of the memory-mapped checkpoint, read
+        when used); None when the program holds its weights (`program.state_dict`), which for a
+        checkpoint's program are on the meta device.
     """
 
     program: torch.export.ExportedProgram
@@ -35,6 +41,7 @@ class CapturedModel:
     example_inputs: tuple[torch.Tensor, ...]
     source: SourceInfo
     calibration: Any = None
+    checkpoint_state: dict[str, torch.Tensor] | None = None
 
 
 def capture(source: LoadedSource) -> CapturedModel:
@@ -45,8 +52,11 @@ def capture(source: LoadedSource) -> CapturedModel:
     Returns:
       The CapturedModel.
     Raises:
-      TpuExportError: torch.export refused the model or its dynamic_shapes.
+      TpuExportError: torch.export refused the model or its dynamic_shapes; the checkpoint lacks
+        some of the model's weights or holds one of another shape.
     """
+    if source.checkpoint is not None:
+        return _capture_with_checkpoint(source)
     if isinstance(source.model, torch.export.ExportedProgram):
         program = source.model
         reference = program.module()
@@ -59,6 +69,34 @@ def capture(source: LoadedSource) -> CapturedModel:
     example_inputs = tuple(pytree.tree_leaves(example_args))
     signature = describe(program, example_inputs, source.input_names)
     return CapturedModel(program, reference, signature, example_inputs, source.info, source.calibration)
+
+
+def _capture_with_checkpoint(source: LoadedSource) -> CapturedModel:
+    """Exports a copy of the model on the meta device (no weight is read) and makes the eager
+    reference from the checkpoint's memory-mapped tensors.
+
+    Raises:
+      TpuExportError: an ExportedProgram source, a checkpoint that does not match the model, or a
+        lifted constant on the meta device (its value is nowhere).
+    """
+    if isinstance(source.model, torch.export.ExportedProgram):
+        raise TpuExportError("a checkpoint needs an nn.Module source (an ExportedProgram carries its own weights); "
+                             "give the module that the checkpoint's state_dict belongs to")
+    reference = with_checkpoint_weights(source.model, source.checkpoint)
+    on_meta = on_meta_device(dataclasses.replace(source, model=source.model.eval(), checkpoint=None))
+    program = _export(on_meta.model, on_meta.args, on_meta.dynamic_shapes)
+    example_inputs = tuple(pytree.tree_leaves(source.args))
+    signature = describe(program, example_inputs, source.input_names)
+    state = {**dict(reference.named_parameters(remove_duplicate=False)), **dict(reference.named_buffers(remove_duplicate=False))}
+    weights = {}
+    for spec in program.graph_signature.input_specs:
+        if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT:
+            weights[spec.target] = state[spec.target] if spec.target in state else program.constants[spec.target]
+    unknown = [name for name, tensor in weights.items() if isinstance(tensor, torch.Tensor) and tensor.is_meta]
+    if unknown:
+        raise TpuExportError(f"the model's tensor constant(s) {', '.join(unknown)} are on the meta device, so their values are "
+                             "nowhere; register them as buffers (model.register_buffer) so the checkpoint can hold them")
+    return CapturedModel(program, reference, signature, example_inputs, source.info, source.calibration, weights)
 
 
 def weights_on_meta(model) -> bool:
@@ -78,21 +116,25 @@ def weights_on_meta(model) -> bool:
     return any(isinstance(tensor, torch.Tensor) and tensor.is_meta for tensor in tensors)
 
 
-def with_meta_inputs(source: LoadedSource) -> LoadedSource:
-    """The source with its example inputs moved to the meta device when its weights are there.
+def on_meta_device(source: LoadedSource) -> LoadedSource:
+    """The source wholly on the meta device when some of its weights are there.
 
     torch.export refuses to mix devices (an nn.Linear with meta weights called on a CPU tensor
-    fails), and a model planned without weights needs only the inputs' shapes and dtypes.
+    fails), and a model exported without weights needs only shapes and dtypes. A model with some
+    real tensors (buffers computed when it was built) is copied, so the user's stays as it was.
 
     Args:
       source: the loaded source.
     Returns:
-      `source` unchanged, or a copy whose example args are meta tensors.
+      `source` unchanged, or a copy whose model and example args are on the meta device.
     """
     if isinstance(source.model, torch.export.ExportedProgram) or not weights_on_meta(source.model):
         return source
+    model = source.model
+    if not all(tensor.is_meta for tensor in (*model.parameters(), *model.buffers())):
+        model = copy.deepcopy(model).to("meta")
     args = pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.to("meta"), source.args)
-    return dataclasses.replace(source, args=args)
+    return dataclasses.replace(source, model=model, args=args)
 
 
 def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.ExportedProgram:

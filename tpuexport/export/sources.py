@@ -5,10 +5,16 @@ The factory contract (also in the README): `factory()` takes no arguments and re
     and optionally "dynamic_shapes" (torch.export's format) and "calibration" (an iterable of
     argument tuples, used by quantization), or
   - a tuple (model, args) or (model, args, dynamic_shapes).
+The dict may also hold "checkpoint": where the model's weights are (a path or a Mapping name ->
+tensor, see checkpoints.py), for a model built with its parameters on the meta device.
+
+With --checkpoint, the factory runs within `parameters_on_meta()`: the model it builds holds no
+parameter memory, whatever its size, and its weights stream from the checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -20,6 +26,7 @@ from typing import Any
 import torch
 
 from tpuexport.errors import TpuExportError
+from tpuexport.export.checkpoints import Checkpoint, open_checkpoint, parameters_on_meta
 from tpuexport.export.specs import DimSpec, InputSpec, example_args
 
 
@@ -32,6 +39,8 @@ class SourceInfo:
       path: the name of the file it was read from (None for "api").
       sha256: hex digest of that file (None for "api").
       reference: the file's name and, for "python" sources, its factory (e.g. "mlp.py:build").
+      checkpoint: where the weights were streamed from (its file or directory name), or None when
+        the model held them.
 
     Directories are left out so that converting the same source from another checkout or working
     directory writes the same manifest; the sha256 identifies the file.
@@ -41,6 +50,7 @@ class SourceInfo:
     path: str | None = None
     sha256: str | None = None
     reference: str | None = None
+    checkpoint: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +64,8 @@ class LoadedSource:
       calibration: an iterable of argument tuples for quantization, or None.
       info: provenance for the manifest.
       input_names: names for the inputs that replace the forward parameter names (from --input).
+      checkpoint: the weights to stream (export/checkpoints.py), the model's own parameters then
+        typically on the meta device; None when the model holds its weights.
     """
 
     model: Any
@@ -62,6 +74,7 @@ class LoadedSource:
     calibration: Any
     info: SourceInfo
     input_names: tuple[str, ...] | None = None
+    checkpoint: Checkpoint | None = None
 
 
 def file_sha256(path: pathlib.Path) -> str:
@@ -78,6 +91,7 @@ def load_source(
     trust_pickle: bool = False,
     inputs: list[InputSpec] = (),
     dims: list[DimSpec] = (),
+    checkpoint: str | pathlib.Path | None = None,
 ) -> LoadedSource:
     """Loads the model a command-line SOURCE names.
 
@@ -86,21 +100,27 @@ def load_source(
       trust_pickle: allow unpickling a whole module (pickles run arbitrary code on load).
       inputs: --input specs, required for pickles and refused for the other kinds.
       dims: --dim specs the inputs refer to.
+      checkpoint: a --checkpoint path (file.py:factory sources only): the factory builds the model
+        with its parameters on the meta device and the weights stream from there.
     Returns:
       The LoadedSource.
     Raises:
-      TpuExportError: missing file, unknown kind, refused pickle, bad factory, misplaced specs.
+      TpuExportError: missing file, unknown kind, refused pickle, bad factory, misplaced specs,
+        a checkpoint for a source that is not a factory, or an unreadable checkpoint.
     """
     path_text, _, factory = reference.partition(":") if ".py:" in reference else (reference, "", "")
     path = pathlib.Path(path_text)
     if not path.is_file():
         raise TpuExportError(f"source {path_text!r} does not exist; pass a .pt2 file, a file.py:factory or a .pt file")
     suffix = path.suffix.lower()
+    if checkpoint is not None and suffix != ".py":
+        raise TpuExportError(f"--checkpoint needs a file.py:factory source that builds the model, not {path.name}; "
+                             "write a factory that returns the model (its weights come from the checkpoint)")
     if suffix == ".py":
         if not factory:
             raise TpuExportError(f"source {reference!r} names no factory; write it as {path_text}:FUNCTION")
         _refuse_specs(inputs, dims, "a file.py:factory source (the factory returns its own example args)")
-        return _load_factory(path, factory, reference)
+        return _load_factory(path, factory, reference, open_checkpoint(checkpoint) if checkpoint is not None else None)
     if suffix == ".pt2":
         _refuse_specs(inputs, dims, "a .pt2 source (the saved program carries its own inputs and dims)")
         return _load_pt2(path, reference)
@@ -127,7 +147,7 @@ def _load_pt2(path: pathlib.Path, reference: str) -> LoadedSource:
     return LoadedSource(program, None, None, None, _source_info("pt2", path))
 
 
-def _load_factory(path: pathlib.Path, factory: str, reference: str) -> LoadedSource:
+def _load_factory(path: pathlib.Path, factory: str, reference: str, checkpoint: Checkpoint | None) -> LoadedSource:
     module_name = f"_tpuexport_source_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
@@ -142,30 +162,38 @@ def _load_factory(path: pathlib.Path, factory: str, reference: str) -> LoadedSou
     if not callable(function):
         raise TpuExportError(f"{path} has no function {factory!r}; name a function defined in that file")
     try:
-        produced = function()
+        with parameters_on_meta() if checkpoint is not None else contextlib.nullcontext():
+            produced = function()
     except Exception as error:
         raise TpuExportError(f"{reference}() raised {type(error).__name__}: {_first_line(error)}; fix the factory") from None
-    model, args, dynamic_shapes, calibration = _unpack_factory_result(produced, reference)
-    return LoadedSource(model, args, dynamic_shapes, calibration, _source_info("python", path, factory))
+    model, args, dynamic_shapes, calibration, returned_checkpoint = _unpack_factory_result(produced, reference)
+    if checkpoint is None and returned_checkpoint is not None:
+        checkpoint = open_checkpoint(returned_checkpoint)
+    info = _source_info("python", path, factory)
+    if checkpoint is not None:
+        info = dataclasses.replace(info, checkpoint=checkpoint.name)
+    return LoadedSource(model, args, dynamic_shapes, calibration, info, checkpoint=checkpoint)
 
 
 def _unpack_factory_result(produced, reference):
     contract = "return {'model': ..., 'args': (...), 'dynamic_shapes': ...} or (model, args[, dynamic_shapes])"
     if isinstance(produced, dict):
-        unknown = set(produced) - {"model", "args", "dynamic_shapes", "calibration"}
+        unknown = set(produced) - {"model", "args", "dynamic_shapes", "calibration", "checkpoint"}
         if "model" not in produced or unknown:
             raise TpuExportError(f"{reference}() returned a dict with keys {sorted(produced)}; {contract}")
         model, args = produced["model"], produced.get("args")
         dynamic_shapes, calibration = produced.get("dynamic_shapes"), produced.get("calibration")
+        checkpoint = produced.get("checkpoint")
     elif isinstance(produced, tuple) and len(produced) in (2, 3):
-        model, args, dynamic_shapes, calibration = (*produced, None, None)[:4] if len(produced) == 2 else (*produced, None)
+        model, args, dynamic_shapes = (*produced, None)[:3]
+        calibration = checkpoint = None
     else:
         raise TpuExportError(f"{reference}() returned {type(produced).__name__}; {contract}")
     if not isinstance(model, (torch.nn.Module, torch.export.ExportedProgram)):
         raise TpuExportError(f"{reference}() returned a model of type {type(model).__name__}; return an nn.Module")
     if isinstance(model, torch.nn.Module) and not isinstance(args, tuple):
         raise TpuExportError(f"{reference}() returned args of type {type(args).__name__}; return a tuple of example inputs")
-    return model, args, dynamic_shapes, calibration
+    return model, args, dynamic_shapes, calibration, checkpoint
 
 
 def _load_pickle(path, reference, trust_pickle, inputs, dims) -> LoadedSource:

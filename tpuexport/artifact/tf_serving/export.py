@@ -96,7 +96,8 @@ class SavedModelBuild:
       weights_file: the weights as safetensors, by state_dict name.
     """
 
-    def __init__(self, lowered: LoweredProgram, tensorflow: TensorFlowProcess, scratch: pathlib.Path):
+    def __init__(self, lowered: LoweredProgram, tensorflow: TensorFlowProcess, scratch: pathlib.Path,
+                 weights_file: pathlib.Path | None = None):
         """Starts the build.
 
         Args:
@@ -104,13 +105,16 @@ class SavedModelBuild:
           tensorflow: the TensorFlow process (started earlier, so its import overlapped).
           scratch: a directory of the conversion's own, on the artifact's filesystem (the files
             made here are moved into the artifact).
+          weights_file: the weights already written as safetensors (streamed from a checkpoint),
+            or None to write them from `lowered.weights`.
         Raises:
           TpuExportError: TensorFlow cannot load the program.
         """
         self.tensorflow = tensorflow
         module = tensorflow_module(lowered, tensorflow, scratch / "tensorflow_module.mlirbc")
-        self.weights_file = scratch / "weights.safetensors"
-        self.weights_file.write_bytes(save_arrays(dict(zip(lowered.weight_names, lowered.weights))))
+        self.weights_file = weights_file or scratch / "weights.safetensors"
+        if weights_file is None:
+            self.weights_file.write_bytes(save_arrays(dict(zip(lowered.weight_names, lowered.weights))))
         self.directory = scratch / "saved_model"
         self.started = time.perf_counter()
         tensorflow.send("build", **build_request(lowered, self.directory, module, self.weights_file))

@@ -1,0 +1,90 @@
+"""The artifact's weights file: written one tensor at a time, read back as memory maps.
+
+The file is safetensors. The writer never holds more than one source tensor and its cast copy,
+so a model larger than the machine's memory streams from its checkpoint into the artifact. The
+reader maps the file instead of reading it: arrays are file-backed pages, and a 64-byte-aligned
+array is run by XLA:CPU in place (jax.device_put does not copy it), so verifying or running a
+large artifact does not hold its weights twice.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import struct
+from typing import Callable, Iterable, Sequence
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from tpuexport.errors import TpuExportError
+
+# XLA:CPU takes host arrays aligned to this many bytes without a copy.
+ALIGNMENT = 64
+SAFETENSORS_NAMES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}
+NUMPY_DTYPES = {code: (ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)) for name, code in SAFETENSORS_NAMES.items()}
+
+
+def write_weights(path: pathlib.Path, names: Sequence[str], specs: Sequence, parts: Callable[[str], Iterable[torch.Tensor]]) -> int:
+    """Writes weights to a safetensors file, one source tensor at a time.
+
+    Args:
+      path: the file to write.
+      names: the weights' names, in the program's call order.
+      specs: each weight's shape and dtype (jax.ShapeDtypeStruct), the dtype it is stored in.
+      parts: for a weight's name, the tensors that make it up in order, each cast to the
+        weight's dtype as it is written: one tensor, or a scanned run's blocks' tensors, which
+        stacked on a new first axis make the weight.
+    Returns:
+      The bytes of tensor data written.
+    Raises:
+      TpuExportError: a weight's parts do not hold as many elements as its shape.
+    """
+    sizes = [int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize for spec in specs]
+    # Tensors whose size keeps the next one aligned first: every tensor then starts aligned up to
+    # the first odd-sized one.
+    order = sorted(range(len(names)), key=lambda index: sizes[index] % ALIGNMENT != 0)
+    header, offset = {}, 0
+    for index in order:
+        header[names[index]] = {"dtype": SAFETENSORS_NAMES[np.dtype(specs[index].dtype).name], "shape": list(specs[index].shape),
+                                "data_offsets": [offset, offset + sizes[index]]}
+        offset += sizes[index]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGNMENT)  # the data section starts aligned
+    with open(path, "wb") as stream:
+        stream.write(struct.pack("<Q", len(text)))
+        stream.write(text)
+        for index in order:
+            dtype = getattr(torch, np.dtype(specs[index].dtype).name)
+            written = 0
+            for part in parts(names[index]):
+                data = part.detach().to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
+                stream.write(data)
+                written += data.nbytes
+            if written != sizes[index]:
+                raise TpuExportError(f"weight {names[index]!r} got {written} bytes from its tensors, its shape "
+                                     f"{tuple(specs[index].shape)} needs {sizes[index]}; give the checkpoint of this model")
+    return offset
+
+
+def map_weights(path: pathlib.Path) -> dict[str, np.ndarray]:
+    """The arrays of a safetensors file as read-only views of one memory map (nothing is read yet).
+
+    Returns:
+      {name: array} in the file's dtypes, bfloat16 included.
+    """
+    with open(path, "rb") as stream:
+        (length,) = struct.unpack("<Q", stream.read(8))
+        header = json.loads(stream.read(length))
+    header.pop("__metadata__", None)
+    data_bytes = path.stat().st_size - 8 - length
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + length) if data_bytes else np.empty(0, np.uint8)
+    arrays = {}
+    for name, entry in header.items():
+        start, end = entry["data_offsets"]
+        arrays[name] = data[start:end].view(NUMPY_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    return arrays
