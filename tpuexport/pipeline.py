@@ -67,8 +67,8 @@ class ConversionOptions:
       verify_sizes: dim sizes that must be verified ({dim: size}; other dims at their example size).
       overwrite: replace an existing artifact at `out`.
       scan: lower runs of identical blocks (a model's layers) as one jax.lax.scan each, their
-        weights stacked (lower/scan.py); False lowers every block on its own. Slice targets
-        (sharding plans) always get the unrolled program.
+        weights stacked (lower/scan.py); False lowers every block on its own. Sharding plans lay
+        out a stacked weight as one block's weight, its stack axis whole.
       saved_model: also write the TF Serving SavedModel (tf_serving/) and check it in TensorFlow.
       model_name: TF Serving's model name, or None for the stem of `out`.
       model_version: TF Serving's version number.
@@ -185,10 +185,8 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         requested_sizes = verify_stage.resolve_requested_sizes(captured.signature, options.verify_sizes)
         with clock.stage("lower", lambda: f"{len(lowered.weight_names)} weight arrays, precision {options.precision}, "
                                           f"matmul precision {options.matmul_precision}; {_describe_scans(lowered.scanned)}"):
-            # Sharding plans and --shard rules address each layer's weights by its state_dict name and
-            # shape, so programs for slices keep their blocks unrolled.
             lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
-                                        options.scan and not slices, weights=captured.checkpoint_state is None)
+                                        options.scan, weights=captured.checkpoint_state is None)
         weights_file = None
         if captured.checkpoint_state is not None:
             lowered, weights_file = _stream_weights(captured, lowered, scratch, clock)
@@ -299,7 +297,7 @@ def _run_plan(loaded: export_stage.LoadedSource, options: ConversionOptions, tar
                                       f"not read), precision {options.precision}, matmul precision {options.matmul_precision}; "
                                       f"{_describe_scans(lowered.scanned)}"):
         lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
-                                    options.scan and not slices, weights=False)
+                                    options.scan, weights=False)
     plans = _plan_slices(options.sharding, slices, lowered, buckets, clock)
     with compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock), plans) as compiling:
         report = compiling.result()
@@ -343,7 +341,8 @@ def _plan_slices(request: compile_stage.ShardingRequest, slices: list, lowered: 
     for target in slices:
         with clock.stage(f"plan {target.name}", lambda: _describe_plan(plans[target.name])):
             plans[target.name] = compile_stage.plan_sharding(request, target, lowered.weight_names, lowered.weight_specs,
-                                                             lowered.signature, buckets)
+                                                             lowered.signature, buckets,
+                                                             [len(lowered.weight_parts[name]) > 1 for name in lowered.weight_names])
     return plans
 
 

@@ -243,7 +243,7 @@ def make_request(mesh=None, sharding: str | None = None, rules: Iterable = (), i
 
 
 def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequence[str], weights: Sequence,
-                  signature: ProgramSignature, buckets: Sequence[Bucket]) -> ShardingPlan:
+                  signature: ProgramSignature, buckets: Sequence[Bucket], stacked: Sequence[bool] = ()) -> ShardingPlan:
     """Resolves a request against a slice target and the lowered program.
 
     Args:
@@ -254,6 +254,9 @@ def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequen
         with .shape and .dtype), in call order.
       signature: the program's inputs and dims.
       buckets: the sizes that will be compiled (every split input dim must divide at each).
+      stacked: per weight, whether it is a scanned run's stack of its blocks' weights (axis 0 the
+        block); presets and --shard rules lay out one block's weight, and the stack axis stays
+        whole (each device holds its share of every layer). Empty: none is.
     Returns:
       The ShardingPlan.
     Raises:
@@ -265,8 +268,10 @@ def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequen
     mesh = resolve_mesh(request, target)
     sizes = dict(mesh)
     mesh_text = ",".join(f"{axis}={size}" for axis, size in mesh)
+    stacked = list(stacked) or [False] * len(weight_names)
     shapes = [tuple(int(d) for d in w.shape) for w in weights]
-    weight_specs, notes = _preset_weight_specs(request.preset, weight_names, shapes, sizes)
+    block_shapes = [shape[1:] if is_stacked else shape for shape, is_stacked in zip(shapes, stacked)]
+    weight_specs, notes = _preset_weight_specs(request.preset, weight_names, block_shapes, sizes)
     input_specs = [_preset_input_spec(request.preset, spec.shape, sizes) for spec in signature.inputs]
     rules = []
     for pattern, spec in request.weight_rules:
@@ -276,7 +281,7 @@ def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequen
             shown = ", ".join(list(weight_names)[:6]) + (", ..." if len(weight_names) > 6 else "")
             raise TpuExportError(f"--shard pattern {pattern!r} matches no weight; the weights are state_dict names such as {shown}")
         for index in matched:
-            weight_specs[index] = _fit_spec(spec, len(shapes[index]), f"weight {weight_names[index]!r}", f"--shard {pattern}")
+            weight_specs[index] = _fit_spec(spec, len(block_shapes[index]), f"weight {weight_names[index]!r}", f"--shard {pattern}")
         rules.append(f"{pattern}={_spec_text(spec)}")
     input_names = [spec.name for spec in signature.inputs]
     for name, spec in request.input_rules:
@@ -286,6 +291,7 @@ def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequen
         index = input_names.index(name)
         input_specs[index] = _fit_spec(spec, len(signature.inputs[index].shape), f"input {name!r}", f"--shard-input {name}")
         rules.append(f"input:{name}={_spec_text(spec)}")
+    weight_specs = [(None, *spec) if is_stacked and spec else spec for spec, is_stacked in zip(weight_specs, stacked)]
     for name, shape, spec in zip(weight_names, shapes, weight_specs):
         _check_divisible(f"weight {name!r}", shape, spec, sizes)
     for bucket in buckets:

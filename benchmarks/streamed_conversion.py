@@ -1,0 +1,235 @@
+"""A ~1B decoder converted with its weights streamed from a sharded safetensors checkpoint: peak
+memory and wall time of `tpuexport convert --checkpoint`.
+
+    python benchmarks/streamed_conversion.py [--layers 16] [--precision bf16] [--no-saved-model] [--keep DIR]
+                                             [--memory-limit GIB]
+
+The model is transformers' LlamaForCausalLM with Llama-3.2-1B's shapes (hidden 2048, 16 layers,
+32 query / 8 key-value heads, MLP 8192, vocabulary 128256, tied embeddings: 1.24B parameters,
+4.94 GB in f32), random weights (nothing is downloaded). The benchmark first writes its checkpoint
+as Hugging Face does (`model-0000k-of-0000n.safetensors` shards of at most 2 GB and
+`model.safetensors.index.json`, f32), then runs the CLI on it in a child process:
+
+    tpuexport convert benchmarks/streamed_conversion.py:build --checkpoint DIR --target v5e --precision bf16
+
+(the factory builds the model from the config; within --checkpoint its parameters are on the meta
+device). The child and its children are sampled every 50 ms from /proc: VmRSS, and its two parts,
+RssAnon (memory the process owns: what must fit in RAM) and RssFile (pages of memory-mapped files:
+the checkpoint and the artifact's weights, which the kernel reads on first touch and drops under
+memory pressure). Printed: the peaks of the converting process and of each child (the TPU compiler,
+the TensorFlow process that builds the SavedModel), as GiB and as a ratio to the f32 model, the
+wall time, and the stages' seconds from the artifact's manifest.
+
+--memory-limit runs the conversion in a memory cgroup (v1, /sys/fs/cgroup/memory; needs root) with
+that limit on everything it and its children hold, page cache included: a limit below the f32
+model's size shows that the file-backed pages are given back under pressure, i.e. that a model
+larger than the machine's memory converts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CONFIG_VARIABLE = "TPUEXPORT_STREAMED_CONFIG"
+LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                    num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=True)
+SHARD_BYTES = 2 * 2**30
+CGROUP_ROOT = pathlib.Path("/sys/fs/cgroup/memory")
+
+
+def llama(config: dict):
+    """The decoder, wrapped to take input_ids and return logits (its parameters wherever the
+    caller's context puts them)."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from families import Outputs
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    return Outputs(model, ("input_ids",), ("logits",), use_cache=False), torch
+
+
+def build():
+    """The factory the CLI calls (the config comes from the benchmark through the environment)."""
+    model, torch = llama(json.loads(os.environ[CONFIG_VARIABLE]))
+    batch = torch.export.Dim("batch", min=1, max=8)
+    seq = torch.export.Dim("seq", min=2, max=2048)
+    input_ids = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    return {"model": model, "args": (input_ids,), "dynamic_shapes": {"input_ids": {0: batch, 1: seq}}}
+
+
+def write_checkpoint(config: dict, directory: pathlib.Path) -> tuple[int, int]:
+    """Writes a random-weight f32 checkpoint in Hugging Face's sharded layout, one shard in memory at a time.
+
+    Returns:
+      (parameters, bytes on disk).
+    """
+    import safetensors.torch
+    import torch
+
+    with torch.device("meta"):
+        model = __import__("transformers").LlamaForCausalLM(__import__("transformers").LlamaConfig(**config))
+    generator = torch.Generator().manual_seed(0)
+    shards, shard, shard_bytes, count = [], {}, 0, 0
+    for name, parameter in model.state_dict().items():  # tied lm_head.weight: saved once, as Hugging Face does
+        if config.get("tie_word_embeddings") and name == "lm_head.weight":
+            continue
+        tensor = torch.ones(parameter.shape) if name.endswith("norm.weight") else torch.randn(parameter.shape, generator=generator) * 0.02
+        count += tensor.numel()
+        if shard and shard_bytes + tensor.nbytes > SHARD_BYTES:
+            shards.append(shard)
+            shard, shard_bytes = {}, 0
+        shard[name], shard_bytes = tensor, shard_bytes + tensor.nbytes
+        if shard_bytes >= SHARD_BYTES:
+            shards.append(shard)
+            shard, shard_bytes = {}, 0
+    if shard:
+        shards.append(shard)
+    weight_map = {}
+    for index, tensors in enumerate(shards):
+        file = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        safetensors.torch.save_file(tensors, str(directory / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+        tensors.clear()
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    return count, sum(path.stat().st_size for path in directory.glob("*.safetensors"))
+
+
+def _status(pid: int) -> dict[str, int] | None:
+    try:
+        text = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    kib = lambda key: int(fields.get(key, "0 kB").split()[0]) * 1024  # noqa: E731
+    return {"name": fields["Name"].strip(), "ppid": int(fields["PPid"]), "rss": kib("VmRSS"), "anon": kib("RssAnon"), "file": kib("RssFile")}
+
+
+class TreeSampler(threading.Thread):
+    """Samples the memory of a process and its descendants until stopped; keeps each one's peaks."""
+
+    def __init__(self, root: int):
+        super().__init__(daemon=True)
+        self.root = root
+        self.peaks: dict[int, dict] = {}
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            statuses = {int(entry.name): _status(int(entry.name)) for entry in pathlib.Path("/proc").iterdir() if entry.name.isdigit()}
+            tree, added = {self.root}, True
+            while added:
+                children = {pid for pid, status in statuses.items() if status and status["ppid"] in tree}
+                added = bool(children - tree)
+                tree |= children
+            for pid in tree:
+                status = statuses.get(pid)
+                if status:
+                    peak = self.peaks.setdefault(pid, {"name": status["name"], "rss": 0, "anon": 0, "file": 0})
+                    for key in ("rss", "anon", "file"):
+                        peak[key] = max(peak[key], status[key])
+            self.stopped.wait(0.05)
+
+
+def memory_cgroup(limit_bytes: int) -> pathlib.Path:
+    """A new memory cgroup (v1) with that limit; the caller moves the process in and removes it."""
+    group = CGROUP_ROOT / f"tpuexport-streamed-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
+    except OSError as error:
+        sys.exit(f"--memory-limit needs a writable cgroup v1 memory hierarchy at {CGROUP_ROOT} ({error})")
+    return group
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=LLAMA_3_2_1B["num_hidden_layers"])
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--no-saved-model", dest="saved_model", action="store_false")
+    parser.add_argument("--keep", type=pathlib.Path, help="keep the checkpoint and artifact in this directory")
+    parser.add_argument("--memory-limit", type=float, metavar="GIB", help="run the conversion in a memory cgroup with this limit")
+    options = parser.parse_args()
+    config = dict(LLAMA_3_2_1B, num_hidden_layers=options.layers)
+    work = options.keep or pathlib.Path(tempfile.mkdtemp(prefix="streamed-"))
+    checkpoint, artifact = work / "checkpoint", work / "model.tpu"
+    try:
+        if not (checkpoint / "model.safetensors.index.json").exists():
+            checkpoint.mkdir(parents=True, exist_ok=True)
+            start = time.perf_counter()
+            subprocess.run([sys.executable, __file__, "--write-checkpoint", json.dumps(config), str(checkpoint)], check=True)
+            print(f"checkpoint written in {time.perf_counter() - start:.0f} s", flush=True)
+        index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+        shards = sorted(set(index["weight_map"].values()))
+        disk_bytes = sum((checkpoint / shard).stat().st_size for shard in shards)
+        parameters = index["metadata"].get("parameters") or disk_bytes // 4
+        f32_bytes = parameters * 4
+
+        command = [sys.executable, "-m", "tpuexport.cli", "convert", f"{pathlib.Path(__file__).resolve()}:build", "--checkpoint",
+                   str(checkpoint), "--target", "v5e", "--precision", options.precision, "--out", str(artifact), "--force"]
+        if not options.saved_model:
+            command.append("--no-saved-model")
+        environment = dict(os.environ, **{CONFIG_VARIABLE: json.dumps(config)})
+        group = memory_cgroup(int(options.memory_limit * 2**30)) if options.memory_limit else None
+        # A cached page is charged to the cgroup that read it first: evict the checkpoint from
+        # the page cache, so the conversion reads (and is charged for) every page itself.
+        for shard in shards:
+            descriptor = os.open(checkpoint / shard, os.O_RDONLY)
+            os.fsync(descriptor)
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(descriptor)
+        start = time.perf_counter()
+        process = subprocess.Popen(command, env=environment, cwd=ROOT,
+                                   preexec_fn=(lambda: (group / "cgroup.procs").write_text(str(os.getpid()))) if group else None)
+        sampler = TreeSampler(process.pid)
+        sampler.start()
+        code = process.wait()
+        wall = time.perf_counter() - start
+        sampler.stopped.set()
+        sampler.join()
+        if group:
+            limited = (f"under a memory limit of {options.memory_limit:g} GiB (cgroup, page cache included): peak charged "
+                       f"{int((group / 'memory.max_usage_in_bytes').read_text()) / 2**30:.2f} GiB, limit hit "
+                       f"{(group / 'memory.failcnt').read_text().strip()} times")
+            group.rmdir()
+            print(limited)
+        if code:
+            sys.exit(f"the conversion failed with exit code {code}")
+
+        manifest = json.loads((artifact / "manifest.json").read_text())
+        gib = lambda value: f"{value / 2**30:.2f} GiB"  # noqa: E731
+        print(f"\nmodel: Llama-3.2-1B shape, {config['num_hidden_layers']} layers, {parameters / 1e9:.2f}B parameters, "
+              f"f32 {gib(f32_bytes)}; checkpoint {len(shards)} shards, {gib(disk_bytes)} on disk; "
+              f"artifact weights ({options.precision}) {gib((artifact / manifest['program']['weights']).stat().st_size)}")
+        print(f"wall time {wall:.0f} s; stages: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in manifest["build"]["stage_seconds"].items()))
+        print(f"verified sizes: {[case['sizes'] for case in manifest['verification']['cases']]}; passed {manifest['verification']['passed']}")
+        print(f"\n{'process':<28}{'peak RSS':>12}{'anon':>12}{'file-backed':>14}{'RSS / f32 model':>18}{'anon / f32':>12}")
+        main_peak = sampler.peaks.pop(process.pid)
+        rows = [("converting process", main_peak)] + [(f"child {peak['name']} ({pid})", peak) for pid, peak in sampler.peaks.items()
+                                                        if peak["rss"] > 64 * 2**20]
+        for label, peak in rows:
+            print(f"{label:<28}{gib(peak['rss']):>12}{gib(peak['anon']):>12}{gib(peak['file']):>14}"
+                  f"{peak['rss'] / f32_bytes:>18.2f}{peak['anon'] / f32_bytes:>12.2f}")
+    finally:
+        if not options.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--write-checkpoint"]:
+        count, _ = write_checkpoint(json.loads(sys.argv[2]), pathlib.Path(sys.argv[3]))
+        index = pathlib.Path(sys.argv[3]) / "model.safetensors.index.json"
+        index.write_text(json.dumps(dict(json.loads(index.read_text()), metadata={"parameters": count}), indent=1))
+    else:
+        main()
