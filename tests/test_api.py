@@ -43,6 +43,7 @@ def test_manifest_records_versions_signature_hashes_and_figures(mlp_artifact):
         assert bucket["cost"]["flops"] > 0 and bucket["cost"]["optimal_seconds"] > 0
     # flops grow with the batch: the two executables really are different programs
     assert buckets[1]["cost"]["flops"] > 4 * buckets[0]["cost"]["flops"]
+    assert buckets[1]["program_matmul_flops"] == 8 * buckets[0]["program_matmul_flops"] > 0  # batch 8 vs 1
 
 
 def test_verification_covers_several_sizes_and_stores_golden_data(mlp_artifact):

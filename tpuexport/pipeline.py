@@ -201,7 +201,7 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         plans = _plan_slices(options.sharding, slices, lowered, buckets, clock)
 
         # The TPU compiler runs in its own processes from here on, while verify and the SavedModel run.
-        compiling = running.enter_context(compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock), plans))
+        compiling = running.enter_context(compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock, lowered), plans))
         with clock.stage("verify", lambda: _describe_verification(report)):
             tolerances = verify_stage.with_overrides(
                 verify_stage.default_tolerances(options.precision, options.matmul_precision, quantized is not None),
@@ -299,7 +299,7 @@ def _run_plan(loaded: export_stage.LoadedSource, options: ConversionOptions, tar
         lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
                                     options.scan, weights=False)
     plans = _plan_slices(options.sharding, slices, lowered, buckets, clock)
-    with compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock), plans) as compiling:
+    with compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock, lowered), plans) as compiling:
         report = compiling.result()
     clock.record("compile", compiling.seconds, f"{len(report.results)} executable(s)")
     with clock.stage("write", lambda: f"{options.out} (plan only: no weights, not verified)"):
@@ -346,11 +346,11 @@ def _plan_slices(request: compile_stage.ShardingRequest, slices: list, lowered: 
     return plans
 
 
-def _compiled_event(clock: StageClock) -> Callable[[compile_stage.CompiledBucket], None]:
+def _compiled_event(clock: StageClock, lowered: lower_stage.LoweredProgram) -> Callable[[compile_stage.CompiledBucket], None]:
     """Reports each executable as it is compiled (from the compile job's threads)."""
 
     def compiled_one(result: compile_stage.CompiledBucket) -> None:
-        clock.event(f"compile {result.target.name} {result.bucket.name}", result.compile_seconds, _describe_compiled(result))
+        clock.event(f"compile {result.target.name} {result.bucket.name}", result.compile_seconds, _describe_compiled(result, lowered))
 
     return compiled_one
 
@@ -418,11 +418,12 @@ def _describe_plan(plan: compile_stage.ShardingPlan) -> str:
     return plan.describe() + (f"; {len(plan.notes)} left whole (see the manifest's notes)" if plan.notes else "")
 
 
-def _describe_compiled(result: compile_stage.CompiledBucket) -> str:
+def _describe_compiled(result: compile_stage.CompiledBucket, lowered: lower_stage.LoweredProgram) -> str:
     target = result.target
     where = "per chip" if target.devices == target.chips else "per device"
     text = (f"{result.memory['total_bytes'] / 2**20:.1f} MiB{' ' + where if target.is_slice else ''} of "
-            f"{target.hbm_bytes_per_device / 2**30:.0f} GiB HBM, {result.cost['flops']:.3g} flops")
+            f"{target.hbm_bytes_per_device / 2**30:.0f} GiB HBM, "
+            f"{lower_stage.flops_at(lowered.matmul_flops, result.bucket.as_dict()):.3g} matmul flops")
     if target.is_slice:
         exchanged = ", ".join(f"{kind} x{entry['count']} ({entry['bytes'] / 2**20:.2f} MiB)" for kind, entry in result.collectives.items())
         text += f"; {exchanged or 'no collectives'}"

@@ -19,6 +19,7 @@ from tpuexport.compile import CompileReport
 from tpuexport.errors import TpuExportError
 from tpuexport.export import SourceInfo
 from tpuexport.lower import LoweredProgram
+from tpuexport.lower.cost import flops_at
 from tpuexport.verify import VerificationReport
 
 
@@ -117,6 +118,7 @@ def write_artifact(
             "call": "exported.call(weights, inputs): two lists, in weight_names and signature.inputs order",
             "weights": _weights_file(lowered, weights_file, put, move),
             "weight_names": list(lowered.weight_names),
+            "tied_weights": dict(lowered.tied),
             "weight_bytes": lowered.weight_bytes,
             "matmul_flops": lowered.matmul_flops,
         }
@@ -177,6 +179,7 @@ def write_artifact(
                 "executable": put(layout.executable_path(target.name, result.bucket.name), result.executable),
                 "memory": result.memory,
                 "cost": result.cost,
+                "program_matmul_flops": flops_at(lowered.matmul_flops, result.bucket.as_dict()),
                 "fits_in_hbm": result.fits_in_hbm,
                 "hbm_utilization": round(result.memory["total_bytes"] / target.hbm_bytes_per_device, 6),
                 "fingerprint": result.fingerprint,

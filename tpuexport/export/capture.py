@@ -132,9 +132,27 @@ def on_meta_device(source: LoadedSource) -> LoadedSource:
         return source
     model = source.model
     if not all(tensor.is_meta for tensor in (*model.parameters(), *model.buffers())):
-        model = copy.deepcopy(model).to("meta")
+        model = _meta_copy(model)
     args = pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.to("meta"), source.args)
     return dataclasses.replace(source, model=model, args=args)
+
+
+def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the model with every parameter and buffer on the meta device, tied ones still one
+    tensor (Module.to("meta") makes a new Parameter per name, which unties them)."""
+    model = copy.deepcopy(model)
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (original, kept alive so ids stay unique; meta)
+    for module in model.modules():
+        for slots in (module._parameters, module._buffers):
+            for name, tensor in slots.items():
+                if tensor is not None and not tensor.is_meta:
+                    if id(tensor) not in moved:
+                        meta = tensor.to("meta")
+                        if isinstance(tensor, torch.nn.Parameter):
+                            meta = type(tensor)(meta, requires_grad=tensor.requires_grad)
+                        moved[id(tensor)] = (tensor, meta)
+                    slots[name] = moved[id(tensor)][1]
+    return model
 
 
 def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.ExportedProgram:

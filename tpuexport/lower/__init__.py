@@ -1,7 +1,8 @@
 """Lowering stage: ExportedProgram -> jax.export.Exported (StableHLO with symbolic dims)."""
 
+from tpuexport.lower.cost import flops_at
 from tpuexport.lower.lowering import PRECISIONS, LoweredProgram, lower
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
 from tpuexport.lower.op_support import UnsupportedOperator, find_unsupported
 
-__all__ = ["MATMUL_PRECISIONS", "PRECISIONS", "LoweredProgram", "UnsupportedOperator", "find_unsupported", "lower"]
+__all__ = ["MATMUL_PRECISIONS", "PRECISIONS", "LoweredProgram", "UnsupportedOperator", "find_unsupported", "flops_at", "lower"]

@@ -75,6 +75,8 @@ class LoweredProgram:
         op-by-op checks; None for a program read back from an artifact).
       scanned: the runs of identical blocks lowered as one scan each (ScannedRun.to_json: module
         path, blocks, stacked weight name -> state_dict names); empty when none.
+      tied: weights that are another weight (an lm_head tied to the embedding), {state_dict name:
+        the name it is stored and passed under}: not arguments of the program, held once.
     """
 
     exported: jax.export.Exported
@@ -86,6 +88,7 @@ class LoweredProgram:
     matmul_flops: str
     graph: torch.export.ExportedProgram | None = None
     scanned: tuple[dict, ...] = ()
+    tied: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def plan_only(self) -> bool:
@@ -208,17 +211,35 @@ def lower(
     flops = matmul_flops_expression(decomposed, signature)
     decomposed = unmerge_batched_matmuls(decomposed)
     runs = find_runs(decomposed) if scan else ()
+    tied = tied_weights(decomposed, runs)
     if weights:
         names, arrays = collect_weights(decomposed, precision)
-        stacked_names, stacked = stack_weights(names, arrays, runs)
-        specs = tuple(jax.ShapeDtypeStruct(array.shape, array.dtype) for array in stacked)
     else:
-        names, placeholder_specs = collect_weight_specs(decomposed, precision)
-        (stacked_names, specs), stacked = stack_weights(names, placeholder_specs, runs), None
-    exported, before_scan = trace_and_export(decomposed, signature, names, stacked_names, specs, precision, runs)
+        names, arrays = collect_weight_specs(decomposed, precision)
+    kept = [index for index, name in enumerate(names) if name not in tied]
+    stacked_names, stacked = stack_weights(tuple(names[index] for index in kept), tuple(arrays[index] for index in kept), runs)
+    specs = tuple(jax.ShapeDtypeStruct(array.shape, array.dtype) for array in stacked)
+    exported, before_scan = trace_and_export(decomposed, signature, names, stacked_names, specs, precision, runs, tied)
     exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision])
-    return LoweredProgram(exported, stacked_names, stacked, signature, precision, matmul_precision, flops, decomposed,
-                          tuple(run.to_json(before_scan[run.last_op]) for run in runs))
+    return LoweredProgram(exported, stacked_names, stacked if weights else None, signature, precision, matmul_precision, flops,
+                          decomposed, tuple(run.to_json(before_scan[run.last_op]) for run in runs), tied)
+
+
+def tied_weights(program: torch.export.ExportedProgram, runs: tuple[ScannedRun, ...] = ()) -> dict[str, str]:
+    """Placeholders whose tensor is an earlier placeholder's (tied weights: torch.export lifts a
+    module's shared parameter once per name), {name: the earlier name}. Weights of scanned runs
+    are left alone (each block's stack holds its own)."""
+    in_runs = {original for run in runs for weight in run.weights for original in weight.originals}
+    first_name: dict[int, str] = {}
+    tied = {}
+    for name, tensor, _ in _weight_tensors(program):
+        if name in in_runs:
+            continue
+        if id(tensor) in first_name:
+            tied[name] = first_name[id(tensor)]
+        else:
+            first_name[id(tensor)] = name
+    return tied
 
 
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -379,7 +400,7 @@ class _TracingInterpreter:
 
 
 def trace_and_export(program, signature, placeholder_names, weight_names, weight_specs, precision,
-                     runs: tuple[ScannedRun, ...] = ()) -> tuple[jax.export.Exported, dict]:
+                     runs: tuple[ScannedRun, ...] = (), tied: dict[str, str] | None = None) -> tuple[jax.export.Exported, dict]:
     """Traces torchax's interpreter over the graph under jax.export for CPU and TPU.
 
     Args:
@@ -390,6 +411,7 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
       weight_specs: the weights' shapes and dtypes (anything with .shape and .dtype), in call order.
       precision: one of PRECISIONS.
       runs: runs of identical blocks to lower as scans (their weights among `weight_names`).
+      tied: placeholders that read another weight ({name: the weight's name}; tied_weights).
     Returns:
       (the Exported, called as `call(weights_list, inputs_list)`; {run's last op: how many of its
       blocks run before its scan}).
@@ -404,7 +426,7 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
             inputs_list = [x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs_list]
         tracer.weights = dict(zip(weight_names, weights_list))
         # A stacked block weight's own placeholder is read by no op that runs, so it gets None.
-        placeholders = [tracer.weights.get(name) for name in placeholder_names]
+        placeholders = [tracer.weights.get((tied or {}).get(name, name)) for name in placeholder_names]
         outputs = tracer.run(*placeholders, *inputs_list)[mutations:]
         return [jnp.asarray(out).astype(dtype) for out, dtype in zip(outputs, output_dtypes)]
 
