@@ -85,7 +85,7 @@ class _SafetensorsFiles(Mapping):
         start, end = entry["data_offsets"]
         dtype = SAFETENSORS_DTYPES[entry["dtype"]]
         raw = data[start:end]
-        if start % dtype.itemsize:  # a view needs whole elements; this one tensor is copied
+        if raw.storage_offset() % dtype.itemsize:  # a view needs whole elements; this one tensor is copied
             raw = raw.clone()
         return raw.view(dtype).view(entry["shape"])
 

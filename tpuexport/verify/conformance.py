@@ -118,6 +118,18 @@ def _torch_values(program: torch.export.ExportedProgram, arguments) -> dict:
             values[node] = super().run_node(node)
             return values[node]
 
+        def call_function(self, target, args, kwargs):
+            try:
+                return super().call_function(target, args, kwargs)
+            except RuntimeError as error:
+                # Some CPU kernels (native_group_norm) require a contiguous input that the
+                # decomposed graph, run op by op, does not always give them (eager PyTorch ran the
+                # undecomposed model); their values do not depend on the layout.
+                if "is_contiguous" not in str(error):
+                    raise
+                contiguous = lambda tensor: tensor.contiguous()  # noqa: E731
+                return super().call_function(target, *pytree.tree_map_only(torch.Tensor, contiguous, (args, kwargs)))
+
     with torch.no_grad():
         Recording(program.graph_module).run(*arguments, enable_io_processing=False)
     return values
