@@ -243,7 +243,7 @@ def make_request(mesh=None, sharding: str | None = None, rules: Iterable = (), i
 
 
 def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequence[str], weights: Sequence,
-                  signature: ProgramSignature, buckets: Sequence[Bucket], stacked: Sequence[bool] = ()) -> ShardingPlan:
+                  signature: ProgramSignature, buckets: Sequence[Bucket], stacked: Sequence[bool]) -> ShardingPlan:
     """Resolves a request against a slice target and the lowered program.
 
     Args:
@@ -256,7 +256,7 @@ def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequen
       buckets: the sizes that will be compiled (every split input dim must divide at each).
       stacked: per weight, whether it is a scanned run's stack of its blocks' weights (axis 0 the
         block); presets and --shard rules lay out one block's weight, and the stack axis stays
-        whole (each device holds its share of every layer). Empty: none is.
+        whole (each device holds its share of every layer).
     Returns:
       The ShardingPlan.
     Raises:
@@ -268,7 +268,6 @@ def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequen
     mesh = resolve_mesh(request, target)
     sizes = dict(mesh)
     mesh_text = ",".join(f"{axis}={size}" for axis, size in mesh)
-    stacked = list(stacked) or [False] * len(weight_names)
     shapes = [tuple(int(d) for d in w.shape) for w in weights]
     block_shapes = [shape[1:] if is_stacked else shape for shape, is_stacked in zip(shapes, stacked)]
     weight_specs, notes = _preset_weight_specs(request.preset, weight_names, block_shapes, sizes)
