@@ -83,8 +83,7 @@ def main() -> None:
     slice_target, chip = compile_stage.resolve_targets([options.slice, options.chip])
     start = time.perf_counter()
     plan = compile_stage.plan_sharding(compile_stage.make_request(options.mesh, options.sharding), slice_target,
-                                       lowered.weight_names, lowered.weights, lowered.signature, buckets,
-                                       [len(lowered.weight_parts[name]) > 1 for name in lowered.weight_names])
+                                       lowered.weight_names, lowered.weights, lowered.signature, buckets, lowered.stacked)
     print(f"\nplan for {slice_target.name} ({time.perf_counter() - start:.2f} s): {plan.describe()}")
     for name, spec in plan.weights:
         if ".layers.0." in name or ".layers.0-" in name or ".layers." not in name:

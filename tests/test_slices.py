@@ -257,7 +257,7 @@ def test_bad_plans_are_one_line_errors(lowered_decoder, request_options, message
         request = compile_stage.make_request(options.get("mesh"), options.get("sharding"), options.get("rules", ()),
                                              options.get("input_rules", ()))
         compile_stage.plan_sharding(request, target, lowered.weight_names, lowered.weights, lowered.signature, buckets,
-                                    [len(lowered.weight_parts[name]) > 1 for name in lowered.weight_names])
+                                    lowered.stacked)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 

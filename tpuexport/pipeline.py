@@ -341,8 +341,7 @@ def _plan_slices(request: compile_stage.ShardingRequest, slices: list, lowered: 
     for target in slices:
         with clock.stage(f"plan {target.name}", lambda: _describe_plan(plans[target.name])):
             plans[target.name] = compile_stage.plan_sharding(request, target, lowered.weight_names, lowered.weight_specs,
-                                                             lowered.signature, buckets,
-                                                             [len(lowered.weight_parts[name]) > 1 for name in lowered.weight_names])
+                                                             lowered.signature, buckets, lowered.stacked)
     return plans
 
 

@@ -114,6 +114,11 @@ class LoweredProgram:
         stacked = {name: tuple(originals) for run in self.scanned for name, originals in run["weights"].items()}
         return {name: stacked.get(name, (name,)) for name in self.weight_names}
 
+    @property
+    def stacked(self) -> tuple[bool, ...]:
+        """Per weight, in call order, whether it is a scanned run's stack of its blocks' weights."""
+        return tuple(len(self.weight_parts[name]) > 1 for name in self.weight_names)
+
     @functools.cached_property
     def _device_weights(self):
         # device_put runs an aligned host array in place on XLA:CPU (jnp.asarray would copy it):
