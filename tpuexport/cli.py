@@ -292,7 +292,7 @@ def describe_collectives(collectives: dict | None) -> str:
 @handles_errors
 def verify(artifact_dir, as_json, junit_path, recompile, strict, against):
     """Check an artifact before release: file hashes, golden outputs, SavedModel; exit 1 if a check fails (always for a plan)."""
-    from tpuexport.verify.gate import verify_artifact, write_junit
+    from tpuexport.verify.gate import PLAN_ONLY, verify_artifact, write_junit
 
     report = verify_artifact(artifact_dir, recompile=recompile, strict=strict, against=against)
     if junit_path:
@@ -301,8 +301,7 @@ def verify(artifact_dir, as_json, junit_path, recompile, strict, against):
         click.echo(json.dumps(report.to_json(), indent=2))
     else:
         _print_gate_table(report)
-    failed = "plan only (no weights, not verified): nothing to verify" if report.plan_only else ", ".join(
-        check.name for check in report.failures())
+    failed = PLAN_ONLY if report.plan_only else ", ".join(check.name for check in report.failures())
     stderr.print(f"[bold green]verify passed[/] {report.artifact}" if report.passed
                  else f"[bold red]verify failed[/] {report.artifact}: {failed}", soft_wrap=True)
     sys.exit(report.exit_code)

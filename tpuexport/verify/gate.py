@@ -45,8 +45,8 @@ COMPILER_PACKAGES = ("jax", "jaxlib", "libtpu")
 # Convert drew its random inputs with seeds 0..3; far-off seeds make --against's inputs fresh.
 AGAINST_SEED = 10_000
 # Why a plan fails the gate, in one line.
-PLAN_ONLY_MESSAGE = ("plan only (no weights, not verified): nothing to verify; convert the model with its weights "
-                     "for an artifact that can be released")
+PLAN_ONLY = "plan only (no weights, not verified): nothing to verify"
+PLAN_ONLY_MESSAGE = f"{PLAN_ONLY}; convert the model with its weights for an artifact that can be released"
 # Fresh random inputs move an int8 output's SQNR by about a dB; more than this is real drift.
 QUANTIZED_SQNR_MARGIN_DB = 3.0
 
