@@ -14,19 +14,14 @@ import pathlib
 import struct
 from typing import Callable, Iterable, Sequence
 
-import ml_dtypes
 import numpy as np
 import torch
 
+from tpuexport.arrays import SAFETENSORS_CODES, SAFETENSORS_DTYPES, numpy_dtype, read_safetensors_header
 from tpuexport.errors import TpuExportError
 
 # XLA:CPU takes host arrays aligned to this many bytes without a copy.
 ALIGNMENT = 64
-SAFETENSORS_NAMES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-}
-NUMPY_DTYPES = {code: (ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)) for name, code in SAFETENSORS_NAMES.items()}
 
 
 def write_weights(path: pathlib.Path, names: Sequence[str], specs: Sequence, parts: Callable[[str], Iterable[torch.Tensor]]) -> int:
@@ -50,7 +45,7 @@ def write_weights(path: pathlib.Path, names: Sequence[str], specs: Sequence, par
     order = sorted(range(len(names)), key=lambda index: sizes[index] % ALIGNMENT != 0)
     header, offset = {}, 0
     for index in order:
-        header[names[index]] = {"dtype": SAFETENSORS_NAMES[np.dtype(specs[index].dtype).name], "shape": list(specs[index].shape),
+        header[names[index]] = {"dtype": SAFETENSORS_CODES[np.dtype(specs[index].dtype).name], "shape": list(specs[index].shape),
                                 "data_offsets": [offset, offset + sizes[index]]}
         offset += sizes[index]
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -77,14 +72,10 @@ def map_weights(path: pathlib.Path) -> dict[str, np.ndarray]:
     Returns:
       {name: array} in the file's dtypes, bfloat16 included.
     """
-    with open(path, "rb") as stream:
-        (length,) = struct.unpack("<Q", stream.read(8))
-        header = json.loads(stream.read(length))
-    header.pop("__metadata__", None)
-    data_bytes = path.stat().st_size - 8 - length
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + length) if data_bytes else np.empty(0, np.uint8)
+    header, data_start = read_safetensors_header(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start) if path.stat().st_size > data_start else np.empty(0, np.uint8)
     arrays = {}
     for name, entry in header.items():
         start, end = entry["data_offsets"]
-        arrays[name] = data[start:end].view(NUMPY_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        arrays[name] = data[start:end].view(numpy_dtype(SAFETENSORS_DTYPES[entry["dtype"]])).reshape(entry["shape"])
     return arrays

@@ -21,20 +21,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import mmap
 import pathlib
-import struct
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from tpuexport.arrays import SAFETENSORS_DTYPES, read_safetensors_header
 from tpuexport.errors import TpuExportError
 
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}
 PICKLED_STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin")
 # Names listed when the checkpoint and the model disagree (the rest are counted).
 LISTED_NAMES = 5
@@ -80,10 +75,11 @@ class _SafetensorsFiles(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         data, header = self._mapped(self._file_of[name])
         if name not in header:
-            raise KeyError(name)
+            raise TpuExportError(f"{self._file_of[name].name} has no tensor {name!r}, which the checkpoint's index puts there; "
+                                 "give the checkpoint's complete, matching files")
         entry = header[name]
         start, end = entry["data_offsets"]
-        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+        dtype = getattr(torch, SAFETENSORS_DTYPES[entry["dtype"]])
         raw = data[start:end]
         if raw.storage_offset() % dtype.itemsize:  # a view needs whole elements; this one tensor is copied
             raw = raw.clone()
@@ -107,28 +103,6 @@ class _SafetensorsFiles(Mapping):
             whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,))
             self._maps[path] = (whole[data_start:], header)
         return self._maps[path]
-
-
-def read_safetensors_header(path: pathlib.Path) -> tuple[dict, int]:
-    """A safetensors file's tensor entries and where its data starts, read without the data.
-
-    Returns:
-      ({name: {"dtype", "shape", "data_offsets"}}, byte offset of the data section).
-    Raises:
-      TpuExportError: not a safetensors file, or a dtype tpuexport does not read.
-    """
-    try:
-        with open(path, "rb") as stream:
-            (length,) = struct.unpack("<Q", stream.read(8))
-            header = json.loads(stream.read(length))
-    except (OSError, struct.error, ValueError, UnicodeDecodeError) as error:
-        raise TpuExportError(f"cannot read {path} as safetensors ({type(error).__name__}: {error}); give a .safetensors file") from None
-    header.pop("__metadata__", None)
-    unknown = sorted({entry["dtype"] for entry in header.values()} - set(SAFETENSORS_DTYPES))
-    if unknown:
-        raise TpuExportError(f"{path} holds tensors of dtype {', '.join(unknown)}, which tpuexport does not read; "
-                             f"save them as one of {', '.join(SAFETENSORS_DTYPES)}")
-    return header, 8 + length
 
 
 def open_checkpoint(source: Any) -> Checkpoint:
