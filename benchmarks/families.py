@@ -415,3 +415,26 @@ BASE_FAMILIES = {family.name: family for family in [
     Family("swin-tiny", "vision", swin_tiny),
     Family("wav2vec2-base", "audio", wav2vec2_base),
 ]}
+
+
+def bf16_llama(config: dict, device: str = "cpu"):
+    """transformers' LlamaForCausalLM of this config in bfloat16 (random weights, or none on the
+    meta device), wrapped to take input_ids and return logits; dims batch 1..64 x seq 2..8192.
+    For the large-model benchmarks (slices.py, plan_large.py): built in bfloat16 directly, since a
+    float32 copy of a billion-parameter model needs another 4 bytes per parameter.
+
+    Returns:
+      (model, example args, dynamic_shapes); the example input is a real (tiny) CPU tensor.
+    """
+    import transformers
+
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    seq = torch.export.Dim("seq", min=2, max=8192)
+    args = (torch.randint(0, config["vocab_size"], (2, 64)),)
+    return Outputs(model, ("input_ids",), ("logits",), use_cache=False), args, {"input_ids": {0: batch, 1: seq}}

@@ -46,29 +46,6 @@ CASES = {
 }
 
 
-def build_meta_llama(config: dict):
-    """LlamaForCausalLM on the meta device in bfloat16, wrapped to take input_ids and return logits.
-
-    Returns:
-      (model, example args, dynamic_shapes); the example input is a real (tiny) CPU tensor.
-    """
-    import torch
-    import transformers
-
-    from families import Outputs
-
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
-    finally:
-        torch.set_default_dtype(torch.float32)
-    batch = torch.export.Dim("batch", min=1, max=64)
-    seq = torch.export.Dim("seq", min=2, max=8192)
-    args = (torch.randint(0, config["vocab_size"], (2, 64)),)
-    return Outputs(model, ("input_ids",), ("logits",), use_cache=False), args, {"input_ids": {0: batch, 1: seq}}
-
-
 def run_case(name: str) -> dict:
     """Plans one case in this process.
 
@@ -76,10 +53,11 @@ def run_case(name: str) -> dict:
       JSON-ready figures: seconds, stages, peak RSS, per-bucket memory, or the error.
     """
     import tpuexport
+    from families import bf16_llama
 
     config, target, preset, mesh, buckets = CASES[name]
     start = time.perf_counter()
-    model, args, shapes = build_meta_llama(config)
+    model, args, shapes = bf16_llama(config, device="meta")
     parameters = sum(p.numel() for p in model.parameters())
     stages = {}
     result = {"case": name, "parameters": parameters, "target": target, "sharding": preset, "mesh": mesh, "buckets": buckets}

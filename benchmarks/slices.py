@@ -34,22 +34,11 @@ LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num
 def build_llama():
     """The random-weight bfloat16 1B decoder, wrapped to take input_ids and return logits."""
     import torch
-    import transformers
 
-    from families import Outputs
+    from families import bf16_llama
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**LLAMA_1B)
-    # Built in bfloat16 directly: a float32 copy would need another 5 GB.
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        model = transformers.LlamaForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(torch.float32)
-    batch = torch.export.Dim("batch", min=1, max=64)
-    seq = torch.export.Dim("seq", min=2, max=8192)
-    args = (torch.randint(0, LLAMA_1B["vocab_size"], (2, 64)),)
-    return Outputs(model, ("input_ids",), ("logits",), use_cache=False), args, {"input_ids": {0: batch, 1: seq}}
+    return bf16_llama(LLAMA_1B)
 
 
 def main() -> None:
