@@ -14,6 +14,9 @@ Passes, in order:
   trace_and_export   torchax's interpreter traced by jax.export with one-scope symbolic dims, each
                      run of blocks as one jax.lax.scan
   pin_precision      the matmul precision written on every dot and convolution (matmul_precision.py)
+With a weight-only scheme (quantize/weight_only.py), the chosen weights become integer and scale
+arguments after collect_weights (their arrays quantized here; a checkpoint's as they stream) and
+the traced ops read them as integers (quantized_weights.py).
 and, beside the program, its matmul FLOPs as a polynomial in the dims (cost.py).
 """
 
@@ -40,6 +43,7 @@ from tpuexport.lower.mixed_precision import PRECISIONS, cast_arguments, cast_res
 from tpuexport.lower.registry import own_lowering
 from tpuexport.lower.scan import ScannedRun, find_runs, run_scan, stack_weights
 from tpuexport.lower.op_support import find_unsupported, user_source
+from tpuexport.lower.quantized_weights import QuantizedArray, call_with_quantized, dequantize_all, holds_quantized
 from tpuexport.lower.shapes import symbolic_input_avals
 from tpuexport.lower.torchax_import import import_torchax
 from tpuexport.signature import ProgramSignature, artifact_dtype
@@ -77,6 +81,8 @@ class LoweredProgram:
         path, blocks, stacked weight name -> state_dict names); empty when none.
       tied: weights that are another weight (an lm_head tied to the embedding), {state_dict name:
         the name it is stored and passed under}: not arguments of the program, held once.
+      quantized: weight-only weights, {weight name: {"mode", "bits", "axis" (contraction axis of
+        one block's weight, from the end), "group_size", "scale" (the scales' weight name)}}.
     """
 
     exported: jax.export.Exported
@@ -89,6 +95,7 @@ class LoweredProgram:
     graph: torch.export.ExportedProgram | None = None
     scanned: tuple[dict, ...] = ()
     tied: dict[str, str] = dataclasses.field(default_factory=dict)
+    quantized: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     @property
     def plan_only(self) -> bool:
@@ -112,6 +119,7 @@ class LoweredProgram:
         """Each weight's state_dict names: its own, or for a scanned run's stacked weight its
         blocks' in stacking order (axis 0)."""
         stacked = {name: tuple(originals) for run in self.scanned for name, originals in run["weights"].items()}
+        stacked.update({entry["scale"]: stacked.get(name, (name,)) for name, entry in self.quantized.items()})
         return {name: stacked.get(name, (name,)) for name in self.weight_names}
 
     @property
@@ -186,6 +194,7 @@ def lower(
     program: torch.export.ExportedProgram, signature: ProgramSignature, precision: str = "f32", matmul_precision: str = "default",
     scan: bool = True,
     weights: bool = True,
+    weight_only=None,
 ) -> LoweredProgram:
     """Lowers an exported program to StableHLO through torchax's op library.
 
@@ -200,11 +209,14 @@ def lower(
         weights stacked (scan.py); False lowers every block on its own.
       weights: False lowers from the weights' shapes and dtypes alone (a plan: no weight is read,
         so the program's weights may be on the meta device); the result has `weights` None.
+      weight_only: a quantize.weight_only.WeightOnlyScheme, or None: its chosen weights become
+        integer and scale arguments (quantized here when `weights`).
     Returns:
       The LoweredProgram.
     Raises:
       UnsupportedOperatorsError: operators with no lowering (all listed).
-      TpuExportError: decomposition or tracing failed, or an unknown precision.
+      TpuExportError: decomposition or tracing failed, an unknown precision, or a group size that
+        does not divide a quantized weight.
     """
     if precision not in PRECISIONS:
         raise TpuExportError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
@@ -223,11 +235,63 @@ def lower(
         names, arrays = collect_weight_specs(decomposed, precision)
     kept = [index for index, name in enumerate(names) if name not in tied]
     stacked_names, stacked = stack_weights(tuple(names[index] for index in kept), tuple(arrays[index] for index in kept), runs)
+    quantized = {}
+    if weight_only is not None:
+        stacked_names, stacked, quantized = _quantize_weights(decomposed, weight_only, tied, runs, stacked_names, stacked, weights)
     specs = tuple(jax.ShapeDtypeStruct(array.shape, array.dtype) for array in stacked)
-    exported, before_scan = trace_and_export(decomposed, signature, names, stacked_names, specs, precision, runs, tied)
+    exported, before_scan = trace_and_export(decomposed, signature, names, stacked_names, specs, precision, runs, tied, quantized)
     exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision])
     return LoweredProgram(exported, stacked_names, stacked if weights else None, signature, precision, matmul_precision, flops,
-                          decomposed, tuple(run.to_json(before_scan[run.last_op]) for run in runs), tied)
+                          decomposed, tuple(run.to_json(before_scan[run.last_op]) for run in runs), tied,
+                          {name: entry for name, (entry, _) in quantized.items()})
+
+
+def _quantize_weights(program, scheme, tied, runs, names, arrays, with_arrays: bool):
+    """The program's weights with the scheme's chosen ones as integers, each followed by its scales.
+
+    Args:
+      program: the decomposed program.
+      scheme: the WeightOnlyScheme.
+      tied: the tied weights; runs: the scanned runs.
+      names, arrays: the weights in call order (stacked), arrays or (for `with_arrays` False)
+        ShapeDtypeStructs.
+      with_arrays: whether `arrays` are arrays to quantize.
+    Returns:
+      (names, arrays or specs, {weight name: (manifest entry, the float dtype it computes in)}).
+    """
+    from tpuexport.quantize import weight_only  # torch only; loaded for weight-only conversions
+
+    chosen = weight_only.quantizable_weights(program, scheme, tied)
+    originals = {weight.name: weight.originals for run in runs for weight in run.weights}
+    new_names, new_arrays, quantized = [], [], {}
+    for name, array in zip(names, arrays):
+        axes = {chosen.get(original) for original in originals.get(name, (name,))}
+        axis = axes.pop() if len(axes) == 1 else None
+        if axis is None:
+            new_names.append(name)
+            new_arrays.append(array)
+            continue
+        scale_name = f"{name}_scale"
+        if with_arrays:
+            values, scale = weight_only.stored_tensors(torch.from_numpy(np.asarray(array, np.float32)), scheme, axis)
+            new_arrays += [values.numpy(), to_numpy(scale)]
+        else:
+            new_arrays += list(quantized_specs(array.shape, scheme, axis))
+        new_names += [name, scale_name]
+        entry = {"mode": scheme.mode, "bits": scheme.bits, "axis": axis, "group_size": scheme.group(array.shape[axis]),
+                 "scale": scale_name}
+        quantized[name] = (entry, jnp.dtype(array.dtype))
+    return tuple(new_names), tuple(new_arrays), quantized
+
+
+def quantized_specs(shape: tuple[int, ...], scheme, axis: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """The integer and scale arguments' shapes and dtypes of a weight of `shape` (quantize/weight_only.py's storage)."""
+    values_shape = (*shape[:-1], shape[-1] // 2) if scheme.bits == 4 else tuple(shape)
+    scale_shape = list(shape)
+    scale_shape[axis] //= scheme.group(shape[axis])
+    scale_dtype = jnp.bfloat16 if scheme.bits == 4 else jnp.float32
+    return (jax.ShapeDtypeStruct(values_shape, jnp.uint8 if scheme.bits == 4 else jnp.int8),
+            jax.ShapeDtypeStruct(tuple(scale_shape), scale_dtype))
 
 
 def tied_weights(program: torch.export.ExportedProgram, runs: tuple[ScannedRun, ...] = ()) -> dict[str, str]:
@@ -381,6 +445,11 @@ class _TracingInterpreter:
                 return self.call_function(node.target, args, kwargs)
 
             def call_function(self, target, args, kwargs):
+                if holds_quantized(args, kwargs):
+                    value = call_with_quantized(target, args, kwargs)
+                    if value is not None:
+                        return value if isinstance(value, QuantizedArray) else cast_result(precision, target, value)
+                    args, kwargs = dequantize_all(args), dict(zip(kwargs, dequantize_all(tuple(kwargs.values()))))
                 args, kwargs = cast_arguments(precision, target, args, kwargs)
                 own = own_lowering(target)
                 result = own(*args, **kwargs) if own is not None else super().call_function(target, args, kwargs)
@@ -405,7 +474,8 @@ class _TracingInterpreter:
 
 
 def trace_and_export(program, signature, placeholder_names, weight_names, weight_specs, precision,
-                     runs: tuple[ScannedRun, ...] = (), tied: dict[str, str] | None = None) -> tuple[jax.export.Exported, dict]:
+                     runs: tuple[ScannedRun, ...] = (), tied: dict[str, str] | None = None,
+                     quantized: dict[str, tuple[dict, jnp.dtype]] | None = None) -> tuple[jax.export.Exported, dict]:
     """Traces torchax's interpreter over the graph under jax.export for CPU and TPU.
 
     Args:
@@ -417,6 +487,8 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
       precision: one of PRECISIONS.
       runs: runs of identical blocks to lower as scans (their weights among `weight_names`).
       tied: placeholders that read another weight ({name: the weight's name}; tied_weights).
+      quantized: weight-only weights, {name: (manifest entry, float dtype)}: the weight and its
+        scales reach the ops as one QuantizedArray.
     Returns:
       (the Exported, called as `call(weights_list, inputs_list)`; {run's last op: how many of its
       blocks run before its scan}).
@@ -430,6 +502,9 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
         if compute_dtype is not None:
             inputs_list = [x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs_list]
         tracer.weights = dict(zip(weight_names, weights_list))
+        for name, (entry, dtype) in (quantized or {}).items():
+            tracer.weights[name] = QuantizedArray(tracer.weights.pop(name), tracer.weights.pop(entry["scale"]), entry["bits"],
+                                                  entry["axis"], dtype)
         # A stacked block weight's own placeholder is read by no op that runs, so it gets None.
         placeholders = [tracer.weights.get((tied or {}).get(name, name)) for name in placeholder_names]
         outputs = tracer.run(*placeholders, *inputs_list)[mutations:]
