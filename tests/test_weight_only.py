@@ -207,3 +207,18 @@ def test_inspect_lists_quantized_weights(tmp_path):
     with pytest.raises(TpuExportError, match="not a regular expression"):
         tpuexport.convert(built["model"], built["args"], None, out=tmp_path / "k.tpu", quantize="int8-weight-only",
                           keep_float="(", saved_model=False)
+
+
+def test_tensor_parallel_plan_splits_int4_weights_and_their_scales_alike(captured):
+    """On a slice, packed int4 weights are recognized as their layers and their scales follow their split."""
+    lowered = lower_stage.lower(captured.program, captured.signature, weights=False,
+                                weight_only=WeightOnlyScheme("int4-weight-only", GROUP))
+    [target] = compile_stage.resolve_targets(["v5e-8"])
+    request = compile_stage.make_request("replica=4,model=2", "tensor-parallel")
+    plan = compile_stage.plan_sharding(request, target, lowered.weight_names, lowered.weight_specs, lowered.signature,
+                                       compile_stage.make_buckets(lowered.signature, None), lowered.stacked)
+    specs = dict(plan.weights)
+    assert specs["layers.0-1.up_proj.weight"] == specs["layers.0-1.up_proj.weight_scale"] == (None, "model")  # output features
+    assert specs["layers.0-1.down_proj.weight"] == specs["layers.0-1.down_proj.weight_scale"] == (None, None, "model")  # input features
+    assert specs["layers.0-1.o_proj.weight"] == specs["layers.0-1.o_proj.weight_scale"] == (None, None, "model")
+    assert specs["embed_tokens.weight"] == specs["embed_tokens.weight_scale"] == ("model",)

@@ -120,12 +120,12 @@ def quantizable_weights(program: torch.export.ExportedProgram, scheme: WeightOnl
              if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT}
     axes: dict[str, set] = {}
     for node in program.graph.nodes:
-        if node.op != "placeholder" or node.name not in names:
-            continue
+        if node.op != "placeholder" or node.name not in names or not node.users:
+            continue  # a tied weight's other name may be read by no op (export routes every use through one)
         value = node.meta.get("val")
         name = names[node.name]
         stored = tied.get(name, name)
-        usable = isinstance(value, torch.Tensor) and value.dim() == 2 and value.dtype.is_floating_point and node.users
+        usable = isinstance(value, torch.Tensor) and value.dim() == 2 and value.dtype.is_floating_point
         uses = {_contraction_axis(user, node, False) for user in node.users} if usable else {None}
         if scheme.keep_float and (re.search(scheme.keep_float, name) or re.search(scheme.keep_float, stored)):
             uses = {None}
