@@ -23,7 +23,7 @@ from tpuexport.errors import TpuExportError, UnsupportedOperatorsError, Verifica
 from tpuexport.export import LoadedSource, SourceInfo, open_checkpoint, parameters_on_meta
 from tpuexport.pipeline import ConversionOptions, run_conversion
 from tpuexport.verify import DEFAULT_BUDGET_FLOPS, Tolerances
-from tpuexport.verify.gate import CheckResult, GateReport, verify_artifact
+from tpuexport.gate import CheckResult, GateReport, verify_artifact
 
 __version__ = "0.1.0"
 
