@@ -8,6 +8,7 @@
     with tpuexport.parameters_on_meta():
         model = build()                # no parameter memory
     tpuexport.convert(model, args=(x,), checkpoint="ckpt/", out="big.tpu")  # weights streamed
+    tpuexport.runner("model.tpu").run({"x": x})   # the AOT executables of this host, no compiling
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from tpuexport.compile import SLICES, TARGETS, make_request
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError, VerificationError
 from tpuexport.export import LoadedSource, SourceInfo, open_checkpoint, parameters_on_meta
 from tpuexport.pipeline import ConversionOptions, run_conversion
+from tpuexport.runtime import Runner
+from tpuexport.runtime import open_runner as runner
 from tpuexport.verify import DEFAULT_BUDGET_FLOPS, Tolerances
 from tpuexport.gate import CheckResult, GateReport, verify_artifact
 
@@ -33,6 +36,7 @@ __all__ = [
     "Artifact",
     "CheckResult",
     "GateReport",
+    "Runner",
     "Tolerances",
     "TpuExportError",
     "UnsupportedOperatorsError",
@@ -41,6 +45,7 @@ __all__ = [
     "load",
     "parameters_on_meta",
     "plan",
+    "runner",
     "verify_artifact",
 ]
 

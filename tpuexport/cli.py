@@ -48,7 +48,8 @@ def main():
 # Options `convert` and `plan` share: the model, what to compile it for, and where to write.
 SOURCE_AND_TARGET_OPTIONS = (
     click.option("--target", "targets", multiple=True, default=("v5e",), show_default=True,
-                 help="TPU target (repeat for several): a chip (v4, v5e, v5p, v6e, 7x) or a slice (v5e-8, v5p-8, v6e-8, 7x-8, ...)."),
+                 help="TPU target (repeat for several): a chip (v4, v5e, v5p, v6e, 7x) or a slice (v5e-8, v5p-8, v6e-8, 7x-8, ...); "
+                      "cpu for XLA:CPU executables of this host (tpuexport serve runs them)."),
     click.option("-o", "--out", type=click.Path(path_type=pathlib.Path), help="Artifact directory [default: SOURCE stem + .tpu]."),
     click.option("--bucket", "buckets", multiple=True, metavar="DIM=S1,S2,...",
                  help="Sizes to compile for a dim (repeat per dim; cartesian product). Default: the example shapes."),
@@ -313,6 +314,25 @@ def _print_gate_table(report) -> None:
     for check in report.checks:
         table.add_row(check.name, f"[{colours[check.status]}]{check.status}[/]", f"{check.seconds:.2f}", check.message)
     Console(highlight=False).print(table)
+
+
+@main.command()
+@click.argument("artifacts", metavar="ARTIFACT...", nargs=-1, required=True, type=click.Path(path_type=pathlib.Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (both APIs).")
+@click.option("--port", default=8501, show_default=True, type=int, help="REST port (TF Serving's REST API).")
+@click.option("--grpc-port", default=8500, show_default=True, type=int, help="gRPC port (PredictionService); 0 for no gRPC server.")
+@click.option("--batch-timeout-ms", default=2.0, show_default=True, type=float,
+              help="How long a request waits for concurrent ones to batch with, up to the largest bucket (0: no batching).")
+@click.option("--target", help="Target whose executables to serve [default: the one matching this host's devices].")
+@click.option("--allow-recompile", is_flag=True, help="Compile the StableHLO when an artifact's compile key differs from this host.")
+@click.option("--max-body-mb", default=64.0, show_default=True, type=float, help="Largest REST request body.")
+@handles_errors
+def serve(artifacts, host, port, grpc_port, batch_timeout_ms, target, allow_recompile, max_body_mb):
+    """Serve artifacts with TF Serving's REST and gRPC APIs, from their AOT executables (no compiling)."""
+    from tpuexport.serve import serve as run_server
+
+    run_server(list(artifacts), host=host, port=port, grpc_port=grpc_port or None, batch_timeout_ms=batch_timeout_ms,
+               allow_recompile=allow_recompile, target=target, max_body_bytes=int(max_body_mb * 2**20))
 
 
 @main.command()

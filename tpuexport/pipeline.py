@@ -11,6 +11,7 @@
                                                                              background from here)
   verify   CPU runs vs eager PyTorch (fails fast)    -> VerificationReport
   verify sharded  each plan on N CPU devices vs eager -> ShardedVerification per plan (slices only)
+  verify padding  the largest bucket padded with zero rows vs eager on the real rows -> PaddingCheck
   write    the artifact directory, atomically        -> Artifact
            (with the TF Serving SavedModel, checked in TensorFlow before the rename, and the
            quantization report; the executables once compile is done)
@@ -222,6 +223,10 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
                 failed = {**report.to_json(), "sharded": [result.to_json() for result in sharded]}
                 raise VerificationError(report, _write_failed_report(options.out, failed), sharded[-1].failure_summary())
 
+        # A server pads requests to the next bucket: run one padded bucket against eager on the real rows.
+        with clock.stage("verify padding", lambda: padding.describe() if padding else "no bucket is padded"):
+            padding = verify_stage.verify_padding(lowered, captured.reference, captured.example_inputs, buckets, tolerances)
+
         @functools.cache
         def compiled() -> compile_stage.CompileReport:
             result = compiling.result()
@@ -236,6 +241,8 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             ),)
         if quantized:
             extra_writers += (_quantization_report(quantized, lowered, compiled, clock),)
+        if padding:
+            extra_writers += (lambda staging: {"padding": padding.to_json()},)
         with clock.stage("write", lambda: str(options.out)):
             try:
                 artifact_stage.write_artifact(

@@ -16,6 +16,7 @@ from tpuexport.artifact import layout
 from tpuexport.artifact.manifest import build_section, dumps, hash_tree, package_versions
 from tpuexport.arrays import save_arrays
 from tpuexport.compile import CompileReport
+from tpuexport.compile.compile_key import export_compatibility
 from tpuexport.errors import TpuExportError
 from tpuexport.export import SourceInfo
 from tpuexport.lower import LoweredProgram
@@ -114,6 +115,8 @@ def write_artifact(
             "mlir_text": put(layout.MLIR_TEXT, exported.mlir_module()),
             "stablehlo_bytecode": put(layout.STABLEHLO_BYTECODE, bytes(exported.mlir_module_serialized)),
             "calling_convention_version": exported.calling_convention_version,
+            # Until when newer JAX releases keep loading exported.jaxexport (compile_key.py).
+            "serialization": export_compatibility(),
             "platforms": list(exported.platforms),
             "call": "exported.call(weights, inputs): two lists, in weight_names and signature.inputs order",
             "weights": _weights_file(lowered, weights_file, put, move),
@@ -163,6 +166,9 @@ def write_artifact(
                 "generation": target.generation,
                 "topology": target.topology,
                 "hbm_bytes": target.hbm_bytes,
+                "platform": target.platform,
+                # What the executables load on; the runtime compares it with the host.
+                "compile_key": result.compile_key,
                 "buckets": [],
             })
             if target.is_slice:
