@@ -130,6 +130,8 @@ def write_artifact(
             "source": {"kind": source.kind, "path": source.path, "sha256": source.sha256, "reference": source.reference,
                        "checkpoint": source.checkpoint},
             "precision": lowered.precision,
+            # What "auto" (or f32) resolved to: what the program computes in, which set the tolerances.
+            "resolved_precision": lowered.resolved_precision,
             "matmul_precision": lowered.matmul_precision,
             "signature": lowered.signature.to_json(),
             "program": program,
