@@ -262,9 +262,14 @@ def inspect(artifact_dir, as_json):
             table.add_row(
                 name, bucket["name"], f"{bucket['memory']['total_bytes'] / 2**20:.2f} MiB", f"{bucket['hbm_utilization']:.4%}",
                 describe_collectives(bucket.get("collectives")), f"{bucket['cost']['flops'] / 1e9:.4f}",
-                f"{bucket['cost']['optimal_seconds'] * 1e6:.1f}", bucket["executable"],
+                describe_microseconds(bucket["cost"]["optimal_seconds"]), bucket["executable"],
             )
     console.print(table)
+
+
+def describe_microseconds(seconds: float | None) -> str:
+    """A time estimate in µs, or "unknown" where XLA gives none."""
+    return "unknown" if seconds is None else f"{seconds * 1e6:.1f}"
 
 
 def describe_precision(data: dict) -> str:
