@@ -78,7 +78,8 @@ class Artifact:
             weights = tuple(arrays[name] for name in program["weight_names"])
         return LoweredProgram(exported, tuple(program["weight_names"]), weights, self.signature, self.manifest["precision"],
                               self.manifest["matmul_precision"], program["matmul_flops"],
-                              scanned=tuple(self.manifest.get("scanned", ())), tied=program.get("tied_weights", {}))
+                              scanned=tuple(self.manifest.get("scanned", ())), tied=program.get("tied_weights", {}),
+                              decision_matmuls=tuple(program.get("decision_matmuls", ())))
 
     def run(self, *inputs):
         """Runs the lowered StableHLO on CPU.

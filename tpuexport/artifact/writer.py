@@ -119,6 +119,8 @@ def write_artifact(
             "weights": _weights_file(lowered, weights_file, put, move),
             "weight_names": list(lowered.weight_names),
             "tied_weights": dict(lowered.tied),
+            # Matmuls pinned to "highest" whatever matmul_precision says: they feed a top-k, sort or argmax.
+            "decision_matmuls": list(lowered.decision_matmuls),
             "weight_bytes": lowered.weight_bytes,
             "matmul_flops": lowered.matmul_flops,
         }

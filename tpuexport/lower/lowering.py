@@ -13,12 +13,14 @@ Passes, in order:
   find_runs          runs of identical blocks (a model's layers), their weights stacked (scan.py)
   trace_and_export   torchax's interpreter traced by jax.export with one-scope symbolic dims, each
                      run of blocks as one jax.lax.scan
-  pin_precision      the matmul precision written on every dot and convolution (matmul_precision.py)
+  pin_precision      the matmul precision written on every dot and convolution, HIGHEST on those
+                     that feed a top-k, sort or argmax (matmul_precision.py)
 and, beside the program, its matmul FLOPs as a polynomial in the dims (cost.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -35,7 +37,7 @@ from tpuexport.lower import aten_lowerings, control_flow, symbolic_ops  # noqa: 
 from tpuexport.lower.cost import matmul_flops_expression
 from tpuexport.lower.custom_ops import custom_operator_decompositions
 from tpuexport.lower.graph_passes import expand_convolution_arguments, reshape_views, unmerge_batched_matmuls
-from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS, pin_matmul_precision
+from tpuexport.lower.matmul_precision import DECISION_SCOPE, MATMUL_PRECISIONS, decision_matmuls, pin_matmul_precision
 from tpuexport.lower.mixed_precision import (PRECISIONS, cast_arguments, cast_result, input_compute_dtype, is_quantization_op,
                                              kept_f32_meetings, resolve_precision, stored_dtype, stored_weight)
 from tpuexport.lower.registry import own_lowering
@@ -78,6 +80,9 @@ class LoweredProgram:
         path, blocks, stacked weight name -> state_dict names); empty when none.
       tied: weights that are another weight (an lm_head tied to the embedding), {state_dict name:
         the name it is stored and passed under}: not arguments of the program, held once.
+      decision_matmuls: the matmuls pinned to "highest" because they feed a discrete decision
+        ({"op": graph node, "module": module path, "feeds": decision op, "precision": "highest"}
+        each; matmul_precision.decision_matmuls).
     """
 
     exported: jax.export.Exported
@@ -90,6 +95,7 @@ class LoweredProgram:
     graph: torch.export.ExportedProgram | None = None
     scanned: tuple[dict, ...] = ()
     tied: dict[str, str] = dataclasses.field(default_factory=dict)
+    decision_matmuls: tuple[dict, ...] = ()
 
     @functools.cached_property
     def resolved_precision(self) -> str:
@@ -237,11 +243,20 @@ def lower(
     stacked_names, stacked = stack_weights(tuple(names[index] for index in kept), tuple(arrays[index] for index in kept), runs)
     specs = tuple(jax.ShapeDtypeStruct(array.shape, array.dtype) for array in stacked)
     kept = frozenset(_kept_placeholders(decomposed, keep_f32)) if precision == "bf16" else frozenset()
+    decisions = decision_matmuls(decomposed.graph)
     exported, before_scan = trace_and_export(decomposed, signature, names, stacked_names, specs, precision, runs, tied,
-                                             kept_f32_meetings(decomposed.graph, kept))
+                                             kept_f32_meetings(decomposed.graph, kept), frozenset(decisions))
     exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision])
+    pinned = tuple({"op": node.name, "module": _module_path(node), "feeds": feeds, "precision": "highest"}
+                   for node, feeds in decisions.items())
     return LoweredProgram(exported, stacked_names, stacked if weights else None, signature, precision, matmul_precision, flops,
-                          decomposed, tuple(run.to_json(before_scan[run.last_op]) for run in runs), tied)
+                          decomposed, tuple(run.to_json(before_scan[run.last_op]) for run in runs), tied, pinned)
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    """The dotted path of the module an op comes from ("" for the root)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
 
 
 def tied_weights(program: torch.export.ExportedProgram, runs: tuple[ScannedRun, ...] = ()) -> dict[str, str]:
@@ -394,7 +409,8 @@ class _TracingInterpreter:
     branches) to the lowerings as functions of JAX arrays run by the same interpreter, and computing
     each run of identical blocks as one scan at the run's last op (its other ops are skipped)."""
 
-    def __init__(self, graph_module, precision: str = "auto", runs: tuple[ScannedRun, ...] = (), meetings: frozenset = frozenset()):
+    def __init__(self, graph_module, precision: str = "auto", runs: tuple[ScannedRun, ...] = (), meetings: frozenset = frozenset(),
+                 decisions: frozenset = frozenset()):
         torchax = import_torchax()
         base = torchax.export.JaxInterpreter
         owner = self
@@ -420,7 +436,10 @@ class _TracingInterpreter:
             def call_function(self, target, args, kwargs):
                 args, kwargs = cast_arguments(precision, target, args, kwargs, owner.node in meetings)
                 own = own_lowering(target)
-                result = own(*args, **kwargs) if own is not None else super().call_function(target, args, kwargs)
+                # A matmul feeding a decision is traced under a scope its StableHLO ops keep, so it is pinned HIGHEST.
+                scope = jax.named_scope(DECISION_SCOPE + owner.node.name) if owner.node in decisions else contextlib.nullcontext()
+                with scope:
+                    result = own(*args, **kwargs) if own is not None else super().call_function(target, args, kwargs)
                 return cast_result(precision, target, result)
 
             def get_attr(self, target, args, kwargs):
@@ -443,7 +462,7 @@ class _TracingInterpreter:
 
 def trace_and_export(program, signature, placeholder_names, weight_names, weight_specs, precision,
                      runs: tuple[ScannedRun, ...] = (), tied: dict[str, str] | None = None,
-                     kept_meetings: frozenset = frozenset()) -> tuple[jax.export.Exported, dict]:
+                     kept_meetings: frozenset = frozenset(), decisions: frozenset = frozenset()) -> tuple[jax.export.Exported, dict]:
     """Traces torchax's interpreter over the graph under jax.export for CPU and TPU.
 
     Args:
@@ -457,6 +476,7 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
       tied: placeholders that read another weight ({name: the weight's name}; tied_weights).
       kept_meetings: ops where values computed from kept f32 state meet others (bf16 rounds them
         there; mixed_precision.kept_f32_meetings).
+      decisions: matmul nodes that feed a discrete decision (traced under DECISION_SCOPE).
     Returns:
       (the Exported, called as `call(weights_list, inputs_list)`; {run's last op: how many of its
       blocks run before its scan}).
@@ -464,7 +484,7 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
     mutations = len(program.graph_signature.buffers_to_mutate)
     output_dtypes = [jnp.dtype(spec.dtype) for spec in signature.outputs]
     compute_dtype = input_compute_dtype(precision)
-    tracer = _TracingInterpreter(program.graph_module, precision, runs, kept_meetings)
+    tracer = _TracingInterpreter(program.graph_module, precision, runs, kept_meetings, decisions)
 
     def program_fn(weights_list, inputs_list):
         if compute_dtype is not None:
