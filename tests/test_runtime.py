@@ -20,7 +20,7 @@ from tpuexport.artifact import layout
 from tpuexport.artifact.manifest import sha256_file
 from tpuexport.errors import TpuExportError
 from tpuexport.compile.compile_key import compile_key, host_cpu, key_difference
-from tpuexport.verify.gate import WARNING, PASSED, check_compatibility
+from tpuexport.gate import WARNING, PASSED, check_compatibility
 
 
 def test_cpu_target_compiles_every_bucket_with_figures_and_a_compile_key(mlp_cpu_artifact):

@@ -26,7 +26,7 @@ from tpuexport.pipeline import ConversionOptions, run_conversion
 from tpuexport.runtime import Runner
 from tpuexport.runtime import open_runner as runner
 from tpuexport.verify import DEFAULT_BUDGET_FLOPS, Tolerances
-from tpuexport.verify.gate import CheckResult, GateReport, verify_artifact
+from tpuexport.gate import CheckResult, GateReport, verify_artifact
 
 __version__ = "0.1.0"
 

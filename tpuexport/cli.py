@@ -293,7 +293,7 @@ def describe_collectives(collectives: dict | None) -> str:
 @handles_errors
 def verify(artifact_dir, as_json, junit_path, recompile, strict, against):
     """Check an artifact before release: file hashes, golden outputs, SavedModel; exit 1 if a check fails (always for a plan)."""
-    from tpuexport.verify.gate import PLAN_ONLY, verify_artifact, write_junit
+    from tpuexport.gate import PLAN_ONLY, verify_artifact, write_junit
 
     report = verify_artifact(artifact_dir, recompile=recompile, strict=strict, against=against)
     if junit_path:

@@ -376,14 +376,14 @@ def _quantization_report(quantized, lowered: lower_stage.LoweredProgram, compile
                          clock: StageClock):
     """The writer that measures SQNR against the float model and the integer share of the first
     TPU executable's matmul FLOPs, and puts the report in the artifact."""
-    from tpuexport import quantize as quantize_stage
+    from tpuexport.verify import quantization_report
 
     def write(staging: pathlib.Path) -> dict:
         executable = compiled().results[0]
-        with clock.stage("quantization report", lambda: quantize_stage.describe_report(report)):
-            matmuls = quantize_stage.CompiledMatmuls(executable.target.name, executable.bucket.name, executable.matmul_flops)
-            report = quantize_stage.build_report(quantized, lowered, matmuls)
-        return quantize_stage.report_writer(report)(staging)
+        with clock.stage("quantization report", lambda: quantization_report.describe_report(report)):
+            matmuls = quantization_report.CompiledMatmuls(executable.target.name, executable.bucket.name, executable.matmul_flops)
+            report = quantization_report.build_report(quantized, lowered, matmuls)
+        return quantization_report.report_writer(report)(staging)
 
     return write
 

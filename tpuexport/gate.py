@@ -32,11 +32,12 @@ from tpuexport import compile as compile_stage
 from tpuexport import export as export_stage
 from tpuexport.artifact import Artifact, layout, load
 from tpuexport.artifact.manifest import hash_tree, package_versions
+from tpuexport.artifact.tf_serving import check_saved_model
 from tpuexport.errors import EXIT_OK, EXIT_VERIFICATION_FAILED
 from tpuexport.signature import ProgramSignature
 from tpuexport.verify.compare import sqnr_db
 from tpuexport.verify.report import VerificationCase, VerificationReport, describe_sizes
-from tpuexport.verify.saved_model_check import check_saved_model, failure_summary
+from tpuexport.verify.saved_model_check import failure_summary
 from tpuexport.verify.sizes import PlannedCase, plan_cases
 from tpuexport.verify.tolerances import VerificationTolerances
 from tpuexport.verify.verification import (
