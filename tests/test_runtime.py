@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 import tpuexport
 from conftest import ROOT
 from tpuexport.artifact import layout
+from tpuexport.artifact.manifest import sha256_file
 from tpuexport.errors import TpuExportError
 from tpuexport.compile.compile_key import compile_key, host_cpu, key_difference
 from tpuexport.gate import WARNING, PASSED, check_compatibility
@@ -146,3 +148,28 @@ def test_requests_that_fit_no_bucket_are_refused_naming_the_buckets(mlp_cpu_arti
         runner.run({"x": np.zeros((9, 32), np.float32)})
     with pytest.raises(TpuExportError, match="input 'x' has dtype <U1, the model takes float32"):
         runner.run({"x": np.full((2, 32), "a")})
+
+
+class RunsCommand:
+    """A pickle that runs a shell command when loaded."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_an_executable_whose_pickle_names_other_globals_is_refused_without_running_it(mlp_cpu_artifact, tmp_path):
+    copy = tmp_path / "mlp.tpu"
+    shutil.copytree(mlp_cpu_artifact.path, copy)
+    marker = tmp_path / "ran"
+    relative = mlp_cpu_artifact.manifest["targets"]["cpu"]["buckets"][0]["executable"]
+    (copy / relative).write_bytes(pickle.dumps(RunsCommand(f"touch {marker}")))
+    manifest = json.loads((copy / layout.MANIFEST).read_text())
+    manifest["files"][relative] = sha256_file(copy / relative)  # a consistent but malicious artifact
+    (copy / layout.MANIFEST).write_text(json.dumps(manifest))
+
+    with pytest.raises(TpuExportError, match=rf"{relative} asks to load posix.system, which a serialized executable never does"):
+        tpuexport.runner(copy)
+    assert not marker.exists()

@@ -9,8 +9,9 @@ Opening a runner:
   2. compares the target's compile key (compile/compile_key.py) with the host: any difference is
      refused in one line naming it, unless `allow_recompile`, which compiles the artifact's
      StableHLO for the local devices instead (and says why in `compiled_here`);
-  3. checks each executable's sha256 against the manifest and deserializes it
-     (jax.experimental.serialize_executable): nothing is compiled;
+  3. checks each executable's sha256 against the manifest and the globals its pickle names
+     (executables.py), and deserializes it (jax.experimental.serialize_executable): nothing is
+     compiled;
   4. places the weights on the devices once, from the memory-mapped weights file, laid out as the
      executables expect (one device, or a slice's sharding).
 
@@ -30,7 +31,6 @@ from typing import Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.experimental import serialize_executable
 
 from tpuexport.artifact import Artifact, load, map_weights
 from tpuexport.artifact.manifest import sha256_file
@@ -38,6 +38,7 @@ from tpuexport.compile.aot import compiler_options
 from tpuexport.compile.compile_key import compile_key, key_difference
 from tpuexport.compile.slices import resolve_targets
 from tpuexport.errors import TpuExportError
+from tpuexport.runtime.executables import load_executable
 from tpuexport.runtime.entry_points import DEFAULT_ENTRY_POINT, BucketEntry, EntryPoint, choose_bucket, entry_points
 from tpuexport.verify.padding import pad_rows
 
@@ -310,7 +311,7 @@ def _load_executables(artifact: Artifact, entries: dict[str, EntryPoint], platfo
             if not path.is_file() or recorded != sha256_file(path):
                 raise TpuExportError(f"{bucket.executable} is missing or differs from its sha256 in the manifest; the artifact is "
                                      "damaged, convert again")
-            executable = serialize_executable.deserialize_and_load(path.read_bytes(), in_tree, out_tree, backend=platform)
+            executable = load_executable(path.read_bytes(), in_tree, out_tree, platform, bucket.executable)
             (weight_shardings, input_shardings), _ = executable.input_shardings
             loaded[(entry.name, bucket.name)] = (executable, list(input_shardings), list(weight_shardings))
     return loaded
