@@ -26,7 +26,7 @@ from families import BASE_FAMILIES, FAMILIES
 
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
-from tpuexport.quantize.report import weight_only_section
+from tpuexport.verify.quantization_report import weight_only_section
 from tpuexport.quantize.weight_only import DequantizedReference, check_scheme
 from tpuexport.verify.compare import sqnr_db
 from tpuexport.verify.verification import eager_outputs, to_numpy
