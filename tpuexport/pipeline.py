@@ -296,8 +296,9 @@ def _check_options(options: ConversionOptions) -> tuple[list, list]:
         raise TpuExportError(f"unknown precision {options.precision!r}; use one of {', '.join(lower_stage.PRECISIONS)}")
     if options.matmul_precision not in lower_stage.MATMUL_PRECISIONS:
         raise TpuExportError(f"unknown matmul precision {options.matmul_precision!r}; use one of {', '.join(lower_stage.MATMUL_PRECISIONS)}")
-    if options.quantize and not options.weights:
-        raise TpuExportError("--quantize needs the model's weights (it calibrates and rounds them); plan without it")
+    if options.quantize and not options.weights and _weight_only_scheme(options) is None:
+        raise TpuExportError("--quantize int8/int8-dynamic needs the model's weights (it calibrates and rounds them); plan without it "
+                             "or with a weight-only mode")
     _weight_only_scheme(options)
     return targets, slices
 
@@ -343,7 +344,7 @@ def _run_plan(loaded: export_stage.LoadedSource, options: ConversionOptions, tar
                                       f"not read), precision {_describe_precision(lowered)}, matmul precision {options.matmul_precision}; "
                                       f"{_describe_scans(lowered.scanned)}"):
         lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
-                                    options.scan, weights=False, keep_f32=captured.keep_f32)
+                                    options.scan, weights=False, keep_f32=captured.keep_f32, weight_only=_weight_only_scheme(options))
     plans = _plan_slices(options.sharding, slices, lowered, buckets, clock)
     with compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock, lowered), plans) as compiling:
         report = compiling.result()
