@@ -222,3 +222,12 @@ def test_tensor_parallel_plan_splits_int4_weights_and_their_scales_alike(capture
     assert specs["layers.0-1.down_proj.weight"] == specs["layers.0-1.down_proj.weight_scale"] == (None, None, "model")  # input features
     assert specs["layers.0-1.o_proj.weight"] == specs["layers.0-1.o_proj.weight_scale"] == (None, None, "model")
     assert specs["embed_tokens.weight"] == specs["embed_tokens.weight_scale"] == ("model",)
+
+
+def test_keep_float_keeps_matching_weights_float(captured):
+    lowered = lower_stage.lower(captured.program, captured.signature, weights=False,
+                                weight_only=WeightOnlyScheme("int8-weight-only", keep_float=r"^(lm_head|embed_tokens)\."))
+    assert sorted(lowered.quantized) == sorted(f"layers.0-1.{name}.weight" for name in ("q_proj", "o_proj", "up_proj", "down_proj"))
+    specs = dict(zip(lowered.weight_names, lowered.weight_specs))
+    assert specs["lm_head.weight"].dtype == specs["embed_tokens.weight"].dtype == np.float32
+    assert "lm_head.weight_scale" not in specs
