@@ -131,6 +131,7 @@ class CompileJob:
         buckets: list[Bucket],
         on_compiled: Callable[[CompiledBucket], None] | None = None,
         plans: dict[str, ShardingPlan] | None = None,
+        donated: tuple[int, ...] = (),
     ):
         self.lowered = lowered
         self.targets = targets
@@ -141,7 +142,8 @@ class CompileJob:
         self.pool = ThreadPoolExecutor(max_workers=max(1, min(len(targets), os.cpu_count() or 1)), thread_name_prefix="tpu-compile")
         self.started_at = time.perf_counter()
         self.finished_at = self.started_at
-        self.futures = [self.pool.submit(compile_target, lowered, target, buckets, on_compiled, self, self.plans.get(target.name))
+        self.futures = [self.pool.submit(compile_target, lowered, target, buckets, on_compiled, self, self.plans.get(target.name),
+                                         donated)
                         for target in targets]
         for future in self.futures:
             future.add_done_callback(self._finished)
@@ -212,6 +214,7 @@ def compile_target(
     on_compiled: Callable[[CompiledBucket], None] | None = None,
     job: CompileJob | None = None,
     plan: ShardingPlan | None = None,
+    donated: tuple[int, ...] = (),
 ) -> list[CompiledBucket]:
     """Compiles every bucket for one target in one compiler process (see the module docstring).
 
@@ -223,6 +226,8 @@ def compile_target(
       job: the CompileJob running this, which may kill the process, or None.
       plan: the sharding plan of a slice target; None compiles a slice with everything whole on
         every device, and a single chip for its one device.
+      donated: indices of inputs the executable may update in place (a KV cache): each is aliased
+        with the output of its shape and dtype.
     Returns:
       One CompiledBucket per bucket, in order (HBM fit is not judged here).
     Raises:
@@ -249,6 +254,7 @@ def compile_target(
             "mesh": plan.to_json()["mesh"] if plan else None,
             "weight_specs": list(plan.to_json()["weights"].values()) if plan else None,
             "input_specs": list(plan.to_json()["inputs"].values()) if plan else None,
+            "donated": list(donated),
         }
         return list(_run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan))
 

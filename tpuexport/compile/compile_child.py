@@ -5,6 +5,8 @@ jax (not tpuexport, torch or TensorFlow), so a crash inside libtpu's compiler ta
 process alone and the parent can name the bucket that was compiling. A single chip compiles for
 one device; a slice ("mesh" in the request) for a Mesh over the topology's devices, each weight
 and input a NamedSharding with its PartitionSpec (JSON lists: null, an axis, or a list of axes).
+Inputs listed in "donated" (indices, e.g. a KV cache) are donated: XLA aliases each with the
+output of its shape, so the executable updates it in place (memory_analysis' alias bytes).
 Protocol, one JSON object per stdout line, flushed as it happens:
   {"event": "start", "bucket": i}                          before compiling bucket i
   {"event": "done", "bucket": i, "seconds", "memory", "cost", "device_ids"}
@@ -56,6 +58,15 @@ def shardings(request, topology):
     return weights, inputs, [int(device.id) for device in devices.flat]
 
 
+def jitted(exported, donated):
+    """exported.call as a jit taking (weights, *inputs), with the donated inputs donated."""
+
+    def call(weights, *inputs):
+        return exported.call(weights, list(inputs))
+
+    return jax.jit(call, donate_argnums=tuple(1 + index for index in donated))
+
+
 def main() -> None:
     request = json.load(sys.stdin)
     out_dir = pathlib.Path(request["out_dir"])
@@ -72,7 +83,7 @@ def main() -> None:
                   for (shape, dtype), sharding in zip(bucket["inputs"], input_shardings)]
         start = time.perf_counter()
         try:
-            compiled = jax.jit(exported.call).trace(weights, inputs).lower().compile()
+            compiled = jitted(exported, request.get("donated") or []).trace(weights, *inputs).lower().compile()
         except Exception as error:  # XLA raises XlaRuntimeError and others; the parent words it
             emit(event="error", bucket=index, message=" ".join(str(error).split()))
             return
