@@ -181,6 +181,14 @@ def test_text_generation_needs_max_context(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["lm.py"]
 
 
+def test_gate_replays_the_stored_generation(llama_generation):
+    artifact, _ = llama_generation
+    report = tpuexport.verify_artifact(artifact.path)
+    assert report.passed, [check.message for check in report.checks]
+    golden = next(check for check in report.checks if check.name == "golden")
+    assert "stored generation case(s)" in golden.message and golden.details["cases"][0]["runs"]["cpu"]["passed"]
+
+
 def test_generation_artifact_refuses_single_program_calls(llama_generation):
     artifact, _ = llama_generation
     with pytest.raises(tpuexport.TpuExportError, match="text-generation artifact"):

@@ -299,3 +299,41 @@ def _padded(prompts: list[list[int]], seq: int) -> np.ndarray:
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)] = prompt
     return tokens
+
+
+def replay_golden(program: GenerationProgram, golden: dict[str, np.ndarray], cases: list[dict],
+                  tolerances: VerificationTolerances) -> GenerationReport:
+    """Re-runs the stored golden cases of a text-generation artifact (the CI gate's check): the
+    stored prompts, teacher-forced with the stored eager tokens, compared with the stored eager
+    logits by the rule above, in both CPU runs.
+
+    Args:
+      program: the artifact's generation program (with weights).
+      golden: the golden arrays ("<case>/prompts", "lengths", "slots", "eager_tokens", "eager_logits").
+      cases: the manifest's verification cases (sizes, golden flag), in order.
+      tolerances: the artifact's verification tolerances.
+    Returns:
+      A GenerationReport of the stored cases (a run that raises becomes its case's error).
+    """
+    decode = program.entry_points["decode"]
+    faithful = {name: tpu_faithful(lowered.exported, MATMUL_PRECISIONS[decode.matmul_precision])
+                for name, lowered in program.entry_points.items()}
+    runners = {"tpu": cpu_runner(program, faithful), "cpu": cpu_runner(program)}
+    replayed = []
+    for index, case in enumerate(cases):
+        if not case["golden"]:
+            continue
+        lengths = [int(length) for length in golden[f"{index}/lengths"]]
+        prompts = [list(map(int, row[:length])) for row, length in zip(golden[f"{index}/prompts"], lengths)]
+        slots = [int(slot) for slot in golden[f"{index}/slots"]]
+        eager_tokens = [list(map(int, row)) for row in golden[f"{index}/eager_tokens"]]
+        expected = golden[f"{index}/eager_logits"]
+        runs, error = {}, None
+        try:
+            for name, runner in runners.items():
+                actual = teacher_forced_logits(GenerationSession(program, runner), prompts, slots, case["sizes"]["seq"], eager_tokens)
+                runs[name] = compare_run(actual, expected, eager_tokens, getattr(tolerances, name))
+        except Exception as exception:  # a damaged artifact can raise anything
+            error = f"the artifact raised {type(exception).__name__}: {' '.join(str(exception).split())[:300]}"
+        replayed.append(GenerationCase(case["sizes"], tuple(lengths), tuple(slots), len(eager_tokens[0]), runs, error, golden=True))
+    return GenerationReport(decode.precision, decode.matmul_precision, tolerances, tuple(replayed), {}, "stored generate() tokens and logits")
