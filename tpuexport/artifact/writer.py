@@ -16,6 +16,7 @@ from tpuexport.artifact import layout
 from tpuexport.artifact.manifest import build_section, dumps, hash_tree, package_versions
 from tpuexport.arrays import save_arrays
 from tpuexport.compile import CompileReport
+from tpuexport.compile.compile_key import export_compatibility
 from tpuexport.errors import TpuExportError
 from tpuexport.export import CACHE_INPUTS, SourceInfo
 from tpuexport.lower import GenerationProgram, LoweredProgram
@@ -112,11 +113,15 @@ def write_artifact(
         program = {
             **_program_files(put, exported),
             "calling_convention_version": exported.calling_convention_version,
+            # Until when newer JAX releases keep loading exported.jaxexport (compile_key.py).
+            "serialization": export_compatibility(),
             "platforms": list(exported.platforms),
             "call": "exported.call(weights, inputs): two lists, in weight_names and signature.inputs order",
             "weights": _weights_file(lowered, weights_file, put, move),
             "weight_names": list(lowered.weight_names),
             "tied_weights": dict(lowered.tied),
+            # Matmuls pinned to "highest" whatever matmul_precision says: they feed a top-k, sort or argmax.
+            "decision_matmuls": list(lowered.decision_matmuls),
             "weight_bytes": lowered.weight_bytes,
             "matmul_flops": lowered.matmul_flops,
         }
@@ -128,6 +133,8 @@ def write_artifact(
             "source": {"kind": source.kind, "path": source.path, "sha256": source.sha256, "reference": source.reference,
                        "checkpoint": source.checkpoint},
             "precision": lowered.precision,
+            # What "auto" (or f32) resolved to: what the program computes in, which set the tolerances.
+            "resolved_precision": lowered.resolved_precision,
             "matmul_precision": lowered.matmul_precision,
             "signature": lowered.signature.to_json(),
             "program": program,
@@ -185,6 +192,9 @@ def _target_entry(manifest: dict, result) -> dict:
         "generation": target.generation,
         "topology": target.topology,
         "hbm_bytes": target.hbm_bytes,
+        "platform": target.platform,
+        # What the executables load on; the runtime compares it with the host.
+        "compile_key": result.compile_key,
         "buckets": [],
     })
     if target.is_slice:
@@ -292,7 +302,9 @@ def write_generation_artifact(
                 **_program_files(put, lowered.exported, name),
                 "signature": lowered.signature.to_json(),
                 "matmul_flops": lowered.matmul_flops,
-                # Inputs the compiled executables donate, each returned as the output of the same name.
+                "decision_matmuls": list(lowered.decision_matmuls),
+                # The state: inputs returned as the output of the same name; the executables donate every
+                # input, so XLA aliases these with their outputs (updated in place).
                 "donated_inputs": [input_name for input_name in inputs if input_name in CACHE_INPUTS],
                 "state": {input_name: input_name for input_name in inputs if input_name in CACHE_INPUTS},
                 "call": "exported.call(weights, inputs): two lists, in program.weight_names and this signature's input order",
@@ -306,6 +318,7 @@ def write_generation_artifact(
             "source": {"kind": source.kind, "path": source.path, "sha256": source.sha256, "reference": source.reference,
                        "checkpoint": source.checkpoint},
             "precision": shared.precision,
+            "resolved_precision": shared.resolved_precision,
             "matmul_precision": shared.matmul_precision,
             # What every entry point shares: the weights, passed first to each.
             "program": {
@@ -315,6 +328,8 @@ def write_generation_artifact(
                 "weight_bytes": shared.weight_bytes,
                 "calling_convention_version": shared.exported.calling_convention_version,
                 "platforms": list(shared.exported.platforms),
+                # Until when newer JAX releases keep loading the entry points' exported.jaxexport (compile_key.py).
+                "serialization": export_compatibility(),
             },
             "entry_points": entry_points,
             "generation": {**spec.to_json(), "prefill_batches": list(program.prefill_batches), "cache_inputs": list(CACHE_INPUTS),

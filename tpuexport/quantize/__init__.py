@@ -22,6 +22,5 @@ def _quiet_loggers(*names: str):
 with _quiet_loggers("torchao", "torch.utils._pytree"):
     from tpuexport.quantize.quantization import QuantizedLayer, QuantizedModel, quantize
     from tpuexport.quantize.quantizer import MODES, TpuQuantizer
-    from tpuexport.quantize.report import CompiledMatmuls, build_report, describe_report, report_writer
 
-__all__ = ["CompiledMatmuls", "MODES", "QuantizedLayer", "QuantizedModel", "TpuQuantizer", "build_report", "describe_report", "quantize", "report_writer"]
+__all__ = ["MODES", "QuantizedLayer", "QuantizedModel", "TpuQuantizer", "quantize"]

@@ -2,6 +2,7 @@
 
 from tpuexport.verify.compare import OutputComparison, Tolerances, compare_output
 from tpuexport.verify.generation import DEFAULT_NEW_TOKENS, GenerationReport, verify_generation
+from tpuexport.verify.padding import PaddingCheck, verify_padding
 from tpuexport.verify.report import VerificationCase, VerificationReport
 from tpuexport.verify.sharded import ShardedVerification, verify_sharded
 from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS, PlannedCase, plan_cases, resolve_requested_sizes
@@ -14,6 +15,7 @@ __all__ = [
     "verify_generation",
     "DEFAULT_BUDGET_FLOPS",
     "OutputComparison",
+    "PaddingCheck",
     "PlannedCase",
     "ProgramRuns",
     "ShardedVerification",
@@ -27,6 +29,7 @@ __all__ = [
     "plan_cases",
     "resolve_requested_sizes",
     "verify",
+    "verify_padding",
     "verify_sharded",
     "with_overrides",
 ]

@@ -258,7 +258,7 @@ def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolera
       The GenerationReport, passed or not, with golden data (prompts, eager tokens and logits).
     """
     decode = program.entry_points["decode"]
-    tolerances = tolerances or default_tolerances(decode.precision, decode.matmul_precision, quantized=False)
+    tolerances = tolerances or default_tolerances(decode.resolved_precision, decode.matmul_precision, quantized=False)
     precision = MATMUL_PRECISIONS[decode.matmul_precision]
     faithful = {name: tpu_faithful(lowered.exported, precision) for name, lowered in program.entry_points.items()}
     runners = {"tpu": cpu_runner(program, faithful), "cpu": cpu_runner(program)}
@@ -291,7 +291,7 @@ def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolera
             golden.update(arrays)
             golden_bytes += size
         cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, golden=stored))
-    return GenerationReport(decode.precision, decode.matmul_precision, tolerances, tuple(cases), golden)
+    return GenerationReport(decode.resolved_precision, decode.matmul_precision, tolerances, tuple(cases), golden)
 
 
 def _padded(prompts: list[list[int]], seq: int) -> np.ndarray:
@@ -336,4 +336,5 @@ def replay_golden(program: GenerationProgram, golden: dict[str, np.ndarray], cas
         except Exception as exception:  # a damaged artifact can raise anything
             error = f"the artifact raised {type(exception).__name__}: {' '.join(str(exception).split())[:300]}"
         replayed.append(GenerationCase(case["sizes"], tuple(lengths), tuple(slots), len(eager_tokens[0]), runs, error, golden=True))
-    return GenerationReport(decode.precision, decode.matmul_precision, tolerances, tuple(replayed), {}, "stored generate() tokens and logits")
+    return GenerationReport(decode.resolved_precision, decode.matmul_precision, tolerances, tuple(replayed), {},
+                            "stored generate() tokens and logits")
