@@ -7,7 +7,7 @@ downloaded and no weight exists, so the artifact is a plan (`weights=False`): ev
 and bucket lowered and compiled by libtpu, nothing verified (tests/test_generation.py verifies
 generation on tiny models).
 
-    python benchmarks/generation.py layouts        # decode step per cache layout, v5e, 8 x 4096
+    python benchmarks/generation.py layouts        # the decode step alone per cache layout, v5e, 8 x 4096
     python benchmarks/generation.py targets        # v5e and v5e-8 (tensor-parallel), 8 x 4096
 
 Figures per target (per chip): weights, KV cache at max batch x max context, temporaries (XLA's
@@ -60,6 +60,36 @@ def plan(targets: list[str], layout: str, buckets: dict, sharding: str | None = 
             "compile_seconds": manifest["build"]["compile_seconds"], "targets": manifest["targets"]}
 
 
+def decode_step(layout: str) -> dict:
+    """The decode entry point alone for one cache layout, lowered from shapes and compiled for v5e:
+    XLA's memory and cost analysis of one step (no prefill, no artifact)."""
+    from tpuexport import compile as compile_stage
+    from tpuexport import export as export_stage
+    from tpuexport import lower as lower_stage
+
+    start = time.perf_counter()
+    model = meta_llama()
+    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, layout, prefill_buckets=(128,))
+    args, _ = export_stage.example_arguments(spec)["decode"]
+    source = export_stage.LoadedSource(export_stage.entry_point_modules(model, spec)["decode"], args, None, None,
+                                       export_stage.SourceInfo("api"))
+    captured = export_stage.capture(export_stage.on_meta_device(source))
+    lowered = lower_stage.lower(captured.program, captured.signature, "bf16", weights=False)
+    (result,) = compile_stage.compile_program(lowered, compile_stage.resolve_targets(["v5e"]),
+                                              compile_stage.make_buckets(lowered.signature, None)).results
+    return {"layout": layout, "cache_shape": list(spec.cache_shape), "weight_bytes": lowered.weight_bytes, "cache_bytes": spec.cache_bytes,
+            "memory": result.memory, "cost": result.cost, "compile_seconds": round(result.compile_seconds, 1),
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+def describe_layout(result: dict) -> str:
+    memory, cost = result["memory"], result["cost"]
+    must_read = memory["argument_bytes"]
+    return (f"| {result['layout']} | {result['cache_shape']} | {cost['bytes_accessed'] / 2**30:.3f} | "
+            f"{cost['bytes_accessed'] / must_read:.3f} | {cost['optimal_seconds'] * 1e3:.3f} | {memory['temp_bytes'] / 2**20:.1f} | "
+            f"{memory['alias_bytes'] / 2**30:.3f} | {result['compile_seconds']} |")
+
+
 def describe(result: dict) -> list[str]:
     """One line per target and executable."""
     lines = [f"layout {result['layout']}: weights {result['weight_bytes'] / 2**30:.2f} GiB, KV cache {MAX_BATCH} x {MAX_CONTEXT} "
@@ -86,11 +116,18 @@ def main() -> None:
     parser.add_argument("--json", type=pathlib.Path, help="Also write the figures as JSON here.")
     arguments = parser.parse_args()
     if arguments.what == "layouts":
-        results = [plan(["v5e"], layout, {"seq": [128], "batch": [1]}) for layout in ("layer_batch_head_pos", "layer_batch_pos_head")]
+        print(f"decode step, v5e, batch {MAX_BATCH} x context {MAX_CONTEXT}, bf16\n")
+        print("| layout | cache shape (each of K, V) | XLA GiB accessed | / (weights + cache) | est. ms | temporaries MiB | aliased GiB | "
+              "compile s |")
+        print("|---|---|---|---|---|---|---|---|", flush=True)
+        results = []
+        for layout in ("layer_batch_head_pos", "layer_batch_pos_head"):
+            results.append(decode_step(layout))
+            print(describe_layout(results[-1]), flush=True)
     else:
         results = [plan(["v5e", "v5e-8"], "layer_batch_head_pos", {"seq": [128, 2048], "batch": [1, MAX_BATCH]}, "tensor-parallel")]
-    for result in results:
-        print("\n".join(describe(result)), flush=True)
+        for result in results:
+            print("\n".join(describe(result)), flush=True)
     if arguments.json:
         arguments.json.write_text(json.dumps(results, indent=2) + "\n")
 

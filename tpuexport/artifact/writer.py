@@ -371,7 +371,10 @@ def _decode_step_figures(result, spec) -> dict:
     accessed = result.cost.get("bytes_accessed") or 0.0
     return {
         "must_read_bytes": must_read,
+        # The arguments less the cache: the weights (and the step's few token and position ids).
+        "weight_bytes": must_read - _cache_bytes_per_device(result, spec),
         "cache_bytes": _cache_bytes_per_device(result, spec),
+        "temp_bytes": memory["temp_bytes"],
         "xla_bytes_accessed": accessed if accessed > 0 else "unknown",
         "bytes_accessed_over_must_read": round(accessed / must_read, 4) if accessed > 0 and must_read else "unknown",
         "largest_batch_estimate": max(0, int(spec.max_batch + headroom // per_slot)) if per_slot > 0 else "unknown",
