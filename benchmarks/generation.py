@@ -125,7 +125,7 @@ def main() -> None:
             results.append(decode_step(layout))
             print(describe_layout(results[-1]), flush=True)
     else:
-        results = [plan(["v5e", "v5e-8"], "layer_batch_head_pos", {"seq": [128, 2048], "batch": [1, MAX_BATCH]}, "tensor-parallel")]
+        results = [plan(["v5e", "v5e-8"], "layer_batch_head_pos", {"seq": [2048], "batch": [1]}, "tensor-parallel")]
         for result in results:
             print("\n".join(describe(result)), flush=True)
     if arguments.json:
