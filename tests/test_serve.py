@@ -21,9 +21,11 @@ import numpy as np
 import pytest
 import requests
 import tensorflow as tf
+from click.testing import CliRunner
 from tensorflow_serving.apis import get_model_metadata_pb2, predict_pb2, prediction_service_pb2_grpc
 
 from conftest import ROOT
+from tpuexport.cli import main
 
 BATCH_TIMEOUT_MS = 20
 MAX_BODY_MB = 0.05
@@ -252,3 +254,21 @@ def test_sigterm_finishes_requests_in_flight_and_exits_cleanly(server):
     assert server.process.wait(timeout=60) == 0
     assert set(outcomes) <= {200, "refused"} and 200 in outcomes, outcomes
     assert server.log().rstrip().endswith("stopped")
+
+
+def test_serve_bad_input_is_one_line_and_exit_2(mlp_cpu_artifact, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        cases = {
+            "no artifact": ([str(tmp_path / "missing.tpu")], "is not a tpuexport artifact"),
+            "negative batch timeout": ([str(mlp_cpu_artifact.path), "--batch-timeout-ms", "-1"], "--batch-timeout-ms -1 is negative"),
+            "port in use": ([str(mlp_cpu_artifact.path), "--port", str(taken), "--grpc-port", "0"],
+                            f"cannot listen for REST on 127.0.0.1:{taken}"),
+        }
+        for args, message in cases.values():
+            result = CliRunner().invoke(main, ["serve", *args])
+
+            assert result.exit_code == 2, result.output
+            assert message in " ".join(result.stderr.split()) and "Traceback" not in result.output
