@@ -58,7 +58,7 @@ def convert(
     target="v5e",
     out,
     buckets: dict[str, list[int]] | None = None,
-    precision: str = "f32",
+    precision: str = "auto",
     matmul_precision: str = "default",
     tolerances: dict[str, float] | tuple[float, float] | None = None,
     verify_budget_flops: float = DEFAULT_BUDGET_FLOPS,
@@ -90,7 +90,9 @@ def convert(
         or slices ("v5e-8", "v5p-8", "v6e-8", "7x-8", ...; see SLICES).
       out: the artifact directory to create.
       buckets: {dim name: [sizes]} compiled as a cartesian product; None for the example shapes.
-      precision: "f32" or "bf16".
+      precision: "auto" (the model's own dtypes tensor by tensor: bf16 parameters stay bf16, f32
+        buffers stay f32), "f32", "bf16" (all bfloat16 but for state the model keeps in f32) or
+        "bf16-mixed" (autocast-like); README, "Precision".
       matmul_precision: the TPU arithmetic of dots and convolutions, pinned in the artifact and
         emulated by verification: "default" (one bf16 pass), "high" (bf16x3), "highest" (f32).
       tolerances: verification overrides, {"atol": ..., "rtol": ..., "scale_tol": ...} or
@@ -156,7 +158,7 @@ def plan(
     target="v5e",
     out,
     buckets: dict[str, list[int]] | None = None,
-    precision: str = "f32",
+    precision: str = "auto",
     matmul_precision: str = "default",
     overwrite: bool = False,
     mesh: str | dict[str, int] | None = None,

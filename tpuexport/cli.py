@@ -53,8 +53,10 @@ SOURCE_AND_TARGET_OPTIONS = (
     click.option("-o", "--out", type=click.Path(path_type=pathlib.Path), help="Artifact directory [default: SOURCE stem + .tpu]."),
     click.option("--bucket", "buckets", multiple=True, metavar="DIM=S1,S2,...",
                  help="Sizes to compile for a dim (repeat per dim; cartesian product). Default: the example shapes."),
-    click.option("--precision", type=click.Choice(["f32", "bf16", "bf16-mixed"]), default="f32", show_default=True,
-                 help="bf16: weights and every op in bfloat16; bf16-mixed: matmuls/convolutions in bfloat16, softmax, norms and reductions in f32."),
+    click.option("--precision", type=click.Choice(["auto", "f32", "bf16", "bf16-mixed"]), default="auto", show_default=True,
+                 help="auto: the model's own dtypes tensor by tensor; f32: weights and inputs in f32; bf16: weights and every op in "
+                      "bfloat16 (state the model keeps in f32 stays f32); bf16-mixed: matmuls/convolutions in bfloat16, softmax, "
+                      "norms and reductions in f32."),
     click.option("--matmul-precision", type=click.Choice(["default", "high", "highest"]), default="default", show_default=True,
                  help="TPU arithmetic of every dot/convolution: one bf16 pass, bf16x3, or f32 accuracy (six passes)."),
     click.option("--input", "inputs", multiple=True, metavar="NAME:D0,D1,...[:DTYPE]", help="Input of a pickled model (repeat, in order)."),
@@ -205,6 +207,7 @@ def summary(artifact) -> dict:
         "source": manifest["source"],
         "plan_only": artifact.plan_only,
         "precision": manifest["precision"],
+        "resolved_precision": manifest.get("resolved_precision", manifest["precision"]),
         "signature": manifest["signature"],
         "verification": {key: manifest["verification"][key] for key in ("passed", "status", "cases") if key in manifest["verification"]},
         "targets": {
@@ -242,7 +245,7 @@ def inspect(artifact_dir, as_json):
     verification = ("plan only (no weights, not verified)" if artifact.plan_only
                     else f"verification {'passed' if data['verification']['passed'] else 'FAILED'}")
     console.print(f"[bold]{artifact.path}[/]  source {data['source']['reference'] or data['source']['kind']}, "
-                  f"precision {data['precision']}, {verification}")
+                  f"precision {describe_precision(data)}, {verification}")
     for dim in signature.dims:
         console.print(f"  dim {dim.name}: {dim.range_text} (example {dim.example})")
     for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
@@ -260,9 +263,20 @@ def inspect(artifact_dir, as_json):
             table.add_row(
                 name, bucket["name"], f"{bucket['memory']['total_bytes'] / 2**20:.2f} MiB", f"{bucket['hbm_utilization']:.4%}",
                 describe_collectives(bucket.get("collectives")), f"{bucket['cost']['flops'] / 1e9:.4f}",
-                f"{bucket['cost']['optimal_seconds'] * 1e6:.1f}", bucket["executable"],
+                describe_microseconds(bucket["cost"]["optimal_seconds"]), bucket["executable"],
             )
     console.print(table)
+
+
+def describe_microseconds(seconds: float | None) -> str:
+    """A time estimate in µs, or "unknown" where XLA gives none."""
+    return "unknown" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
+def describe_precision(data: dict) -> str:
+    """"auto (bf16)": the requested precision and, when they differ, what the program computes in."""
+    resolved = data["resolved_precision"]
+    return data["precision"] if resolved == data["precision"] else f"{data['precision']} ({resolved})"
 
 
 def describe_mesh(mesh: dict) -> str:

@@ -59,7 +59,7 @@ class ConversionOptions:
       targets: TPU target names.
       out: the artifact directory.
       buckets: {dim name: sizes} to compile, or None for the example shapes.
-      precision: "f32" or "bf16".
+      precision: "auto" (the model's own dtypes), "f32", "bf16" or "bf16-mixed" (lower/mixed_precision.py).
       matmul_precision: the TPU arithmetic pinned on every dot and convolution: "default" (one
         bf16 pass), "high" (bf16x3) or "highest" (f32 accuracy).
       tolerance_overrides: {"atol"|"rtol"|"scale_tol": value} replacing the defaults of both
@@ -87,7 +87,7 @@ class ConversionOptions:
     targets: tuple[str, ...]
     out: pathlib.Path
     buckets: dict[str, list[int]] | None = None
-    precision: str = "f32"
+    precision: str = lower_stage.DEFAULT_PRECISION
     matmul_precision: str = "default"
     tolerance_overrides: dict[str, float] = dataclasses.field(default_factory=dict)
     verify_budget_flops: float = verify_stage.DEFAULT_BUDGET_FLOPS
@@ -184,10 +184,10 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             captured = quantized.captured
         buckets = compile_stage.make_buckets(captured.signature, options.buckets)
         requested_sizes = verify_stage.resolve_requested_sizes(captured.signature, options.verify_sizes)
-        with clock.stage("lower", lambda: f"{len(lowered.weight_names)} weight arrays, precision {options.precision}, "
+        with clock.stage("lower", lambda: f"{len(lowered.weight_names)} weight arrays, precision {_describe_precision(lowered)}, "
                                           f"matmul precision {options.matmul_precision}; {_describe_scans(lowered.scanned)}"):
             lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
-                                        options.scan, weights=captured.checkpoint_state is None)
+                                        options.scan, weights=captured.checkpoint_state is None, keep_f32=captured.keep_f32)
         weights_file = None
         if captured.checkpoint_state is not None:
             lowered, weights_file = _stream_weights(captured, lowered, scratch, clock)
@@ -205,7 +205,7 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         compiling = running.enter_context(compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock, lowered), plans))
         with clock.stage("verify", lambda: _describe_verification(report)):
             tolerances = verify_stage.with_overrides(
-                verify_stage.default_tolerances(options.precision, options.matmul_precision, quantized is not None),
+                verify_stage.default_tolerances(lowered.resolved_precision, options.matmul_precision, quantized is not None),
                 **options.tolerance_overrides,
             )
             report = verify_stage.verify(lowered, captured.reference, captured.example_inputs, tolerances,
@@ -301,10 +301,10 @@ def _run_plan(loaded: export_stage.LoadedSource, options: ConversionOptions, tar
         captured = export_stage.capture(export_stage.on_meta_device(dataclasses.replace(loaded, checkpoint=None)))
     buckets = compile_stage.make_buckets(captured.signature, options.buckets)
     with clock.stage("lower", lambda: f"{len(lowered.weight_names)} weight shapes ({lowered.weight_bytes / 2**30:.2f} GiB, "
-                                      f"not read), precision {options.precision}, matmul precision {options.matmul_precision}; "
+                                      f"not read), precision {_describe_precision(lowered)}, matmul precision {options.matmul_precision}; "
                                       f"{_describe_scans(lowered.scanned)}"):
         lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
-                                    options.scan, weights=False)
+                                    options.scan, weights=False, keep_f32=captured.keep_f32)
     plans = _plan_slices(options.sharding, slices, lowered, buckets, clock)
     with compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock, lowered), plans) as compiling:
         report = compiling.result()
@@ -434,6 +434,12 @@ def _describe_compiled(result: compile_stage.CompiledBucket, lowered: lower_stag
         exchanged = ", ".join(f"{kind} x{entry['count']} ({entry['bytes'] / 2**20:.2f} MiB)" for kind, entry in result.collectives.items())
         text += f"; {exchanged or 'no collectives'}"
     return text
+
+
+def _describe_precision(lowered: lower_stage.LoweredProgram) -> str:
+    """"auto (bf16)": the requested precision and, when they differ, what the program computes in."""
+    resolved = lowered.resolved_precision
+    return lowered.precision if resolved == lowered.precision else f"{lowered.precision} ({resolved})"
 
 
 def _describe_scans(scanned: tuple[dict, ...]) -> str:

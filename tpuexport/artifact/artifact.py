@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from tpuexport.arrays import load_arrays
+from tpuexport.arrays import load_arrays, to_numpy, to_torch
 from tpuexport.artifact.weights import map_weights
 from tpuexport.artifact import layout
 from tpuexport.artifact.manifest import sha256_file
@@ -89,26 +89,24 @@ class Artifact:
             weights = tuple(arrays[name] for name in program["weight_names"])
         return LoweredProgram(exported, tuple(program["weight_names"]), weights, self.signature, self.manifest["precision"],
                               self.manifest["matmul_precision"], program["matmul_flops"],
-                              scanned=tuple(self.manifest.get("scanned", ())), tied=program.get("tied_weights", {}))
+                              scanned=tuple(self.manifest.get("scanned", ())), tied=program.get("tied_weights", {}),
+                              decision_matmuls=tuple(program.get("decision_matmuls", ())))
 
     def run(self, *inputs):
         """Runs the lowered StableHLO on CPU.
 
         Args:
-          *inputs: the model's inputs (torch tensors or numpy arrays), positionally.
+          *inputs: the model's inputs (torch tensors or numpy arrays, bfloat16 and float16 included), positionally.
         Returns:
           The outputs structured as the model returns them (tensor, tuple, dict), as torch tensors
-          in the model's dtypes.
+          in the model's dtypes (a bfloat16 model's logits as torch.bfloat16).
         Raises:
           TpuExportError: a plan (no weights), wrong number of inputs or sizes outside the dims' ranges,
             or a program or weights file that does not match its sha256 in the manifest.
         """
-        arrays = [value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value) for value in inputs]
+        arrays = [to_numpy(value.detach().cpu()) if isinstance(value, torch.Tensor) else np.asarray(value) for value in inputs]
         outputs = self.program.run(arrays)
-        tensors = [
-            torch.from_numpy(np.array(array)).to(getattr(torch, spec.torch_dtype))
-            for array, spec in zip(outputs, self.signature.outputs)
-        ]
+        tensors = [to_torch(array).to(getattr(torch, spec.torch_dtype)) for array, spec in zip(outputs, self.signature.outputs)]
         return pytree.tree_unflatten(tensors, pytree.treespec_loads(self.signature.output_tree))
 
     def read_checked(self, relative: str) -> bytes:

@@ -122,6 +122,8 @@ def write_artifact(
             "weights": _weights_file(lowered, weights_file, put, move),
             "weight_names": list(lowered.weight_names),
             "tied_weights": dict(lowered.tied),
+            # Matmuls pinned to "highest" whatever matmul_precision says: they feed a top-k, sort or argmax.
+            "decision_matmuls": list(lowered.decision_matmuls),
             "weight_bytes": lowered.weight_bytes,
             "matmul_flops": lowered.matmul_flops,
         }
@@ -133,6 +135,8 @@ def write_artifact(
             "source": {"kind": source.kind, "path": source.path, "sha256": source.sha256, "reference": source.reference,
                        "checkpoint": source.checkpoint},
             "precision": lowered.precision,
+            # What "auto" (or f32) resolved to: what the program computes in, which set the tolerances.
+            "resolved_precision": lowered.resolved_precision,
             "matmul_precision": lowered.matmul_precision,
             "signature": lowered.signature.to_json(),
             "program": program,

@@ -54,7 +54,8 @@ class CompiledBucket:
       compile_seconds: wall time of lowering + compiling.
       memory: bytes per device from `memory_analysis()`: argument, output, temp, alias,
         generated_code and their total (argument + output + temp + generated_code - alias).
-      cost: `cost_analysis()` figures: flops, bytes_accessed, optimal_seconds (XLA's estimate).
+      cost: `cost_analysis()` figures: flops, bytes_accessed, optimal_seconds (XLA's estimate,
+        None when unknown; never negative, see compile_child.optimal_seconds).
       fingerprint: sha256 of the compiled HLO text, to detect compiler drift later.
       hlo_text: the compiled HLO text (TPU layouts and op types), kept in memory only.
       matmul_flops: FLOPs of the compiled dots and convolutions per operand types, e.g.

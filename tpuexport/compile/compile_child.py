@@ -32,6 +32,27 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 jax.config.update("jax_platforms", "cpu")
 
+# XLA's TPU cost model counts each call of this internal custom call (the compiler's own weight
+# concatenation, e.g. of the q/k/v projections of unrolled layers) as -1 second in
+# `optimal_seconds`: BERT-base unrolled holds 68 of them and reports -67.997 s, the same program
+# scanned holds none and reports +0.0017 s (benchmarks/optimal_seconds.py prints such pairs).
+NEGATIVE_SECOND_CALLS = ('custom_call_target="ConcatBitcast"',)
+
+
+def optimal_seconds(analysis: dict, hlo_text: str) -> float | None:
+    """XLA's time estimate with the -1 s of each NEGATIVE_SECOND_CALLS call added back.
+
+    Args:
+      analysis: `compiled.cost_analysis()`.
+      hlo_text: the compiled HLO text.
+    Returns:
+      Seconds, or None (unknown) when XLA gives no estimate or it is still negative.
+    """
+    if "optimal_seconds" not in analysis:
+        return None
+    seconds = float(analysis["optimal_seconds"]) + sum(hlo_text.count(call) for call in NEGATIVE_SECOND_CALLS)
+    return seconds if seconds >= 0 else None
+
 
 def emit(**event) -> None:
     print(json.dumps(event), flush=True)
@@ -86,7 +107,8 @@ def main() -> None:
         seconds = time.perf_counter() - start
         executable, _, _ = serialize_executable.serialize(compiled)
         (out_dir / f"{index}.executable").write_bytes(bytes(executable))
-        (out_dir / f"{index}.hlo.txt").write_text(compiled.as_text())
+        hlo_text = compiled.as_text()
+        (out_dir / f"{index}.hlo.txt").write_text(hlo_text)
         stats = compiled.memory_analysis()
         analysis = compiled.cost_analysis() or {}
         if isinstance(analysis, list):  # older jax returned one dict per computation
@@ -103,7 +125,7 @@ def main() -> None:
             cost={
                 "flops": float(analysis.get("flops", 0.0)),
                 "bytes_accessed": float(analysis.get("bytes accessed", 0.0)),
-                "optimal_seconds": float(analysis.get("optimal_seconds", 0.0)),
+                "optimal_seconds": optimal_seconds(analysis, hlo_text),
             },
         )
 
