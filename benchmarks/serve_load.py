@@ -160,7 +160,7 @@ def main() -> None:
         manifest = json.loads((artifact / "manifest.json").read_text())
         model = (manifest.get("tf_serving") or {}).get("model_name") or artifact.name.split(".")[0]
         request = one_row_request(artifact)
-        print(f"{options.example}: {options.clients} clients, one row per request, at most {options.seconds:g} s and "
+        print(f"{artifact.name}: {options.clients} clients, one row per request, at most {options.seconds:g} s and "
               f"{options.max_requests} requests per scenario; buckets "
               f"{', '.join(b['name'] for b in manifest['targets']['cpu']['buckets'])}", flush=True)
         print(f"{'scenario':<34} {'start-up s':>10} {'requests':>8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}  batches (rows:count)", flush=True)
