@@ -56,8 +56,12 @@ SOURCE_AND_TARGET_OPTIONS = (
                  help="bf16: weights and every op in bfloat16; bf16-mixed: matmuls/convolutions in bfloat16, softmax, norms and reductions in f32."),
     click.option("--matmul-precision", type=click.Choice(["default", "high", "highest"]), default="default", show_default=True,
                  help="TPU arithmetic of every dot/convolution: one bf16 pass, bf16x3, or f32 accuracy (six passes)."),
+    click.option("--task", default="auto", show_default=True, metavar="TASK",
+                 help="Task of a Hugging Face directory / hf:ORG/NAME source, as optimum names it (text-classification, "
+                      "text-generation, image-classification, automatic-speech-recognition, ...); auto: from config.json's architectures."),
     click.option("--input", "inputs", multiple=True, metavar="NAME:D0,D1,...[:DTYPE]", help="Input of a pickled model (repeat, in order)."),
-    click.option("--dim", "dims", multiple=True, metavar="NAME=MIN:MAX", help="A symbolic dim used by --input."),
+    click.option("--dim", "dims", multiple=True, metavar="NAME=MIN:MAX",
+                 help="A symbolic dim used by --input, or a Hugging Face source's dim range (batch, sequence, ...; MIN=MAX: static)."),
     click.option("--trust-pickle", is_flag=True, help="Allow unpickling a .pt/.pth module (pickles run code when loaded)."),
     click.option("--force", is_flag=True, help="Replace an existing artifact at --out."),
     click.option("--mesh", metavar="AXIS=SIZE,...",
@@ -106,15 +110,16 @@ def source_and_target_options(command):
               help="Stream the weights from this checkpoint (.safetensors, a sharded directory with its index, or a .pt state_dict); "
                    "the factory's model is built with its parameters on the meta device.")
 @handles_errors
-def convert(source, targets, out, buckets, precision, matmul_precision, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
+def convert(source, targets, out, buckets, precision, matmul_precision, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
             shard_inputs, as_json, atol, rtol, scale_tol, verify_budget, verify_sizes, scan, saved_model, model_name, model_version, quantize,
             calibration_file, random_calibration, weights, checkpoint):
-    """Convert SOURCE (model.pt2, file.py:factory, or model.pt with --trust-pickle) into an artifact."""
+    """Convert SOURCE (a Hugging Face model directory or hf:ORG/NAME with --task, model.pt2, file.py:factory, or model.pt with
+    --trust-pickle) into an artifact."""
     overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
     if verify_budget < 0:
         raise TpuExportError(f"--verify-budget {verify_budget:g} is negative; give GFLOP >= 0 (0 runs only the sizes every conversion runs)")
     _convert_source(
-        source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json,
+        source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json, task=task,
         precision=precision, matmul_precision=matmul_precision, tolerance_overrides=overrides, verify_budget_flops=verify_budget * 1e9,
         verify_sizes=tuple(parse_sizes(text, "--verify-size") for text in verify_sizes), overwrite=force,
         scan=scan, saved_model=saved_model and weights, model_name=model_name, model_version=model_version, quantize=quantize,
@@ -126,16 +131,16 @@ def convert(source, targets, out, buckets, precision, matmul_precision, inputs, 
 @click.argument("source")
 @source_and_target_options
 @handles_errors
-def plan(source, targets, out, buckets, precision, matmul_precision, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
+def plan(source, targets, out, buckets, precision, matmul_precision, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
          shard_inputs, as_json):
     """Plan SOURCE without weights (e.g. a model built on the meta device): compile for every target and bucket with the
     sharding plan and report per-chip HBM; no verification, no weights in the artifact."""
-    _convert_source(source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json,
+    _convert_source(source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json, task=task,
                     precision=precision, matmul_precision=matmul_precision, overwrite=force, saved_model=False, weights=False)
 
 
 def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pickle: bool, sharding_options: tuple, as_json: bool,
-                    checkpoint: pathlib.Path | None = None, **options) -> None:
+                    checkpoint: pathlib.Path | None = None, task: str = "auto", **options) -> None:
     """Loads SOURCE, runs the conversion (or plan) and prints the outcome.
 
     Args:
@@ -143,6 +148,7 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
       targets, out, buckets, inputs, dims, trust_pickle: the shared options as click gives them.
       sharding_options: (--mesh, --sharding, --shard rules, --shard-input rules).
       as_json: print the summary as JSON on stdout.
+      checkpoint: --checkpoint; task: --task (Hugging Face sources).
       **options: the remaining ConversionOptions fields (model_name None for the source's stem).
     Raises:
       TpuExportError: bad input; VerificationError: the conversion did not verify.
@@ -159,12 +165,13 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
     bucket_sizes = compile_stage.parse_bucket_options(buckets)
     compile_stage.resolve_targets(list(targets))
     sharding_request = compile_stage.make_request(*sharding_options)
-    source_stem = pathlib.Path(source.partition(":")[0] if ".py:" in source else source).stem
+    source_stem = pathlib.Path(source.partition(":")[0] if ".py:" in source else source.partition("@")[0]).stem
     options["model_name"] = options.get("model_name") or source_stem
     conversion = ConversionOptions(tuple(targets), out or pathlib.Path(source_stem + ".tpu"), buckets=bucket_sizes or None,
                                    sharding=sharding_request, **options)
 
-    loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs, checkpoint=checkpoint)
+    loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs, checkpoint=checkpoint,
+                                      task=task, weights_in_memory=bool(options.get("quantize")))
     artifact = run_conversion(loaded, conversion, progress=_print_stage)
     if artifact.plan_only:
         stderr.print(f"[bold green]planned[/] {source} -> {artifact.path} (plan only: no weights, not verified)", soft_wrap=True)
@@ -220,6 +227,8 @@ def summary(artifact) -> dict:
         "scanned": [{k: run[k] for k in ("module", "first", "count")} for run in manifest.get("scanned", [])],
         **({"quantization": manifest["quantization"]} if "quantization" in manifest else {}),
         **({"tf_serving": manifest["tf_serving"]} if "tf_serving" in manifest else {}),
+        **({"huggingface": {key: value for key, value in manifest["huggingface"].items() if key != "config"}}
+           if "huggingface" in manifest else {}),
     }
 
 
@@ -242,6 +251,10 @@ def inspect(artifact_dir, as_json):
                     else f"verification {'passed' if data['verification']['passed'] else 'FAILED'}")
     console.print(f"[bold]{artifact.path}[/]  source {data['source']['reference'] or data['source']['kind']}, "
                   f"precision {data['precision']}, {verification}")
+    if "huggingface" in data:
+        hf = data["huggingface"]
+        console.print(f"  hugging face: task {hf['task']}, {hf['architecture']}, revision {hf['revision'] or 'none (not from the cache)'}; "
+                      f"files {', '.join(hf['files'].values()) or 'none'}")
     for dim in signature.dims:
         console.print(f"  dim {dim.name}: {dim.range_text} (example {dim.example})")
     for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
