@@ -8,6 +8,7 @@
     with tpuexport.parameters_on_meta():
         model = build()                # no parameter memory
     tpuexport.convert(model, args=(x,), checkpoint="ckpt/", out="big.tpu")  # weights streamed
+    tpuexport.runner("model.tpu").run({"x": x})   # the AOT executables of this host, no compiling
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from tpuexport.compile import SLICES, TARGETS, make_request
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError, VerificationError
 from tpuexport.export import LoadedSource, SourceInfo, open_checkpoint, parameters_on_meta
 from tpuexport.pipeline import ConversionOptions, run_conversion
+from tpuexport.runtime import Runner
+from tpuexport.runtime import open_runner as runner
 from tpuexport.verify import DEFAULT_BUDGET_FLOPS, Tolerances
-from tpuexport.verify.gate import CheckResult, GateReport, verify_artifact
+from tpuexport.gate import CheckResult, GateReport, verify_artifact
 
 __version__ = "0.1.0"
 
@@ -33,6 +36,7 @@ __all__ = [
     "Artifact",
     "CheckResult",
     "GateReport",
+    "Runner",
     "Tolerances",
     "TpuExportError",
     "UnsupportedOperatorsError",
@@ -41,6 +45,7 @@ __all__ = [
     "load",
     "parameters_on_meta",
     "plan",
+    "runner",
     "verify_artifact",
 ]
 
@@ -53,7 +58,7 @@ def convert(
     target="v5e",
     out,
     buckets: dict[str, list[int]] | None = None,
-    precision: str = "f32",
+    precision: str = "auto",
     matmul_precision: str = "default",
     tolerances: dict[str, float] | tuple[float, float] | None = None,
     verify_budget_flops: float = DEFAULT_BUDGET_FLOPS,
@@ -85,7 +90,9 @@ def convert(
         or slices ("v5e-8", "v5p-8", "v6e-8", "7x-8", ...; see SLICES).
       out: the artifact directory to create.
       buckets: {dim name: [sizes]} compiled as a cartesian product; None for the example shapes.
-      precision: "f32" or "bf16".
+      precision: "auto" (the model's own dtypes tensor by tensor: bf16 parameters stay bf16, f32
+        buffers stay f32), "f32", "bf16" (all bfloat16 but for state the model keeps in f32) or
+        "bf16-mixed" (autocast-like); README, "Precision".
       matmul_precision: the TPU arithmetic of dots and convolutions, pinned in the artifact and
         emulated by verification: "default" (one bf16 pass), "high" (bf16x3), "highest" (f32).
       tolerances: verification overrides, {"atol": ..., "rtol": ..., "scale_tol": ...} or
@@ -151,7 +158,7 @@ def plan(
     target="v5e",
     out,
     buckets: dict[str, list[int]] | None = None,
-    precision: str = "f32",
+    precision: str = "auto",
     matmul_precision: str = "default",
     overwrite: bool = False,
     mesh: str | dict[str, int] | None = None,

@@ -48,12 +48,15 @@ def main():
 # Options `convert` and `plan` share: the model, what to compile it for, and where to write.
 SOURCE_AND_TARGET_OPTIONS = (
     click.option("--target", "targets", multiple=True, default=("v5e",), show_default=True,
-                 help="TPU target (repeat for several): a chip (v4, v5e, v5p, v6e, 7x) or a slice (v5e-8, v5p-8, v6e-8, 7x-8, ...)."),
+                 help="TPU target (repeat for several): a chip (v4, v5e, v5p, v6e, 7x) or a slice (v5e-8, v5p-8, v6e-8, 7x-8, ...); "
+                      "cpu for XLA:CPU executables of this host (tpuexport serve runs them)."),
     click.option("-o", "--out", type=click.Path(path_type=pathlib.Path), help="Artifact directory [default: SOURCE stem + .tpu]."),
     click.option("--bucket", "buckets", multiple=True, metavar="DIM=S1,S2,...",
                  help="Sizes to compile for a dim (repeat per dim; cartesian product). Default: the example shapes."),
-    click.option("--precision", type=click.Choice(["f32", "bf16", "bf16-mixed"]), default="f32", show_default=True,
-                 help="bf16: weights and every op in bfloat16; bf16-mixed: matmuls/convolutions in bfloat16, softmax, norms and reductions in f32."),
+    click.option("--precision", type=click.Choice(["auto", "f32", "bf16", "bf16-mixed"]), default="auto", show_default=True,
+                 help="auto: the model's own dtypes tensor by tensor; f32: weights and inputs in f32; bf16: weights and every op in "
+                      "bfloat16 (state the model keeps in f32 stays f32); bf16-mixed: matmuls/convolutions in bfloat16, softmax, "
+                      "norms and reductions in f32."),
     click.option("--matmul-precision", type=click.Choice(["default", "high", "highest"]), default="default", show_default=True,
                  help="TPU arithmetic of every dot/convolution: one bf16 pass, bf16x3, or f32 accuracy (six passes)."),
     click.option("--task", default="auto", show_default=True, metavar="TASK",
@@ -211,6 +214,7 @@ def summary(artifact) -> dict:
         "source": manifest["source"],
         "plan_only": artifact.plan_only,
         "precision": manifest["precision"],
+        "resolved_precision": manifest.get("resolved_precision", manifest["precision"]),
         "signature": manifest["signature"],
         "verification": {key: manifest["verification"][key] for key in ("passed", "status", "cases") if key in manifest["verification"]},
         "targets": {
@@ -250,7 +254,7 @@ def inspect(artifact_dir, as_json):
     verification = ("plan only (no weights, not verified)" if artifact.plan_only
                     else f"verification {'passed' if data['verification']['passed'] else 'FAILED'}")
     console.print(f"[bold]{artifact.path}[/]  source {data['source']['reference'] or data['source']['kind']}, "
-                  f"precision {data['precision']}, {verification}")
+                  f"precision {describe_precision(data)}, {verification}")
     if "huggingface" in data:
         hf = data["huggingface"]
         console.print(f"  hugging face: task {hf['task']}, {hf['architecture']}, revision {hf['revision'] or 'none (not from the cache)'}; "
@@ -272,9 +276,20 @@ def inspect(artifact_dir, as_json):
             table.add_row(
                 name, bucket["name"], f"{bucket['memory']['total_bytes'] / 2**20:.2f} MiB", f"{bucket['hbm_utilization']:.4%}",
                 describe_collectives(bucket.get("collectives")), f"{bucket['cost']['flops'] / 1e9:.4f}",
-                f"{bucket['cost']['optimal_seconds'] * 1e6:.1f}", bucket["executable"],
+                describe_microseconds(bucket["cost"]["optimal_seconds"]), bucket["executable"],
             )
     console.print(table)
+
+
+def describe_microseconds(seconds: float | None) -> str:
+    """A time estimate in µs, or "unknown" where XLA gives none."""
+    return "unknown" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
+def describe_precision(data: dict) -> str:
+    """"auto (bf16)": the requested precision and, when they differ, what the program computes in."""
+    resolved = data["resolved_precision"]
+    return data["precision"] if resolved == data["precision"] else f"{data['precision']} ({resolved})"
 
 
 def describe_mesh(mesh: dict) -> str:
@@ -305,7 +320,7 @@ def describe_collectives(collectives: dict | None) -> str:
 @handles_errors
 def verify(artifact_dir, as_json, junit_path, recompile, strict, against):
     """Check an artifact before release: file hashes, golden outputs, SavedModel; exit 1 if a check fails (always for a plan)."""
-    from tpuexport.verify.gate import PLAN_ONLY, verify_artifact, write_junit
+    from tpuexport.gate import PLAN_ONLY, verify_artifact, write_junit
 
     report = verify_artifact(artifact_dir, recompile=recompile, strict=strict, against=against)
     if junit_path:
@@ -326,6 +341,25 @@ def _print_gate_table(report) -> None:
     for check in report.checks:
         table.add_row(check.name, f"[{colours[check.status]}]{check.status}[/]", f"{check.seconds:.2f}", check.message)
     Console(highlight=False).print(table)
+
+
+@main.command()
+@click.argument("artifacts", metavar="ARTIFACT...", nargs=-1, required=True, type=click.Path(path_type=pathlib.Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (both APIs).")
+@click.option("--port", default=8501, show_default=True, type=int, help="REST port (TF Serving's REST API).")
+@click.option("--grpc-port", default=8500, show_default=True, type=int, help="gRPC port (PredictionService); 0 for no gRPC server.")
+@click.option("--batch-timeout-ms", default=2.0, show_default=True, type=float,
+              help="How long a request waits for concurrent ones to batch with, up to the largest bucket (0: no batching).")
+@click.option("--target", help="Target whose executables to serve [default: the one matching this host's devices].")
+@click.option("--allow-recompile", is_flag=True, help="Compile the StableHLO when an artifact's compile key differs from this host.")
+@click.option("--max-body-mb", default=64.0, show_default=True, type=float, help="Largest REST request body.")
+@handles_errors
+def serve(artifacts, host, port, grpc_port, batch_timeout_ms, target, allow_recompile, max_body_mb):
+    """Serve artifacts with TF Serving's REST and gRPC APIs, from their AOT executables (no compiling)."""
+    from tpuexport.serve import serve as run_server
+
+    run_server(list(artifacts), host=host, port=port, grpc_port=grpc_port or None, batch_timeout_ms=batch_timeout_ms,
+               allow_recompile=allow_recompile, target=target, max_body_bytes=int(max_body_mb * 2**20))
 
 
 @main.command()

@@ -11,6 +11,7 @@
                                                                              background from here)
   verify   CPU runs vs eager PyTorch (fails fast)    -> VerificationReport
   verify sharded  each plan on N CPU devices vs eager -> ShardedVerification per plan (slices only)
+  verify padding  the largest bucket padded with zero rows vs eager on the real rows -> PaddingCheck
   write    the artifact directory, atomically        -> Artifact
            (with the TF Serving SavedModel, checked in TensorFlow before the rename, and the
            quantization report; the executables once compile is done)
@@ -58,7 +59,7 @@ class ConversionOptions:
       targets: TPU target names.
       out: the artifact directory.
       buckets: {dim name: sizes} to compile, or None for the example shapes.
-      precision: "f32" or "bf16".
+      precision: "auto" (the model's own dtypes), "f32", "bf16" or "bf16-mixed" (lower/mixed_precision.py).
       matmul_precision: the TPU arithmetic pinned on every dot and convolution: "default" (one
         bf16 pass), "high" (bf16x3) or "highest" (f32 accuracy).
       tolerance_overrides: {"atol"|"rtol"|"scale_tol": value} replacing the defaults of both
@@ -86,7 +87,7 @@ class ConversionOptions:
     targets: tuple[str, ...]
     out: pathlib.Path
     buckets: dict[str, list[int]] | None = None
-    precision: str = "f32"
+    precision: str = lower_stage.DEFAULT_PRECISION
     matmul_precision: str = "default"
     tolerance_overrides: dict[str, float] = dataclasses.field(default_factory=dict)
     verify_budget_flops: float = verify_stage.DEFAULT_BUDGET_FLOPS
@@ -183,10 +184,10 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             captured = quantized.captured
         buckets = compile_stage.make_buckets(captured.signature, options.buckets)
         requested_sizes = verify_stage.resolve_requested_sizes(captured.signature, options.verify_sizes)
-        with clock.stage("lower", lambda: f"{len(lowered.weight_names)} weight arrays, precision {options.precision}, "
+        with clock.stage("lower", lambda: f"{len(lowered.weight_names)} weight arrays, precision {_describe_precision(lowered)}, "
                                           f"matmul precision {options.matmul_precision}; {_describe_scans(lowered.scanned)}"):
             lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
-                                        options.scan, weights=captured.checkpoint_state is None)
+                                        options.scan, weights=captured.checkpoint_state is None, keep_f32=captured.keep_f32)
         weights_file = None
         if captured.checkpoint_state is not None:
             lowered, weights_file = _stream_weights(captured, lowered, scratch, clock)
@@ -204,7 +205,7 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         compiling = running.enter_context(compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock, lowered), plans))
         with clock.stage("verify", lambda: _describe_verification(report)):
             tolerances = verify_stage.with_overrides(
-                verify_stage.default_tolerances(options.precision, options.matmul_precision, quantized is not None),
+                verify_stage.default_tolerances(lowered.resolved_precision, options.matmul_precision, quantized is not None),
                 **options.tolerance_overrides,
             )
             report = verify_stage.verify(lowered, captured.reference, captured.example_inputs, tolerances,
@@ -222,6 +223,10 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
                 failed = {**report.to_json(), "sharded": [result.to_json() for result in sharded]}
                 raise VerificationError(report, _write_failed_report(options.out, failed), sharded[-1].failure_summary())
 
+        # A server pads requests to the next bucket: run one padded bucket against eager on the real rows.
+        with clock.stage("verify padding", lambda: padding.describe() if padding else "no bucket is padded"):
+            padding = verify_stage.verify_padding(lowered, captured.reference, captured.example_inputs, buckets, tolerances)
+
         @functools.cache
         def compiled() -> compile_stage.CompileReport:
             result = compiling.result()
@@ -236,6 +241,8 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             ),)
         if quantized:
             extra_writers += (_quantization_report(quantized, lowered, compiled, clock),)
+        if padding:
+            extra_writers += (lambda staging: {"padding": padding.to_json()},)
         with clock.stage("write", lambda: str(options.out)):
             try:
                 artifact_stage.write_artifact(
@@ -294,10 +301,10 @@ def _run_plan(loaded: export_stage.LoadedSource, options: ConversionOptions, tar
         captured = export_stage.capture(export_stage.on_meta_device(dataclasses.replace(loaded, checkpoint=None)))
     buckets = compile_stage.make_buckets(captured.signature, options.buckets)
     with clock.stage("lower", lambda: f"{len(lowered.weight_names)} weight shapes ({lowered.weight_bytes / 2**30:.2f} GiB, "
-                                      f"not read), precision {options.precision}, matmul precision {options.matmul_precision}; "
+                                      f"not read), precision {_describe_precision(lowered)}, matmul precision {options.matmul_precision}; "
                                       f"{_describe_scans(lowered.scanned)}"):
         lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
-                                    options.scan, weights=False)
+                                    options.scan, weights=False, keep_f32=captured.keep_f32)
     plans = _plan_slices(options.sharding, slices, lowered, buckets, clock)
     with compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock, lowered), plans) as compiling:
         report = compiling.result()
@@ -375,14 +382,14 @@ def _quantization_report(quantized, lowered: lower_stage.LoweredProgram, compile
                          clock: StageClock):
     """The writer that measures SQNR against the float model and the integer share of the first
     TPU executable's matmul FLOPs, and puts the report in the artifact."""
-    from tpuexport import quantize as quantize_stage
+    from tpuexport.verify import quantization_report
 
     def write(staging: pathlib.Path) -> dict:
         executable = compiled().results[0]
-        with clock.stage("quantization report", lambda: quantize_stage.describe_report(report)):
-            matmuls = quantize_stage.CompiledMatmuls(executable.target.name, executable.bucket.name, executable.matmul_flops)
-            report = quantize_stage.build_report(quantized, lowered, matmuls)
-        return quantize_stage.report_writer(report)(staging)
+        with clock.stage("quantization report", lambda: quantization_report.describe_report(report)):
+            matmuls = quantization_report.CompiledMatmuls(executable.target.name, executable.bucket.name, executable.matmul_flops)
+            report = quantization_report.build_report(quantized, lowered, matmuls)
+        return quantization_report.report_writer(report)(staging)
 
     return write
 
@@ -433,6 +440,12 @@ def _describe_compiled(result: compile_stage.CompiledBucket, lowered: lower_stag
         exchanged = ", ".join(f"{kind} x{entry['count']} ({entry['bytes'] / 2**20:.2f} MiB)" for kind, entry in result.collectives.items())
         text += f"; {exchanged or 'no collectives'}"
     return text
+
+
+def _describe_precision(lowered: lower_stage.LoweredProgram) -> str:
+    """"auto (bf16)": the requested precision and, when they differ, what the program computes in."""
+    resolved = lowered.resolved_precision
+    return lowered.precision if resolved == lowered.precision else f"{lowered.precision} ({resolved})"
 
 
 def _describe_scans(scanned: tuple[dict, ...]) -> str:

@@ -16,6 +16,7 @@ from tpuexport.artifact import layout
 from tpuexport.artifact.manifest import build_section, dumps, hash_tree, package_versions
 from tpuexport.arrays import save_arrays
 from tpuexport.compile import CompileReport
+from tpuexport.compile.compile_key import export_compatibility
 from tpuexport.errors import TpuExportError
 from tpuexport.export import SourceInfo
 from tpuexport.lower import LoweredProgram
@@ -114,11 +115,15 @@ def write_artifact(
             "mlir_text": put(layout.MLIR_TEXT, exported.mlir_module()),
             "stablehlo_bytecode": put(layout.STABLEHLO_BYTECODE, bytes(exported.mlir_module_serialized)),
             "calling_convention_version": exported.calling_convention_version,
+            # Until when newer JAX releases keep loading exported.jaxexport (compile_key.py).
+            "serialization": export_compatibility(),
             "platforms": list(exported.platforms),
             "call": "exported.call(weights, inputs): two lists, in weight_names and signature.inputs order",
             "weights": _weights_file(lowered, weights_file, put, move),
             "weight_names": list(lowered.weight_names),
             "tied_weights": dict(lowered.tied),
+            # Matmuls pinned to "highest" whatever matmul_precision says: they feed a top-k, sort or argmax.
+            "decision_matmuls": list(lowered.decision_matmuls),
             "weight_bytes": lowered.weight_bytes,
             "matmul_flops": lowered.matmul_flops,
         }
@@ -130,6 +135,8 @@ def write_artifact(
             "source": {"kind": source.kind, "path": source.path, "sha256": source.sha256, "reference": source.reference,
                        "checkpoint": source.checkpoint},
             "precision": lowered.precision,
+            # What "auto" (or f32) resolved to: what the program computes in, which set the tolerances.
+            "resolved_precision": lowered.resolved_precision,
             "matmul_precision": lowered.matmul_precision,
             "signature": lowered.signature.to_json(),
             "program": program,
@@ -163,6 +170,9 @@ def write_artifact(
                 "generation": target.generation,
                 "topology": target.topology,
                 "hbm_bytes": target.hbm_bytes,
+                "platform": target.platform,
+                # What the executables load on; the runtime compares it with the host.
+                "compile_key": result.compile_key,
                 "buckets": [],
             })
             if target.is_slice:

@@ -5,6 +5,5 @@ from tpuexport.logs import TORCHAO_LOGGERS, quiet_loggers
 with quiet_loggers(*TORCHAO_LOGGERS):
     from tpuexport.quantize.quantization import QuantizedLayer, QuantizedModel, quantize
     from tpuexport.quantize.quantizer import MODES, TpuQuantizer
-    from tpuexport.quantize.report import CompiledMatmuls, build_report, describe_report, report_writer
 
-__all__ = ["CompiledMatmuls", "MODES", "QuantizedLayer", "QuantizedModel", "TpuQuantizer", "build_report", "describe_report", "quantize", "report_writer"]
+__all__ = ["MODES", "QuantizedLayer", "QuantizedModel", "TpuQuantizer", "quantize"]

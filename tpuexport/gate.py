@@ -4,6 +4,8 @@ The checks, in the order they run (each gives one CheckResult):
   integrity    every file's sha256 against manifest["files"]: missing, extra and changed files
   golden       the StableHLO run on CPU against the stored eager outputs, at every stored size
   saved_model  the TF Serving SavedModel re-run, when the artifact has one
+  compatibility  a warning when the date after which newer JAX releases may refuse the program's
+               jax.export serialization (manifest program.serialization) is near or past
   recompile    (opt-in) every executable recompiled with the installed jax/libtpu; a changed
                compiled-HLO fingerprint is compiler drift: a warning, or a failure when strict
   against      (opt-in) the original model reloaded and compared on fresh random inputs
@@ -20,6 +22,7 @@ abort the whole process on malformed input instead of raising.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import pathlib
 import time
@@ -29,11 +32,12 @@ from tpuexport import compile as compile_stage
 from tpuexport import export as export_stage
 from tpuexport.artifact import Artifact, layout, load
 from tpuexport.artifact.manifest import hash_tree, package_versions
+from tpuexport.artifact.tf_serving import check_saved_model
 from tpuexport.errors import EXIT_OK, EXIT_VERIFICATION_FAILED
 from tpuexport.signature import ProgramSignature
 from tpuexport.verify.compare import sqnr_db
 from tpuexport.verify.report import VerificationCase, VerificationReport, describe_sizes
-from tpuexport.verify.saved_model_check import check_saved_model, failure_summary
+from tpuexport.verify.saved_model_check import failure_summary
 from tpuexport.verify.sizes import PlannedCase, plan_cases
 from tpuexport.verify.tolerances import VerificationTolerances
 from tpuexport.verify.verification import (
@@ -47,6 +51,8 @@ AGAINST_SEED = 10_000
 # Why a plan fails the gate, in one line.
 PLAN_ONLY = "plan only (no weights, not verified): nothing to verify"
 PLAN_ONLY_MESSAGE = f"{PLAN_ONLY}; convert the model with its weights for an artifact that can be released"
+# How early `compatibility` warns that newer JAX may stop loading the program.
+COMPATIBILITY_WARNING_DAYS = 60
 # Fresh random inputs move an int8 output's SQNR by about a dB; more than this is real drift.
 QUANTIZED_SQNR_MARGIN_DB = 3.0
 
@@ -171,6 +177,7 @@ def verify_artifact(path, recompile: bool = False, strict: bool = False, against
             or check_golden(artifact),
             _skip_if_damaged("saved_model", _saved_model_files(artifact), damaged) or check_saved_model_rerun(artifact),
         ]
+    checks.append(check_compatibility(artifact))
     if recompile:
         checks.append(_skip_if_damaged("recompile", program_files, damaged) or check_recompile(artifact, strict))
     if loaded is not None:
@@ -298,6 +305,33 @@ def check_saved_model_rerun(artifact: Artifact):
         return FAILED, failure_summary(outcome), outcome
     sizes = "; ".join(describe_sizes(case["sizes"]) for case in outcome["cases"])
     return PASSED, f"TensorFlow {outcome.get('tensorflow')} runs the SavedModel within tolerance at {sizes}", outcome
+
+
+@gate_check("compatibility")
+def check_compatibility(artifact: Artifact, today: datetime.date | None = None):
+    """Warns when newer JAX releases may soon refuse, or may already refuse, the program's serialization.
+
+    Args:
+      artifact: the opened artifact.
+      today: the date to judge by (today by default).
+    Returns:
+      (status, message, details): "warning" within COMPATIBILITY_WARNING_DAYS of the manifest's
+      program.serialization.loadable_until or past it, "skipped" for artifacts that predate the
+      record, else "passed".
+    """
+    recorded = artifact.manifest["program"].get("serialization")
+    if not recorded:
+        return SKIPPED, "the manifest predates the jax.export compatibility record", {}
+    until = datetime.date.fromisoformat(recorded["loadable_until"])
+    days = (until - (today or datetime.date.today())).days
+    details = {**recorded, "days_left": days}
+    what = f"jax.export serialization version {recorded['serialization_version']} (of {recorded['version_date']})"
+    if days < 0:
+        return WARNING, (f"{what}: JAX releases after {until} may refuse to load it ({-days} days ago); convert again with a "
+                         "current JAX, or keep this JAX to load it"), details
+    if days <= COMPATIBILITY_WARNING_DAYS:
+        return WARNING, f"{what}: JAX releases after {until} may refuse to load it (in {days} days); convert again with a current JAX", details
+    return PASSED, f"{what}: JAX releases until {until} load it ({days} days left)", details
 
 
 @gate_check("recompile")
