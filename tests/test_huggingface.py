@@ -172,3 +172,15 @@ def test_a_checkpoint_in_an_older_layout_streams_under_the_model_names(models):
     weight = loaded.checkpoint["model.vit.layers.0.attention.q_proj.weight"]
     assert torch.equal(weight, transformers.ViTForImageClassification.from_pretrained(models["vit"]).state_dict()[
         "vit.layers.0.attention.q_proj.weight"])
+
+
+def test_a_bf16_checkpoint_builds_the_model_in_bf16(models, tmp_path):
+    """The model is built in the dtype config.json records (what from_pretrained does), so a bf16
+    checkpoint converts in bf16 by default and its tensors stream without a cast."""
+    model = transformers.LlamaForCausalLM.from_pretrained(models["llama"], dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "llama-bf16")
+    loaded = load_source(str(tmp_path / "llama-bf16"))
+    parameters = list(loaded.model.parameters())
+    assert all(parameter.is_meta and parameter.dtype == torch.bfloat16 for parameter in parameters)
+    weight = loaded.checkpoint["model.model.layers.0.mlp.up_proj.weight"]
+    assert weight.dtype == torch.bfloat16 and torch.equal(weight, model.model.layers[0].mlp.up_proj.weight)
