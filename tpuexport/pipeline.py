@@ -252,7 +252,7 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             clock.record("compile", compiling.seconds, f"{len(result.results)} executable(s), alongside verify and the SavedModel")
             return result
 
-        extra_writers = ()
+        extra_writers = _source_writers(loaded)
         if options.saved_model:
             extra_writers = (serving_stage.TfServingExport(
                 lowered, report, buckets, model_name, options.model_version, options.out, saved_model_build, scratch,
@@ -339,8 +339,14 @@ def _run_plan(loaded: export_stage.LoadedSource, options: ConversionOptions, tar
     clock.record("compile", compiling.seconds, f"{len(report.results)} executable(s)")
     with clock.stage("write", lambda: f"{options.out} (plan only: no weights, not verified)"):
         artifact_stage.write_artifact(options.out, source=captured.source, lowered=lowered, compiled=lambda: report, verification=None,
-                                      stage_seconds=clock.seconds, overwrite=options.overwrite)
+                                      stage_seconds=clock.seconds, overwrite=options.overwrite, extra_writers=_source_writers(loaded))
     return artifact_stage.load(options.out)
+
+
+def _source_writers(loaded: export_stage.LoadedSource) -> tuple:
+    """Writers of what the source brings beside the model (a Hugging Face directory's tokenizer,
+    processor and config files, and its manifest section)."""
+    return (artifact_stage.huggingface_writer(loaded.huggingface),) if loaded.huggingface is not None else ()
 
 
 def _stream_weights(captured: export_stage.CapturedModel, lowered: lower_stage.LoweredProgram, scratch: pathlib.Path,
@@ -565,7 +571,8 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
                      f"{sum(len(result.results) for result in compiled.values())} executable(s), alongside verify")
     with clock.stage("write", lambda: str(options.out) + (" (plan only: no weights, not verified)" if plan_only else "")):
         artifact_stage.write_generation_artifact(options.out, source=loaded.info, program=program, compiled=compiled,
-                                                 verification=report, stage_seconds=clock.seconds, overwrite=options.overwrite)
+                                                 verification=report, stage_seconds=clock.seconds, overwrite=options.overwrite,
+                                                 extra_writers=_source_writers(loaded))
     return artifact_stage.load(options.out)
 
 
