@@ -12,6 +12,11 @@ mismatch = verification failed, error = refused with a one-line error, crash = a
 the first line of the error; convert seconds; for int8, the lowest output SQNR against the float
 model, weight bytes against f32 and the share of matmul/conv FLOPs that the compiled TPU HLO runs
 as s8 x s8 -> s32.
+
+Modes "generate-f32" and "generate-bf16" convert the decoder families' causal LMs with
+--task text-generation (max context 64, max batch 2, prefill bucket seq 16 with rows of different
+lengths, 32 new tokens compared with generate(do_sample=False)); their row says whether greedy
+parity holds, the tokens compared and the ties. Other kinds have no row in these modes.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = pathlib.Path(__file__).resolve().parent
 MODES = ("f32", "bf16", "int8", "int8-dynamic", "int8-weight-only")
+GENERATION_MODES = ("generate-f32", "generate-bf16")
+GENERATION_NEW_TOKENS = 32
 CHILD_TIMEOUT_SECONDS = 1200
 
 
@@ -45,14 +52,20 @@ def convert_one(family_name: str, mode: str, target: str, saved_model: bool, wor
     row = {"family": family_name, "kind": family.kind, "mode": mode}
     built = family.build()
     quantize = mode if mode.startswith("int8") else None
-    precision = mode if not quantize else "f32"
+    precision = mode.removeprefix("generate-") if not quantize else "f32"
     out = workdir / f"{family_name}-{mode}.tpu"
     start = time.perf_counter()
     try:
-        artifact = tpuexport.convert(
-            built["model"], built["args"], built["dynamic_shapes"], target=target, out=out, precision=precision,
-            quantize=quantize, calibration=built["calibration"] if quantize == "int8" else None, saved_model=saved_model,
-        )
+        if mode in GENERATION_MODES:
+            # The causal LM inside the families' wrapper (which returns logits of a whole sequence).
+            artifact = tpuexport.convert(built["model"].model, task="text-generation", max_context=64, max_batch=2,
+                                         buckets={"seq": [16], "batch": [2]}, verify_new_tokens=GENERATION_NEW_TOKENS,
+                                         target=target, out=out, precision=precision)
+        else:
+            artifact = tpuexport.convert(
+                built["model"], built["args"], built["dynamic_shapes"], target=target, out=out, precision=precision,
+                quantize=quantize, calibration=built["calibration"] if quantize == "int8" else None, saved_model=saved_model,
+            )
     except tpuexport.VerificationError as error:
         row.update(status="mismatch", message=str(error), report=_read_json(error.report_path))
     except tpuexport.TpuExportError as error:
@@ -63,6 +76,9 @@ def convert_one(family_name: str, mode: str, target: str, saved_model: bool, wor
         row.update(status="passed", report=_read_json(artifact.path / artifact.manifest["verification"]["report"]))
         manifest = artifact.manifest
         row["weight_bytes"] = manifest["program"]["weight_bytes"]
+        if mode in GENERATION_MODES:
+            row["tokens_compared"] = manifest["verification"]["tokens_compared"]
+            row["ties"] = manifest["verification"]["ties"]
         if "quantization" in manifest:
             quantization = _read_json(artifact.path / manifest["quantization"]["report"])
             row["sqnr_db"] = [o["sqnr_db"] for o in quantization["outputs"]]
@@ -104,6 +120,10 @@ def format_row(row: dict) -> str:
     ratio = row.get("weight_ratio")
     integer = row.get("integer_flops_fraction")
     message = "" if row["status"] == "passed" else first_line(row.get("message", ""))
+    if row["mode"] in GENERATION_MODES:
+        parity = {"passed": "yes", "mismatch": "no"}.get(row["status"], row["status"])
+        return (f"| {row['family']} | {row['mode']} | greedy parity {parity} | {row.get('seconds', '-')} | "
+                f"{row.get('tokens_compared', '-')} tokens compared, {row.get('ties', '-')} ties | - | - | {message} |")
     return (f"| {row['family']} | {row['mode']} | {row['status']} | {row.get('seconds', '-')} | {sqnr_text} | "
             f"{f'{ratio:.3f}' if ratio is not None else '-'} | {f'{integer:.0%}' if integer is not None else '-'} | {message} |")
 
@@ -111,7 +131,8 @@ def format_row(row: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", help="family names (default: all)")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated, from {', '.join(MODES + GENERATION_MODES)} (generate-*: decoder families only)")
     parser.add_argument("--target", default="v5e")
     parser.add_argument("--saved-model", action="store_true", help="also build and check the TF SavedModel")
     parser.add_argument("--fast", action="store_true", help="only the families the test suite runs")
@@ -135,7 +156,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
     modes = options.modes.split(",")
-    jobs = [(name, mode) for name in names for mode in modes]
+    jobs = [(name, mode) for name in names for mode in modes if mode not in GENERATION_MODES or FAMILIES[name].kind == "decoder"]
     print(f"{len(names)} families x {len(modes)} modes, target {options.target}"
           f"{', SavedModel' if options.saved_model else ''}\n", flush=True)
     print("| family | mode | status | seconds | int8 SQNR dB (worst output) | weights vs f32 | s8 FLOPs | first line of error |")
@@ -145,8 +166,8 @@ def main() -> None:
         for row in pool.map(lambda job: run_child(*job, options), jobs):
             rows.append(row)
             print(format_row(row), flush=True)
-    passed = {mode: sum(r["status"] == "passed" for r in rows if r["mode"] == mode) for mode in modes}
-    print("\npassed: " + ", ".join(f"{mode} {count}/{len(names)}" for mode, count in passed.items()))
+    passed = {mode: (sum(r["status"] == "passed" for r in rows if r["mode"] == mode), sum(r["mode"] == mode for r in rows)) for mode in modes}
+    print("\npassed: " + ", ".join(f"{mode} {count}/{total}" for mode, (count, total) in passed.items()))
     if options.json:
         options.json.write_text(json.dumps(rows, indent=1))
 

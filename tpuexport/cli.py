@@ -108,10 +108,19 @@ def source_and_target_options(command):
 @click.option("--checkpoint", type=click.Path(path_type=pathlib.Path),
               help="Stream the weights from this checkpoint (.safetensors, a sharded directory with its index, or a .pt state_dict); "
                    "the factory's model is built with its parameters on the meta device.")
+@click.option("--task", type=click.Choice(["forward", "text-generation"]), default="forward", show_default=True,
+              help="text-generation: a Hugging Face causal LM as prefill and decode entry points over a KV cache "
+                   "(--bucket seq=... / batch=... are prefill's prompt lengths and batches).")
+@click.option("--max-context", type=int, help="text-generation: positions per KV cache slot (prompt + generated tokens).")
+@click.option("--max-batch", type=int, default=1, show_default=True, help="text-generation: KV cache slots, decode's batch.")
+@click.option("--cache-layout", type=click.Choice(["layer_batch_head_pos", "layer_batch_pos_head"]), default="layer_batch_head_pos",
+              show_default=True, help="text-generation: the KV cache's axes.")
+@click.option("--verify-new-tokens", type=int, default=8, show_default=True,
+              help="text-generation: tokens each verification prompt generates, compared with generate().")
 @handles_errors
 def convert(source, targets, out, buckets, precision, matmul_precision, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
             shard_inputs, as_json, atol, rtol, scale_tol, verify_budget, verify_sizes, scan, saved_model, model_name, model_version, quantize,
-            calibration_file, random_calibration, weights, checkpoint):
+            calibration_file, random_calibration, weights, checkpoint, task, max_context, max_batch, cache_layout, verify_new_tokens):
     """Convert SOURCE (model.pt2, file.py:factory, or model.pt with --trust-pickle) into an artifact."""
     overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
     if verify_budget < 0:
@@ -122,6 +131,7 @@ def convert(source, targets, out, buckets, precision, matmul_precision, inputs, 
         verify_sizes=tuple(parse_sizes(text, "--verify-size") for text in verify_sizes), overwrite=force,
         scan=scan, saved_model=saved_model and weights, model_name=model_name, model_version=model_version, quantize=quantize,
         calibration_file=calibration_file, random_calibration=random_calibration, weights=weights, checkpoint=checkpoint,
+        task=task, max_context=max_context, max_batch=max_batch, cache_layout=cache_layout, new_tokens=verify_new_tokens,
     )
 
 
@@ -208,12 +218,14 @@ def summary(artifact) -> dict:
         "plan_only": artifact.plan_only,
         "precision": manifest["precision"],
         "resolved_precision": manifest.get("resolved_precision", manifest["precision"]),
-        "signature": manifest["signature"],
+        **({"signature": manifest["signature"]} if "signature" in manifest else {}),
+        **({"task": manifest["task"], "entry_points": {name: entry["signature"] for name, entry in manifest["entry_points"].items()},
+            "generation": manifest["generation"]} if "entry_points" in manifest else {}),
         "verification": {key: manifest["verification"][key] for key in ("passed", "status", "cases") if key in manifest["verification"]},
         "targets": {
             name: [
-                {k: bucket[k] for k in ("name", "sizes", "executable", "memory", "cost", "fits_in_hbm", "hbm_utilization", "collectives")
-                 if k in bucket}
+                {k: bucket[k] for k in ("entry_point", "name", "sizes", "executable", "memory", "cost", "fits_in_hbm", "hbm_utilization",
+                                        "collectives", "decode_step") if k in bucket}
                 for bucket in target["buckets"]
             ]
             for name, target in manifest["targets"].items()
@@ -234,6 +246,7 @@ def summary(artifact) -> dict:
 def inspect(artifact_dir, as_json):
     """Show an artifact's inputs, dims, targets, buckets and figures."""
     from tpuexport.artifact import load
+    from tpuexport.signature import ProgramSignature
 
     artifact = load(artifact_dir)
     data = summary(artifact)
@@ -241,16 +254,24 @@ def inspect(artifact_dir, as_json):
         click.echo(json.dumps(data, indent=2))
         return
     console = Console(highlight=False, width=200)
-    signature = artifact.signature
     verification = ("plan only (no weights, not verified)" if artifact.plan_only
                     else f"verification {'passed' if data['verification']['passed'] else 'FAILED'}")
     console.print(f"[bold]{artifact.path}[/]  source {data['source']['reference'] or data['source']['kind']}, "
                   f"precision {describe_precision(data)}, {verification}")
-    for dim in signature.dims:
-        console.print(f"  dim {dim.name}: {dim.range_text} (example {dim.example})")
-    for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
-        for spec in specs:
-            console.print(f"  {kind} {spec.name}: {spec.dtype}[{', '.join(map(str, spec.shape))}]")
+    if artifact.task == "text-generation":
+        generation = data["generation"]
+        console.print(f"  text generation: max batch {generation['max_batch']}, max context {generation['max_context']}, cache "
+                      f"{generation['layout']} {generation['cache_shape']} {generation['dtype']} x2 ({generation['cache_bytes'] / 2**20:.2f} MiB)")
+        signatures = {name: ProgramSignature.from_json(entry) for name, entry in data["entry_points"].items()}
+    else:
+        signatures = {"": artifact.signature}
+    for entry_point, signature in signatures.items():
+        prefix = f"{entry_point} " if entry_point else ""
+        for dim in signature.dims:
+            console.print(f"  {prefix}dim {dim.name}: {dim.range_text} (example {dim.example})")
+        for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
+            for spec in specs:
+                console.print(f"  {prefix}{kind} {spec.name}: {spec.dtype}[{', '.join(map(str, spec.shape))}]")
     for name, plan in data.get("sharding", {}).items():
         split = {weight: spec for weight, spec in plan["weights"].items() if any(entry is not None for entry in spec)}
         console.print(f"  {name}: mesh {describe_mesh(plan['mesh'])}, {plan['preset']}, {len(split)}/{len(plan['weights'])} weights split; "
@@ -261,11 +282,40 @@ def inspect(artifact_dir, as_json):
     for name, buckets in data["targets"].items():
         for bucket in buckets:
             table.add_row(
-                name, bucket["name"], f"{bucket['memory']['total_bytes'] / 2**20:.2f} MiB", f"{bucket['hbm_utilization']:.4%}",
+                name, f"{bucket['entry_point']} {bucket['name']}" if "entry_point" in bucket else bucket["name"], f"{bucket['memory']['total_bytes'] / 2**20:.2f} MiB", f"{bucket['hbm_utilization']:.4%}",
                 describe_collectives(bucket.get("collectives")), f"{bucket['cost']['flops'] / 1e9:.4f}",
                 describe_microseconds(bucket["cost"]["optimal_seconds"]), bucket["executable"],
             )
     console.print(table)
+
+
+@main.command()
+@click.argument("artifact_dir", metavar="ARTIFACT", type=click.Path(path_type=pathlib.Path))
+@click.option("--tokens", "token_lists", multiple=True, required=True, metavar="ID,ID,...",
+              help="A prompt's token ids (repeat for several prompts, up to the artifact's max batch).")
+@click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Tokens to generate per prompt.")
+@handles_errors
+def generate(artifact_dir, token_lists, max_new_tokens):
+    """Greedy generation with a text-generation artifact on CPU (prefill, then decode steps over the KV cache), printing
+    each step's tokens as they come (one line per step, one id per prompt)."""
+    from tpuexport.artifact import load
+
+    prompts = [parse_tokens(text) for text in token_lists]
+    artifact = load(artifact_dir)
+    for step in artifact.stream(prompts, max_new_tokens):
+        click.echo(" ".join("-" if token is None else str(token) for token in step))
+
+
+def parse_tokens(text: str) -> list[int]:
+    """Parses `1,2,3` into token ids.
+
+    Raises:
+      TpuExportError: malformed text.
+    """
+    items = [item.strip() for item in text.split(",")]
+    if not items or not all(item.isdigit() for item in items):
+        raise TpuExportError(f"malformed --tokens {text!r}: expected token ids separated by commas, e.g. --tokens 1,2,3")
+    return [int(item) for item in items]
 
 
 def describe_microseconds(seconds: float | None) -> str:
