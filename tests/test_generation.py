@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -45,10 +46,10 @@ def lowered_entry_point(module: torch.nn.Module, spec: export_stage.GenerationSp
 
 @pytest.fixture(scope="session")
 def llama_generation(tmp_path_factory):
-    """A tiny Llama converted for text generation: (artifact, model)."""
+    """A tiny Llama converted for text generation, for v5e and the cpu target (the runtime's executables): (artifact, model)."""
     model = tiny_llama()
     artifact = tpuexport.convert(model, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH,
-                                 buckets={"seq": [16], "batch": [MAX_BATCH]}, target="v5e",
+                                 buckets={"seq": [16], "batch": [MAX_BATCH]}, target=["v5e", "cpu"],
                                  out=tmp_path_factory.mktemp("llama") / "llama.tpu")
     return artifact, model
 
@@ -195,3 +196,24 @@ def test_generation_artifact_refuses_single_program_calls(llama_generation):
         artifact.run(np.zeros((1, 4), np.int64))
     assert json.loads(json.dumps(artifact.manifest["generation"]))["layout"] == "layer_batch_head_pos"
     assert dataclasses.asdict(artifact.generation_program.spec)["max_batch"] == MAX_BATCH
+
+
+def test_runtime_generates_from_the_cpu_executables_with_the_cache_on_the_device(llama_generation):
+    artifact, _ = llama_generation
+    runner = tpuexport.runner(artifact.path)
+    prompts = [[5, 17, 42, 7], [99, 3]]
+
+    generated = [[] for _ in prompts]
+    for step in runner.stream(prompts, max_new_tokens=8):
+        for row, token in enumerate(step):
+            generated[row].append(token)
+
+    assert runner.target == "cpu" and runner.compiled_here is None and set(runner.entry_points) == {"prefill", "decode"}
+    assert generated == artifact.generate(prompts, max_new_tokens=8)
+    # The cache comes back as device arrays and goes in again without a copy to the host.
+    spec = artifact.generation_program.spec
+    cache = [np.zeros(spec.cache_shape, np.float32)] * 2
+    prefill = runner.run([np.array([[5, 17] + [0] * 14] * 2), np.array([2, 2]), np.array([0, 1]), *cache], "prefill")
+    assert isinstance(prefill["cache_k"], jax.Array) and isinstance(prefill["logits"], np.ndarray)
+    decode = runner.run([np.array([1, 2]), np.array([2, 2]), prefill["cache_k"], prefill["cache_v"]], "decode")
+    assert decode["logits"].shape == (MAX_BATCH, spec.vocab) and prefill["cache_k"].is_deleted()  # donated, updated in place
