@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
 import pytest
+import requests
 import torch
 import transformers
 
 import tpuexport
+from conftest import ROOT
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.export.generation import Decode, DecodeCache
@@ -217,3 +223,38 @@ def test_runtime_generates_from_the_cpu_executables_with_the_cache_on_the_device
     assert isinstance(prefill["cache_k"], jax.Array) and isinstance(prefill["logits"], np.ndarray)
     decode = runner.run([np.array([1, 2]), np.array([2, 2]), prefill["cache_k"], prefill["cache_v"]], "decode")
     assert decode["logits"].shape == (MAX_BATCH, spec.vocab) and prefill["cache_k"].is_deleted()  # donated, updated in place
+
+
+def test_serve_streams_generated_tokens_as_json_lines(llama_generation, tmp_path):
+    artifact, _ = llama_generation
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "tpuexport.cli", "serve", str(artifact.path), "--port", str(port), "--grpc-port", "0"],
+                                  stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}/v1/models/llama:generate"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                time.sleep(0.3)
+        prompts = [[5, 17, 42, 7], [99, 3]]
+
+        with requests.post(url, json={"prompts": prompts, "max_new_tokens": 6}, stream=True, timeout=120) as answer:
+            assert answer.status_code == 200 and answer.headers["content-type"] == "application/x-ndjson"
+            lines = [json.loads(line) for line in answer.iter_lines() if line]
+        bad = requests.post(url, json={"prompts": [[5, 100000]], "max_new_tokens": 6}, timeout=60)
+
+        assert [line["step"] for line in lines[:-1]] == list(range(6))
+        expected = artifact.generate(prompts, max_new_tokens=6)
+        assert [[line["tokens"][row] for line in lines[:-1]] for row in range(2)] == expected == lines[-1]["generated"]
+        assert bad.status_code == 400 and "token id 100000 is outside the vocabulary" in bad.json()["error"]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
