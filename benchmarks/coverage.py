@@ -1,10 +1,16 @@
 """Coverage of real architectures: every family in benchmarks/families.py through `tpuexport.convert`
-in float, bf16 and each int8 mode. Prints one row per family and mode.
+in float, bf16, each int8 mode, and as a bf16 checkpoint. Prints one row per family and mode.
 
     pip install -c constraints.txt -e ".[bench]"
     python benchmarks/coverage.py                       # every family, every mode
     python benchmarks/coverage.py bert llama --modes f32,int8 --target v5e --saved-model
     python benchmarks/coverage.py --fast --json coverage.json
+    python benchmarks/coverage.py llama mixtral --modes bf16-checkpoint
+
+Mode bf16-checkpoint builds each family as users load a bf16 checkpoint (families.as_bf16_checkpoint:
+bfloat16 parameters, f32 where the model keeps f32, bfloat16 float inputs) and converts it with
+default options (precision auto); the row also shows the precision it resolved to, the dtypes
+`Artifact.run` returns, and the dtype of any rotary table (`inv_freq`) in the artifact's weights.
 
 Each conversion runs in its own process (a crash or leaked state cannot affect the next row), with
 a single-bucket v5e compile and, unless --saved-model, no TF SavedModel. Columns: status (passed,
@@ -27,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = pathlib.Path(__file__).resolve().parent
-MODES = ("f32", "bf16", "int8", "int8-dynamic", "int8-weight-only")
+MODES = ("f32", "bf16", "int8", "int8-dynamic", "int8-weight-only", "bf16-checkpoint")
 CHILD_TIMEOUT_SECONDS = 1200
 
 
@@ -37,15 +43,16 @@ def convert_one(family_name: str, mode: str, target: str, saved_model: bool, wor
 
     warnings.filterwarnings("ignore")
     sys.path.insert(0, str(HERE))
-    from families import FAMILIES
+    from families import FAMILIES, as_bf16_checkpoint
 
     import tpuexport
 
     family = FAMILIES[family_name]
     row = {"family": family_name, "kind": family.kind, "mode": mode}
-    built = family.build()
+    checkpoint = mode == "bf16-checkpoint"
+    built = as_bf16_checkpoint(family) if checkpoint else family.build()
     quantize = mode if mode.startswith("int8") else None
-    precision = mode if not quantize else "f32"
+    precision = "auto" if checkpoint else mode if not quantize else "f32"
     out = workdir / f"{family_name}-{mode}.tpu"
     start = time.perf_counter()
     try:
@@ -68,8 +75,20 @@ def convert_one(family_name: str, mode: str, target: str, saved_model: bool, wor
             row["sqnr_db"] = [o["sqnr_db"] for o in quantization["outputs"]]
             row["weight_ratio"] = quantization["weight_bytes"]["ratio"]
             row["integer_flops_fraction"] = quantization.get("integer_flops", {}).get("fraction")
+        if checkpoint:
+            outputs = torch_leaves(artifact.run(*built["args"]))
+            program = artifact.program
+            rotary = {str(spec.dtype) for name, spec in zip(program.weight_names, program.weight_specs) if "inv_freq" in name}
+            row["bf16_check"] = (f"{manifest['resolved_precision']}; run gives {'/'.join(sorted({str(t.dtype).removeprefix('torch.') for t in outputs}))}"
+                                 + (f"; inv_freq {'/'.join(sorted(rotary))}" if rotary else ""))
     row["seconds"] = round(time.perf_counter() - start, 2)
     return row
+
+
+def torch_leaves(outputs) -> list:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_leaves(outputs)
 
 
 def _read_json(path) -> dict | None:
@@ -105,7 +124,8 @@ def format_row(row: dict) -> str:
     integer = row.get("integer_flops_fraction")
     message = "" if row["status"] == "passed" else first_line(row.get("message", ""))
     return (f"| {row['family']} | {row['mode']} | {row['status']} | {row.get('seconds', '-')} | {sqnr_text} | "
-            f"{f'{ratio:.3f}' if ratio is not None else '-'} | {f'{integer:.0%}' if integer is not None else '-'} | {message} |")
+            f"{f'{ratio:.3f}' if ratio is not None else '-'} | {f'{integer:.0%}' if integer is not None else '-'} | "
+            f"{row.get('bf16_check', '-')} | {message} |")
 
 
 def main() -> None:
@@ -138,8 +158,9 @@ def main() -> None:
     jobs = [(name, mode) for name in names for mode in modes]
     print(f"{len(names)} families x {len(modes)} modes, target {options.target}"
           f"{', SavedModel' if options.saved_model else ''}\n", flush=True)
-    print("| family | mode | status | seconds | int8 SQNR dB (worst output) | weights vs f32 | s8 FLOPs | first line of error |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    print("| family | mode | status | seconds | int8 SQNR dB (worst output) | weights vs f32 | s8 FLOPs | bf16 checkpoint: resolved, "
+          "run dtypes, rotary | first line of error |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     with ThreadPoolExecutor(max_workers=options.jobs) as pool:
         for row in pool.map(lambda job: run_child(*job, options), jobs):

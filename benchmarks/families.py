@@ -377,6 +377,35 @@ FAMILIES = {family.name: family for family in [
 ]}
 
 
+def as_bf16_checkpoint(family: Family) -> dict:
+    """The family as users load a bf16 checkpoint (`from_pretrained(..., dtype=torch.bfloat16)`):
+    built under bfloat16 as the default dtype, so parameters and buffers are bfloat16 except what
+    the model computes in f32 on purpose (Llama's rotary `inv_freq`); the modules a Hugging Face
+    model names in `_keep_in_fp32_modules` back in f32, as from_pretrained keeps them; floating
+    inputs in bfloat16. (`model.to(torch.bfloat16)` would also cast the non-persistent f32 buffers,
+    which from_pretrained leaves f32.)
+
+    Returns:
+      The factory dict, like `family.build()`.
+    """
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        built = family.build()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for module in built["model"].modules():
+        kept = set(getattr(module, "_keep_in_fp32_modules", None) or ())
+        for name, submodule in module.named_modules():
+            if kept & set(name.split(".")):
+                submodule.float()
+
+    def bf16(value):
+        return value.to(torch.bfloat16) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    return {**built, "args": tuple(bf16(value) for value in built["args"]),
+            "calibration": [tuple(bf16(value) for value in sample) for sample in built["calibration"]]}
+
+
 # Full-size configs (random weights, nothing downloaded): the depth and width of the checkpoints
 # people deploy, for measurements that tiny configs cannot show (rounding that compounds over
 # 12-50 layers, conversion time). Too slow for the test suite; used by benchmarks.

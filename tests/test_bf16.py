@@ -176,3 +176,19 @@ def test_no_figure_in_the_manifest_is_negative(bf16_llama_artifact):
         for bucket in target["buckets"]:
             assert bucket["cost"]["optimal_seconds"] is None or bucket["cost"]["optimal_seconds"] >= 0
             assert all(value >= 0 for value in bucket["memory"].values())
+
+
+def test_the_coverage_benchmark_builds_bf16_checkpoints_as_from_pretrained_loads_them():
+    """benchmarks/coverage.py --modes bf16-checkpoint: bfloat16 parameters, the rotary table f32, a
+    `_keep_in_fp32_modules` module (T5's wo) f32, floating inputs bfloat16."""
+    from families import FAMILIES, as_bf16_checkpoint
+
+    llama = as_bf16_checkpoint(FAMILIES["llama"])["model"]
+    assert {parameter.dtype for parameter in llama.parameters()} == {torch.bfloat16}
+    assert {name: buffer.dtype for name, buffer in llama.named_buffers()}[ROTARY] == torch.float32
+    t5 = as_bf16_checkpoint(FAMILIES["t5"])["model"]
+    dtypes = {name: parameter.dtype for name, parameter in t5.named_parameters()}
+    assert {dtype for name, dtype in dtypes.items() if ".wo." in name} == {torch.float32}
+    assert {dtype for name, dtype in dtypes.items() if ".wo." not in name} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32  # the build leaves the process as it found it
+    assert as_bf16_checkpoint(FAMILIES["vit"])["args"][0].dtype == torch.bfloat16
