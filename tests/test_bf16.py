@@ -16,8 +16,8 @@ from families import Outputs
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.export import LoadedSource, SourceInfo
+from tpuexport.gate import verify_artifact
 from tpuexport.verify import default_tolerances, verify
-from tpuexport.verify.gate import verify_artifact
 
 ROTARY = "model.model.rotary_emb.inv_freq"
 
@@ -178,17 +178,18 @@ def test_no_figure_in_the_manifest_is_negative(bf16_llama_artifact):
             assert all(value >= 0 for value in bucket["memory"].values())
 
 
-def test_the_coverage_benchmark_builds_bf16_checkpoints_as_from_pretrained_loads_them():
-    """benchmarks/coverage.py --modes bf16-checkpoint: bfloat16 parameters, the rotary table f32, a
-    `_keep_in_fp32_modules` module (T5's wo) f32, floating inputs bfloat16."""
-    from families import FAMILIES, as_bf16_checkpoint
+def test_the_coverage_benchmark_writes_bf16_checkpoints_that_load_as_users_load_them(tmp_path):
+    """benchmarks/coverage.py --modes bf16-checkpoint: the family's directory holds bfloat16 tensors
+    and says so in config.json; loaded as `tpuexport convert DIR` loads it, its parameters are
+    bfloat16 and its rotary table (not in a checkpoint, computed by the model) f32."""
+    from families import FAMILIES
 
-    llama = as_bf16_checkpoint(FAMILIES["llama"])["model"]
-    assert {parameter.dtype for parameter in llama.parameters()} == {torch.bfloat16}
-    assert {name: buffer.dtype for name, buffer in llama.named_buffers()}[ROTARY] == torch.float32
-    t5 = as_bf16_checkpoint(FAMILIES["t5"])["model"]
-    dtypes = {name: parameter.dtype for name, parameter in t5.named_parameters()}
-    assert {dtype for name, dtype in dtypes.items() if ".wo." in name} == {torch.float32}
-    assert {dtype for name, dtype in dtypes.items() if ".wo." not in name} == {torch.bfloat16}
-    assert torch.get_default_dtype() == torch.float32  # the build leaves the process as it found it
-    assert as_bf16_checkpoint(FAMILIES["vit"])["args"][0].dtype == torch.bfloat16
+    from tpuexport.arrays import read_safetensors_header
+    from tpuexport.export import load_source
+
+    FAMILIES["llama"].save(tmp_path / "llama", torch.bfloat16)
+    header, _ = read_safetensors_header(next((tmp_path / "llama").glob("*.safetensors")))
+    assert {entry["dtype"] for entry in header.values()} == {"BF16"}
+    loaded = load_source(str(tmp_path / "llama"))
+    assert {parameter.dtype for parameter in loaded.model.parameters()} == {torch.bfloat16}
+    assert {name: buffer.dtype for name, buffer in loaded.model.named_buffers()}["model.rotary_emb.inv_freq"] == torch.float32
