@@ -26,9 +26,11 @@ greedy parity holds, the tokens compared and the ties. Other kinds have no row i
 
 Mode "bf16-checkpoint" writes the transformers families' directories in bfloat16 (as most
 checkpoints are published; non-persistent buffers such as rotary `inv_freq` are not in a checkpoint)
-and converts them with default options (precision auto). The row says what the precision resolved
-to, the dtypes `Artifact.run` returns on the first golden inputs, and the dtype of any rotary table
-in the artifact's weights. The diffusers UNet (a factory, no checkpoint) has no row in this mode.
+and converts them with default options (precision auto); a causal LM converts as the generate modes
+do (--task text-generation, no --precision). A forward artifact's row says what the precision
+resolved to, the dtypes `Artifact.run` returns on the first golden inputs, and the dtype of any
+rotary table in the artifact's weights. The diffusers UNet (a factory, no checkpoint) has no row in
+this mode.
 """
 
 from __future__ import annotations
@@ -85,13 +87,14 @@ def bf16_check(artifact_dir: pathlib.Path) -> dict:
 def convert_command(family, source: str, mode: str, task_choice: str, out: pathlib.Path, options) -> list[str]:
     """The `tpuexport convert` command line of one row."""
     command = [sys.executable, "-m", "tpuexport.cli", "convert", source, "-o", str(out), "--target", options.target]
+    # A causal LM's bf16 checkpoint converts as the generate modes do (--task auto gives text-generation, which takes no --dim).
+    if mode in GENERATION_MODES or (mode == CHECKPOINT_MODE and family.task == "text-generation"):
+        precision = [] if mode == CHECKPOINT_MODE else ["--precision", mode.removeprefix("generate-")]
+        return command + ["--task", "text-generation", "--max-context", "64", "--max-batch", "2", "--bucket", "batch=2", "--bucket",
+                          "seq=16", "--verify-new-tokens", str(GENERATION_NEW_TOKENS), *precision, "--no-saved-model"]
     if family.save is not None:
         command += ["--task", family.task if task_choice == "explicit" else "auto"]
         command += [option for dim in family.dims for option in ("--dim", dim)]
-    if mode in GENERATION_MODES:
-        return command + ["--task", "text-generation", "--max-context", "64", "--max-batch", "2", "--bucket", "batch=2", "--bucket",
-                          "seq=16", "--verify-new-tokens", str(GENERATION_NEW_TOKENS), "--precision", mode.removeprefix("generate-"),
-                          "--no-saved-model"]
     if mode.startswith("int8"):
         command += ["--quantize", mode] + (["--random-calibration"] if mode == "int8" and family.save is not None else [])
     elif mode != CHECKPOINT_MODE:  # a bf16 checkpoint converts with default options
@@ -145,7 +148,7 @@ def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
             row["sqnr_db"] = [o["sqnr_db"] for o in quantization["outputs"]]
             row["weight_ratio"] = quantization["weight_bytes"]["ratio"]
             row["integer_flops_fraction"] = quantization.get("integer_flops", {}).get("fraction")
-        if mode == CHECKPOINT_MODE:
+        if mode == CHECKPOINT_MODE and "signature" in manifest:  # a forward artifact (a generation one has entry points)
             checked = subprocess.run([sys.executable, str(HERE / "coverage.py"), "--bf16-check", str(out)], capture_output=True, text=True,
                                      timeout=options.child_timeout, env=environment)
             row["bf16_check"] = (json.loads(checked.stdout.strip().splitlines()[-1]) if checked.returncode == 0

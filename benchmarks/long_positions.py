@@ -4,9 +4,10 @@ and the position-table check at every dim's largest size, timed.
 
     python benchmarks/long_positions.py
 
-The model is built on the meta device (no 2.5 GB of random weights): the full-model cases are
-planned, not run (their FLOPs say what they would cost); the rotary table is computed as
-transformers computes it, so the position check runs for real, on the artifact's lowering.
+The model is built on the meta device and its parameters become zero-stride CPU views (no 2.5 GB of
+random weights; a program exported on the meta device would compute its tables on the meta device
+too): the full-model cases are planned, not run (their FLOPs say what they would cost); the rotary
+table is computed as transformers computes it, so the position check runs for real.
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ def main() -> None:
     inv_freq = type(rotary)(rotary.config).inv_freq
     rotary.register_buffer("inv_freq", inv_freq, persistent=False)
     rotary.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+    for module in model.modules():
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(torch.zeros((), dtype=parameter.dtype).expand(parameter.shape), requires_grad=False))
     start = time.perf_counter()
-    captured = export_stage.capture(LoadedSource(model, (args[0].to("meta"),), shapes, None, SourceInfo("api")))
+    captured = export_stage.capture(LoadedSource(model, args, shapes, None, SourceInfo("api")))
     lowered = lower_stage.lower(captured.program, captured.signature, weights=False)
     print(f"exported and lowered from weight shapes in {time.perf_counter() - start:.1f} s; "
           f"precision {lowered.precision} ({lowered.resolved_precision}); dims "
