@@ -262,7 +262,7 @@ def lower(
     exported, before_scan = trace_and_export(decomposed, signature, names, stacked_names, specs, precision, runs, tied,
                                              kept_f32_meetings(decomposed.graph, kept), frozenset(decisions), quantized)
     exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision])
-    pinned = tuple({"op": node.name, "module": _module_path(node), "feeds": feeds, "precision": "highest"}
+    pinned = tuple({"op": node.name, "module": module_path(node), "feeds": feeds, "precision": "highest"}
                    for node, feeds in decisions.items())
     return LoweredProgram(exported, stacked_names, stacked if weights else None, signature, precision, matmul_precision, flops,
                           decomposed, tuple(run.to_json(before_scan[run.last_op]) for run in runs), tied, pinned,
@@ -317,7 +317,7 @@ def quantized_specs(shape: tuple[int, ...], scheme, axis: int) -> tuple[jax.Shap
             jax.ShapeDtypeStruct(tuple(scale_shape), scale_dtype))
 
 
-def _module_path(node: torch.fx.Node) -> str:
+def module_path(node: torch.fx.Node) -> str:
     """The dotted path of the module an op comes from ("" for the root)."""
     stack = node.meta.get("nn_module_stack") or {}
     return list(stack.values())[-1][0] if stack else ""
