@@ -271,7 +271,8 @@ def inspect(artifact_dir, as_json):
             console.print(f"  {prefix}dim {dim.name}: {dim.range_text} (example {dim.example})")
         for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
             for spec in specs:
-                console.print(f"  {prefix}{kind} {spec.name}: {spec.dtype}[{', '.join(map(str, spec.shape))}]")
+                # Printed without markup: rich would take "[batch, seq]" for a style tag and drop it.
+                console.print(f"  {prefix}{kind} {spec.name}: {spec.dtype}[{', '.join(map(str, spec.shape))}]", markup=False)
     for name, plan in data.get("sharding", {}).items():
         split = {weight: spec for weight, spec in plan["weights"].items() if any(entry is not None for entry in spec)}
         console.print(f"  {name}: mesh {describe_mesh(plan['mesh'])}, {plan['preset']}, {len(split)}/{len(plan['weights'])} weights split; "
