@@ -195,3 +195,23 @@ def test_generation_artifact_refuses_single_program_calls(llama_generation):
         artifact.run(np.zeros((1, 4), np.int64))
     assert json.loads(json.dumps(artifact.manifest["generation"]))["layout"] == "layer_batch_head_pos"
     assert dataclasses.asdict(artifact.generation_program.spec)["max_batch"] == MAX_BATCH
+
+
+def test_plan_on_a_slice_splits_the_cache_with_the_heads(tmp_path):
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128)).eval()
+    artifact = tpuexport.convert(model, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, weights=False,
+                                 buckets={"seq": [16], "batch": [MAX_BATCH]}, target="v5e-4", sharding="tensor-parallel",
+                                 mesh="model=2,data=2", out=tmp_path / "plan.tpu")
+    assert artifact.plan_only and artifact.manifest["program"]["weights"] is None
+    buckets = {bucket["entry_point"]: bucket for bucket in artifact.manifest["targets"]["v5e-4"]["buckets"]}
+    for bucket in buckets.values():
+        # [layers, batch, kv_heads, context, head_dim]: batch over data, kv heads over model
+        assert bucket["sharding"]["inputs"]["cache_k"] == [None, "data", "model", None, None]
+        assert bucket["memory"]["alias_bytes"] > 0
+    step = buckets["decode"]["decode_step"]
+    assert step["cache_bytes"] == artifact.manifest["generation"]["cache_bytes"] // 4
+    with pytest.raises(tpuexport.TpuExportError, match="plan without weights"):
+        artifact.generate([1, 2], max_new_tokens=2)
