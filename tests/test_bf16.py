@@ -14,7 +14,7 @@ from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.export import LoadedSource, SourceInfo
 from tpuexport.verify import default_tolerances
-from tpuexport.verify.gate import verify_artifact
+from tpuexport.gate import verify_artifact
 
 ROTARY = "model.model.rotary_emb.inv_freq"
 

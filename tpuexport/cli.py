@@ -59,8 +59,12 @@ SOURCE_AND_TARGET_OPTIONS = (
                       "norms and reductions in f32."),
     click.option("--matmul-precision", type=click.Choice(["default", "high", "highest"]), default="default", show_default=True,
                  help="TPU arithmetic of every dot/convolution: one bf16 pass, bf16x3, or f32 accuracy (six passes)."),
+    click.option("--task", default="auto", show_default=True, metavar="TASK",
+                 help="Task of a Hugging Face directory / hf:ORG/NAME source, as optimum names it (text-classification, "
+                      "text-generation, image-classification, automatic-speech-recognition, ...); auto: from config.json's architectures."),
     click.option("--input", "inputs", multiple=True, metavar="NAME:D0,D1,...[:DTYPE]", help="Input of a pickled model (repeat, in order)."),
-    click.option("--dim", "dims", multiple=True, metavar="NAME=MIN:MAX", help="A symbolic dim used by --input."),
+    click.option("--dim", "dims", multiple=True, metavar="NAME=MIN:MAX",
+                 help="A symbolic dim used by --input, or a Hugging Face source's dim range (batch, sequence, ...; MIN=MAX: static)."),
     click.option("--trust-pickle", is_flag=True, help="Allow unpickling a .pt/.pth module (pickles run code when loaded)."),
     click.option("--force", is_flag=True, help="Replace an existing artifact at --out."),
     click.option("--mesh", metavar="AXIS=SIZE,...",
@@ -98,8 +102,12 @@ def source_and_target_options(command):
               help="Write a TF Serving SavedModel under tf_serving/ and check it in TensorFlow.")
 @click.option("--name", "model_name", help="TF Serving model name [default: SOURCE stem].")
 @click.option("--version", "model_version", type=int, default=1, show_default=True, help="TF Serving model version.")
-@click.option("--quantize", type=click.Choice(["int8", "int8-dynamic", "int8-weight-only"]),
-              help="PT2E int8 quantization: static (calibrated activations), dynamic (run-time activation scales) or weight-only.")
+@click.option("--quantize", type=click.Choice(["int8", "int8-dynamic", "int8-weight-only", "int4-weight-only"]),
+              help="int8 (PT2E): static (calibrated activations) or dynamic (run-time activation scales); weight-only int8 "
+                   "(per output channel) or int4 (grouped), also with --checkpoint.")
+@click.option("--group-size", type=int, default=128, show_default=True,
+              help="int4-weight-only: weights per bfloat16 scale along the contraction dim.")
+@click.option("--keep-float", metavar="REGEX", help="Weight-only: keep weights whose state_dict name matches REGEX float (e.g. lm_head).")
 @click.option("--calibration", "calibration_file", type=click.Path(path_type=pathlib.Path),
               help="Calibration samples for --quantize int8: .npz/.safetensors, one array per input name, samples on axis 0.")
 @click.option("--random-calibration", is_flag=True, help="Calibrate --quantize int8 on random inputs (not real data; warned).")
@@ -108,9 +116,6 @@ def source_and_target_options(command):
 @click.option("--checkpoint", type=click.Path(path_type=pathlib.Path),
               help="Stream the weights from this checkpoint (.safetensors, a sharded directory with its index, or a .pt state_dict); "
                    "the factory's model is built with its parameters on the meta device.")
-@click.option("--task", type=click.Choice(["forward", "text-generation"]), default="forward", show_default=True,
-              help="text-generation: a Hugging Face causal LM as prefill and decode entry points over a KV cache "
-                   "(--bucket seq=... / batch=... are prefill's prompt lengths and batches).")
 @click.option("--max-context", type=int, help="text-generation: positions per KV cache slot (prompt + generated tokens).")
 @click.option("--max-batch", type=int, default=1, show_default=True, help="text-generation: KV cache slots, decode's batch.")
 @click.option("--cache-layout", type=click.Choice(["layer_batch_head_pos", "layer_batch_pos_head"]), default="layer_batch_head_pos",
@@ -118,20 +123,23 @@ def source_and_target_options(command):
 @click.option("--verify-new-tokens", type=int, default=8, show_default=True,
               help="text-generation: tokens each verification prompt generates, compared with generate().")
 @handles_errors
-def convert(source, targets, out, buckets, precision, matmul_precision, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
+def convert(source, targets, out, buckets, precision, matmul_precision, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
             shard_inputs, as_json, atol, rtol, scale_tol, verify_budget, verify_sizes, scan, saved_model, model_name, model_version, quantize,
-            calibration_file, random_calibration, weights, checkpoint, task, max_context, max_batch, cache_layout, verify_new_tokens):
-    """Convert SOURCE (model.pt2, file.py:factory, or model.pt with --trust-pickle) into an artifact."""
+            group_size, keep_float, calibration_file, random_calibration, weights, checkpoint, max_context, max_batch, cache_layout,
+            verify_new_tokens):
+    """Convert SOURCE (a Hugging Face model directory or hf:ORG/NAME with --task, model.pt2, file.py:factory, or model.pt with
+    --trust-pickle) into an artifact."""
     overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
     if verify_budget < 0:
         raise TpuExportError(f"--verify-budget {verify_budget:g} is negative; give GFLOP >= 0 (0 runs only the sizes every conversion runs)")
     _convert_source(
-        source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json,
+        source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json, task=task,
         precision=precision, matmul_precision=matmul_precision, tolerance_overrides=overrides, verify_budget_flops=verify_budget * 1e9,
         verify_sizes=tuple(parse_sizes(text, "--verify-size") for text in verify_sizes), overwrite=force,
         scan=scan, saved_model=saved_model and weights, model_name=model_name, model_version=model_version, quantize=quantize,
-        calibration_file=calibration_file, random_calibration=random_calibration, weights=weights, checkpoint=checkpoint,
-        task=task, max_context=max_context, max_batch=max_batch, cache_layout=cache_layout, new_tokens=verify_new_tokens,
+        group_size=group_size, keep_float=keep_float, calibration_file=calibration_file, random_calibration=random_calibration,
+        weights=weights, checkpoint=checkpoint, max_context=max_context, max_batch=max_batch, cache_layout=cache_layout,
+        new_tokens=verify_new_tokens,
     )
 
 
@@ -139,16 +147,16 @@ def convert(source, targets, out, buckets, precision, matmul_precision, inputs, 
 @click.argument("source")
 @source_and_target_options
 @handles_errors
-def plan(source, targets, out, buckets, precision, matmul_precision, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
+def plan(source, targets, out, buckets, precision, matmul_precision, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
          shard_inputs, as_json):
     """Plan SOURCE without weights (e.g. a model built on the meta device): compile for every target and bucket with the
     sharding plan and report per-chip HBM; no verification, no weights in the artifact."""
-    _convert_source(source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json,
+    _convert_source(source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json, task=task,
                     precision=precision, matmul_precision=matmul_precision, overwrite=force, saved_model=False, weights=False)
 
 
 def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pickle: bool, sharding_options: tuple, as_json: bool,
-                    checkpoint: pathlib.Path | None = None, **options) -> None:
+                    checkpoint: pathlib.Path | None = None, task: str = "auto", **options) -> None:
     """Loads SOURCE, runs the conversion (or plan) and prints the outcome.
 
     Args:
@@ -156,6 +164,7 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
       targets, out, buckets, inputs, dims, trust_pickle: the shared options as click gives them.
       sharding_options: (--mesh, --sharding, --shard rules, --shard-input rules).
       as_json: print the summary as JSON on stdout.
+      checkpoint: --checkpoint; task: --task (Hugging Face sources).
       **options: the remaining ConversionOptions fields (model_name None for the source's stem).
     Raises:
       TpuExportError: bad input; VerificationError: the conversion did not verify.
@@ -172,12 +181,26 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
     bucket_sizes = compile_stage.parse_bucket_options(buckets)
     compile_stage.resolve_targets(list(targets))
     sharding_request = compile_stage.make_request(*sharding_options)
-    source_stem = pathlib.Path(source.partition(":")[0] if ".py:" in source else source).stem
+    source_stem = pathlib.Path(source.partition(":")[0] if ".py:" in source else source.partition("@")[0]).stem
     options["model_name"] = options.get("model_name") or source_stem
     conversion = ConversionOptions(tuple(targets), out or pathlib.Path(source_stem + ".tpu"), buckets=bucket_sizes or None,
                                    sharding=sharding_request, **options)
 
-    loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs, checkpoint=checkpoint)
+    from tpuexport.export.huggingface import generation_context, is_huggingface_source
+
+    huggingface = is_huggingface_source(source)
+    generation = task == "text-generation"
+    # PT2E calibrates and rounds, and generation's entry points wrap, the weights in memory; weight-only
+    # modes quantize them as they stream.
+    in_memory = options.get("quantize") in ("int8", "int8-dynamic") or generation
+    loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs, checkpoint=checkpoint,
+                                      task=task if huggingface or not generation else None, weights_in_memory=in_memory)
+    if loaded.huggingface is not None and loaded.huggingface.task == "text-generation":
+        generation = True
+        if options.get("max_context") is None:  # a Hugging Face config says how far its positions go
+            options["max_context"] = generation_context(loaded.model)
+    if generation:
+        conversion = dataclasses.replace(conversion, task="text-generation", max_context=options.get("max_context"))
     artifact = run_conversion(loaded, conversion, progress=_print_stage)
     if artifact.plan_only:
         stderr.print(f"[bold green]planned[/] {source} -> {artifact.path} (plan only: no weights, not verified)", soft_wrap=True)
@@ -236,6 +259,8 @@ def summary(artifact) -> dict:
         "scanned": [{k: run[k] for k in ("module", "first", "count")} for run in manifest.get("scanned", [])],
         **({"quantization": manifest["quantization"]} if "quantization" in manifest else {}),
         **({"tf_serving": manifest["tf_serving"]} if "tf_serving" in manifest else {}),
+        **({"huggingface": {key: value for key, value in manifest["huggingface"].items() if key != "config"}}
+           if "huggingface" in manifest else {}),
     }
 
 
@@ -258,6 +283,10 @@ def inspect(artifact_dir, as_json):
                     else f"verification {'passed' if data['verification']['passed'] else 'FAILED'}")
     console.print(f"[bold]{artifact.path}[/]  source {data['source']['reference'] or data['source']['kind']}, "
                   f"precision {describe_precision(data)}, {verification}")
+    if "huggingface" in data:
+        hf = data["huggingface"]
+        console.print(f"  hugging face: task {hf['task']}, {hf['architecture']}, revision {hf['revision'] or 'none (not from the cache)'}; "
+                      f"files {', '.join(hf['files'].values()) or 'none'}")
     if artifact.task == "text-generation":
         generation = data["generation"]
         console.print(f"  text generation: max batch {generation['max_batch']}, max context {generation['max_context']}, cache "
@@ -279,6 +308,8 @@ def inspect(artifact_dir, as_json):
                       f"inputs {', '.join(f'{n} {describe_spec(spec)}' for n, spec in plan['inputs'].items())}")
     for run in data["scanned"]:
         console.print(f"  scanned {run['module']} {run['first']}-{run['first'] + run['count'] - 1} ({run['count']} blocks, weights stacked)")
+    for line in describe_weight_only(data.get("quantization", {})):
+        console.print(f"  {line}")
     table = Table("target", "bucket", "HBM per chip", "of HBM", "collectives", "GFLOP", "est. µs", "executable")
     for name, buckets in data["targets"].items():
         for bucket in buckets:
@@ -317,6 +348,18 @@ def parse_tokens(text: str) -> list[int]:
     if not items or not all(item.isdigit() for item in items):
         raise TpuExportError(f"malformed --tokens {text!r}: expected token ids separated by commas, e.g. --tokens 1,2,3")
     return [int(item) for item in items]
+
+
+def describe_weight_only(section: dict) -> list[str]:
+    """inspect's lines for a weight-only artifact: the scheme, then each quantized weight (none for others)."""
+    if "weights" not in section:
+        return []
+    ratio = section["weight_bytes"]["ratio"]
+    lines = [f"quantized {section['mode']}: {len(section['weights'])} weights, weight bytes {ratio}x f32; {section['scheme']}"]
+    for name, entry in section["weights"].items():
+        group = "per output channel" if entry["bits"] == 8 else f"groups of {entry['group_size']}"
+        lines.append(f"  {name}: int{entry['bits']}, {group} along axis {entry['axis']}, scales {entry['scale']}")
+    return lines
 
 
 def describe_microseconds(seconds: float | None) -> str:

@@ -270,6 +270,7 @@ def write_generation_artifact(
     verification: GenerationReport | None,
     stage_seconds: dict[str, float],
     overwrite: bool = False,
+    extra_writers=(),
 ) -> dict:
     """Writes a text-generation artifact: one weights file, each entry point's program files and
     executables, and the manifest's "entry_points" and "generation" sections (README, "Text
@@ -283,6 +284,8 @@ def write_generation_artifact(
       verification: the passed generation report, or None for a plan.
       stage_seconds: wall time per stage (under "build").
       overwrite: replace an existing artifact.
+      extra_writers: callables (staging_dir) -> dict of manifest sections, as for `write_artifact`
+        (a Hugging Face source's tokenizer and config files).
     Returns:
       The manifest written.
     """
@@ -349,6 +352,8 @@ def write_generation_artifact(
                 if name == "decode":
                     bucket["decode_step"] = _decode_step_figures(result, spec)
                 _target_entry(manifest, result)["buckets"].append(bucket)
+        for writer in extra_writers:
+            manifest.update(writer(staging))
         manifest["build"] = build_section(stage_seconds)
         manifest["build"]["compile_seconds"] = {
             f"{result.target.name}/{name}/{result.bucket.name}": round(result.compile_seconds, 3)

@@ -68,6 +68,8 @@ class LoadedSource:
       input_names: names for the inputs that replace the forward parameter names (from --input).
       checkpoint: the weights to stream (export/checkpoints.py), the model's own parameters then
         typically on the meta device; None when the model holds its weights.
+      huggingface: for a Hugging Face source, its export.huggingface.HuggingFaceInfo (task,
+        config, revision, tokenizer/processor files for the artifact); None otherwise.
     """
 
     model: Any
@@ -77,6 +79,7 @@ class LoadedSource:
     info: SourceInfo
     input_names: tuple[str, ...] | None = None
     checkpoint: Checkpoint | None = None
+    huggingface: Any = None
 
 
 def file_sha256(path: pathlib.Path) -> str:
@@ -94,26 +97,42 @@ def load_source(
     inputs: list[InputSpec] = (),
     dims: list[DimSpec] = (),
     checkpoint: str | pathlib.Path | None = None,
+    task: str | None = None,
+    weights_in_memory: bool = False,
 ) -> LoadedSource:
     """Loads the model a command-line SOURCE names.
 
     Args:
-      reference: `model.pt2`, `path/to/file.py:factory`, or `model.pt` / `model.pth`.
+      reference: `model.pt2`, `path/to/file.py:factory`, `model.pt` / `model.pth`, or a Hugging
+        Face model directory / `hf:ORG/NAME` (export/huggingface.py).
       trust_pickle: allow unpickling a whole module (pickles run arbitrary code on load).
       inputs: --input specs, required for pickles and refused for the other kinds.
       dims: --dim specs the inputs refer to.
       checkpoint: a --checkpoint path (file.py:factory sources only): the factory builds the model
         with its parameters on the meta device and the weights stream from there.
+      task: a Hugging Face source's task (optimum's names; None or "auto" from its config).
+      weights_in_memory: a Hugging Face source's weights are read into the model instead of
+        streamed (quantization rounds them in memory).
     Returns:
       The LoadedSource.
     Raises:
       TpuExportError: missing file, unknown kind, refused pickle, bad factory, misplaced specs,
         a checkpoint for a source that is not a factory, or an unreadable checkpoint.
     """
+    from tpuexport.export import huggingface  # it builds on this module
+
+    if huggingface.is_huggingface_source(reference):
+        if inputs or checkpoint is not None:
+            raise TpuExportError("--input and --checkpoint do not apply to a Hugging Face source (its config names the inputs, "
+                                 "its directory holds the weights); drop them, and use --dim to change a dim's range")
+        return huggingface.load_huggingface(reference, task, dims, weights_in_memory)
+    if task not in (None, "auto"):
+        raise TpuExportError(f"--task applies to a Hugging Face model directory or hf:ORG/NAME, not {reference}; drop it")
     path_text, _, factory = reference.partition(":") if ".py:" in reference else (reference, "", "")
     path = pathlib.Path(path_text)
     if not path.is_file():
-        raise TpuExportError(f"source {path_text!r} does not exist; pass a .pt2 file, a file.py:factory or a .pt file")
+        raise TpuExportError(f"source {path_text!r} does not exist; pass a Hugging Face model directory, hf:ORG/NAME, "
+                             "a .pt2 file, a file.py:factory or a .pt file")
     suffix = path.suffix.lower()
     if checkpoint is not None and suffix != ".py":
         raise TpuExportError(f"--checkpoint needs a file.py:factory source that builds the model, not {path.name}; "

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from tpuexport.errors import TpuExportError
 from tpuexport.serve.batching import ShuttingDown
-from tpuexport.serve.metrics import Metrics
+from tpuexport.serve.metrics import UNKNOWN_MODEL, Metrics
 from tpuexport.serve.models import ModelNotFound, ModelRepository, ServedModel
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
@@ -52,10 +52,10 @@ def create_app(repository: ModelRepository, metrics: Metrics, state: dict, max_b
     async def predict(request: Request) -> Response:
         start = time.perf_counter()
         name, version = request.path_params["name"], request.path_params.get("version")
-        labels = {"model": name, "version": version or "latest"}
+        labels = {"model": UNKNOWN_MODEL, "version": ""}
         try:
             model = repository.resolve(name, version)
-            labels["version"] = str(model.version)
+            labels = model.labels
             body = await _read_json(request, max_body_bytes)
             inputs, row_format, signature_name = _parse_predict(body, model)
             prepared = model.runner.prepare(inputs, signature_name)
