@@ -215,3 +215,26 @@ def test_plan_on_a_slice_splits_the_cache_with_the_heads(tmp_path):
     assert step["cache_bytes"] == artifact.manifest["generation"]["cache_bytes"] // 4
     with pytest.raises(tpuexport.TpuExportError, match="plan without weights"):
         artifact.generate([1, 2], max_new_tokens=2)
+
+
+def test_generate_from_text_with_the_tokenizer_the_artifact_carries(tmp_path):
+    """A Hugging Face directory with a tokenizer: `generate --prompt` encodes with the copied
+    tokenizer and prints the new tokens, then their text; --tokens gives the same tokens."""
+    source = tmp_path / "lm"
+    model = tiny_gpt2()
+    model.save_pretrained(source)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world", *[f"w{i}" for i in range(249)]]) + "\n")
+    tokenizer = transformers.BertTokenizer(str(vocab))
+    tokenizer.save_pretrained(source)
+    out = tmp_path / "lm.tpu"
+    converted = cli("convert", source, "--task", "text-generation", "--max-context", 32, "--max-batch", 1, "--bucket", "seq=8",
+                    "--verify-new-tokens", 4, "-o", out)
+    assert converted.returncode == 0, converted.stderr
+    from_text = cli("generate", out, "--prompt", "hello world", "--max-new-tokens", 3)
+    assert from_text.returncode == 0, from_text.stderr
+    *steps, text = from_text.stdout.strip().splitlines()
+    ids = tokenizer("hello world")["input_ids"]
+    from_ids = cli("generate", out, "--tokens", ",".join(map(str, ids)), "--max-new-tokens", 3)
+    assert from_ids.stdout.strip().splitlines() == steps and len(steps) == 3
+    assert text == tokenizer.decode([int(step) for step in steps])
