@@ -625,8 +625,11 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
         # Both programs collected the same weights; the artifact and the runs keep decode's.
         lowered["prefill"] = dataclasses.replace(lowered["prefill"], weights=lowered["decode"].weights)
         program = lower_stage.GenerationProgram(spec, lowered, prefill_batches)
-    buckets = {"prefill": compile_stage.make_buckets(lowered["prefill"].signature, {"batch": list(prefill_batches),
-                                                                                    "seq": list(spec.prefill_buckets)}),
+    # With one cache slot, prefill's batch is static (no batch dim to bucket).
+    prefill_sizes = {"seq": list(spec.prefill_buckets)}
+    if any(dim.name == "batch" for dim in lowered["prefill"].signature.dims):
+        prefill_sizes["batch"] = list(prefill_batches)
+    buckets = {"prefill": compile_stage.make_buckets(lowered["prefill"].signature, prefill_sizes),
                "decode": compile_stage.make_buckets(lowered["decode"].signature, None)}
     plans = {name: _plan_generation_slices(options.sharding, slices, spec, entry, buckets[name], clock, name)
              for name, entry in lowered.items()}
