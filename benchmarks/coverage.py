@@ -17,6 +17,11 @@ status (passed, mismatch = verification failed, exit 1; error = refused with a o
 exit 2; crash = anything else) with the last line of stderr; convert seconds (the whole command);
 for int8, the lowest output SQNR against the float model, weight bytes against f32 and the share of
 matmul/conv FLOPs that the compiled TPU HLO runs as s8 x s8 -> s32.
+
+Modes "generate-f32" and "generate-bf16" convert the decoder families' directories with
+`--task text-generation` (max context 64, max batch 2, prefill bucket batch 2 x seq 16 with rows of
+different lengths, 32 new tokens compared with generate(do_sample=False)); their row says whether
+greedy parity holds, the tokens compared and the ties. Other kinds have no row in these modes.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = pathlib.Path(__file__).resolve().parent
 MODES = ("f32", "bf16", "int8", "int8-dynamic", "int8-weight-only")
+GENERATION_MODES = ("generate-f32", "generate-bf16")
+GENERATION_NEW_TOKENS = 32
 TASK_CHOICES = ("auto", "explicit")
 CHILD_TIMEOUT_SECONDS = 1200
 STATUS_OF_EXIT_CODE = {0: "passed", 1: "mismatch", 2: "error"}
@@ -52,6 +59,10 @@ def convert_command(family, source: str, mode: str, task_choice: str, out: pathl
     if family.save is not None:
         command += ["--task", family.task if task_choice == "explicit" else "auto"]
         command += [option for dim in family.dims for option in ("--dim", dim)]
+    if mode in GENERATION_MODES:
+        return command + ["--task", "text-generation", "--max-context", "64", "--max-batch", "2", "--bucket", "batch=2", "--bucket",
+                          "seq=16", "--verify-new-tokens", str(GENERATION_NEW_TOKENS), "--precision", mode.removeprefix("generate-"),
+                          "--no-saved-model"]
     if mode.startswith("int8"):
         command += ["--quantize", mode] + (["--random-calibration"] if mode == "int8" and family.save is not None else [])
     else:
@@ -96,6 +107,9 @@ def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
         row["task"] = manifest.get("huggingface", {}).get("task", row["task"])
         row["report"] = _read_json(out / manifest["verification"]["report"])
         row["weight_bytes"] = manifest["program"]["weight_bytes"]
+        if mode in GENERATION_MODES:
+            row["tokens_compared"] = manifest["verification"]["tokens_compared"]
+            row["ties"] = manifest["verification"]["ties"]
         if "quantization" in manifest:
             quantization = _read_json(out / manifest["quantization"]["report"])
             row["sqnr_db"] = [o["sqnr_db"] for o in quantization["outputs"]]
@@ -119,6 +133,10 @@ def format_row(row: dict) -> str:
     ratio = row.get("weight_ratio")
     integer = row.get("integer_flops_fraction")
     message = "" if row["status"] == "passed" else first_line(row.get("message", ""))
+    if row["mode"] in GENERATION_MODES:
+        parity = {"passed": "yes", "mismatch": "no"}.get(row["status"], row["status"])
+        return (f"| {row['family']} | {row['task']} | {row['asked']} | {row['mode']} | greedy parity {parity} | {row.get('seconds', '-')} | "
+                f"{row.get('tokens_compared', '-')} tokens compared, {row.get('ties', '-')} ties | - | - | {message} |")
     return (f"| {row['family']} | {row['task']} | {row['asked']} | {row['mode']} | {row['status']} | {row.get('seconds', '-')} | {sqnr_text} | "
             f"{f'{ratio:.3f}' if ratio is not None else '-'} | {f'{integer:.0%}' if integer is not None else '-'} | {message} |")
 
@@ -126,7 +144,7 @@ def format_row(row: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", help="family names (default: all)")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES + GENERATION_MODES)} (generate-*: decoder families only)")
     parser.add_argument("--tasks", default="auto", help=f"comma-separated --task choices, from {', '.join(TASK_CHOICES)}")
     parser.add_argument("--target", default="v5e")
     parser.add_argument("--saved-model", action="store_true", help="also build and check the TF SavedModel")
@@ -153,7 +171,7 @@ def main() -> None:
         parser.error(f"unknown --tasks {options.tasks}; use {', '.join(TASK_CHOICES)}")
     # A family that is not a transformers model converts once, from its factory.
     jobs = [(name, mode, choice) for name in names for choice in (task_choices if FAMILIES[name].save else task_choices[:1])
-            for mode in modes]
+            for mode in modes if mode not in GENERATION_MODES or (FAMILIES[name].kind == "decoder" and FAMILIES[name].save)]
     print(f"{len(names)} families x {len(modes)} modes x --task {'/'.join(task_choices)}, target {options.target}"
           f"{', SavedModel' if options.saved_model else ''}\n", flush=True)
     print("| family | task | --task | mode | status | seconds | int8 SQNR dB (worst output) | weights vs f32 | s8 FLOPs | error (last line) |")

@@ -2,6 +2,8 @@
 
     python benchmarks/serve_load.py [--example mlp] [--bucket batch=1,8,32] [--clients 8] [--seconds 5] [--max-requests 4000]
 
+Requests are one row each: the first row of the example's golden inputs (every input, by name).
+
 Converts examples/<example>.py for the `cpu` target once (or takes --artifact), then for each
 scenario starts `tpuexport serve` as its own process on free loopback ports and
   - times the start-up: from starting the process to the first 200 answer of a predict request;
@@ -117,6 +119,16 @@ def load(url: str, request: dict, clients: int, seconds: float, max_requests: in
     return latencies, time.perf_counter() - start
 
 
+def one_row_request(artifact: pathlib.Path) -> dict:
+    """A row-format request of one row: the first row of the artifact's example golden inputs."""
+    from tpuexport.arrays import load_arrays
+
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    golden = load_arrays((artifact / manifest["verification"]["golden"]).read_bytes())
+    row = {spec["name"]: golden[f"0/input/{spec['name']}"][0].tolist() for spec in manifest["signature"]["inputs"]}
+    return {"instances": [row]}
+
+
 def batch_histogram(metrics: str) -> str:
     """Executed batches per row count range, from the cumulative tpuexport_batch_rows buckets."""
     cumulative = [(float(le), float(count)) for le, count in re.findall(r'tpuexport_batch_rows_bucket\{le="([^"]+)"[^}]*\} (\S+)', metrics)
@@ -147,9 +159,8 @@ def main() -> None:
             convert(options.example, options.bucket or ["batch=1,8,32"], artifact)
         manifest = json.loads((artifact / "manifest.json").read_text())
         model = (manifest.get("tf_serving") or {}).get("model_name") or artifact.name.split(".")[0]
-        features = manifest["signature"]["inputs"][0]["shape"][1:]
-        request = {"instances": np.random.default_rng(0).standard_normal((1, *features)).round(4).tolist()}
-        print(f"{options.example}: {options.clients} clients, one row per request, at most {options.seconds:g} s and "
+        request = one_row_request(artifact)
+        print(f"{artifact.name}: {options.clients} clients, one row per request, at most {options.seconds:g} s and "
               f"{options.max_requests} requests per scenario; buckets "
               f"{', '.join(b['name'] for b in manifest['targets']['cpu']['buckets'])}", flush=True)
         print(f"{'scenario':<34} {'start-up s':>10} {'requests':>8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}  batches (rows:count)", flush=True)

@@ -105,16 +105,20 @@ def test_text_encoder_from_the_hf_cache_records_task_revision_and_tokenizer(mode
     assert "hf/tokenizer.json" in inspected.stdout
 
 
-def test_decoder_lm_with_task_auto_takes_seq_range_from_config(models, tmp_path):
+def test_decoder_lm_with_task_auto_is_a_generation_artifact(models, tmp_path):
+    """--task auto on a causal LM is text-generation: prefill and decode entry points over a KV cache,
+    verified against generate(), with the directory's generation config copied."""
     out = tmp_path / "llama.tpu"
-    result = tpuexport("convert", models["llama"], "--dim", "batch=1:2", "-o", out, *QUICK)
+    result = tpuexport("convert", models["llama"], "--max-batch", "2", "--max-context", "32", "--bucket", "seq=8",
+                       "--verify-new-tokens", "4", "-o", out, "--target", "v5e")
     assert result.returncode == 0, result.stderr
     manifest = manifest_of(out)
-    inputs, outputs, dims = signature(manifest)
     assert manifest["huggingface"]["task"] == "text-generation" and "generation_config.json" in manifest["huggingface"]["files"]
-    assert list(inputs) == ["input_ids", "attention_mask"] and outputs == {"logits": "float32"}
-    assert dims["batch"] == (1, 2) and dims["seq"] == (2, TEXT["max_position_embeddings"])
+    assert set(manifest["entry_points"]) == {"prefill", "decode"}
+    assert manifest["generation"]["max_batch"] == 2 and manifest["generation"]["max_context"] == 32
     assert manifest["verification"]["passed"]
+    refused = tpuexport("convert", models["llama"], "--dim", "batch=1:2", "-o", tmp_path / "x.tpu", *QUICK)
+    assert refused.returncode == 2 and "--dim does not apply to --task text-generation" in refused.stderr
 
 
 def test_vision_classifier_with_task_auto(models, tmp_path):
@@ -173,11 +177,17 @@ def test_a_checkpoint_in_an_older_layout_streams_under_the_model_names(models):
 
 def test_a_bf16_checkpoint_builds_the_model_in_bf16(models, tmp_path):
     """The model is built in the dtype config.json records (what from_pretrained does), so a bf16
-    checkpoint converts in bf16 by default and its tensors stream without a cast."""
-    model = transformers.LlamaForCausalLM.from_pretrained(models["llama"], dtype=torch.bfloat16)
-    model.save_pretrained(tmp_path / "llama-bf16")
+    checkpoint converts in bf16 by default and its tensors stream without a cast; a causal LM
+    (text-generation) is read whole, in bf16 too."""
+    bert = transformers.BertForSequenceClassification.from_pretrained(models["bert"], dtype=torch.bfloat16)
+    bert.save_pretrained(tmp_path / "bert-bf16")
+    loaded = load_source(str(tmp_path / "bert-bf16"))
+    assert all(parameter.is_meta and parameter.dtype == torch.bfloat16 for parameter in loaded.model.parameters())
+    name = next(name for name in loaded.checkpoint.keys() if name.endswith("layer.0.intermediate.dense.weight"))
+    weight = loaded.checkpoint[name]
+    assert weight.dtype == torch.bfloat16 and torch.equal(weight, bert.bert.encoder.layer[0].intermediate.dense.weight)
+    llama = transformers.LlamaForCausalLM.from_pretrained(models["llama"], dtype=torch.bfloat16)
+    llama.save_pretrained(tmp_path / "llama-bf16")
     loaded = load_source(str(tmp_path / "llama-bf16"))
-    parameters = list(loaded.model.parameters())
-    assert all(parameter.is_meta and parameter.dtype == torch.bfloat16 for parameter in parameters)
-    weight = loaded.checkpoint["model.model.layers.0.mlp.up_proj.weight"]
-    assert weight.dtype == torch.bfloat16 and torch.equal(weight, model.model.layers[0].mlp.up_proj.weight)
+    assert loaded.checkpoint is None and all(parameter.dtype == torch.bfloat16 for parameter in loaded.model.parameters())
+    assert torch.equal(loaded.model.model.layers[0].mlp.up_proj.weight, llama.model.layers[0].mlp.up_proj.weight)

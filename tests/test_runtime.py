@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import tpuexport
 from conftest import ROOT
@@ -173,3 +174,29 @@ def test_an_executable_whose_pickle_names_other_globals_is_refused_without_runni
     with pytest.raises(TpuExportError, match=rf"{relative} asks to load posix.system, which a serialized executable never does"):
         tpuexport.runner(copy)
     assert not marker.exists()
+
+
+class MixesRows(torch.nn.Module):
+    """Centres each column over the batch: a row's output depends on the other rows (and on padding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.linear(x - x.mean(dim=0, keepdim=True))
+
+
+def test_a_model_that_mixes_rows_fails_the_padding_check_and_runs_exact_buckets_only(tmp_path):
+    torch.manual_seed(0)
+    batch = torch.export.Dim("batch", min=1, max=16)
+    artifact = tpuexport.convert(MixesRows().eval(), (torch.randn(4, 8),), {"x": {0: batch}}, target="cpu", out=tmp_path / "mix.tpu",
+                                 buckets={"batch": [1, 4]}, saved_model=False)
+    padding = artifact.manifest["padding"]
+    assert not padding["passed"] and padding["rows"] == 2 and padding["bucket"] == {"batch": 4}
+
+    runner = tpuexport.runner(artifact.path)
+    rows = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    np.testing.assert_allclose(runner.run({"x": rows})["output_0"], artifact.run(rows).numpy(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(TpuExportError, match="batch=2 is outside every compiled bucket .*exact sizes only: padding the batch dim failed"):
+        runner.run({"x": rows[:2]})

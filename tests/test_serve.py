@@ -9,6 +9,7 @@ import concurrent.futures
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,9 +22,11 @@ import numpy as np
 import pytest
 import requests
 import tensorflow as tf
+from click.testing import CliRunner
 from tensorflow_serving.apis import get_model_metadata_pb2, predict_pb2, prediction_service_pb2_grpc
 
 from conftest import ROOT
+from tpuexport.cli import main
 
 BATCH_TIMEOUT_MS = 20
 MAX_BODY_MB = 0.05
@@ -52,11 +55,18 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(mlp_cpu_artifact, tmp_path_factory) -> Server:
+    """The artifact served as versions 1 and 2 of model mlp (a copy whose manifest says version 2)."""
     rest_port, grpc_port = free_port(), free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    directory = tmp_path_factory.mktemp("serve")
+    log_path = directory / "server.log"
+    second = directory / "v2" / "mlp.tpu"
+    shutil.copytree(mlp_cpu_artifact.path, second)
+    manifest = json.loads((second / "manifest.json").read_text())
+    manifest["tf_serving"]["model_version"] = 2
+    (second / "manifest.json").write_text(json.dumps(manifest))
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "tpuexport.cli", "serve", str(mlp_cpu_artifact.path), "--port", str(rest_port), "--grpc-port",
+            [sys.executable, "-m", "tpuexport.cli", "serve", str(mlp_cpu_artifact.path), str(second), "--port", str(rest_port), "--grpc-port",
              str(grpc_port), "--batch-timeout-ms", str(BATCH_TIMEOUT_MS), "--max-body-mb", str(MAX_BODY_MB)],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
@@ -123,7 +133,7 @@ def test_rest_and_grpc_answer_the_golden_outputs_as_the_saved_model_does(server,
         np.testing.assert_allclose(from_rows, expected, rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(np.asarray(columns.json()["outputs"], np.float32), from_rows)
         np.testing.assert_array_equal(from_grpc, from_rows)
-        assert over_grpc.model_spec.name == "mlp" and over_grpc.model_spec.version.value == 1
+        assert over_grpc.model_spec.name == "mlp" and over_grpc.model_spec.version.value == 2  # the latest
         rest_outputs.append(from_rows)
 
     for served, in_tensorflow in zip(rest_outputs, saved_model_outputs(mlp_cpu_artifact, [x for x, _ in golden])):
@@ -140,7 +150,9 @@ def test_status_metadata_health_and_versions(server):
     signatures = get_model_metadata_pb2.SignatureDefMap()
     server.stub().GetModelMetadata(request, timeout=30).metadata["signature_def"].Unpack(signatures)
 
-    assert status == {"model_version_status": [{"version": "1", "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": ""}}]}
+    assert status == {"model_version_status": [
+        {"version": version, "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": ""}} for version in ("1", "2")
+    ]}
     signature = metadata["metadata"]["signature_def"]["signature_def"]["serving_default"]
     assert signature["inputs"]["x"]["dtype"] == "DT_FLOAT"
     assert [dim["size"] for dim in signature["inputs"]["x"]["tensor_shape"]["dim"]] == ["-1", "32"]
@@ -175,6 +187,18 @@ def test_bad_rest_request_gets_400_naming_the_problem_and_the_server_serves_on(s
     assert_serves_next_request(server)
 
 
+def test_each_version_answers_on_its_own_path(server):
+    x = np.zeros((2, 32), np.float32)
+    for version in (1, 2):
+        answer = requests.post(f"{server.rest}/v1/models/mlp/versions/{version}:predict", json={"instances": x.tolist()}, timeout=30)
+        request = grpc_request(x)
+        request.model_spec.version.value = version
+        over_grpc = server.stub().Predict(request, timeout=30)
+
+        assert answer.status_code == 200 and np.asarray(answer.json()["predictions"]).shape == (2, 10)
+        assert over_grpc.model_spec.version.value == version
+
+
 def test_unknown_model_gets_404(server):
     answer = requests.post(f"{server.rest}/v1/models/resnet:predict", json={"instances": [ROW]}, timeout=10)
 
@@ -185,16 +209,20 @@ def test_unknown_model_gets_404(server):
 BAD_GRPC_REQUESTS = {
     "wrong dtype": (np.full((2, 32), "a"), grpc.StatusCode.INVALID_ARGUMENT, "input 'x' has dtype DT_STRING"),
     "size outside every bucket": (np.zeros((9, 32), np.float32), grpc.StatusCode.INVALID_ARGUMENT, "batch=9 is outside every compiled bucket"),
+    "unknown model": (np.zeros((2, 32), np.float32), grpc.StatusCode.NOT_FOUND, "no model 'resnet'"),
     "wrong rank": (np.zeros((2, 32, 1), np.float32), grpc.StatusCode.INVALID_ARGUMENT, "input 'x' has rank 3, expected 2"),
 }
 
 
 @pytest.mark.parametrize("kind", BAD_GRPC_REQUESTS)
-def test_bad_grpc_request_gets_invalid_argument_and_the_server_serves_on(server, kind):
+def test_bad_grpc_request_gets_an_error_status_naming_the_problem_and_the_server_serves_on(server, kind):
     x, code, message = BAD_GRPC_REQUESTS[kind]
+    request = grpc_request(x)
+    if kind == "unknown model":
+        request.model_spec.name = "resnet"
 
     with pytest.raises(grpc.RpcError) as failed:
-        server.stub().Predict(grpc_request(x), timeout=30)
+        server.stub().Predict(request, timeout=30)
 
     assert failed.value.code() == code and message in failed.value.details()
     answer = server.stub().Predict(grpc_request(np.zeros((3, 32), np.float32)), timeout=30)
@@ -252,3 +280,21 @@ def test_sigterm_finishes_requests_in_flight_and_exits_cleanly(server):
     assert server.process.wait(timeout=60) == 0
     assert set(outcomes) <= {200, "refused"} and 200 in outcomes, outcomes
     assert server.log().rstrip().endswith("stopped")
+
+
+def test_serve_bad_input_is_one_line_and_exit_2(mlp_cpu_artifact, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        cases = {
+            "no artifact": ([str(tmp_path / "missing.tpu")], "is not a tpuexport artifact"),
+            "negative batch timeout": ([str(mlp_cpu_artifact.path), "--batch-timeout-ms", "-1"], "--batch-timeout-ms -1 is negative"),
+            "port in use": ([str(mlp_cpu_artifact.path), "--port", str(taken), "--grpc-port", "0"],
+                            f"cannot listen for REST on 127.0.0.1:{taken}"),
+        }
+        for args, message in cases.values():
+            result = CliRunner().invoke(main, ["serve", *args])
+
+            assert result.exit_code == 2, result.output
+            assert message in " ".join(result.stderr.split()) and "Traceback" not in result.output

@@ -102,8 +102,12 @@ def source_and_target_options(command):
               help="Write a TF Serving SavedModel under tf_serving/ and check it in TensorFlow.")
 @click.option("--name", "model_name", help="TF Serving model name [default: SOURCE stem].")
 @click.option("--version", "model_version", type=int, default=1, show_default=True, help="TF Serving model version.")
-@click.option("--quantize", type=click.Choice(["int8", "int8-dynamic", "int8-weight-only"]),
-              help="PT2E int8 quantization: static (calibrated activations), dynamic (run-time activation scales) or weight-only.")
+@click.option("--quantize", type=click.Choice(["int8", "int8-dynamic", "int8-weight-only", "int4-weight-only"]),
+              help="int8 (PT2E): static (calibrated activations) or dynamic (run-time activation scales); weight-only int8 "
+                   "(per output channel) or int4 (grouped), also with --checkpoint.")
+@click.option("--group-size", type=int, default=128, show_default=True,
+              help="int4-weight-only: weights per bfloat16 scale along the contraction dim.")
+@click.option("--keep-float", metavar="REGEX", help="Weight-only: keep weights whose state_dict name matches REGEX float (e.g. lm_head).")
 @click.option("--calibration", "calibration_file", type=click.Path(path_type=pathlib.Path),
               help="Calibration samples for --quantize int8: .npz/.safetensors, one array per input name, samples on axis 0.")
 @click.option("--random-calibration", is_flag=True, help="Calibrate --quantize int8 on random inputs (not real data; warned).")
@@ -112,10 +116,17 @@ def source_and_target_options(command):
 @click.option("--checkpoint", type=click.Path(path_type=pathlib.Path),
               help="Stream the weights from this checkpoint (.safetensors, a sharded directory with its index, or a .pt state_dict); "
                    "the factory's model is built with its parameters on the meta device.")
+@click.option("--max-context", type=int, help="text-generation: positions per KV cache slot (prompt + generated tokens).")
+@click.option("--max-batch", type=int, default=1, show_default=True, help="text-generation: KV cache slots, decode's batch.")
+@click.option("--cache-layout", type=click.Choice(["layer_batch_head_pos", "layer_batch_pos_head"]), default="layer_batch_head_pos",
+              show_default=True, help="text-generation: the KV cache's axes.")
+@click.option("--verify-new-tokens", type=int, default=8, show_default=True,
+              help="text-generation: tokens each verification prompt generates, compared with generate().")
 @handles_errors
 def convert(source, targets, out, buckets, precision, matmul_precision, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
             shard_inputs, as_json, atol, rtol, scale_tol, verify_budget, verify_sizes, scan, saved_model, model_name, model_version, quantize,
-            calibration_file, random_calibration, weights, checkpoint):
+            group_size, keep_float, calibration_file, random_calibration, weights, checkpoint, max_context, max_batch, cache_layout,
+            verify_new_tokens):
     """Convert SOURCE (a Hugging Face model directory or hf:ORG/NAME with --task, model.pt2, file.py:factory, or model.pt with
     --trust-pickle) into an artifact."""
     overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
@@ -126,7 +137,9 @@ def convert(source, targets, out, buckets, precision, matmul_precision, task, in
         precision=precision, matmul_precision=matmul_precision, tolerance_overrides=overrides, verify_budget_flops=verify_budget * 1e9,
         verify_sizes=tuple(parse_sizes(text, "--verify-size") for text in verify_sizes), overwrite=force,
         scan=scan, saved_model=saved_model and weights, model_name=model_name, model_version=model_version, quantize=quantize,
-        calibration_file=calibration_file, random_calibration=random_calibration, weights=weights, checkpoint=checkpoint,
+        group_size=group_size, keep_float=keep_float, calibration_file=calibration_file, random_calibration=random_calibration,
+        weights=weights, checkpoint=checkpoint, max_context=max_context, max_batch=max_batch, cache_layout=cache_layout,
+        new_tokens=verify_new_tokens,
     )
 
 
@@ -173,8 +186,21 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
     conversion = ConversionOptions(tuple(targets), out or pathlib.Path(source_stem + ".tpu"), buckets=bucket_sizes or None,
                                    sharding=sharding_request, **options)
 
+    from tpuexport.export.huggingface import generation_context, is_huggingface_source
+
+    huggingface = is_huggingface_source(source)
+    generation = task == "text-generation"
+    # PT2E calibrates and rounds, and generation's entry points wrap, the weights in memory; weight-only
+    # modes quantize them as they stream.
+    in_memory = options.get("quantize") in ("int8", "int8-dynamic") or generation
     loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs, checkpoint=checkpoint,
-                                      task=task, weights_in_memory=bool(options.get("quantize")))
+                                      task=task if huggingface or not generation else None, weights_in_memory=in_memory)
+    if loaded.huggingface is not None and loaded.huggingface.task == "text-generation":
+        generation = True
+        if options.get("max_context") is None:  # a Hugging Face config says how far its positions go
+            options["max_context"] = generation_context(loaded.model)
+    if generation:
+        conversion = dataclasses.replace(conversion, task="text-generation", max_context=options.get("max_context"))
     artifact = run_conversion(loaded, conversion, progress=_print_stage)
     if artifact.plan_only:
         stderr.print(f"[bold green]planned[/] {source} -> {artifact.path} (plan only: no weights, not verified)", soft_wrap=True)
@@ -215,12 +241,14 @@ def summary(artifact) -> dict:
         "plan_only": artifact.plan_only,
         "precision": manifest["precision"],
         "resolved_precision": manifest.get("resolved_precision", manifest["precision"]),
-        "signature": manifest["signature"],
+        **({"signature": manifest["signature"]} if "signature" in manifest else {}),
+        **({"task": manifest["task"], "entry_points": {name: entry["signature"] for name, entry in manifest["entry_points"].items()},
+            "generation": manifest["generation"]} if "entry_points" in manifest else {}),
         "verification": {key: manifest["verification"][key] for key in ("passed", "status", "cases") if key in manifest["verification"]},
         "targets": {
             name: [
-                {k: bucket[k] for k in ("name", "sizes", "executable", "memory", "cost", "fits_in_hbm", "hbm_utilization", "collectives")
-                 if k in bucket}
+                {k: bucket[k] for k in ("entry_point", "name", "sizes", "executable", "memory", "cost", "fits_in_hbm", "hbm_utilization",
+                                        "collectives", "decode_step") if k in bucket}
                 for bucket in target["buckets"]
             ]
             for name, target in manifest["targets"].items()
@@ -243,6 +271,7 @@ def summary(artifact) -> dict:
 def inspect(artifact_dir, as_json):
     """Show an artifact's inputs, dims, targets, buckets and figures."""
     from tpuexport.artifact import load
+    from tpuexport.signature import ProgramSignature
 
     artifact = load(artifact_dir)
     data = summary(artifact)
@@ -250,7 +279,6 @@ def inspect(artifact_dir, as_json):
         click.echo(json.dumps(data, indent=2))
         return
     console = Console(highlight=False, width=200)
-    signature = artifact.signature
     verification = ("plan only (no weights, not verified)" if artifact.plan_only
                     else f"verification {'passed' if data['verification']['passed'] else 'FAILED'}")
     console.print(f"[bold]{artifact.path}[/]  source {data['source']['reference'] or data['source']['kind']}, "
@@ -259,26 +287,78 @@ def inspect(artifact_dir, as_json):
         hf = data["huggingface"]
         console.print(f"  hugging face: task {hf['task']}, {hf['architecture']}, revision {hf['revision'] or 'none (not from the cache)'}; "
                       f"files {', '.join(hf['files'].values()) or 'none'}")
-    for dim in signature.dims:
-        console.print(f"  dim {dim.name}: {dim.range_text} (example {dim.example})")
-    for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
-        for spec in specs:
-            console.print(f"  {kind} {spec.name}: {spec.dtype}[{', '.join(map(str, spec.shape))}]")
+    if artifact.task == "text-generation":
+        generation = data["generation"]
+        console.print(f"  text generation: max batch {generation['max_batch']}, max context {generation['max_context']}, cache "
+                      f"{generation['layout']} {generation['cache_shape']} {generation['dtype']} x2 ({generation['cache_bytes'] / 2**20:.2f} MiB)")
+        signatures = {name: ProgramSignature.from_json(entry) for name, entry in data["entry_points"].items()}
+    else:
+        signatures = {"": artifact.signature}
+    for entry_point, signature in signatures.items():
+        prefix = f"{entry_point} " if entry_point else ""
+        for dim in signature.dims:
+            console.print(f"  {prefix}dim {dim.name}: {dim.range_text} (example {dim.example})")
+        for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
+            for spec in specs:
+                console.print(f"  {prefix}{kind} {spec.name}: {spec.dtype}[{', '.join(map(str, spec.shape))}]")
     for name, plan in data.get("sharding", {}).items():
         split = {weight: spec for weight, spec in plan["weights"].items() if any(entry is not None for entry in spec)}
         console.print(f"  {name}: mesh {describe_mesh(plan['mesh'])}, {plan['preset']}, {len(split)}/{len(plan['weights'])} weights split; "
                       f"inputs {', '.join(f'{n} {describe_spec(spec)}' for n, spec in plan['inputs'].items())}")
     for run in data["scanned"]:
         console.print(f"  scanned {run['module']} {run['first']}-{run['first'] + run['count'] - 1} ({run['count']} blocks, weights stacked)")
+    for line in describe_weight_only(data.get("quantization", {})):
+        console.print(f"  {line}")
     table = Table("target", "bucket", "HBM per chip", "of HBM", "collectives", "GFLOP", "est. µs", "executable")
     for name, buckets in data["targets"].items():
         for bucket in buckets:
             table.add_row(
-                name, bucket["name"], f"{bucket['memory']['total_bytes'] / 2**20:.2f} MiB", f"{bucket['hbm_utilization']:.4%}",
+                name, f"{bucket['entry_point']} {bucket['name']}" if "entry_point" in bucket else bucket["name"], f"{bucket['memory']['total_bytes'] / 2**20:.2f} MiB", f"{bucket['hbm_utilization']:.4%}",
                 describe_collectives(bucket.get("collectives")), f"{bucket['cost']['flops'] / 1e9:.4f}",
                 describe_microseconds(bucket["cost"]["optimal_seconds"]), bucket["executable"],
             )
     console.print(table)
+
+
+@main.command()
+@click.argument("artifact_dir", metavar="ARTIFACT", type=click.Path(path_type=pathlib.Path))
+@click.option("--tokens", "token_lists", multiple=True, required=True, metavar="ID,ID,...",
+              help="A prompt's token ids (repeat for several prompts, up to the artifact's max batch).")
+@click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Tokens to generate per prompt.")
+@handles_errors
+def generate(artifact_dir, token_lists, max_new_tokens):
+    """Greedy generation with a text-generation artifact on CPU (prefill, then decode steps over the KV cache), printing
+    each step's tokens as they come (one line per step, one id per prompt)."""
+    from tpuexport.artifact import load
+
+    prompts = [parse_tokens(text) for text in token_lists]
+    artifact = load(artifact_dir)
+    for step in artifact.stream(prompts, max_new_tokens):
+        click.echo(" ".join("-" if token is None else str(token) for token in step))
+
+
+def parse_tokens(text: str) -> list[int]:
+    """Parses `1,2,3` into token ids.
+
+    Raises:
+      TpuExportError: malformed text.
+    """
+    items = [item.strip() for item in text.split(",")]
+    if not items or not all(item.isdigit() for item in items):
+        raise TpuExportError(f"malformed --tokens {text!r}: expected token ids separated by commas, e.g. --tokens 1,2,3")
+    return [int(item) for item in items]
+
+
+def describe_weight_only(section: dict) -> list[str]:
+    """inspect's lines for a weight-only artifact: the scheme, then each quantized weight (none for others)."""
+    if "weights" not in section:
+        return []
+    ratio = section["weight_bytes"]["ratio"]
+    lines = [f"quantized {section['mode']}: {len(section['weights'])} weights, weight bytes {ratio}x f32; {section['scheme']}"]
+    for name, entry in section["weights"].items():
+        group = "per output channel" if entry["bits"] == 8 else f"groups of {entry['group_size']}"
+        lines.append(f"  {name}: int{entry['bits']}, {group} along axis {entry['axis']}, scales {entry['scale']}")
+    return lines
 
 
 def describe_microseconds(seconds: float | None) -> str:

@@ -31,11 +31,13 @@ import xml.etree.ElementTree as ElementTree
 from tpuexport import compile as compile_stage
 from tpuexport import export as export_stage
 from tpuexport.artifact import Artifact, layout, load
+from tpuexport.arrays import load_arrays
 from tpuexport.artifact.manifest import hash_tree, package_versions
 from tpuexport.artifact.tf_serving import check_saved_model
 from tpuexport.errors import EXIT_OK, EXIT_VERIFICATION_FAILED
 from tpuexport.signature import ProgramSignature
 from tpuexport.verify.compare import sqnr_db
+from tpuexport.verify.generation import replay_golden
 from tpuexport.verify.report import VerificationCase, VerificationReport, describe_sizes
 from tpuexport.verify.saved_model_check import failure_summary
 from tpuexport.verify.sizes import PlannedCase, plan_cases
@@ -163,6 +165,8 @@ def verify_artifact(path, recompile: bool = False, strict: bool = False, against
     loaded = export_stage.load_source(against) if against is not None else None
     integrity = check_integrity(artifact)
     damaged = set(integrity.details.get("changed", ())) | set(integrity.details.get("missing", ()))
+    if artifact.task == "text-generation":
+        return _verify_generation_artifact(artifact, integrity, damaged, recompile, strict, loaded)
     program_files = [name for name in (artifact.manifest["program"]["exported"], artifact.manifest["program"]["weights"]) if name]
     if artifact.plan_only:
         checks = [
@@ -287,6 +291,43 @@ def golden_cases(artifact: Artifact, tolerances: VerificationTolerances) -> list
 def _report(artifact: Artifact, cases: list[VerificationCase], against: str) -> VerificationReport:
     return VerificationReport(artifact.manifest["precision"], artifact.manifest["matmul_precision"], _tolerances(artifact),
                               tuple(cases), {}, against)
+
+
+def _verify_generation_artifact(artifact: Artifact, integrity: CheckResult, damaged: set[str], recompile: bool, strict: bool,
+                                loaded) -> GateReport:
+    """The gate of a text-generation artifact: integrity, then its stored generation cases replayed
+    (prefill and decode, teacher-forced); recompiling and --against are not offered for it yet."""
+    manifest = artifact.manifest
+    program_files = [entry["exported"] for entry in manifest["entry_points"].values()] + [manifest["program"]["weights"] or ""]
+    checks = [integrity]
+    if artifact.plan_only:
+        checks.append(CheckResult("golden", FAILED, PLAN_ONLY_MESSAGE))
+    else:
+        checks.append(_skip_if_damaged("golden", program_files + [manifest["verification"]["golden"]], damaged)
+                      or check_generation_golden(artifact))
+    checks.append(CheckResult("saved_model", SKIPPED, "no SavedModel for text generation"))
+    for name, asked in (("recompile", recompile), ("against", loaded is not None)):
+        if asked:
+            checks.append(CheckResult(name, SKIPPED, "not offered for text-generation artifacts yet"))
+    return GateReport(str(artifact.path), tuple(checks), strict, artifact.plan_only)
+
+
+@gate_check("golden")
+def check_generation_golden(artifact: Artifact):
+    """Replays a text-generation artifact's stored cases (verify/generation.py, replay_golden).
+
+    Returns:
+      (status, message, details); details holds every case's runs.
+    """
+    golden = load_arrays(artifact.read_checked(artifact.manifest["verification"]["golden"]))
+    report = replay_golden(artifact.generation_program, golden, artifact.manifest["verification"]["cases"], _tolerances(artifact))
+    details = {"cases": report.to_json()["cases"]}
+    if not report.cases:
+        return FAILED, "the artifact stores no golden data; convert again", details
+    if not report.passed:
+        return FAILED, report.failure_summary(), details
+    return PASSED, (f"{len(report.cases)} stored generation case(s), {report.tokens_compared()} tokens, match generate()'s tokens and "
+                    f"logits within {_describe(report.tolerances)}"), details
 
 
 @gate_check("saved_model")

@@ -240,6 +240,8 @@ def describe(
 
     dims = []
     for symbol, name in symbol_names.items():
+        if any(dim.name == name for dim in dims):
+            continue
         bounds = program.range_constraints[symbol]
         upper = None if not bounds.upper.is_finite else int(bounds.upper)
         # JAX symbolic dims are >= 1; torch.export reports 0 for a Dim without an explicit min.
@@ -257,6 +259,9 @@ def _name_symbols(program, user_nodes, input_names) -> dict[sympy.Symbol, str]:
     """
     debug_names = _shape_env_debug_names(user_nodes)
     names: dict[sympy.Symbol, str] = {}
+    # Symbols of one torch.export.Dim keep its one name: torch 2.13 gives each input its own symbol
+    # for a Dim whose range is [1, 2] (the inputs still share the dim, as the user declared).
+    user_named = {symbol for symbol in debug_names}
     for input_name, node in zip(input_names, user_nodes):
         for axis, size in enumerate(node.meta["val"].shape):
             if not isinstance(size, torch.SymInt):
@@ -270,7 +275,11 @@ def _name_symbols(program, user_nodes, input_names) -> dict[sympy.Symbol, str]:
         if isinstance(symbol, sympy.Symbol) and symbol not in names:
             names[symbol] = _identifier(debug_names.get(symbol) or str(symbol))
     taken: set[str] = set()
+    declared = {debug_names[symbol] for symbol in names if symbol in user_named}
     for symbol, name in names.items():
+        if symbol in user_named and name in declared:
+            taken.add(name)
+            continue
         unique, counter = name, 1
         while unique in taken:
             counter += 1

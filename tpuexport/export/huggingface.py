@@ -15,8 +15,10 @@ config and that `--dim NAME=MIN:MAX` overrides (MIN == MAX makes a dim static):
   height, width     the config's image_size (static), samples 16000 (static), frames (static)
 Outputs are the tensors of the model's output (logits, last_hidden_state, pooler_output, ...).
 
-Each task maps to a function building the LoadedSource (`Task.build`); `text-generation` converts
-the full-sequence forward (logits) today.
+Each task maps to a function building the LoadedSource (`Task.build`); `text-generation` gives the
+causal LM itself with its weights read into memory, which the pipeline converts as prefill and decode
+entry points over a KV cache (export/generation.py), its `--max-context` defaulting to the config's
+`max_position_embeddings` (`generation_context`).
 
 `transformers` is the optional extra `tpuexport[hf]`.
 """
@@ -135,7 +137,6 @@ def _tasks() -> dict[str, Task]:
         ("text-classification", (("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),)),
         ("token-classification", (("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),)),
         ("question-answering", (("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),)),
-        # The full-sequence forward (logits); the place for a prefill/decode program over a KV cache.
         ("text-generation", (("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),)),
         ("text2text-generation", (("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),)),
         ("image-classification", (("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),)),
@@ -147,7 +148,7 @@ def _tasks() -> dict[str, Task]:
         ("audio-classification", (("AutoModelForAudioClassification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),)),
         ("audio-frame-classification", (("AutoModelForAudioFrameClassification", "MODEL_FOR_AUDIO_FRAME_CLASSIFICATION_MAPPING_NAMES"),)),
     ]
-    return {name: Task(name, classes, forward) for name, classes in entries}
+    return {name: Task(name, classes, _generation_source if name == "text-generation" else forward) for name, classes in entries}
 
 
 def is_huggingface_source(reference: str) -> bool:
@@ -302,6 +303,36 @@ def _forward_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_mem
     elif weights_in_memory:
         wrapped, checkpoint = with_checkpoint_weights(wrapped, checkpoint), None
     return LoadedSource(wrapped, args, dynamic_shapes, None, info, checkpoint=checkpoint, huggingface=record)
+
+
+def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_memory: bool) -> LoadedSource:
+    """The causal LM read by transformers (weights in memory, in the checkpoint's dtype), for the
+    pipeline's prefill and decode entry points; they choose their own inputs, so --dim does not apply.
+
+    Raises:
+      TpuExportError: a --dim was given.
+    """
+    if dims:
+        raise TpuExportError("--dim does not apply to --task text-generation (its entry points' sizes are --max-batch, "
+                             "--max-context and the --bucket seq=... prompt lengths); drop it")
+    model = _from_pretrained(getattr(_import_transformers(), resolved.auto_class), resolved.directory, _config_dtype(resolved.config))
+    record = HuggingFaceInfo(resolved.task, type(model).__name__, resolved.config.model_type, resolved.revision, resolved.config_json,
+                             {name: resolved.directory / name for name in SERVING_FILES if (resolved.directory / name).is_file()})
+    return LoadedSource(model.eval(), None, None, None, _source_info(resolved), huggingface=record)
+
+
+def generation_context(model: torch.nn.Module) -> int:
+    """The positions a causal LM's config allows (its `max_position_embeddings`, else GPT-2's
+    `n_positions`): the default --max-context of a Hugging Face text-generation source.
+
+    Raises:
+      TpuExportError: the config records neither.
+    """
+    config = model.config
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not positions:
+        raise TpuExportError(f"{type(model).__name__}'s config records no maximum position; give --max-context N")
+    return int(positions)
 
 
 def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[torch.nn.Module, tuple, dict]:

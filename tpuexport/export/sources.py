@@ -4,7 +4,9 @@ The factory contract (also in the README): `factory()` takes no arguments and re
   - a dict with keys "model" (an nn.Module or ExportedProgram), "args" (a tuple of example inputs)
     and optionally "dynamic_shapes" (torch.export's format) and "calibration" (an iterable of
     argument tuples, used by quantization), or
-  - a tuple (model, args) or (model, args, dynamic_shapes).
+  - a tuple (model, args) or (model, args, dynamic_shapes), or
+  - for --task text-generation, the Hugging Face causal LM alone (its entry points' inputs are
+    tpuexport's own, export/generation.py).
 The dict may also hold "checkpoint": where the model's weights are (a path or a Mapping name ->
 tensor, see checkpoints.py), for a model built with its parameters on the meta device.
 
@@ -195,7 +197,10 @@ def _load_factory(path: pathlib.Path, factory: str, reference: str, checkpoint: 
 
 
 def _unpack_factory_result(produced, reference):
-    contract = "return {'model': ..., 'args': (...), 'dynamic_shapes': ...} or (model, args[, dynamic_shapes])"
+    contract = ("return {'model': ..., 'args': (...), 'dynamic_shapes': ...} or (model, args[, dynamic_shapes]), or the model "
+                "alone for --task text-generation")
+    if isinstance(produced, torch.nn.Module):  # --task text-generation builds its own entry points' inputs
+        return produced, None, None, None, None
     if isinstance(produced, dict):
         unknown = set(produced) - {"model", "args", "dynamic_shapes", "calibration", "checkpoint"}
         if "model" not in produced or unknown:
@@ -210,7 +215,7 @@ def _unpack_factory_result(produced, reference):
         raise TpuExportError(f"{reference}() returned {type(produced).__name__}; {contract}")
     if not isinstance(model, (torch.nn.Module, torch.export.ExportedProgram)):
         raise TpuExportError(f"{reference}() returned a model of type {type(model).__name__}; return an nn.Module")
-    if isinstance(model, torch.nn.Module) and not isinstance(args, tuple):
+    if isinstance(model, torch.nn.Module) and not isinstance(args, (tuple, type(None))):
         raise TpuExportError(f"{reference}() returned args of type {type(args).__name__}; return a tuple of example inputs")
     return model, args, dynamic_shapes, calibration, checkpoint
 

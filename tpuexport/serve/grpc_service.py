@@ -16,7 +16,7 @@ import grpc
 from tpuexport.errors import TpuExportError
 from tpuexport.serve import protos
 from tpuexport.serve.batching import ShuttingDown
-from tpuexport.serve.metrics import Metrics
+from tpuexport.serve.metrics import UNKNOWN_MODEL, Metrics
 from tpuexport.serve.models import ModelNotFound, ModelRepository
 
 # gRPC's default message limit is 4 MB; a batch of inputs may be larger.
@@ -32,12 +32,12 @@ class PredictionService(protos.prediction_service_pb2_grpc.PredictionServiceServ
 
     def Predict(self, request, context):
         start = time.perf_counter()
-        labels = {"model": request.model_spec.name, "version": "latest"}
+        labels = {"model": UNKNOWN_MODEL, "version": ""}  # until the model resolves
         outcome = "ok"
         try:
             version = request.model_spec.version.value if request.model_spec.HasField("version") else None
             model = self.repository.resolve(request.model_spec.name, version)
-            labels["version"] = str(model.version)
+            labels = model.labels
             inputs = {name: protos.to_array(tensor, name) for name, tensor in request.inputs.items()}
             prepared = model.runner.prepare(inputs, request.model_spec.signature_name or None)
             outputs = model.batcher.submit(prepared).result()

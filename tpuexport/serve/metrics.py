@@ -7,6 +7,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 # Request latencies from a fraction of a millisecond (a small model on CPU) to tens of seconds.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# The model label of requests for a model or version that is not served: labels name served models
+# only, since request-chosen names would grow the metrics without bound.
+UNKNOWN_MODEL = "(not served)"
 
 
 class Metrics:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import pathlib
 import signal
+import socket
 import sys
 import threading
 from typing import Callable
@@ -43,7 +44,7 @@ def serve(
     Args:
       artifacts: artifact directories (several models, or several versions of one).
       host: the address both servers listen on.
-      port: the REST port.
+      port: the REST port (0 picks a free one, announced).
       grpc_port: the gRPC port, None for no gRPC server.
       batch_timeout_ms: how long a request waits for others to batch with (0: no batching).
       allow_recompile: compile the StableHLO where an artifact's compile key differs from the host.
@@ -67,12 +68,14 @@ def serve(
         if grpc_port is not None:
             grpc_server, bound = start_grpc_server(repository, metrics, host, grpc_port)
             announce(f"gRPC PredictionService on {host}:{bound}")
-        config = uvicorn.Config(create_app(repository, metrics, state, max_body_bytes), host=host, port=port, log_level="warning",
-                                access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS, lifespan="off")
-        server = _Server(config, state, announce)
-        server.run()
-        if not server.started:
-            raise TpuExportError(f"cannot listen for REST on {host}:{port}; choose another --port")
+        try:
+            # Bound here, not by uvicorn (which exits the process on a busy port): one clear error.
+            listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        except OSError as error:
+            raise TpuExportError(f"cannot listen for REST on {host}:{port} ({error.strerror}); choose another --port") from None
+        config = uvicorn.Config(create_app(repository, metrics, state, max_body_bytes), host=host, port=listener.getsockname()[1],
+                                log_level="warning", access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS, lifespan="off")
+        _Server(config, state, announce).run(sockets=[listener])
     finally:
         state["ready"] = False
         if grpc_server is not None:
