@@ -54,19 +54,24 @@ def save_family(family_name: str, directory: pathlib.Path) -> None:
 
 
 def convert_command(family, source: str, mode: str, task_choice: str, out: pathlib.Path, options) -> list[str]:
-    """The `tpuexport convert` command line of one row."""
+    """The `tpuexport convert` command line of one row. A decoder family's task (text-generation,
+    also what --task auto gives it) is the prefill/decode artifact in every mode: its sizes are
+    --max-context/--max-batch/--bucket, not --dim."""
     command = [sys.executable, "-m", "tpuexport.cli", "convert", source, "-o", str(out), "--target", options.target]
+    generation = mode in GENERATION_MODES or family.task == "text-generation"
     if family.save is not None:
-        command += ["--task", family.task if task_choice == "explicit" else "auto"]
-        command += [option for dim in family.dims for option in ("--dim", dim)]
-    if mode in GENERATION_MODES:
-        return command + ["--task", "text-generation", "--max-context", "64", "--max-batch", "2", "--bucket", "batch=2", "--bucket",
-                          "seq=16", "--verify-new-tokens", str(GENERATION_NEW_TOKENS), "--precision", mode.removeprefix("generate-"),
-                          "--no-saved-model"]
-    if mode.startswith("int8"):
-        command += ["--quantize", mode] + (["--random-calibration"] if mode == "int8" and family.save is not None else [])
+        asked = "text-generation" if mode in GENERATION_MODES else family.task if task_choice == "explicit" else "auto"
+        command += ["--task", asked]
+        if not generation:
+            command += [option for dim in family.dims for option in ("--dim", dim)]
+    numerics = mode.removeprefix("generate-")
+    if numerics.startswith("int8"):
+        command += ["--quantize", numerics] + (["--random-calibration"] if numerics == "int8" and family.save is not None else [])
     else:
-        command += ["--precision", mode]
+        command += ["--precision", numerics]
+    if generation:
+        return command + ["--max-context", "64", "--max-batch", "2", "--bucket", "batch=2", "--bucket", "seq=16",
+                          "--verify-new-tokens", str(GENERATION_NEW_TOKENS), "--no-saved-model"]
     return command + ([] if options.saved_model else ["--no-saved-model"])
 
 
@@ -107,7 +112,7 @@ def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
         row["task"] = manifest.get("huggingface", {}).get("task", row["task"])
         row["report"] = _read_json(out / manifest["verification"]["report"])
         row["weight_bytes"] = manifest["program"]["weight_bytes"]
-        if mode in GENERATION_MODES:
+        if "tokens_compared" in manifest["verification"]:
             row["tokens_compared"] = manifest["verification"]["tokens_compared"]
             row["ties"] = manifest["verification"]["ties"]
         if "quantization" in manifest:
@@ -133,7 +138,7 @@ def format_row(row: dict) -> str:
     ratio = row.get("weight_ratio")
     integer = row.get("integer_flops_fraction")
     message = "" if row["status"] == "passed" else first_line(row.get("message", ""))
-    if row["mode"] in GENERATION_MODES:
+    if row["mode"] in GENERATION_MODES or "tokens_compared" in row:
         parity = {"passed": "yes", "mismatch": "no"}.get(row["status"], row["status"])
         return (f"| {row['family']} | {row['task']} | {row['asked']} | {row['mode']} | greedy parity {parity} | {row.get('seconds', '-')} | "
                 f"{row.get('tokens_compared', '-')} tokens compared, {row.get('ties', '-')} ties | - | - | {message} |")
