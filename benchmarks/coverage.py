@@ -103,6 +103,8 @@ def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
             return {**row, "status": "crash", "message": f"save_pretrained failed: {(error.stderr or b'').decode().strip()[-200:]}"}
         row["seconds"] = round(time.perf_counter() - start, 2)
         row["status"] = STATUS_OF_EXIT_CODE.get(completed.returncode, "crash")
+        if row["status"] == "mismatch" and "verification failed" not in completed.stderr:
+            row["status"] = "crash"  # Python's own exit code for an uncaught exception is 1 too
         if row["status"] != "passed":
             row["message"] = (completed.stderr.strip().splitlines() or [f"exit code {completed.returncode}"])[-1]
             report = sorted(scratch.glob("*.verification-report.json"))
