@@ -85,20 +85,24 @@ def bf16_check(artifact_dir: pathlib.Path) -> dict:
 
 
 def convert_command(family, source: str, mode: str, task_choice: str, out: pathlib.Path, options) -> list[str]:
-    """The `tpuexport convert` command line of one row."""
+    """The `tpuexport convert` command line of one row. A decoder family's task (text-generation,
+    also what --task auto gives it) is the prefill/decode artifact in every mode: its sizes are
+    --max-context/--max-batch/--bucket, not --dim."""
     command = [sys.executable, "-m", "tpuexport.cli", "convert", source, "-o", str(out), "--target", options.target]
-    # A causal LM's bf16 checkpoint converts as the generate modes do (--task auto gives text-generation, which takes no --dim).
-    if mode in GENERATION_MODES or (mode == CHECKPOINT_MODE and family.task == "text-generation"):
-        precision = [] if mode == CHECKPOINT_MODE else ["--precision", mode.removeprefix("generate-")]
-        return command + ["--task", "text-generation", "--max-context", "64", "--max-batch", "2", "--bucket", "batch=2", "--bucket",
-                          "seq=16", "--verify-new-tokens", str(GENERATION_NEW_TOKENS), *precision, "--no-saved-model"]
+    generation = mode in GENERATION_MODES or family.task == "text-generation"
     if family.save is not None:
-        command += ["--task", family.task if task_choice == "explicit" else "auto"]
-        command += [option for dim in family.dims for option in ("--dim", dim)]
-    if mode.startswith("int8"):
-        command += ["--quantize", mode] + (["--random-calibration"] if mode == "int8" and family.save is not None else [])
+        asked = "text-generation" if mode in GENERATION_MODES else family.task if task_choice == "explicit" else "auto"
+        command += ["--task", asked]
+        if not generation:
+            command += [option for dim in family.dims for option in ("--dim", dim)]
+    numerics = mode.removeprefix("generate-")
+    if numerics.startswith("int8"):
+        command += ["--quantize", numerics] + (["--random-calibration"] if numerics == "int8" and family.save is not None else [])
     elif mode != CHECKPOINT_MODE:  # a bf16 checkpoint converts with default options
-        command += ["--precision", mode]
+        command += ["--precision", numerics]
+    if generation:
+        return command + ["--max-context", "64", "--max-batch", "2", "--bucket", "batch=2", "--bucket", "seq=16",
+                          "--verify-new-tokens", str(GENERATION_NEW_TOKENS), "--no-saved-model"]
     return command + ([] if options.saved_model else ["--no-saved-model"])
 
 
@@ -131,6 +135,8 @@ def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
             return {**row, "status": "crash", "message": f"save_pretrained failed: {(error.stderr or b'').decode().strip()[-200:]}"}
         row["seconds"] = round(time.perf_counter() - start, 2)
         row["status"] = STATUS_OF_EXIT_CODE.get(completed.returncode, "crash")
+        if row["status"] == "mismatch" and "verification failed" not in completed.stderr:
+            row["status"] = "crash"  # Python's own exit code for an uncaught exception is 1 too
         if row["status"] != "passed":
             row["message"] = (completed.stderr.strip().splitlines() or [f"exit code {completed.returncode}"])[-1]
             report = sorted(scratch.glob("*.verification-report.json"))
@@ -140,7 +146,7 @@ def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
         row["task"] = manifest.get("huggingface", {}).get("task", row["task"])
         row["report"] = _read_json(out / manifest["verification"]["report"])
         row["weight_bytes"] = manifest["program"]["weight_bytes"]
-        if mode in GENERATION_MODES:
+        if "tokens_compared" in manifest["verification"]:
             row["tokens_compared"] = manifest["verification"]["tokens_compared"]
             row["ties"] = manifest["verification"]["ties"]
         if "quantization" in manifest:
@@ -175,7 +181,7 @@ def format_row(row: dict) -> str:
     if checked:
         message = checked.get("error") or (f"resolved {checked['resolved_precision']}; run gives {'/'.join(checked['run_dtypes'])}"
                                            + (f"; inv_freq {'/'.join(checked['rotary_dtypes'])}" if checked["rotary_dtypes"] else ""))
-    if row["mode"] in GENERATION_MODES:
+    if row["mode"] in GENERATION_MODES or "tokens_compared" in row:
         parity = {"passed": "yes", "mismatch": "no"}.get(row["status"], row["status"])
         return (f"| {row['family']} | {row['task']} | {row['asked']} | {row['mode']} | greedy parity {parity} | {row.get('seconds', '-')} | "
                 f"{row.get('tokens_compared', '-')} tokens compared, {row.get('ties', '-')} ties | - | - | {message} |")
