@@ -312,9 +312,8 @@ def quantized_specs(shape: tuple[int, ...], scheme, axis: int) -> tuple[jax.Shap
     values_shape = (*shape[:-1], shape[-1] // 2) if scheme.bits == 4 else tuple(shape)
     scale_shape = list(shape)
     scale_shape[axis] //= scheme.group(shape[axis])
-    scale_dtype = jnp.bfloat16 if scheme.bits == 4 else jnp.float32
     return (jax.ShapeDtypeStruct(values_shape, jnp.uint8 if scheme.bits == 4 else jnp.int8),
-            jax.ShapeDtypeStruct(tuple(scale_shape), scale_dtype))
+            jax.ShapeDtypeStruct(tuple(scale_shape), jnp.bfloat16))
 
 
 def module_path(node: torch.fx.Node) -> str:
