@@ -2,6 +2,6 @@
 
 from tpuexport.artifact.artifact import Artifact, load
 from tpuexport.artifact.weights import map_weights, write_weights
-from tpuexport.artifact.writer import check_destination, write_artifact
+from tpuexport.artifact.writer import check_destination, sibling_prefix, write_artifact
 
-__all__ = ["Artifact", "check_destination", "load", "map_weights", "write_artifact", "write_weights"]
+__all__ = ["Artifact", "check_destination", "load", "map_weights", "sibling_prefix", "write_artifact", "write_weights"]
