@@ -80,7 +80,7 @@ def verify(
     Returns:
       The VerificationReport, passed or not; it also carries the golden data to store.
     """
-    tolerances = tolerances or default_tolerances(lowered.precision, lowered.matmul_precision, quantized=False)
+    tolerances = tolerances or default_tolerances(lowered.resolved_precision, lowered.matmul_precision, quantized=False)
     signature = lowered.signature
     runs = ProgramRuns(lowered)
     cases, golden = [], {}
