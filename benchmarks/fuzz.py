@@ -4,7 +4,7 @@ shrunk to a minimal model, and last `silent mismatches: K` (K must be 0).
 
     python benchmarks/fuzz.py --examples 200 [--seed 0] [--max-ops 5] [--no-shrink] [--log FILE]
 
-Ctrl-C (SIGINT) stops it early and prints the figures of the cases run so far (without shrinking).
+Ctrl-C or SIGTERM stops it early and prints the figures of the cases run so far (without shrinking).
 
 A failure is a silent mismatch (verification passed, a fresh size does not match eager) or a crash
 (a conversion raising anything but TpuExportError / VerificationError). Each is shrunk by
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import pathlib
+import signal
 import sys
 import time
 import warnings
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--log", type=pathlib.Path, help="append one line per case here as it finishes")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    signal.signal(signal.SIGTERM, _stop)
 
     outcomes: collections.Counter = collections.Counter()
     reasons: collections.Counter = collections.Counter()
@@ -85,6 +87,11 @@ def main() -> None:
                             settings=settings(max_examples=200, database=None, deadline=None, suppress_health_check=list(HealthCheck)))
             print(f"  shrunk to: {smallest!r}")
     print(f"silent mismatches: {outcomes['silent-mismatch']}")
+
+
+def _stop(signum, frame):
+    """SIGTERM stops the run as Ctrl-C does (a background run ignores SIGINT)."""
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ sequence that may have length 1, a mask that no longer lines up after pooling) a
 `check(case)` converts the case with the stages a conversion runs that decide its numbers (export,
 quantize, lower, verify: no TPU compile, SavedModel or write), then runs the lowered program
 (what `Artifact.run` runs, TPU-faithfully and in f32) at fresh random sizes in range and compares
-it with eager PyTorch under the artifact's own tolerances. The outcome is one of:
+it with eager PyTorch under the artifact's own tolerances. A sampled subset of float cases
+(`full_conversion`) runs `tpuexport.convert` instead, compiled for v5e and written, and checks the
+artifact loaded back from disk. The outcome is one of:
 
   ok                the conversion verified and every fresh size matches
   refused           the conversion failed with a one-line TpuExportError (reason: its message)
@@ -25,7 +27,9 @@ it with eager PyTorch under the artifact's own tolerances. The outcome is one of
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import re
+import tempfile
 import traceback
 
 import numpy as np
@@ -34,6 +38,7 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch import nn
 
+import tpuexport
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
@@ -41,6 +46,7 @@ from tpuexport.errors import TpuExportError, UnsupportedOperatorsError, Verifica
 from tpuexport.export import LoadedSource, SourceInfo
 from tpuexport.inputs import make_inputs
 from tpuexport.verify.sizes import PlannedCase
+from tpuexport.verify.tolerances import VerificationTolerances
 from tpuexport.verify.verification import ProgramRuns, run_case
 
 # The verification budget of a fuzz case: the always-run sizes and little more (cases are tiny).
@@ -91,6 +97,8 @@ class FuzzCase:
     matmul_precision: str
     quantize: str | None
     seed: int
+    full_conversion: bool = False
+    bf16_model: bool = False  # weights and x in bfloat16 (converted in its own dtypes by precision "auto")
 
     def describe(self) -> str:
         ops = " -> ".join(":".join(str(p) for p in op) for op in self.ops) or "identity"
@@ -99,7 +107,8 @@ class FuzzCase:
                "multiple": f"seq=2*k, k {d.seq_min}..{d.seq_max}"}[d.seq_kind]
         return (f"F={self.features} batch {d.batch_min}..{d.batch_max} {seq} mask={self.use_mask} ids={self.use_ids} "
                 f"[{ops}] outputs={2 if self.two_outputs else 1} {self.precision}/{self.matmul_precision}"
-                f"{'/' + self.quantize if self.quantize else ''} seed={self.seed}")
+                f"{'/' + self.quantize if self.quantize else ''} seed={self.seed}{' full' if self.full_conversion else ''}"
+                f"{' bf16-model' if self.bf16_model else ''}")
 
 
 @dataclasses.dataclass
@@ -215,11 +224,13 @@ def fuzz_cases(draw, max_ops: int = 5) -> FuzzCase:
     use_mask, use_ids = draw(st.booleans()), draw(st.booleans())
     state = ChainState(features, dims.seq_min_length, True)
     ops = tuple(_draw_op(draw, state, {"mask": use_mask, "ids": use_ids}) for _ in range(draw(st.integers(1, max_ops))))
-    precision = draw(st.sampled_from(["f32", "f32", "f32", "bf16", "bf16-mixed"]))
-    matmul_precision = draw(st.sampled_from(["default", "high", "highest"])) if precision == "f32" else "default"
+    precision = draw(st.sampled_from(["auto", "f32", "f32", "bf16", "bf16-mixed"]))
+    matmul_precision = draw(st.sampled_from(["default", "high", "highest"])) if precision in ("auto", "f32") else "default"
     quantize = draw(st.sampled_from([None] * 8 + ["int8", "int8-dynamic", "int8-weight-only"]))
+    full_conversion = quantize is None and draw(st.integers(0, 9)) == 0
+    bf16_model = precision == "auto" and quantize is None and draw(st.integers(0, 2)) == 0
     return FuzzCase(features, dims, use_mask, use_ids, ops, draw(st.booleans()), precision, matmul_precision, quantize,
-                    draw(st.integers(0, 2**16)))
+                    draw(st.integers(0, 2**16)), full_conversion, bf16_model)
 
 
 class _Op(nn.Module):
@@ -293,7 +304,7 @@ class _Op(nn.Module):
             return h.reshape(batch, seq, 2, features // 2).permute(0, 2, 1, 3).reshape(batch, 2, seq * (features // 2)) \
                 .reshape(batch, 2, seq, features // 2).permute(0, 2, 1, 3).reshape(batch, seq, features)
         if kind == "cast":
-            return h.to(getattr(torch, op[1])).mul(1.5).to(torch.float32)
+            return h.to(getattr(torch, op[1])).mul(1.5).to(h.dtype)
         if kind == "conv1d":
             return self.layer(h.transpose(1, 2)).transpose(1, 2)
         if kind == "conv2d":
@@ -335,7 +346,7 @@ class _Op(nn.Module):
         if masking == "bool_mask":
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx["mask"][:, None, None, :])
         elif masking == "additive_mask":
-            bias = torch.where(ctx["mask"], 0.0, -1e9)[:, None, None, :]
+            bias = torch.where(ctx["mask"], 0.0, -1e9).to(q.dtype)[:, None, None, :]
             scores = (q @ k.transpose(-1, -2)) / (features // heads) ** 0.5 + bias
             out = scores.softmax(dim=-1) @ v
         else:
@@ -409,10 +420,12 @@ def _features_after(op: tuple, features: int) -> int:
 def build(case: FuzzCase):
     """(model, example args, dynamic_shapes) of a case."""
     model = MODEL_CLASSES[case.use_mask, case.use_ids](case).eval()
+    dtype = torch.bfloat16 if case.bf16_model else torch.float32
+    model.to(dtype)
     d = case.dims
     generator = torch.Generator().manual_seed(case.seed)
     batch, seq = d.batch_example, d.seq_example_length
-    args = [torch.randn(batch, seq, case.features, generator=generator)]
+    args = [torch.randn(batch, seq, case.features, generator=generator).to(dtype)]
     if case.use_mask:
         mask = torch.rand(batch, seq, generator=generator) < 0.8
         mask[:, 0] = True  # a row with no True is all -inf scores: NaN in eager, and so in the program
@@ -439,40 +452,66 @@ class Outcome:
 
 
 def check(case: FuzzCase, fresh_sizes: int = FRESH_SIZES) -> Outcome:
-    """Converts a case (export, quantize, lower, verify) and runs it at fresh sizes (module docstring)."""
+    """Converts a case and runs it at fresh sizes (module docstring)."""
     try:
-        model, args, dynamic_shapes = build(case)
-        loaded = LoadedSource(model, args, dynamic_shapes, None, SourceInfo("api"))
-        captured = export_stage.capture(loaded)
-        if case.quantize:
-            from tpuexport import quantize as quantize_stage
-
-            captured = quantize_stage.quantize(captured, case.quantize, random_calibration=True).captured
-        lowered = lower_stage.lower(captured.program, captured.signature, case.precision, case.matmul_precision)
-        tolerances = verify_stage.default_tolerances(case.precision, case.matmul_precision, case.quantize is not None)
-        report = verify_stage.verify(lowered, captured.reference, captured.example_inputs, tolerances, VERIFY_BUDGET_FLOPS,
-                                     check_op_by_op=case.quantize is not None)
-        if not report.passed:
-            raise VerificationError(report)
+        with tempfile.TemporaryDirectory(prefix="tpuexport-fuzz-") as scratch:
+            if case.full_conversion:
+                lowered, reference, examples, tolerances = _convert_full(case, pathlib.Path(scratch))
+            else:
+                lowered, reference, examples, tolerances = _convert_passes(case)
+            return _check_fresh_sizes(case, lowered, reference, examples, tolerances, fresh_sizes)
     except TpuExportError as error:
         return Outcome("refused", refusal_reason(error), str(error))
     except VerificationError as error:
         return Outcome("verify-failed", "verification failed", str(error))
     except Exception as error:  # a traceback the user would see
         return Outcome("crash", f"{type(error).__name__}", "".join(traceback.format_exception(error))[-3000:])
-    return _check_fresh_sizes(case, captured, lowered, tolerances, fresh_sizes)
 
 
-def _check_fresh_sizes(case: FuzzCase, captured, lowered, tolerances, count: int) -> Outcome:
+def _convert_passes(case: FuzzCase):
+    """Export, quantize, lower and verify, as the pipeline runs them.
+
+    Returns:
+      (lowered program, eager reference, example inputs, tolerances).
+    Raises:
+      TpuExportError, VerificationError: as a conversion does.
+    """
+    model, args, dynamic_shapes = build(case)
+    captured = export_stage.capture(LoadedSource(model, args, dynamic_shapes, None, SourceInfo("api")))
+    if case.quantize:
+        from tpuexport import quantize as quantize_stage
+
+        captured = quantize_stage.quantize(captured, case.quantize, random_calibration=True).captured
+    lowered = lower_stage.lower(captured.program, captured.signature, case.precision, case.matmul_precision,
+                                keep_f32=captured.keep_f32)
+    tolerances = verify_stage.default_tolerances(lowered.resolved_precision, case.matmul_precision, case.quantize is not None)
+    report = verify_stage.verify(lowered, captured.reference, captured.example_inputs, tolerances, VERIFY_BUDGET_FLOPS,
+                                 check_op_by_op=case.quantize is not None)
+    if not report.passed:
+        raise VerificationError(report)
+    return lowered, captured.reference, captured.example_inputs, tolerances
+
+
+def _convert_full(case: FuzzCase, scratch: pathlib.Path):
+    """`tpuexport.convert` for v5e without the SavedModel, then the artifact loaded back from disk."""
+    model, args, dynamic_shapes = build(case)
+    written = tpuexport.convert(model, args, dynamic_shapes, target="v5e", out=scratch / "case.tpu", precision=case.precision,
+                                matmul_precision=case.matmul_precision, verify_budget_flops=VERIFY_BUDGET_FLOPS, saved_model=False)
+    artifact = tpuexport.load(written.path)
+    tolerances = VerificationTolerances.from_json(artifact.manifest["verification"]["tolerances"])
+    return artifact.program, model, args, tolerances
+
+
+def _check_fresh_sizes(case: FuzzCase, lowered, reference, examples, tolerances, count: int) -> Outcome:
     """Runs the lowered program at `count` random sizes in the dims' ranges against eager."""
     signature = lowered.signature
     rng = np.random.default_rng(case.seed)
     runs = ProgramRuns(lowered)
     for index in range(count):
         sizes = {dim.name: int(rng.integers(dim.min, dim.max + 1)) for dim in signature.dims}
-        inputs = make_inputs(signature.inputs, captured.example_inputs, sizes, seed=50_000 + index)
+        inputs = make_inputs(signature.inputs, examples, sizes, seed=50_000 + index)
         try:
-            result, _ = run_case(runs, captured.reference, inputs, PlannedCase("fresh", sizes, "fuzz", 0.0), tolerances)
+            result, _ = run_case(runs, reference, inputs, PlannedCase("fresh", sizes, "fuzz", 0.0), tolerances)
         except TpuExportError as error:  # the artifact refused sizes inside its own ranges
             return Outcome("silent-mismatch", "refused sizes in range", f"{sizes}: {error}")
         if not result.passed:
