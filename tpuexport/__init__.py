@@ -71,6 +71,8 @@ def convert(
     model_name: str | None = None,
     model_version: int = 1,
     quantize: str | None = None,
+    group_size: int = 128,
+    keep_float: str | None = None,
     calibration=None,
     random_calibration: bool = False,
     mesh: str | dict[str, int] | None = None,
@@ -112,7 +114,11 @@ def convert(
       saved_model: also write a TF Serving SavedModel under tf_serving/ (checked in TensorFlow).
       model_name: TF Serving's model name; None for the stem of `out` ("mlp" for "mlp.tpu").
       model_version: TF Serving's version directory (tf_serving/<name>/<version>).
-      quantize: None, "int8" (static), "int8-dynamic" or "int8-weight-only" (PT2E int8, see docs/quantization.md).
+      quantize: None, "int8" (static) or "int8-dynamic" (PT2E int8), "int8-weight-only" or
+        "int4-weight-only" (weights only, also with `checkpoint`; see docs/quantization.md).
+      group_size: int4-weight-only's elements per bfloat16 scale along the contraction dim.
+      keep_float: a regex over state_dict names of weights that weight-only quantization keeps
+        float (e.g. "lm_head"); None quantizes every matmul and embedding weight.
       calibration: for "int8": an iterable of example-args tuples [(x,), ...], or a path to a .npz /
         .safetensors file (one array per input name, samples on axis 0).
       random_calibration: allow "int8" without calibration data, calibrated on random inputs (warned).
@@ -159,7 +165,7 @@ def convert(
         targets, pathlib.Path(out), buckets=buckets, precision=precision, matmul_precision=matmul_precision,
         tolerance_overrides=dict(tolerances or {}), verify_budget_flops=verify_budget_flops, verify_sizes=tuple(verify_sizes or ()),
         overwrite=overwrite, scan=scan, saved_model=saved_model, model_name=model_name, model_version=model_version,
-        quantize=quantize, calibration=None if calibration_file else calibration, calibration_file=calibration_file,
+        quantize=quantize, group_size=group_size, keep_float=keep_float, calibration=None if calibration_file else calibration, calibration_file=calibration_file,
         random_calibration=random_calibration, sharding=make_request(mesh, sharding, rules, input_rules), weights=weights,
         task=task, max_batch=max_batch, max_context=max_context, cache_layout=cache_layout, new_tokens=verify_new_tokens,
     )

@@ -102,8 +102,12 @@ def source_and_target_options(command):
               help="Write a TF Serving SavedModel under tf_serving/ and check it in TensorFlow.")
 @click.option("--name", "model_name", help="TF Serving model name [default: SOURCE stem].")
 @click.option("--version", "model_version", type=int, default=1, show_default=True, help="TF Serving model version.")
-@click.option("--quantize", type=click.Choice(["int8", "int8-dynamic", "int8-weight-only"]),
-              help="PT2E int8 quantization: static (calibrated activations), dynamic (run-time activation scales) or weight-only.")
+@click.option("--quantize", type=click.Choice(["int8", "int8-dynamic", "int8-weight-only", "int4-weight-only"]),
+              help="int8 (PT2E): static (calibrated activations) or dynamic (run-time activation scales); weight-only int8 "
+                   "(per output channel) or int4 (grouped), also with --checkpoint.")
+@click.option("--group-size", type=int, default=128, show_default=True,
+              help="int4-weight-only: weights per bfloat16 scale along the contraction dim.")
+@click.option("--keep-float", metavar="REGEX", help="Weight-only: keep weights whose state_dict name matches REGEX float (e.g. lm_head).")
 @click.option("--calibration", "calibration_file", type=click.Path(path_type=pathlib.Path),
               help="Calibration samples for --quantize int8: .npz/.safetensors, one array per input name, samples on axis 0.")
 @click.option("--random-calibration", is_flag=True, help="Calibrate --quantize int8 on random inputs (not real data; warned).")
@@ -121,7 +125,8 @@ def source_and_target_options(command):
 @handles_errors
 def convert(source, targets, out, buckets, precision, matmul_precision, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
             shard_inputs, as_json, atol, rtol, scale_tol, verify_budget, verify_sizes, scan, saved_model, model_name, model_version, quantize,
-            calibration_file, random_calibration, weights, checkpoint, max_context, max_batch, cache_layout, verify_new_tokens):
+            group_size, keep_float, calibration_file, random_calibration, weights, checkpoint, max_context, max_batch, cache_layout,
+            verify_new_tokens):
     """Convert SOURCE (a Hugging Face model directory or hf:ORG/NAME with --task, model.pt2, file.py:factory, or model.pt with
     --trust-pickle) into an artifact."""
     overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
@@ -132,8 +137,9 @@ def convert(source, targets, out, buckets, precision, matmul_precision, task, in
         precision=precision, matmul_precision=matmul_precision, tolerance_overrides=overrides, verify_budget_flops=verify_budget * 1e9,
         verify_sizes=tuple(parse_sizes(text, "--verify-size") for text in verify_sizes), overwrite=force,
         scan=scan, saved_model=saved_model and weights, model_name=model_name, model_version=model_version, quantize=quantize,
-        calibration_file=calibration_file, random_calibration=random_calibration, weights=weights, checkpoint=checkpoint,
-        max_context=max_context, max_batch=max_batch, cache_layout=cache_layout, new_tokens=verify_new_tokens,
+        group_size=group_size, keep_float=keep_float, calibration_file=calibration_file, random_calibration=random_calibration,
+        weights=weights, checkpoint=checkpoint, max_context=max_context, max_batch=max_batch, cache_layout=cache_layout,
+        new_tokens=verify_new_tokens,
     )
 
 
@@ -184,10 +190,11 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
 
     huggingface = is_huggingface_source(source)
     generation = task == "text-generation"
-    # Quantization rounds, and generation's entry points wrap, the weights in memory: not streamed.
+    # PT2E calibrates and rounds, and generation's entry points wrap, the weights in memory; weight-only
+    # modes quantize them as they stream.
+    in_memory = options.get("quantize") in ("int8", "int8-dynamic") or generation
     loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs, checkpoint=checkpoint,
-                                      task=task if huggingface or not generation else None,
-                                      weights_in_memory=bool(options.get("quantize")) or generation)
+                                      task=task if huggingface or not generation else None, weights_in_memory=in_memory)
     if loaded.huggingface is not None and loaded.huggingface.task == "text-generation":
         generation = True
         if options.get("max_context") is None:  # a Hugging Face config says how far its positions go
@@ -300,6 +307,8 @@ def inspect(artifact_dir, as_json):
                       f"inputs {', '.join(f'{n} {describe_spec(spec)}' for n, spec in plan['inputs'].items())}")
     for run in data["scanned"]:
         console.print(f"  scanned {run['module']} {run['first']}-{run['first'] + run['count'] - 1} ({run['count']} blocks, weights stacked)")
+    for line in describe_weight_only(data.get("quantization", {})):
+        console.print(f"  {line}")
     table = Table("target", "bucket", "HBM per chip", "of HBM", "collectives", "GFLOP", "est. µs", "executable")
     for name, buckets in data["targets"].items():
         for bucket in buckets:
@@ -338,6 +347,18 @@ def parse_tokens(text: str) -> list[int]:
     if not items or not all(item.isdigit() for item in items):
         raise TpuExportError(f"malformed --tokens {text!r}: expected token ids separated by commas, e.g. --tokens 1,2,3")
     return [int(item) for item in items]
+
+
+def describe_weight_only(section: dict) -> list[str]:
+    """inspect's lines for a weight-only artifact: the scheme, then each quantized weight (none for others)."""
+    if "weights" not in section:
+        return []
+    ratio = section["weight_bytes"]["ratio"]
+    lines = [f"quantized {section['mode']}: {len(section['weights'])} weights, weight bytes {ratio}x f32; {section['scheme']}"]
+    for name, entry in section["weights"].items():
+        group = "per output channel" if entry["bits"] == 8 else f"groups of {entry['group_size']}"
+        lines.append(f"  {name}: int{entry['bits']}, {group} along axis {entry['axis']}, scales {entry['scale']}")
+    return lines
 
 
 def describe_microseconds(seconds: float | None) -> str:

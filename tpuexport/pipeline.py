@@ -2,6 +2,9 @@
 
   export   load/capture with torch.export           -> CapturedModel
   quantize PT2E int8 (optional), re-exported         -> CapturedModel (reference: the PT2E model)
+           (weight-only int8/int4 is no pass of its own: lower takes the scheme, the weights pass
+           quantizes a checkpoint's tensors as they stream, verification's reference is the float
+           model with those weights dequantized; quantize/weight_only.py)
   lower    torchax op library -> jax.export          -> LoweredProgram
   weights  (a source with a checkpoint) streamed into the artifact's weights file, tensor by
            tensor, and memory-mapped back                          -> LoweredProgram with weights
@@ -38,6 +41,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 import threading
@@ -80,7 +84,10 @@ class ConversionOptions:
       saved_model: also write the TF Serving SavedModel (tf_serving/) and check it in TensorFlow.
       model_name: TF Serving's model name, or None for the stem of `out`.
       model_version: TF Serving's version number.
-      quantize: None (float), "int8", "int8-dynamic" or "int8-weight-only" (PT2E, see tpuexport.quantize).
+      quantize: None (float), "int8" or "int8-dynamic" (PT2E, see tpuexport.quantize), or
+        "int8-weight-only" or "int4-weight-only" (quantize/weight_only.py).
+      group_size: int4-weight-only's elements per scale along the contraction dim.
+      keep_float: a regex over state_dict names of weights weight-only quantization keeps float, or None.
       calibration: calibration samples (tuples of inputs) for static int8, or None.
       calibration_file: a .npz / .safetensors calibration file (wins over `calibration`), or None.
       random_calibration: allow static int8 without samples, calibrated on random inputs (warned).
@@ -110,6 +117,8 @@ class ConversionOptions:
     model_name: str | None = None
     model_version: int = 1
     quantize: str | None = None
+    group_size: int = 128
+    keep_float: str | None = None
     calibration: Iterable | None = None
     calibration_file: pathlib.Path | None = None
     random_calibration: bool = False
@@ -210,9 +219,11 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         return _run_plan(loaded, options, targets, slices, clock)
     if loaded.checkpoint is None and export_stage.weights_on_meta(loaded.model):
         raise TpuExportError(f"{META_WEIGHTS_ERROR} (tpuexport.plan or convert(weights=False) in Python)")
-    if loaded.checkpoint is not None and options.quantize:
+    weight_only = _weight_only_scheme(options)
+    if loaded.checkpoint is not None and options.quantize and weight_only is None:
         raise TpuExportError("--quantize with --checkpoint is not supported: PT2E calibrates and rounds the weights in memory; "
-                             "load the weights into the model and convert it without --checkpoint")
+                             "load the weights into the model and convert it without --checkpoint, or use --quantize int8-weight-only / "
+                             "int4-weight-only")
     model_name = serving_stage.check_model_name(options.model_name or serving_stage.default_model_name(options.out))
     serving_stage.check_model_version(options.model_version)
     with contextlib.ExitStack() as running:
@@ -223,7 +234,7 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         with clock.stage("export", lambda: _describe_dims(captured.signature)):
             captured = export_stage.capture(loaded)
         quantized = None
-        if options.quantize:
+        if options.quantize and weight_only is None:
             quantized = _quantize(captured, options, clock)
             captured = quantized.captured
         buckets = compile_stage.make_buckets(captured.signature, options.buckets)
@@ -231,10 +242,14 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         with clock.stage("lower", lambda: f"{len(lowered.weight_names)} weight arrays, precision {_describe_precision(lowered)}, "
                                           f"matmul precision {options.matmul_precision}; {_describe_scans(lowered.scanned)}"):
             lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
-                                        options.scan, weights=captured.checkpoint_state is None, keep_f32=captured.keep_f32)
+                                        options.scan, weights=captured.checkpoint_state is None, keep_f32=captured.keep_f32,
+                                        weight_only=weight_only)
         weights_file = None
         if captured.checkpoint_state is not None:
-            lowered, weights_file = _stream_weights(captured, lowered, scratch, clock)
+            lowered, weights_file = _stream_weights(captured, lowered, scratch, clock, weight_only)
+        float_reference = captured.reference
+        if weight_only is not None:
+            captured = dataclasses.replace(captured, reference=_dequantized_reference(captured, lowered, weight_only))
 
         if options.saved_model:
             # Before verification and compilation: a program TensorFlow cannot load fails in seconds;
@@ -256,6 +271,8 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
                                          options.verify_budget_flops, requested_sizes, check_op_by_op=quantized is not None)
             if quantized:
                 report = dataclasses.replace(report, against="the PT2E-converted model, eager PyTorch")
+            if weight_only is not None:
+                report = dataclasses.replace(report, against="the model with its quantized weights dequantized, eager PyTorch")
         if not report.passed:
             raise VerificationError(report, _write_failed_report(options.out, report.to_json()))
         sharded = []
@@ -285,6 +302,8 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             ),)
         if quantized:
             extra_writers += (_quantization_report(quantized, lowered, compiled, clock),)
+        if weight_only is not None:
+            extra_writers += (_weight_only_report(weight_only, lowered, float_reference, captured.example_inputs, clock),)
         if padding:
             extra_writers += (lambda staging: {"padding": padding.to_json()},)
         with clock.stage("write", lambda: str(options.out)):
@@ -332,7 +351,27 @@ def _check_options(options: ConversionOptions) -> tuple[list, list]:
         raise TpuExportError("--max-context / --max-batch apply to --task text-generation only; add --task text-generation or drop them")
     if options.quantize and not options.weights:
         raise TpuExportError("--quantize needs the model's weights (it calibrates and rounds them); plan without it")
+    _weight_only_scheme(options)
     return targets, slices
+
+
+def _weight_only_scheme(options: ConversionOptions):
+    """The weight-only scheme the options ask for (quantize/weight_only.py), or None.
+
+    Raises:
+      TpuExportError: a bad --group-size or --keep-float regex.
+    """
+    if options.quantize not in ("int8-weight-only", "int4-weight-only"):
+        return None
+    from tpuexport.quantize import weight_only
+
+    scheme = weight_only.check_scheme(options.quantize, options.group_size)
+    if options.keep_float:
+        try:
+            re.compile(options.keep_float)
+        except re.error as error:
+            raise TpuExportError(f"--keep-float {options.keep_float!r} is not a regular expression ({error}); give one such as 'lm_head'") from None
+    return dataclasses.replace(scheme, keep_float=options.keep_float or None)
 
 
 def _run_plan(loaded: export_stage.LoadedSource, options: ConversionOptions, targets: list, slices: list,
@@ -375,23 +414,33 @@ def _source_writers(loaded: export_stage.LoadedSource) -> tuple:
 
 
 def _stream_weights(captured: export_stage.CapturedModel, lowered: lower_stage.LoweredProgram, scratch: pathlib.Path,
-                    clock: StageClock) -> tuple[lower_stage.LoweredProgram, pathlib.Path]:
+                    clock: StageClock, weight_only=None) -> tuple[lower_stage.LoweredProgram, pathlib.Path]:
     """The weights pass: copies the checkpoint's tensors into the artifact's weights file one at a
-    time (cast to the program's dtypes, scanned blocks stacked) and maps the file back.
+    time (cast to the program's dtypes, scanned blocks stacked, weight-only ones quantized) and
+    maps the file back.
 
     Args:
       captured: the export stage's result, with `checkpoint_state`.
       lowered: the program lowered from the weights' shapes (`weights` None).
       scratch: the conversion's scratch directory (the file moves into the artifact from there).
       clock: times the pass.
+      weight_only: the weight-only scheme (quantize/weight_only.py), or None.
     Returns:
       (the program with its weights as read-only memory maps of the file, the file).
     """
     path = scratch / "weights.safetensors"
+
+    def parts(name: str):
+        tensors = (captured.checkpoint_state[part] for part in lowered.weight_parts[name])
+        return stored.parts(name, tensors) if weight_only is not None else tensors
+
+    if weight_only is not None:
+        from tpuexport.quantize.weight_only import StoredWeights
+
+        stored = StoredWeights(lowered.quantized, weight_only)
     with clock.stage("weights", lambda: f"{len(lowered.weight_names)} arrays, {written / 2**30:.2f} GiB streamed from the checkpoint "
                                         f"{captured.source.checkpoint}"):
-        written = artifact_stage.write_weights(path, lowered.weight_names, lowered.weight_specs,
-                                               lambda name: (captured.checkpoint_state[part] for part in lowered.weight_parts[name]))
+        written = artifact_stage.write_weights(path, lowered.weight_names, lowered.weight_specs, parts)
         arrays = artifact_stage.map_weights(path)
     return dataclasses.replace(lowered, weights=tuple(arrays[name] for name in lowered.weight_names)), path
 
@@ -433,6 +482,35 @@ def _quantize(captured: export_stage.CapturedModel, options: ConversionOptions, 
             captured, options.quantize, options.calibration, options.calibration_file, options.random_calibration,
         )
     return quantized
+
+
+def _dequantized_reference(captured: export_stage.CapturedModel, lowered: lower_stage.LoweredProgram, scheme):
+    """Verification's reference for a weight-only program: the float model, its quantized weights
+    rounded and dequantized as it runs (quantize/weight_only.py)."""
+    from tpuexport.quantize.weight_only import DequantizedReference
+
+    axes = {part: entry["axis"] for name, entry in lowered.quantized.items() for part in lowered.weight_parts[name]}
+    return DequantizedReference(captured.reference, axes, scheme)
+
+
+def _weight_only_report(scheme, lowered: lower_stage.LoweredProgram, float_reference, example_inputs, clock: StageClock):
+    """The writer that measures a weight-only program's SQNR against the float model and puts the
+    manifest's quantization section (which weights, how) in the artifact."""
+    from tpuexport.verify.quantization_report import weight_only_section
+
+    def write(staging: pathlib.Path) -> dict:
+        with clock.stage("quantization report", lambda: _describe_weight_only(section)):
+            section = weight_only_section(lowered, scheme, float_reference, example_inputs)
+        return {"quantization": section}
+
+    return write
+
+
+def _describe_weight_only(section: dict) -> str:
+    outputs = ", ".join(f"{o['name']} {o['sqnr_db']:.1f} dB" if o["sqnr_db"] is not None else f"{o['name']} exact"
+                        for o in section["outputs"])
+    return (f"{section['mode']}: {len(section['weights'])} weight(s) quantized; SQNR vs float: {outputs}; "
+            f"weights {section['weight_bytes']['ratio']}x f32")
 
 
 def _quantization_report(quantized, lowered: lower_stage.LoweredProgram, compiled: Callable[[], compile_stage.CompileReport],

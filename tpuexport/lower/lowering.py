@@ -16,6 +16,9 @@ Passes, in order:
   pin_precision      the matmul precision written on every dot and convolution, HIGHEST on those
                      that feed a top-k, sort or argmax (matmul_precision.py)
 and, beside the program, its matmul FLOPs as a polynomial in the dims (cost.py).
+With a weight-only scheme (quantize/weight_only.py), the chosen weights become integer and scale
+arguments after collect_weights (their arrays quantized here; a checkpoint's as they stream) and
+the traced ops read them as integers (quantized_weights.py).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from tpuexport.lower.mixed_precision import (PRECISIONS, cast_arguments, cast_re
 from tpuexport.lower.registry import own_lowering
 from tpuexport.lower.scan import ScannedRun, find_runs, run_scan, stack_weights
 from tpuexport.lower.op_support import find_unsupported, user_source
+from tpuexport.lower.quantized_weights import QuantizedArray, call_with_quantized, dequantize_all, holds_quantized
 from tpuexport.lower.shapes import symbolic_input_avals
 from tpuexport.lower.torchax_import import import_torchax
 from tpuexport.signature import ProgramSignature, artifact_dtype
@@ -81,6 +85,8 @@ class LoweredProgram:
         path, blocks, stacked weight name -> state_dict names); empty when none.
       tied: weights that are another weight (an lm_head tied to the embedding), {state_dict name:
         the name it is stored and passed under}: not arguments of the program, held once.
+      quantized: weight-only weights, {weight name: {"mode", "bits", "axis" (contraction axis of
+        one block's weight, from the end), "group_size", "scale" (the scales' weight name)}}.
       decision_matmuls: the matmuls pinned to "highest" because they feed a discrete decision
         ({"op": graph node, "module": module path, "feeds": decision op, "precision": "highest"}
         each; matmul_precision.decision_matmuls).
@@ -97,6 +103,7 @@ class LoweredProgram:
     scanned: tuple[dict, ...] = ()
     tied: dict[str, str] = dataclasses.field(default_factory=dict)
     decision_matmuls: tuple[dict, ...] = ()
+    quantized: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def resolved_precision(self) -> str:
@@ -127,6 +134,7 @@ class LoweredProgram:
         """Each weight's state_dict names: its own, or for a scanned run's stacked weight its
         blocks' in stacking order (axis 0)."""
         stacked = {name: tuple(originals) for run in self.scanned for name, originals in run["weights"].items()}
+        stacked.update({entry["scale"]: stacked.get(name, (name,)) for name, entry in self.quantized.items()})
         return {name: stacked.get(name, (name,)) for name in self.weight_names}
 
     @property
@@ -222,6 +230,7 @@ def lower(
     program: torch.export.ExportedProgram, signature: ProgramSignature, precision: str = "auto", matmul_precision: str = "default",
     scan: bool = True,
     weights: bool = True,
+    weight_only=None,
     keep_f32: frozenset[str] = frozenset(),
 ) -> LoweredProgram:
     """Lowers an exported program to StableHLO through torchax's op library.
@@ -238,13 +247,16 @@ def lower(
         weights stacked (scan.py); False lowers every block on its own.
       weights: False lowers from the weights' shapes and dtypes alone (a plan: no weight is read,
         so the program's weights may be on the meta device); the result has `weights` None.
+      weight_only: a quantize.weight_only.WeightOnlyScheme, or None: its chosen weights become
+        integer and scale arguments (quantized here when `weights`).
       keep_f32: state_dict names of weights the model keeps in f32 on purpose beyond its
         non-persistent f32 buffers (a Hugging Face model's `_keep_in_fp32_modules`; export stage).
     Returns:
       The LoweredProgram.
     Raises:
       UnsupportedOperatorsError: operators with no lowering (all listed).
-      TpuExportError: decomposition or tracing failed, or an unknown precision.
+      TpuExportError: decomposition or tracing failed, an unknown precision, or a group size that
+        does not divide a quantized weight.
     """
     if precision not in PRECISIONS:
         raise TpuExportError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
@@ -263,16 +275,68 @@ def lower(
         names, arrays = collect_weight_specs(decomposed, precision, keep_f32)
     kept = [index for index, name in enumerate(names) if name not in tied]
     stacked_names, stacked = stack_weights(tuple(names[index] for index in kept), tuple(arrays[index] for index in kept), runs)
+    quantized = {}
+    if weight_only is not None:
+        stacked_names, stacked, quantized = _quantize_weights(decomposed, weight_only, tied, runs, stacked_names, stacked, weights)
     specs = tuple(jax.ShapeDtypeStruct(array.shape, array.dtype) for array in stacked)
     kept = frozenset(_kept_placeholders(decomposed, keep_f32)) if precision == "bf16" else frozenset()
     decisions = decision_matmuls(decomposed.graph)
     exported, before_scan = trace_and_export(decomposed, signature, names, stacked_names, specs, precision, runs, tied,
-                                             kept_f32_meetings(decomposed.graph, kept), frozenset(decisions))
+                                             kept_f32_meetings(decomposed.graph, kept), frozenset(decisions), quantized)
     exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision])
     pinned = tuple({"op": node.name, "module": _module_path(node), "feeds": feeds, "precision": "highest"}
                    for node, feeds in decisions.items())
     return LoweredProgram(exported, stacked_names, stacked if weights else None, signature, precision, matmul_precision, flops,
-                          decomposed, tuple(run.to_json(before_scan[run.last_op]) for run in runs), tied, pinned)
+                          decomposed, tuple(run.to_json(before_scan[run.last_op]) for run in runs), tied, pinned,
+                          {name: entry for name, (entry, _) in quantized.items()})
+
+
+def _quantize_weights(program, scheme, tied, runs, names, arrays, with_arrays: bool):
+    """The program's weights with the scheme's chosen ones as integers, each followed by its scales.
+
+    Args:
+      program: the decomposed program.
+      scheme: the WeightOnlyScheme.
+      tied: the tied weights; runs: the scanned runs.
+      names, arrays: the weights in call order (stacked), arrays or (for `with_arrays` False)
+        ShapeDtypeStructs.
+      with_arrays: whether `arrays` are arrays to quantize.
+    Returns:
+      (names, arrays or specs, {weight name: (manifest entry, the float dtype it computes in)}).
+    """
+    from tpuexport.quantize import weight_only  # torch only; loaded for weight-only conversions
+
+    chosen = weight_only.quantizable_weights(program, scheme, tied)
+    originals = {weight.name: weight.originals for run in runs for weight in run.weights}
+    new_names, new_arrays, quantized = [], [], {}
+    for name, array in zip(names, arrays):
+        axes = {chosen.get(original) for original in originals.get(name, (name,))}
+        axis = axes.pop() if len(axes) == 1 else None
+        if axis is None:
+            new_names.append(name)
+            new_arrays.append(array)
+            continue
+        scale_name = f"{name}_scale"
+        if with_arrays:
+            values, scale = weight_only.stored_tensors(torch.from_numpy(np.asarray(array, np.float32)), scheme, axis)
+            new_arrays += [values.numpy(), to_numpy(scale)]
+        else:
+            new_arrays += list(quantized_specs(array.shape, scheme, axis))
+        new_names += [name, scale_name]
+        entry = {"mode": scheme.mode, "bits": scheme.bits, "axis": axis, "group_size": scheme.group(array.shape[axis]),
+                 "scale": scale_name}
+        quantized[name] = (entry, jnp.dtype(array.dtype))
+    return tuple(new_names), tuple(new_arrays), quantized
+
+
+def quantized_specs(shape: tuple[int, ...], scheme, axis: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """The integer and scale arguments' shapes and dtypes of a weight of `shape` (quantize/weight_only.py's storage)."""
+    values_shape = (*shape[:-1], shape[-1] // 2) if scheme.bits == 4 else tuple(shape)
+    scale_shape = list(shape)
+    scale_shape[axis] //= scheme.group(shape[axis])
+    scale_dtype = jnp.bfloat16 if scheme.bits == 4 else jnp.float32
+    return (jax.ShapeDtypeStruct(values_shape, jnp.uint8 if scheme.bits == 4 else jnp.int8),
+            jax.ShapeDtypeStruct(tuple(scale_shape), scale_dtype))
 
 
 def _module_path(node: torch.fx.Node) -> str:
@@ -456,6 +520,11 @@ class _TracingInterpreter:
                 return self.call_function(node.target, args, kwargs)
 
             def call_function(self, target, args, kwargs):
+                if holds_quantized(args, kwargs):
+                    value = call_with_quantized(target, args, kwargs)
+                    if value is not None:
+                        return value if isinstance(value, QuantizedArray) else cast_result(precision, target, value)
+                    args, kwargs = dequantize_all(args), dict(zip(kwargs, dequantize_all(tuple(kwargs.values()))))
                 args, kwargs = cast_arguments(precision, target, args, kwargs, owner.node in meetings)
                 own = own_lowering(target)
                 # A matmul feeding a decision is traced under a scope its StableHLO ops keep, so it is pinned HIGHEST.
@@ -484,7 +553,8 @@ class _TracingInterpreter:
 
 def trace_and_export(program, signature, placeholder_names, weight_names, weight_specs, precision,
                      runs: tuple[ScannedRun, ...] = (), tied: dict[str, str] | None = None,
-                     kept_meetings: frozenset = frozenset(), decisions: frozenset = frozenset()) -> tuple[jax.export.Exported, dict]:
+                     kept_meetings: frozenset = frozenset(), decisions: frozenset = frozenset(),
+                     quantized: dict[str, tuple[dict, jnp.dtype]] | None = None) -> tuple[jax.export.Exported, dict]:
     """Traces torchax's interpreter over the graph under jax.export for CPU and TPU.
 
     Args:
@@ -499,6 +569,8 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
       kept_meetings: ops where values computed from kept f32 state meet others (bf16 rounds them
         there; mixed_precision.kept_f32_meetings).
       decisions: matmul nodes that feed a discrete decision (traced under DECISION_SCOPE).
+      quantized: weight-only weights, {name: (manifest entry, float dtype)}: the weight and its
+        scales reach the ops as one QuantizedArray.
     Returns:
       (the Exported, called as `call(weights_list, inputs_list)`; {run's last op: how many of its
       blocks run before its scan}).
@@ -513,6 +585,9 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
             inputs_list = [x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != compute_dtype else x
                            for x in inputs_list]
         tracer.weights = dict(zip(weight_names, weights_list))
+        for name, (entry, dtype) in (quantized or {}).items():
+            tracer.weights[name] = QuantizedArray(tracer.weights.pop(name), tracer.weights.pop(entry["scale"]), entry["bits"],
+                                                  entry["axis"], dtype)
         # A stacked block weight's own placeholder is read by no op that runs, so it gets None.
         placeholders = [tracer.weights.get((tied or {}).get(name, name)) for name in placeholder_names]
         outputs = tracer.run(*placeholders, *inputs_list)[mutations:]
