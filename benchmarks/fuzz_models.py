@@ -226,7 +226,9 @@ def fuzz_cases(draw, max_ops: int = 5) -> FuzzCase:
     ops = tuple(_draw_op(draw, state, {"mask": use_mask, "ids": use_ids}) for _ in range(draw(st.integers(1, max_ops))))
     precision = draw(st.sampled_from(["auto", "f32", "f32", "bf16", "bf16-mixed"]))
     matmul_precision = draw(st.sampled_from(["default", "high", "highest"])) if precision in ("auto", "f32") else "default"
-    quantize = draw(st.sampled_from([None] * 8 + ["int8", "int8-dynamic", "int8-weight-only"]))
+    # PT2E modes only: weight-only int8/int4 is a lowering-level substitution whose reference is the
+    # dequantized model, which this harness does not build (not fuzzed yet).
+    quantize = draw(st.sampled_from([None] * 8 + ["int8", "int8-dynamic"]))
     full_conversion = quantize is None and draw(st.integers(0, 9)) == 0
     bf16_model = precision == "auto" and quantize is None and draw(st.integers(0, 2)) == 0
     return FuzzCase(features, dims, use_mask, use_ids, ops, draw(st.booleans()), precision, matmul_precision, quantize,
