@@ -200,8 +200,8 @@ class Artifact:
           TpuExportError: a plan (no weights), wrong number of inputs or sizes outside the dims' ranges,
             or a program or weights file that does not match its sha256 in the manifest.
         """
-        arrays = [to_numpy(value.detach().cpu()) if isinstance(value, torch.Tensor) else np.asarray(value) for value in inputs]
-        outputs = self.program.run(arrays)
+        arrays = [_input_array(value, spec.name) for value, spec in zip(inputs, self.signature.inputs)]
+        outputs = self.program.run(arrays + list(inputs[len(arrays):]))
         tensors = [to_torch(array).to(getattr(torch, spec.torch_dtype)) for array, spec in zip(outputs, self.signature.outputs)]
         return pytree.tree_unflatten(tensors, pytree.treespec_loads(self.signature.output_tree))
 
@@ -253,6 +253,20 @@ class Artifact:
                 outputs = [arrays[f"{index}/output/{spec.name}"] for spec in self.signature.outputs]
                 cases.append((case["sizes"], inputs, outputs))
         return cases
+
+
+def _input_array(value, name: str) -> np.ndarray:
+    """A run's input as a numpy array (torch tensors of any dtype and device, bfloat16 included).
+
+    Raises:
+      TpuExportError: a value numpy cannot make an array of (ragged nested lists, ...).
+    """
+    if isinstance(value, torch.Tensor):
+        return to_numpy(value.detach().cpu())
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError) as error:
+        raise TpuExportError(f"input {name!r} is not an array ({type(value).__name__}: {error}); pass a tensor or numpy array") from None
 
 
 def load(path) -> Artifact:

@@ -31,6 +31,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -172,6 +173,7 @@ class LoweredProgram:
         except ValueError as error:
             raise TpuExportError(f"input shapes do not fit the program: {error}") from None
         for array, spec in zip(arrays, specs):
+            _check_dtype_kind(array, spec)
             _check_integer_range(array, spec)
         inputs = [jnp.asarray(a.astype(s.dtype)) for a, s in zip(arrays, specs)]
         outputs = self._compiled(program or self.exported, tuple((a.shape, a.dtype) for a in inputs))(self._device_weights, inputs)
@@ -189,6 +191,26 @@ class LoweredProgram:
             self._executables[key] = (program, jax.jit(program.call).lower(self._device_weights, inputs)
                                       .compile(compiler_options=CPU_COMPILER_OPTIONS))
         return self._executables[key][1]
+
+
+def _dtype_kind(dtype: np.dtype) -> str:
+    """"floating", "integer", "bool" or "other" (bfloat16, whose numpy kind is "V", is floating)."""
+    if dtype == np.bool_:
+        return "bool"
+    if np.issubdtype(dtype, np.integer):
+        return "integer"
+    if np.issubdtype(dtype, np.floating) or dtype == ml_dtypes.bfloat16:
+        return "floating"
+    return "other"
+
+
+def _check_dtype_kind(array: np.ndarray, spec) -> None:
+    """Refuses an input of another kind than the artifact's (a float for token ids, an int for a
+    float input, ...), which a cast would silently change; other widths are cast."""
+    expected = _dtype_kind(np.dtype(spec.dtype))
+    if _dtype_kind(array.dtype) != expected:
+        raise TpuExportError(f"input {spec.name!r} is {array.dtype}, the artifact takes {spec.dtype}; "
+                             f"pass a{'n' if expected == 'integer' else ''} {expected} array (other widths are cast)")
 
 
 def _check_integer_range(array: np.ndarray, spec) -> None:
