@@ -1,17 +1,27 @@
-"""Coverage of real architectures: every family in benchmarks/families.py through `tpuexport.convert`
-in float, bf16 and each int8 mode. Prints one row per family and mode.
+"""Coverage of real architectures: every family in benchmarks/families.py through the command line,
+as a user runs it, in float, bf16 and each int8 mode. Prints one row per family, task choice and mode.
 
     pip install -c constraints.txt -e ".[bench]"
-    python benchmarks/coverage.py                       # every family, every mode
-    python benchmarks/coverage.py bert llama --modes f32,int8 --target v5e --saved-model
+    python benchmarks/coverage.py                       # every family, every mode, --task auto
+    python benchmarks/coverage.py bert llama --modes f32,int8 --tasks auto,explicit --target v5e --saved-model
     python benchmarks/coverage.py --fast --json coverage.json
 
-Each conversion runs in its own process (a crash or leaked state cannot affect the next row), with
-a single-bucket v5e compile and, unless --saved-model, no TF SavedModel. Columns: status (passed,
-mismatch = verification failed, error = refused with a one-line error, crash = anything else) with
-the first line of the error; convert seconds; for int8, the lowest output SQNR against the float
-model, weight bytes against f32 and the share of matmul/conv FLOPs that the compiled TPU HLO runs
-as s8 x s8 -> s32.
+A transformers family is written with save_pretrained into a temporary directory and converted with
+`tpuexport convert DIR --task auto` (or its explicit task) and its --dim ranges: no Python of the
+user's. Static int8 calibrates on random inputs (--random-calibration). A family that is not a
+transformers model (the diffusers UNet) converts from its factory, `families.py:NAME`.
+
+Each conversion runs in its own process, with a single-bucket v5e compile and, unless --saved-model,
+no TF SavedModel. Columns: the task converted (as --task auto resolved it) and the --task given;
+status (passed, mismatch = verification failed, exit 1; error = refused with a one-line error,
+exit 2; crash = anything else) with the last line of stderr; convert seconds (the whole command);
+for int8, the lowest output SQNR against the float model, weight bytes against f32 and the share of
+matmul/conv FLOPs that the compiled TPU HLO runs as s8 x s8 -> s32.
+
+Modes "generate-f32" and "generate-bf16" convert the decoder families' directories with
+`--task text-generation` (max context 64, max batch 2, prefill bucket batch 2 x seq 16 with rows of
+different lengths, 32 new tokens compared with generate(do_sample=False)); their row says whether
+greedy parity holds, the tokens compared and the ties. Other kinds have no row in these modes.
 """
 
 from __future__ import annotations
@@ -28,69 +38,88 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = pathlib.Path(__file__).resolve().parent
 MODES = ("f32", "bf16", "int8", "int8-dynamic", "int8-weight-only")
+GENERATION_MODES = ("generate-f32", "generate-bf16")
+GENERATION_NEW_TOKENS = 32
+TASK_CHOICES = ("auto", "explicit")
 CHILD_TIMEOUT_SECONDS = 1200
+STATUS_OF_EXIT_CODE = {0: "passed", 1: "mismatch", 2: "error"}
 
 
-def convert_one(family_name: str, mode: str, target: str, saved_model: bool, workdir: pathlib.Path) -> dict:
-    """Converts one family in one mode (in this process) and returns the table row as a dict."""
-    import warnings
-
-    warnings.filterwarnings("ignore")
+def save_family(family_name: str, directory: pathlib.Path) -> None:
+    """Writes a transformers family with save_pretrained (run in a child process)."""
     sys.path.insert(0, str(HERE))
     from families import FAMILIES
 
-    import tpuexport
+    FAMILIES[family_name].save(directory)
+
+
+def convert_command(family, source: str, mode: str, task_choice: str, out: pathlib.Path, options) -> list[str]:
+    """The `tpuexport convert` command line of one row."""
+    command = [sys.executable, "-m", "tpuexport.cli", "convert", source, "-o", str(out), "--target", options.target]
+    if family.save is not None:
+        command += ["--task", family.task if task_choice == "explicit" else "auto"]
+        command += [option for dim in family.dims for option in ("--dim", dim)]
+    if mode in GENERATION_MODES:
+        return command + ["--task", "text-generation", "--max-context", "64", "--max-batch", "2", "--bucket", "batch=2", "--bucket",
+                          "seq=16", "--verify-new-tokens", str(GENERATION_NEW_TOKENS), "--precision", mode.removeprefix("generate-"),
+                          "--no-saved-model"]
+    if mode.startswith("int8"):
+        command += ["--quantize", mode] + (["--random-calibration"] if mode == "int8" and family.save is not None else [])
+    else:
+        command += ["--precision", mode]
+    return command + ([] if options.saved_model else ["--no-saved-model"])
+
+
+def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
+    """Converts one family in one mode with the command line and returns the table row."""
+    from families import FAMILIES  # benchmarks/ is on sys.path (main)
 
     family = FAMILIES[family_name]
-    row = {"family": family_name, "kind": family.kind, "mode": mode}
-    built = family.build()
-    quantize = mode if mode.startswith("int8") else None
-    precision = mode if not quantize else "f32"
-    out = workdir / f"{family_name}-{mode}.tpu"
-    start = time.perf_counter()
-    try:
-        artifact = tpuexport.convert(
-            built["model"], built["args"], built["dynamic_shapes"], target=target, out=out, precision=precision,
-            quantize=quantize, calibration=built["calibration"] if quantize == "int8" else None, saved_model=saved_model,
-        )
-    except tpuexport.VerificationError as error:
-        row.update(status="mismatch", message=str(error), report=_read_json(error.report_path))
-    except tpuexport.TpuExportError as error:
-        row.update(status="error", message=str(error))
-    except Exception as error:  # the benchmark reports what a user would see, whatever it is
-        row.update(status="crash", message=f"{type(error).__name__}: {error}")
-    else:
-        row.update(status="passed", report=_read_json(artifact.path / artifact.manifest["verification"]["report"]))
-        manifest = artifact.manifest
+    row = {"family": family_name, "kind": family.kind, "task": family.task or "-", "asked": task_choice if family.save else "factory",
+           "mode": mode}
+    environment = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "PYTHONPATH": os.pathsep.join(
+        [str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    with tempfile.TemporaryDirectory(prefix="tpuexport-coverage-") as scratch:
+        scratch = pathlib.Path(scratch)
+        out = scratch / f"{family_name}-{mode}.tpu"
+        try:
+            if family.save is not None:
+                source = str(scratch / family_name)
+                subprocess.run([sys.executable, str(HERE / "coverage.py"), "--save", family_name, source], check=True, capture_output=True,
+                               timeout=CHILD_TIMEOUT_SECONDS, env=environment)
+            else:
+                source = f"{HERE / 'families.py'}:{family.build.__name__}"
+            start = time.perf_counter()
+            completed = subprocess.run(convert_command(family, source, mode, task_choice, out, options), capture_output=True, text=True,
+                                       timeout=CHILD_TIMEOUT_SECONDS, env=environment, cwd=scratch)
+        except subprocess.TimeoutExpired:
+            return {**row, "status": "crash", "message": f"timed out after {CHILD_TIMEOUT_SECONDS} s"}
+        except subprocess.CalledProcessError as error:
+            return {**row, "status": "crash", "message": f"save_pretrained failed: {(error.stderr or b'').decode().strip()[-200:]}"}
+        row["seconds"] = round(time.perf_counter() - start, 2)
+        row["status"] = STATUS_OF_EXIT_CODE.get(completed.returncode, "crash")
+        if row["status"] != "passed":
+            row["message"] = (completed.stderr.strip().splitlines() or [f"exit code {completed.returncode}"])[-1]
+            report = sorted(scratch.glob("*.verification-report.json"))
+            row["report"] = _read_json(report[0]) if report else None
+            return row
+        manifest = json.loads((out / "manifest.json").read_text())
+        row["task"] = manifest.get("huggingface", {}).get("task", row["task"])
+        row["report"] = _read_json(out / manifest["verification"]["report"])
         row["weight_bytes"] = manifest["program"]["weight_bytes"]
+        if mode in GENERATION_MODES:
+            row["tokens_compared"] = manifest["verification"]["tokens_compared"]
+            row["ties"] = manifest["verification"]["ties"]
         if "quantization" in manifest:
-            quantization = _read_json(artifact.path / manifest["quantization"]["report"])
+            quantization = _read_json(out / manifest["quantization"]["report"])
             row["sqnr_db"] = [o["sqnr_db"] for o in quantization["outputs"]]
             row["weight_ratio"] = quantization["weight_bytes"]["ratio"]
             row["integer_flops_fraction"] = quantization.get("integer_flops", {}).get("fraction")
-    row["seconds"] = round(time.perf_counter() - start, 2)
     return row
 
 
 def _read_json(path) -> dict | None:
     return json.loads(pathlib.Path(path).read_text()) if path and pathlib.Path(path).is_file() else None
-
-
-def run_child(family: str, mode: str, options) -> dict:
-    """Runs `convert_one` in a fresh interpreter and returns its row."""
-    with tempfile.TemporaryDirectory(prefix="tpuexport-coverage-") as scratch:
-        result = pathlib.Path(scratch) / "row.json"
-        command = [sys.executable, str(HERE / "coverage.py"), "--child", family, mode, "--target", options.target,
-                   "--result", str(result)] + (["--saved-model"] if options.saved_model else [])
-        try:
-            completed = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT_SECONDS,
-                                       env={**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}, cwd=scratch)
-        except subprocess.TimeoutExpired:
-            return {"family": family, "mode": mode, "status": "crash", "message": f"timed out after {CHILD_TIMEOUT_SECONDS} s"}
-        if result.is_file():
-            return json.loads(result.read_text())
-        last = (completed.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"family": family, "mode": mode, "status": "crash", "message": f"exit code {completed.returncode}: {last}"}
 
 
 def first_line(text: str, width: int = 110) -> str:
@@ -104,27 +133,29 @@ def format_row(row: dict) -> str:
     ratio = row.get("weight_ratio")
     integer = row.get("integer_flops_fraction")
     message = "" if row["status"] == "passed" else first_line(row.get("message", ""))
-    return (f"| {row['family']} | {row['mode']} | {row['status']} | {row.get('seconds', '-')} | {sqnr_text} | "
+    if row["mode"] in GENERATION_MODES:
+        parity = {"passed": "yes", "mismatch": "no"}.get(row["status"], row["status"])
+        return (f"| {row['family']} | {row['task']} | {row['asked']} | {row['mode']} | greedy parity {parity} | {row.get('seconds', '-')} | "
+                f"{row.get('tokens_compared', '-')} tokens compared, {row.get('ties', '-')} ties | - | - | {message} |")
+    return (f"| {row['family']} | {row['task']} | {row['asked']} | {row['mode']} | {row['status']} | {row.get('seconds', '-')} | {sqnr_text} | "
             f"{f'{ratio:.3f}' if ratio is not None else '-'} | {f'{integer:.0%}' if integer is not None else '-'} | {message} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", help="family names (default: all)")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES + GENERATION_MODES)} (generate-*: decoder families only)")
+    parser.add_argument("--tasks", default="auto", help=f"comma-separated --task choices, from {', '.join(TASK_CHOICES)}")
     parser.add_argument("--target", default="v5e")
     parser.add_argument("--saved-model", action="store_true", help="also build and check the TF SavedModel")
     parser.add_argument("--fast", action="store_true", help="only the families the test suite runs")
     parser.add_argument("--jobs", type=int, default=1, help="conversions at once (each is a process)")
     parser.add_argument("--json", type=pathlib.Path, help="write every row (with its verification report) here")
-    parser.add_argument("--child", nargs=2, metavar=("FAMILY", "MODE"), help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=pathlib.Path, help=argparse.SUPPRESS)
+    parser.add_argument("--save", nargs=2, metavar=("FAMILY", "DIR"), help=argparse.SUPPRESS)
     options = parser.parse_args()
 
-    if options.child:
-        with tempfile.TemporaryDirectory() as workdir:
-            row = convert_one(*options.child, options.target, options.saved_model, pathlib.Path(workdir))
-        options.result.write_text(json.dumps(row))
+    if options.save:
+        save_family(options.save[0], pathlib.Path(options.save[1]))
         return
 
     sys.path.insert(0, str(HERE))
@@ -135,18 +166,24 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
     modes = options.modes.split(",")
-    jobs = [(name, mode) for name in names for mode in modes]
-    print(f"{len(names)} families x {len(modes)} modes, target {options.target}"
+    task_choices = options.tasks.split(",")
+    if set(task_choices) - set(TASK_CHOICES):
+        parser.error(f"unknown --tasks {options.tasks}; use {', '.join(TASK_CHOICES)}")
+    # A family that is not a transformers model converts once, from its factory.
+    jobs = [(name, mode, choice) for name in names for choice in (task_choices if FAMILIES[name].save else task_choices[:1])
+            for mode in modes if mode not in GENERATION_MODES or (FAMILIES[name].kind == "decoder" and FAMILIES[name].save)]
+    print(f"{len(names)} families x {len(modes)} modes x --task {'/'.join(task_choices)}, target {options.target}"
           f"{', SavedModel' if options.saved_model else ''}\n", flush=True)
-    print("| family | mode | status | seconds | int8 SQNR dB (worst output) | weights vs f32 | s8 FLOPs | first line of error |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    print("| family | task | --task | mode | status | seconds | int8 SQNR dB (worst output) | weights vs f32 | s8 FLOPs | error (last line) |")
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     with ThreadPoolExecutor(max_workers=options.jobs) as pool:
-        for row in pool.map(lambda job: run_child(*job, options), jobs):
+        for row in pool.map(lambda job: run_row(*job, options), jobs):
             rows.append(row)
             print(format_row(row), flush=True)
-    passed = {mode: sum(r["status"] == "passed" for r in rows if r["mode"] == mode) for mode in modes}
-    print("\npassed: " + ", ".join(f"{mode} {count}/{len(names)}" for mode, count in passed.items()))
+    passed = {(mode, choice): [r["status"] == "passed" for r in rows if r["mode"] == mode and r["asked"] in (choice, "factory")]
+              for mode in modes for choice in task_choices}
+    print("\npassed: " + ", ".join(f"{mode} --task {choice} {sum(seen)}/{len(seen)}" for (mode, choice), seen in passed.items()))
     if options.json:
         options.json.write_text(json.dumps(rows, indent=1))
 

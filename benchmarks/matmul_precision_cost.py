@@ -35,6 +35,10 @@ def build(name: str) -> dict:
     return {**FAMILIES, **BASE_FAMILIES}[name].build()
 
 
+def _microseconds(seconds: float | None) -> str:
+    return "unknown" if seconds is None else f"{seconds * 1e6:.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=["mlp", "cnn", "transformer", "bert", "llama", "resnet"])
@@ -60,7 +64,7 @@ def main() -> None:
             # With one pass XLA turns f32 operands into bf16 ones before the dot, so count both.
             float_flops = sum(flops for types, flops in compiled.matmul_flops.items() if not types.startswith("s"))
             seconds = precision.bf16_passes * float_flops / (target.peak_bf16_tflops * 1e12)
-            print(f"| {name} | {setting} | {compiled.cost['flops']:.4g} | {compiled.cost['optimal_seconds'] * 1e6:.2f} | "
+            print(f"| {name} | {setting} | {compiled.cost['flops']:.4g} | {_microseconds(compiled.cost['optimal_seconds'])} | "
                   f"{float_flops / 1e9:.4f} | {precision.bf16_passes} | {seconds * 1e6:.3f} |", flush=True)
 
 

@@ -17,6 +17,10 @@ float:
   swapped_channels            output channels 0 and 1 of every addmm, mm and convolution trade places
   transposed_weight           square weights of addmm/mm are used transposed; convolution kernels
                               have their two spatial axes swapped
+weight-only int4 (packing and the program's dequantization):
+  int4_nibble_order_swapped   element 2i packed into the high nibble, 2i+1 into the low one
+  int4_wrong_group_boundary   groups of every (size/group)-th element instead of consecutive runs
+  int4_scale_of_the_wrong_group  each group scaled by its neighbour's scale
 A bug whose op the program does not use (no biases, no norms) leaves it unchanged: the benchmark
 reports such rows as exact.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 
+import jax
 import jax.numpy as jnp
 import torch
 
@@ -179,4 +184,75 @@ INT8_BUGS = {
     "int8_scale_off_by_one_step": int8_scale_off_by_one_step,
     "int8_missing_bias": int8_missing_bias,
     "int8_wrong_zero_point": int8_wrong_zero_point,
+}
+
+
+# Weight-only int4 (quantize/weight_only.py packs, lower/quantized_weights.py converts): bugs in
+# the packing and in the program's dequantization, planted while a program is lowered.
+@contextlib.contextmanager
+def _patched(owner, name: str, replacement):
+    saved = getattr(owner, name)
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+def _nibble_order_swapped():
+    """Packing puts element 2i in the high nibble (the program reads it from the low one)."""
+    from tpuexport.quantize import weight_only
+
+    def swapped(integers):
+        nibbles = integers.contiguous().view(torch.uint8) & 0x0F
+        return (nibbles[..., 0::2] << 4) | nibbles[..., 1::2]
+
+    return _patched(weight_only, "pack_int4", swapped)
+
+
+def _dequantized_with(regroup):
+    """QuantizedArray.dequantized with `regroup(integers, scale, position)` -> (grouped integers,
+    scale broadcast to them) in place of the correct grouping."""
+    from tpuexport.lower.quantized_weights import QuantizedArray
+
+    correct = QuantizedArray.dequantized
+
+    def dequantized(self):
+        if self.bits != 4:
+            return correct(self)
+        integers = jax.lax.bitcast_convert_type(self.values, jnp.int4).reshape(self.stored_shape)
+        position = integers.ndim + self.axis
+        grouped, scale = regroup(integers, self.scale, position)
+        weight = (grouped.astype(self.dtype) * scale.astype(self.dtype)).reshape(integers.shape)
+        return jnp.swapaxes(weight, -1, -2) if self.transposed else weight
+
+    return _patched(QuantizedArray, "dequantized", dequantized)
+
+
+def _wrong_group_boundary():
+    """Groups taken as every (size/group)-th element instead of consecutive runs of `group`."""
+    def regroup(integers, scale, position):
+        shape = integers.shape
+        groups = scale.shape[position]
+        grouped = integers.reshape(shape[:position] + (shape[position] // groups, groups) + shape[position + 1:])
+        return grouped, jnp.expand_dims(scale, position)
+
+    return _dequantized_with(regroup)
+
+
+def _scale_of_the_wrong_group():
+    """Each group multiplied by its neighbour's scale (the scales rolled by one group)."""
+    def regroup(integers, scale, position):
+        shape = integers.shape
+        groups = scale.shape[position]
+        grouped = integers.reshape(shape[:position] + (groups, shape[position] // groups) + shape[position + 1:])
+        return grouped, jnp.expand_dims(jnp.roll(scale, 1, axis=position), position + 1)
+
+    return _dequantized_with(regroup)
+
+
+WEIGHT_ONLY_BUGS = {
+    "int4_nibble_order_swapped": _nibble_order_swapped,
+    "int4_wrong_group_boundary": _wrong_group_boundary,
+    "int4_scale_of_the_wrong_group": _scale_of_the_wrong_group,
 }

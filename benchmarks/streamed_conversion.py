@@ -2,7 +2,7 @@
 memory and wall time of `tpuexport convert --checkpoint`.
 
     python benchmarks/streamed_conversion.py [--layers 16] [--precision bf16] [--no-saved-model] [--keep DIR]
-                                             [--memory-limit GIB]
+                                             [--memory-limit GIB] [--quantize int4-weight-only [--group-size 128]]
 
 The model is transformers' LlamaForCausalLM with Llama-3.2-1B's shapes (hidden 2048, 16 layers,
 32 query / 8 key-value heads, MLP 8192, vocabulary 128256, tied embeddings: 1.24B parameters,
@@ -160,6 +160,8 @@ def main() -> None:
     parser.add_argument("--no-saved-model", dest="saved_model", action="store_false")
     parser.add_argument("--keep", type=pathlib.Path, help="keep the checkpoint and artifact in this directory")
     parser.add_argument("--memory-limit", type=float, metavar="GIB", help="run the conversion in a memory cgroup with this limit")
+    parser.add_argument("--quantize", choices=("int8-weight-only", "int4-weight-only"), help="quantize the weights as they stream")
+    parser.add_argument("--group-size", type=int, default=128)
     options = parser.parse_args()
     config = dict(LLAMA_3_2_1B, num_hidden_layers=options.layers)
     work = options.keep or pathlib.Path(tempfile.mkdtemp(prefix="streamed-"))
@@ -180,6 +182,8 @@ def main() -> None:
                    str(checkpoint), "--target", "v5e", "--precision", options.precision, "--out", str(artifact), "--force"]
         if not options.saved_model:
             command.append("--no-saved-model")
+        if options.quantize:
+            command += ["--quantize", options.quantize, "--group-size", str(options.group_size)]
         environment = dict(os.environ, **{CONFIG_VARIABLE: json.dumps(config)})
         group = memory_cgroup(int(options.memory_limit * 2**30)) if options.memory_limit else None
         # A cached page is charged to the cgroup that read it first: evict the checkpoint from
@@ -211,7 +215,14 @@ def main() -> None:
         gib = lambda value: f"{value / 2**30:.2f} GiB"  # noqa: E731
         print(f"\nmodel: Llama-3.2-1B shape, {config['num_hidden_layers']} layers, {parameters / 1e9:.2f}B parameters, "
               f"f32 {gib(f32_bytes)}; checkpoint {len(shards)} shards, {gib(disk_bytes)} on disk; "
-              f"artifact weights ({options.precision}) {gib((artifact / manifest['program']['weights']).stat().st_size)}")
+              f"artifact weights ({options.quantize or options.precision}) {gib((artifact / manifest['program']['weights']).stat().st_size)}")
+        if options.quantize:
+            quantization = manifest["quantization"]
+            print(f"{options.quantize}: {len(quantization['weights'])} weights quantized, weight bytes {quantization['weight_bytes']['ratio']}x "
+                  f"f32, SQNR vs float {[(o['name'], o['sqnr_db']) for o in quantization['outputs']]}")
+            for bucket in manifest["targets"]["v5e"]["buckets"]:
+                print(f"v5e {bucket['name']}: {bucket['memory']['argument_bytes'] / 2**30:.2f} GiB arguments, "
+                      f"{bucket['memory']['total_bytes'] / 2**30:.2f} GiB in all; XLA bytes accessed {bucket['cost'].get('bytes_accessed', 0) / 2**30:.2f} GiB")
         print(f"wall time {wall:.0f} s; stages: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in manifest["build"]["stage_seconds"].items()))
         print(f"verified sizes: {[case['sizes'] for case in manifest['verification']['cases']]}; passed {manifest['verification']['passed']}")
         print(f"\n{'process':<28}{'peak RSS':>12}{'anon':>12}{'file-backed':>14}{'RSS / f32 model':>18}{'anon / f32':>12}")

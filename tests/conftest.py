@@ -39,3 +39,17 @@ def mlp_artifact(tmp_path_factory) -> tpuexport.Artifact:
 def transformer_artifact(tmp_path_factory) -> tpuexport.Artifact:
     """examples/transformer.py for v5e and v6e at the example shapes."""
     return convert_example("transformer", tmp_path_factory.mktemp("transformer") / "encoder.tpu", target=["v5e", "v6e"])
+
+
+@pytest.fixture(scope="session")
+def plain_mlp_artifact(tmp_path_factory) -> tpuexport.Artifact:
+    """examples/mlp.py for v5e at the example shapes, without the TF SavedModel (seconds to build):
+    the artifact the integrity, fault and run-time input tests copy and damage."""
+    return convert_example("mlp", tmp_path_factory.mktemp("plain_mlp") / "mlp.tpu", target="v5e", saved_model=False)
+
+
+@pytest.fixture(scope="session")
+def mlp_cpu_artifact(tmp_path_factory) -> tpuexport.Artifact:
+    """examples/mlp.py for the cpu target (XLA:CPU executables the runtime loads), buckets batch=1,4,8,
+    with its SavedModel; shared by the runtime and server tests."""
+    return convert_example("mlp", tmp_path_factory.mktemp("mlp_cpu") / "mlp.tpu", target="cpu", buckets={"batch": [1, 4, 8]})

@@ -187,29 +187,52 @@ def test_cli_matmul_precision_and_verify_options(tmp_path):
 
 
 class BestItem(torch.nn.Module):
-    """Index of the best-scoring item: a discrete output that the TPU's bf16 operand rounding can change."""
+    """Index of the best-scoring item: a discrete output that the TPU's bf16 operand rounding can change.
+    With `project`, the scores come from a matmul that does not feed the argmax directly (only the
+    scoring matmul is pinned to highest by default, see test_a_matmul_feeding_a_decision_is_pinned_to_highest)."""
 
-    def __init__(self):
+    def __init__(self, project: bool = False):
         super().__init__()
+        self.project = torch.nn.Linear(2, 2, bias=False) if project else torch.nn.Identity()
         self.score = torch.nn.Linear(2, 1, bias=False)
         with torch.no_grad():
             self.score.weight.fill_(1.0)
+            if project:
+                self.project.weight.copy_(torch.eye(2))
 
     def forward(self, items):
-        return self.score(items).squeeze(-1).argmax(-1)
+        return self.score(self.project(items)).squeeze(-1).argmax(-1)
+
+
+# 1e-3 and 1.0005e-3 round to the same bfloat16: in one bf16 pass the two items tie (argmax picks
+# the first), in f32 the second wins.
+TIED_IN_BF16 = torch.tensor([[[1.0, 1e-3], [1.0, 1.0005e-3]]] * 2)
 
 
 def test_a_discrete_output_the_tpu_would_change_fails_with_the_precision_named(tmp_path):
-    # 1e-3 and 1.0005e-3 round to the same bfloat16: in one bf16 pass the two items tie (argmax picks
-    # the first), in f32 the second wins.
-    items = torch.tensor([[[1.0, 1e-3], [1.0, 1.0005e-3]]] * 2)
+    items = TIED_IN_BF16
     batch = torch.export.Dim("batch", min=1, max=4)
     with pytest.raises(tpuexport.VerificationError) as failure:
-        tpuexport.convert(BestItem(), (items,), {"items": {0: batch}}, out=tmp_path / "best.tpu", saved_model=False)
+        tpuexport.convert(BestItem(project=True), (items,), {"items": {0: batch}}, out=tmp_path / "best.tpu", saved_model=False)
     assert "output 'output_0' at batch=2 (tpu run)" in str(failure.value) and "--matmul-precision high or highest" in str(failure.value)
-    artifact = tpuexport.convert(BestItem(), (items,), {"items": {0: batch}}, out=tmp_path / "best.tpu", saved_model=False,
+    artifact = tpuexport.convert(BestItem(project=True), (items,), {"items": {0: batch}}, out=tmp_path / "best.tpu", saved_model=False,
                                  matmul_precision="highest")
     assert artifact.run(items).tolist() == [1, 1]
+
+
+def test_a_matmul_feeding_a_decision_is_pinned_to_highest():
+    """The scoring matmul feeds the argmax directly: pinned HIGHEST under the default setting (so the
+    TPU ranks as f32 does), recorded per op, and the TPU-faithful run keeps it f32."""
+    items = TIED_IN_BF16
+    captured = capture(LoadedSource(BestItem(), (items,), {"items": {0: torch.export.Dim("batch", min=1, max=4)}}, None, SourceInfo("api")))
+    lowered = lower(captured.program, captured.signature)
+    assert lowered.matmul_precision == "default"
+    assert [(entry["module"], entry["feeds"], entry["precision"]) for entry in lowered.decision_matmuls] == [
+        ("score", "aten.argmax.default", "highest")]
+    dots = [line for line in lowered.exported.mlir_module().splitlines() if "stablehlo.dot_general" in line]
+    assert dots and all("HIGHEST" in line for line in dots)
+    report = verify(lowered, captured.reference, captured.example_inputs)
+    assert report.passed and all(output.mismatched == 0 for case in report.cases for output in case.runs["tpu"])
 
 
 def test_rounding_may_flip_a_few_decisions_but_never_produce_a_nan():

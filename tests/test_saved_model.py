@@ -21,7 +21,7 @@ from tpuexport.compile import Bucket, CompileReport
 from tpuexport.export import SourceInfo
 from tpuexport.artifact.tf_serving import SavedModelBuild, SavedModelMismatch, TensorFlowProcess, TfServingExport
 from tpuexport.verify import verify
-from tpuexport.verify.saved_model_check import check_saved_model
+from tpuexport.artifact.tf_serving import check_saved_model
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,13 @@ from tpuexport.export import LoadedSource, SourceInfo, capture
 
 
 def tiny_llama(layers: int = 3) -> dict:
-    return families._text(families._hf("LlamaConfig", "LlamaForCausalLM", **dict(families._DECODER, num_hidden_layers=layers)),
-                          ("logits",), use_cache=False)
+    return families.transformers_family("llama", "decoder", "LlamaForCausalLM", "LlamaConfig", dict(families._DECODER, num_hidden_layers=layers),
+                                        "text-generation", families.TEXT_DIMS).build()
 
 
 def tiny_bert(layers: int = 3) -> dict:
-    return families._text(families._hf("BertConfig", "BertModel", **dict(families._TEXT, num_hidden_layers=layers)),
-                          ("last_hidden_state", "pooler_output"))
+    return families.transformers_family("bert", "encoder", "BertModel", "BertConfig", dict(families._TEXT, num_hidden_layers=layers),
+                                        "feature-extraction", families.TEXT_DIMS).build()
 
 
 def captured(built: dict):

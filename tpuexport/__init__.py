@@ -2,12 +2,15 @@
 
     art = tpuexport.convert(model, args=(x,), dynamic_shapes=..., target="v5e", out="model.tpu")
     art.run(x)                       # the lowered StableHLO on CPU
+    llm = tpuexport.convert(causal_lm, task="text-generation", max_context=2048, max_batch=8, out="llm.tpu")
+    llm.generate([1, 2, 3], max_new_tokens=32)   # prefill + decode over the KV cache, on CPU
     tpuexport.load("model.tpu")      # the same Artifact type
     tpuexport.verify_artifact("model.tpu", recompile=True).passed   # the CI gate
     tpuexport.plan(meta_model, args=(x,), target="v5p-128", sharding="fsdp", out="big.tpu")  # no weights
     with tpuexport.parameters_on_meta():
         model = build()                # no parameter memory
     tpuexport.convert(model, args=(x,), checkpoint="ckpt/", out="big.tpu")  # weights streamed
+    tpuexport.runner("model.tpu").run({"x": x})   # the AOT executables of this host, no compiling
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from tpuexport import _runtime  # noqa: F401  (pins JAX to CPU before anything s
 from tpuexport.artifact import Artifact, load
 from tpuexport.compile import SLICES, TARGETS, make_request
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError, VerificationError
-from tpuexport.export import LoadedSource, SourceInfo, open_checkpoint, parameters_on_meta
+from tpuexport.export import DEFAULT_CACHE_LAYOUT, LoadedSource, SourceInfo, open_checkpoint, parameters_on_meta
 from tpuexport.pipeline import ConversionOptions, run_conversion
-from tpuexport.verify import DEFAULT_BUDGET_FLOPS, Tolerances
-from tpuexport.verify.gate import CheckResult, GateReport, verify_artifact
+from tpuexport.runtime import Runner
+from tpuexport.runtime import open_runner as runner
+from tpuexport.verify import DEFAULT_BUDGET_FLOPS, DEFAULT_NEW_TOKENS, Tolerances
+from tpuexport.gate import CheckResult, GateReport, verify_artifact
 
 __version__ = "0.1.0"
 
@@ -33,6 +38,7 @@ __all__ = [
     "Artifact",
     "CheckResult",
     "GateReport",
+    "Runner",
     "Tolerances",
     "TpuExportError",
     "UnsupportedOperatorsError",
@@ -41,6 +47,7 @@ __all__ = [
     "load",
     "parameters_on_meta",
     "plan",
+    "runner",
     "verify_artifact",
 ]
 
@@ -53,7 +60,7 @@ def convert(
     target="v5e",
     out,
     buckets: dict[str, list[int]] | None = None,
-    precision: str = "f32",
+    precision: str = "auto",
     matmul_precision: str = "default",
     tolerances: dict[str, float] | tuple[float, float] | None = None,
     verify_budget_flops: float = DEFAULT_BUDGET_FLOPS,
@@ -64,6 +71,8 @@ def convert(
     model_name: str | None = None,
     model_version: int = 1,
     quantize: str | None = None,
+    group_size: int = 128,
+    keep_float: str | None = None,
     calibration=None,
     random_calibration: bool = False,
     mesh: str | dict[str, int] | None = None,
@@ -73,6 +82,11 @@ def convert(
     progress=None,
     weights: bool = True,
     checkpoint=None,
+    task: str = "forward",
+    max_context: int | None = None,
+    max_batch: int = 1,
+    cache_layout: str = DEFAULT_CACHE_LAYOUT,
+    verify_new_tokens: int = DEFAULT_NEW_TOKENS,
 ) -> Artifact:
     """Converts a PyTorch model into a verified TPU artifact directory.
 
@@ -85,7 +99,9 @@ def convert(
         or slices ("v5e-8", "v5p-8", "v6e-8", "7x-8", ...; see SLICES).
       out: the artifact directory to create.
       buckets: {dim name: [sizes]} compiled as a cartesian product; None for the example shapes.
-      precision: "f32" or "bf16".
+      precision: "auto" (the model's own dtypes tensor by tensor: bf16 parameters stay bf16, f32
+        buffers stay f32), "f32", "bf16" (all bfloat16 but for state the model keeps in f32) or
+        "bf16-mixed" (autocast-like); README, "Precision".
       matmul_precision: the TPU arithmetic of dots and convolutions, pinned in the artifact and
         emulated by verification: "default" (one bf16 pass), "high" (bf16x3), "highest" (f32).
       tolerances: verification overrides, {"atol": ..., "rtol": ..., "scale_tol": ...} or
@@ -98,7 +114,11 @@ def convert(
       saved_model: also write a TF Serving SavedModel under tf_serving/ (checked in TensorFlow).
       model_name: TF Serving's model name; None for the stem of `out` ("mlp" for "mlp.tpu").
       model_version: TF Serving's version directory (tf_serving/<name>/<version>).
-      quantize: None, "int8" (static), "int8-dynamic" or "int8-weight-only" (PT2E int8, see docs/quantization.md).
+      quantize: None, "int8" (static) or "int8-dynamic" (PT2E int8), "int8-weight-only" or
+        "int4-weight-only" (weights only, also with `checkpoint`; see docs/quantization.md).
+      group_size: int4-weight-only's elements per bfloat16 scale along the contraction dim.
+      keep_float: a regex over state_dict names of weights that weight-only quantization keeps
+        float (e.g. "lm_head"); None quantizes every matmul and embedding weight.
       calibration: for "int8": an iterable of example-args tuples [(x,), ...], or a path to a .npz /
         .safetensors file (one array per input name, samples on axis 0).
       random_calibration: allow "int8" without calibration data, calibrated on random inputs (warned).
@@ -116,6 +136,14 @@ def convert(
         parameters on the meta device, e.g. built within `tpuexport.parameters_on_meta()`): a
         .safetensors file, a sharded checkpoint directory, a .pt state_dict, or a Mapping name ->
         tensor read one tensor at a time. No more than a few tensors are in memory at once.
+      task: "forward" (the model's forward as one program) or "text-generation": `model` is a
+        Hugging Face causal LM (no args), and the artifact holds entry points prefill and decode
+        over a KV cache of max_batch x max_context (README, "Text generation"); `buckets` then
+        takes prefill's {"seq": prompt lengths, "batch": batch sizes}; no SavedModel is written.
+      max_context: positions per cache slot (text-generation; required there).
+      max_batch: cache slots, decode's batch (text-generation).
+      cache_layout: "layer_batch_head_pos" (default) or "layer_batch_pos_head" (text-generation).
+      verify_new_tokens: tokens each verification prompt generates (text-generation).
     Returns:
       The Artifact written at `out`.
     Raises:
@@ -126,7 +154,7 @@ def convert(
     """
     if isinstance(tolerances, tuple):
         tolerances = dict(zip(("atol", "rtol"), tolerances))
-    if not isinstance(model, torch.export.ExportedProgram) and args is None:
+    if task != "text-generation" and not isinstance(model, torch.export.ExportedProgram) and args is None:
         raise TpuExportError("convert(model) needs args=(example inputs,) for an nn.Module")
     opened = open_checkpoint(checkpoint) if checkpoint is not None else None
     loaded = LoadedSource(model, tuple(args) if args is not None else None, dynamic_shapes, None,
@@ -137,8 +165,9 @@ def convert(
         targets, pathlib.Path(out), buckets=buckets, precision=precision, matmul_precision=matmul_precision,
         tolerance_overrides=dict(tolerances or {}), verify_budget_flops=verify_budget_flops, verify_sizes=tuple(verify_sizes or ()),
         overwrite=overwrite, scan=scan, saved_model=saved_model, model_name=model_name, model_version=model_version,
-        quantize=quantize, calibration=None if calibration_file else calibration, calibration_file=calibration_file,
+        quantize=quantize, group_size=group_size, keep_float=keep_float, calibration=None if calibration_file else calibration, calibration_file=calibration_file,
         random_calibration=random_calibration, sharding=make_request(mesh, sharding, rules, input_rules), weights=weights,
+        task=task, max_batch=max_batch, max_context=max_context, cache_layout=cache_layout, new_tokens=verify_new_tokens,
     )
     return run_conversion(loaded, options, progress)
 
@@ -151,7 +180,7 @@ def plan(
     target="v5e",
     out,
     buckets: dict[str, list[int]] | None = None,
-    precision: str = "f32",
+    precision: str = "auto",
     matmul_precision: str = "default",
     overwrite: bool = False,
     mesh: str | dict[str, int] | None = None,

@@ -48,16 +48,23 @@ def main():
 # Options `convert` and `plan` share: the model, what to compile it for, and where to write.
 SOURCE_AND_TARGET_OPTIONS = (
     click.option("--target", "targets", multiple=True, default=("v5e",), show_default=True,
-                 help="TPU target (repeat for several): a chip (v4, v5e, v5p, v6e, 7x) or a slice (v5e-8, v5p-8, v6e-8, 7x-8, ...)."),
+                 help="TPU target (repeat for several): a chip (v4, v5e, v5p, v6e, 7x) or a slice (v5e-8, v5p-8, v6e-8, 7x-8, ...); "
+                      "cpu for XLA:CPU executables of this host (tpuexport serve runs them)."),
     click.option("-o", "--out", type=click.Path(path_type=pathlib.Path), help="Artifact directory [default: SOURCE stem + .tpu]."),
     click.option("--bucket", "buckets", multiple=True, metavar="DIM=S1,S2,...",
                  help="Sizes to compile for a dim (repeat per dim; cartesian product). Default: the example shapes."),
-    click.option("--precision", type=click.Choice(["f32", "bf16", "bf16-mixed"]), default="f32", show_default=True,
-                 help="bf16: weights and every op in bfloat16; bf16-mixed: matmuls/convolutions in bfloat16, softmax, norms and reductions in f32."),
+    click.option("--precision", type=click.Choice(["auto", "f32", "bf16", "bf16-mixed"]), default="auto", show_default=True,
+                 help="auto: the model's own dtypes tensor by tensor; f32: weights and inputs in f32; bf16: weights and every op in "
+                      "bfloat16 (state the model keeps in f32 stays f32); bf16-mixed: matmuls/convolutions in bfloat16, softmax, "
+                      "norms and reductions in f32."),
     click.option("--matmul-precision", type=click.Choice(["default", "high", "highest"]), default="default", show_default=True,
                  help="TPU arithmetic of every dot/convolution: one bf16 pass, bf16x3, or f32 accuracy (six passes)."),
+    click.option("--task", default="auto", show_default=True, metavar="TASK",
+                 help="Task of a Hugging Face directory / hf:ORG/NAME source, as optimum names it (text-classification, "
+                      "text-generation, image-classification, automatic-speech-recognition, ...); auto: from config.json's architectures."),
     click.option("--input", "inputs", multiple=True, metavar="NAME:D0,D1,...[:DTYPE]", help="Input of a pickled model (repeat, in order)."),
-    click.option("--dim", "dims", multiple=True, metavar="NAME=MIN:MAX", help="A symbolic dim used by --input."),
+    click.option("--dim", "dims", multiple=True, metavar="NAME=MIN:MAX",
+                 help="A symbolic dim used by --input, or a Hugging Face source's dim range (batch, sequence, ...; MIN=MAX: static)."),
     click.option("--trust-pickle", is_flag=True, help="Allow unpickling a .pt/.pth module (pickles run code when loaded)."),
     click.option("--force", is_flag=True, help="Replace an existing artifact at --out."),
     click.option("--mesh", metavar="AXIS=SIZE,...",
@@ -95,8 +102,12 @@ def source_and_target_options(command):
               help="Write a TF Serving SavedModel under tf_serving/ and check it in TensorFlow.")
 @click.option("--name", "model_name", help="TF Serving model name [default: SOURCE stem].")
 @click.option("--version", "model_version", type=int, default=1, show_default=True, help="TF Serving model version.")
-@click.option("--quantize", type=click.Choice(["int8", "int8-dynamic", "int8-weight-only"]),
-              help="PT2E int8 quantization: static (calibrated activations), dynamic (run-time activation scales) or weight-only.")
+@click.option("--quantize", type=click.Choice(["int8", "int8-dynamic", "int8-weight-only", "int4-weight-only"]),
+              help="int8 (PT2E): static (calibrated activations) or dynamic (run-time activation scales); weight-only int8 "
+                   "(per output channel) or int4 (grouped), also with --checkpoint.")
+@click.option("--group-size", type=int, default=128, show_default=True,
+              help="int4-weight-only: weights per bfloat16 scale along the contraction dim.")
+@click.option("--keep-float", metavar="REGEX", help="Weight-only: keep weights whose state_dict name matches REGEX float (e.g. lm_head).")
 @click.option("--calibration", "calibration_file", type=click.Path(path_type=pathlib.Path),
               help="Calibration samples for --quantize int8: .npz/.safetensors, one array per input name, samples on axis 0.")
 @click.option("--random-calibration", is_flag=True, help="Calibrate --quantize int8 on random inputs (not real data; warned).")
@@ -105,20 +116,30 @@ def source_and_target_options(command):
 @click.option("--checkpoint", type=click.Path(path_type=pathlib.Path),
               help="Stream the weights from this checkpoint (.safetensors, a sharded directory with its index, or a .pt state_dict); "
                    "the factory's model is built with its parameters on the meta device.")
+@click.option("--max-context", type=int, help="text-generation: positions per KV cache slot (prompt + generated tokens).")
+@click.option("--max-batch", type=int, default=1, show_default=True, help="text-generation: KV cache slots, decode's batch.")
+@click.option("--cache-layout", type=click.Choice(["layer_batch_head_pos", "layer_batch_pos_head"]), default="layer_batch_head_pos",
+              show_default=True, help="text-generation: the KV cache's axes.")
+@click.option("--verify-new-tokens", type=int, default=8, show_default=True,
+              help="text-generation: tokens each verification prompt generates, compared with generate().")
 @handles_errors
-def convert(source, targets, out, buckets, precision, matmul_precision, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
+def convert(source, targets, out, buckets, precision, matmul_precision, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
             shard_inputs, as_json, atol, rtol, scale_tol, verify_budget, verify_sizes, scan, saved_model, model_name, model_version, quantize,
-            calibration_file, random_calibration, weights, checkpoint):
-    """Convert SOURCE (model.pt2, file.py:factory, or model.pt with --trust-pickle) into an artifact."""
+            group_size, keep_float, calibration_file, random_calibration, weights, checkpoint, max_context, max_batch, cache_layout,
+            verify_new_tokens):
+    """Convert SOURCE (a Hugging Face model directory or hf:ORG/NAME with --task, model.pt2, file.py:factory, or model.pt with
+    --trust-pickle) into an artifact."""
     overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
     if verify_budget < 0:
         raise TpuExportError(f"--verify-budget {verify_budget:g} is negative; give GFLOP >= 0 (0 runs only the sizes every conversion runs)")
     _convert_source(
-        source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json,
+        source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json, task=task,
         precision=precision, matmul_precision=matmul_precision, tolerance_overrides=overrides, verify_budget_flops=verify_budget * 1e9,
         verify_sizes=tuple(parse_sizes(text, "--verify-size") for text in verify_sizes), overwrite=force,
         scan=scan, saved_model=saved_model and weights, model_name=model_name, model_version=model_version, quantize=quantize,
-        calibration_file=calibration_file, random_calibration=random_calibration, weights=weights, checkpoint=checkpoint,
+        group_size=group_size, keep_float=keep_float, calibration_file=calibration_file, random_calibration=random_calibration,
+        weights=weights, checkpoint=checkpoint, max_context=max_context, max_batch=max_batch, cache_layout=cache_layout,
+        new_tokens=verify_new_tokens,
     )
 
 
@@ -126,16 +147,16 @@ def convert(source, targets, out, buckets, precision, matmul_precision, inputs, 
 @click.argument("source")
 @source_and_target_options
 @handles_errors
-def plan(source, targets, out, buckets, precision, matmul_precision, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
+def plan(source, targets, out, buckets, precision, matmul_precision, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
          shard_inputs, as_json):
     """Plan SOURCE without weights (e.g. a model built on the meta device): compile for every target and bucket with the
     sharding plan and report per-chip HBM; no verification, no weights in the artifact."""
-    _convert_source(source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json,
+    _convert_source(source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json, task=task,
                     precision=precision, matmul_precision=matmul_precision, overwrite=force, saved_model=False, weights=False)
 
 
 def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pickle: bool, sharding_options: tuple, as_json: bool,
-                    checkpoint: pathlib.Path | None = None, **options) -> None:
+                    checkpoint: pathlib.Path | None = None, task: str = "auto", **options) -> None:
     """Loads SOURCE, runs the conversion (or plan) and prints the outcome.
 
     Args:
@@ -143,6 +164,7 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
       targets, out, buckets, inputs, dims, trust_pickle: the shared options as click gives them.
       sharding_options: (--mesh, --sharding, --shard rules, --shard-input rules).
       as_json: print the summary as JSON on stdout.
+      checkpoint: --checkpoint; task: --task (Hugging Face sources).
       **options: the remaining ConversionOptions fields (model_name None for the source's stem).
     Raises:
       TpuExportError: bad input; VerificationError: the conversion did not verify.
@@ -159,12 +181,26 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
     bucket_sizes = compile_stage.parse_bucket_options(buckets)
     compile_stage.resolve_targets(list(targets))
     sharding_request = compile_stage.make_request(*sharding_options)
-    source_stem = pathlib.Path(source.partition(":")[0] if ".py:" in source else source).stem
+    source_stem = pathlib.Path(source.partition(":")[0] if ".py:" in source else source.partition("@")[0]).stem
     options["model_name"] = options.get("model_name") or source_stem
     conversion = ConversionOptions(tuple(targets), out or pathlib.Path(source_stem + ".tpu"), buckets=bucket_sizes or None,
                                    sharding=sharding_request, **options)
 
-    loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs, checkpoint=checkpoint)
+    from tpuexport.export.huggingface import generation_context, is_huggingface_source
+
+    huggingface = is_huggingface_source(source)
+    generation = task == "text-generation"
+    # PT2E calibrates and rounds, and generation's entry points wrap, the weights in memory; weight-only
+    # modes quantize them as they stream.
+    in_memory = options.get("quantize") in ("int8", "int8-dynamic") or generation
+    loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs, checkpoint=checkpoint,
+                                      task=task if huggingface or not generation else None, weights_in_memory=in_memory)
+    if loaded.huggingface is not None and loaded.huggingface.task == "text-generation":
+        generation = True
+        if options.get("max_context") is None:  # a Hugging Face config says how far its positions go
+            options["max_context"] = generation_context(loaded.model)
+    if generation:
+        conversion = dataclasses.replace(conversion, task="text-generation", max_context=options.get("max_context"))
     artifact = run_conversion(loaded, conversion, progress=_print_stage)
     if artifact.plan_only:
         stderr.print(f"[bold green]planned[/] {source} -> {artifact.path} (plan only: no weights, not verified)", soft_wrap=True)
@@ -204,12 +240,15 @@ def summary(artifact) -> dict:
         "source": manifest["source"],
         "plan_only": artifact.plan_only,
         "precision": manifest["precision"],
-        "signature": manifest["signature"],
+        "resolved_precision": manifest.get("resolved_precision", manifest["precision"]),
+        **({"signature": manifest["signature"]} if "signature" in manifest else {}),
+        **({"task": manifest["task"], "entry_points": {name: entry["signature"] for name, entry in manifest["entry_points"].items()},
+            "generation": manifest["generation"]} if "entry_points" in manifest else {}),
         "verification": {key: manifest["verification"][key] for key in ("passed", "status", "cases") if key in manifest["verification"]},
         "targets": {
             name: [
-                {k: bucket[k] for k in ("name", "sizes", "executable", "memory", "cost", "fits_in_hbm", "hbm_utilization", "collectives")
-                 if k in bucket}
+                {k: bucket[k] for k in ("entry_point", "name", "sizes", "executable", "memory", "cost", "fits_in_hbm", "hbm_utilization",
+                                        "collectives", "decode_step") if k in bucket}
                 for bucket in target["buckets"]
             ]
             for name, target in manifest["targets"].items()
@@ -220,6 +259,8 @@ def summary(artifact) -> dict:
         "scanned": [{k: run[k] for k in ("module", "first", "count")} for run in manifest.get("scanned", [])],
         **({"quantization": manifest["quantization"]} if "quantization" in manifest else {}),
         **({"tf_serving": manifest["tf_serving"]} if "tf_serving" in manifest else {}),
+        **({"huggingface": {key: value for key, value in manifest["huggingface"].items() if key != "config"}}
+           if "huggingface" in manifest else {}),
     }
 
 
@@ -230,6 +271,7 @@ def summary(artifact) -> dict:
 def inspect(artifact_dir, as_json):
     """Show an artifact's inputs, dims, targets, buckets and figures."""
     from tpuexport.artifact import load
+    from tpuexport.signature import ProgramSignature
 
     artifact = load(artifact_dir)
     data = summary(artifact)
@@ -237,31 +279,97 @@ def inspect(artifact_dir, as_json):
         click.echo(json.dumps(data, indent=2))
         return
     console = Console(highlight=False, width=200)
-    signature = artifact.signature
     verification = ("plan only (no weights, not verified)" if artifact.plan_only
                     else f"verification {'passed' if data['verification']['passed'] else 'FAILED'}")
     console.print(f"[bold]{artifact.path}[/]  source {data['source']['reference'] or data['source']['kind']}, "
-                  f"precision {data['precision']}, {verification}")
-    for dim in signature.dims:
-        console.print(f"  dim {dim.name}: {dim.range_text} (example {dim.example})")
-    for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
-        for spec in specs:
-            console.print(f"  {kind} {spec.name}: {spec.dtype}[{', '.join(map(str, spec.shape))}]")
+                  f"precision {describe_precision(data)}, {verification}")
+    if "huggingface" in data:
+        hf = data["huggingface"]
+        console.print(f"  hugging face: task {hf['task']}, {hf['architecture']}, revision {hf['revision'] or 'none (not from the cache)'}; "
+                      f"files {', '.join(hf['files'].values()) or 'none'}")
+    if artifact.task == "text-generation":
+        generation = data["generation"]
+        console.print(f"  text generation: max batch {generation['max_batch']}, max context {generation['max_context']}, cache "
+                      f"{generation['layout']} {generation['cache_shape']} {generation['dtype']} x2 ({generation['cache_bytes'] / 2**20:.2f} MiB)")
+        signatures = {name: ProgramSignature.from_json(entry) for name, entry in data["entry_points"].items()}
+    else:
+        signatures = {"": artifact.signature}
+    for entry_point, signature in signatures.items():
+        prefix = f"{entry_point} " if entry_point else ""
+        for dim in signature.dims:
+            console.print(f"  {prefix}dim {dim.name}: {dim.range_text} (example {dim.example})")
+        for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
+            for spec in specs:
+                console.print(f"  {prefix}{kind} {spec.name}: {spec.dtype}[{', '.join(map(str, spec.shape))}]")
     for name, plan in data.get("sharding", {}).items():
         split = {weight: spec for weight, spec in plan["weights"].items() if any(entry is not None for entry in spec)}
         console.print(f"  {name}: mesh {describe_mesh(plan['mesh'])}, {plan['preset']}, {len(split)}/{len(plan['weights'])} weights split; "
                       f"inputs {', '.join(f'{n} {describe_spec(spec)}' for n, spec in plan['inputs'].items())}")
     for run in data["scanned"]:
         console.print(f"  scanned {run['module']} {run['first']}-{run['first'] + run['count'] - 1} ({run['count']} blocks, weights stacked)")
+    for line in describe_weight_only(data.get("quantization", {})):
+        console.print(f"  {line}")
     table = Table("target", "bucket", "HBM per chip", "of HBM", "collectives", "GFLOP", "est. µs", "executable")
     for name, buckets in data["targets"].items():
         for bucket in buckets:
             table.add_row(
-                name, bucket["name"], f"{bucket['memory']['total_bytes'] / 2**20:.2f} MiB", f"{bucket['hbm_utilization']:.4%}",
+                name, f"{bucket['entry_point']} {bucket['name']}" if "entry_point" in bucket else bucket["name"], f"{bucket['memory']['total_bytes'] / 2**20:.2f} MiB", f"{bucket['hbm_utilization']:.4%}",
                 describe_collectives(bucket.get("collectives")), f"{bucket['cost']['flops'] / 1e9:.4f}",
-                f"{bucket['cost']['optimal_seconds'] * 1e6:.1f}", bucket["executable"],
+                describe_microseconds(bucket["cost"]["optimal_seconds"]), bucket["executable"],
             )
     console.print(table)
+
+
+@main.command()
+@click.argument("artifact_dir", metavar="ARTIFACT", type=click.Path(path_type=pathlib.Path))
+@click.option("--tokens", "token_lists", multiple=True, required=True, metavar="ID,ID,...",
+              help="A prompt's token ids (repeat for several prompts, up to the artifact's max batch).")
+@click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Tokens to generate per prompt.")
+@handles_errors
+def generate(artifact_dir, token_lists, max_new_tokens):
+    """Greedy generation with a text-generation artifact on CPU (prefill, then decode steps over the KV cache), printing
+    each step's tokens as they come (one line per step, one id per prompt)."""
+    from tpuexport.artifact import load
+
+    prompts = [parse_tokens(text) for text in token_lists]
+    artifact = load(artifact_dir)
+    for step in artifact.stream(prompts, max_new_tokens):
+        click.echo(" ".join("-" if token is None else str(token) for token in step))
+
+
+def parse_tokens(text: str) -> list[int]:
+    """Parses `1,2,3` into token ids.
+
+    Raises:
+      TpuExportError: malformed text.
+    """
+    items = [item.strip() for item in text.split(",")]
+    if not items or not all(item.isdigit() for item in items):
+        raise TpuExportError(f"malformed --tokens {text!r}: expected token ids separated by commas, e.g. --tokens 1,2,3")
+    return [int(item) for item in items]
+
+
+def describe_weight_only(section: dict) -> list[str]:
+    """inspect's lines for a weight-only artifact: the scheme, then each quantized weight (none for others)."""
+    if "weights" not in section:
+        return []
+    ratio = section["weight_bytes"]["ratio"]
+    lines = [f"quantized {section['mode']}: {len(section['weights'])} weights, weight bytes {ratio}x f32; {section['scheme']}"]
+    for name, entry in section["weights"].items():
+        group = "per output channel" if entry["bits"] == 8 else f"groups of {entry['group_size']}"
+        lines.append(f"  {name}: int{entry['bits']}, {group} along axis {entry['axis']}, scales {entry['scale']}")
+    return lines
+
+
+def describe_microseconds(seconds: float | None) -> str:
+    """A time estimate in µs, or "unknown" where XLA gives none."""
+    return "unknown" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
+def describe_precision(data: dict) -> str:
+    """"auto (bf16)": the requested precision and, when they differ, what the program computes in."""
+    resolved = data["resolved_precision"]
+    return data["precision"] if resolved == data["precision"] else f"{data['precision']} ({resolved})"
 
 
 def describe_mesh(mesh: dict) -> str:
@@ -292,7 +400,7 @@ def describe_collectives(collectives: dict | None) -> str:
 @handles_errors
 def verify(artifact_dir, as_json, junit_path, recompile, strict, against):
     """Check an artifact before release: file hashes, golden outputs, SavedModel; exit 1 if a check fails (always for a plan)."""
-    from tpuexport.verify.gate import PLAN_ONLY, verify_artifact, write_junit
+    from tpuexport.gate import PLAN_ONLY, verify_artifact, write_junit
 
     report = verify_artifact(artifact_dir, recompile=recompile, strict=strict, against=against)
     if junit_path:
@@ -313,6 +421,25 @@ def _print_gate_table(report) -> None:
     for check in report.checks:
         table.add_row(check.name, f"[{colours[check.status]}]{check.status}[/]", f"{check.seconds:.2f}", check.message)
     Console(highlight=False).print(table)
+
+
+@main.command()
+@click.argument("artifacts", metavar="ARTIFACT...", nargs=-1, required=True, type=click.Path(path_type=pathlib.Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (both APIs).")
+@click.option("--port", default=8501, show_default=True, type=int, help="REST port (TF Serving's REST API).")
+@click.option("--grpc-port", default=8500, show_default=True, type=int, help="gRPC port (PredictionService); 0 for no gRPC server.")
+@click.option("--batch-timeout-ms", default=2.0, show_default=True, type=float,
+              help="How long a request waits for concurrent ones to batch with, up to the largest bucket (0: no batching).")
+@click.option("--target", help="Target whose executables to serve [default: the one matching this host's devices].")
+@click.option("--allow-recompile", is_flag=True, help="Compile the StableHLO when an artifact's compile key differs from this host.")
+@click.option("--max-body-mb", default=64.0, show_default=True, type=float, help="Largest REST request body.")
+@handles_errors
+def serve(artifacts, host, port, grpc_port, batch_timeout_ms, target, allow_recompile, max_body_mb):
+    """Serve artifacts with TF Serving's REST and gRPC APIs, from their AOT executables (no compiling)."""
+    from tpuexport.serve import serve as run_server
+
+    run_server(list(artifacts), host=host, port=port, grpc_port=grpc_port or None, batch_timeout_ms=batch_timeout_ms,
+               allow_recompile=allow_recompile, target=target, max_body_bytes=int(max_body_mb * 2**20))
 
 
 @main.command()

@@ -2,6 +2,9 @@
 
   export   load/capture with torch.export           -> CapturedModel
   quantize PT2E int8 (optional), re-exported         -> CapturedModel (reference: the PT2E model)
+           (weight-only int8/int4 is no pass of its own: lower takes the scheme, the weights pass
+           quantizes a checkpoint's tensors as they stream, verification's reference is the float
+           model with those weights dequantized; quantize/weight_only.py)
   lower    torchax op library -> jax.export          -> LoweredProgram
   weights  (a source with a checkpoint) streamed into the artifact's weights file, tensor by
            tensor, and memory-mapped back                          -> LoweredProgram with weights
@@ -11,6 +14,7 @@
                                                                              background from here)
   verify   CPU runs vs eager PyTorch (fails fast)    -> VerificationReport
   verify sharded  each plan on N CPU devices vs eager -> ShardedVerification per plan (slices only)
+  verify padding  the largest bucket padded with zero rows vs eager on the real rows -> PaddingCheck
   write    the artifact directory, atomically        -> Artifact
            (with the TF Serving SavedModel, checked in TensorFlow before the rename, and the
            quantization report; the executables once compile is done)
@@ -35,11 +39,14 @@ import dataclasses
 import functools
 import json
 import pathlib
+import re
 import shutil
 import tempfile
 import threading
 import time
 from typing import Callable, Iterable
+
+import torch
 
 from tpuexport import artifact as artifact_stage
 from tpuexport import compile as compile_stage
@@ -58,7 +65,7 @@ class ConversionOptions:
       targets: TPU target names.
       out: the artifact directory.
       buckets: {dim name: sizes} to compile, or None for the example shapes.
-      precision: "f32" or "bf16".
+      precision: "auto" (the model's own dtypes), "f32", "bf16" or "bf16-mixed" (lower/mixed_precision.py).
       matmul_precision: the TPU arithmetic pinned on every dot and convolution: "default" (one
         bf16 pass), "high" (bf16x3) or "highest" (f32 accuracy).
       tolerance_overrides: {"atol"|"rtol"|"scale_tol": value} replacing the defaults of both
@@ -72,7 +79,10 @@ class ConversionOptions:
       saved_model: also write the TF Serving SavedModel (tf_serving/) and check it in TensorFlow.
       model_name: TF Serving's model name, or None for the stem of `out`.
       model_version: TF Serving's version number.
-      quantize: None (float), "int8", "int8-dynamic" or "int8-weight-only" (PT2E, see tpuexport.quantize).
+      quantize: None (float), "int8" or "int8-dynamic" (PT2E, see tpuexport.quantize), or
+        "int8-weight-only" or "int4-weight-only" (quantize/weight_only.py).
+      group_size: int4-weight-only's elements per scale along the contraction dim.
+      keep_float: a regex over state_dict names of weights weight-only quantization keeps float, or None.
       calibration: calibration samples (tuples of inputs) for static int8, or None.
       calibration_file: a .npz / .safetensors calibration file (wins over `calibration`), or None.
       random_calibration: allow static int8 without samples, calibrated on random inputs (warned).
@@ -81,12 +91,17 @@ class ConversionOptions:
       weights: False for a plan: lowered from the weights' shapes alone and compiled, not verified;
         the artifact has no weights, golden data or SavedModel (the verification, quantization and
         SavedModel options do not apply).
+      task: "forward" (one program: the model's forward) or "text-generation" (a Hugging Face
+        causal LM as prefill and decode entry points over a KV cache; see `_run_generation`).
+      max_batch, max_context: the KV cache's slots and positions (text-generation).
+      cache_layout: the KV cache's layout (export.CACHE_LAYOUTS; text-generation).
+      new_tokens: tokens generated per prompt by the generation verification.
     """
 
     targets: tuple[str, ...]
     out: pathlib.Path
     buckets: dict[str, list[int]] | None = None
-    precision: str = "f32"
+    precision: str = lower_stage.DEFAULT_PRECISION
     matmul_precision: str = "default"
     tolerance_overrides: dict[str, float] = dataclasses.field(default_factory=dict)
     verify_budget_flops: float = verify_stage.DEFAULT_BUDGET_FLOPS
@@ -97,12 +112,21 @@ class ConversionOptions:
     model_name: str | None = None
     model_version: int = 1
     quantize: str | None = None
+    group_size: int = 128
+    keep_float: str | None = None
     calibration: Iterable | None = None
     calibration_file: pathlib.Path | None = None
     random_calibration: bool = False
     sharding: compile_stage.ShardingRequest = compile_stage.ShardingRequest()
     weights: bool = True
+    task: str = "forward"
+    max_batch: int = 1
+    max_context: int | None = None
+    cache_layout: str = export_stage.DEFAULT_CACHE_LAYOUT
+    new_tokens: int = verify_stage.DEFAULT_NEW_TOKENS
 
+
+TASKS = ("forward", "text-generation")
 
 # The one line a model without weights gets from a conversion that needs them.
 META_WEIGHTS_ERROR = "the model's weights are on the meta device; use `tpuexport plan` or --no-weights"
@@ -161,13 +185,20 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
     """
     targets, slices = _check_options(options)
     clock = StageClock(progress)
+    if options.task == "text-generation":
+        return _run_generation(loaded, options, targets, slices, clock)
+    if isinstance(loaded.model, torch.nn.Module) and loaded.args is None:
+        raise TpuExportError("the source gives a model without example inputs; return (model, args) from the factory, "
+                             "or convert a causal LM with --task text-generation")
     if not options.weights:
         return _run_plan(loaded, options, targets, slices, clock)
     if loaded.checkpoint is None and export_stage.weights_on_meta(loaded.model):
         raise TpuExportError(f"{META_WEIGHTS_ERROR} (tpuexport.plan or convert(weights=False) in Python)")
-    if loaded.checkpoint is not None and options.quantize:
+    weight_only = _weight_only_scheme(options)
+    if loaded.checkpoint is not None and options.quantize and weight_only is None:
         raise TpuExportError("--quantize with --checkpoint is not supported: PT2E calibrates and rounds the weights in memory; "
-                             "load the weights into the model and convert it without --checkpoint")
+                             "load the weights into the model and convert it without --checkpoint, or use --quantize int8-weight-only / "
+                             "int4-weight-only")
     model_name = serving_stage.check_model_name(options.model_name or serving_stage.default_model_name(options.out))
     serving_stage.check_model_version(options.model_version)
     with contextlib.ExitStack() as running:
@@ -178,18 +209,22 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         with clock.stage("export", lambda: _describe_dims(captured.signature)):
             captured = export_stage.capture(loaded)
         quantized = None
-        if options.quantize:
+        if options.quantize and weight_only is None:
             quantized = _quantize(captured, options, clock)
             captured = quantized.captured
         buckets = compile_stage.make_buckets(captured.signature, options.buckets)
         requested_sizes = verify_stage.resolve_requested_sizes(captured.signature, options.verify_sizes)
-        with clock.stage("lower", lambda: f"{len(lowered.weight_names)} weight arrays, precision {options.precision}, "
+        with clock.stage("lower", lambda: f"{len(lowered.weight_names)} weight arrays, precision {_describe_precision(lowered)}, "
                                           f"matmul precision {options.matmul_precision}; {_describe_scans(lowered.scanned)}"):
             lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
-                                        options.scan, weights=captured.checkpoint_state is None)
+                                        options.scan, weights=captured.checkpoint_state is None, keep_f32=captured.keep_f32,
+                                        weight_only=weight_only)
         weights_file = None
         if captured.checkpoint_state is not None:
-            lowered, weights_file = _stream_weights(captured, lowered, scratch, clock)
+            lowered, weights_file = _stream_weights(captured, lowered, scratch, clock, weight_only)
+        float_reference = captured.reference
+        if weight_only is not None:
+            captured = dataclasses.replace(captured, reference=_dequantized_reference(captured, lowered, weight_only))
 
         if options.saved_model:
             # Before verification and compilation: a program TensorFlow cannot load fails in seconds;
@@ -204,13 +239,15 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         compiling = running.enter_context(compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock, lowered), plans))
         with clock.stage("verify", lambda: _describe_verification(report)):
             tolerances = verify_stage.with_overrides(
-                verify_stage.default_tolerances(options.precision, options.matmul_precision, quantized is not None),
+                verify_stage.default_tolerances(lowered.resolved_precision, options.matmul_precision, quantized is not None),
                 **options.tolerance_overrides,
             )
             report = verify_stage.verify(lowered, captured.reference, captured.example_inputs, tolerances,
                                          options.verify_budget_flops, requested_sizes, check_op_by_op=quantized is not None)
             if quantized:
                 report = dataclasses.replace(report, against="the PT2E-converted model, eager PyTorch")
+            if weight_only is not None:
+                report = dataclasses.replace(report, against="the model with its quantized weights dequantized, eager PyTorch")
         if not report.passed:
             raise VerificationError(report, _write_failed_report(options.out, report.to_json()))
         sharded = []
@@ -222,13 +259,17 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
                 failed = {**report.to_json(), "sharded": [result.to_json() for result in sharded]}
                 raise VerificationError(report, _write_failed_report(options.out, failed), sharded[-1].failure_summary())
 
+        # A server pads requests to the next bucket: run one padded bucket against eager on the real rows.
+        with clock.stage("verify padding", lambda: padding.describe() if padding else "no bucket is padded"):
+            padding = verify_stage.verify_padding(lowered, captured.reference, captured.example_inputs, buckets, tolerances)
+
         @functools.cache
         def compiled() -> compile_stage.CompileReport:
             result = compiling.result()
             clock.record("compile", compiling.seconds, f"{len(result.results)} executable(s), alongside verify and the SavedModel")
             return result
 
-        extra_writers = ()
+        extra_writers = _source_writers(loaded)
         if options.saved_model:
             extra_writers = (serving_stage.TfServingExport(
                 lowered, report, buckets, model_name, options.model_version, options.out, saved_model_build, scratch,
@@ -236,6 +277,10 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             ),)
         if quantized:
             extra_writers += (_quantization_report(quantized, lowered, compiled, clock),)
+        if weight_only is not None:
+            extra_writers += (_weight_only_report(weight_only, lowered, float_reference, captured.example_inputs, clock),)
+        if padding:
+            extra_writers += (lambda staging: {"padding": padding.to_json()},)
         with clock.stage("write", lambda: str(options.out)):
             try:
                 artifact_stage.write_artifact(
@@ -270,9 +315,38 @@ def _check_options(options: ConversionOptions) -> tuple[list, list]:
         raise TpuExportError(f"unknown precision {options.precision!r}; use one of {', '.join(lower_stage.PRECISIONS)}")
     if options.matmul_precision not in lower_stage.MATMUL_PRECISIONS:
         raise TpuExportError(f"unknown matmul precision {options.matmul_precision!r}; use one of {', '.join(lower_stage.MATMUL_PRECISIONS)}")
+    if options.task not in TASKS:
+        raise TpuExportError(f"unknown task {options.task!r}; use one of {', '.join(TASKS)}")
+    if options.task == "text-generation":
+        if options.max_context is None:
+            raise TpuExportError("--task text-generation needs --max-context N (positions per cache slot), e.g. --max-context 2048")
+        if options.quantize:
+            raise TpuExportError("--quantize with --task text-generation is not supported yet; convert the float model")
+    elif options.max_context is not None or options.max_batch != 1:
+        raise TpuExportError("--max-context / --max-batch apply to --task text-generation only; add --task text-generation or drop them")
     if options.quantize and not options.weights:
         raise TpuExportError("--quantize needs the model's weights (it calibrates and rounds them); plan without it")
+    _weight_only_scheme(options)
     return targets, slices
+
+
+def _weight_only_scheme(options: ConversionOptions):
+    """The weight-only scheme the options ask for (quantize/weight_only.py), or None.
+
+    Raises:
+      TpuExportError: a bad --group-size or --keep-float regex.
+    """
+    if options.quantize not in ("int8-weight-only", "int4-weight-only"):
+        return None
+    from tpuexport.quantize import weight_only
+
+    scheme = weight_only.check_scheme(options.quantize, options.group_size)
+    if options.keep_float:
+        try:
+            re.compile(options.keep_float)
+        except re.error as error:
+            raise TpuExportError(f"--keep-float {options.keep_float!r} is not a regular expression ({error}); give one such as 'lm_head'") from None
+    return dataclasses.replace(scheme, keep_float=options.keep_float or None)
 
 
 def _run_plan(loaded: export_stage.LoadedSource, options: ConversionOptions, targets: list, slices: list,
@@ -294,38 +368,54 @@ def _run_plan(loaded: export_stage.LoadedSource, options: ConversionOptions, tar
         captured = export_stage.capture(export_stage.on_meta_device(dataclasses.replace(loaded, checkpoint=None)))
     buckets = compile_stage.make_buckets(captured.signature, options.buckets)
     with clock.stage("lower", lambda: f"{len(lowered.weight_names)} weight shapes ({lowered.weight_bytes / 2**30:.2f} GiB, "
-                                      f"not read), precision {options.precision}, matmul precision {options.matmul_precision}; "
+                                      f"not read), precision {_describe_precision(lowered)}, matmul precision {options.matmul_precision}; "
                                       f"{_describe_scans(lowered.scanned)}"):
         lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
-                                    options.scan, weights=False)
+                                    options.scan, weights=False, keep_f32=captured.keep_f32)
     plans = _plan_slices(options.sharding, slices, lowered, buckets, clock)
     with compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock, lowered), plans) as compiling:
         report = compiling.result()
     clock.record("compile", compiling.seconds, f"{len(report.results)} executable(s)")
     with clock.stage("write", lambda: f"{options.out} (plan only: no weights, not verified)"):
         artifact_stage.write_artifact(options.out, source=captured.source, lowered=lowered, compiled=lambda: report, verification=None,
-                                      stage_seconds=clock.seconds, overwrite=options.overwrite)
+                                      stage_seconds=clock.seconds, overwrite=options.overwrite, extra_writers=_source_writers(loaded))
     return artifact_stage.load(options.out)
 
 
+def _source_writers(loaded: export_stage.LoadedSource) -> tuple:
+    """Writers of what the source brings beside the model (a Hugging Face directory's tokenizer,
+    processor and config files, and its manifest section)."""
+    return (artifact_stage.huggingface_writer(loaded.huggingface),) if loaded.huggingface is not None else ()
+
+
 def _stream_weights(captured: export_stage.CapturedModel, lowered: lower_stage.LoweredProgram, scratch: pathlib.Path,
-                    clock: StageClock) -> tuple[lower_stage.LoweredProgram, pathlib.Path]:
+                    clock: StageClock, weight_only=None) -> tuple[lower_stage.LoweredProgram, pathlib.Path]:
     """The weights pass: copies the checkpoint's tensors into the artifact's weights file one at a
-    time (cast to the program's dtypes, scanned blocks stacked) and maps the file back.
+    time (cast to the program's dtypes, scanned blocks stacked, weight-only ones quantized) and
+    maps the file back.
 
     Args:
       captured: the export stage's result, with `checkpoint_state`.
       lowered: the program lowered from the weights' shapes (`weights` None).
       scratch: the conversion's scratch directory (the file moves into the artifact from there).
       clock: times the pass.
+      weight_only: the weight-only scheme (quantize/weight_only.py), or None.
     Returns:
       (the program with its weights as read-only memory maps of the file, the file).
     """
     path = scratch / "weights.safetensors"
+
+    def parts(name: str):
+        tensors = (captured.checkpoint_state[part] for part in lowered.weight_parts[name])
+        return stored.parts(name, tensors) if weight_only is not None else tensors
+
+    if weight_only is not None:
+        from tpuexport.quantize.weight_only import StoredWeights
+
+        stored = StoredWeights(lowered.quantized, weight_only)
     with clock.stage("weights", lambda: f"{len(lowered.weight_names)} arrays, {written / 2**30:.2f} GiB streamed from the checkpoint "
                                         f"{captured.source.checkpoint}"):
-        written = artifact_stage.write_weights(path, lowered.weight_names, lowered.weight_specs,
-                                               lambda name: (captured.checkpoint_state[part] for part in lowered.weight_parts[name]))
+        written = artifact_stage.write_weights(path, lowered.weight_names, lowered.weight_specs, parts)
         arrays = artifact_stage.map_weights(path)
     return dataclasses.replace(lowered, weights=tuple(arrays[name] for name in lowered.weight_names)), path
 
@@ -345,11 +435,15 @@ def _plan_slices(request: compile_stage.ShardingRequest, slices: list, lowered: 
     return plans
 
 
-def _compiled_event(clock: StageClock, lowered: lower_stage.LoweredProgram) -> Callable[[compile_stage.CompiledBucket], None]:
-    """Reports each executable as it is compiled (from the compile job's threads)."""
+def _compiled_event(clock: StageClock, lowered: lower_stage.LoweredProgram,
+                    entry_point: str | None = None) -> Callable[[compile_stage.CompiledBucket], None]:
+    """Reports each executable as it is compiled (from the compile job's threads); `entry_point`
+    names a text-generation artifact's entry point."""
+    prefix = f"{entry_point} " if entry_point else ""
 
     def compiled_one(result: compile_stage.CompiledBucket) -> None:
-        clock.event(f"compile {result.target.name} {result.bucket.name}", result.compile_seconds, _describe_compiled(result, lowered))
+        clock.event(f"compile {result.target.name} {prefix}{result.bucket.name}", result.compile_seconds,
+                    _describe_compiled(result, lowered))
 
     return compiled_one
 
@@ -365,18 +459,47 @@ def _quantize(captured: export_stage.CapturedModel, options: ConversionOptions, 
     return quantized
 
 
+def _dequantized_reference(captured: export_stage.CapturedModel, lowered: lower_stage.LoweredProgram, scheme):
+    """Verification's reference for a weight-only program: the float model, its quantized weights
+    rounded and dequantized as it runs (quantize/weight_only.py)."""
+    from tpuexport.quantize.weight_only import DequantizedReference
+
+    axes = {part: entry["axis"] for name, entry in lowered.quantized.items() for part in lowered.weight_parts[name]}
+    return DequantizedReference(captured.reference, axes, scheme)
+
+
+def _weight_only_report(scheme, lowered: lower_stage.LoweredProgram, float_reference, example_inputs, clock: StageClock):
+    """The writer that measures a weight-only program's SQNR against the float model and puts the
+    manifest's quantization section (which weights, how) in the artifact."""
+    from tpuexport.verify.quantization_report import weight_only_section
+
+    def write(staging: pathlib.Path) -> dict:
+        with clock.stage("quantization report", lambda: _describe_weight_only(section)):
+            section = weight_only_section(lowered, scheme, float_reference, example_inputs)
+        return {"quantization": section}
+
+    return write
+
+
+def _describe_weight_only(section: dict) -> str:
+    outputs = ", ".join(f"{o['name']} {o['sqnr_db']:.1f} dB" if o["sqnr_db"] is not None else f"{o['name']} exact"
+                        for o in section["outputs"])
+    return (f"{section['mode']}: {len(section['weights'])} weight(s) quantized; SQNR vs float: {outputs}; "
+            f"weights {section['weight_bytes']['ratio']}x f32")
+
+
 def _quantization_report(quantized, lowered: lower_stage.LoweredProgram, compiled: Callable[[], compile_stage.CompileReport],
                          clock: StageClock):
     """The writer that measures SQNR against the float model and the integer share of the first
     TPU executable's matmul FLOPs, and puts the report in the artifact."""
-    from tpuexport import quantize as quantize_stage
+    from tpuexport.verify import quantization_report
 
     def write(staging: pathlib.Path) -> dict:
         executable = compiled().results[0]
-        with clock.stage("quantization report", lambda: quantize_stage.describe_report(report)):
-            matmuls = quantize_stage.CompiledMatmuls(executable.target.name, executable.bucket.name, executable.matmul_flops)
-            report = quantize_stage.build_report(quantized, lowered, matmuls)
-        return quantize_stage.report_writer(report)(staging)
+        with clock.stage("quantization report", lambda: quantization_report.describe_report(report)):
+            matmuls = quantization_report.CompiledMatmuls(executable.target.name, executable.bucket.name, executable.matmul_flops)
+            report = quantization_report.build_report(quantized, lowered, matmuls)
+        return quantization_report.report_writer(report)(staging)
 
     return write
 
@@ -429,6 +552,12 @@ def _describe_compiled(result: compile_stage.CompiledBucket, lowered: lower_stag
     return text
 
 
+def _describe_precision(lowered: lower_stage.LoweredProgram) -> str:
+    """"auto (bf16)": the requested precision and, when they differ, what the program computes in."""
+    resolved = lowered.resolved_precision
+    return lowered.precision if resolved == lowered.precision else f"{lowered.precision} ({resolved})"
+
+
 def _describe_scans(scanned: tuple[dict, ...]) -> str:
     """"scanned model.layers (32 blocks)", or "no layers scanned"."""
     if not scanned:
@@ -439,3 +568,120 @@ def _describe_scans(scanned: tuple[dict, ...]) -> str:
 def _describe_dims(signature) -> str:
     dims = ", ".join(f"{d.name} {d.range_text}" for d in signature.dims)
     return f"inputs {', '.join(s.name for s in signature.inputs)}" + (f"; dims {dims}" if dims else "; static shapes")
+
+
+def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOptions, targets: list, slices: list,
+                    clock: StageClock) -> artifact_stage.Artifact:
+    """A text-generation conversion: the entry points are the unit every pass handles.
+
+      export   prefill and decode modules over the one model, each torch.exported   -> {name: CapturedModel}
+      lower    each entry point lowered; one set of weights kept                   -> GenerationProgram
+      plan     per slice target and entry point, the cache split with the heads (tensor-parallel)
+               or the batch (data-parallel)
+      compile  per target, entry point and bucket, the cache donated (in the background)
+      verify   greedy generation vs Hugging Face generate, teacher-forced, both CPU runs
+      write    one weights file, each entry point's program files, "entry_points" in the manifest
+
+    Args:
+      loaded: the source: a Hugging Face causal LM (args not needed).
+      options: what to build (`options.task` is "text-generation").
+      targets: the resolved targets; slices: those that are slices.
+      clock: times the stages.
+    Returns:
+      The written Artifact (a plan when `options.weights` is False).
+    Raises:
+      TpuExportError: bad input; VerificationError: generation does not match (only the report is written).
+    """
+    model = loaded.model
+    if not isinstance(model, torch.nn.Module):
+        raise TpuExportError(f"--task text-generation needs the nn.Module of a Hugging Face causal LM, not a {type(model).__name__}")
+    if loaded.checkpoint is not None:
+        raise TpuExportError("--checkpoint with --task text-generation is not supported yet; load the weights into the model")
+    plan_only = not options.weights
+    if not plan_only and export_stage.weights_on_meta(model):
+        raise TpuExportError(f"{META_WEIGHTS_ERROR} (tpuexport.plan or convert(weights=False) in Python)")
+    requested = dict(options.buckets or {})
+    unknown = sorted(set(requested) - {"batch", "seq"})
+    if unknown:
+        raise TpuExportError(f"--bucket {unknown[0]} is not a dim of text generation; prefill's dims are batch and seq (prompt length)")
+    spec = export_stage.generation_spec(model, options.max_batch, options.max_context, options.cache_layout,
+                                        tuple(requested["seq"]) if "seq" in requested else None)
+    prefill_batches = tuple(sorted(set(requested.get("batch") or {1, options.max_batch})))
+    if not all(1 <= batch <= options.max_batch for batch in prefill_batches):
+        raise TpuExportError(f"--bucket batch={','.join(map(str, prefill_batches))} is out of range: prefill batches are 1..{options.max_batch} "
+                             "(--max-batch)")
+    with clock.stage("export", lambda: f"entry points prefill (batch {list(prefill_batches)} x seq {list(spec.prefill_buckets)}) and "
+                                       f"decode (batch {spec.max_batch}); cache {spec.layout} {list(spec.cache_shape)} {spec.dtype}"):
+        modules = export_stage.entry_point_modules(model, spec)
+        captured = {}
+        for name, (args, dynamic_shapes) in export_stage.example_arguments(spec).items():
+            source = export_stage.LoadedSource(modules[name], args, dynamic_shapes, None, loaded.info)
+            captured[name] = export_stage.capture(export_stage.on_meta_device(source) if plan_only else source)
+    with clock.stage("lower", lambda: f"{len(program.weights_program.weight_names)} weight arrays shared by "
+                                      f"{', '.join(program.entry_points)}, precision {_describe_precision(program.weights_program)}"):
+        lowered = {name: lower_stage.lower(entry.program, entry.signature, options.precision, options.matmul_precision, options.scan,
+                                           weights=not plan_only)
+                   for name, entry in captured.items()}
+        # Both programs collected the same weights; the artifact and the runs keep decode's.
+        lowered["prefill"] = dataclasses.replace(lowered["prefill"], weights=lowered["decode"].weights)
+        program = lower_stage.GenerationProgram(spec, lowered, prefill_batches)
+    buckets = {"prefill": compile_stage.make_buckets(lowered["prefill"].signature, {"batch": list(prefill_batches),
+                                                                                    "seq": list(spec.prefill_buckets)}),
+               "decode": compile_stage.make_buckets(lowered["decode"].signature, None)}
+    plans = {name: _plan_generation_slices(options.sharding, slices, spec, entry, buckets[name], clock, name)
+             for name, entry in lowered.items()}
+    with contextlib.ExitStack() as running:
+        # Every executable donates its inputs (compile_child.py): the cache's buffers become its outputs.
+        jobs = {name: running.enter_context(compile_stage.CompileJob(entry, targets, buckets[name], _compiled_event(clock, entry, name),
+                                                                     plans[name]))
+                for name, entry in lowered.items()}
+        report = None
+        if not plan_only:
+            with clock.stage("verify", lambda: _describe_generation(report)):
+                tolerances = verify_stage.with_overrides(
+                    verify_stage.default_tolerances(lowered["decode"].resolved_precision, options.matmul_precision, False),
+                    **options.tolerance_overrides)
+                report = verify_stage.verify_generation(program, model, tolerances, options.new_tokens)
+            if not report.passed:
+                raise VerificationError(report, _write_failed_report(options.out, report.to_json()))
+        compiled = {name: job.result() for name, job in jobs.items()}
+        clock.record("compile", max(job.seconds for job in jobs.values()),
+                     f"{sum(len(result.results) for result in compiled.values())} executable(s), alongside verify")
+    with clock.stage("write", lambda: str(options.out) + (" (plan only: no weights, not verified)" if plan_only else "")):
+        artifact_stage.write_generation_artifact(options.out, source=loaded.info, program=program, compiled=compiled,
+                                                 verification=report, stage_seconds=clock.seconds, overwrite=options.overwrite,
+                                                 extra_writers=_source_writers(loaded))
+    return artifact_stage.load(options.out)
+
+
+def _plan_generation_slices(request: compile_stage.ShardingRequest, slices: list, spec: export_stage.GenerationSpec,
+                            lowered: lower_stage.LoweredProgram, buckets: list, clock: StageClock, entry_point: str) -> dict:
+    """Each slice target's plan for one entry point, the KV cache laid out by the preset: its
+    kv-heads axis on the model axis (tensor-parallel), its batch axis on the data axis
+    (data-parallel, fsdp, or a tensor-parallel mesh with a data axis). The user's --shard-input
+    rules come after these, so they win.
+
+    Returns:
+      {slice target name: ShardingPlan}.
+    """
+    plans = {}
+    for target in slices:
+        axes = dict(compile_stage.resolve_mesh(request, target))
+        cache_spec = [None] * len(spec.cache_shape)
+        if request.preset in ("tensor-parallel",) and "model" in axes:
+            cache_spec[2 if spec.layout == "layer_batch_head_pos" else 3] = "model"
+        if "data" in axes and request.preset in ("data-parallel", "fsdp", "tensor-parallel"):
+            cache_spec[1] = "data"
+        rules = tuple((name, tuple(cache_spec)) for name in export_stage.CACHE_INPUTS)
+        entry_request = dataclasses.replace(request, input_rules=rules + request.input_rules)
+        with clock.stage(f"plan {target.name} {entry_point}", lambda: _describe_plan(plans[target.name])):
+            plans[target.name] = compile_stage.plan_sharding(entry_request, target, lowered.weight_names, lowered.weight_specs,
+                                                             lowered.signature, buckets, lowered.stacked)
+    return plans
+
+
+def _describe_generation(report) -> str:
+    worst = report.worst_errors()
+    return (f"{len(report.cases)} prefill bucket(s) + decode, {report.tokens_compared()} tokens compared with generate(), "
+            f"{'passed' if report.passed else 'FAILED'} ({report.ties()} tie(s)); worst logits relative RMS error {worst['tpu']:.1e} "
+            f"as the TPU computes, {worst['cpu']:.1e} in f32")

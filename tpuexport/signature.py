@@ -144,6 +144,21 @@ class ProgramSignature:
                     raise ValueError(f"input {spec.name!r} axis {axis} is {actual}, expected {declared} = {expected}")
         return sizes
 
+    def batch_dim(self) -> str | None:
+        """The dim requests can be batched and padded along, or None.
+
+        Returns:
+          The name of the symbolic dim that is dim 0 of the first input, when it is also dim 0 of
+          every input and output; else None (static shapes, or no shared leading dim).
+        """
+        tensors = (*self.inputs, *self.outputs)
+        if not self.inputs or not all(spec.shape for spec in tensors):
+            return None
+        leading = self.inputs[0].shape[0]
+        if leading not in {dim.name for dim in self.dims}:
+            return None
+        return leading if all(spec.shape[0] == leading for spec in tensors) else None
+
     def example_sizes(self) -> dict[str, int]:
         return {d.name: d.example for d in self.dims}
 

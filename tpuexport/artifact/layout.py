@@ -17,8 +17,16 @@ MODELS_CONFIG = f"{TF_SERVING_DIR}/models.config"  # --model_config_file
 WARMUP_REQUESTS = "assets.extra/tf_serving_warmup_requests"  # inside the SavedModel's version directory
 
 
-def executable_path(target: str, bucket: str) -> str:
-    return f"{EXECUTABLES_DIR}/{target}/{bucket}.pjrt"
+def executable_path(target: str, bucket: str, entry_point: str | None = None) -> str:
+    """executables/<target>/<bucket>.pjrt; a text-generation artifact's under
+    executables/<target>/<entry point>/<bucket>.pjrt."""
+    return f"{EXECUTABLES_DIR}/{target}/{entry_point + '/' if entry_point else ''}{bucket}.pjrt"
+
+
+def entry_point_program(entry_point: str, program_file: str) -> str:
+    """A text-generation entry point's program file: program/<entry point>/<file name> (one of
+    EXPORTED, MLIR_TEXT, STABLEHLO_BYTECODE's names)."""
+    return f"program/{entry_point}/{program_file.rpartition('/')[2]}"
 
 
 def saved_model_path(model_name: str, version: int) -> str:

@@ -16,11 +16,12 @@ from tpuexport.artifact import layout
 from tpuexport.artifact.manifest import build_section, dumps, hash_tree, package_versions
 from tpuexport.arrays import save_arrays
 from tpuexport.compile import CompileReport
+from tpuexport.compile.compile_key import export_compatibility
 from tpuexport.errors import TpuExportError
-from tpuexport.export import SourceInfo
-from tpuexport.lower import LoweredProgram
+from tpuexport.export import CACHE_INPUTS, SourceInfo
+from tpuexport.lower import GenerationProgram, LoweredProgram
 from tpuexport.lower.cost import flops_at
-from tpuexport.verify import VerificationReport
+from tpuexport.verify import GenerationReport, VerificationReport
 
 
 def check_destination(out: pathlib.Path, overwrite: bool) -> None:
@@ -110,15 +111,17 @@ def write_artifact(
 
         exported = lowered.exported
         program = {
-            "exported": put(layout.EXPORTED, bytes(exported.serialize())),
-            "mlir_text": put(layout.MLIR_TEXT, exported.mlir_module()),
-            "stablehlo_bytecode": put(layout.STABLEHLO_BYTECODE, bytes(exported.mlir_module_serialized)),
+            **_program_files(put, exported),
             "calling_convention_version": exported.calling_convention_version,
+            # Until when newer JAX releases keep loading exported.jaxexport (compile_key.py).
+            "serialization": export_compatibility(),
             "platforms": list(exported.platforms),
             "call": "exported.call(weights, inputs): two lists, in weight_names and signature.inputs order",
             "weights": _weights_file(lowered, weights_file, put, move),
             "weight_names": list(lowered.weight_names),
             "tied_weights": dict(lowered.tied),
+            # Matmuls pinned to "highest" whatever matmul_precision says: they feed a top-k, sort or argmax.
+            "decision_matmuls": list(lowered.decision_matmuls),
             "weight_bytes": lowered.weight_bytes,
             "matmul_flops": lowered.matmul_flops,
         }
@@ -130,6 +133,8 @@ def write_artifact(
             "source": {"kind": source.kind, "path": source.path, "sha256": source.sha256, "reference": source.reference,
                        "checkpoint": source.checkpoint},
             "precision": lowered.precision,
+            # What "auto" (or f32) resolved to: what the program computes in, which set the tolerances.
+            "resolved_precision": lowered.resolved_precision,
             "matmul_precision": lowered.matmul_precision,
             "signature": lowered.signature.to_json(),
             "program": program,
@@ -158,36 +163,7 @@ def write_artifact(
             manifest.update(sections)
         results = compiled().results
         for result in results:
-            target = result.target
-            entry = manifest["targets"].setdefault(target.name, {
-                "generation": target.generation,
-                "topology": target.topology,
-                "hbm_bytes": target.hbm_bytes,
-                "buckets": [],
-            })
-            if target.is_slice:
-                entry.update({
-                    "chips": target.chips,
-                    "devices": target.devices,
-                    "hbm_bytes_per_device": target.hbm_bytes_per_device,
-                    "device_ids": list(result.device_ids),
-                    "sharding": result.plan.to_json(),
-                })
-            bucket = {
-                "name": result.bucket.name,
-                "sizes": result.bucket.as_dict(),
-                "executable": put(layout.executable_path(target.name, result.bucket.name), result.executable),
-                "memory": result.memory,
-                "cost": result.cost,
-                "program_matmul_flops": flops_at(lowered.matmul_flops, result.bucket.as_dict()),
-                "fits_in_hbm": result.fits_in_hbm,
-                "hbm_utilization": round(result.memory["total_bytes"] / target.hbm_bytes_per_device, 6),
-                "fingerprint": result.fingerprint,
-                "matmul_flops": result.matmul_flops,
-            }
-            if target.is_slice:
-                bucket["collectives"] = result.collectives
-            entry["buckets"].append(bucket)
+            _target_entry(manifest, result)["buckets"].append(_bucket_entry(put, result, lowered))
         manifest["build"] = {**build_section(stage_seconds), **extra_build}
         manifest["build"]["compile_seconds"] = {
             f"{r.target.name}/{r.bucket.name}": round(r.compile_seconds, 3) for r in results
@@ -195,6 +171,63 @@ def write_artifact(
         manifest["files"] = hash_tree(staging)
         put(layout.MANIFEST, dumps(manifest))
     return manifest
+
+
+def _program_files(put, exported, entry_point: str | None = None) -> dict:
+    """Writes a program's three files (program/, or program/<entry point>/) and returns their paths."""
+    def path(name: str) -> str:
+        return layout.entry_point_program(entry_point, name) if entry_point else name
+
+    return {
+        "exported": put(path(layout.EXPORTED), bytes(exported.serialize())),
+        "mlir_text": put(path(layout.MLIR_TEXT), exported.mlir_module()),
+        "stablehlo_bytecode": put(path(layout.STABLEHLO_BYTECODE), bytes(exported.mlir_module_serialized)),
+    }
+
+
+def _target_entry(manifest: dict, result) -> dict:
+    """The manifest's entry of a result's target (created with the target's facts on first use)."""
+    target = result.target
+    entry = manifest["targets"].setdefault(target.name, {
+        "generation": target.generation,
+        "topology": target.topology,
+        "hbm_bytes": target.hbm_bytes,
+        "platform": target.platform,
+        # What the executables load on; the runtime compares it with the host.
+        "compile_key": result.compile_key,
+        "buckets": [],
+    })
+    if target.is_slice:
+        entry.update({
+            "chips": target.chips,
+            "devices": target.devices,
+            "hbm_bytes_per_device": target.hbm_bytes_per_device,
+            "device_ids": list(result.device_ids),
+        })
+        # A text-generation artifact's entry points each have their plan (under its buckets).
+        if "entry_points" not in manifest:
+            entry["sharding"] = result.plan.to_json()
+    return entry
+
+
+def _bucket_entry(put, result, lowered: LoweredProgram, entry_point: str | None = None) -> dict:
+    """Writes one executable and returns its manifest entry."""
+    target = result.target
+    bucket = {
+        "name": result.bucket.name,
+        "sizes": result.bucket.as_dict(),
+        "executable": put(layout.executable_path(target.name, result.bucket.name, entry_point), result.executable),
+        "memory": result.memory,
+        "cost": result.cost,
+        "program_matmul_flops": flops_at(lowered.matmul_flops, result.bucket.as_dict()),
+        "fits_in_hbm": result.fits_in_hbm,
+        "hbm_utilization": round(result.memory["total_bytes"] / target.hbm_bytes_per_device, 6),
+        "fingerprint": result.fingerprint,
+        "matmul_flops": result.matmul_flops,
+    }
+    if target.is_slice:
+        bucket["collectives"] = result.collectives
+    return bucket
 
 
 # The manifest's "verification" block of a plan: nothing ran, and it says so.
@@ -225,4 +258,159 @@ def verification_section(verification: VerificationReport) -> dict:
         "golden": layout.GOLDEN,
         "cases": [{"label": c.label, "sizes": c.sizes, "reason": c.reason, "golden": c.golden} for c in verification.cases],
         "conformance": None if verification.conformance is None else verification.conformance.to_json(),
+    }
+
+
+def write_generation_artifact(
+    out: pathlib.Path,
+    *,
+    source: SourceInfo,
+    program: GenerationProgram,
+    compiled: dict[str, CompileReport],
+    verification: GenerationReport | None,
+    stage_seconds: dict[str, float],
+    overwrite: bool = False,
+    extra_writers=(),
+) -> dict:
+    """Writes a text-generation artifact: one weights file, each entry point's program files and
+    executables, and the manifest's "entry_points" and "generation" sections (README, "Text
+    generation": the layout a runtime reads).
+
+    Args:
+      out: the artifact directory to create (or replace, with overwrite).
+      source: where the model came from.
+      program: the entry points over one set of weights (a plan's have no weights).
+      compiled: {entry point: its CompileReport}.
+      verification: the passed generation report, or None for a plan.
+      stage_seconds: wall time per stage (under "build").
+      overwrite: replace an existing artifact.
+      extra_writers: callables (staging_dir) -> dict of manifest sections, as for `write_artifact`
+        (a Hugging Face source's tokenizer and config files).
+    Returns:
+      The manifest written.
+    """
+    spec = program.spec
+    shared = program.weights_program
+    with staging_directory(out, overwrite) as staging:
+        def put(relative: str, data: bytes | str) -> str:
+            path = staging / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data.encode() if isinstance(data, str) else data)
+            return relative
+
+        entry_points = {}
+        for name, lowered in program.entry_points.items():
+            inputs = [tensor.name for tensor in lowered.signature.inputs]
+            entry_points[name] = {
+                **_program_files(put, lowered.exported, name),
+                "signature": lowered.signature.to_json(),
+                "matmul_flops": lowered.matmul_flops,
+                "decision_matmuls": list(lowered.decision_matmuls),
+                # The state: inputs returned as the output of the same name; the executables donate every
+                # input, so XLA aliases these with their outputs (updated in place).
+                "donated_inputs": [input_name for input_name in inputs if input_name in CACHE_INPUTS],
+                "state": {input_name: input_name for input_name in inputs if input_name in CACHE_INPUTS},
+                "call": "exported.call(weights, inputs): two lists, in program.weight_names and this signature's input order",
+            }
+        manifest = {
+            "format": layout.FORMAT,
+            "format_version": layout.FORMAT_VERSION,
+            "task": "text-generation",
+            "plan_only": shared.plan_only,
+            "versions": package_versions(),
+            "source": {"kind": source.kind, "path": source.path, "sha256": source.sha256, "reference": source.reference,
+                       "checkpoint": source.checkpoint},
+            "precision": shared.precision,
+            "resolved_precision": shared.resolved_precision,
+            "matmul_precision": shared.matmul_precision,
+            # What every entry point shares: the weights, passed first to each.
+            "program": {
+                "weights": None if shared.plan_only else put(layout.WEIGHTS, save_arrays(dict(zip(shared.weight_names, shared.weights)))),
+                "weight_names": list(shared.weight_names),
+                "tied_weights": dict(shared.tied),
+                "weight_bytes": shared.weight_bytes,
+                "calling_convention_version": shared.exported.calling_convention_version,
+                "platforms": list(shared.exported.platforms),
+                # Until when newer JAX releases keep loading the entry points' exported.jaxexport (compile_key.py).
+                "serialization": export_compatibility(),
+            },
+            "entry_points": entry_points,
+            "generation": {**spec.to_json(), "prefill_batches": list(program.prefill_batches), "cache_inputs": list(CACHE_INPUTS),
+                           "cache_bytes": spec.cache_bytes},
+            "targets": {},
+            "verification": dict(PLAN_VERIFICATION) if verification is None else _generation_verification(verification),
+            "scanned": list(shared.scanned),
+        }
+        if verification is not None:
+            put(layout.VERIFICATION_REPORT, json.dumps(verification.to_json(), indent=2) + "\n")
+            put(layout.GOLDEN, save_arrays(verification.golden))
+        for name, report in compiled.items():
+            for result in report.results:
+                bucket = {"entry_point": name, **_bucket_entry(put, result, program.entry_points[name], name)}
+                if result.plan is not None:
+                    bucket["sharding"] = result.plan.to_json()
+                if name == "decode":
+                    bucket["decode_step"] = _decode_step_figures(result, spec)
+                _target_entry(manifest, result)["buckets"].append(bucket)
+        for writer in extra_writers:
+            manifest.update(writer(staging))
+        manifest["build"] = build_section(stage_seconds)
+        manifest["build"]["compile_seconds"] = {
+            f"{result.target.name}/{name}/{result.bucket.name}": round(result.compile_seconds, 3)
+            for name, report in compiled.items() for result in report.results
+        }
+        manifest["files"] = hash_tree(staging)
+        put(layout.MANIFEST, dumps(manifest))
+    return manifest
+
+
+def _decode_step_figures(result, spec) -> dict:
+    """What one decode step must read per device (its arguments: weights + the whole cache, the
+    live cache at max batch x max context) next to XLA's bytes accessed, and the largest batch
+    that fits the device, estimated linearly from the compiled max batch (cache and temporaries
+    grow with the batch, weights do not)."""
+    memory = result.memory
+    must_read = memory["argument_bytes"]
+    per_slot = (_cache_bytes_per_device(result, spec) + memory["temp_bytes"]) / spec.max_batch
+    headroom = result.target.hbm_bytes_per_device - memory["total_bytes"]
+    accessed = result.cost.get("bytes_accessed") or 0.0
+    return {
+        "must_read_bytes": must_read,
+        # The arguments less the cache: the weights (and the step's few token and position ids).
+        "weight_bytes": must_read - _cache_bytes_per_device(result, spec),
+        "cache_bytes": _cache_bytes_per_device(result, spec),
+        "temp_bytes": memory["temp_bytes"],
+        "xla_bytes_accessed": accessed if accessed > 0 else "unknown",
+        "bytes_accessed_over_must_read": round(accessed / must_read, 4) if accessed > 0 and must_read else "unknown",
+        "largest_batch_estimate": max(0, int(spec.max_batch + headroom // per_slot)) if per_slot > 0 else "unknown",
+    }
+
+
+def _cache_bytes_per_device(result, spec) -> int:
+    """The KV cache's bytes on one device: whole on a chip, divided by the mesh axes that split it on a slice."""
+    if result.plan is None:
+        return spec.cache_bytes
+    mesh = dict(result.plan.mesh)
+    inputs = dict(result.plan.inputs)
+    split = 1
+    for entry in inputs.get(CACHE_INPUTS[0], ()):
+        for axis in (entry if isinstance(entry, (tuple, list)) else (entry,)):
+            if axis is not None:
+                split *= mesh[axis]
+    return spec.cache_bytes // split
+
+
+def _generation_verification(verification: GenerationReport) -> dict:
+    """The manifest's "verification" block of a text-generation artifact."""
+    return {
+        "passed": verification.passed,
+        "against": verification.against,
+        "matmul_precision": verification.matmul_precision,
+        "tolerances": verification.tolerances.to_json(),
+        "report": layout.VERIFICATION_REPORT,
+        "golden": layout.GOLDEN,
+        "tokens_compared": verification.tokens_compared(),
+        "ties": verification.ties(),
+        "cases": [{"label": case.label, "sizes": case.sizes, "lengths": list(case.lengths), "slots": list(case.slots),
+                   "new_tokens": case.new_tokens, "golden": case.golden} for case in verification.cases],
     }

@@ -1,4 +1,5 @@
-"""Ahead-of-time TPU compilation through libtpu's compile-only topologies (no TPU needed).
+"""Ahead-of-time TPU compilation through libtpu's compile-only topologies (no TPU needed), and
+the same for the build host's XLA:CPU (the `cpu` target, which the runtime can load here).
 
 For each target the lowered program's buckets are compiled by XLA's TPU compiler, for one chip
 or, for a slice, partitioned over its devices by a sharding plan (sharding.py), in a child
@@ -31,11 +32,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from tpuexport.compile.buckets import Bucket
+from tpuexport.compile.compile_key import compile_key
 from tpuexport.compile.hlo import collectives, matmul_flops_by_types
 from tpuexport.compile.sharding import DATA_AXIS, ShardingPlan, describe_buffers, per_device_buffers
 from tpuexport.compile.targets import Target
 from tpuexport.errors import TpuExportError
 from tpuexport.lower import LoweredProgram
+from tpuexport.lower.lowering import CPU_COMPILER_OPTIONS
 
 CHILD_SCRIPT = pathlib.Path(__file__).with_name("compile_child.py")
 
@@ -51,7 +54,8 @@ class CompiledBucket:
       compile_seconds: wall time of lowering + compiling.
       memory: bytes per device from `memory_analysis()`: argument, output, temp, alias,
         generated_code and their total (argument + output + temp + generated_code - alias).
-      cost: `cost_analysis()` figures: flops, bytes_accessed, optimal_seconds (XLA's estimate).
+      cost: `cost_analysis()` figures: flops, bytes_accessed, optimal_seconds (XLA's estimate,
+        None when unknown; never negative, see compile_child.optimal_seconds).
       fingerprint: sha256 of the compiled HLO text, to detect compiler drift later.
       hlo_text: the compiled HLO text (TPU layouts and op types), kept in memory only.
       matmul_flops: FLOPs of the compiled dots and convolutions per operand types, e.g.
@@ -60,6 +64,8 @@ class CompiledBucket:
       collectives: {kind: {"count", "bytes"}} of the compiled HLO (hlo.collectives; empty for a
         single chip).
       device_ids: the topology's device ids in mesh order (one id for a single chip).
+      compile_key: what the executable loads on (compile_key.compile_key): versions, platform,
+        device kind and count, compiler options, jax.export versions.
     """
 
     target: Target
@@ -74,6 +80,7 @@ class CompiledBucket:
     plan: ShardingPlan | None = None
     collectives: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     device_ids: tuple[int, ...] = ()
+    compile_key: dict = dataclasses.field(default_factory=dict)
 
     @property
     def fits_in_hbm(self) -> bool:
@@ -238,7 +245,9 @@ def compile_target(
                                 tuple((spec.name, ()) for spec in lowered.signature.inputs))
         request = {
             "exported": str(exported_path),
+            "platform": target.platform,
             "topology": target.topology,
+            "compiler_options": compiler_options(target),
             "out_dir": scratch,
             # Shapes only: the compiler never sees a weight's values (nor needs them, for a plan).
             "weights": [[list(w.shape), str(w.dtype)] for w in lowered.weight_specs],
@@ -251,6 +260,12 @@ def compile_target(
             "input_specs": list(plan.to_json()["inputs"].values()) if plan else None,
         }
         return list(_run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan))
+
+
+def compiler_options(target: Target) -> dict:
+    """XLA options the target's executables are compiled with: XLA:CPU's are the ones every CPU run
+    of the program uses (lowering.CPU_COMPILER_OPTIONS); TPUs use XLA's defaults."""
+    return dict(CPU_COMPILER_OPTIONS) if target.platform == "cpu" else {}
 
 
 def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan):
@@ -275,7 +290,7 @@ def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lower
                     raise _compile_error(target, bucket, event["message"], _largest_buffers(lowered, plan, bucket))
                 else:
                     compiling = None
-                    result = _compiled_bucket(target, bucket, event, scratch_dir, plan)
+                    result = _compiled_bucket(target, bucket, event, scratch_dir, plan, lowered)
                     if on_compiled:
                         on_compiled(result)
                     yield result
@@ -287,7 +302,8 @@ def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lower
             raise _crash_error(target, compiling, returncode, stderr.read().decode(errors="replace"))
 
 
-def _compiled_bucket(target: Target, bucket: Bucket, event: dict, scratch_dir: pathlib.Path, plan: ShardingPlan | None) -> CompiledBucket:
+def _compiled_bucket(target: Target, bucket: Bucket, event: dict, scratch_dir: pathlib.Path, plan: ShardingPlan | None,
+                     lowered: LoweredProgram) -> CompiledBucket:
     index = event["bucket"]
     memory = dict(event["memory"])
     memory["total_bytes"] = (
@@ -299,6 +315,8 @@ def _compiled_bucket(target: Target, bucket: Bucket, event: dict, scratch_dir: p
         target, bucket, (scratch_dir / f"{index}.executable").read_bytes(), event["seconds"], memory, event["cost"],
         hashlib.sha256(hlo_text.encode()).hexdigest(), hlo_text, matmul_flops_by_types(hlo_text),
         plan, collectives(hlo_text) if target.is_slice else {}, tuple(event["device_ids"]),
+        compile_key(target.platform, event["device_kind"], target.devices, None if target.platform == "cpu" else target.topology,
+                    compiler_options(target), lowered.exported.calling_convention_version),
     )
 
 

@@ -270,7 +270,8 @@ def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequen
     mesh_text = ",".join(f"{axis}={size}" for axis, size in mesh)
     shapes = [tuple(int(d) for d in w.shape) for w in weights]
     block_shapes = [shape[1:] if is_stacked else shape for shape, is_stacked in zip(shapes, stacked)]
-    weight_specs, notes = _preset_weight_specs(request.preset, weight_names, block_shapes, sizes)
+    weight_specs, notes = _preset_weight_specs(request.preset, weight_names, _unpacked_shapes(weight_names, block_shapes, weights), sizes)
+    weight_specs = _scales_follow_weights(weight_names, block_shapes, weight_specs, sizes, notes)
     input_specs = [_preset_input_spec(request.preset, spec.shape, sizes) for spec in signature.inputs]
     rules = []
     for pattern, spec in request.weight_rules:
@@ -330,6 +331,36 @@ def resolve_mesh(request: ShardingRequest, target: Target) -> tuple[tuple[str, i
         raise TpuExportError(f"--sharding {request.preset} splits over a mesh axis named {needed!r}, which mesh {mesh_text} "
                              f"lacks; name an axis {needed}, e.g. --mesh {needed}={target.devices}")
     return mesh
+
+
+def _unpacked_shapes(names: Sequence[str], shapes: Sequence[tuple[int, ...]], weights: Sequence) -> list[tuple[int, ...]]:
+    """The weights' shapes with weight-only int4 weights (uint8 with a `<name>_scale` sibling, two
+    values per byte along the last axis) at their unpacked size, so that presets recognize the
+    layers they belong to; the split itself is checked on the packed shape."""
+    scaled = {name.removesuffix("_scale") for name in names if name.endswith("_scale")}
+    return [shape[:-1] + (shape[-1] * 2,) if name in scaled and np.dtype(weight.dtype) == np.uint8 else shape
+            for name, shape, weight in zip(names, shapes, weights)]
+
+
+def _scales_follow_weights(names: Sequence[str], shapes: Sequence[tuple[int, ...]], specs: list[Spec], sizes: dict[str, int],
+                           notes: list[str]) -> list[Spec]:
+    """Weight-only scales (`<name>_scale`, the weight's shape with its contraction axis divided by
+    the group size) split as their weight is, where their dims divide; else whole (noted)."""
+    index = {name: position for position, name in enumerate(names)}
+    specs = list(specs)
+    for position, name in enumerate(names):
+        weight = index.get(name.removesuffix("_scale")) if name.endswith("_scale") else None
+        if weight is None or not specs[weight] or len(shapes[position]) != len(shapes[weight]):
+            continue
+        spec = specs[weight]
+        divides = all(shapes[position][axis] % math.prod(sizes[a] for a in spec_axes(entry)) == 0
+                      for axis, entry in enumerate(spec) if entry is not None)
+        if divides:
+            specs[position] = spec
+        else:
+            specs[position] = ()
+            notes.append(f"{name} {list(shapes[position])}: its weight's split {_spec_text(spec)} does not divide it, whole on every device")
+    return specs
 
 
 def _preset_weight_specs(preset: str, names: Sequence[str], shapes: Sequence[tuple[int, ...]],

@@ -26,7 +26,7 @@ import dataclasses
 import math
 import re
 
-from tpuexport.compile.targets import TARGETS, Target
+from tpuexport.compile.targets import CPU_TARGET, TARGETS, Target
 from tpuexport.errors import TpuExportError
 
 # Per generation: what the name's number counts, devices per chip in JAX, {number: chip grid}.
@@ -59,8 +59,8 @@ SLICES: dict[str, Target] = {
 
 
 def resolve_targets(names) -> list[Target]:
-    """Looks up target names (a string or a list): single chips ("v5e") and slices ("v5e-8",
-    "v5litepod-8", "tpu7x-8"), keeping order and dropping repeats.
+    """Looks up target names (a string or a list): single chips ("v5e"), slices ("v5e-8",
+    "v5litepod-8", "tpu7x-8") and "cpu" (XLA:CPU, targets.CPU_TARGET), keeping order and dropping repeats.
 
     Raises:
       TpuExportError: an unknown name (naming the sizes its generation has), a v4 slice (see the
@@ -79,6 +79,8 @@ def resolve_targets(names) -> list[Target]:
 
 
 def _lookup(name: str) -> Target:
+    if name.lower() == CPU_TARGET.name:
+        return CPU_TARGET
     key = name.lower().removeprefix("tpu")
     match = _SLICE_NAME.fullmatch(key)
     if match:
@@ -97,5 +99,5 @@ def _lookup(name: str) -> Target:
         name_counts, _, shapes = _SLICE_SHAPES[generation]
         sizes = ", ".join(f"{generation}-{number}" for number in shapes)
         raise TpuExportError(f"unknown slice {name!r}; {generation} slices (the number counts {name_counts}) are: {sizes}")
-    raise TpuExportError(f"unknown target {name!r}; use one of {', '.join(TARGETS)} or a slice such as v5e-8, v5p-8, "
-                         "v6e-8, 7x-8 (see `tpuexport targets`)")
+    raise TpuExportError(f"unknown target {name!r}; use one of {', '.join(TARGETS)}, a slice such as v5e-8, v5p-8, "
+                         "v6e-8, 7x-8 (see `tpuexport targets`), or cpu")

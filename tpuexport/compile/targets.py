@@ -4,11 +4,16 @@ Figures are per chip, from Google Cloud's TPU documentation pages (cited per row
 HBM capacity, peak bf16 and int8 compute, and HBM bandwidth. The topology name is what
 libtpu's compile-only `get_topology_desc` accepts; no TPU is needed to compile for it.
 Multi-chip slices (`v5e-8`, ...) are Targets too, built from these rows in slices.py.
+
+One more target is not a TPU: `cpu` compiles the same buckets with XLA:CPU for the build host, so
+that the runtime's load-without-compiling path (tpuexport.runtime) runs and is tested on machines
+without a TPU. Its "HBM" is the host's physical memory; it has no published peak figures.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 GIB = 1 << 30
 
@@ -31,6 +36,7 @@ class Target:
         whose chip is two devices with half its HBM each. A single-chip target compiles for one
         device standing for the whole chip.
       name_counts: what the number in a slice's name counts, "chips" or "TensorCores".
+      platform: the XLA platform compiled for, "tpu" or "cpu" (CPU_TARGET).
     """
 
     name: str
@@ -44,6 +50,7 @@ class Target:
     chips: int = 1
     devices: int = 1
     name_counts: str = "chips"
+    platform: str = "tpu"
 
     @property
     def is_slice(self) -> bool:
@@ -66,3 +73,13 @@ TARGETS: dict[str, Target] = {
     )
 }
 
+
+
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# XLA:CPU executables for the build host's CPU (see the module docstring); not a TPU, so it is not
+# in TARGETS (which `tpuexport targets` lists) but resolve_targets accepts its name.
+CPU_TARGET = Target("cpu", "XLA:CPU (the build host)", "cpu", _host_memory_bytes(), 0.0, None, 0.0,
+                    "https://openxla.org/xla", platform="cpu")

@@ -33,6 +33,8 @@ class CapturedModel:
         (parameters, buffers and lifted constants; views of the memory-mapped checkpoint, read
         when used); None when the program holds its weights (`program.state_dict`), which for a
         checkpoint's program are on the meta device.
+      keep_f32: state names of the weights of modules a Hugging Face model keeps in f32 on purpose
+        (`_keep_in_fp32_modules`); --precision bf16 leaves them f32.
     """
 
     program: torch.export.ExportedProgram
@@ -42,6 +44,7 @@ class CapturedModel:
     source: SourceInfo
     calibration: Any = None
     checkpoint_state: dict[str, torch.Tensor] | None = None
+    keep_f32: frozenset[str] = frozenset()
 
 
 def capture(source: LoadedSource) -> CapturedModel:
@@ -68,7 +71,8 @@ def capture(source: LoadedSource) -> CapturedModel:
         example_args = source.args
     example_inputs = tuple(pytree.tree_leaves(example_args))
     signature = describe(program, example_inputs, source.input_names)
-    return CapturedModel(program, reference, signature, example_inputs, source.info, source.calibration)
+    return CapturedModel(program, reference, signature, example_inputs, source.info, source.calibration,
+                         keep_f32=kept_in_f32(reference))
 
 
 def _capture_with_checkpoint(source: LoadedSource) -> CapturedModel:
@@ -96,7 +100,31 @@ def _capture_with_checkpoint(source: LoadedSource) -> CapturedModel:
     if unknown:
         raise TpuExportError(f"the model's tensor constant(s) {', '.join(unknown)} are on the meta device, so their values are "
                              "nowhere; register them as buffers (model.register_buffer) so the checkpoint can hold them")
-    return CapturedModel(program, reference, signature, example_inputs, source.info, source.calibration, weights)
+    return CapturedModel(program, reference, signature, example_inputs, source.info, source.calibration, weights,
+                         kept_in_f32(reference))
+
+
+def kept_in_f32(model) -> frozenset[str]:
+    """State names of the parameters and buffers in modules that a Hugging Face model (anywhere in
+    `model`) names in `_keep_in_fp32_modules`, matched as transformers matches them: a listed name
+    equal to one part of the dotted module path.
+
+    Args:
+      model: the eager model (an nn.Module; anything else has none).
+    Returns:
+      Their full state names in `model`.
+    """
+    if not isinstance(model, torch.nn.Module):
+        return frozenset()
+    kept = set()
+    for prefix, module in model.named_modules():
+        listed = set(getattr(module, "_keep_in_fp32_modules", None) or ())
+        if not listed:
+            continue
+        for name, _ in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+            if listed & set(name.split(".")[:-1]):
+                kept.add(f"{prefix}.{name}" if prefix else name)
+    return frozenset(kept)
 
 
 def weights_on_meta(model) -> bool:
@@ -212,6 +240,8 @@ def describe(
 
     dims = []
     for symbol, name in symbol_names.items():
+        if any(dim.name == name for dim in dims):
+            continue
         bounds = program.range_constraints[symbol]
         upper = None if not bounds.upper.is_finite else int(bounds.upper)
         # JAX symbolic dims are >= 1; torch.export reports 0 for a Dim without an explicit min.
@@ -229,6 +259,9 @@ def _name_symbols(program, user_nodes, input_names) -> dict[sympy.Symbol, str]:
     """
     debug_names = _shape_env_debug_names(user_nodes)
     names: dict[sympy.Symbol, str] = {}
+    # Symbols of one torch.export.Dim keep its one name: torch 2.13 gives each input its own symbol
+    # for a Dim whose range is [1, 2] (the inputs still share the dim, as the user declared).
+    user_named = {symbol for symbol in debug_names}
     for input_name, node in zip(input_names, user_nodes):
         for axis, size in enumerate(node.meta["val"].shape):
             if not isinstance(size, torch.SymInt):
@@ -242,7 +275,11 @@ def _name_symbols(program, user_nodes, input_names) -> dict[sympy.Symbol, str]:
         if isinstance(symbol, sympy.Symbol) and symbol not in names:
             names[symbol] = _identifier(debug_names.get(symbol) or str(symbol))
     taken: set[str] = set()
+    declared = {debug_names[symbol] for symbol in names if symbol in user_named}
     for symbol, name in names.items():
+        if symbol in user_named and name in declared:
+            taken.add(name)
+            continue
         unique, counter = name, 1
         while unique in taken:
             counter += 1

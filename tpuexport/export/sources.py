@@ -4,7 +4,9 @@ The factory contract (also in the README): `factory()` takes no arguments and re
   - a dict with keys "model" (an nn.Module or ExportedProgram), "args" (a tuple of example inputs)
     and optionally "dynamic_shapes" (torch.export's format) and "calibration" (an iterable of
     argument tuples, used by quantization), or
-  - a tuple (model, args) or (model, args, dynamic_shapes).
+  - a tuple (model, args) or (model, args, dynamic_shapes), or
+  - for --task text-generation, the Hugging Face causal LM alone (its entry points' inputs are
+    tpuexport's own, export/generation.py).
 The dict may also hold "checkpoint": where the model's weights are (a path or a Mapping name ->
 tensor, see checkpoints.py), for a model built with its parameters on the meta device.
 
@@ -66,6 +68,8 @@ class LoadedSource:
       input_names: names for the inputs that replace the forward parameter names (from --input).
       checkpoint: the weights to stream (export/checkpoints.py), the model's own parameters then
         typically on the meta device; None when the model holds its weights.
+      huggingface: for a Hugging Face source, its export.huggingface.HuggingFaceInfo (task,
+        config, revision, tokenizer/processor files for the artifact); None otherwise.
     """
 
     model: Any
@@ -75,6 +79,7 @@ class LoadedSource:
     info: SourceInfo
     input_names: tuple[str, ...] | None = None
     checkpoint: Checkpoint | None = None
+    huggingface: Any = None
 
 
 def file_sha256(path: pathlib.Path) -> str:
@@ -92,26 +97,42 @@ def load_source(
     inputs: list[InputSpec] = (),
     dims: list[DimSpec] = (),
     checkpoint: str | pathlib.Path | None = None,
+    task: str | None = None,
+    weights_in_memory: bool = False,
 ) -> LoadedSource:
     """Loads the model a command-line SOURCE names.
 
     Args:
-      reference: `model.pt2`, `path/to/file.py:factory`, or `model.pt` / `model.pth`.
+      reference: `model.pt2`, `path/to/file.py:factory`, `model.pt` / `model.pth`, or a Hugging
+        Face model directory / `hf:ORG/NAME` (export/huggingface.py).
       trust_pickle: allow unpickling a whole module (pickles run arbitrary code on load).
       inputs: --input specs, required for pickles and refused for the other kinds.
       dims: --dim specs the inputs refer to.
       checkpoint: a --checkpoint path (file.py:factory sources only): the factory builds the model
         with its parameters on the meta device and the weights stream from there.
+      task: a Hugging Face source's task (optimum's names; None or "auto" from its config).
+      weights_in_memory: a Hugging Face source's weights are read into the model instead of
+        streamed (quantization rounds them in memory).
     Returns:
       The LoadedSource.
     Raises:
       TpuExportError: missing file, unknown kind, refused pickle, bad factory, misplaced specs,
         a checkpoint for a source that is not a factory, or an unreadable checkpoint.
     """
+    from tpuexport.export import huggingface  # it builds on this module
+
+    if huggingface.is_huggingface_source(reference):
+        if inputs or checkpoint is not None:
+            raise TpuExportError("--input and --checkpoint do not apply to a Hugging Face source (its config names the inputs, "
+                                 "its directory holds the weights); drop them, and use --dim to change a dim's range")
+        return huggingface.load_huggingface(reference, task, dims, weights_in_memory)
+    if task not in (None, "auto"):
+        raise TpuExportError(f"--task applies to a Hugging Face model directory or hf:ORG/NAME, not {reference}; drop it")
     path_text, _, factory = reference.partition(":") if ".py:" in reference else (reference, "", "")
     path = pathlib.Path(path_text)
     if not path.is_file():
-        raise TpuExportError(f"source {path_text!r} does not exist; pass a .pt2 file, a file.py:factory or a .pt file")
+        raise TpuExportError(f"source {path_text!r} does not exist; pass a Hugging Face model directory, hf:ORG/NAME, "
+                             "a .pt2 file, a file.py:factory or a .pt file")
     suffix = path.suffix.lower()
     if checkpoint is not None and suffix != ".py":
         raise TpuExportError(f"--checkpoint needs a file.py:factory source that builds the model, not {path.name}; "
@@ -176,7 +197,10 @@ def _load_factory(path: pathlib.Path, factory: str, reference: str, checkpoint: 
 
 
 def _unpack_factory_result(produced, reference):
-    contract = "return {'model': ..., 'args': (...), 'dynamic_shapes': ...} or (model, args[, dynamic_shapes])"
+    contract = ("return {'model': ..., 'args': (...), 'dynamic_shapes': ...} or (model, args[, dynamic_shapes]), or the model "
+                "alone for --task text-generation")
+    if isinstance(produced, torch.nn.Module):  # --task text-generation builds its own entry points' inputs
+        return produced, None, None, None, None
     if isinstance(produced, dict):
         unknown = set(produced) - {"model", "args", "dynamic_shapes", "calibration", "checkpoint"}
         if "model" not in produced or unknown:
@@ -191,7 +215,7 @@ def _unpack_factory_result(produced, reference):
         raise TpuExportError(f"{reference}() returned {type(produced).__name__}; {contract}")
     if not isinstance(model, (torch.nn.Module, torch.export.ExportedProgram)):
         raise TpuExportError(f"{reference}() returned a model of type {type(model).__name__}; return an nn.Module")
-    if isinstance(model, torch.nn.Module) and not isinstance(args, tuple):
+    if isinstance(model, torch.nn.Module) and not isinstance(args, (tuple, type(None))):
         raise TpuExportError(f"{reference}() returned args of type {type(args).__name__}; return a tuple of example inputs")
     return model, args, dynamic_shapes, calibration, checkpoint
 

@@ -16,12 +16,17 @@ Passes, in order:
   find_runs          runs of identical blocks (a model's layers), their weights stacked (scan.py)
   trace_and_export   torchax's interpreter traced by jax.export with one-scope symbolic dims, each
                      run of blocks as one jax.lax.scan
-  pin_precision      the matmul precision written on every dot and convolution (matmul_precision.py)
+  pin_precision      the matmul precision written on every dot and convolution, HIGHEST on those
+                     that feed a top-k, sort or argmax (matmul_precision.py)
 and, beside the program, its matmul FLOPs as a polynomial in the dims (cost.py).
+With a weight-only scheme (quantize/weight_only.py), the chosen weights become integer and scale
+arguments after collect_weights (their arrays quantized here; a checkpoint's as they stream) and
+the traced ops read them as integers (quantized_weights.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -38,11 +43,13 @@ from tpuexport.lower import aten_lowerings, attention, control_flow, symbolic_op
 from tpuexport.lower.cost import matmul_flops_expression
 from tpuexport.lower.custom_ops import custom_operator_decompositions
 from tpuexport.lower.graph_passes import expand_convolution_arguments, reshape_views, sink_attention_masks, unmerge_batched_matmuls
-from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS, pin_matmul_precision
-from tpuexport.lower.mixed_precision import PRECISIONS, cast_arguments, cast_result, is_quantization_op, stored_dtype, stored_weight
+from tpuexport.lower.matmul_precision import DECISION_SCOPE, MATMUL_PRECISIONS, decision_matmuls, pin_matmul_precision
+from tpuexport.lower.mixed_precision import (PRECISIONS, cast_arguments, cast_result, input_compute_dtype, is_quantization_op,
+                                             kept_f32_meetings, resolve_precision, stored_dtype, stored_weight)
 from tpuexport.lower.registry import own_lowering
 from tpuexport.lower.scan import ScannedRun, find_runs, run_scan, stack_weights
 from tpuexport.lower.op_support import find_unsupported, user_source
+from tpuexport.lower.quantized_weights import QuantizedArray, call_with_quantized, dequantize_all, holds_quantized
 from tpuexport.lower.shapes import symbolic_input_avals
 from tpuexport.lower.torchax_import import import_torchax
 from tpuexport.signature import ProgramSignature, artifact_dtype
@@ -69,7 +76,7 @@ class LoweredProgram:
         plan (a model without weights, e.g. built on the meta device): the program then carries
         the weights' shapes and dtypes only (`weight_specs`).
       signature: named inputs, outputs and dims.
-      precision: "f32", "bf16" or "bf16-mixed" (mixed_precision.py).
+      precision: "auto", "f32", "bf16" or "bf16-mixed", as requested (mixed_precision.py).
       matmul_precision: the TPU matmul precision pinned on every dot and convolution
         ("default", "high" or "highest"; see matmul_precision.py).
       matmul_flops: FLOPs of its dots and convolutions as an expression over the dim names
@@ -80,6 +87,11 @@ class LoweredProgram:
         path, blocks, stacked weight name -> state_dict names); empty when none.
       tied: weights that are another weight (an lm_head tied to the embedding), {state_dict name:
         the name it is stored and passed under}: not arguments of the program, held once.
+      quantized: weight-only weights, {weight name: {"mode", "bits", "axis" (contraction axis of
+        one block's weight, from the end), "group_size", "scale" (the scales' weight name)}}.
+      decision_matmuls: the matmuls pinned to "highest" because they feed a discrete decision
+        ({"op": graph node, "module": module path, "feeds": decision op, "precision": "highest"}
+        each; matmul_precision.decision_matmuls).
     """
 
     exported: jax.export.Exported
@@ -92,6 +104,15 @@ class LoweredProgram:
     graph: torch.export.ExportedProgram | None = None
     scanned: tuple[dict, ...] = ()
     tied: dict[str, str] = dataclasses.field(default_factory=dict)
+    decision_matmuls: tuple[dict, ...] = ()
+    quantized: dict[str, dict] = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def resolved_precision(self) -> str:
+        """What the program computes in: "f32", "bf16", "f16" or "bf16-mixed" (mixed_precision.resolve_precision);
+        verification's default tolerances follow it."""
+        specs = self.signature.inputs + self.signature.outputs
+        return resolve_precision(self.precision, self.exported, [spec.torch_dtype for spec in specs])
 
     @property
     def plan_only(self) -> bool:
@@ -115,6 +136,7 @@ class LoweredProgram:
         """Each weight's state_dict names: its own, or for a scanned run's stacked weight its
         blocks' in stacking order (axis 0)."""
         stacked = {name: tuple(originals) for run in self.scanned for name, originals in run["weights"].items()}
+        stacked.update({entry["scale"]: stacked.get(name, (name,)) for name, entry in self.quantized.items()})
         return {name: stacked.get(name, (name,)) for name in self.weight_names}
 
     @property
@@ -186,28 +208,36 @@ def _check_integer_range(array: np.ndarray, spec) -> None:
 
 
 def lower(
-    program: torch.export.ExportedProgram, signature: ProgramSignature, precision: str = "f32", matmul_precision: str = "default",
+    program: torch.export.ExportedProgram, signature: ProgramSignature, precision: str = "auto", matmul_precision: str = "default",
     scan: bool = True,
     weights: bool = True,
+    weight_only=None,
+    keep_f32: frozenset[str] = frozenset(),
 ) -> LoweredProgram:
     """Lowers an exported program to StableHLO through torchax's op library.
 
     Args:
       program: the torch.export program (eval mode).
       signature: its named signature (from the export stage).
-      precision: "f32" (as exported), "bf16" (weights and compute in bfloat16) or "bf16-mixed"
-        (autocast-like, see mixed_precision.py); outputs in the model's dtypes either way.
+      precision: "auto" (the model's own dtypes), "f32", "bf16" (weights and compute in bfloat16,
+        but for state kept in f32) or "bf16-mixed" (autocast-like); see mixed_precision.py.
+        Outputs in the model's dtypes either way.
       matmul_precision: the TPU arithmetic of dots and convolutions, pinned in the program
         ("default", "high" or "highest").
       scan: lower runs of identical blocks (a model's layers) as one jax.lax.scan each, their
         weights stacked (scan.py); False lowers every block on its own.
       weights: False lowers from the weights' shapes and dtypes alone (a plan: no weight is read,
         so the program's weights may be on the meta device); the result has `weights` None.
+      weight_only: a quantize.weight_only.WeightOnlyScheme, or None: its chosen weights become
+        integer and scale arguments (quantized here when `weights`).
+      keep_f32: state_dict names of weights the model keeps in f32 on purpose beyond its
+        non-persistent f32 buffers (a Hugging Face model's `_keep_in_fp32_modules`; export stage).
     Returns:
       The LoweredProgram.
     Raises:
       UnsupportedOperatorsError: operators with no lowering (all listed).
-      TpuExportError: decomposition or tracing failed, or an unknown precision.
+      TpuExportError: decomposition or tracing failed, an unknown precision, or a group size that
+        does not divide a quantized weight.
     """
     if precision not in PRECISIONS:
         raise TpuExportError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
@@ -221,16 +251,79 @@ def lower(
     runs = find_runs(decomposed) if scan else ()
     tied = tied_weights(decomposed, runs)
     if weights:
-        names, arrays = collect_weights(decomposed, precision)
+        names, arrays = collect_weights(decomposed, precision, keep_f32)
     else:
-        names, arrays = collect_weight_specs(decomposed, precision)
+        names, arrays = collect_weight_specs(decomposed, precision, keep_f32)
     kept = [index for index, name in enumerate(names) if name not in tied]
     stacked_names, stacked = stack_weights(tuple(names[index] for index in kept), tuple(arrays[index] for index in kept), runs)
+    quantized = {}
+    if weight_only is not None:
+        stacked_names, stacked, quantized = _quantize_weights(decomposed, weight_only, tied, runs, stacked_names, stacked, weights)
     specs = tuple(jax.ShapeDtypeStruct(array.shape, array.dtype) for array in stacked)
-    exported, before_scan = trace_and_export(decomposed, signature, names, stacked_names, specs, precision, runs, tied)
+    kept = frozenset(_kept_placeholders(decomposed, keep_f32)) if precision == "bf16" else frozenset()
+    decisions = decision_matmuls(decomposed.graph)
+    exported, before_scan = trace_and_export(decomposed, signature, names, stacked_names, specs, precision, runs, tied,
+                                             kept_f32_meetings(decomposed.graph, kept), frozenset(decisions), quantized)
     exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision])
+    pinned = tuple({"op": node.name, "module": _module_path(node), "feeds": feeds, "precision": "highest"}
+                   for node, feeds in decisions.items())
     return LoweredProgram(exported, stacked_names, stacked if weights else None, signature, precision, matmul_precision, flops,
-                          decomposed, tuple(run.to_json(before_scan[run.last_op]) for run in runs), tied)
+                          decomposed, tuple(run.to_json(before_scan[run.last_op]) for run in runs), tied, pinned,
+                          {name: entry for name, (entry, _) in quantized.items()})
+
+
+def _quantize_weights(program, scheme, tied, runs, names, arrays, with_arrays: bool):
+    """The program's weights with the scheme's chosen ones as integers, each followed by its scales.
+
+    Args:
+      program: the decomposed program.
+      scheme: the WeightOnlyScheme.
+      tied: the tied weights; runs: the scanned runs.
+      names, arrays: the weights in call order (stacked), arrays or (for `with_arrays` False)
+        ShapeDtypeStructs.
+      with_arrays: whether `arrays` are arrays to quantize.
+    Returns:
+      (names, arrays or specs, {weight name: (manifest entry, the float dtype it computes in)}).
+    """
+    from tpuexport.quantize import weight_only  # torch only; loaded for weight-only conversions
+
+    chosen = weight_only.quantizable_weights(program, scheme, tied)
+    originals = {weight.name: weight.originals for run in runs for weight in run.weights}
+    new_names, new_arrays, quantized = [], [], {}
+    for name, array in zip(names, arrays):
+        axes = {chosen.get(original) for original in originals.get(name, (name,))}
+        axis = axes.pop() if len(axes) == 1 else None
+        if axis is None:
+            new_names.append(name)
+            new_arrays.append(array)
+            continue
+        scale_name = f"{name}_scale"
+        if with_arrays:
+            values, scale = weight_only.stored_tensors(torch.from_numpy(np.asarray(array, np.float32)), scheme, axis)
+            new_arrays += [values.numpy(), to_numpy(scale)]
+        else:
+            new_arrays += list(quantized_specs(array.shape, scheme, axis))
+        new_names += [name, scale_name]
+        entry = {"mode": scheme.mode, "bits": scheme.bits, "axis": axis, "group_size": scheme.group(array.shape[axis]),
+                 "scale": scale_name}
+        quantized[name] = (entry, jnp.dtype(array.dtype))
+    return tuple(new_names), tuple(new_arrays), quantized
+
+
+def quantized_specs(shape: tuple[int, ...], scheme, axis: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """The integer and scale arguments' shapes and dtypes of a weight of `shape` (quantize/weight_only.py's storage)."""
+    values_shape = (*shape[:-1], shape[-1] // 2) if scheme.bits == 4 else tuple(shape)
+    scale_shape = list(shape)
+    scale_shape[axis] //= scheme.group(shape[axis])
+    scale_dtype = jnp.bfloat16 if scheme.bits == 4 else jnp.float32
+    return (jax.ShapeDtypeStruct(values_shape, jnp.uint8 if scheme.bits == 4 else jnp.int8),
+            jax.ShapeDtypeStruct(tuple(scale_shape), scale_dtype))
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    """The dotted path of the module an op comes from ("" for the root)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
 
 
 def tied_weights(program: torch.export.ExportedProgram, runs: tuple[ScannedRun, ...] = ()) -> dict[str, str]:
@@ -299,32 +392,55 @@ def check_operators(program: torch.export.ExportedProgram) -> None:
         raise UnsupportedOperatorsError(unsupported)
 
 
-def collect_weights(program: torch.export.ExportedProgram, precision: str) -> tuple[tuple[str, ...], tuple[np.ndarray, ...]]:
+def collect_weights(program: torch.export.ExportedProgram, precision: str,
+                    keep_f32: frozenset[str] = frozenset()) -> tuple[tuple[str, ...], tuple[np.ndarray, ...]]:
     """Parameters, buffers and lifted constants in placeholder order, as numpy arrays.
 
+    Args:
+      program: the decomposed program.
+      precision: one of PRECISIONS.
+      keep_f32: names of weights the model keeps in f32 beyond its non-persistent f32 buffers.
     Returns:
       (names, arrays), stored in the precision's dtypes (mixed_precision.stored_weight). 64-bit
       weights become 32-bit (JAX runs with 32-bit defaults, like the TPU).
     """
+    kept = _kept_placeholders(program, keep_f32)
     names, arrays = [], []
     for name, tensor, quantization_input in _weight_tensors(program):
         names.append(name)
-        arrays.append(stored_weight(_to_numpy(tensor.detach()), precision, quantization_input))
+        arrays.append(stored_weight(_to_numpy(tensor.detach()), precision, quantization_input or name in kept.values()))
     return tuple(names), tuple(arrays)
 
 
-def collect_weight_specs(program: torch.export.ExportedProgram, precision: str) -> tuple[tuple[str, ...], tuple[jax.ShapeDtypeStruct, ...]]:
+def _kept_placeholders(program: torch.export.ExportedProgram, keep_f32: frozenset[str]) -> dict[str, str]:
+    """The weights the model keeps in f32 on purpose (mixed_precision's rule): {placeholder node
+    name: state name} of its non-persistent f32 buffers and of the weights named in `keep_f32`."""
+    kept = {}
+    for spec in program.graph_signature.input_specs:
+        if spec.kind not in (torch.export.graph_signature.InputKind.BUFFER, torch.export.graph_signature.InputKind.PARAMETER):
+            continue
+        tensor = program.state_dict.get(spec.target, program.constants.get(spec.target))
+        non_persistent = spec.kind == torch.export.graph_signature.InputKind.BUFFER and spec.persistent is False
+        if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and (non_persistent or spec.target in keep_f32):
+            kept[spec.arg.name] = spec.target
+    return kept
+
+
+def collect_weight_specs(program: torch.export.ExportedProgram, precision: str,
+                         keep_f32: frozenset[str] = frozenset()) -> tuple[tuple[str, ...], tuple[jax.ShapeDtypeStruct, ...]]:
     """What `collect_weights` would return, as shapes and dtypes only: no tensor is read, so the
     weights may be on the meta device (a plan of a model larger than this machine's memory).
 
     Returns:
       (names, ShapeDtypeStructs), in the dtypes `collect_weights` would store.
     """
+    kept = _kept_placeholders(program, keep_f32)
     names, specs = [], []
     for name, tensor, quantization_input in _weight_tensors(program):
         exported_dtype = jnp.dtype(artifact_dtype(str(tensor.dtype).removeprefix("torch.")))
         names.append(name)
-        specs.append(jax.ShapeDtypeStruct(tuple(tensor.shape), stored_dtype(exported_dtype, tensor.dim(), precision, quantization_input)))
+        specs.append(jax.ShapeDtypeStruct(tuple(tensor.shape), stored_dtype(exported_dtype, tensor.dim(), precision,
+                                                                            quantization_input or name in kept.values())))
     return tuple(names), tuple(specs)
 
 
@@ -362,7 +478,8 @@ class _TracingInterpreter:
     branches) to the lowerings as functions of JAX arrays run by the same interpreter, and computing
     each run of identical blocks as one scan at the run's last op (its other ops are skipped)."""
 
-    def __init__(self, graph_module, precision: str = "f32", runs: tuple[ScannedRun, ...] = ()):
+    def __init__(self, graph_module, precision: str = "auto", runs: tuple[ScannedRun, ...] = (), meetings: frozenset = frozenset(),
+                 decisions: frozenset = frozenset()):
         torchax = import_torchax()
         base = torchax.export.JaxInterpreter
         owner = self
@@ -386,9 +503,17 @@ class _TracingInterpreter:
                 return self.call_function(node.target, args, kwargs)
 
             def call_function(self, target, args, kwargs):
-                args, kwargs = cast_arguments(precision, target, args, kwargs)
+                if holds_quantized(args, kwargs):
+                    value = call_with_quantized(target, args, kwargs)
+                    if value is not None:
+                        return value if isinstance(value, QuantizedArray) else cast_result(precision, target, value)
+                    args, kwargs = dequantize_all(args), dict(zip(kwargs, dequantize_all(tuple(kwargs.values()))))
+                args, kwargs = cast_arguments(precision, target, args, kwargs, owner.node in meetings)
                 own = own_lowering(target)
-                result = own(*args, **kwargs) if own is not None else super().call_function(target, args, kwargs)
+                # A matmul feeding a decision is traced under a scope its StableHLO ops keep, so it is pinned HIGHEST.
+                scope = jax.named_scope(DECISION_SCOPE + owner.node.name) if owner.node in decisions else contextlib.nullcontext()
+                with scope:
+                    result = own(*args, **kwargs) if own is not None else super().call_function(target, args, kwargs)
                 return cast_result(precision, target, result)
 
             def get_attr(self, target, args, kwargs):
@@ -410,7 +535,9 @@ class _TracingInterpreter:
 
 
 def trace_and_export(program, signature, placeholder_names, weight_names, weight_specs, precision,
-                     runs: tuple[ScannedRun, ...] = (), tied: dict[str, str] | None = None) -> tuple[jax.export.Exported, dict]:
+                     runs: tuple[ScannedRun, ...] = (), tied: dict[str, str] | None = None,
+                     kept_meetings: frozenset = frozenset(), decisions: frozenset = frozenset(),
+                     quantized: dict[str, tuple[dict, jnp.dtype]] | None = None) -> tuple[jax.export.Exported, dict]:
     """Traces torchax's interpreter over the graph under jax.export for CPU and TPU.
 
     Args:
@@ -422,19 +549,28 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
       precision: one of PRECISIONS.
       runs: runs of identical blocks to lower as scans (their weights among `weight_names`).
       tied: placeholders that read another weight ({name: the weight's name}; tied_weights).
+      kept_meetings: ops where values computed from kept f32 state meet others (bf16 rounds them
+        there; mixed_precision.kept_f32_meetings).
+      decisions: matmul nodes that feed a discrete decision (traced under DECISION_SCOPE).
+      quantized: weight-only weights, {name: (manifest entry, float dtype)}: the weight and its
+        scales reach the ops as one QuantizedArray.
     Returns:
       (the Exported, called as `call(weights_list, inputs_list)`; {run's last op: how many of its
       blocks run before its scan}).
     """
     mutations = len(program.graph_signature.buffers_to_mutate)
     output_dtypes = [jnp.dtype(spec.dtype) for spec in signature.outputs]
-    compute_dtype = jnp.bfloat16 if precision == "bf16" else None
-    tracer = _TracingInterpreter(program.graph_module, precision, runs)
+    compute_dtype = input_compute_dtype(precision)
+    tracer = _TracingInterpreter(program.graph_module, precision, runs, kept_meetings, decisions)
 
     def program_fn(weights_list, inputs_list):
         if compute_dtype is not None:
-            inputs_list = [x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in inputs_list]
+            inputs_list = [x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != compute_dtype else x
+                           for x in inputs_list]
         tracer.weights = dict(zip(weight_names, weights_list))
+        for name, (entry, dtype) in (quantized or {}).items():
+            tracer.weights[name] = QuantizedArray(tracer.weights.pop(name), tracer.weights.pop(entry["scale"]), entry["bits"],
+                                                  entry["axis"], dtype)
         # A stacked block weight's own placeholder is read by no op that runs, so it gets None.
         placeholders = [tracer.weights.get((tied or {}).get(name, name)) for name in placeholder_names]
         outputs = tracer.run(*placeholders, *inputs_list)[mutations:]

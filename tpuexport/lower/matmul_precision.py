@@ -16,6 +16,13 @@ the ElementalIrEmitter"), so an artifact carrying them could not be verified or 
 compiled TPU HLO shows the enum as `operand_precision` (DEFAULT is StableHLO's default value, which
 serialization leaves out; the module's `tpuexport.matmul_precision` attribute names the setting).
 Integer dots (int8 x int8 -> int32) have no precision and are left alone.
+
+Matmuls that feed a discrete decision are pinned to HIGHEST whatever the setting: those whose
+result reaches a top-k, sort, argmax/argmin or max/min-with-indices through no other matmul (a
+mixture of experts' router, a scoring head). They are small, and one bf16 pass would flip the
+decision for near-ties (a token routed to another expert changes that expert's whole output), so
+the TPU would not compute what the model does. The lowering traces them under a named scope
+(DECISION_SCOPE + node name) that the StableHLO's op locations keep; the manifest lists them.
 """
 
 from __future__ import annotations
@@ -25,11 +32,20 @@ import dataclasses
 import jax
 from jax.extend.mlir import ir
 
+import torch
+
 from tpuexport.lower.stablehlo_rewrite import operand_element_types, rewrite_matmuls
 
 # The setting, recorded on the module itself: serialization drops precision_config attributes that
 # hold StableHLO's default value (DEFAULT), so for "default" this attribute is what says it was chosen.
 MODULE_ATTRIBUTE = "tpuexport.matmul_precision"
+# The named scope a decision's matmuls are traced under (found again in the ops' locations).
+DECISION_SCOPE = "tpuexport_decision."
+
+_aten = torch.ops.aten
+_MATMULS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.convolution.default})
+DECISIONS = frozenset({_aten.topk.default, _aten.sort.default, _aten.sort.stable, _aten.argmax.default, _aten.argmin.default,
+                       _aten.max.dim, _aten.min.dim})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +78,39 @@ MATMUL_PRECISIONS = {
 }
 
 
+def decision_matmuls(graph: torch.fx.Graph) -> dict[torch.fx.Node, str]:
+    """The matmuls whose results reach a discrete decision through no other matmul.
+
+    Args:
+      graph: the decomposed program's graph.
+    Returns:
+      {matmul node: the name of the first decision op it feeds, e.g. "aten.topk.default"}.
+    """
+    found: dict[torch.fx.Node, str] = {}
+    for decision in graph.nodes:
+        if decision.op != "call_function" or decision.target not in DECISIONS:
+            continue
+        pending, seen = list(decision.all_input_nodes), set()
+        while pending:
+            node = pending.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if node.op == "call_function" and node.target in _MATMULS:
+                found.setdefault(node, str(decision.target))
+            else:
+                pending.extend(node.all_input_nodes)
+    return found
+
+
+def is_decision_matmul(op: ir.Operation) -> bool:
+    """Whether an op was traced for a matmul that feeds a decision (its location names DECISION_SCOPE)."""
+    return DECISION_SCOPE in str(op.location)
+
+
 def pin_matmul_precision(exported: jax.export.Exported, precision: MatmulPrecision) -> jax.export.Exported:
-    """Writes `precision` on every floating-point dot_general and convolution of the program.
+    """Writes `precision` on every floating-point dot_general and convolution of the program, and
+    HIGHEST on those that feed a decision (module docstring).
 
     Args:
       exported: the lowered program.
@@ -72,11 +119,12 @@ def pin_matmul_precision(exported: jax.export.Exported, precision: MatmulPrecisi
       The same program with the setting's precision on every floating-point dot and
       convolution (replacing whatever precision or algorithm the op had); integer ops unchanged.
     """
+    highest = MATMUL_PRECISIONS["highest"]
 
     def pin(op: ir.Operation) -> None:
         if not all(isinstance(t, ir.FloatType) for t in operand_element_types(op)):
             return
-        op.attributes["precision_config"] = precision.precision_config()
+        op.attributes["precision_config"] = (highest if is_decision_matmul(op) else precision).precision_config()
         if "algorithm" in op.attributes:
             del op.attributes["algorithm"]
 

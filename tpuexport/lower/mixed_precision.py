@@ -1,7 +1,16 @@
 """Where a program computes in bfloat16, per --precision.
 
-  f32         everything in f32 (the TPU's matmul arithmetic is --matmul-precision's)
-  bf16        weights, inputs and every op in bfloat16; outputs in the model's dtypes
+  auto        (the default) the model's own dtypes, tensor by tensor: every weight and input as
+              the model holds it (bf16 parameters stay bf16, f32 buffers and parameters stay
+              f32), every op in the dtypes the exported graph gives it, as eager PyTorch runs it
+  f32         weights and floating inputs in f32 (bfloat16/float16 ones widened); ops as the
+              graph casts them (the TPU's matmul arithmetic is --matmul-precision's)
+  bf16        weights, inputs and every op in bfloat16, except the f32 state the model keeps in
+              f32 on purpose: non-persistent f32 buffers (a rotary `inv_freq`) and the weights of
+              modules named in a Hugging Face model's `_keep_in_fp32_modules`. What is computed
+              from that state alone (rotary angles, their cos/sin) stays f32 and is rounded to
+              bfloat16 where it meets bfloat16 values, as Hugging Face's bf16 models do.
+              Outputs in the model's dtypes
   bf16-mixed  autocast-like: matmuls and convolutions take bfloat16 operands and give bfloat16
               results; softmax, norms, reductions and exp/log/pow/sqrt/rsqrt take f32 operands;
               other elementwise ops compute in their operands' promoted dtype (bf16 only where all
@@ -16,12 +25,18 @@ dequantized weights of int8-weight-only programs), so the elementwise ops after 
 
 from __future__ import annotations
 
+import re
+
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import torch
 
-PRECISIONS = ("f32", "bf16", "bf16-mixed")
+PRECISIONS = ("auto", "f32", "bf16", "bf16-mixed")
+DEFAULT_PRECISION = "auto"
+# What a program computes in, for its tolerances (resolve_precision): 16-bit float types in its StableHLO.
+_HALF_TYPES = {"bf16": re.compile(r"[<x]bf16>"), "f16": re.compile(r"[<x]f16>")}
 
 _aten = torch.ops.aten
 MATMULS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.convolution.default})
@@ -46,21 +61,28 @@ def _dequantizes(target) -> bool:
     return name.startswith("tpuexport::int8_") or name.startswith("quantized_decomposed::dequantize")
 
 
-def stored_weight(array: np.ndarray, precision: str, quantization_input: bool) -> np.ndarray:
+def stored_weight(array: np.ndarray, precision: str, kept: bool) -> np.ndarray:
     """A weight in the dtype the program stores it in.
 
     Args:
       array: the weight as exported (64-bit already narrowed).
       precision: one of PRECISIONS.
-      quantization_input: whether a quantization op reads it (int8 weights, scales: kept as they are).
+      kept: whether it is kept as it is (a quantization op reads it: int8 weights, scales; or the
+        model keeps it in f32 on purpose, see the module docstring).
     Returns:
-      The array, bfloat16 where the precision stores it so.
+      The array, in the dtype the precision stores it in.
     """
-    dtype = stored_dtype(array.dtype, array.ndim, precision, quantization_input)
+    dtype = stored_dtype(array.dtype, array.ndim, precision, kept)
     return array if dtype == array.dtype else array.astype(dtype)
 
 
-def stored_dtype(dtype: np.dtype, ndim: int, precision: str, quantization_input: bool) -> np.dtype:
+def is_float(dtype) -> bool:
+    """Whether a numpy dtype is floating point, bfloat16 included (numpy does not count it)."""
+    dtype = np.dtype(dtype)
+    return np.issubdtype(dtype, np.floating) or dtype == ml_dtypes.bfloat16
+
+
+def stored_dtype(dtype: np.dtype, ndim: int, precision: str, kept: bool) -> np.dtype:
     """The dtype the program stores a weight in, from its exported dtype and rank alone (plans
     without weights need it without an array).
 
@@ -68,16 +90,45 @@ def stored_dtype(dtype: np.dtype, ndim: int, precision: str, quantization_input:
       dtype: the weight's dtype as exported (64-bit already narrowed).
       ndim: its rank.
       precision: one of PRECISIONS.
-      quantization_input: whether a quantization op reads it (kept as it is).
+      kept: whether it is kept as it is (see stored_weight).
     Returns:
-      bfloat16 where the precision stores the weight so, else `dtype`.
+      bfloat16 or float32 where the precision stores the weight so, else `dtype`.
     """
     dtype = np.dtype(dtype)
-    if quantization_input or not np.issubdtype(dtype, np.floating):
+    if kept or not is_float(dtype):
         return dtype
     if precision == "bf16" or (precision == "bf16-mixed" and ndim >= 2):
         return np.dtype(ml_dtypes.bfloat16)
+    if precision == "f32":
+        return np.dtype(np.float32)
     return dtype
+
+
+def input_compute_dtype(precision: str):
+    """The dtype the program casts its floating inputs to on entry (None: as the model declares them)."""
+    return {"bf16": jnp.bfloat16, "f32": jnp.float32}.get(precision)
+
+
+def resolve_precision(precision: str, exported: jax.export.Exported, input_dtypes) -> str:
+    """What a program computes in, for its verification tolerances and the manifest.
+
+    Args:
+      precision: the requested one (PRECISIONS).
+      exported: the lowered program.
+      input_dtypes: the dtype names of the model's inputs and outputs (what eager PyTorch computes
+        with; a bfloat16 model is compared in bfloat16 even where the program widens it).
+    Returns:
+      "bf16" or "bf16-mixed" as requested; for "auto" and "f32": "bf16" (or "f16") when the program
+      or the model's interface holds 16-bit floats, else "f32".
+    """
+    if precision in ("bf16", "bf16-mixed"):
+        return precision
+    text = exported.mlir_module()
+    names = set(input_dtypes)
+    for name, pattern in _HALF_TYPES.items():
+        if ({"bf16": "bfloat16", "f16": "float16"}[name] in names) or pattern.search(text):
+            return name
+    return "f32"
 
 
 def _cast(values, source, destination):
@@ -91,14 +142,42 @@ def _cast(values, source, destination):
     return [cast(value) for value in values]
 
 
-def cast_arguments(precision: str, target, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def kept_f32_meetings(graph: torch.fx.Graph, kept: frozenset[str]) -> frozenset[torch.fx.Node]:
+    """The ops where values computed from kept f32 state alone meet other floating values: there
+    bf16 rounds the kept values to bfloat16 (module docstring).
+
+    Args:
+      graph: the decomposed program's graph.
+      kept: names of the placeholders the program keeps in f32.
+    Returns:
+      The nodes whose floating operands come from kept state (with integers: positions) and from
+      other floating values (weights, inputs) alike.
+    """
+    sources: dict[torch.fx.Node, frozenset[str]] = {}
+    meetings = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            value = node.meta.get("val")
+            floating = isinstance(value, torch.Tensor) and value.dtype.is_floating_point
+            sources[node] = frozenset({"kept" if node.name in kept else "other"}) if floating else frozenset()
+            continue
+        inputs = [sources.get(argument, frozenset()) for argument in node.all_input_nodes]
+        sources[node] = frozenset().union(*inputs)
+        if any(found == {"kept"} for found in inputs) and "other" in sources[node]:
+            meetings.add(node)
+    return frozenset(meetings)
+
+
+def cast_arguments(precision: str, target, args: tuple, kwargs: dict, kept_meets_bf16: bool = False) -> tuple[tuple, dict]:
     """The arguments of one op in the dtypes the precision computes it in.
 
     Under bf16 a few lowerings give f32 from bfloat16 operands (SegFormer's bilinear upsampling
     feeds a convolution); a convolution, which unlike a dot does not promote mixed operands, then
-    gets them in bfloat16. bf16-mixed casts the operands of every matmul and convolution."""
-    if precision == "bf16" and target == _aten.convolution.default:
-        return tuple(_cast(args, jnp.float32, jnp.bfloat16)), kwargs
+    gets them in bfloat16; so do the f32 values computed from kept f32 state where they meet
+    bfloat16 ones (`kept_meets_bf16`, see kept_f32_meetings). bf16-mixed casts the operands of
+    every matmul and convolution."""
+    if precision == "bf16" and (kept_meets_bf16 or target == _aten.convolution.default):
+        return tuple(_cast(args, jnp.float32, jnp.bfloat16)), dict(zip(kwargs, _cast(kwargs.values(), jnp.float32, jnp.bfloat16)))
     if precision != "bf16-mixed":
         return args, kwargs
     if target in MATMULS:
@@ -113,6 +192,6 @@ def cast_arguments(precision: str, target, args: tuple, kwargs: dict) -> tuple[t
 def cast_result(precision: str, target, value):
     """An op's result in the dtype the precision keeps it in: the f32 results of int8 ops (rescaled
     dots, convolutions, embedding rows) and of dequantizes become bfloat16 under bf16 and bf16-mixed."""
-    if precision != "f32" and _dequantizes(target) and getattr(value, "dtype", None) == jnp.float32:
+    if precision in ("bf16", "bf16-mixed") and _dequantizes(target) and getattr(value, "dtype", None) == jnp.float32:
         return value.astype(jnp.bfloat16)
     return value

@@ -380,7 +380,8 @@ def run_scan(run: ScannedRun, value_of: Callable[[torch.fx.Node], object], call:
       run: the run.
       value_of: the value of a node computed outside the run (the interpreter's environment).
       call: runs one op as the interpreter does: call(node, args, kwargs) -> value.
-      stacked: the program's weights by name, stacked ones among them.
+      stacked: the program's weights by name, stacked ones among them (arrays, or pytrees of
+        arrays such as a weight-only QuantizedArray, each leaf stacked).
     Returns:
       ({last block's op: value} for the ops the run's carried values come from, how many blocks
       ran before the scan).
@@ -412,7 +413,7 @@ def run_scan(run: ScannedRun, value_of: Callable[[torch.fx.Node], object], call:
     blocks = {weight.name: stacked[weight.name] for weight in run.weights}
     before_scan = 0
     while before_scan < run.count:
-        weights = {name: array[before_scan] for name, array in blocks.items()}
+        weights = {name: jax.tree.map(lambda leaf: leaf[before_scan], array) for name, array in blocks.items()}
         if types(jax.eval_shape(block, carry, weights)) == types(carry):
             break
         carry = block(carry, weights)
@@ -421,7 +422,10 @@ def run_scan(run: ScannedRun, value_of: Callable[[torch.fx.Node], object], call:
         # Each step indexes the stacked weights in place: scanning over `array[before_scan:]`
         # would copy every stacked weight (XLA materializes a slice that feeds a loop).
         def step(values, index):
-            return block(values, {name: jax.lax.dynamic_index_in_dim(array, index, keepdims=False) for name, array in blocks.items()}), None
+            def indexed(leaf):
+                return jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False)
+
+            return block(values, {name: jax.tree.map(indexed, array) for name, array in blocks.items()}), None
 
         carry, _ = jax.lax.scan(step, carry, jnp.arange(before_scan, run.count, dtype=jnp.int32))
     return dict(zip(run.outputs, carry)), before_scan

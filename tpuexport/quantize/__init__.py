@@ -1,27 +1,9 @@
 """Quantize pass: PT2E int8 quantization (torchao) with a TPU quantizer and integer lowerings."""
 
-import contextlib
-import logging
+from tpuexport.logs import TORCHAO_LOGGERS, quiet_loggers
 
-
-@contextlib.contextmanager
-def _quiet_loggers(*names: str):
-    """Raises these loggers to ERROR for the block: importing torchao on a CPU-only machine logs
-    warnings about its optional CUDA kernels and an Enum registration, which users cannot act on."""
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
-with _quiet_loggers("torchao", "torch.utils._pytree"):
+with quiet_loggers(*TORCHAO_LOGGERS):
     from tpuexport.quantize.quantization import QuantizedLayer, QuantizedModel, quantize
     from tpuexport.quantize.quantizer import MODES, TpuQuantizer
-    from tpuexport.quantize.report import CompiledMatmuls, build_report, describe_report, report_writer
 
-__all__ = ["CompiledMatmuls", "MODES", "QuantizedLayer", "QuantizedModel", "TpuQuantizer", "build_report", "describe_report", "quantize", "report_writer"]
+__all__ = ["MODES", "QuantizedLayer", "QuantizedModel", "TpuQuantizer", "quantize"]

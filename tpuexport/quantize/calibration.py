@@ -20,8 +20,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from tpuexport.errors import TpuExportError
+from tpuexport.inputs import make_inputs
 from tpuexport.signature import ProgramSignature, TensorSpec
-from tpuexport.verify import make_inputs
 
 RANDOM_SAMPLES = 8
 

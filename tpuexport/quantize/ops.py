@@ -1,5 +1,6 @@
 """Integer operators for quantized programs: torch.library ops in the "tpuexport" namespace, each
-with a JAX lowering registered in `tpuexport.lower.registry`.
+with a JAX lowering in this module's JAX_LOWERINGS, which the lowering stage reads when it meets an
+operator of a quantized program (lower/registry.py; quantize sits below lower and does not import it).
 
 In torch (eager and fake tensors) every op dequantizes and runs the float op, which is exactly what
 the PT2E-converted model computes. The JAX lowerings instead multiply int8 by int8 with int32
@@ -16,6 +17,7 @@ All scales here are symmetric: zero points are 0 (the rewrite pass only matches 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import jax.numpy as jnp
 import torch
@@ -23,10 +25,21 @@ import torch.nn.functional as F
 from jax import lax
 from torch.utils.flop_counter import register_flop_formula
 
-from tpuexport.lower.registry import register_lowering
-
 # Importing this module registers the quantized_decomposed ops with torch.
 import torch.ao.quantization.fx._decomposed  # noqa: F401  isort: skip
+
+# operator (OpOverload) -> a function on JAX arrays with the operator's signature.
+JAX_LOWERINGS: dict[object, Callable] = {}
+
+
+def register_lowering(operator):
+    """Decorator: records a JAX function as `operator`'s lowering in JAX_LOWERINGS."""
+
+    def register(function: Callable) -> Callable:
+        JAX_LOWERINGS[operator] = function
+        return function
+
+    return register
 
 
 def _dequantize(values: torch.Tensor, scale: torch.Tensor, channel_axis: int | None = None) -> torch.Tensor:

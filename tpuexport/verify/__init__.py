@@ -1,6 +1,8 @@
 """Verify stage: run the lowered program on CPU (TPU-faithfully and in plain f32) and compare with eager PyTorch."""
 
 from tpuexport.verify.compare import OutputComparison, Tolerances, compare_output
+from tpuexport.verify.generation import DEFAULT_NEW_TOKENS, GenerationReport, verify_generation
+from tpuexport.verify.padding import PaddingCheck, verify_padding
 from tpuexport.verify.report import VerificationCase, VerificationReport
 from tpuexport.verify.sharded import ShardedVerification, verify_sharded
 from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS, PlannedCase, plan_cases, resolve_requested_sizes
@@ -8,8 +10,12 @@ from tpuexport.verify.tolerances import VerificationTolerances, default_toleranc
 from tpuexport.verify.verification import ProgramRuns, make_inputs, verify
 
 __all__ = [
+    "DEFAULT_NEW_TOKENS",
+    "GenerationReport",
+    "verify_generation",
     "DEFAULT_BUDGET_FLOPS",
     "OutputComparison",
+    "PaddingCheck",
     "PlannedCase",
     "ProgramRuns",
     "ShardedVerification",
@@ -23,6 +29,7 @@ __all__ = [
     "plan_cases",
     "resolve_requested_sizes",
     "verify",
+    "verify_padding",
     "verify_sharded",
     "with_overrides",
 ]

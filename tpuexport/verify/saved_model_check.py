@@ -1,7 +1,8 @@
-"""Checking an artifact's TF SavedModel against the stored eager outputs, in a TensorFlow-only process.
+"""What the check of an artifact's TF SavedModel against the stored eager outputs asks and reports.
 
-The SavedModel is what a TF Serving host runs, with neither tpuexport nor jax nor torch
-installed; so it is loaded and run in a child process (artifact/tf_serving/tensorflow_child.py,
+The check itself runs in the artifact stage (artifact/tf_serving/check.py), which owns the
+TensorFlow process; this module builds its request and reads its outcome. The SavedModel is what a
+TF Serving host runs, with neither tpuexport nor jax nor torch installed; so it is loaded and run in a child process (artifact/tf_serving/tensorflow_child.py,
 started with `python -I` so that nothing of this package is importable) that blocks jax and torch. The child
 runs `serving_default` on every golden case, compares each output with the eager PyTorch output
 under the artifact's tolerances, and calls it once at sizes outside a dim's range, which must
@@ -12,42 +13,10 @@ from __future__ import annotations
 
 import pathlib
 
-from tpuexport.errors import TpuExportError
 from tpuexport.signature import ProgramSignature
 from tpuexport.verify.report import describe_sizes
 
 COMPARE_MODULE = pathlib.Path(__file__).with_name("compare.py")
-
-
-def check_saved_model(artifact_dir: pathlib.Path, manifest: dict) -> dict:
-    """Runs the artifact's SavedModel at the verification sizes in a TensorFlow-only process.
-
-    Args:
-      artifact_dir: an artifact directory, or a conversion's staging directory before its rename.
-      manifest: the artifact's manifest; "signature", "verification" (tolerances, golden, cases)
-        and "tf_serving" (saved_model, signature) are read.
-    Returns:
-      JSON-able: "passed"; "cases" (one per golden case: label, sizes, passed, error, outputs
-      with their errors, as in verification/report.json); "out_of_range" (sizes, rejected,
-      error; None when no dim has a bound); "tensorflow" (its version); "jax_or_torch_loaded";
-      "tf_seconds" (import, load, run in the child); "seconds" (wall time, the process's start
-      included); "error" when the child itself failed.
-    Raises:
-      TpuExportError: the manifest has no "tf_serving" section.
-    """
-    from tpuexport.artifact.tf_serving.tensorflow_process import TensorFlowProcess
-
-    if "tf_serving" not in manifest:
-        raise TpuExportError(f"{artifact_dir} has no TF SavedModel (converted with --no-saved-model); convert again without it")
-    with TensorFlowProcess() as tensorflow:
-        try:
-            reply = tensorflow.request("check", **child_request(pathlib.Path(artifact_dir).resolve(), manifest))
-        except TpuExportError as error:
-            return failed_check(str(error), tensorflow.elapsed())
-        if not reply["ok"]:
-            return failed_check(reply["error"], tensorflow.elapsed())
-        tf_seconds = {"import": tensorflow.versions()["import_seconds"], **reply["tf_seconds"]}
-        return {**reply, "tf_seconds": tf_seconds, "seconds": tensorflow.elapsed()}
 
 
 def child_request(artifact_dir: pathlib.Path, manifest: dict) -> dict:

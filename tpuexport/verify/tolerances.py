@@ -44,7 +44,9 @@ TPU_F32 = {
     "highest": EXACT_F32,
 }
 # bfloat16 programs: the same bf16 arithmetic on CPU and TPU, 8 mantissa bits compounding over layers.
-BF16 = {name: Tolerances(atol=1e-3, rtol=0.25, scale_tol=0.25, min_fraction=1 - ROUNDED_OUTLIERS) for name in ("bf16", "bf16-mixed")}
+# A model that holds bfloat16 (or float16) weights itself ("auto" resolved to "bf16"/"f16") gets the
+# same rule: eager PyTorch rounds as the program does, but in another order of operations.
+BF16 = {name: Tolerances(atol=1e-3, rtol=0.25, scale_tol=0.25, min_fraction=1 - ROUNDED_OUTLIERS) for name in ("bf16", "bf16-mixed", "f16")}
 # int8 programs, compared end to end with the PT2E-converted model (benchmarks/int8_errors.py): correct
 # lowerings reach down to 25.9 dB SQNR and 1% of elements beyond 8 int8 steps (ViT-base, 12 layers),
 # rounding differences compounding through the layers; the strict check of an int8 program is the
@@ -76,7 +78,8 @@ def default_tolerances(precision: str, matmul_precision: str, quantized: bool) -
     """The defaults for a program's settings.
 
     Args:
-      precision: "f32", "bf16" or "bf16-mixed".
+      precision: what the program computes in: "f32", "bf16", "f16" or "bf16-mixed"
+        (LoweredProgram.resolved_precision; "auto" is resolved before).
       matmul_precision: "default", "high" or "highest".
       quantized: whether the program is int8 (compared with its PT2E model).
     Returns:

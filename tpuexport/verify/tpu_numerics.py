@@ -25,7 +25,7 @@ import jax
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 
-from tpuexport.lower.matmul_precision import MatmulPrecision
+from tpuexport.lower.matmul_precision import MatmulPrecision, is_decision_matmul
 from tpuexport.lower.stablehlo_rewrite import operand_element_types, rewrite_matmuls
 
 
@@ -42,7 +42,8 @@ def tpu_faithful(exported: jax.export.Exported, precision: MatmulPrecision) -> j
         return exported
 
     def emulate(op: ir.Operation) -> None:
-        if not all(isinstance(t, ir.F32Type) for t in operand_element_types(op)):
+        # Matmuls feeding a decision are pinned to HIGHEST (lower/matmul_precision.py): f32 as it is.
+        if not all(isinstance(t, ir.F32Type) for t in operand_element_types(op)) or is_decision_matmul(op):
             return
         lhs, rhs = list(op.operands)[:2]
         lhs_hi, rhs_hi = _through_bf16(lhs), _through_bf16(rhs)

@@ -2,9 +2,8 @@
 
 Sizes: chosen by what they test and bounded by their matmul FLOPs (sizes.py). Each case runs the
 program twice, TPU-faithfully and in plain f32 (tolerances.py), and compares both with the eager
-outputs, computed once per case. Inputs at new sizes are random but follow the example inputs:
-floats with their mean and spread, integers within their value range (token ids stay valid), bools
-with their rate of True (an all-True mask stays all True).
+outputs, computed once per case. Inputs at new sizes are random but follow the example inputs
+(tpuexport/inputs.py).
 """
 
 from __future__ import annotations
@@ -17,9 +16,9 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from tpuexport.inputs import make_inputs
 from tpuexport.lower import LoweredProgram
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
-from tpuexport.signature import TensorSpec
 from tpuexport.verify.compare import compare_output
 from tpuexport.verify.conformance import check_ops
 from tpuexport.verify.report import VerificationCase, VerificationReport
@@ -57,25 +56,6 @@ class ProgramRuns:
         return {"tpu": self.lowered.run(inputs, program=self.tpu_program) if self.runs_differ else cpu, "cpu": cpu}
 
 
-def make_inputs(specs: Sequence[TensorSpec], examples: Sequence[torch.Tensor], sizes: dict[str, int], seed: int) -> list[torch.Tensor]:
-    """Random inputs at `sizes` that follow the example inputs' values (see module docstring)."""
-    generator = torch.Generator().manual_seed(seed)
-    made = []
-    for spec, example in zip(specs, examples):
-        shape = spec.concrete_shape(sizes)
-        if example.dtype.is_floating_point:
-            values = example.detach().float()
-            spread = float(values.std()) if values.numel() > 1 else 1.0
-            tensor = torch.randn(shape, generator=generator) * (spread or 1.0) + float(values.mean())
-        elif example.dtype == torch.bool:
-            tensor = torch.rand(shape, generator=generator) < float(example.float().mean())
-        else:
-            low, high = int(example.min()), int(example.max())
-            tensor = torch.randint(low, high + 1, shape, generator=generator)
-        made.append(tensor.to(example.dtype))
-    return made
-
-
 def verify(
     lowered: LoweredProgram,
     reference: Callable[..., Any],
@@ -100,7 +80,7 @@ def verify(
     Returns:
       The VerificationReport, passed or not; it also carries the golden data to store.
     """
-    tolerances = tolerances or default_tolerances(lowered.precision, lowered.matmul_precision, quantized=False)
+    tolerances = tolerances or default_tolerances(lowered.resolved_precision, lowered.matmul_precision, quantized=False)
     signature = lowered.signature
     runs = ProgramRuns(lowered)
     cases, golden = [], {}

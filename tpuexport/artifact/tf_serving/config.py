@@ -20,19 +20,8 @@ MAX_ENQUEUED_BATCHES = 100
 
 
 def batch_dim(signature: ProgramSignature) -> str | None:
-    """The dim server-side batching can batch along, or None.
-
-    Returns:
-      The name of the symbolic dim that is dim 0 of the first input, when it is also dim 0 of
-      every input and output; else None (static shapes, or no shared leading dim).
-    """
-    tensors = (*signature.inputs, *signature.outputs)
-    if not signature.inputs or not all(spec.shape for spec in tensors):
-        return None
-    leading = signature.inputs[0].shape[0]
-    if leading not in {dim.name for dim in signature.dims}:
-        return None
-    return leading if all(spec.shape[0] == leading for spec in tensors) else None
+    """The dim server-side batching can batch along, or None (ProgramSignature.batch_dim)."""
+    return signature.batch_dim()
 
 
 def allowed_batch_sizes(batch: str, buckets: Sequence[Bucket]) -> list[int]:

@@ -153,7 +153,8 @@ def build(request: dict) -> dict:
 
 
 def warmup(request: dict) -> dict:
-    """Writes the requests (arrays from an .npz, named "<request index>/<input name>") as PredictionLogs."""
+    """Writes the requests (arrays from an .npz, named "<request index>/<input name>"; request["inputs"]:
+    {input name: dtype name}, since .npz stores bfloat16 as 2-byte voids) as PredictionLogs."""
     import numpy as np
     import tensorflow as tf
     from tensorflow_serving.apis import model_pb2, predict_pb2, prediction_log_pb2
@@ -162,7 +163,7 @@ def warmup(request: dict) -> dict:
     os.makedirs(os.path.dirname(request["path"]), exist_ok=True)
     with tf.io.TFRecordWriter(request["path"]) as writer:
         for index in range(request["count"]):
-            inputs = {name: arrays[f"{index}/{name}"] for name in request["inputs"]}
+            inputs = {name: arrays[f"{index}/{name}"].view(numpy_dtype(dtype)) for name, dtype in request["inputs"].items()}
             predict = predict_pb2.PredictRequest(
                 model_spec=model_pb2.ModelSpec(name=request["model_name"], signature_name=SIGNATURE_NAME),
                 inputs={name: tf.make_tensor_proto(array) for name, array in inputs.items()},

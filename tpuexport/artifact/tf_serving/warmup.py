@@ -66,7 +66,8 @@ def write_warmup_file(tensorflow, path: pathlib.Path, model_name: str, requests:
     """
     arrays = scratch / "warmup_requests.npz"
     np.savez(arrays, **{f"{index}/{name}": array for index, inputs in enumerate(requests) for name, array in inputs.items()})
+    # .npz keeps bfloat16 arrays as 2-byte voids: their dtype names travel beside them.
     reply = tensorflow.request("warmup", path=str(path), model_name=model_name, requests=str(arrays), count=len(requests),
-                               inputs=list(requests[0]) if requests else [])
+                               inputs={name: str(array.dtype) for name, array in requests[0].items()} if requests else {})
     if not reply["ok"]:
         raise TpuExportError(f"writing TF Serving's warmup requests failed ({reply['error']}); pass --no-saved-model to skip the SavedModel")

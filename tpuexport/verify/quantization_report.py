@@ -210,3 +210,44 @@ def report_writer(report: dict) -> Callable[[pathlib.Path], dict]:
         }}
 
     return write
+
+
+def weight_only_section(lowered: LoweredProgram, scheme, float_reference, example_inputs) -> dict:
+    """The manifest's `quantization` section of a weight-only program (no PT2E, no report file).
+
+    Args:
+      lowered: the lowered weight-only program (with its weights).
+      scheme: its quantize.weight_only.WeightOnlyScheme.
+      float_reference: the float model, run eagerly.
+      example_inputs: the inputs SQNR is measured on.
+    Returns:
+      {"mode", "scheme", "group_size", "packing", "weights": {name: entry}, "outputs": [{"name",
+      "sqnr_db"}], "weight_bytes": {"quantized", "f32", "ratio"}, "warnings"}; SQNR of the artifact's
+      CPU run against the float model (report rule as for PT2E).
+    """
+    artifact_outputs = lowered.run([to_numpy(t) for t in example_inputs])
+    float_outputs = eager_outputs(float_reference, example_inputs)
+    outputs = [{"name": spec.name, "sqnr_db": sqnr_db([expected], [actual])}
+               for spec, expected, actual in zip(lowered.signature.outputs, float_outputs, artifact_outputs)
+               if np.issubdtype(expected.dtype, np.floating)]
+    f32_bytes = 0
+    scales = {entry["scale"] for entry in lowered.quantized.values()}
+    for name, spec in zip(lowered.weight_names, lowered.weight_specs):
+        if name in scales:
+            continue
+        shape = list(spec.shape)
+        if name in lowered.quantized and lowered.quantized[name]["bits"] == 4:
+            shape[-1] *= 2
+        floating = name in lowered.quantized or np.issubdtype(np.dtype(spec.dtype), np.floating)
+        f32_bytes += int(np.prod(shape)) * (4 if floating else np.dtype(spec.dtype).itemsize)
+    return {
+        "mode": scheme.mode,
+        "scheme": scheme.describe(),
+        "group_size": scheme.group_size if scheme.bits == 4 else None,
+        "weights": dict(lowered.quantized),
+        "sqnr_rule": "10*log10(sum(float^2) / sum((float - quantized)^2)) over the example inputs; null if identical",
+        "outputs": outputs,
+        "weight_bytes": {"quantized": lowered.weight_bytes, "f32": f32_bytes,
+                         "ratio": round(lowered.weight_bytes / f32_bytes, 4) if f32_bytes else None},
+        "warnings": [],
+    }

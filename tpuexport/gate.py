@@ -4,6 +4,8 @@ The checks, in the order they run (each gives one CheckResult):
   integrity    every file's sha256 against manifest["files"]: missing, extra and changed files
   golden       the StableHLO run on CPU against the stored eager outputs, at every stored size
   saved_model  the TF Serving SavedModel re-run, when the artifact has one
+  compatibility  a warning when the date after which newer JAX releases may refuse the program's
+               jax.export serialization (manifest program.serialization) is near or past
   recompile    (opt-in) every executable recompiled with the installed jax/libtpu; a changed
                compiled-HLO fingerprint is compiler drift: a warning, or a failure when strict
   against      (opt-in) the original model reloaded and compared on fresh random inputs
@@ -20,6 +22,7 @@ abort the whole process on malformed input instead of raising.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import pathlib
 import time
@@ -28,12 +31,15 @@ import xml.etree.ElementTree as ElementTree
 from tpuexport import compile as compile_stage
 from tpuexport import export as export_stage
 from tpuexport.artifact import Artifact, layout, load
+from tpuexport.arrays import load_arrays
 from tpuexport.artifact.manifest import hash_tree, package_versions
+from tpuexport.artifact.tf_serving import check_saved_model
 from tpuexport.errors import EXIT_OK, EXIT_VERIFICATION_FAILED
 from tpuexport.signature import ProgramSignature
 from tpuexport.verify.compare import sqnr_db
+from tpuexport.verify.generation import replay_golden
 from tpuexport.verify.report import VerificationCase, VerificationReport, describe_sizes
-from tpuexport.verify.saved_model_check import check_saved_model, failure_summary
+from tpuexport.verify.saved_model_check import failure_summary
 from tpuexport.verify.sizes import PlannedCase, plan_cases
 from tpuexport.verify.tolerances import VerificationTolerances
 from tpuexport.verify.verification import (
@@ -47,6 +53,8 @@ AGAINST_SEED = 10_000
 # Why a plan fails the gate, in one line.
 PLAN_ONLY = "plan only (no weights, not verified): nothing to verify"
 PLAN_ONLY_MESSAGE = f"{PLAN_ONLY}; convert the model with its weights for an artifact that can be released"
+# How early `compatibility` warns that newer JAX may stop loading the program.
+COMPATIBILITY_WARNING_DAYS = 60
 # Fresh random inputs move an int8 output's SQNR by about a dB; more than this is real drift.
 QUANTIZED_SQNR_MARGIN_DB = 3.0
 
@@ -157,6 +165,8 @@ def verify_artifact(path, recompile: bool = False, strict: bool = False, against
     loaded = export_stage.load_source(against) if against is not None else None
     integrity = check_integrity(artifact)
     damaged = set(integrity.details.get("changed", ())) | set(integrity.details.get("missing", ()))
+    if artifact.task == "text-generation":
+        return _verify_generation_artifact(artifact, integrity, damaged, recompile, strict, loaded)
     program_files = [name for name in (artifact.manifest["program"]["exported"], artifact.manifest["program"]["weights"]) if name]
     if artifact.plan_only:
         checks = [
@@ -171,6 +181,7 @@ def verify_artifact(path, recompile: bool = False, strict: bool = False, against
             or check_golden(artifact),
             _skip_if_damaged("saved_model", _saved_model_files(artifact), damaged) or check_saved_model_rerun(artifact),
         ]
+    checks.append(check_compatibility(artifact))
     if recompile:
         checks.append(_skip_if_damaged("recompile", program_files, damaged) or check_recompile(artifact, strict))
     if loaded is not None:
@@ -282,6 +293,43 @@ def _report(artifact: Artifact, cases: list[VerificationCase], against: str) -> 
                               tuple(cases), {}, against)
 
 
+def _verify_generation_artifact(artifact: Artifact, integrity: CheckResult, damaged: set[str], recompile: bool, strict: bool,
+                                loaded) -> GateReport:
+    """The gate of a text-generation artifact: integrity, then its stored generation cases replayed
+    (prefill and decode, teacher-forced); recompiling and --against are not offered for it yet."""
+    manifest = artifact.manifest
+    program_files = [entry["exported"] for entry in manifest["entry_points"].values()] + [manifest["program"]["weights"] or ""]
+    checks = [integrity]
+    if artifact.plan_only:
+        checks.append(CheckResult("golden", FAILED, PLAN_ONLY_MESSAGE))
+    else:
+        checks.append(_skip_if_damaged("golden", program_files + [manifest["verification"]["golden"]], damaged)
+                      or check_generation_golden(artifact))
+    checks.append(CheckResult("saved_model", SKIPPED, "no SavedModel for text generation"))
+    for name, asked in (("recompile", recompile), ("against", loaded is not None)):
+        if asked:
+            checks.append(CheckResult(name, SKIPPED, "not offered for text-generation artifacts yet"))
+    return GateReport(str(artifact.path), tuple(checks), strict, artifact.plan_only)
+
+
+@gate_check("golden")
+def check_generation_golden(artifact: Artifact):
+    """Replays a text-generation artifact's stored cases (verify/generation.py, replay_golden).
+
+    Returns:
+      (status, message, details); details holds every case's runs.
+    """
+    golden = load_arrays(artifact.read_checked(artifact.manifest["verification"]["golden"]))
+    report = replay_golden(artifact.generation_program, golden, artifact.manifest["verification"]["cases"], _tolerances(artifact))
+    details = {"cases": report.to_json()["cases"]}
+    if not report.cases:
+        return FAILED, "the artifact stores no golden data; convert again", details
+    if not report.passed:
+        return FAILED, report.failure_summary(), details
+    return PASSED, (f"{len(report.cases)} stored generation case(s), {report.tokens_compared()} tokens, match generate()'s tokens and "
+                    f"logits within {_describe(report.tolerances)}"), details
+
+
 @gate_check("saved_model")
 def check_saved_model_rerun(artifact: Artifact):
     """Re-runs the TF Serving SavedModel when the artifact has one.
@@ -298,6 +346,33 @@ def check_saved_model_rerun(artifact: Artifact):
         return FAILED, failure_summary(outcome), outcome
     sizes = "; ".join(describe_sizes(case["sizes"]) for case in outcome["cases"])
     return PASSED, f"TensorFlow {outcome.get('tensorflow')} runs the SavedModel within tolerance at {sizes}", outcome
+
+
+@gate_check("compatibility")
+def check_compatibility(artifact: Artifact, today: datetime.date | None = None):
+    """Warns when newer JAX releases may soon refuse, or may already refuse, the program's serialization.
+
+    Args:
+      artifact: the opened artifact.
+      today: the date to judge by (today by default).
+    Returns:
+      (status, message, details): "warning" within COMPATIBILITY_WARNING_DAYS of the manifest's
+      program.serialization.loadable_until or past it, "skipped" for artifacts that predate the
+      record, else "passed".
+    """
+    recorded = artifact.manifest["program"].get("serialization")
+    if not recorded:
+        return SKIPPED, "the manifest predates the jax.export compatibility record", {}
+    until = datetime.date.fromisoformat(recorded["loadable_until"])
+    days = (until - (today or datetime.date.today())).days
+    details = {**recorded, "days_left": days}
+    what = f"jax.export serialization version {recorded['serialization_version']} (of {recorded['version_date']})"
+    if days < 0:
+        return WARNING, (f"{what}: JAX releases after {until} may refuse to load it ({-days} days ago); convert again with a "
+                         "current JAX, or keep this JAX to load it"), details
+    if days <= COMPATIBILITY_WARNING_DAYS:
+        return WARNING, f"{what}: JAX releases after {until} may refuse to load it (in {days} days); convert again with a current JAX", details
+    return PASSED, f"{what}: JAX releases until {until} load it ({days} days left)", details
 
 
 @gate_check("recompile")

@@ -1,0 +1,260 @@
+"""Text generation (--task text-generation): prefill and decode entry points over one KV cache,
+verified token for token against Hugging Face generate(do_sample=False); planted cache bugs fail
+that verification; `tpuexport generate` and its bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+import requests
+import torch
+import transformers
+
+import tpuexport
+from conftest import ROOT
+from tpuexport import export as export_stage
+from tpuexport import lower as lower_stage
+from tpuexport.export.generation import Decode, DecodeCache
+from tpuexport.verify import verify_generation
+
+MAX_CONTEXT, MAX_BATCH = 64, 2
+
+
+def tiny_llama() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=128)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def tiny_gpt2() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def lowered_entry_point(module: torch.nn.Module, spec: export_stage.GenerationSpec, name: str) -> lower_stage.LoweredProgram:
+    """One entry point captured and lowered as the pipeline does it."""
+    args, dynamic_shapes = export_stage.example_arguments(spec)[name]
+    captured = export_stage.capture(export_stage.LoadedSource(module, args, dynamic_shapes, None, export_stage.SourceInfo("api")))
+    return lower_stage.lower(captured.program, captured.signature)
+
+
+@pytest.fixture(scope="session")
+def llama_generation(tmp_path_factory):
+    """A tiny Llama converted for text generation, for v5e and the cpu target (the runtime's executables): (artifact, model)."""
+    model = tiny_llama()
+    artifact = tpuexport.convert(model, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH,
+                                 buckets={"seq": [16], "batch": [MAX_BATCH]}, target=["v5e", "cpu"],
+                                 out=tmp_path_factory.mktemp("llama") / "llama.tpu")
+    return artifact, model
+
+
+def test_llama_artifact_generates_what_generate_does(llama_generation):
+    artifact, model = llama_generation
+    manifest = artifact.manifest
+    verification = manifest["verification"]
+    assert verification["passed"] and verification["tokens_compared"] >= MAX_BATCH * 8
+    # Rows of different lengths, right-padded in one prefill bucket, written to slots that are not their rows.
+    (case,) = verification["cases"]
+    assert case["sizes"] == {"batch": MAX_BATCH, "seq": 16} and len(set(case["lengths"])) == MAX_BATCH and max(case["lengths"]) == 16
+    assert case["slots"] == [1, 0]
+    # One weights file shared by both entry points; the cache donated and aliased by the compiled executables.
+    assert set(manifest["entry_points"]) == {"prefill", "decode"}
+    assert all(entry["donated_inputs"] == ["cache_k", "cache_v"] for entry in manifest["entry_points"].values())
+    assert manifest["program"]["weights"] == "weights/weights.safetensors"
+    buckets = {bucket["entry_point"]: bucket for bucket in manifest["targets"]["v5e"]["buckets"]}
+    cache_bytes = manifest["generation"]["cache_bytes"]
+    assert all(bucket["memory"]["alias_bytes"] >= cache_bytes for bucket in buckets.values())
+    assert buckets["decode"]["decode_step"]["xla_bytes_accessed"] > 0
+    # Free-running generation through the artifact equals generate() of each prompt alone.
+    prompts = [[5, 17, 42, 7], [99, 3]]
+    generated = artifact.generate(prompts, max_new_tokens=10)
+    for prompt, tokens in zip(prompts, generated):
+        expected = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert tokens == expected[0, len(prompt):].tolist()
+
+
+def test_gpt2_entry_points_match_generate():
+    model = tiny_gpt2()
+    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
+    modules = export_stage.entry_point_modules(model, spec)
+    entry_points = {name: lowered_entry_point(modules[name], spec, name) for name in ("prefill", "decode")}
+    report = verify_generation(lower_stage.GenerationProgram(spec, entry_points, (MAX_BATCH,)), model, new_tokens=8)
+    assert report.passed, report.failure_summary()
+    assert report.tokens_compared() == MAX_BATCH * 8
+
+
+class LateWriteCache(DecodeCache):
+    """Off by one: writes each new key one position after the token's."""
+
+    def write(self, cache, new, layer):
+        on_time = self.positions
+        self.positions = on_time + 1
+        written = super().write(cache, new, layer)
+        self.positions = on_time
+        return written
+
+
+class UnwrittenCache(DecodeCache):
+    """Decode never writes the cache."""
+
+    def write(self, cache, new, layer):
+        return cache
+
+
+class OffByOneDecode(Decode):
+    cache_type = LateWriteCache
+
+
+class UnwrittenDecode(Decode):
+    cache_type = UnwrittenCache
+
+
+class ShiftedRotaryDecode(Decode):
+    """The cache is written at the right place, the rotary embedding computed one position late."""
+
+    def hidden_states(self, tokens, mask, positions, cache):
+        return super().hidden_states(tokens, mask, positions + 1, cache)
+
+
+@pytest.mark.parametrize("buggy_decode", [OffByOneDecode, UnwrittenDecode, ShiftedRotaryDecode], ids=lambda cls: cls.__name__)
+def test_planted_cache_bugs_fail_verification(llama_generation, buggy_decode):
+    artifact, model = llama_generation
+    good = artifact.generation_program
+    spec = good.spec
+    decode = lowered_entry_point(buggy_decode(model, spec), spec, "decode")
+    program = lower_stage.GenerationProgram(spec, {"prefill": good.entry_points["prefill"], "decode": decode}, good.prefill_batches)
+    report = verify_generation(program, model, new_tokens=6)
+    assert not report.passed
+    # The exact f32 run departs from eager, not just the TPU-rounded one.
+    assert "(cpu run)" in report.failure_summary()
+    case = report.cases[0]
+    assert case.runs["cpu"].logits.relative_rms_error > 1e-3
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tpuexport.cli", *map(str, args)], capture_output=True, text=True, timeout=600)
+
+
+def test_generate_cli_prints_tokens_step_by_step(llama_generation):
+    artifact, _ = llama_generation
+    expected = artifact.generate([[1, 2, 3], [9, 8]], max_new_tokens=5)
+    result = cli("generate", artifact.path, "--tokens", "1,2,3", "--tokens", "9,8", "--max-new-tokens", 5)
+    assert result.returncode == 0, result.stderr
+    steps = [line.split() for line in result.stdout.strip().splitlines()]
+    assert [[int(token) for token in step] for step in steps] == [list(pair) for pair in zip(*expected)]
+
+
+@pytest.mark.parametrize("arguments, expected", [
+    (["--tokens", ",".join(["1"] * (MAX_CONTEXT + 1))], "longer than the artifact's max context"),
+    (["--tokens", "1,2", "--tokens", "3", "--tokens", "4"], "exceed the artifact's max batch 2"),
+    (["--tokens", "1,x"], "malformed --tokens"),
+    (["--tokens", "1,999"], "outside the vocabulary"),
+])
+def test_generate_bad_input_is_one_line(llama_generation, arguments, expected):
+    from click.testing import CliRunner
+
+    from tpuexport.cli import main
+
+    artifact, _ = llama_generation
+    result = CliRunner().invoke(main, ["generate", str(artifact.path), *arguments])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], result.output
+
+
+def test_text_generation_needs_max_context(tmp_path):
+    from click.testing import CliRunner
+
+    from tpuexport.cli import main
+
+    factory = tmp_path / "lm.py"
+    factory.write_text("import transformers\n\ndef build():\n    return transformers.GPT2LMHeadModel(transformers.GPT2Config("
+                       "vocab_size=256, n_embd=64, n_layer=1, n_head=4))\n")
+    result = CliRunner().invoke(main, ["convert", f"{factory}:build", "--task", "text-generation", "-o", str(tmp_path / "lm.tpu")])
+    assert result.exit_code == 2 and "needs --max-context" in result.output
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["lm.py"]
+
+
+def test_gate_replays_the_stored_generation(llama_generation):
+    artifact, _ = llama_generation
+    report = tpuexport.verify_artifact(artifact.path)
+    assert report.passed, [check.message for check in report.checks]
+    golden = next(check for check in report.checks if check.name == "golden")
+    assert "stored generation case(s)" in golden.message and golden.details["cases"][0]["runs"]["cpu"]["passed"]
+
+
+def test_generation_artifact_refuses_single_program_calls(llama_generation):
+    artifact, _ = llama_generation
+    with pytest.raises(tpuexport.TpuExportError, match="text-generation artifact"):
+        artifact.run(np.zeros((1, 4), np.int64))
+    assert json.loads(json.dumps(artifact.manifest["generation"]))["layout"] == "layer_batch_head_pos"
+    assert dataclasses.asdict(artifact.generation_program.spec)["max_batch"] == MAX_BATCH
+
+
+def test_runtime_generates_from_the_cpu_executables_with_the_cache_on_the_device(llama_generation):
+    artifact, _ = llama_generation
+    runner = tpuexport.runner(artifact.path)
+    prompts = [[5, 17, 42, 7], [99, 3]]
+
+    generated = [[] for _ in prompts]
+    for step in runner.stream(prompts, max_new_tokens=8):
+        for row, token in enumerate(step):
+            generated[row].append(token)
+
+    assert runner.target == "cpu" and runner.compiled_here is None and set(runner.entry_points) == {"prefill", "decode"}
+    assert generated == artifact.generate(prompts, max_new_tokens=8)
+    # The cache comes back as device arrays and goes in again without a copy to the host.
+    spec = artifact.generation_program.spec
+    cache = [np.zeros(spec.cache_shape, np.float32)] * 2
+    prefill = runner.run([np.array([[5, 17] + [0] * 14] * 2), np.array([2, 2]), np.array([0, 1]), *cache], "prefill")
+    assert isinstance(prefill["cache_k"], jax.Array) and isinstance(prefill["logits"], np.ndarray)
+    decode = runner.run([np.array([1, 2]), np.array([2, 2]), prefill["cache_k"], prefill["cache_v"]], "decode")
+    assert decode["logits"].shape == (MAX_BATCH, spec.vocab) and prefill["cache_k"].is_deleted()  # donated, updated in place
+
+
+def test_serve_streams_generated_tokens_as_json_lines(llama_generation, tmp_path):
+    artifact, _ = llama_generation
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "tpuexport.cli", "serve", str(artifact.path), "--port", str(port), "--grpc-port", "0"],
+                                  stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}/v1/models/llama:generate"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                time.sleep(0.3)
+        prompts = [[5, 17, 42, 7], [99, 3]]
+
+        with requests.post(url, json={"prompts": prompts, "max_new_tokens": 6}, stream=True, timeout=120) as answer:
+            assert answer.status_code == 200 and answer.headers["content-type"] == "application/x-ndjson"
+            lines = [json.loads(line) for line in answer.iter_lines() if line]
+        bad = requests.post(url, json={"prompts": [[5, 100000]], "max_new_tokens": 6}, timeout=60)
+
+        assert [line["step"] for line in lines[:-1]] == list(range(6))
+        expected = artifact.generate(prompts, max_new_tokens=6)
+        assert [[line["tokens"][row] for line in lines[:-1]] for row in range(2)] == expected == lines[-1]["generated"]
+        assert bad.status_code == 400 and "token id 100000 is outside the vocabulary" in bad.json()["error"]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0

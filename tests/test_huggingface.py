@@ -1,0 +1,196 @@
+"""Hugging Face model directories as sources, through the command line: tiny random-weight models
+written with save_pretrained into temporary directories (nothing is downloaded), converted with
+--task or --task auto, and `hf:ORG/NAME` resolved in a temporary HF_HOME cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tpuexport import TpuExportError
+from tpuexport.export import load_source
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, max_position_embeddings=64)
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+# Bounded dims and no optional verification sizes: each conversion takes seconds.
+QUICK = ("--target", "v5e", "--no-saved-model", "--verify-budget", "0")
+
+
+def tpuexport(*args, env=None) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "tpuexport.cli", *map(str, args)], capture_output=True, text=True, timeout=900,
+                          env=environment)
+
+
+def save(model: torch.nn.Module, directory: pathlib.Path) -> pathlib.Path:
+    torch.manual_seed(0)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, pathlib.Path]:
+    """save_pretrained directories: a BERT classifier with its tokenizer, a Llama LM, a ViT
+    classifier and a wav2vec2 audio classifier."""
+    root = tmp_path_factory.mktemp("hf-models")
+    torch.manual_seed(0)
+    bert = save(transformers.BertForSequenceClassification(transformers.BertConfig(**TEXT, num_labels=3)), root / "bert")
+    vocab = root / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *[f"w{i}" for i in range(95)]]) + "\n")
+    transformers.BertTokenizer(str(vocab)).save_pretrained(bert)
+    llama = save(transformers.LlamaForCausalLM(transformers.LlamaConfig(**TEXT, num_key_value_heads=2)), root / "llama")
+    vit = save(transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, num_labels=5)),
+        root / "vit")
+    wav2vec2 = save(transformers.Wav2Vec2ForSequenceClassification(transformers.Wav2Vec2Config(
+        vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, num_labels=4)),
+        root / "wav2vec2")
+    return {"bert": bert, "llama": llama, "vit": vit, "wav2vec2": wav2vec2}
+
+
+@pytest.fixture(scope="session")
+def hf_home(models, tmp_path_factory) -> pathlib.Path:
+    """A Hugging Face cache holding the BERT directory as tiny-org/bert at REVISION."""
+    home = tmp_path_factory.mktemp("hf-home")
+    repo = home / "hub" / "models--tiny-org--bert"
+    shutil.copytree(models["bert"], repo / "snapshots" / REVISION)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+    return home
+
+
+def manifest_of(out: pathlib.Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())
+
+
+def signature(manifest: dict) -> tuple[dict, dict, dict]:
+    """({input: (dtype, shape)}, {output: dtype}, {dim: (min, max)})."""
+    sig = manifest["signature"]
+    return ({spec["name"]: (spec["dtype"], spec["shape"]) for spec in sig["inputs"]}, {spec["name"]: spec["dtype"] for spec in sig["outputs"]},
+            {dim["name"]: (dim["min"], dim["max"]) for dim in sig["dims"]})
+
+
+def test_text_encoder_from_the_hf_cache_records_task_revision_and_tokenizer(models, hf_home, tmp_path):
+    out = tmp_path / "bert.tpu"
+    result = tpuexport("convert", "hf:tiny-org/bert", "--task", "text-classification", "--dim", "batch=1:4", "--dim", "seq=2:32",
+                       "-o", out, *QUICK, env={"HF_HOME": str(hf_home)})
+    assert result.returncode == 0, result.stderr
+    manifest = manifest_of(out)
+    inputs, outputs, dims = signature(manifest)
+    assert inputs == {"input_ids": ("int32", ["batch", "seq"]), "attention_mask": ("int32", ["batch", "seq"]),
+                      "token_type_ids": ("int32", ["batch", "seq"])}
+    assert outputs == {"logits": "float32"} and dims == {"batch": (1, 4), "seq": (2, 32)}
+    assert manifest["verification"]["passed"]
+    assert manifest["source"]["kind"] == "huggingface" and manifest["source"]["reference"] == "hf:tiny-org/bert --task text-classification"
+    record = manifest["huggingface"]
+    assert record["task"] == "text-classification" and record["architecture"] == "BertForSequenceClassification"
+    assert record["revision"] == REVISION and len(record["config"]["id2label"]) == 3
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(record["files"])
+    for name, relative in record["files"].items():
+        assert (out / relative).read_bytes() == (models["bert"] / name).read_bytes() and relative in manifest["files"]
+    # the weights streamed from the cached checkpoint
+    assert "weights" in result.stderr
+    inspected = tpuexport("inspect", out)
+    assert inspected.returncode == 0 and "task text-classification, BertForSequenceClassification" in inspected.stdout
+    assert "hf/tokenizer.json" in inspected.stdout
+
+
+def test_decoder_lm_with_task_auto_is_a_generation_artifact(models, tmp_path):
+    """--task auto on a causal LM is text-generation: prefill and decode entry points over a KV cache,
+    verified against generate(), with the directory's generation config copied."""
+    out = tmp_path / "llama.tpu"
+    result = tpuexport("convert", models["llama"], "--max-batch", "2", "--max-context", "32", "--bucket", "seq=8",
+                       "--verify-new-tokens", "4", "-o", out, "--target", "v5e")
+    assert result.returncode == 0, result.stderr
+    manifest = manifest_of(out)
+    assert manifest["huggingface"]["task"] == "text-generation" and "generation_config.json" in manifest["huggingface"]["files"]
+    assert set(manifest["entry_points"]) == {"prefill", "decode"}
+    assert manifest["generation"]["max_batch"] == 2 and manifest["generation"]["max_context"] == 32
+    assert manifest["verification"]["passed"]
+    refused = tpuexport("convert", models["llama"], "--dim", "batch=1:2", "-o", tmp_path / "x.tpu", *QUICK)
+    assert refused.returncode == 2 and "--dim does not apply to --task text-generation" in refused.stderr
+
+
+def test_vision_classifier_with_task_auto(models, tmp_path):
+    out = tmp_path / "vit.tpu"
+    result = tpuexport("convert", models["vit"], "--task", "auto", "--dim", "batch=1:2", "-o", out, *QUICK)
+    assert result.returncode == 0, result.stderr
+    manifest = manifest_of(out)
+    inputs, outputs, dims = signature(manifest)
+    assert manifest["huggingface"]["task"] == "image-classification"
+    assert inputs == {"pixel_values": ("float32", ["batch", 3, 32, 32])} and outputs == {"logits": "float32"}
+    assert manifest["verification"]["passed"]
+
+
+def test_audio_classifier_with_a_static_sample_count(models, tmp_path):
+    out = tmp_path / "wav2vec2.tpu"
+    result = tpuexport("convert", models["wav2vec2"], "--task", "audio-classification", "--dim", "batch=1:2", "--dim", "samples=400:400",
+                       "-o", out, *QUICK)
+    assert result.returncode == 0, result.stderr
+    manifest = manifest_of(out)
+    inputs, outputs, _ = signature(manifest)
+    assert inputs == {"input_values": ("float32", ["batch", 400])} and outputs == {"logits": "float32"}
+    assert manifest["verification"]["passed"]
+
+
+def test_bad_sources_and_tasks_are_one_line_exit_2(models, hf_home, tmp_path):
+    missing = tpuexport("convert", "hf:tiny-org/absent", "-o", tmp_path / "x.tpu", env={"HF_HOME": str(hf_home)})
+    lines = missing.stderr.strip().splitlines()
+    assert missing.returncode == 2 and len(lines) == 1 and "Traceback" not in missing.stderr, missing.stderr
+    assert str(hf_home / "hub" / "models--tiny-org--absent") in lines[0] and "never downloads" in lines[0]
+    unsupported = tpuexport("convert", models["vit"], "--task", "text-generation", "-o", tmp_path / "y.tpu")
+    lines = unsupported.stderr.strip().splitlines()
+    assert unsupported.returncode == 2 and len(lines) == 1, unsupported.stderr
+    assert "not supported by vit" in lines[0] and "image-classification" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("source, task, expected", [
+    ("nowhere/model-dir", "auto", "does not exist"),
+    ("bert", "fly", "unknown task 'fly'; bert supports: feature-extraction, fill-mask, text-classification"),
+    ("bert", "image-classification", "task 'image-classification' is not supported by bert"),
+    ("empty", "auto", "has no config.json"),
+])
+def test_bad_input_names_the_problem(models, tmp_path, source, task, expected):
+    (tmp_path / "empty").mkdir()
+    reference = str(models[source]) if source in models else str(tmp_path / source)
+    with pytest.raises(TpuExportError, match=expected.replace("(", r"\(")):
+        load_source(reference, task=task)
+
+
+def test_a_checkpoint_in_an_older_layout_streams_under_the_model_names(models):
+    """transformers 5 renames ViT's attention weights when loading (save_pretrained writes the old
+    names); the checkpoint is read under the new names, nothing is loaded in memory."""
+    loaded = load_source(str(models["vit"]), task="image-classification")
+    assert loaded.checkpoint is not None and loaded.model.model.vit.embeddings.cls_token.is_meta
+    weight = loaded.checkpoint["model.vit.layers.0.attention.q_proj.weight"]
+    assert torch.equal(weight, transformers.ViTForImageClassification.from_pretrained(models["vit"]).state_dict()[
+        "vit.layers.0.attention.q_proj.weight"])
+
+
+def test_a_bf16_checkpoint_builds_the_model_in_bf16(models, tmp_path):
+    """The model is built in the dtype config.json records (what from_pretrained does), so a bf16
+    checkpoint converts in bf16 by default and its tensors stream without a cast; a causal LM
+    (text-generation) is read whole, in bf16 too."""
+    bert = transformers.BertForSequenceClassification.from_pretrained(models["bert"], dtype=torch.bfloat16)
+    bert.save_pretrained(tmp_path / "bert-bf16")
+    loaded = load_source(str(tmp_path / "bert-bf16"))
+    assert all(parameter.is_meta and parameter.dtype == torch.bfloat16 for parameter in loaded.model.parameters())
+    name = next(name for name in loaded.checkpoint.keys() if name.endswith("layer.0.intermediate.dense.weight"))
+    weight = loaded.checkpoint[name]
+    assert weight.dtype == torch.bfloat16 and torch.equal(weight, bert.bert.encoder.layer[0].intermediate.dense.weight)
+    llama = transformers.LlamaForCausalLM.from_pretrained(models["llama"], dtype=torch.bfloat16)
+    llama.save_pretrained(tmp_path / "llama-bf16")
+    loaded = load_source(str(tmp_path / "llama-bf16"))
+    assert loaded.checkpoint is None and all(parameter.dtype == torch.bfloat16 for parameter in loaded.model.parameters())
+    assert torch.equal(loaded.model.model.layers[0].mlp.up_proj.weight, llama.model.layers[0].mlp.up_proj.weight)

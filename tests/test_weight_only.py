@@ -1,0 +1,224 @@
+"""Weight-only int8/int4 (quantize/weight_only.py, lower/quantized_weights.py): streamed from a
+checkpoint, verified against the dequantized-weight model, planted bugs caught, s8/s4 weights in
+the compiled TPU program, one-line errors for bad group sizes."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from click.testing import CliRunner
+from planted_bugs import WEIGHT_ONLY_BUGS
+
+import tpuexport
+from tpuexport import compile as compile_stage
+from tpuexport import export as export_stage
+from tpuexport import lower as lower_stage
+from tpuexport import verify as verify_stage
+from tpuexport.arrays import read_safetensors_header
+from tpuexport.cli import main
+from tpuexport.errors import EXIT_BAD_INPUT, TpuExportError
+from tpuexport.quantize.weight_only import DequantizedReference, WeightOnlyScheme, check_scheme, pack_int4, quantize_tensor
+from tpuexport.verify.verification import eager_outputs
+
+WIDTH, HIDDEN, VOCAB, LAYERS = 64, 128, 256, 2
+GROUP = 32  # two groups per 64-wide row: the planted group bugs have a neighbour to go wrong with
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.q_proj = torch.nn.Linear(WIDTH, WIDTH, bias=False)
+        self.o_proj = torch.nn.Linear(WIDTH, WIDTH, bias=False)
+        self.up_proj = torch.nn.Linear(WIDTH, HIDDEN, bias=False)
+        self.down_proj = torch.nn.Linear(HIDDEN, WIDTH, bias=False)
+
+    def forward(self, x):
+        x = x + self.o_proj(torch.nn.functional.silu(self.q_proj(self.norm(x))))
+        return x + self.down_proj(torch.nn.functional.silu(self.up_proj(self.norm(x))))
+
+
+class TinyDecoder(torch.nn.Module):
+    """Token embedding, identical blocks (scanned), an lm_head: the weights an LLM quantizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(VOCAB, WIDTH)
+        self.layers = torch.nn.ModuleList(Block() for _ in range(LAYERS))
+        self.lm_head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(x)
+
+
+def tokens(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(the float model, its safetensors checkpoint)."""
+    torch.manual_seed(0)
+    model = TinyDecoder().eval()
+    path = tmp_path_factory.mktemp("checkpoint") / "model.safetensors"
+    safetensors.torch.save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, path)
+    return model, path
+
+
+@pytest.mark.parametrize("mode", ["int8-weight-only", "int4-weight-only"])
+def test_checkpoint_streams_quantized_weights_verified_against_dequantized_model(tmp_path, checkpoint, mode):
+    model, path = checkpoint
+    with tpuexport.parameters_on_meta():
+        on_meta = TinyDecoder().eval()
+    artifact = tpuexport.convert(on_meta, (tokens(),), None, out=tmp_path / "m.tpu", checkpoint=path, quantize=mode,
+                                 group_size=GROUP, saved_model=False)
+    manifest = artifact.manifest
+    assert manifest["verification"]["passed"]
+    section = manifest["quantization"]
+    bits = 4 if mode.startswith("int4") else 8
+    # Every matmul and embedding weight, stacked over the scanned blocks; norms stay float.
+    assert sorted(section["weights"]) == sorted(["embed_tokens.weight", "lm_head.weight"] + [
+        f"layers.0-1.{name}.weight" for name in ("q_proj", "o_proj", "up_proj", "down_proj")])
+    assert manifest["scanned"][0]["count"] == LAYERS
+    header, _ = read_safetensors_header(artifact.path / manifest["program"]["weights"])
+    up = header["layers.0-1.up_proj.weight"]
+    assert up["shape"] == [LAYERS, HIDDEN, WIDTH // 2 if bits == 4 else WIDTH]
+    assert up["dtype"] == ("U8" if bits == 4 else "I8")
+    scale = header["layers.0-1.up_proj.weight_scale"]
+    assert scale["shape"] == [LAYERS, HIDDEN, WIDTH // GROUP if bits == 4 else 1] and scale["dtype"] == ("BF16" if bits == 4 else "F32")
+    assert header["layers.0-1.norm.weight"]["dtype"] == "F32"
+    assert section["weight_bytes"]["ratio"] <= (0.15 if bits == 4 else 0.27)
+
+    # The artifact computes what the float model computes with its weights rounded and dequantized...
+    axes = {part: entry["axis"] for name, entry in section["weights"].items()
+            for part in ([f"layers.{i}.{name.split('.', 2)[2]}" for i in range(LAYERS)] if name.startswith("layers.0-1") else [name])}
+    reference = DequantizedReference(model, axes, WeightOnlyScheme(mode, GROUP))
+    fresh = tokens(1)
+    [expected] = eager_outputs(reference, (fresh,))
+    actual = np.asarray(artifact.run(fresh))
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    # ...which is close to, but not, the float model: SQNR reported per output.
+    [floating] = eager_outputs(model, (fresh,))
+    assert not np.allclose(actual, floating, rtol=1e-5, atol=1e-6)
+    [output] = section["outputs"]
+    assert output["name"] == "output_0" and (output["sqnr_db"] > 35 if bits == 8 else 12 < output["sqnr_db"] < 35)
+
+
+def test_quantize_and_pack_round_trip():
+    weight = torch.randn(4, 64)
+    integers, scale = quantize_tensor(weight, WeightOnlyScheme("int4-weight-only", GROUP), -1)
+    assert integers.abs().max() <= 7 and scale.shape == (4, 2) and scale.dtype == torch.bfloat16
+    packed = pack_int4(integers)
+    assert packed.shape == (4, 32) and packed.dtype == torch.uint8
+    low = (packed & 0x0F).to(torch.int16)
+    assert torch.equal(torch.where(low > 7, low - 16, low), integers[:, 0::2].to(torch.int16))  # element 2i: low nibble
+    error = (integers.float().reshape(4, 2, GROUP) * scale.float()[..., None]).reshape(4, 64) - weight
+    assert error.abs().max() <= scale.float().max() / 2 + 1e-6
+
+
+@pytest.fixture(scope="module")
+def captured(checkpoint):
+    model, _ = checkpoint
+    return export_stage.capture(export_stage.LoadedSource(model, (tokens(),), None, None, export_stage.SourceInfo("api")))
+
+
+@pytest.mark.parametrize("bug", sorted(WEIGHT_ONLY_BUGS))
+def test_planted_int4_bugs_fail_verification(captured, bug):
+    scheme = WeightOnlyScheme("int4-weight-only", GROUP)
+    tolerances = verify_stage.default_tolerances("f32", "default", quantized=False)
+    with WEIGHT_ONLY_BUGS[bug]():
+        lowered = lower_stage.lower(captured.program, captured.signature, weight_only=scheme)
+        axes = {part: entry["axis"] for name, entry in lowered.quantized.items() for part in lowered.weight_parts[name]}
+        report = verify_stage.verify(lowered, DequantizedReference(captured.reference, axes, scheme), captured.example_inputs,
+                                     tolerances, budget_flops=0)
+    assert not report.passed, bug
+
+
+class Projection(torch.nn.Module):
+    """One LLM-sized MLP (Llama-3-8B's up and down projections) in bfloat16."""
+
+    def __init__(self):
+        super().__init__()
+        self.up_proj = torch.nn.Linear(4096, 14336, bias=False, dtype=torch.bfloat16)
+        self.down_proj = torch.nn.Linear(14336, 4096, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        return self.down_proj(self.up_proj(x))
+
+
+@pytest.mark.parametrize("mode, element", [("int8-weight-only", "s8"), ("int4-weight-only", "u8")])
+def test_tpu_program_reads_integer_weights_without_a_dequantized_copy(mode, element):
+    """The compiled v5e program takes the weights as integers (s4 packed in u8 for int4) and its
+    temporaries stay far below one dequantized bf16 weight (117 MB each here)."""
+    model = Projection().to("meta")
+    captured = export_stage.capture(export_stage.on_meta_device(
+        export_stage.LoadedSource(model, (torch.zeros(8, 4096, dtype=torch.bfloat16, device="meta"),), None, None,
+                                  export_stage.SourceInfo("api"))))
+    lowered = lower_stage.lower(captured.program, captured.signature, weights=False, weight_only=check_scheme(mode, 128))
+    [target] = compile_stage.resolve_targets(["v5e"])
+    [compiled] = compile_stage.compile_program(lowered, [target], compile_stage.make_buckets(lowered.signature, None)).results
+    entry = compiled.hlo_text[compiled.hlo_text.index("\nENTRY"):]
+    parameters = re.findall(r"= (\w+)\[([\d,]*)\]\S* parameter\((\d+)\)", entry.split("\n}")[0])
+    by_position = {int(position): (kind, dims) for kind, dims, position in parameters}
+    up, down = (lowered.weight_names.index(f"{name}.weight") for name in ("up_proj", "down_proj"))
+    packed = 2 if element == "u8" else 1
+    assert by_position[up] == (element, f"14336,{4096 // packed}") and by_position[down] == (element, f"4096,{14336 // packed}"), parameters
+    dequantized_bytes = 4096 * 14336 * 2
+    assert compiled.memory["temp_bytes"] < dequantized_bytes / 10, compiled.memory
+    integer_bytes = 2 * 4096 * 14336 // (2 if element == "u8" else 1)
+    assert integer_bytes <= compiled.memory["argument_bytes"] < integer_bytes * 1.1
+
+
+@pytest.mark.parametrize("group, message", [
+    ("48", "--group-size 48 does not divide weight"),
+    ("0", "--group-size 0 is not a positive even number"),
+])
+def test_bad_group_size_is_one_line(tmp_path, group, message):
+    script = tmp_path / "model.py"
+    script.write_text("import torch\n"
+                      "def build():\n"
+                      "    return {'model': torch.nn.Sequential(torch.nn.Linear(64, 64)).eval(), 'args': (torch.randn(2, 64),)}\n")
+    result = CliRunner().invoke(main, ["convert", f"{script}:build", "--quantize", "int4-weight-only", "--group-size", group,
+                                       "--no-saved-model", "-o", str(tmp_path / "m.tpu")])
+    assert result.exit_code == EXIT_BAD_INPUT, result.output
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and message in error_lines[0], result.stderr
+    assert "Traceback" not in result.output and not (tmp_path / "m.tpu").exists()
+
+
+def test_inspect_lists_quantized_weights(tmp_path):
+    built = {"model": torch.nn.Sequential(torch.nn.Linear(64, 32)).eval(), "args": (torch.randn(2, 64),)}
+    artifact = tpuexport.convert(built["model"], built["args"], None, out=tmp_path / "m.tpu", quantize="int4-weight-only",
+                                 group_size=GROUP, saved_model=False)
+    result = CliRunner().invoke(main, ["inspect", str(artifact.path)])
+    assert result.exit_code == 0, result.output
+    assert "quantized int4-weight-only: 1 weights" in result.output
+    assert "0.weight: int4, groups of 32 along axis -1, scales 0.weight_scale" in result.output
+    summary = json.loads(CliRunner().invoke(main, ["inspect", str(artifact.path), "--json"]).stdout)
+    assert summary["quantization"]["weights"]["0.weight"]["bits"] == 4
+    with pytest.raises(TpuExportError, match="not a regular expression"):
+        tpuexport.convert(built["model"], built["args"], None, out=tmp_path / "k.tpu", quantize="int8-weight-only",
+                          keep_float="(", saved_model=False)
+
+
+def test_tensor_parallel_plan_splits_int4_weights_and_their_scales_alike(captured):
+    """On a slice, packed int4 weights are recognized as their layers and their scales follow their split."""
+    lowered = lower_stage.lower(captured.program, captured.signature, weights=False,
+                                weight_only=WeightOnlyScheme("int4-weight-only", GROUP))
+    [target] = compile_stage.resolve_targets(["v5e-8"])
+    request = compile_stage.make_request("replica=4,model=2", "tensor-parallel")
+    plan = compile_stage.plan_sharding(request, target, lowered.weight_names, lowered.weight_specs, lowered.signature,
+                                       compile_stage.make_buckets(lowered.signature, None), lowered.stacked)
+    specs = dict(plan.weights)
+    assert specs["layers.0-1.up_proj.weight"] == specs["layers.0-1.up_proj.weight_scale"] == (None, "model")  # output features
+    assert specs["layers.0-1.down_proj.weight"] == specs["layers.0-1.down_proj.weight_scale"] == (None, None, "model")  # input features
+    assert specs["layers.0-1.o_proj.weight"] == specs["layers.0-1.o_proj.weight_scale"] == (None, None, "model")
+    assert specs["embed_tokens.weight"] == specs["embed_tokens.weight_scale"] == ("model",)

@@ -1,0 +1,308 @@
+"""Capture of a decoder LM for text generation: a prefill and a decode entry point over one
+explicit, fixed-shape KV cache.
+
+Two small modules wrap the SAME Hugging Face model instance (so their weights have the same
+state_dict names and values; the artifact stores them once):
+
+  prefill(tokens[batch, seq], lengths[batch], slots[batch], cache_k, cache_v)
+      -> {logits[batch, vocab] of each row's last real token, cache_k, cache_v}
+      Prompts are right-padded to the bucket's `seq`; row r's keys and values for positions
+      0..seq-1 are written into cache slot slots[r]. Attention is causal within the prompt, so a
+      real token never sees padding; the padding's cache entries (positions >= lengths[r]) are
+      overwritten by decode before any query may attend to them.
+  decode(tokens[max_batch], positions[max_batch], cache_k, cache_v)
+      -> {logits[max_batch, vocab], cache_k, cache_v}
+      One step for every slot of the cache, each row at its own position: the new key and value
+      are written at `positions[r]`, and the row attends to keys 0..positions[r].
+
+The cache is an input and an output (functional, no buffer mutation): the compiled decode step
+donates it, so the TPU updates it in place. Its layout is one of CACHE_LAYOUTS; each layer's
+update is one scatter into the whole [layers, ...] tensor, so no layer copies the cache.
+
+The KV cache is a `transformers.cache_utils.Cache` whose `update` writes functionally; the model
+gets a prepared 4D additive mask (transformers' mask functions return a 4D mask as it is) and
+explicit position ids, so no code of the model's depends on a cache length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from tpuexport.errors import TpuExportError
+
+# Cache layouts, each cache tensor's axes:
+#   "layer_batch_head_pos"  [layers, batch, kv_heads, context, head_dim]: a layer's slice is what
+#                           attention reads ([batch, heads, keys, head_dim]) without a transpose
+#   "layer_batch_pos_head"  [layers, batch, context, kv_heads, head_dim]: one decode write per row
+#                           is one contiguous [kv_heads, head_dim] block
+CACHE_LAYOUTS = ("layer_batch_head_pos", "layer_batch_pos_head")
+DEFAULT_CACHE_LAYOUT = "layer_batch_head_pos"
+ENTRY_POINTS = ("prefill", "decode")
+# The KV cache: an input and an output (same name) of every entry point, donated when compiled.
+CACHE_INPUTS = ("cache_k", "cache_v")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationSpec:
+    """What a text-generation artifact's entry points share: the cache and its limits.
+
+    Attributes:
+      max_batch: cache slots (decode's batch; prefill's largest batch).
+      max_context: positions per slot (longest prompt + generated tokens).
+      layers, kv_heads, head_dim: the cache's model-given sizes.
+      vocab: logits per row.
+      dtype: the cache's dtype (the model's, torch name, e.g. "float32", "bfloat16").
+      layout: one of CACHE_LAYOUTS.
+      prefill_buckets: the prompt lengths (`seq` sizes) prefill is compiled for.
+    """
+
+    max_batch: int
+    max_context: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype: str
+    layout: str
+    prefill_buckets: tuple[int, ...]
+
+    @property
+    def cache_shape(self) -> tuple[int, ...]:
+        if self.layout == "layer_batch_head_pos":
+            return (self.layers, self.max_batch, self.kv_heads, self.max_context, self.head_dim)
+        return (self.layers, self.max_batch, self.max_context, self.kv_heads, self.head_dim)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the keys and values together."""
+        count = 1
+        for size in self.cache_shape:
+            count *= size
+        return 2 * count * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "prefill_buckets": list(self.prefill_buckets), "cache_shape": list(self.cache_shape)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "GenerationSpec":
+        fields = {field.name for field in dataclasses.fields(cls)}
+        values = {key: value for key, value in data.items() if key in fields}
+        return cls(**{**values, "prefill_buckets": tuple(values["prefill_buckets"])})
+
+
+class FunctionalKVCache:
+    """How one entry point reads and writes the cache tensors; `KVCache` calls it per layer.
+
+    Subclasses decide where a step's keys go (`write`) and what attention reads (`read`).
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, layout: str):
+        self.keys = keys
+        self.values = values
+        self.layout = layout
+
+    def layer_index(self, layer: int, like: torch.Tensor) -> torch.Tensor:
+        # An op, not a Python constant: torch.export would lift torch.tensor(layer) as a constant per layer.
+        return torch.full((1,), layer, dtype=torch.long, device=like.device)
+
+    def update(self, new_keys: torch.Tensor, new_values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes a layer's new keys/values ([batch, heads, steps, head_dim]) and returns what attention reads."""
+        self.keys = self.write(self.keys, new_keys, layer)
+        self.values = self.write(self.values, new_values, layer)
+        return self.read(self.keys, new_keys, layer), self.read(self.values, new_values, layer)
+
+    def write(self, cache: torch.Tensor, new: torch.Tensor, layer: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def read(self, cache: torch.Tensor, new: torch.Tensor, layer: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PrefillCache(FunctionalKVCache):
+    """Prefill: row r's keys for positions 0..seq-1 go to slot slots[r]; attention reads the
+    prompt's own keys (a fresh prompt sees nothing older)."""
+
+    def __init__(self, keys, values, layout, slots: torch.Tensor):
+        super().__init__(keys, values, layout)
+        self.slots = slots
+
+    def write(self, cache, new, layer):
+        batch, heads, steps, _ = new.shape
+        index = self.layer_index(layer, new)
+        positions = torch.arange(steps, device=new.device)
+        if self.layout == "layer_batch_head_pos":
+            heads_index = torch.arange(heads, device=new.device)
+            indices = (index, self.slots[:, None, None], heads_index[None, :, None], positions[None, None, :])
+            return cache.index_put(indices, new.to(cache.dtype))
+        return cache.index_put((index, self.slots[:, None], positions[None, :]), new.transpose(1, 2).to(cache.dtype))
+
+    def read(self, cache, new, layer):
+        return new
+
+
+class DecodeCache(FunctionalKVCache):
+    """Decode: row r's new key goes to position positions[r] of slot r; attention reads the
+    layer's whole cache (the mask keeps keys 0..positions[r])."""
+
+    def __init__(self, keys, values, layout, positions: torch.Tensor):
+        super().__init__(keys, values, layout)
+        self.positions = positions
+
+    def write(self, cache, new, layer):
+        batch, heads, _, _ = new.shape
+        index = self.layer_index(layer, new)
+        rows = torch.arange(batch, device=new.device)
+        if self.layout == "layer_batch_head_pos":
+            heads_index = torch.arange(heads, device=new.device)
+            indices = (index, rows[:, None], heads_index[None, :], self.positions[:, None])
+            return cache.index_put(indices, new[:, :, 0].to(cache.dtype))
+        return cache.index_put((index, rows, self.positions), new[:, :, 0].to(cache.dtype))
+
+    def read(self, cache, new, layer):
+        layer_cache = cache[layer]
+        if self.layout == "layer_batch_pos_head":
+            layer_cache = layer_cache.transpose(1, 2)
+        return layer_cache.to(new.dtype)
+
+
+def _transformers_cache(functional: FunctionalKVCache):
+    """A transformers Cache whose update is `functional.update` (what the attention layers call)."""
+    from transformers.cache_utils import Cache
+
+    class KVCache(Cache):
+        def __init__(self):
+            super().__init__(layers=[])
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return functional.update(key_states, value_states, layer_idx)
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return 0
+
+    return KVCache()
+
+
+def _masked_value(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).min
+
+
+class _EntryPoint(nn.Module):
+    """Holds the model (registered once, as `model`, so every entry point names its weights alike)."""
+
+    def __init__(self, model: nn.Module, spec: GenerationSpec):
+        super().__init__()
+        self.model = model
+        self.spec = spec
+
+    def hidden_states(self, tokens, mask, positions, cache) -> torch.Tensor:
+        output = self.model.base_model(input_ids=tokens, attention_mask=mask, position_ids=positions,
+                                       past_key_values=_transformers_cache(cache), use_cache=True)
+        return output.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(hidden).float()
+
+
+class Prefill(_EntryPoint):
+    cache_type = PrefillCache
+
+    def forward(self, tokens, lengths, slots, cache_k, cache_v):
+        batch, steps = tokens.shape
+        # One batch dim for the three inputs (torch.export may otherwise give each its own symbol).
+        torch._check(lengths.shape[0] == batch)
+        torch._check(slots.shape[0] == batch)
+        dtype = cache_k.dtype
+        positions = torch.arange(steps, device=tokens.device)
+        causal = positions[None, :] <= positions[:, None]
+        mask = torch.where(causal, 0.0, _masked_value(dtype)).to(dtype)[None, None].expand(batch, 1, steps, steps)
+        cache = self.cache_type(cache_k, cache_v, self.spec.layout, slots)
+        hidden = self.hidden_states(tokens, mask, positions[None, :].expand(batch, steps), cache)
+        last = hidden[torch.arange(batch, device=tokens.device), lengths - 1]
+        return {"logits": self.logits(last), "cache_k": cache.keys, "cache_v": cache.values}
+
+
+class Decode(_EntryPoint):
+    cache_type = DecodeCache
+
+    def forward(self, tokens, positions, cache_k, cache_v):
+        dtype = cache_k.dtype
+        keys = torch.arange(self.spec.max_context, device=tokens.device)
+        visible = keys[None, :] <= positions[:, None]
+        mask = torch.where(visible, 0.0, _masked_value(dtype)).to(dtype)[:, None, None, :]
+        cache = self.cache_type(cache_k, cache_v, self.spec.layout, positions)
+        hidden = self.hidden_states(tokens[:, None], mask, positions[:, None], cache)
+        return {"logits": self.logits(hidden[:, 0]), "cache_k": cache.keys, "cache_v": cache.values}
+
+
+def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: str = DEFAULT_CACHE_LAYOUT,
+                    prefill_buckets: tuple[int, ...] | None = None) -> GenerationSpec:
+    """The cache a Hugging Face decoder LM needs at these limits.
+
+    Args:
+      model: a transformers causal LM (`PreTrainedModel` with a decoder config).
+      max_batch: cache slots; max_context: positions per slot.
+      layout: one of CACHE_LAYOUTS.
+      prefill_buckets: prompt lengths prefill is compiled for; None for the default (128, 512,
+        2048 below max_context, and max_context).
+    Returns:
+      The GenerationSpec.
+    Raises:
+      TpuExportError: not a Hugging Face causal LM, or limits out of range.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "base_model") or model.get_output_embeddings() is None:
+        raise TpuExportError("--task text-generation needs a Hugging Face causal LM (e.g. LlamaForCausalLM, GPT2LMHeadModel); "
+                             f"got {type(model).__name__}")
+    if getattr(config, "is_encoder_decoder", False):
+        raise TpuExportError(f"--task text-generation supports decoder-only LMs; {type(model).__name__} is an encoder-decoder")
+    if layout not in CACHE_LAYOUTS:
+        raise TpuExportError(f"unknown cache layout {layout!r}; use one of {', '.join(CACHE_LAYOUTS)}")
+    if max_batch < 1 or max_context < 2:
+        raise TpuExportError(f"--max-batch {max_batch} / --max-context {max_context} out of range; give max batch >= 1 and max context >= 2")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = text.num_hidden_layers
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    if positions is not None and max_context > positions:
+        raise TpuExportError(f"--max-context {max_context} exceeds the model's {positions} positions (max_position_embeddings); "
+                             f"give --max-context <= {positions}")
+    if prefill_buckets is None:
+        prefill_buckets = tuple(size for size in (128, 512, 2048) if size < max_context) + (max_context,)
+    for size in prefill_buckets:
+        if not 2 <= size <= max_context:
+            raise TpuExportError(f"prefill bucket seq={size} is out of range: prompt lengths are 2..{max_context} (--max-context)")
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return GenerationSpec(max_batch, max_context, layers, kv_heads, head_dim, model.get_output_embeddings().weight.shape[0], dtype,
+                          layout, tuple(sorted(set(prefill_buckets))))
+
+
+def entry_point_modules(model: nn.Module, spec: GenerationSpec, prefill: type[Prefill] = Prefill,
+                        decode: type[Decode] = Decode) -> dict[str, nn.Module]:
+    """The entry points as modules over the one model: {"prefill": ..., "decode": ...}."""
+    return {"prefill": prefill(model.eval(), spec), "decode": decode(model.eval(), spec)}
+
+
+def example_arguments(spec: GenerationSpec) -> dict[str, tuple[tuple, dict | None]]:
+    """Each entry point's example inputs and torch.export dynamic_shapes.
+
+    Prefill's batch (1..max_batch) and prompt length (2..max_context) are dims, compiled at its
+    buckets; decode runs at max_batch, with static shapes.
+    """
+    dtype = getattr(torch, spec.dtype)
+    cache = (torch.zeros(spec.cache_shape, dtype=dtype), torch.zeros(spec.cache_shape, dtype=dtype))
+    example_seq = max(2, min(spec.prefill_buckets[0], spec.max_context))
+    batch = torch.export.Dim("batch", min=1, max=spec.max_batch)
+    seq = torch.export.Dim("seq", min=2, max=spec.max_context)
+    prefill_args = (torch.ones((spec.max_batch, example_seq), dtype=torch.long),
+                    torch.full((spec.max_batch,), example_seq, dtype=torch.long),
+                    torch.arange(spec.max_batch, dtype=torch.long), *cache)
+    prefill_shapes = ({0: batch, 1: seq}, {0: batch}, {0: batch}, None, None)
+    if spec.max_batch == 1:  # torch.export specializes a dim whose example size is 1
+        prefill_shapes = ({1: seq}, None, None, None, None)
+    decode_args = (torch.ones((spec.max_batch,), dtype=torch.long), torch.zeros((spec.max_batch,), dtype=torch.long), *cache)
+    return {"prefill": (prefill_args, prefill_shapes), "decode": (decode_args, None)}

@@ -1,0 +1,581 @@
+"""Hugging Face model directories as sources: `tpuexport convert ./model-dir --task TASK`.
+
+A source is a directory holding `config.json` and the weights (`*.safetensors`, sharded with an
+index or not, or a `pytorch_model.bin`), or `hf:ORG/NAME[@REVISION]`, a model already in the local
+Hugging Face cache (never downloaded). For the task (optimum's names, or `auto` from the config's
+`architectures`) the model is built with transformers' `AutoModelFor...` class with its parameters
+on the meta device, and its weights stream from the directory's checkpoint (export/checkpoints.py).
+
+Inputs are named as the family names them (input_ids, attention_mask, token_type_ids,
+pixel_values, input_values, input_features, decoder_input_ids) with dims whose ranges come from the
+config and that `--dim NAME=MIN:MAX` overrides (MIN == MAX makes a dim static):
+  batch             1..64
+  seq               2..max_position_embeddings (512 when the config has none)
+  decoder_seq       2..the decoder's max positions
+  height, width     the config's image_size (static), samples 16000 (static), frames (static)
+Outputs are the tensors of the model's output (logits, last_hidden_state, pooler_output, ...).
+
+Each task maps to a function building the LoadedSource (`Task.build`); `text-generation` gives the
+causal LM itself with its weights read into memory, which the pipeline converts as prefill and decode
+entry points over a KV cache (export/generation.py), its `--max-context` defaulting to the config's
+`max_position_embeddings` (`generation_context`).
+
+`transformers` is the optional extra `tpuexport[hf]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+import pathlib
+import re
+from typing import Callable
+
+import torch
+
+from tpuexport.errors import TpuExportError
+from tpuexport.logs import TORCHAO_LOGGERS, quiet_loggers
+from tpuexport.export.checkpoints import Checkpoint, open_checkpoint, parameters_on_meta, with_checkpoint_weights
+from tpuexport.export.sources import LoadedSource, SourceInfo, file_sha256
+from tpuexport.export.specs import DimSpec
+
+HF_PREFIX = "hf:"
+INSTALL_HINT = "pip install 'tpuexport[hf]'"
+# Files a serving stack needs beside the program (tokenizer, processor, generation defaults),
+# copied into the artifact's hf/ directory when the source has them.
+SERVING_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+    "preprocessor_config.json", "processor_config.json", "chat_template.jinja", "chat_template.json",
+)
+ARTIFACT_DIRECTORY = "hf"
+DEFAULT_BATCH = DimSpec("batch", 1, 64)
+DEFAULT_MAX_SEQUENCE = 512
+DEFAULT_IMAGE_SIZE = 224
+DEFAULT_AUDIO_SAMPLES = 16000
+DEFAULT_MEL_FRAMES = 3000
+# Example sizes the model is traced and first verified at (clamped into the dims' ranges).
+EXAMPLE_SIZES = {"batch": 2, "seq": 16, "decoder_seq": 8}
+
+
+@dataclasses.dataclass(frozen=True)
+class HuggingFaceInfo:
+    """What the artifact records of a Hugging Face source (manifest "huggingface", files in hf/).
+
+    Attributes:
+      task: the task converted (optimum's name).
+      architecture: the model class built (e.g. "BertForSequenceClassification").
+      model_type: the config's model_type.
+      revision: the cache snapshot's commit, or None for a directory outside the cache.
+      config: config.json as read.
+      files: the serving files found in the source directory, by name (copied into hf/).
+    """
+
+    task: str
+    architecture: str
+    model_type: str
+    revision: str | None
+    config: dict
+    files: dict[str, pathlib.Path]
+
+    def manifest_section(self) -> dict:
+        """The manifest's "huggingface" section (paths relative to the artifact)."""
+        return {"task": self.task, "architecture": self.architecture, "model_type": self.model_type, "revision": self.revision,
+                "files": {name: f"{ARTIFACT_DIRECTORY}/{name}" for name in sorted(self.files)}, "config": self.config}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInput:
+    """One input of a task's model: its name, axes (dim names or sizes), dtype and how examples look."""
+
+    name: str
+    axes: tuple[str | int, ...]
+    dtype: torch.dtype
+    high: int = 0  # integer inputs: examples drawn from [0, high); 0 for floats
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A task as optimum names it.
+
+    Attributes:
+      name: e.g. "text-classification".
+      auto_classes: transformers' AutoModelFor... class names and their model-type -> class-name
+        tables (transformers.models.auto.modeling_auto); the first that lists the config's
+        model_type builds the model.
+      build: makes the LoadedSource from the resolved pieces (the forward of the model, or another
+        program such as a generation loop).
+    """
+
+    name: str
+    auto_classes: tuple[tuple[str, str], ...]
+    build: Callable[["ResolvedModel", list[DimSpec], bool], LoadedSource]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedModel:
+    """A Hugging Face source resolved to a directory, a config and a task."""
+
+    directory: pathlib.Path
+    reference: str
+    config: object  # a transformers PretrainedConfig
+    config_json: dict
+    task: str
+    auto_class: str
+    revision: str | None
+
+
+def _tasks() -> dict[str, Task]:
+    forward = _forward_source
+    entries = [
+        ("feature-extraction", (("AutoModel", "MODEL_MAPPING_NAMES"),)),
+        ("fill-mask", (("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),)),
+        ("text-classification", (("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),)),
+        ("token-classification", (("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),)),
+        ("question-answering", (("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),)),
+        ("text-generation", (("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),)),
+        ("text2text-generation", (("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),)),
+        ("image-classification", (("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),)),
+        ("semantic-segmentation", (("AutoModelForSemanticSegmentation", "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES"),)),
+        ("object-detection", (("AutoModelForObjectDetection", "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES"),)),
+        ("depth-estimation", (("AutoModelForDepthEstimation", "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES"),)),
+        ("automatic-speech-recognition", (("AutoModelForSpeechSeq2Seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES"),
+                                          ("AutoModelForCTC", "MODEL_FOR_CTC_MAPPING_NAMES"))),
+        ("audio-classification", (("AutoModelForAudioClassification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),)),
+        ("audio-frame-classification", (("AutoModelForAudioFrameClassification", "MODEL_FOR_AUDIO_FRAME_CLASSIFICATION_MAPPING_NAMES"),)),
+    ]
+    return {name: Task(name, classes, _generation_source if name == "text-generation" else forward) for name, classes in entries}
+
+
+def is_huggingface_source(reference: str) -> bool:
+    """Whether SOURCE names a Hugging Face model: `hf:ORG/NAME` or a directory."""
+    return reference.startswith(HF_PREFIX) or pathlib.Path(reference).is_dir()
+
+
+def load_huggingface(reference: str, task: str | None, dims: list[DimSpec] = (), weights_in_memory: bool = False) -> LoadedSource:
+    """Loads a Hugging Face model directory (or a cached `hf:ORG/NAME`) for a task.
+
+    Args:
+      reference: the directory, or `hf:ORG/NAME[@REVISION]` resolved in the local cache only.
+      task: optimum's task name, or None / "auto" for the task of the config's `architectures`.
+      dims: --dim overrides of the input dims (see the module docstring).
+      weights_in_memory: read the weights into the model (PT2E quantization rounds them in
+        memory) instead of streaming them from the checkpoint.
+    Returns:
+      The LoadedSource: the model on the meta device with the directory's checkpoint (or with its
+      weights), example inputs, dynamic shapes, and the `huggingface` record for the artifact.
+    Raises:
+      TpuExportError: transformers missing, a missing directory or cached model, an unreadable
+        config, an unknown task or one the architecture does not support, a bad --dim.
+    """
+    transformers = _import_transformers()
+    directory, revision = _resolve(reference)
+    config_path = directory / "config.json"
+    try:
+        config_json = json.loads(config_path.read_text())
+        config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise TpuExportError(f"cannot read {config_path} as a transformers config ({type(error).__name__}: {_first_line(error)}); "
+                             "give a directory written by save_pretrained") from None
+    tasks = _tasks()
+    supported = [name for name, entry in tasks.items() if _auto_class(entry, config) is not None]
+    task = _choose_task(task, config, tasks, supported, directory)
+    resolved = ResolvedModel(directory, reference, config, config_json, task, _auto_class(tasks[task], config), revision)
+    return tasks[task].build(resolved, list(dims), weights_in_memory)
+
+
+def _import_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise TpuExportError(f"a Hugging Face source needs transformers, which is not installed; {INSTALL_HINT}") from None
+    return transformers
+
+
+def _resolve(reference: str) -> tuple[pathlib.Path, str | None]:
+    """(the model's directory, its cache revision or None)."""
+    if reference.startswith(HF_PREFIX):
+        return _cached_snapshot(reference)
+    directory = pathlib.Path(reference)
+    if not directory.is_dir():
+        raise TpuExportError(f"source directory {reference!r} does not exist; give a Hugging Face model directory (with config.json)")
+    if not (directory / "config.json").is_file():
+        raise TpuExportError(f"{reference} has no config.json, so it is not a Hugging Face model directory; "
+                             "save the model with save_pretrained, or give a .pt2 / file.py:factory source")
+    parent = directory.resolve().parent
+    revision = directory.resolve().name if parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", directory.resolve().name) else None
+    return directory, revision
+
+
+@contextlib.contextmanager
+def _offline():
+    """HF_HUB_OFFLINE=1 while the cache is consulted, restored after."""
+    before = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["HF_HUB_OFFLINE"]
+        else:
+            os.environ["HF_HUB_OFFLINE"] = before
+
+
+def _cached_snapshot(reference: str) -> tuple[pathlib.Path, str]:
+    """The snapshot directory of `hf:ORG/NAME[@REVISION]` in the local Hugging Face cache; nothing
+    is downloaded (local_files_only, HF_HUB_OFFLINE)."""
+    repo_id, _, revision = reference.removeprefix(HF_PREFIX).partition("@")
+    from huggingface_hub import constants, snapshot_download
+
+    looked_in = pathlib.Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+    with _offline():
+        try:
+            path = pathlib.Path(snapshot_download(repo_id, revision=revision or None, local_files_only=True))
+        except Exception as error:  # huggingface_hub raises LocalEntryNotFoundError, HFValidationError, ...
+            raise TpuExportError(f"{repo_id}{'@' + revision if revision else ''} is not in the local Hugging Face cache "
+                                 f"(looked in {looked_in}: {type(error).__name__}); tpuexport never downloads: "
+                                 f"fetch it first (hf download {repo_id}) or give its directory") from None
+    if not (path / "config.json").is_file():
+        raise TpuExportError(f"the cached {repo_id} ({path}) has no config.json; it is not a transformers model")
+    return path, path.name
+
+
+def _auto_class(task: Task, config) -> str | None:
+    """The AutoModelFor... class name that builds the config's model for the task, or None."""
+    from transformers.models.auto import modeling_auto
+
+    for auto_class, table in task.auto_classes:
+        if config.model_type in getattr(modeling_auto, table, {}):
+            return auto_class
+    return None
+
+
+def _class_names(task: Task, config) -> set[str]:
+    from transformers.models.auto import modeling_auto
+
+    names = set()
+    for _, table in task.auto_classes:
+        entry = getattr(modeling_auto, table, {}).get(config.model_type, ())
+        names.update((entry,) if isinstance(entry, str) else entry)
+    return names
+
+
+def _choose_task(task: str | None, config, tasks: dict[str, Task], supported: list[str], directory: pathlib.Path) -> str:
+    """The task to convert: the one asked for if the architecture supports it, or the task of the
+    config's first architecture for "auto"."""
+    listing = ", ".join(supported) or "none"
+    if task in (None, "auto"):
+        architectures = list(getattr(config, "architectures", None) or [])
+        for name in supported:
+            if architectures and architectures[0] in _class_names(tasks[name], config):
+                return name
+        raise TpuExportError(f"cannot infer the task of {directory}: its config names architectures {architectures or 'none'}, "
+                             f"which no task builds; pass --task, one of: {listing}")
+    if task not in tasks:
+        raise TpuExportError(f"unknown task {task!r}; {config.model_type} supports: {listing} (or auto)")
+    if task not in supported:
+        raise TpuExportError(f"task {task!r} is not supported by {config.model_type}; it supports: {listing} (or auto)")
+    return task
+
+
+def _forward_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_memory: bool) -> LoadedSource:
+    """The task's AutoModelFor... forward as the program: model on the meta device, inputs and dims
+    from the config, weights streamed from the checkpoint (or read, with `weights_in_memory`)."""
+    transformers = _import_transformers()
+    config = resolved.config
+    auto_class = getattr(transformers, resolved.auto_class)
+    dtype = _config_dtype(config)
+    with parameters_on_meta(), quiet_loggers(*TORCHAO_LOGGERS):
+        model = auto_class.from_config(config, dtype=dtype).eval()
+    wrapped, args, dynamic_shapes = forward_program(model, dims)
+    checkpoint = _checkpoint(resolved.directory, wrapped)
+    info = _source_info(resolved)
+    record = HuggingFaceInfo(resolved.task, type(model).__name__, config.model_type, resolved.revision, resolved.config_json,
+                             {name: resolved.directory / name for name in SERVING_FILES if (resolved.directory / name).is_file()})
+    if checkpoint is None:  # tensors transformers converts when loading (not only renames): its own loading reads them
+        loaded = _from_pretrained(auto_class, resolved.directory, dtype)
+        loaded.config.use_cache = False
+        wrapped = named_forward(loaded, wrapped.input_names)
+    elif weights_in_memory:
+        wrapped, checkpoint = with_checkpoint_weights(wrapped, checkpoint), None
+    return LoadedSource(wrapped, args, dynamic_shapes, None, info, checkpoint=checkpoint, huggingface=record)
+
+
+def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_memory: bool) -> LoadedSource:
+    """The causal LM read by transformers (weights in memory, in the checkpoint's dtype), for the
+    pipeline's prefill and decode entry points; they choose their own inputs, so --dim does not apply.
+
+    Raises:
+      TpuExportError: a --dim was given.
+    """
+    if dims:
+        raise TpuExportError("--dim does not apply to --task text-generation (its entry points' sizes are --max-batch, "
+                             "--max-context and the --bucket seq=... prompt lengths); drop it")
+    model = _from_pretrained(getattr(_import_transformers(), resolved.auto_class), resolved.directory, _config_dtype(resolved.config))
+    record = HuggingFaceInfo(resolved.task, type(model).__name__, resolved.config.model_type, resolved.revision, resolved.config_json,
+                             {name: resolved.directory / name for name in SERVING_FILES if (resolved.directory / name).is_file()})
+    return LoadedSource(model.eval(), None, None, None, _source_info(resolved), huggingface=record)
+
+
+def generation_context(model: torch.nn.Module) -> int:
+    """The positions a causal LM's config allows (its `max_position_embeddings`, else GPT-2's
+    `n_positions`): the default --max-context of a Hugging Face text-generation source.
+
+    Raises:
+      TpuExportError: the config records neither.
+    """
+    config = model.config
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not positions:
+        raise TpuExportError(f"{type(model).__name__}'s config records no maximum position; give --max-context N")
+    return int(positions)
+
+
+def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[torch.nn.Module, tuple, dict]:
+    """A transformers model's forward as tpuexport converts it, with its example inputs and dims.
+
+    Args:
+      model: a transformers model (its weights on the meta device or not); its config's use_cache
+        is turned off (the program is the forward over the whole input, no cache outputs).
+      dims: --dim overrides of the dims' ranges.
+    Returns:
+      (the named_forward module, example args, torch.export dynamic_shapes by input name).
+    Raises:
+      TpuExportError: the model takes none of the known inputs, or a --dim names no dim of it.
+    """
+    config = model.config
+    config.use_cache = False
+    inputs = model_inputs(model, config)
+    args, dynamic_shapes = _example_inputs(inputs, _dims(inputs, config, list(dims)), _config_dtype(config))
+    return named_forward(model, tuple(spec.name for spec in inputs)), args, dynamic_shapes
+
+
+def _config_dtype(config) -> torch.dtype:
+    """The checkpoint's dtype as the config records it (float32 when it records none)."""
+    recorded = getattr(config, "dtype", None)
+    if isinstance(recorded, str):
+        recorded = getattr(torch, recorded, None)
+    return recorded if isinstance(recorded, torch.dtype) and recorded.is_floating_point else torch.float32
+
+
+def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
+    """The inputs a model of this family takes, in its forward's order.
+
+    Args:
+      model: the transformers model.
+      config: its config.
+    Returns:
+      The ModelInputs: token inputs for text models (attention_mask beside input_ids,
+      token_type_ids where the config has more than one type), decoder_input_ids for
+      encoder-decoders, pixel_values, input_values or input_features for vision and audio.
+    Raises:
+      TpuExportError: the forward takes none of these.
+    """
+    parameters = list(inspect.signature(model.forward).parameters)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    decoder_vocab = int(getattr(getattr(config, "get_text_config", lambda **_: config)(decoder=True), "vocab_size", vocab) or vocab)
+    candidates = {
+        "input_ids": ModelInput("input_ids", ("batch", "seq"), torch.long, vocab),
+        "attention_mask": ModelInput("attention_mask", ("batch", "seq"), torch.long, 2),
+        "token_type_ids": ModelInput("token_type_ids", ("batch", "seq"), torch.long, int(getattr(config, "type_vocab_size", 0) or 0)),
+        "pixel_values": ModelInput("pixel_values", ("batch", _channels(config), "height", "width"), torch.float32),
+        "input_values": ModelInput("input_values", ("batch", "samples"), torch.float32),
+        "input_features": ModelInput("input_features", ("batch", int(getattr(config, "num_mel_bins", 80)), "frames"), torch.float32),
+        "decoder_input_ids": ModelInput("decoder_input_ids", ("batch", "decoder_seq"), torch.long, decoder_vocab),
+    }
+    chosen = []
+    for name in parameters:
+        if name not in candidates:
+            continue
+        if name == "attention_mask" and "input_ids" not in parameters:
+            continue  # audio and vision models' masks are for padding their own way; not an input here
+        if name == "token_type_ids" and candidates[name].high < 2:
+            continue
+        if name == "decoder_input_ids" and not getattr(config, "is_encoder_decoder", False):
+            continue
+        chosen.append(candidates[name])
+    if not any(spec.name in ("input_ids", "pixel_values", "input_values", "input_features") for spec in chosen):
+        raise TpuExportError(f"{type(model).__name__} takes none of input_ids, pixel_values, input_values, input_features; "
+                             "write a file.py:factory for it")
+    return chosen
+
+
+def _channels(config) -> int:
+    return int(getattr(config, "num_channels", 3) or 3)
+
+
+def _size(value) -> int:
+    return int(value[0] if isinstance(value, (list, tuple)) else value)
+
+
+def _dims(inputs: list[ModelInput], config, overrides: list[DimSpec]) -> dict[str, DimSpec]:
+    """The named dims the inputs use, with ranges from the config, then the --dim overrides.
+
+    Raises:
+      TpuExportError: a --dim names a dim the inputs do not use.
+    """
+    used = [axis for spec in inputs for axis in spec.axes if isinstance(axis, str)]
+    text_max = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_MAX_SEQUENCE)
+    decoder_max = int(getattr(config, "max_target_positions", 0) or text_max)
+    image = _size(getattr(config, "image_size", DEFAULT_IMAGE_SIZE) or DEFAULT_IMAGE_SIZE)
+    frames = 2 * int(getattr(config, "max_source_positions", 0)) or DEFAULT_MEL_FRAMES
+    defaults = {
+        "batch": DEFAULT_BATCH,
+        "seq": DimSpec("seq", 2, text_max),
+        "decoder_seq": DimSpec("decoder_seq", 2, decoder_max),
+        "height": DimSpec("height", image, image),
+        "width": DimSpec("width", image, image),
+        "samples": DimSpec("samples", DEFAULT_AUDIO_SAMPLES, DEFAULT_AUDIO_SAMPLES),
+        "frames": DimSpec("frames", frames, frames),
+    }
+    dims = {name: defaults[name] for name in dict.fromkeys(used)}
+    for override in overrides:
+        if override.name not in dims:
+            raise TpuExportError(f"--dim {override.name} is not a dim of this model; its dims are {', '.join(dims)}")
+        dims[override.name] = override
+    return dims
+
+
+def _example_inputs(inputs: list[ModelInput], dims: dict[str, DimSpec], dtype: torch.dtype):
+    """Seeded example tensors and torch.export dynamic_shapes (by input name).
+
+    Float inputs take the model's dtype; the attention mask pads the last sequence's tail, so that
+    verification covers masking.
+    """
+    torch_dims = {name: torch.export.Dim(name, min=spec.min, max=spec.max) for name, spec in dims.items() if spec.min < spec.max}
+    sizes = {name: min(max(EXAMPLE_SIZES.get(name, spec.min), spec.example), spec.max) for name, spec in dims.items()}
+    generator = torch.Generator().manual_seed(0)
+    args, dynamic_shapes = [], {}
+    for spec in inputs:
+        shape = [sizes[axis] if isinstance(axis, str) else axis for axis in spec.axes]
+        if spec.name == "attention_mask":
+            tensor = torch.ones(shape, dtype=spec.dtype)
+            tensor[-1, shape[1] // 2 + 1:] = 0
+        elif spec.dtype.is_floating_point:
+            tensor = torch.randn(shape, generator=generator).to(dtype)
+        else:
+            tensor = torch.randint(0, max(spec.high, 1), shape, generator=generator, dtype=spec.dtype)
+        args.append(tensor)
+        dynamic_shapes[spec.name] = {axis: torch_dims[name] for axis, name in enumerate(spec.axes) if name in torch_dims} or None
+    return tuple(args), dynamic_shapes
+
+
+class _NamedForward(torch.nn.Module):
+    """Calls a transformers model with its inputs by name and returns its output's tensors as a dict
+    (logits, last_hidden_state, pooler_output, ...): the artifact's output names."""
+
+    def __init__(self, model: torch.nn.Module, input_names: tuple[str, ...]):
+        super().__init__()
+        self.model = model.eval()
+        self.input_names = input_names
+
+    def forward(self, *inputs):
+        output = self.model(**dict(zip(self.input_names, inputs)), return_dict=True)
+        return {name: value for name, value in output.items() if isinstance(value, torch.Tensor)}
+
+
+def named_forward(model: torch.nn.Module, input_names: tuple[str, ...]) -> torch.nn.Module:
+    """A module whose forward takes `input_names` positionally (so torch.export and the artifact
+    name the inputs as the family does) and returns the model's output tensors by field name.
+
+    Args:
+      model: a transformers model.
+      input_names: its inputs, in the order the artifact takes them.
+    Returns:
+      The wrapping module (the model is its `model` submodule).
+    """
+    parameters = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in ("self", *input_names)]
+
+    def forward(self, *inputs):
+        return _NamedForward.forward(self, *inputs)
+
+    forward.__signature__ = inspect.Signature(parameters)
+    named = type(type(model).__name__ + "Forward", (_NamedForward,), {"forward": forward})
+    return named(model, input_names)
+
+
+class _Renamed(Checkpoint):
+    """The checkpoint's tensors under the wrapped model's names."""
+
+    def __init__(self, checkpoint: Checkpoint, names: dict[str, str]):
+        super().__init__(names, checkpoint.description, checkpoint.name)
+        self._checkpoint = checkpoint
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._checkpoint[self._tensors[name]]
+
+
+def _checkpoint(directory: pathlib.Path, wrapped: torch.nn.Module) -> Checkpoint | None:
+    """The directory's checkpoint under the wrapped model's names, renamed as transformers renames
+    them when loading (older layouts, base-model prefixes added or dropped).
+
+    Returns:
+      The renamed Checkpoint; None when transformers would convert some tensor rather than rename
+      it (e.g. per-expert weights fused into one tensor), or when some parameter (every name of a
+      tied one) is not in it.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    if not any(directory.glob("*.safetensors")) and (directory / "pytorch_model.bin").is_file():
+        checkpoint = open_checkpoint(directory / "pytorch_model.bin")
+    else:
+        checkpoint = open_checkpoint(directory)
+    model = wrapped.model
+    transforms = get_model_conversion_mapping(model)
+    renamings = [transform for transform in transforms if not isinstance(transform, WeightConverter)]
+    converters = [transform for transform in transforms if isinstance(transform, WeightConverter)]
+    state = model.state_dict()
+    names: dict[str, str] = {}
+    for key in checkpoint:
+        renamed, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
+        if converted is not None:
+            return None
+        if renamed in state:
+            names["model." + renamed] = key
+    groups: dict[int, list[str]] = {}
+    for name, parameter in wrapped.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(parameter), []).append(name)
+    if any(not any(name in names for name in group) for group in groups.values()):
+        return None
+    return _Renamed(checkpoint, names)
+
+
+def _from_pretrained(auto_class, directory: pathlib.Path, dtype: torch.dtype) -> torch.nn.Module:
+    """The model read by transformers itself (in memory), refusing weights it would initialize at random."""
+    from transformers.utils import logging as transformers_logging
+
+    progress_bar = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        with _offline(), quiet_loggers(*TORCHAO_LOGGERS):
+            model, loading = auto_class.from_pretrained(str(directory), dtype=dtype, local_files_only=True, output_loading_info=True)
+    finally:
+        if progress_bar:
+            transformers_logging.enable_progress_bar()
+    if loading.get("missing_keys"):
+        missing = sorted(loading["missing_keys"])
+        raise TpuExportError(f"{directory} has no weights for {len(missing)} of the model's tensors ({', '.join(missing[:5])}); "
+                             "give the checkpoint of this task's model (or --task feature-extraction for a base model)")
+    return model.eval()
+
+
+def _source_info(resolved: ResolvedModel) -> SourceInfo:
+    """Provenance: the reference (without directories), and a sha256 over config.json and the
+    weight files (by name and content)."""
+    digest = hashlib.sha256()
+    weight_files = sorted(path for pattern in ("*.safetensors", "*.safetensors.index.json", "pytorch_model.bin")
+                          for path in resolved.directory.glob(pattern))
+    for path in [resolved.directory / "config.json", *weight_files]:
+        digest.update(f"{path.name}\0{file_sha256(path)}\n".encode())
+    name = resolved.reference if resolved.reference.startswith(HF_PREFIX) else resolved.directory.resolve().name
+    return SourceInfo("huggingface", name, digest.hexdigest(), f"{name} --task {resolved.task}", name)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,202 @@
+"""A text-generation program: its entry points (each a LoweredProgram) over one set of weights
+and one KV cache, and a session that drives them on CPU (prefill, then decode step by step).
+
+The session is what `Artifact.generate`, `tpuexport generate` and generation verification run:
+each holds the cache between calls exactly as a serving runtime would hold the TPU buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from tpuexport.errors import TpuExportError
+from tpuexport.export.generation import ENTRY_POINTS, GenerationSpec
+from tpuexport.lower.lowering import LoweredProgram
+
+# How a session runs one entry point: (entry point name, inputs in its signature order) -> outputs.
+Runner = Callable[[str, list[np.ndarray]], list[np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationProgram:
+    """The lowering stage's result for `task="text-generation"`.
+
+    Attributes:
+      spec: the cache and its limits (export/generation.py).
+      entry_points: {"prefill": LoweredProgram, "decode": LoweredProgram}; both take the same
+        weights (same names, shapes and arrays: the artifact stores them once).
+      prefill_batches: the prefill batch sizes compiled (a serving engine prefills one prompt at
+        a time while other slots decode, or a full batch).
+    """
+
+    spec: GenerationSpec
+    entry_points: dict[str, LoweredProgram]
+    prefill_batches: tuple[int, ...]
+
+    def __post_init__(self):
+        first, *others = (self.entry_points[name] for name in ENTRY_POINTS)
+        for other in others:
+            if other.weight_names != first.weight_names or other.weight_specs != first.weight_specs:
+                raise TpuExportError("the entry points' weights differ (names or shapes); they must share one model's weights")
+
+    @property
+    def weights_program(self) -> LoweredProgram:
+        """The entry point whose weight arrays every entry point uses."""
+        return self.entry_points["decode"]
+
+    def prefill_buckets(self) -> list[dict[str, int]]:
+        """Every compiled prefill size, {"batch": b, "seq": s}."""
+        return [{"batch": batch, "seq": seq} for batch in self.prefill_batches for seq in self.spec.prefill_buckets]
+
+
+def cpu_runner(program: GenerationProgram, programs: dict | None = None) -> Runner:
+    """Runs each entry point on XLA:CPU with the weights of `program.weights_program`.
+
+    Args:
+      program: the generation program.
+      programs: {entry point: jax.export.Exported} to run instead of the entry points' own (e.g.
+        their TPU-faithful rewrites), or None.
+    """
+    shared = program.weights_program
+    # Kept as they are when they hold the shared arrays already: each LoweredProgram caches its CPU executables.
+    entry_points = {name: lowered if lowered.weights is shared.weights else dataclasses.replace(lowered, weights=shared.weights)
+                    for name, lowered in program.entry_points.items()}
+
+    def run(name: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        return entry_points[name].run(inputs, program=(programs or {}).get(name))
+
+    return run
+
+
+class GenerationSession:
+    """The KV cache and the calls that fill and advance it.
+
+    Attributes:
+      program: the generation program.
+      cache: (keys, values) as numpy arrays in the cache layout (GenerationSpec.cache_shape).
+    """
+
+    def __init__(self, program: GenerationProgram, runner: Runner | None = None):
+        self.program = program
+        self.run = runner or cpu_runner(program)
+        spec = program.spec
+        dtype = program.entry_points["decode"].signature.inputs[2].dtype
+        self.cache = (np.zeros(spec.cache_shape, dtype), np.zeros(spec.cache_shape, dtype))
+
+    def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int], seq: int | None = None) -> np.ndarray:
+        """Runs prefill for prompts into cache slots, right-padded to a prefill bucket.
+
+        Args:
+          prompts: token ids per row; their count must be a compiled prefill batch.
+          slots: the cache slot of each row (distinct).
+          seq: the prefill bucket to pad to; None for the smallest that holds the longest prompt.
+        Returns:
+          The next-token logits of each row [rows, vocab] (float32).
+        Raises:
+          TpuExportError: no bucket holds the prompts, or a bad slot.
+        """
+        spec = self.program.spec
+        longest = max(len(prompt) for prompt in prompts)
+        if seq is None:
+            fitting = [size for size in spec.prefill_buckets if size >= longest]
+            if not fitting:
+                raise TpuExportError(f"a prompt of {longest} tokens is longer than the longest prefill bucket "
+                                     f"({spec.prefill_buckets[-1]}) and max context {spec.max_context}; shorten it")
+            seq = fitting[0]
+        if len(prompts) not in self.program.prefill_batches:
+            raise TpuExportError(f"prefill of {len(prompts)} prompts: the compiled prefill batches are {list(self.program.prefill_batches)}")
+        if len(set(slots)) != len(slots) or not all(0 <= slot < spec.max_batch for slot in slots):
+            raise TpuExportError(f"slots {list(slots)} must be distinct and within 0..{spec.max_batch - 1} (--max-batch {spec.max_batch})")
+        if min(len(prompt) for prompt in prompts) < 1:
+            raise TpuExportError("an empty prompt: give at least one token per prompt")
+        tokens = np.zeros((len(prompts), seq), np.int64)
+        for row, prompt in enumerate(prompts):
+            tokens[row, :len(prompt)] = prompt
+        lengths = np.array([len(prompt) for prompt in prompts], np.int64)
+        logits, keys, values = self.run("prefill", [tokens, lengths, np.asarray(slots, np.int64), *self.cache])
+        self.cache = (keys, values)
+        return logits
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        """One decode step of every slot.
+
+        Args:
+          tokens: the token of each slot (max_batch of them; idle slots any valid id).
+          positions: the position each slot's token takes (its key is written there).
+        Returns:
+          The next-token logits [max_batch, vocab] (float32).
+        """
+        logits, keys, values = self.run("decode", [np.asarray(tokens, np.int64), np.asarray(positions, np.int64), *self.cache])
+        self.cache = (keys, values)
+        return logits
+
+
+def check_prompts(spec: GenerationSpec, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """Refuses prompts the artifact cannot generate from, in one line.
+
+    Raises:
+      TpuExportError: no prompt, too many prompts for the cache, an empty or too long prompt, a
+        token outside the vocabulary, or max_new_tokens < 1.
+    """
+    if not prompts:
+        raise TpuExportError("no prompt given; pass token ids, e.g. --tokens 1,2,3")
+    if len(prompts) > spec.max_batch:
+        raise TpuExportError(f"{len(prompts)} prompts exceed the artifact's max batch {spec.max_batch}; give at most {spec.max_batch} "
+                             "or convert with a larger --max-batch")
+    if max_new_tokens < 1:
+        raise TpuExportError(f"--max-new-tokens {max_new_tokens}: give at least 1")
+    for prompt in prompts:
+        if not prompt:
+            raise TpuExportError("an empty prompt: give at least one token per prompt")
+        limit = min(spec.max_context, spec.prefill_buckets[-1])
+        if len(prompt) > limit:
+            raise TpuExportError(f"a prompt of {len(prompt)} tokens is longer than the artifact's max context allows "
+                                 f"(at most {limit} prompt tokens, max context {spec.max_context}); shorten it or convert with a "
+                                 "larger --max-context")
+        bad = [token for token in prompt if not 0 <= token < spec.vocab]
+        if bad:
+            raise TpuExportError(f"token id {bad[0]} is outside the vocabulary 0..{spec.vocab - 1}")
+
+
+def stream_greedy(session: GenerationSession, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Iterator[list[int | None]]:
+    """Greedy generation: prefill the prompts at the smallest compiled prefill batch that holds them
+    (padding rows in free slots; one at a time if none does, batch 1 being compiled by default),
+    then decode steps; yields each step's new token per prompt (None once a row has
+    reached max context).
+
+    Raises:
+      TpuExportError: prompts the artifact cannot take (check_prompts).
+    """
+    spec = session.program.spec
+    check_prompts(spec, prompts, max_new_tokens)
+    slots = list(range(len(prompts)))
+    batches = session.program.prefill_batches
+    fitting = [batch for batch in batches if batch >= len(prompts)]
+    if fitting:
+        # The session's other slots are free: padding rows (one token each) go there.
+        padding = fitting[0] - len(prompts)
+        logits = session.prefill([*prompts, *[[0]] * padding], slots + list(range(len(prompts), len(prompts) + padding)))
+        logits = logits[:len(prompts)]
+    else:
+        logits = np.concatenate([session.prefill([prompt], [slot]) for prompt, slot in zip(prompts, slots)])
+    tokens = [int(token) for token in logits.argmax(-1)]
+    positions = [len(prompt) for prompt in prompts]
+    yield list(tokens)
+    for _ in range(max_new_tokens - 1):
+        live = [position < spec.max_context for position in positions]
+        if not any(live):
+            return
+        step_tokens = np.zeros(spec.max_batch, np.int64)
+        step_positions = np.zeros(spec.max_batch, np.int64)
+        # Idle slots decode token 0 at position 0 of their own slot, which nothing reads.
+        for row, (token, position) in enumerate(zip(tokens, positions)):
+            if live[row]:
+                step_tokens[row], step_positions[row] = token, position
+        logits = session.decode(step_tokens, step_positions)
+        new = [int(token) for token in logits[:len(prompts)].argmax(-1)]
+        yield [new[row] if live[row] else None for row in range(len(prompts))]
+        tokens = [new[row] if live[row] else tokens[row] for row in range(len(prompts))]
+        positions = [position + 1 for position in positions]

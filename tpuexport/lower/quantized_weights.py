@@ -1,0 +1,147 @@
+"""Weight-only int8/int4 weights inside the traced program: the matrix products read them as
+integers and convert them where they multiply, so the TPU keeps them s8/s4 in HBM.
+
+A quantized weight reaches the interpreter as a `QuantizedArray` (its integer argument, its scale
+argument, how to combine them). The ops that read it in a weight-only program (quantize/weight_only.py
+chose the weights whose every use is one of them) take it as it is:
+
+  t / permute / transpose   a lazy transpose (the weight is not moved)
+  expand / view             to its own shape with leading dims: the weight broadcast over a batch,
+                            which the product below does without a copy
+  mm / bmm / addmm          x @ (convert(w) * scale): per output chunk (CHUNK_ELEMENTS), so that
+                            XLA's TPU compiler fuses the conversion into each dot (measured on
+                            v5e: an s4 weight of more than about 50M elements gets a bf16 copy
+                            otherwise; s8 fuses at every size measured, up to 117M elements)
+  embedding                 the looked-up rows only, converted after the gather
+
+Any other op gets the dequantized weight (correct, but it materializes: the selection avoids it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import torch
+
+# Largest number of weight elements one dot converts (2**25: 8192 x 4096 fused on v5e; 14336 x 4096 did not).
+CHUNK_ELEMENTS = 2 ** 25
+
+_aten = torch.ops.aten
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+    """A weight-only weight while tracing (a JAX pytree: scans index its leaves together).
+
+    Attributes:
+      values: int8 integers, or int4 packed two per byte in uint8 (last dim halved), in the
+        stored weight's layout (leading dims of a stack).
+      scale: the scales: the stored shape with `axis` divided by the group size.
+      bits: 8 or 4.
+      axis: the stored weight's contraction axis, -1 or -2 (counted from the end: stacks add dims in front).
+      dtype: the float dtype the weight computes in.
+      transposed: whether the op reading it sees the stored weight's last two axes swapped.
+    """
+
+    values: jax.Array
+    scale: jax.Array
+    bits: int = dataclasses.field(metadata=dict(static=True))
+    axis: int = dataclasses.field(metadata=dict(static=True))
+    dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))
+    transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        shape = tuple(self.values.shape)
+        return shape[:-1] + (shape[-1] * 2,) if self.bits == 4 else shape
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = self.stored_shape
+        return shape[:-2] + (shape[-1], shape[-2]) if self.transposed else shape
+
+    def astype(self, dtype) -> "QuantizedArray":
+        """The same weight computing in another float dtype (precision casts of matmul operands)."""
+        return dataclasses.replace(self, dtype=jnp.dtype(dtype))
+
+    def dequantized(self) -> jax.Array:
+        """convert(values) * scale per group, multiplied in the wider of the scale's dtype and
+        `dtype`, rounded once to `dtype`; as the op reading it sees it."""
+        integers = self.values
+        if self.bits == 4 and any(not isinstance(size, int) for size in self.values.shape):
+            # Looked-up rows have symbolic shapes, which XLA's bitcast does not take: unpack by arithmetic.
+            nibbles = jnp.stack([integers & 0x0F, integers >> 4], axis=-1).astype(jnp.int8)
+            integers = jnp.where(nibbles > 7, nibbles - 16, nibbles).reshape(self.stored_shape)
+        elif self.bits == 4:
+            # u8[..., m] -> s4[..., m, 2]: the low nibble is element 0 (quantize/weight_only.py packs so).
+            integers = jax.lax.bitcast_convert_type(integers, jnp.int4).reshape(self.stored_shape)
+        shape = integers.shape
+        position = len(shape) + self.axis
+        groups = self.scale.shape[position]
+        product = jnp.promote_types(self.scale.dtype, self.dtype)
+        grouped = integers.reshape(shape[:position] + (groups, shape[position] // groups) + shape[position + 1:])
+        weight = (grouped.astype(product) * jnp.expand_dims(self.scale.astype(product), position + 1)).reshape(shape).astype(self.dtype)
+        return jnp.swapaxes(weight, -1, -2) if self.transposed else weight
+
+    def rows(self, start: int, stop: int) -> "QuantizedArray":
+        """Rows start:stop of a weight stored (out, in) (axis -1), with their scales."""
+        return dataclasses.replace(self, values=self.values[..., start:stop, :], scale=self.scale[..., start:stop, :])
+
+
+def dequantize_all(value):
+    """`value` with every QuantizedArray in it (lists, tuples) replaced by its dequantized weight."""
+    if isinstance(value, QuantizedArray):
+        return value.dequantized()
+    if isinstance(value, (list, tuple)):
+        return type(value)(dequantize_all(item) for item in value)
+    return value
+
+
+def holds_quantized(args, kwargs) -> bool:
+    return any(isinstance(value, QuantizedArray) for value in (*args, *kwargs.values()))
+
+
+def call_with_quantized(target, args: tuple, kwargs: dict):
+    """Runs an op one of whose arguments is a QuantizedArray.
+
+    Returns:
+      The op's value: a QuantizedArray for a transpose, expand or view of one; the product or
+      the looked-up rows for mm/bmm/addmm and embedding; else the op on the dequantized weight
+      (None is returned for that case so the caller runs the op normally).
+    """
+    weight = args[0] if args and isinstance(args[0], QuantizedArray) else None
+    if weight is not None and target in (_aten.t.default, _aten.permute.default, _aten.transpose.int):
+        return dataclasses.replace(weight, transposed=not weight.transposed)
+    if weight is not None and target in (_aten.expand.default, _aten.view.default):
+        size = tuple(args[1])
+        if tuple(size[-2:]) == weight.shape[-2:]:
+            return weight  # broadcast over leading dims: the product below broadcasts it
+    if target in (_aten.mm.default, _aten.bmm.default) and isinstance(args[1], QuantizedArray) and not kwargs:
+        return quantized_matmul(args[0], args[1])
+    if target is _aten.addmm.default and isinstance(args[2], QuantizedArray) and kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1:
+        product = quantized_matmul(args[1], args[2])
+        return product + args[0].astype(product.dtype)
+    if target is _aten.embedding.default and weight is not None and not weight.transposed:
+        return _embedding(weight, args[1])
+    return None
+
+
+def quantized_matmul(x: jax.Array, weight: QuantizedArray) -> jax.Array:
+    """x @ weight, weight the (k, n) right-hand side (its leading dims, if any, broadcast over
+    x's), in weight.dtype, the weight converted inside each dot over chunks of output features."""
+    k, n = weight.shape[-2:]
+    if weight.transposed and k * n > CHUNK_ELEMENTS:
+        # Output features are the stored weight's rows: chunk them (a divisor of n, so each dot is alike).
+        rows = max((size for size in range(1, n + 1) if n % size == 0 and size * k <= CHUNK_ELEMENTS), default=n)
+        return jnp.concatenate([jnp.matmul(x, weight.rows(start, start + rows).dequantized()) for start in range(0, n, rows)],
+                               axis=-1)
+    return jnp.matmul(x, weight.dequantized())
+
+
+def _embedding(weight: QuantizedArray, indices: jax.Array) -> jax.Array:
+    """The rows of a quantized table at `indices`, gathered as integers and converted after."""
+    rows = dataclasses.replace(weight, values=jnp.take(weight.values, indices, axis=0), scale=jnp.take(weight.scale, indices, axis=0))
+    return rows.dequantized()

@@ -1,0 +1,406 @@
+"""`Runner`: an artifact's executables loaded on this host's devices, without compiling.
+
+    runner = tpuexport.runner("mlp.tpu")              # picks the target matching the local devices
+    runner.run({"x": rows})                          # {"output_0": ...}, padded to a bucket and back
+
+Opening a runner:
+  1. picks the target whose executables match the local devices (the TPU kind and device count,
+     or `cpu` on a host without accelerators), or the one asked for;
+  2. compares the target's compile key (compile/compile_key.py) with the host: any difference is
+     refused in one line naming it, unless `allow_recompile`, which compiles the artifact's
+     StableHLO for the local devices instead (and says why in `compiled_here`);
+  3. checks each executable's sha256 against the manifest and the globals its pickle names
+     (executables.py), and deserializes it (jax.experimental.serialize_executable): nothing is
+     compiled;
+  4. places the weights on the devices once, from the memory-mapped weights file, laid out as the
+     executables expect (one device, or a slice's sharding).
+
+A request runs on the smallest bucket that holds it: the batch dim is padded with zero rows up to
+the bucket (only when the artifact's padded-bucket verification passed, see verify/padding.py)
+and the outputs are sliced back; other dims must equal a bucket's. The inputs are fresh device
+buffers donated to the executable (compiled with donated inputs, compile_child.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import time
+import warnings
+from typing import Iterator, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from tpuexport.artifact import Artifact, load, map_weights
+from tpuexport.artifact.manifest import sha256_file
+from tpuexport.compile.aot import compiler_options
+from tpuexport.compile.compile_key import compile_key, key_difference
+from tpuexport.compile.slices import resolve_targets
+from tpuexport.errors import TpuExportError
+from tpuexport.lower.generation import GenerationSession, stream_greedy
+from tpuexport.runtime.executables import load_executable
+from tpuexport.runtime.entry_points import DEFAULT_ENTRY_POINT, BucketEntry, EntryPoint, choose_bucket, entry_points
+from tpuexport.verify.padding import pad_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedRequest:
+    """A request checked against an entry point: arrays in the program's dtypes and its bucket.
+
+    Attributes:
+      entry: the entry point.
+      arrays: one array per input, in signature order, in the artifact's dtypes.
+      sizes: the request's dim sizes.
+      bucket: the smallest bucket that holds it.
+    """
+
+    entry: EntryPoint
+    arrays: tuple[np.ndarray, ...]
+    sizes: dict[str, int]
+    bucket: BucketEntry
+
+    @property
+    def rows(self) -> int:
+        """Rows along the batch dim (1 when the entry point does not batch)."""
+        return self.sizes[self.entry.batch_dim] if self.entry.batch_dim else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """One run of an executable.
+
+    Attributes:
+      outputs: {output name: array}, the padding rows removed (numpy arrays; the entry point's
+        state outputs are device arrays).
+      bucket: the bucket that ran.
+      rows: the real rows.
+      padded_to: the bucket's rows (equal to `rows` when nothing was padded).
+    """
+
+    outputs: dict[str, np.ndarray]
+    bucket: BucketEntry
+    rows: int
+    padded_to: int
+
+
+class Runner:
+    """Executables of one target loaded on the local devices, with the weights placed once.
+
+    Attributes:
+      artifact: the opened artifact.
+      target: the target whose executables (or buckets, when compiled here) run.
+      entry_points: {name: EntryPoint}.
+      compiled_here: why the StableHLO was compiled on this host instead of loading the
+        executables (allow_recompile with a differing compile key), or None when they were loaded.
+      load_seconds: wall time to load (or compile) the executables and place the weights.
+    """
+
+    def __init__(self, artifact: Artifact, target: str, entry: dict[str, EntryPoint], executables: dict, weights: list,
+                 compiled_here: str | None, load_seconds: float):
+        self.artifact = artifact
+        self.target = target
+        self.entry_points = entry
+        self._executables = executables
+        self._weights = weights
+        self.compiled_here = compiled_here
+        self.load_seconds = load_seconds
+
+    def __repr__(self) -> str:
+        how = f"compiled here: {self.compiled_here}" if self.compiled_here else "loaded without compiling"
+        return f"Runner({str(self.artifact.path)!r}, target={self.target!r}, {how})"
+
+    def describe(self) -> str:
+        """One line: target, buckets, padding, and how the executables got here."""
+        parts = []
+        for entry in self.entry_points.values():
+            buckets = ", ".join(bucket.name for bucket in entry.buckets)
+            padding = f"{entry.batch_dim} padded to the next bucket" if entry.batch_dim else f"exact sizes only ({entry.padding_note})"
+            parts.append(f"{entry.name}: buckets {buckets}, {padding}")
+        how = f"compiled the StableHLO here ({self.compiled_here})" if self.compiled_here else "loaded without compiling"
+        return f"target {self.target}, {how} in {self.load_seconds:.2f} s; {'; '.join(parts)}"
+
+    def entry_point(self, name: str | None = None) -> EntryPoint:
+        """The entry point called `name` (the default one for None or "").
+
+        Raises:
+          TpuExportError: no such entry point.
+        """
+        name = name or DEFAULT_ENTRY_POINT
+        if name not in self.entry_points:
+            raise TpuExportError(f"unknown signature {name!r}; this model has {', '.join(self.entry_points)}")
+        return self.entry_points[name]
+
+    def prepare(self, inputs: Mapping[str, object] | Sequence[object], entry_point: str | None = None) -> PreparedRequest:
+        """Checks a request's inputs and finds its bucket, without running anything.
+
+        Args:
+          inputs: {input name: array-like} or array-likes in signature order.
+          entry_point: the entry point's name, None for the default.
+        Returns:
+          The PreparedRequest.
+        Raises:
+          TpuExportError: unknown or missing input names, a dtype that does not cast to the
+            program's (same kind: float to float, int to int or float), integers out of range,
+            wrong ranks or sizes, or sizes outside every bucket; one line naming the problem.
+        """
+        entry = self.entry_point(entry_point)
+        specs = entry.signature.inputs
+        if isinstance(inputs, Mapping):
+            unknown = sorted(set(inputs) - {spec.name for spec in specs})
+            missing = [spec.name for spec in specs if spec.name not in inputs]
+            if unknown or missing:
+                expected = ", ".join(spec.name for spec in specs)
+                problem = f"unknown input(s) {', '.join(map(repr, unknown))}" if unknown else f"missing input(s) {', '.join(map(repr, missing))}"
+                raise TpuExportError(f"{problem}; the inputs are: {expected}")
+            values = [inputs[spec.name] for spec in specs]
+        else:
+            values = list(inputs)
+            if len(values) != len(specs):
+                raise TpuExportError(f"the model takes {len(specs)} input(s) ({', '.join(s.name for s in specs)}), got {len(values)}")
+        arrays = tuple(_as_input_array(value, spec) for value, spec in zip(values, specs))
+        try:
+            sizes = entry.signature.sizes_of([array.shape for array in arrays])
+        except ValueError as error:
+            raise TpuExportError(f"input shapes do not fit the model: {error}") from None
+        return PreparedRequest(entry, arrays, sizes, choose_bucket(entry, sizes))
+
+    def execute(self, request: PreparedRequest) -> Execution:
+        """Runs a prepared request: pads the batch dim to its bucket, runs, slices the outputs back.
+
+        Args:
+          request: from `prepare`.
+        Returns:
+          The Execution.
+        """
+        entry, bucket = request.entry, request.bucket
+        padded_to = bucket.sizes[entry.batch_dim] if entry.batch_dim else 1
+        arrays = [pad_rows(array, padded_to) for array in request.arrays] if entry.batch_dim else list(request.arrays)
+        executable, input_shardings = self._executables[(entry.name, bucket.name)]
+        # Fresh buffers, donated to the executable (it may reuse them for outputs).
+        inputs = [jax.device_put(array, sharding) for array, sharding in zip(arrays, input_shardings)]
+        results = executable(self._weights, inputs)
+        outputs = {}
+        for spec, result in zip(entry.signature.outputs, results):
+            if spec.name in entry.state:  # the next call's input: stays on the device
+                outputs[spec.name] = result
+                continue
+            array = np.asarray(result)
+            outputs[spec.name] = array[:request.rows] if entry.batch_dim else array
+        return Execution(outputs, bucket, request.rows, padded_to)
+
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Iterator[list[int | None]]:
+        """Greedy generation through a text-generation artifact's prefill and decode executables, the
+        KV cache kept on the device between steps: yields each step's new token per prompt (None
+        for a row that reached max context), as `Artifact.stream` does on CPU.
+
+        Raises:
+          TpuExportError: not a text-generation artifact, or prompts it cannot take.
+        """
+        if set(self.entry_points) != {"prefill", "decode"}:
+            raise TpuExportError(f"{self.artifact.path} has no prefill and decode entry points; generation needs a text-generation "
+                                 "artifact (convert with --task text-generation)")
+
+        def call(name: str, inputs: list) -> list:
+            return list(self.run(inputs, name).values())
+
+        session = GenerationSession(self.artifact.generation_program, runner=call)
+        return stream_greedy(session, [list(map(int, prompt)) for prompt in prompts], max_new_tokens)
+
+    def run(self, inputs: Mapping[str, object] | Sequence[object], entry_point: str | None = None) -> dict[str, np.ndarray]:
+        """Checks, pads, runs and slices one request (see `prepare` and `execute`).
+
+        Returns:
+          {output name: array} in the artifact's dtypes.
+        Raises:
+          TpuExportError: a request that does not fit (see `prepare`).
+        """
+        return self.execute(self.prepare(inputs, entry_point)).outputs
+
+
+def open_runner(path, target: str | None = None, allow_recompile: bool = False) -> Runner:
+    """Opens an artifact's executables on this host (see the module docstring).
+
+    Args:
+      path: the artifact directory (or an opened Artifact).
+      target: the target to run ("cpu", "v5e", ...); None picks the one matching the local devices.
+      allow_recompile: when the compile key differs from the host (or no target matches it),
+        compile the StableHLO for the local devices instead of refusing.
+    Returns:
+      The Runner.
+    Raises:
+      TpuExportError: a plan (no weights), an unknown target, no target matching the host, a
+        compile key that differs from the host's (naming what differs), or a damaged executable.
+    """
+    artifact = path if isinstance(path, Artifact) else load(path)
+    if artifact.plan_only:
+        raise TpuExportError(f"{artifact.path} is a plan without weights: it cannot run; convert the model with its weights")
+    start = time.perf_counter()
+    devices = jax.devices()
+    chosen, difference = _choose_target(artifact.manifest, target, devices)
+    entries = entry_points(artifact.manifest, chosen)
+    if difference and not allow_recompile:
+        raise TpuExportError(f"{artifact.path} target {chosen} was compiled for another host: {difference}; convert with --target "
+                             f"for this host, or pass --allow-recompile (allow_recompile=True) to compile its StableHLO here")
+    if difference:
+        executables = _compile_here(artifact, chosen, entries, devices)
+    else:
+        executables = _load_executables(artifact, entries, devices[0].platform)
+    # Every bucket takes the weights with the same layout: place them once, as the first expects.
+    weight_shardings = next(iter(executables.values()))[2]
+    arrays = map_weights(artifact.path / artifact.manifest["program"]["weights"])
+    weights = [jax.device_put(arrays[name], sharding) for name, sharding in zip(artifact.manifest["program"]["weight_names"], weight_shardings)]
+    loaded = {key: (executable, input_shardings) for key, (executable, input_shardings, _) in executables.items()}
+    return Runner(artifact, chosen, entries, loaded, weights, difference or None, time.perf_counter() - start)
+
+
+def host_key(recorded: dict, devices: list) -> dict:
+    """The compile key executables compiled on this host for `recorded`'s target would have.
+
+    Args:
+      recorded: the target's compile key in the manifest.
+      devices: the local devices.
+    Returns:
+      The key; compiler options are the recorded ones (they shaped the executables, the host
+      has none of its own), device count the recorded one when the host has that many.
+    """
+    platform = devices[0].platform
+    count = recorded.get("devices", 1) if len(devices) >= recorded.get("devices", 1) else len(devices)
+    convention = recorded.get("calling_convention_version")
+    supported = jax.export.minimum_supported_calling_convention_version <= (convention or 0) <= jax.export.maximum_supported_calling_convention_version
+    return compile_key(platform if platform in ("tpu", "cpu") else "cpu", devices[0].device_kind, count, recorded.get("topology"),
+                       recorded.get("compiler_options", {}),
+                       convention if supported else f"{jax.export.maximum_supported_calling_convention_version} at most")
+
+
+def _choose_target(manifest: dict, requested: str | None, devices: list) -> tuple[str, str]:
+    """(the target to run, what in its compile key differs from this host: "" when nothing).
+
+    Raises:
+      TpuExportError: an unknown requested target, or none at all in the artifact.
+    """
+    targets = manifest["targets"]
+    if not targets:
+        raise TpuExportError("the artifact has no executables; convert it with a --target")
+    if requested is not None:
+        name = resolve_targets([requested])[0].name
+        if name not in targets:
+            raise TpuExportError(f"the artifact has no target {requested!r}; it has {', '.join(targets)}")
+        recorded = targets[name].get("compile_key")
+        if recorded is None:
+            return name, "the artifact records no compile key (converted before tpuexport recorded one)"
+        return name, key_difference(recorded, host_key(recorded, devices))
+    differences = {}
+    for name, entry in targets.items():
+        recorded = entry.get("compile_key")
+        if recorded is None:
+            differences[name] = "no compile key recorded"
+            continue
+        difference = key_difference(recorded, host_key(recorded, devices))
+        if not difference:
+            return name, ""
+        differences[name] = difference
+    # None loads here: the target of this host's kind, if any, says best what differs.
+    platform, kind = devices[0].platform, devices[0].device_kind
+    same_kind = [name for name, entry in targets.items()
+                 if entry.get("compile_key", {}).get("platform") == platform and entry["compile_key"].get("device_kind") == kind]
+    name = (same_kind or list(targets))[0]
+    if not same_kind:
+        return name, (f"no target matches this host's {len(devices)} {kind} device(s) (the artifact has {', '.join(targets)}); "
+                      f"{name}: {differences[name]}")
+    return name, differences[name]
+
+
+def _trees(entry: EntryPoint, weight_count: int):
+    """The pytrees of `exported.call(weights, inputs)`: its arguments and its list of outputs."""
+    arguments = jax.tree_util.tree_structure(((list(range(weight_count)), list(range(len(entry.signature.inputs)))), {}))
+    return arguments, jax.tree_util.tree_structure(list(range(len(entry.signature.outputs))))
+
+
+def _load_executables(artifact: Artifact, entries: dict[str, EntryPoint], platform: str) -> dict:
+    """{(entry point, bucket): (executable, input shardings, weight shardings)}, deserialized.
+
+    Raises:
+      TpuExportError: an executable whose bytes differ from the manifest's sha256.
+    """
+    weight_count = len(artifact.manifest["program"]["weight_names"])
+    loaded = {}
+    for entry in entries.values():
+        in_tree, out_tree = _trees(entry, weight_count)
+        for bucket in entry.buckets:
+            path = _inside(artifact.path, bucket.executable)
+            recorded = artifact.manifest["files"].get(bucket.executable)
+            # Damaged bytes must not reach the deserializer (XLA's parsers may abort the process).
+            if not path.is_file() or recorded != sha256_file(path):
+                raise TpuExportError(f"{bucket.executable} is missing or differs from its sha256 in the manifest; the artifact is "
+                                     "damaged, convert again")
+            executable = load_executable(path.read_bytes(), in_tree, out_tree, platform, bucket.executable)
+            (weight_shardings, input_shardings), _ = executable.input_shardings
+            loaded[(entry.name, bucket.name)] = (executable, list(input_shardings), list(weight_shardings))
+    return loaded
+
+
+def _compile_here(artifact: Artifact, target: str, entries: dict[str, EntryPoint], devices: list) -> dict:
+    """Compiles the artifact's StableHLO for every bucket on the first local device (allow_recompile).
+
+    Returns:
+      As `_load_executables`.
+    """
+    if "entry_points" in artifact.manifest:
+        generation = artifact.generation_program
+        shared, programs = generation.weights_program, {name: lowered.exported for name, lowered in generation.entry_points.items()}
+    else:
+        shared = artifact.program
+        programs = {name: shared.exported for name in entries}
+    device = jax.sharding.SingleDeviceSharding(devices[0])
+    weights = [jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=device) for spec in shared.weight_specs]
+    options = compiler_options(resolve_targets(["cpu"])[0]) if devices[0].platform == "cpu" else {}
+    compiled = {}
+    for entry in entries.values():
+        for bucket in entry.buckets:
+            inputs = [jax.ShapeDtypeStruct(spec.concrete_shape(bucket.sizes), spec.dtype, sharding=device) for spec in entry.signature.inputs]
+            with warnings.catch_warnings():
+                # Donation helps only where an output can take an input's buffer; jax warns otherwise.
+                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+                executable = (jax.jit(programs[entry.name].call, donate_argnums=1).trace(weights, inputs).lower()
+                              .compile(compiler_options=options or None))
+            compiled[(entry.name, bucket.name)] = (executable, [device] * len(inputs), [device] * len(weights))
+    return compiled
+
+
+def _inside(root: pathlib.Path, relative: str) -> pathlib.Path:
+    """`root / relative`, refusing paths that leave the artifact directory.
+
+    Raises:
+      TpuExportError: an absolute path or one climbing out of `root`.
+    """
+    path = (root / relative).resolve()
+    if not path.is_relative_to(root.resolve()):
+        raise TpuExportError(f"the manifest names {relative!r}, outside the artifact directory; the artifact is damaged, convert again")
+    return path
+
+
+def _as_input_array(value, spec) -> np.ndarray:
+    """`value` as an array of the input's dtype (a device array of that dtype as it is).
+
+    Raises:
+      TpuExportError: a value that is not numeric (or bool for a bool input), a dtype of another
+        kind (a float for an integer input), or integers outside the program's integer type.
+    """
+    target = np.dtype(spec.dtype) if spec.dtype != "bfloat16" else np.dtype(jax.numpy.bfloat16)
+    if isinstance(value, jax.Array) and value.dtype == target:
+        return value  # already on a device (state from the previous call): not copied to the host
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError) as error:
+        raise TpuExportError(f"input {spec.name!r} is not a rectangular array ({' '.join(str(error).split())[:120]})") from None
+    if array.dtype == target:
+        return array
+    if array.dtype.kind not in "biuf" or not np.can_cast(array.dtype, target, casting="same_kind") \
+            or (target.kind == "b" and array.dtype.kind != "b"):
+        raise TpuExportError(f"input {spec.name!r} has dtype {array.dtype}, the model takes {spec.dtype}; send {spec.dtype} values")
+    if target.kind in "iu" and array.size:
+        limits = np.iinfo(target)
+        if array.min() < limits.min or array.max() > limits.max:
+            raise TpuExportError(f"input {spec.name!r} holds values {array.min()}..{array.max()}, outside {spec.dtype}")
+    return array.astype(target)

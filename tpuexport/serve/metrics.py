@@ -1,0 +1,45 @@
+"""The server's Prometheus metrics, in a registry of its own (several servers may share a process in tests)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+# Request latencies from a fraction of a millisecond (a small model on CPU) to tens of seconds.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# The model label of requests for a model or version that is not served: labels name served models
+# only, since request-chosen names would grow the metrics without bound.
+UNKNOWN_MODEL = "(not served)"
+
+
+class Metrics:
+    """Counters and histograms of one server.
+
+    Attributes:
+      registry: the CollectorRegistry they live in.
+      requests: requests by model, version, api ("rest"/"grpc") and outcome ("ok", "bad_request",
+        "not_found", "error", "unavailable").
+      latency: seconds from a request's arrival to its answer, by model, version and api.
+      batch_rows: rows in each executed batch (after dynamic batching, before padding).
+      bucket_hits: executions per bucket.
+      padded_rows: rows of padding run (waste), by model and version.
+      rows: real rows run.
+    """
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("tpuexport_requests", "Requests by outcome.", ["model", "version", "api", "outcome"],
+                                registry=self.registry)
+        self.latency = Histogram("tpuexport_request_latency_seconds", "Request latency.", ["model", "version", "api"],
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.batch_rows = Histogram("tpuexport_batch_rows", "Rows per executed batch (dynamic batching).", ["model", "version"],
+                                    buckets=BATCH_BUCKETS, registry=self.registry)
+        self.bucket_hits = Counter("tpuexport_bucket_hits", "Executions per compiled bucket.", ["model", "version", "bucket"],
+                                   registry=self.registry)
+        self.padded_rows = Counter("tpuexport_padded_rows", "Rows of padding executed (waste).", ["model", "version"],
+                                   registry=self.registry)
+        self.rows = Counter("tpuexport_rows", "Real rows executed.", ["model", "version"], registry=self.registry)
+
+    def exposition(self) -> bytes:
+        """The metrics in Prometheus' text format."""
+        return generate_latest(self.registry)

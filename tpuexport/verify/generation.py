@@ -1,0 +1,340 @@
+"""Verification that generation works: the artifact's prefill and decode, driven as a serving
+engine drives them, against Hugging Face `model.generate(do_sample=False)`.
+
+One case per compiled prefill bucket (batch b, prompt length seq): b prompts of different lengths
+(the shortest a quarter of the longest, the longest filling the bucket where the context leaves
+room for the new tokens), right-padded to seq, prefilled into cache slots in reverse order (a
+slot is not its row), then N decode steps at max_batch, every row at its own position, the other
+slots idle. The eager reference generates each prompt alone, unpadded, greedily, and returns its
+raw logits of every step.
+
+Both CPU runs (TPU-faithful and plain f32, tolerances.py) are teacher-forced: each decode step is
+fed the eager model's token, so that one near-tie flip does not change every later step. Per run:
+
+  logits   every step's logits of every row within the run's float tolerances (compare.py);
+  tokens   at every step, the artifact's argmax is the eager token. Under teacher forcing that is
+           exactly "free-running greedy generation by the artifact equals generate token for
+           token": the first step where they differ is the first step where the argmaxes differ.
+           A differing argmax is a TIE, reported and not a failure, when the eager logits of the
+           two tokens are within the logits tolerance of each other (atol + rtol * |eager logit| +
+           scale_tol * rms(eager logits of that step)): rounding decides such a pair, and the
+           logits check bounds the numbers either way. Any other difference fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from tpuexport.lower.generation import GenerationProgram, GenerationSession, cpu_runner
+from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
+from tpuexport.verify.compare import OutputComparison, Tolerances, compare_output
+from tpuexport.verify.report import RUNS
+from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
+from tpuexport.verify.tpu_numerics import tpu_faithful
+
+DEFAULT_NEW_TOKENS = 8
+MAX_GOLDEN_BYTES = 4 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenDifference:
+    """A step where the artifact's argmax is not the eager token.
+
+    Attributes:
+      row, step: where (step 0 is prefill's token).
+      eager, artifact: the two token ids.
+      gap: eager logit of the eager token minus eager logit of the artifact's token.
+      margin: the logits tolerance at that step; gap <= margin is a tie.
+    """
+
+    row: int
+    step: int
+    eager: int
+    artifact: int
+    gap: float
+    margin: float
+
+    @property
+    def tie(self) -> bool:
+        return self.gap <= self.margin
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRun:
+    """One run (tpu or cpu) of one case.
+
+    Attributes:
+      logits: every row's logits over every step, compared as one output.
+      tokens_compared: rows x steps.
+      differences: steps where the argmax differs (ties and divergences).
+    """
+
+    logits: OutputComparison
+    tokens_compared: int
+    differences: tuple[TokenDifference, ...]
+
+    @property
+    def divergence(self) -> TokenDifference | None:
+        return next((difference for difference in self.differences if not difference.tie), None)
+
+    @property
+    def passed(self) -> bool:
+        return self.logits.passed and self.divergence is None
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationCase:
+    """One prefill bucket's generation.
+
+    Attributes:
+      sizes: the prefill bucket {"batch", "seq"}.
+      lengths: prompt length per row; slots: cache slot per row.
+      new_tokens: tokens generated per row.
+      runs: {"tpu": GenerationRun, "cpu": GenerationRun}.
+      error: why the case could not run (the artifact or eager model raised), else None.
+      golden: whether its prompts, eager tokens and logits are stored.
+    """
+
+    sizes: dict[str, int]
+    lengths: tuple[int, ...]
+    slots: tuple[int, ...]
+    new_tokens: int
+    runs: dict[str, GenerationRun]
+    error: str | None = None
+    golden: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"prefill batch{self.sizes['batch']}_seq{self.sizes['seq']} + {self.new_tokens} tokens"
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and all(run.passed for run in self.runs.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationReport:
+    """The generation verification's result (the text-generation counterpart of VerificationReport)."""
+
+    precision: str
+    matmul_precision: str
+    tolerances: VerificationTolerances
+    cases: tuple[GenerationCase, ...]
+    golden: dict[str, np.ndarray]
+    against: str = "Hugging Face generate(do_sample=False), eager PyTorch"
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.cases) and all(case.passed for case in self.cases)
+
+    def tokens_compared(self) -> int:
+        return sum(case.runs["cpu"].tokens_compared for case in self.cases if "cpu" in case.runs)
+
+    def ties(self) -> int:
+        return sum(1 for case in self.cases for run in case.runs.values() for difference in run.differences if difference.tie)
+
+    def worst_errors(self) -> dict[str, float]:
+        return {run: max((case.runs[run].logits.relative_rms_error for case in self.cases if run in case.runs), default=0.0)
+                for run in RUNS}
+
+    def failure_summary(self) -> str:
+        clauses = []
+        for case in self.cases:
+            if case.error:
+                clauses.append(f"{case.label}: {case.error}")
+            for name, run in case.runs.items():
+                divergence = run.divergence
+                if divergence is not None:
+                    clauses.append(f"{case.label} ({name} run): row {divergence.row} (prompt of {case.lengths[divergence.row]} tokens) "
+                                   f"generates token {divergence.artifact} at step {divergence.step} where generate() gives "
+                                   f"{divergence.eager} (eager logit gap {divergence.gap:.3g} > tie margin {divergence.margin:.3g})")
+                if not run.logits.passed:
+                    clauses.append(f"{case.label} ({name} run): logits {run.logits.describe_failure()} "
+                                   f"[{getattr(self.tolerances, name).describe()}]")
+        return "; ".join(clauses) or "generation matches"
+
+    def to_json(self) -> dict:
+        return {
+            "passed": self.passed,
+            "against": self.against,
+            "precision": self.precision,
+            "matmul_precision": self.matmul_precision,
+            "tolerances": self.tolerances.to_json(),
+            "rule": __doc__.split("Both CPU runs", 1)[1].strip().replace("\n", " "),
+            "tokens_compared": self.tokens_compared(),
+            "ties": self.ties(),
+            "cases": [
+                {
+                    "label": case.label, "sizes": case.sizes, "lengths": list(case.lengths), "slots": list(case.slots),
+                    "new_tokens": case.new_tokens, "passed": case.passed, "error": case.error, "golden": case.golden,
+                    "runs": {name: {"passed": run.passed, "tokens_compared": run.tokens_compared,
+                                    "logits": {**dataclasses.asdict(run.logits), "passed": run.logits.passed},
+                                    "differences": [{**dataclasses.asdict(d), "tie": d.tie} for d in run.differences]}
+                             for name, run in case.runs.items()},
+                }
+                for case in self.cases
+            ],
+        }
+
+
+def plan_prompts(program: GenerationProgram, sizes: dict[str, int], new_tokens: int, seed: int) -> tuple[list[list[int]], list[int], int]:
+    """A case's prompts, slots and new-token count (see the module docstring).
+
+    Returns:
+      (prompts, slots, new tokens per row).
+    """
+    spec = program.spec
+    batch, seq = sizes["batch"], sizes["seq"]
+    new_tokens = max(1, min(new_tokens, spec.max_context - 1))
+    longest = max(1, min(seq, spec.max_context - new_tokens))
+    new_tokens = min(new_tokens, spec.max_context - longest) or 1
+    shortest = max(1, longest // 4)
+    lengths = [int(round(length)) for length in np.linspace(longest, shortest, batch)]
+    generator = np.random.default_rng(seed)
+    prompts = [[int(token) for token in generator.integers(0, spec.vocab, length)] for length in lengths]
+    slots = [spec.max_batch - 1 - row for row in range(batch)]
+    return prompts, slots, new_tokens
+
+
+def eager_generate(model: torch.nn.Module, prompt: Sequence[int], new_tokens: int) -> tuple[list[int], np.ndarray]:
+    """generate(do_sample=False) of one unpadded prompt: (its new tokens, raw logits [steps, vocab])."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=0, do_sample=False, num_beams=1, eos_token_id=None,
+                              pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        output = model.generate(torch.tensor([list(prompt)]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
+                                generation_config=config)
+    tokens = [int(token) for token in output.sequences[0, len(prompt):]]
+    logits = np.stack([step[0].float().numpy() for step in output.logits])
+    return tokens, logits
+
+
+def teacher_forced_logits(session: GenerationSession, prompts, slots, seq: int, eager_tokens: list[list[int]]) -> np.ndarray:
+    """The artifact's logits of every step, each decode step fed the eager token: [rows, steps, vocab]."""
+    spec = session.program.spec
+    steps = len(eager_tokens[0])
+    first = session.prefill(prompts, slots, seq=seq)
+    logits = [[row_logits] for row_logits in first]
+    for step in range(1, steps):
+        tokens = np.zeros(spec.max_batch, np.int64)
+        positions = np.zeros(spec.max_batch, np.int64)
+        for row, slot in enumerate(slots):
+            tokens[slot], positions[slot] = eager_tokens[row][step - 1], len(prompts[row]) + step - 1
+        step_logits = session.decode(tokens, positions)
+        for row, slot in enumerate(slots):
+            logits[row].append(step_logits[slot])
+    return np.stack([np.stack(row) for row in logits]).astype(np.float32)
+
+
+def compare_run(actual: np.ndarray, expected: np.ndarray, eager_tokens: list[list[int]], tolerances: Tolerances) -> GenerationRun:
+    """Compares one run's teacher-forced logits [rows, steps, vocab] with eager's (module docstring rule)."""
+    differences = []
+    for row in range(actual.shape[0]):
+        for step in range(actual.shape[1]):
+            chosen, eager = int(actual[row, step].argmax()), eager_tokens[row][step]
+            if chosen != eager:
+                logits = expected[row, step].astype(np.float64)
+                margin = tolerances.atol + tolerances.rtol * abs(logits[eager]) + tolerances.scale_tol * float(np.sqrt(np.mean(logits ** 2)))
+                differences.append(TokenDifference(row, step, eager, chosen, float(logits[eager] - logits[chosen]), float(margin)))
+    return GenerationRun(compare_output("logits", actual, expected, tolerances), int(actual.shape[0] * actual.shape[1]),
+                         tuple(differences))
+
+
+def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolerances: VerificationTolerances | None = None,
+                      new_tokens: int = DEFAULT_NEW_TOKENS) -> GenerationReport:
+    """Generates with the artifact's entry points on CPU and compares with Hugging Face generate.
+
+    Args:
+      program: the lowered generation program (with weights).
+      model: the Hugging Face causal LM it was captured from.
+      tolerances: None for the defaults of the program's precision settings.
+      new_tokens: tokens generated per prompt (fewer where the context has no room).
+    Returns:
+      The GenerationReport, passed or not, with golden data (prompts, eager tokens and logits).
+    """
+    decode = program.entry_points["decode"]
+    tolerances = tolerances or default_tolerances(decode.resolved_precision, decode.matmul_precision, quantized=False)
+    precision = MATMUL_PRECISIONS[decode.matmul_precision]
+    faithful = {name: tpu_faithful(lowered.exported, precision) for name, lowered in program.entry_points.items()}
+    runners = {"tpu": cpu_runner(program, faithful), "cpu": cpu_runner(program)}
+    cases, golden, golden_bytes = [], {}, 0
+    for index, sizes in enumerate(program.prefill_buckets()):
+        prompts, slots, steps = plan_prompts(program, sizes, new_tokens, seed=index)
+        lengths = tuple(len(prompt) for prompt in prompts)
+        try:
+            eager = [eager_generate(model, prompt, steps) for prompt in prompts]
+        except Exception as error:  # the user's model may raise anything
+            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, {}, f"eager generate() raised {type(error).__name__}: {error}"))
+            continue
+        eager_tokens = [tokens for tokens, _ in eager]
+        expected = np.stack([logits for _, logits in eager])
+        runs = {}
+        try:
+            for name, runner in runners.items():
+                actual = teacher_forced_logits(GenerationSession(program, runner), prompts, slots, sizes["seq"], eager_tokens)
+                runs[name] = compare_run(actual, expected, eager_tokens, getattr(tolerances, name))
+        except Exception as error:  # XLA runtime errors, shape assertions
+            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, f"the artifact raised {type(error).__name__}: "
+                                        f"{' '.join(str(error).split())[:300]}"))
+            continue
+        arrays = {f"{index}/prompts": _padded(prompts, sizes["seq"]), f"{index}/lengths": np.array(lengths, np.int32),
+                  f"{index}/slots": np.array(slots, np.int32), f"{index}/eager_tokens": np.array(eager_tokens, np.int32),
+                  f"{index}/eager_logits": expected}
+        size = sum(array.nbytes for array in arrays.values())
+        stored = index == 0 or golden_bytes + size <= MAX_GOLDEN_BYTES
+        if stored:
+            golden.update(arrays)
+            golden_bytes += size
+        cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, golden=stored))
+    return GenerationReport(decode.resolved_precision, decode.matmul_precision, tolerances, tuple(cases), golden)
+
+
+def _padded(prompts: list[list[int]], seq: int) -> np.ndarray:
+    tokens = np.zeros((len(prompts), seq), np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = prompt
+    return tokens
+
+
+def replay_golden(program: GenerationProgram, golden: dict[str, np.ndarray], cases: list[dict],
+                  tolerances: VerificationTolerances) -> GenerationReport:
+    """Re-runs the stored golden cases of a text-generation artifact (the CI gate's check): the
+    stored prompts, teacher-forced with the stored eager tokens, compared with the stored eager
+    logits by the rule above, in both CPU runs.
+
+    Args:
+      program: the artifact's generation program (with weights).
+      golden: the golden arrays ("<case>/prompts", "lengths", "slots", "eager_tokens", "eager_logits").
+      cases: the manifest's verification cases (sizes, golden flag), in order.
+      tolerances: the artifact's verification tolerances.
+    Returns:
+      A GenerationReport of the stored cases (a run that raises becomes its case's error).
+    """
+    decode = program.entry_points["decode"]
+    faithful = {name: tpu_faithful(lowered.exported, MATMUL_PRECISIONS[decode.matmul_precision])
+                for name, lowered in program.entry_points.items()}
+    runners = {"tpu": cpu_runner(program, faithful), "cpu": cpu_runner(program)}
+    replayed = []
+    for index, case in enumerate(cases):
+        if not case["golden"]:
+            continue
+        lengths = [int(length) for length in golden[f"{index}/lengths"]]
+        prompts = [list(map(int, row[:length])) for row, length in zip(golden[f"{index}/prompts"], lengths)]
+        slots = [int(slot) for slot in golden[f"{index}/slots"]]
+        eager_tokens = [list(map(int, row)) for row in golden[f"{index}/eager_tokens"]]
+        expected = golden[f"{index}/eager_logits"]
+        runs, error = {}, None
+        try:
+            for name, runner in runners.items():
+                actual = teacher_forced_logits(GenerationSession(program, runner), prompts, slots, case["sizes"]["seq"], eager_tokens)
+                runs[name] = compare_run(actual, expected, eager_tokens, getattr(tolerances, name))
+        except Exception as exception:  # a damaged artifact can raise anything
+            error = f"the artifact raised {type(exception).__name__}: {' '.join(str(exception).split())[:300]}"
+        replayed.append(GenerationCase(case["sizes"], tuple(lengths), tuple(slots), len(eager_tokens[0]), runs, error, golden=True))
+    return GenerationReport(decode.resolved_precision, decode.matmul_precision, tolerances, tuple(replayed), {},
+                            "stored generate() tokens and logits")
