@@ -6,15 +6,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 
+import jax
 import numpy as np
 import pytest
+import requests
 import torch
 import transformers
 
 import tpuexport
+from conftest import ROOT
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.export.generation import Decode, DecodeCache
@@ -45,10 +52,10 @@ def lowered_entry_point(module: torch.nn.Module, spec: export_stage.GenerationSp
 
 @pytest.fixture(scope="session")
 def llama_generation(tmp_path_factory):
-    """A tiny Llama converted for text generation: (artifact, model)."""
+    """A tiny Llama converted for text generation, for v5e and the cpu target (the runtime's executables): (artifact, model)."""
     model = tiny_llama()
     artifact = tpuexport.convert(model, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH,
-                                 buckets={"seq": [16], "batch": [MAX_BATCH]}, target="v5e",
+                                 buckets={"seq": [16], "batch": [MAX_BATCH]}, target=["v5e", "cpu"],
                                  out=tmp_path_factory.mktemp("llama") / "llama.tpu")
     return artifact, model
 
@@ -195,3 +202,102 @@ def test_generation_artifact_refuses_single_program_calls(llama_generation):
         artifact.run(np.zeros((1, 4), np.int64))
     assert json.loads(json.dumps(artifact.manifest["generation"]))["layout"] == "layer_batch_head_pos"
     assert dataclasses.asdict(artifact.generation_program.spec)["max_batch"] == MAX_BATCH
+
+
+def test_plan_on_a_slice_splits_the_cache_with_the_heads(tmp_path):
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128)).eval()
+    artifact = tpuexport.convert(model, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, weights=False,
+                                 buckets={"seq": [16], "batch": [MAX_BATCH]}, target="v5e-4", sharding="tensor-parallel",
+                                 mesh="model=2,data=2", out=tmp_path / "plan.tpu")
+    assert artifact.plan_only and artifact.manifest["program"]["weights"] is None
+    buckets = {bucket["entry_point"]: bucket for bucket in artifact.manifest["targets"]["v5e-4"]["buckets"]}
+    for bucket in buckets.values():
+        # [layers, batch, kv_heads, context, head_dim]: batch over data, kv heads over model
+        assert bucket["sharding"]["inputs"]["cache_k"] == [None, "data", "model", None, None]
+        assert bucket["memory"]["alias_bytes"] > 0
+    step = buckets["decode"]["decode_step"]
+    assert step["cache_bytes"] == artifact.manifest["generation"]["cache_bytes"] // 4
+    with pytest.raises(tpuexport.TpuExportError, match="plan without weights"):
+        artifact.generate([1, 2], max_new_tokens=2)
+
+
+def test_generate_from_text_with_the_tokenizer_the_artifact_carries(tmp_path):
+    """A Hugging Face directory with a tokenizer: `generate --prompt` encodes with the copied
+    tokenizer and prints the new tokens, then their text; --tokens gives the same tokens."""
+    source = tmp_path / "lm"
+    model = tiny_gpt2()
+    model.save_pretrained(source)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world", *[f"w{i}" for i in range(249)]]) + "\n")
+    tokenizer = transformers.BertTokenizer(str(vocab))
+    tokenizer.save_pretrained(source)
+    out = tmp_path / "lm.tpu"
+    converted = cli("convert", source, "--task", "text-generation", "--max-context", 32, "--max-batch", 1, "--bucket", "seq=8",
+                    "--verify-new-tokens", 4, "-o", out)
+    assert converted.returncode == 0, converted.stderr
+    from_text = cli("generate", out, "--prompt", "hello world", "--max-new-tokens", 3)
+    assert from_text.returncode == 0, from_text.stderr
+    *steps, text = from_text.stdout.strip().splitlines()
+    ids = tokenizer("hello world")["input_ids"]
+    from_ids = cli("generate", out, "--tokens", ",".join(map(str, ids)), "--max-new-tokens", 3)
+    assert from_ids.stdout.strip().splitlines() == steps and len(steps) == 3
+    assert text == tokenizer.decode([int(step) for step in steps])
+
+
+def test_runtime_generates_from_the_cpu_executables_with_the_cache_on_the_device(llama_generation):
+    artifact, _ = llama_generation
+    runner = tpuexport.runner(artifact.path)
+    prompts = [[5, 17, 42, 7], [99, 3]]
+
+    generated = [[] for _ in prompts]
+    for step in runner.stream(prompts, max_new_tokens=8):
+        for row, token in enumerate(step):
+            generated[row].append(token)
+
+    assert runner.target == "cpu" and runner.compiled_here is None and set(runner.entry_points) == {"prefill", "decode"}
+    assert generated == artifact.generate(prompts, max_new_tokens=8)
+    # The cache comes back as device arrays and goes in again without a copy to the host.
+    spec = artifact.generation_program.spec
+    cache = [np.zeros(spec.cache_shape, np.float32)] * 2
+    prefill = runner.run([np.array([[5, 17] + [0] * 14] * 2), np.array([2, 2]), np.array([0, 1]), *cache], "prefill")
+    assert isinstance(prefill["cache_k"], jax.Array) and isinstance(prefill["logits"], np.ndarray)
+    decode = runner.run([np.array([1, 2]), np.array([2, 2]), prefill["cache_k"], prefill["cache_v"]], "decode")
+    assert decode["logits"].shape == (MAX_BATCH, spec.vocab) and prefill["cache_k"].is_deleted()  # donated, updated in place
+
+
+def test_serve_streams_generated_tokens_as_json_lines(llama_generation, tmp_path):
+    artifact, _ = llama_generation
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "tpuexport.cli", "serve", str(artifact.path), "--port", str(port), "--grpc-port", "0"],
+                                  stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}/v1/models/llama:generate"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                time.sleep(0.3)
+        prompts = [[5, 17, 42, 7], [99, 3]]
+
+        with requests.post(url, json={"prompts": prompts, "max_new_tokens": 6}, stream=True, timeout=120) as answer:
+            assert answer.status_code == 200 and answer.headers["content-type"] == "application/x-ndjson"
+            lines = [json.loads(line) for line in answer.iter_lines() if line]
+        bad = requests.post(url, json={"prompts": [[5, 100000]], "max_new_tokens": 6}, timeout=60)
+
+        assert [line["step"] for line in lines[:-1]] == list(range(6))
+        expected = artifact.generate(prompts, max_new_tokens=6)
+        assert [[line["tokens"][row] for line in lines[:-1]] for row in range(2)] == expected == lines[-1]["generated"]
+        assert bad.status_code == 400 and "token id 100000 is outside the vocabulary" in bad.json()["error"]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0

@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -55,6 +57,9 @@ from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
 from tpuexport.artifact import tf_serving as serving_stage
 from tpuexport.errors import TpuExportError, VerificationError
+
+# errno values of a write that found no room: disk full, over RLIMIT_FSIZE, over quota.
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +173,26 @@ class StageClock:
         self.event(name, seconds, detail)
 
 
+def _disk_full_is_bad_input(convert):
+    """A write that fails for lack of space (or over the file size limit), in this process or a
+    compiler's, becomes one TpuExportError line; the artifact's staging and scratch directories
+    are already gone by then (they are removed on any exception)."""
+
+    @functools.wraps(convert)
+    def run(loaded, options, progress=None):
+        try:
+            return convert(loaded, options, progress)
+        except OSError as error:
+            if error.errno not in DISK_FULL_ERRNOS:
+                raise
+            where = error.filename or f"next to {options.out}"
+            raise TpuExportError(f"could not write {where}: {error.strerror or os.strerror(error.errno)}; nothing was written "
+                                 f"to {options.out}: free space on that filesystem (or raise the file size limit) and convert again") from None
+
+    return run
+
+
+@_disk_full_is_bad_input
 def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions, progress=None) -> artifact_stage.Artifact:
     """Converts a loaded source into an artifact.
 
@@ -510,7 +535,7 @@ def _quantization_report(quantized, lowered: lower_stage.LoweredProgram, compile
 def _scratch_directory(out: pathlib.Path):
     """A hidden directory next to `out` (same filesystem: its files are moved into the artifact),
     removed when the conversion ends, failed or not."""
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.scratch-", dir=out.parent))
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix=artifact_stage.sibling_prefix(out, "scratch"), dir=out.parent))
     try:
         yield scratch
     finally:
@@ -628,8 +653,11 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
         # Both programs collected the same weights; the artifact and the runs keep decode's.
         lowered["prefill"] = dataclasses.replace(lowered["prefill"], weights=lowered["decode"].weights)
         program = lower_stage.GenerationProgram(spec, lowered, prefill_batches)
-    buckets = {"prefill": compile_stage.make_buckets(lowered["prefill"].signature, {"batch": list(prefill_batches),
-                                                                                    "seq": list(spec.prefill_buckets)}),
+    # With one cache slot, prefill's batch is static (no batch dim to bucket).
+    prefill_sizes = {"seq": list(spec.prefill_buckets)}
+    if any(dim.name == "batch" for dim in lowered["prefill"].signature.dims):
+        prefill_sizes["batch"] = list(prefill_batches)
+    buckets = {"prefill": compile_stage.make_buckets(lowered["prefill"].signature, prefill_sizes),
                "decode": compile_stage.make_buckets(lowered["decode"].signature, None)}
     plans = {name: _plan_generation_slices(options.sharding, slices, spec, entry, buckets[name], clock, name)
              for name, entry in lowered.items()}

@@ -1,8 +1,10 @@
 """What an artifact offers to run: its entry points, each a signature with compiled buckets.
 
-Today an artifact holds one program, offered as the entry point "serving_default" (TF Serving's
-signature name, so a server maps a request's signature_name to it). Artifacts with several entry
-points (a generator's prefill and decode) add more; everything above this module works per entry
+A single-forward artifact holds one program, offered as the entry point "serving_default" (TF
+Serving's signature name, so a server maps a request's signature_name to it). A text-generation
+artifact lists its entry points (prefill, decode) in the manifest's "entry_points", each with its
+signature and state (the KV cache: inputs returned as outputs of the same name, kept on the device
+between calls); its buckets name their entry point. Everything above this module works per entry
 point.
 """
 
@@ -42,6 +44,8 @@ class EntryPoint:
       batch_dim: the dim padded to the next bucket (the signature's batch dim, when the padded
         bucket passed verification), or None: then only exact bucket sizes run.
       padding_note: why the batch dim is not padded, or "" when it is.
+      state: outputs that are the next call's inputs of the same name (a KV cache): returned as
+        device arrays, so that passing them back costs no copy.
     """
 
     name: str
@@ -49,6 +53,7 @@ class EntryPoint:
     buckets: tuple[BucketEntry, ...]
     batch_dim: str | None
     padding_note: str = ""
+    state: tuple[str, ...] = ()
 
 
 def entry_points(manifest: dict, target: str) -> dict[str, EntryPoint]:
@@ -60,6 +65,14 @@ def entry_points(manifest: dict, target: str) -> dict[str, EntryPoint]:
     Returns:
       {name: EntryPoint}.
     """
+    recorded = manifest["targets"][target]["buckets"]
+    if "entry_points" in manifest:
+        # Exact sizes only: no padded bucket is verified for these entry points.
+        return {
+            name: EntryPoint(name, ProgramSignature.from_json(entry["signature"]), _buckets(b for b in recorded if b.get("entry_point") == name),
+                             None, "generation entry points run at their compiled sizes", tuple(entry.get("state", {})))
+            for name, entry in manifest["entry_points"].items()
+        }
     signature = ProgramSignature.from_json(manifest["signature"])
     dim = signature.batch_dim()
     padding = manifest.get("padding")
@@ -70,11 +83,12 @@ def entry_points(manifest: dict, target: str) -> dict[str, EntryPoint]:
         note = "no padded bucket was verified (the artifact predates padding checks, or no bucket is ever padded)"
     elif not padding["passed"]:
         note = "padding the batch dim failed verification (manifest padding)"
-    buckets = sorted(
-        (BucketEntry(entry["name"], dict(entry["sizes"]), entry["executable"]) for entry in manifest["targets"][target]["buckets"]),
-        key=lambda bucket: tuple(bucket.sizes.values()),
-    )
-    return {DEFAULT_ENTRY_POINT: EntryPoint(DEFAULT_ENTRY_POINT, signature, tuple(buckets), None if note else dim, note)}
+    return {DEFAULT_ENTRY_POINT: EntryPoint(DEFAULT_ENTRY_POINT, signature, _buckets(recorded), None if note else dim, note)}
+
+
+def _buckets(recorded) -> tuple[BucketEntry, ...]:
+    buckets = (BucketEntry(entry["name"], dict(entry["sizes"]), entry["executable"]) for entry in recorded)
+    return tuple(sorted(buckets, key=lambda bucket: tuple(bucket.sizes.values())))
 
 
 def choose_bucket(entry: EntryPoint, sizes: dict[str, int]) -> BucketEntry:

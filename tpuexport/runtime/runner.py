@@ -27,7 +27,7 @@ import dataclasses
 import pathlib
 import time
 import warnings
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -38,6 +38,7 @@ from tpuexport.compile.aot import compiler_options
 from tpuexport.compile.compile_key import compile_key, key_difference
 from tpuexport.compile.slices import resolve_targets
 from tpuexport.errors import TpuExportError
+from tpuexport.lower.generation import GenerationSession, stream_greedy
 from tpuexport.runtime.executables import load_executable
 from tpuexport.runtime.entry_points import DEFAULT_ENTRY_POINT, BucketEntry, EntryPoint, choose_bucket, entry_points
 from tpuexport.verify.padding import pad_rows
@@ -70,7 +71,8 @@ class Execution:
     """One run of an executable.
 
     Attributes:
-      outputs: {output name: array}, the padding rows removed.
+      outputs: {output name: array}, the padding rows removed (numpy arrays; the entry point's
+        state outputs are device arrays).
       bucket: the bucket that ran.
       rows: the real rows.
       padded_to: the bucket's rows (equal to `rows` when nothing was padded).
@@ -180,9 +182,30 @@ class Runner:
         results = executable(self._weights, inputs)
         outputs = {}
         for spec, result in zip(entry.signature.outputs, results):
+            if spec.name in entry.state:  # the next call's input: stays on the device
+                outputs[spec.name] = result
+                continue
             array = np.asarray(result)
             outputs[spec.name] = array[:request.rows] if entry.batch_dim else array
         return Execution(outputs, bucket, request.rows, padded_to)
+
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Iterator[list[int | None]]:
+        """Greedy generation through a text-generation artifact's prefill and decode executables, the
+        KV cache kept on the device between steps: yields each step's new token per prompt (None
+        for a row that reached max context), as `Artifact.stream` does on CPU.
+
+        Raises:
+          TpuExportError: not a text-generation artifact, or prompts it cannot take.
+        """
+        if set(self.entry_points) != {"prefill", "decode"}:
+            raise TpuExportError(f"{self.artifact.path} has no prefill and decode entry points; generation needs a text-generation "
+                                 "artifact (convert with --task text-generation)")
+
+        def call(name: str, inputs: list) -> list:
+            return list(self.run(inputs, name).values())
+
+        session = GenerationSession(self.artifact.generation_program, runner=call)
+        return stream_greedy(session, [list(map(int, prompt)) for prompt in prompts], max_new_tokens)
 
     def run(self, inputs: Mapping[str, object] | Sequence[object], entry_point: str | None = None) -> dict[str, np.ndarray]:
         """Checks, pads, runs and slices one request (see `prepare` and `execute`).
@@ -323,9 +346,14 @@ def _compile_here(artifact: Artifact, target: str, entries: dict[str, EntryPoint
     Returns:
       As `_load_executables`.
     """
-    program = artifact.program
+    if "entry_points" in artifact.manifest:
+        generation = artifact.generation_program
+        shared, programs = generation.weights_program, {name: lowered.exported for name, lowered in generation.entry_points.items()}
+    else:
+        shared = artifact.program
+        programs = {name: shared.exported for name in entries}
     device = jax.sharding.SingleDeviceSharding(devices[0])
-    weights = [jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=device) for spec in program.weight_specs]
+    weights = [jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=device) for spec in shared.weight_specs]
     options = compiler_options(resolve_targets(["cpu"])[0]) if devices[0].platform == "cpu" else {}
     compiled = {}
     for entry in entries.values():
@@ -334,7 +362,7 @@ def _compile_here(artifact: Artifact, target: str, entries: dict[str, EntryPoint
             with warnings.catch_warnings():
                 # Donation helps only where an output can take an input's buffer; jax warns otherwise.
                 warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-                executable = (jax.jit(program.exported.call, donate_argnums=1).trace(weights, inputs).lower()
+                executable = (jax.jit(programs[entry.name].call, donate_argnums=1).trace(weights, inputs).lower()
                               .compile(compiler_options=options or None))
             compiled[(entry.name, bucket.name)] = (executable, [device] * len(inputs), [device] * len(weights))
     return compiled
@@ -353,17 +381,19 @@ def _inside(root: pathlib.Path, relative: str) -> pathlib.Path:
 
 
 def _as_input_array(value, spec) -> np.ndarray:
-    """`value` as an array of the input's dtype.
+    """`value` as an array of the input's dtype (a device array of that dtype as it is).
 
     Raises:
       TpuExportError: a value that is not numeric (or bool for a bool input), a dtype of another
         kind (a float for an integer input), or integers outside the program's integer type.
     """
+    target = np.dtype(spec.dtype) if spec.dtype != "bfloat16" else np.dtype(jax.numpy.bfloat16)
+    if isinstance(value, jax.Array) and value.dtype == target:
+        return value  # already on a device (state from the previous call): not copied to the host
     try:
         array = np.asarray(value)
     except (ValueError, TypeError) as error:
         raise TpuExportError(f"input {spec.name!r} is not a rectangular array ({' '.join(str(error).split())[:120]})") from None
-    target = np.dtype(spec.dtype) if spec.dtype != "bfloat16" else np.dtype(jax.numpy.bfloat16)
     if array.dtype == target:
         return array
     if array.dtype.kind not in "biuf" or not np.can_cast(array.dtype, target, casting="same_kind") \

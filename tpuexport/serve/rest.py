@@ -2,6 +2,10 @@
 
   POST /v1/models/<name>[/versions/<v>]:predict   {"signature_name"?, "instances": [...]} (row format)
                                                   or {"signature_name"?, "inputs": ...} (columnar)
+  POST /v1/models/<name>[/versions/<v>]:generate  {"prompts": [[token ids], ...], "max_new_tokens"?: 32}
+                                                  (text-generation artifacts): a stream of JSON lines,
+                                                  {"step": i, "tokens": [one per prompt, null once a
+                                                  row reached max context]}, then {"generated": [...]}
   GET  /v1/models/<name>[/versions/<v>]           version status
   GET  /v1/models/<name>[/versions/<v>]/metadata  signature_def, as TF Serving describes a SavedModel
   GET  /healthz                                   alive
@@ -16,13 +20,15 @@ unknown model or version, 503 while shutting down.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 
 import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tpuexport.errors import TpuExportError
@@ -31,6 +37,7 @@ from tpuexport.serve.metrics import UNKNOWN_MODEL, Metrics
 from tpuexport.serve.models import ModelNotFound, ModelRepository, ServedModel
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
+DEFAULT_NEW_TOKENS = 32
 
 
 class BadRequest(TpuExportError):
@@ -74,6 +81,25 @@ def create_app(repository: ModelRepository, metrics: Metrics, state: dict, max_b
         metrics.latency.labels(**labels, api="rest").observe(time.perf_counter() - start)
         return answer
 
+    async def generate(request: Request) -> Response:
+        # Each request is its own generation session with its own KV cache on the device; requests
+        # are not batched together (no continuous batching).
+        labels = {"model": UNKNOWN_MODEL, "version": ""}
+        try:
+            model = repository.resolve(request.path_params["name"], request.path_params.get("version"))
+            labels = model.labels
+            prompts, max_new_tokens = _parse_generate(await _read_json(request, max_body_bytes))
+            steps = model.runner.stream(prompts, max_new_tokens)
+            first = await run_in_threadpool(next, steps)  # the prompts are checked here: a bad one is a 400
+        except ModelNotFound as error:
+            answer, outcome = _error(404, error), "not_found"
+        except TpuExportError as error:
+            answer, outcome = _error(400, error), "bad_request"
+        else:
+            answer, outcome = StreamingResponse(_stream_lines(first, steps, len(prompts)), media_type="application/x-ndjson"), "ok"
+        metrics.requests.labels(**labels, api="rest_generate", outcome=outcome).inc()
+        return answer
+
     async def status(request: Request) -> Response:
         try:
             model = repository.resolve(request.path_params["name"], request.path_params.get("version"))
@@ -105,6 +131,8 @@ def create_app(repository: ModelRepository, metrics: Metrics, state: dict, max_b
     return Starlette(routes=[
         Route("/v1/models/{name}:predict", predict, methods=["POST"]),
         Route("/v1/models/{name}/versions/{version}:predict", predict, methods=["POST"]),
+        Route("/v1/models/{name}:generate", generate, methods=["POST"]),
+        Route("/v1/models/{name}/versions/{version}:generate", generate, methods=["POST"]),
         Route("/v1/models/{name}", status, methods=["GET"]),
         Route("/v1/models/{name}/versions/{version}", status, methods=["GET"]),
         Route("/v1/models/{name}/metadata", metadata, methods=["GET"]),
@@ -176,6 +204,35 @@ def _parse_predict(body, model: ServedModel) -> tuple[dict, bool, str | None]:
     if len(names) != 1:
         raise BadRequest(f"{model.name} takes {len(names)} inputs ({', '.join(names)}); give each instance as an object naming them")
     return {names[0]: _array(instances, names[0])}, True, signature_name
+
+
+def _parse_generate(body) -> tuple[list[list[int]], int]:
+    """(prompts, max new tokens) of a generate request.
+
+    Raises:
+      BadRequest: a body that is not {"prompts": [[int, ...], ...], "max_new_tokens"?: int >= 1}.
+    """
+    if not isinstance(body, dict) or "prompts" not in body:
+        raise BadRequest('the request body must be a JSON object {"prompts": [[token ids], ...], "max_new_tokens": N}')
+    prompts = body["prompts"]
+    if not isinstance(prompts, list) or not prompts or not all(
+            isinstance(prompt, list) and all(isinstance(token, int) and not isinstance(token, bool) for token in prompt) for prompt in prompts):
+        raise BadRequest('"prompts" must be a non-empty list of lists of token ids (integers)')
+    max_new_tokens = body.get("max_new_tokens", DEFAULT_NEW_TOKENS)
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise BadRequest('"max_new_tokens" must be a whole number of at least 1')
+    return prompts, max_new_tokens
+
+
+def _stream_lines(first: list, steps, rows: int):
+    """The generate answer's JSON lines: each step's tokens, then every prompt's generated tokens."""
+    generated: list[list[int]] = [[] for _ in range(rows)]
+    for index, tokens in enumerate(itertools.chain([first], steps)):
+        for row, token in enumerate(tokens):
+            if token is not None:
+                generated[row].append(token)
+        yield json.dumps({"step": index, "tokens": tokens}) + "\n"
+    yield json.dumps({"generated": generated}) + "\n"
 
 
 def _array(value, name: str) -> np.ndarray:
