@@ -28,6 +28,7 @@ from tpuexport.artifact import layout
 from tpuexport.artifact.manifest import sha256_file
 from tpuexport.errors import TpuExportError
 from tpuexport.export import GenerationSpec
+from tpuexport.export.huggingface import ARTIFACT_DIRECTORY as HF_DIRECTORY
 from tpuexport.lower import GenerationProgram, GenerationSession, LoweredProgram, stream_greedy
 from tpuexport.signature import ProgramSignature
 
@@ -148,6 +149,23 @@ class Artifact:
                                  "with its weights to run it")
         program = self.generation_program
         return stream_greedy(GenerationSession(program), [list(map(int, prompt)) for prompt in prompts], max_new_tokens)
+
+    def tokenizer(self):
+        """The Hugging Face tokenizer a text-generation artifact carries (hf/, copied from a Hugging
+        Face source directory), loaded from those files alone (no download, no remote code).
+
+        Raises:
+          TpuExportError: the artifact has no tokenizer files.
+        """
+        files = self.manifest.get("huggingface", {}).get("files", [])
+        if not any(name.startswith("tokenizer") or name in ("vocab.txt", "vocab.json", "spiece.model") for name in files):
+            raise TpuExportError(f"{self.path} carries no tokenizer (its source was not a Hugging Face directory with tokenizer files); "
+                                 "pass token ids with --tokens")
+        from transformers import AutoTokenizer
+
+        for name in files:
+            self.checked_path(f"{HF_DIRECTORY}/{name}")
+        return AutoTokenizer.from_pretrained(str(self.path / HF_DIRECTORY), local_files_only=True, trust_remote_code=False)
 
     def generate(self, tokens, max_new_tokens: int = 32) -> list[list[int]]:
         """Greedy generation by the artifact's prefill and decode entry points on CPU (the lowered
