@@ -436,7 +436,8 @@ def main() -> None:
                 results.append({"model": kind, "mode": mode, "error": f"exit {child.returncode}: {tail[:200]}"})
             else:
                 results.append(json.loads(child.stdout.strip().splitlines()[-1]))
-            print(f"  {kind} {mode} done", file=sys.stderr, flush=True)
+            # Each row as soon as it is measured (a full-size model takes minutes).
+            print(f"  {json.dumps(results[-1])}", file=sys.stderr, flush=True)
     print("\n".join(report_rows(results)))
 
 

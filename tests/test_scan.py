@@ -120,10 +120,10 @@ def bert():
     return built, captured(built)
 
 
-@pytest.mark.parametrize("precision, before_scan", [("f32", 0), ("bf16", 1)])
+@pytest.mark.parametrize("precision, before_scan", [("f32", 0), ("bf16", 0)])
 def test_bert_layers_scan_as_the_unrolled_program_computes(bert, precision, before_scan):
-    """Under bf16, BERT's first layer takes bf16 and gives f32 (its layer norm's output): it runs
-    on its own, the other layers are scanned, and the numbers are the unrolled program's."""
+    """Every layer takes and gives the precision's dtype (under bf16 attention gives bfloat16, as
+    torch's does on bfloat16 operands): all are scanned, and the numbers are the unrolled program's."""
     built, model = bert
     scanned = lower_stage.lower(model.program, model.signature, precision)
     unrolled = lower_stage.lower(model.program, model.signature, precision, scan=False)
@@ -131,8 +131,11 @@ def test_bert_layers_scan_as_the_unrolled_program_computes(bert, precision, befo
     assert (run["module"], run["count"], run["blocks_before_scan"]) == ("model.encoder.layer", 3, before_scan)
     assert while_loops(scanned) == 1 and while_loops(unrolled) == 0
     inputs = [x.numpy() for x in built["args"]]
+    # Under bf16 the scan's carry is each layer's bfloat16 output; unrolled, XLA may keep a layer's
+    # output in f32 into the next (excess precision): they agree to bfloat16's rounding.
+    tolerance = 1e-6 if precision == "f32" else 2e-2
     for got, expected in zip(scanned.run(inputs), unrolled.run(inputs)):
-        np.testing.assert_allclose(got, expected, atol=1e-6, rtol=1e-6)
+        np.testing.assert_allclose(got, expected, atol=tolerance, rtol=tolerance)
     if precision == "f32":
         for got, expected in zip(scanned.run(inputs), eager(built, built["args"])):
             np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)

@@ -2,7 +2,8 @@
 without running anything (verification picks its sizes by it).
 
 Every dot-like node of the decomposed graph (mm, addmm, bmm, convolution, and tpuexport's int8
-ops) has a formula in torch's FLOP counter registry; applied to the node's symbolic shapes it
+ops) has a formula in torch's FLOP counter registry (scaled_dot_product_attention, which the
+lowering keeps whole, its two matmuls here); applied to the node's symbolic shapes it
 gives a SymInt whose expression is over torch's shape symbols, renamed here to the signature's
 dim names: e.g. "2*batch*seq**2*64 + 884736*batch*seq".
 """
@@ -10,6 +11,7 @@ dim names: e.g. "2*batch*seq**2*64 + 884736*batch*seq".
 from __future__ import annotations
 
 import functools
+import math
 
 import sympy
 import torch
@@ -31,6 +33,9 @@ def matmul_flops_expression(program: torch.export.ExportedProgram, signature: Pr
     """
     total = 0
     for node in program.graph.nodes:
+        if node.target is torch.ops.aten.scaled_dot_product_attention.default:
+            total = total + _attention_flops(*(arg.meta["val"] for arg in node.args[:3]))
+            continue
         packet = getattr(node.target, "overloadpacket", None)
         if node.op != "call_function" or packet not in flop_registry or "val" not in node.meta:
             continue
@@ -38,6 +43,13 @@ def matmul_flops_expression(program: torch.export.ExportedProgram, signature: Pr
         total = total + flop_registry[packet](*args, **kwargs, out_val=node.meta["val"])
     expression = total.node.expr if isinstance(total, torch.SymInt) else sympy.Integer(int(total))
     return str(sympy.expand(expression.subs(_symbol_names(program, signature))))
+
+
+def _attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """FLOPs of attention's two matmuls: scores [..., heads, q, k] and their product with the values."""
+    *lead, q_len, dim = query.shape
+    positions = math.prod(lead) * q_len * key.shape[-2]
+    return 2 * positions * dim + 2 * positions * value.shape[-1]
 
 
 def _symbol_names(program: torch.export.ExportedProgram, signature: ProgramSignature) -> dict:

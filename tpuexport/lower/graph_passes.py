@@ -127,3 +127,65 @@ def unmerge_batched_matmuls(program: torch.export.ExportedProgram) -> torch.expo
         graph.eliminate_dead_code()
         module.recompile()
     return program
+
+
+# Elementwise ops that build attention masks from per-query and per-key values (positions,
+# padding, document ids): comparisons, boolean logic, selects, broadcasts.
+_MASK_OPS = frozenset({
+    aten.expand.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.bitwise_not.default,
+    aten.logical_and.default, aten.logical_or.default, aten.logical_not.default, aten.where.self,
+    aten.eq.Tensor, aten.ne.Tensor, aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.gt.Tensor,
+    aten.eq.Scalar, aten.ne.Scalar, aten.le.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.gt.Scalar,
+})
+
+
+def _query_by_key(node) -> bool:
+    """Whether a node's value is a [..., q, k] tensor (neither of its last two dims is 1)."""
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and all(str(size) != "1" for size in value.shape[-2:])
+
+
+def sink_attention_masks(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Recomputes each attention's mask next to it, from its per-query and per-key parts.
+
+    Models build one [batch, 1, q, k] mask before their layers (transformers: causal from position
+    ids, padding from the attention mask, packed documents from cumulative sums) as comparisons and
+    boolean logic of [.., q, 1] and [.., 1, k] values, and every layer reads it. Read from memory,
+    the mask is one more [q, k] operand of the scores' fusion, which XLA:TPU then stops fusing
+    with the softmax: the f32 scores are written out and read back (about 2.4x the attention's HBM
+    bytes at Llama-1B's shape). Computed from the small parts inside the layer, it fuses for free.
+    The mask's [q, k]-shaped elementwise ops are copied before each scaled_dot_product_attention
+    (as part of its layer, so scanned layers compute their own); the parts stay where they are.
+
+    Args:
+      program: a decomposed program that the lowering stage owns (rewritten in place).
+    Returns:
+      `program`.
+    """
+    for module in graph_modules(program):
+        graph = module.graph
+        for attention in [node for node in graph.nodes if node.target is aten.scaled_dot_product_attention.default]:
+            mask = attention.args[3] if len(attention.args) > 3 else attention.kwargs.get("attn_mask")
+            if not (isinstance(mask, torch.fx.Node) and mask.target in _MASK_OPS and _query_by_key(mask)):
+                continue
+            copies: dict[torch.fx.Node, torch.fx.Node] = {}
+
+            def copy(node):
+                if not (isinstance(node, torch.fx.Node) and node.target in _MASK_OPS and _query_by_key(node)):
+                    return node
+                if node not in copies:
+                    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), copy)
+                    with graph.inserting_before(attention):
+                        copies[node] = graph.call_function(node.target, args, kwargs)
+                    copies[node].meta = {**node.meta, "nn_module_stack": attention.meta.get("nn_module_stack"),
+                                         "stack_trace": attention.meta.get("stack_trace")}
+                return copies[node]
+
+            sunk = copy(mask)
+            if len(attention.args) > 3:
+                attention.args = (*attention.args[:3], sunk, *attention.args[4:])
+            else:
+                attention.kwargs = {**attention.kwargs, "attn_mask": sunk}
+        graph.eliminate_dead_code()
+        module.recompile()
+    return program

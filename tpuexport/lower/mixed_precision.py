@@ -182,6 +182,8 @@ def cast_arguments(precision: str, target, args: tuple, kwargs: dict, kept_meets
         return args, kwargs
     if target in MATMULS:
         return tuple(_cast(args, jnp.float32, jnp.bfloat16)), dict(zip(kwargs, _cast(kwargs.values(), jnp.float32, jnp.bfloat16)))
+    if target == _aten.scaled_dot_product_attention.default:  # q, k, v as a matmul's operands; a float mask stays f32
+        return (*_cast(args[:3], jnp.float32, jnp.bfloat16), *args[3:]), kwargs
     if target in F32_OPS:
         return tuple(_cast(args, jnp.bfloat16, jnp.float32)), dict(zip(kwargs, _cast(kwargs.values(), jnp.bfloat16, jnp.float32)))
     return args, kwargs

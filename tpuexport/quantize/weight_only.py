@@ -6,11 +6,12 @@ multiplies by them without a dequantized copy). Quantizing is a function of one 
 checkpoint's weights are quantized one at a time as they stream into the artifact.
 
 Schemes (symmetric: zero point 0, the same range on both sides of zero):
-  int8-weight-only  int8 in [-127, 127], one float32 scale per output channel (max|w| / 127 over
+  int8-weight-only  int8 in [-127, 127], one bfloat16 scale per output channel (max|w| / 127 over
                     the contraction dim)
   int4-weight-only  int4 in [-7, 7], one bfloat16 scale per `group_size` consecutive elements of
-                    the contraction dim (max|w| / 7 over the group; the scale is rounded to
-                    bfloat16 before the weights are divided by it)
+                    the contraction dim (max|w| / 7 over the group)
+Each scale is rounded to bfloat16 before the weights are divided by it, so the integers are chosen
+for the scale the program multiplies by (no per-channel bias from rounding the scale afterwards).
 
 Which weights: every 2-D float weight that only matrix products read as their right-hand side
 (nn.Linear, GPT-2's Conv1D, an lm_head) or that only embedding lookups read (token and position
@@ -73,7 +74,7 @@ class WeightOnlyScheme:
 
     @property
     def scale_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.bits == 4 else torch.float32
+        return torch.bfloat16
 
     def group(self, size: int) -> int:
         """The group size along a contraction dim of `size` elements."""
@@ -81,7 +82,7 @@ class WeightOnlyScheme:
 
     def describe(self) -> str:
         if self.bits == 8:
-            return "int8 symmetric weights [-127, 127], one float32 scale per output channel; float compute"
+            return "int8 symmetric weights [-127, 127], one bfloat16 scale per output channel; float compute"
         return (f"int4 symmetric weights [-7, 7] in groups of {self.group_size} along the contraction dim, one bfloat16 "
                 f"scale per group; {INT4_PACKING}; float compute")
 
