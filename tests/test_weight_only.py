@@ -251,3 +251,16 @@ def test_generation_artifact_with_int4_weights_generates_what_the_dequantized_mo
     assert manifest["quantization"]["weight_bytes"]["ratio"] < 0.15
     decode = next(bucket for bucket in manifest["targets"]["v5e"]["buckets"] if bucket["entry_point"] == "decode")
     assert decode["memory"]["argument_bytes"] < manifest["program"]["weight_bytes"] + manifest["generation"]["cache_bytes"] + 2**20
+
+
+def test_large_weights_are_rounded_in_row_blocks_alike(monkeypatch):
+    from tpuexport.quantize import weight_only
+
+    weight = torch.randn(10, 64)
+    scheme = WeightOnlyScheme("int4-weight-only", GROUP)
+    whole = quantize_tensor(weight, scheme, -1), weight_only.fake_quantized(weight, scheme, -1)
+    monkeypatch.setattr(weight_only, "ROWS_AT_ONCE", 3)
+    blocks = quantize_tensor(weight, scheme, -1), weight_only.fake_quantized(weight, scheme, -1)
+    assert torch.equal(whole[0][0], blocks[0][0]) and torch.equal(whole[0][1], blocks[0][1]) and torch.equal(whole[1], blocks[1])
+    transposed = quantize_tensor(weight.T.contiguous(), scheme, -2)  # (in, out): rows are the contraction axis, one block
+    assert transposed[1].shape == (2, 10)

@@ -38,6 +38,9 @@ from tpuexport.errors import TpuExportError
 
 MODES = ("int8-weight-only", "int4-weight-only")
 DEFAULT_GROUP_SIZE = 128
+# Rows quantized at once: the rounding's f32 temporaries stay a few times this many rows, not a few
+# times the weight (a 128256-row embedding in f32 is 2 GB).
+ROWS_AT_ONCE = 4096
 INT4_PACKING = ("two int4 per byte along the last axis: element 2i in the low nibble, element 2i+1 in the high nibble "
                 "(two's complement)")
 
@@ -188,6 +191,9 @@ def quantize_tensor(tensor: torch.Tensor, scheme: WeightOnlyScheme, axis: int) -
       (integers as int8 in the weight's shape, scales in the scheme's scale dtype: the weight's
       shape with `axis` divided by the group size).
     """
+    if tensor.dim() + axis != 0 and tensor.shape[0] > ROWS_AT_ONCE:
+        parts = [quantize_tensor(rows, scheme, axis) for rows in tensor.split(ROWS_AT_ONCE)]
+        return torch.cat([integers for integers, _ in parts]), torch.cat([scale for _, scale in parts])
     weights = tensor.detach().to(torch.float32)
     grouped, scale_shape = _grouped(weights, scheme, axis)
     largest = grouped.abs().amax(dim=axis, keepdim=True)
@@ -236,6 +242,8 @@ def stored_tensors(tensor: torch.Tensor, scheme: WeightOnlyScheme, axis: int) ->
 def fake_quantized(tensor: torch.Tensor, scheme: WeightOnlyScheme, axis: int) -> torch.Tensor:
     """The weight rounded to the scheme and dequantized again, in its own dtype: what the
     weight-only program multiplies by."""
+    if tensor.dim() + axis != 0 and tensor.shape[0] > ROWS_AT_ONCE:
+        return torch.cat([fake_quantized(rows, scheme, axis) for rows in tensor.split(ROWS_AT_ONCE)])
     integers, scale = quantize_tensor(tensor, scheme, axis)
     return dequantize_tensor(integers, scale, scheme, axis, tensor.dtype)
 
