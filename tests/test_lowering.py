@@ -71,3 +71,27 @@ def test_every_unsupported_operator_is_reported_at_once_with_its_source_line():
     for op, code in zip(operators, ["torch.linalg.det", "torch.special.airy_ai"]):
         assert re.search(r"test_lowering\.py:\d+ \(.*" + re.escape(code), op.source), op.source
     assert "\n" not in str(caught.value)
+
+
+def test_dims_named_like_sympy_functions_lower_and_count_flops():
+    """`sequence`, `beta` and `N` are sympy functions and constants to plain sympify; as dim names
+    they must stay plain symbols in shapes, the FLOPs polynomial and size checks."""
+
+    class Project(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.linear(x)
+
+    sequence, beta = torch.export.Dim("sequence", min=2, max=16), torch.export.Dim("beta", min=1, max=4)
+    model = Project().eval()
+    source = LoadedSource(model, (torch.randn(2, 3, 8),), {"x": {0: beta, 1: sequence}}, None, SourceInfo("api"))
+    captured = capture(source)
+    lowered = lower(captured.program, captured.signature)
+    assert captured.signature.inputs[0].shape == ("beta", "sequence", 8)
+    assert tpuexport.lower.flops_at(lowered.matmul_flops, {"beta": 3, "sequence": 5}) == 2 * 3 * 5 * 8 * 4
+    x = np.random.default_rng(0).standard_normal((3, 5, 8)).astype(np.float32)
+    np.testing.assert_allclose(lowered.run([x])[0], model(torch.from_numpy(x)).detach().numpy(), atol=1e-5)
+    assert captured.signature.sizes_of([(3, 5, 8)]) == {"beta": 3, "sequence": 5}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import sympy
 
@@ -68,13 +69,19 @@ class TensorSpec:
 
 
 @functools.lru_cache(maxsize=None)
-def _parse(expression: str) -> sympy.Expr:
-    return sympy.sympify(expression)
+def parse_dim_expression(expression: str) -> sympy.Expr:
+    """A dim expression ("2*seq + 1") as a sympy expression whose every name is a plain symbol.
+
+    Plain `sympy.sympify` reads some names as its own functions and constants (`sequence`, `beta`,
+    `gamma`, `N`, `E`, `I`, ...), so a dim of that name would not be a symbol.
+    """
+    names = {name: sympy.Symbol(name) for name in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", expression)}
+    return sympy.sympify(expression, locals=names)
 
 
 def evaluate_dim(expression: str, sizes: dict[str, int]) -> int:
     """Evaluates a dim expression such as "2*seq" at concrete sizes."""
-    parsed = _parse(expression)
+    parsed = parse_dim_expression(expression)
     return int(parsed.subs({sympy.Symbol(name): value for name, value in sizes.items()}))
 
 
@@ -125,11 +132,11 @@ class ProgramSignature:
             for axis, (declared, actual) in enumerate(zip(spec.shape, shape)):
                 if isinstance(declared, int) or declared in names:
                     continue
-                symbols = _parse(declared).free_symbols
+                symbols = parse_dim_expression(declared).free_symbols
                 if len(symbols) != 1 or str(next(iter(symbols))) in sizes:
                     continue
                 (symbol,) = symbols
-                solutions = sympy.solve(_parse(declared) - actual, symbol)
+                solutions = sympy.solve(parse_dim_expression(declared) - actual, symbol)
                 if len(solutions) != 1 or not solutions[0].is_integer:
                     raise ValueError(f"input {spec.name!r} axis {axis} is {actual}, which is not {declared} for any whole {symbol}")
                 sizes[str(symbol)] = int(solutions[0])

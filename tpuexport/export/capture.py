@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 from tpuexport.errors import TpuExportError
 from tpuexport.export.checkpoints import with_checkpoint_weights
 from tpuexport.export.sources import LoadedSource, SourceInfo
-from tpuexport.signature import ProgramSignature, SymbolicDim, TensorSpec, artifact_dtype
+from tpuexport.signature import ProgramSignature, SymbolicDim, TensorSpec, artifact_dtype, parse_dim_expression
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,7 +370,7 @@ def torch_dynamic_shapes(signature: ProgramSignature) -> list[dict[int, torch.ex
     def torch_dim(size: str):
         if size in dims:
             return dims[size]
-        expression = sympy.sympify(size)
+        expression = parse_dim_expression(size)
         (symbol,) = expression.free_symbols
         return int(expression.coeff(symbol)) * dims[str(symbol)] + int(expression.subs(symbol, 0))
 

@@ -18,7 +18,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
-from tpuexport.signature import ProgramSignature
+from tpuexport.signature import ProgramSignature, parse_dim_expression
 
 
 def matmul_flops_expression(program: torch.export.ExportedProgram, signature: ProgramSignature) -> str:
@@ -75,7 +75,7 @@ def _shape_env(placeholders):
 
 @functools.lru_cache(maxsize=64)
 def _polynomial(expression: str):
-    parsed = sympy.sympify(expression)
+    parsed = parse_dim_expression(expression)
     symbols = sorted(parsed.free_symbols, key=str)
     return [str(s) for s in symbols], sympy.lambdify(symbols, parsed, "math")
 
