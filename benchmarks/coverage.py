@@ -1,5 +1,6 @@
 """Coverage of real architectures: every family in benchmarks/families.py through the command line,
-as a user runs it, in float, bf16 and each int8 mode. Prints one row per family, task choice and mode.
+as a user runs it, in float, bf16, each int8 mode and as a bf16 checkpoint. Prints one row per
+family, task choice and mode.
 
     pip install -c constraints.txt -e ".[bench]"
     python benchmarks/coverage.py                       # every family, every mode, --task auto
@@ -22,6 +23,14 @@ Modes "generate-f32" and "generate-bf16" convert the decoder families' directori
 `--task text-generation` (max context 64, max batch 2, prefill bucket batch 2 x seq 16 with rows of
 different lengths, 32 new tokens compared with generate(do_sample=False)); their row says whether
 greedy parity holds, the tokens compared and the ties. Other kinds have no row in these modes.
+
+Mode "bf16-checkpoint" writes the transformers families' directories in bfloat16 (as most
+checkpoints are published; non-persistent buffers such as rotary `inv_freq` are not in a checkpoint)
+and converts them with default options (precision auto); a causal LM converts as the generate modes
+do (--task text-generation, no --precision). A forward artifact's row says what the precision
+resolved to, the dtypes `Artifact.run` returns on the first golden inputs, and the dtype of any
+rotary table in the artifact's weights. The diffusers UNet (a factory, no checkpoint) has no row in
+this mode.
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = pathlib.Path(__file__).resolve().parent
-MODES = ("f32", "bf16", "int8", "int8-dynamic", "int8-weight-only")
+MODES = ("f32", "bf16", "int8", "int8-dynamic", "int8-weight-only", "bf16-checkpoint")
+CHECKPOINT_MODE = "bf16-checkpoint"
 GENERATION_MODES = ("generate-f32", "generate-bf16")
 GENERATION_NEW_TOKENS = 32
 TASK_CHOICES = ("auto", "explicit")
@@ -45,28 +55,54 @@ CHILD_TIMEOUT_SECONDS = 1200
 STATUS_OF_EXIT_CODE = {0: "passed", 1: "mismatch", 2: "error"}
 
 
-def save_family(family_name: str, directory: pathlib.Path) -> None:
-    """Writes a transformers family with save_pretrained (run in a child process)."""
+def save_family(family_name: str, directory: pathlib.Path, dtype_name: str) -> None:
+    """Writes a transformers family with save_pretrained in `dtype_name` (run in a child process)."""
+    import torch
+
     sys.path.insert(0, str(HERE))
     from families import FAMILIES
 
-    FAMILIES[family_name].save(directory)
+    FAMILIES[family_name].save(directory, getattr(torch, dtype_name))
+
+
+def bf16_check(artifact_dir: pathlib.Path) -> dict:
+    """What a bf16 checkpoint's artifact computes in (run in a child process): the resolved
+    precision, the dtypes Artifact.run returns on the first golden inputs, rotary tables' dtypes."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    import tpuexport
+    from tpuexport.arrays import to_torch
+
+    artifact = tpuexport.load(artifact_dir)
+    _, inputs, _ = artifact.golden_cases()[0]
+    dtypes = [spec.torch_dtype for spec in artifact.signature.inputs]
+    outputs = pytree.tree_leaves(artifact.run(*(to_torch(array).to(getattr(torch, dtype)) for array, dtype in zip(inputs, dtypes))))
+    program = artifact.program
+    return {"resolved_precision": artifact.manifest["resolved_precision"],
+            "run_dtypes": sorted({str(output.dtype).removeprefix("torch.") for output in outputs}),
+            "rotary_dtypes": sorted({str(spec.dtype) for name, spec in zip(program.weight_names, program.weight_specs) if "inv_freq" in name})}
 
 
 def convert_command(family, source: str, mode: str, task_choice: str, out: pathlib.Path, options) -> list[str]:
-    """The `tpuexport convert` command line of one row."""
+    """The `tpuexport convert` command line of one row. A decoder family's task (text-generation,
+    also what --task auto gives it) is the prefill/decode artifact in every mode: its sizes are
+    --max-context/--max-batch/--bucket, not --dim."""
     command = [sys.executable, "-m", "tpuexport.cli", "convert", source, "-o", str(out), "--target", options.target]
+    generation = mode in GENERATION_MODES or family.task == "text-generation"
     if family.save is not None:
-        command += ["--task", family.task if task_choice == "explicit" else "auto"]
-        command += [option for dim in family.dims for option in ("--dim", dim)]
-    if mode in GENERATION_MODES:
-        return command + ["--task", "text-generation", "--max-context", "64", "--max-batch", "2", "--bucket", "batch=2", "--bucket",
-                          "seq=16", "--verify-new-tokens", str(GENERATION_NEW_TOKENS), "--precision", mode.removeprefix("generate-"),
-                          "--no-saved-model"]
-    if mode.startswith("int8"):
-        command += ["--quantize", mode] + (["--random-calibration"] if mode == "int8" and family.save is not None else [])
-    else:
-        command += ["--precision", mode]
+        asked = "text-generation" if mode in GENERATION_MODES else family.task if task_choice == "explicit" else "auto"
+        command += ["--task", asked]
+        if not generation:
+            command += [option for dim in family.dims for option in ("--dim", dim)]
+    numerics = mode.removeprefix("generate-")
+    if numerics.startswith("int8"):
+        command += ["--quantize", numerics] + (["--random-calibration"] if numerics == "int8" and family.save is not None else [])
+    elif mode != CHECKPOINT_MODE:  # a bf16 checkpoint converts with default options
+        command += ["--precision", numerics]
+    if generation:
+        return command + ["--max-context", "64", "--max-batch", "2", "--bucket", "batch=2", "--bucket", "seq=16",
+                          "--verify-new-tokens", str(GENERATION_NEW_TOKENS), "--no-saved-model"]
     return command + ([] if options.saved_model else ["--no-saved-model"])
 
 
@@ -85,19 +121,22 @@ def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
         try:
             if family.save is not None:
                 source = str(scratch / family_name)
-                subprocess.run([sys.executable, str(HERE / "coverage.py"), "--save", family_name, source], check=True, capture_output=True,
-                               timeout=CHILD_TIMEOUT_SECONDS, env=environment)
+                dtype = "bfloat16" if mode == CHECKPOINT_MODE else "float32"
+                subprocess.run([sys.executable, str(HERE / "coverage.py"), "--save", family_name, source, dtype], check=True,
+                               capture_output=True, timeout=options.child_timeout, env=environment)
             else:
                 source = f"{HERE / 'families.py'}:{family.build.__name__}"
             start = time.perf_counter()
             completed = subprocess.run(convert_command(family, source, mode, task_choice, out, options), capture_output=True, text=True,
-                                       timeout=CHILD_TIMEOUT_SECONDS, env=environment, cwd=scratch)
+                                       timeout=options.child_timeout, env=environment, cwd=scratch)
         except subprocess.TimeoutExpired:
-            return {**row, "status": "crash", "message": f"timed out after {CHILD_TIMEOUT_SECONDS} s"}
+            return {**row, "status": "crash", "message": f"timed out after {options.child_timeout} s"}
         except subprocess.CalledProcessError as error:
             return {**row, "status": "crash", "message": f"save_pretrained failed: {(error.stderr or b'').decode().strip()[-200:]}"}
         row["seconds"] = round(time.perf_counter() - start, 2)
         row["status"] = STATUS_OF_EXIT_CODE.get(completed.returncode, "crash")
+        if row["status"] == "mismatch" and "verification failed" not in completed.stderr:
+            row["status"] = "crash"  # Python's own exit code for an uncaught exception is 1 too
         if row["status"] != "passed":
             row["message"] = (completed.stderr.strip().splitlines() or [f"exit code {completed.returncode}"])[-1]
             report = sorted(scratch.glob("*.verification-report.json"))
@@ -107,7 +146,7 @@ def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
         row["task"] = manifest.get("huggingface", {}).get("task", row["task"])
         row["report"] = _read_json(out / manifest["verification"]["report"])
         row["weight_bytes"] = manifest["program"]["weight_bytes"]
-        if mode in GENERATION_MODES:
+        if "tokens_compared" in manifest["verification"]:
             row["tokens_compared"] = manifest["verification"]["tokens_compared"]
             row["ties"] = manifest["verification"]["ties"]
         if "quantization" in manifest:
@@ -115,6 +154,11 @@ def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
             row["sqnr_db"] = [o["sqnr_db"] for o in quantization["outputs"]]
             row["weight_ratio"] = quantization["weight_bytes"]["ratio"]
             row["integer_flops_fraction"] = quantization.get("integer_flops", {}).get("fraction")
+        if mode == CHECKPOINT_MODE and "signature" in manifest:  # a forward artifact (a generation one has entry points)
+            checked = subprocess.run([sys.executable, str(HERE / "coverage.py"), "--bf16-check", str(out)], capture_output=True, text=True,
+                                     timeout=options.child_timeout, env=environment)
+            row["bf16_check"] = (json.loads(checked.stdout.strip().splitlines()[-1]) if checked.returncode == 0
+                                 else {"error": (checked.stderr.strip().splitlines() or ["no output"])[-1]})
     return row
 
 
@@ -133,7 +177,11 @@ def format_row(row: dict) -> str:
     ratio = row.get("weight_ratio")
     integer = row.get("integer_flops_fraction")
     message = "" if row["status"] == "passed" else first_line(row.get("message", ""))
-    if row["mode"] in GENERATION_MODES:
+    checked = row.get("bf16_check")
+    if checked:
+        message = checked.get("error") or (f"resolved {checked['resolved_precision']}; run gives {'/'.join(checked['run_dtypes'])}"
+                                           + (f"; inv_freq {'/'.join(checked['rotary_dtypes'])}" if checked["rotary_dtypes"] else ""))
+    if row["mode"] in GENERATION_MODES or "tokens_compared" in row:
         parity = {"passed": "yes", "mismatch": "no"}.get(row["status"], row["status"])
         return (f"| {row['family']} | {row['task']} | {row['asked']} | {row['mode']} | greedy parity {parity} | {row.get('seconds', '-')} | "
                 f"{row.get('tokens_compared', '-')} tokens compared, {row.get('ties', '-')} ties | - | - | {message} |")
@@ -151,11 +199,17 @@ def main() -> None:
     parser.add_argument("--fast", action="store_true", help="only the families the test suite runs")
     parser.add_argument("--jobs", type=int, default=1, help="conversions at once (each is a process)")
     parser.add_argument("--json", type=pathlib.Path, help="write every row (with its verification report) here")
-    parser.add_argument("--save", nargs=2, metavar=("FAMILY", "DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--child-timeout", type=float, default=CHILD_TIMEOUT_SECONDS,
+                        help="seconds one row's process may take (a shared machine needs more)")
+    parser.add_argument("--save", nargs=3, metavar=("FAMILY", "DIR", "DTYPE"), help=argparse.SUPPRESS)
+    parser.add_argument("--bf16-check", type=pathlib.Path, help=argparse.SUPPRESS)
     options = parser.parse_args()
 
     if options.save:
-        save_family(options.save[0], pathlib.Path(options.save[1]))
+        save_family(options.save[0], pathlib.Path(options.save[1]), options.save[2])
+        return
+    if options.bf16_check:
+        print(json.dumps(bf16_check(options.bf16_check)))
         return
 
     sys.path.insert(0, str(HERE))
@@ -171,10 +225,12 @@ def main() -> None:
         parser.error(f"unknown --tasks {options.tasks}; use {', '.join(TASK_CHOICES)}")
     # A family that is not a transformers model converts once, from its factory.
     jobs = [(name, mode, choice) for name in names for choice in (task_choices if FAMILIES[name].save else task_choices[:1])
-            for mode in modes if mode not in GENERATION_MODES or (FAMILIES[name].kind == "decoder" and FAMILIES[name].save)]
+            for mode in modes if (mode not in GENERATION_MODES or (FAMILIES[name].kind == "decoder" and FAMILIES[name].save))
+            and (mode != CHECKPOINT_MODE or FAMILIES[name].save)]
     print(f"{len(names)} families x {len(modes)} modes x --task {'/'.join(task_choices)}, target {options.target}"
           f"{', SavedModel' if options.saved_model else ''}\n", flush=True)
-    print("| family | task | --task | mode | status | seconds | int8 SQNR dB (worst output) | weights vs f32 | s8 FLOPs | error (last line) |")
+    print("| family | task | --task | mode | status | seconds | int8 SQNR dB (worst output) | weights vs f32 | s8 FLOPs | "
+          "error (last line), or bf16 checkpoint: resolved precision, run dtypes, rotary table |")
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     with ThreadPoolExecutor(max_workers=options.jobs) as pool:

@@ -44,7 +44,9 @@ class Family:
       build: returns the factory dict.
       fast: part of the pytest subset (small and quick to convert).
       task: the Hugging Face task it converts as (None: not a transformers model).
-      save: writes the model as a save_pretrained directory (None: not a transformers model).
+      save: writes the model as a save_pretrained directory, `save(directory, dtype=torch.float32)`;
+        dtype torch.bfloat16 writes a bf16 checkpoint, as most are published (None: not a
+        transformers model).
       dims: --dim options of its conversion.
     """
 
@@ -53,7 +55,7 @@ class Family:
     build: Callable[[], dict]
     fast: bool = False
     task: str | None = None
-    save: Callable[[pathlib.Path], None] | None = None
+    save: Callable[..., None] | None = None
     dims: tuple[str, ...] = ()
 
 
@@ -111,8 +113,8 @@ def transformers_family(name: str, kind: str, model_class: str, config_class: st
         wrapped, args, dynamic_shapes = forward_program(model(), [parse_dim(text) for text in dims])
         return {"model": wrapped, "args": args, "dynamic_shapes": dynamic_shapes, "calibration": _calibration(wrapped.input_names, args)}
 
-    def save(directory: pathlib.Path) -> None:
-        model().save_pretrained(directory)
+    def save(directory: pathlib.Path, dtype: torch.dtype = torch.float32) -> None:
+        model().to(dtype).save_pretrained(directory)
 
     return Family(name, kind, build, fast, task, save, dims)
 

@@ -57,7 +57,7 @@ def main() -> None:
     runs = [(FAMILIES[name], options.group_size) for name in options.families.split(",")]
     if options.base:
         runs.append((BASE_FAMILIES["llama-base"], 128))
-    print(f"{'family':<14}{'mode':<18}{'group':>6}{'quantized':>10}{'bytes vs f32':>14}  {'SQNR vs float (dB)':<30}{'vs dequantized ref (dB)'}")
+    print(f"{'family':<14}{'mode':<18}{'group':>6}{'quantized':>10}{'bytes vs f32':>14}  {'SQNR vs float (dB)':<46}{'vs dequantized ref (dB)'}")
     for family, group in runs:
         for mode in ("int8-weight-only", "int4-weight-only"):
             start = time.perf_counter()
@@ -71,7 +71,7 @@ def main() -> None:
                              for o in section["outputs"])
             agreement = ", ".join("exact" if value is None else f"{value:.0f}" for value in row["agreement"])
             print(f"{family.name:<14}{mode:<18}{group if mode.startswith('int4') else '-':>6}{row['quantized']:>10}"
-                  f"{section['weight_bytes']['ratio']:>13.4f}x  {sqnr:<30}{agreement}   ({time.perf_counter() - start:.0f} s)", flush=True)
+                  f"{section['weight_bytes']['ratio']:>13.4f}x  {sqnr:<46}{agreement}   ({time.perf_counter() - start:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@ tensor by tensor, bf16 inputs and outputs run end to end, and state kept in f32 
 
 from __future__ import annotations
 
+import dataclasses
+
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -13,8 +16,8 @@ from families import Outputs
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.export import LoadedSource, SourceInfo
-from tpuexport.verify import default_tolerances
 from tpuexport.gate import verify_artifact
+from tpuexport.verify import default_tolerances, verify
 
 ROTARY = "model.model.rotary_emb.inv_freq"
 
@@ -61,6 +64,33 @@ def test_bf16_llama_converts_with_no_options_in_its_own_dtypes(bf16_llama_artifa
     assert str(exported.in_avals[artifact.program.weight_names.index(ROTARY)].dtype) == "float32"
     np.testing.assert_array_equal(artifact.program.weights[artifact.program.weight_names.index(ROTARY)],
                                   model.model.model.rotary_emb.inv_freq.numpy())
+
+
+def test_position_tables_are_verified_at_the_longest_sequence(bf16_llama_artifact):
+    _, artifact = bf16_llama_artifact
+    positions = [case for case in artifact.manifest["verification"]["cases"] if case["label"] == "positions"]
+    assert [case["sizes"] for case in positions] == [{"batch": 2, "seq": 32}]  # every dim at its largest size
+
+
+def test_a_rotary_table_rounded_to_bf16_fails_verification_at_long_positions():
+    """The planted bug: the artifact's rotary inv_freq rounded to bfloat16 (as --precision bf16 did).
+    The model's logits hide it (both full-model cases pass); its rotary tables at position 2047 do not."""
+    model = tiny_llama(torch.bfloat16, max_positions=2048)
+    captured = export_stage.capture(LoadedSource(model, (torch.randint(0, 128, (2, 16)),), token_dims(2048), None, SourceInfo("api")))
+    program = lower_stage.lower(captured.program, captured.signature)
+    weights = list(program.weights)
+    index = program.weight_names.index(ROTARY)
+    weights[index] = weights[index].astype(ml_dtypes.bfloat16).astype(np.float32)
+    bugged = dataclasses.replace(program, weights=tuple(weights))
+
+    report = verify(bugged, captured.reference, captured.example_inputs, budget_flops=0)
+    assert not report.passed
+    assert [(case.label, case.passed) for case in report.cases] == [("example", True), ("min", True), ("positions", False)]
+    positions = report.cases[-1]
+    assert positions.sizes == {"batch": 2, "seq": 2048}
+    failed = [output for output in positions.runs["cpu"] if not output.passed]
+    assert failed and all("self_attn" in output.name for output in failed)  # the cos/sin each attention layer reads
+    assert "at batch=2,seq=2048 (cpu run)" in report.failure_summary()
 
 
 def test_bf16_llama_artifact_runs_bf16_in_and_out(bf16_llama_artifact):
@@ -146,3 +176,20 @@ def test_no_figure_in_the_manifest_is_negative(bf16_llama_artifact):
         for bucket in target["buckets"]:
             assert bucket["cost"]["optimal_seconds"] is None or bucket["cost"]["optimal_seconds"] >= 0
             assert all(value >= 0 for value in bucket["memory"].values())
+
+
+def test_the_coverage_benchmark_writes_bf16_checkpoints_that_load_as_users_load_them(tmp_path):
+    """benchmarks/coverage.py --modes bf16-checkpoint: the family's directory holds bfloat16 tensors
+    and says so in config.json; loaded as `tpuexport convert DIR` loads it, its parameters are
+    bfloat16 and its rotary table (not in a checkpoint, computed by the model) f32."""
+    from families import FAMILIES
+
+    from tpuexport.arrays import read_safetensors_header
+    from tpuexport.export import load_source
+
+    FAMILIES["llama"].save(tmp_path / "llama", torch.bfloat16)
+    header, _ = read_safetensors_header(next((tmp_path / "llama").glob("*.safetensors")))
+    assert {entry["dtype"] for entry in header.values()} == {"BF16"}
+    loaded = load_source(str(tmp_path / "llama"))
+    assert {parameter.dtype for parameter in loaded.model.parameters()} == {torch.bfloat16}
+    assert {name: buffer.dtype for name, buffer in loaded.model.named_buffers()}["model.rotary_emb.inv_freq"] == torch.float32

@@ -247,3 +247,25 @@ def _cmdline(pid: int) -> bytes:
         return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_a_factory_file_may_define_dataclasses(tmp_path):
+    """The factory's file runs as an imported module would (dataclasses look their module up in
+    sys.modules), and is not left registered afterwards."""
+    source = tmp_path / "configured.py"
+    source.write_text(textwrap.dedent('''
+        from __future__ import annotations
+        import dataclasses
+        import torch
+
+        @dataclasses.dataclass(frozen=True)
+        class Size:
+            width: int
+
+        def build():
+            return torch.nn.Linear(Size(4).width, 2), (torch.randn(3, 4),)
+    '''))
+    before = set(sys.modules)
+    loaded = tpuexport_api.export.load_source(f"{source}:build")
+    assert isinstance(loaded.model, torch.nn.Linear) and loaded.args[0].shape == (3, 4)
+    assert set(sys.modules) - before == set()

@@ -204,6 +204,49 @@ def test_generation_artifact_refuses_single_program_calls(llama_generation):
     assert dataclasses.asdict(artifact.generation_program.spec)["max_batch"] == MAX_BATCH
 
 
+def test_plan_on_a_slice_splits_the_cache_with_the_heads(tmp_path):
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128)).eval()
+    artifact = tpuexport.convert(model, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, weights=False,
+                                 buckets={"seq": [16], "batch": [MAX_BATCH]}, target="v5e-4", sharding="tensor-parallel",
+                                 mesh="model=2,data=2", out=tmp_path / "plan.tpu")
+    assert artifact.plan_only and artifact.manifest["program"]["weights"] is None
+    buckets = {bucket["entry_point"]: bucket for bucket in artifact.manifest["targets"]["v5e-4"]["buckets"]}
+    for bucket in buckets.values():
+        # [layers, batch, kv_heads, context, head_dim]: batch over data, kv heads over model
+        assert bucket["sharding"]["inputs"]["cache_k"] == [None, "data", "model", None, None]
+        assert bucket["memory"]["alias_bytes"] > 0
+    step = buckets["decode"]["decode_step"]
+    assert step["cache_bytes"] == artifact.manifest["generation"]["cache_bytes"] // 4
+    with pytest.raises(tpuexport.TpuExportError, match="plan without weights"):
+        artifact.generate([1, 2], max_new_tokens=2)
+
+
+def test_generate_from_text_with_the_tokenizer_the_artifact_carries(tmp_path):
+    """A Hugging Face directory with a tokenizer: `generate --prompt` encodes with the copied
+    tokenizer and prints the new tokens, then their text; --tokens gives the same tokens."""
+    source = tmp_path / "lm"
+    model = tiny_gpt2()
+    model.save_pretrained(source)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world", *[f"w{i}" for i in range(249)]]) + "\n")
+    tokenizer = transformers.BertTokenizer(str(vocab))
+    tokenizer.save_pretrained(source)
+    out = tmp_path / "lm.tpu"
+    converted = cli("convert", source, "--task", "text-generation", "--max-context", 32, "--max-batch", 1, "--bucket", "seq=8",
+                    "--verify-new-tokens", 4, "-o", out)
+    assert converted.returncode == 0, converted.stderr
+    from_text = cli("generate", out, "--prompt", "hello world", "--max-new-tokens", 3)
+    assert from_text.returncode == 0, from_text.stderr
+    *steps, text = from_text.stdout.strip().splitlines()
+    ids = tokenizer("hello world")["input_ids"]
+    from_ids = cli("generate", out, "--tokens", ",".join(map(str, ids)), "--max-new-tokens", 3)
+    assert from_ids.stdout.strip().splitlines() == steps and len(steps) == 3
+    assert text == tokenizer.decode([int(step) for step in steps])
+
+
 def test_runtime_generates_from_the_cpu_executables_with_the_cache_on_the_device(llama_generation):
     artifact, _ = llama_generation
     runner = tpuexport.runner(artifact.path)

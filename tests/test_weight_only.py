@@ -93,7 +93,7 @@ def test_checkpoint_streams_quantized_weights_verified_against_dequantized_model
     assert up["shape"] == [LAYERS, HIDDEN, WIDTH // 2 if bits == 4 else WIDTH]
     assert up["dtype"] == ("U8" if bits == 4 else "I8")
     scale = header["layers.0-1.up_proj.weight_scale"]
-    assert scale["shape"] == [LAYERS, HIDDEN, WIDTH // GROUP if bits == 4 else 1] and scale["dtype"] == ("BF16" if bits == 4 else "F32")
+    assert scale["shape"] == [LAYERS, HIDDEN, WIDTH // GROUP if bits == 4 else 1] and scale["dtype"] == "BF16"
     assert header["layers.0-1.norm.weight"]["dtype"] == "F32"
     assert section["weight_bytes"]["ratio"] <= (0.15 if bits == 4 else 0.27)
 
@@ -222,3 +222,45 @@ def test_tensor_parallel_plan_splits_int4_weights_and_their_scales_alike(capture
     assert specs["layers.0-1.down_proj.weight"] == specs["layers.0-1.down_proj.weight_scale"] == (None, None, "model")  # input features
     assert specs["layers.0-1.o_proj.weight"] == specs["layers.0-1.o_proj.weight_scale"] == (None, None, "model")
     assert specs["embed_tokens.weight"] == specs["embed_tokens.weight_scale"] == ("model",)
+
+
+def test_keep_float_keeps_matching_weights_float(captured):
+    lowered = lower_stage.lower(captured.program, captured.signature, weights=False,
+                                weight_only=WeightOnlyScheme("int8-weight-only", keep_float=r"^(lm_head|embed_tokens)\."))
+    assert sorted(lowered.quantized) == sorted(f"layers.0-1.{name}.weight" for name in ("q_proj", "o_proj", "up_proj", "down_proj"))
+    specs = dict(zip(lowered.weight_names, lowered.weight_specs))
+    assert specs["lm_head.weight"].dtype == specs["embed_tokens.weight"].dtype == np.float32
+    assert "lm_head.weight_scale" not in specs
+
+
+def test_generation_artifact_with_int4_weights_generates_what_the_dequantized_model_does(tmp_path):
+    """Prefill and decode share the quantized weights; verification compares with generate() on the
+    model whose weights are rounded and dequantized; the decode step's arguments are the int4 weights and the cache."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(config).eval()
+    artifact = tpuexport.convert(model, task="text-generation", max_context=32, max_batch=2, buckets={"seq": [16], "batch": [2]},
+                                 target="v5e", out=tmp_path / "llama.tpu", quantize="int4-weight-only", group_size=GROUP)
+    manifest = artifact.manifest
+    assert manifest["verification"]["passed"] and manifest["verification"]["tokens_compared"] > 0
+    quantized = manifest["quantization"]["weights"]
+    assert "model.model.embed_tokens.weight" in quantized and quantized["model.lm_head.weight"]["bits"] == 4
+    assert manifest["quantization"]["weight_bytes"]["ratio"] < 0.15
+    decode = next(bucket for bucket in manifest["targets"]["v5e"]["buckets"] if bucket["entry_point"] == "decode")
+    assert decode["memory"]["argument_bytes"] < manifest["program"]["weight_bytes"] + manifest["generation"]["cache_bytes"] + 2**20
+
+
+def test_large_weights_are_rounded_in_row_blocks_alike(monkeypatch):
+    from tpuexport.quantize import weight_only
+
+    weight = torch.randn(10, 64)
+    scheme = WeightOnlyScheme("int4-weight-only", GROUP)
+    whole = quantize_tensor(weight, scheme, -1), weight_only.fake_quantized(weight, scheme, -1)
+    monkeypatch.setattr(weight_only, "ROWS_AT_ONCE", 3)
+    blocks = quantize_tensor(weight, scheme, -1), weight_only.fake_quantized(weight, scheme, -1)
+    assert torch.equal(whole[0][0], blocks[0][0]) and torch.equal(whole[0][1], blocks[0][1]) and torch.equal(whole[1], blocks[1])
+    transposed = quantize_tensor(weight.T.contiguous(), scheme, -2)  # (in, out): rows are the contraction axis, one block
+    assert transposed[1].shape == (2, 10)

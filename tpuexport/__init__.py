@@ -188,6 +188,8 @@ def plan(
     rules=(),
     input_rules=(),
     progress=None,
+    quantize: str | None = None,
+    group_size: int = 128,
 ) -> Artifact:
     """Plans a model without its weights: lowered from the weights' shapes and dtypes, compiled for
     every target and bucket (slices with the sharding plan), with XLA's per-chip memory and an
@@ -203,6 +205,8 @@ def plan(
       model, args, dynamic_shapes, target, out, buckets, precision, matmul_precision, overwrite,
       mesh, sharding, rules, input_rules, progress: as for `convert` (example inputs may be real
         CPU tensors or meta tensors).
+      quantize, group_size: None, or a weight-only mode ("int8-weight-only", "int4-weight-only")
+        planned with the quantized weights' shapes and dtypes (the PT2E modes need the weights).
     Returns:
       The plan-only Artifact written at `out`.
     Raises:
@@ -211,5 +215,5 @@ def plan(
     """
     return convert(model, args, dynamic_shapes, target=target, out=out, buckets=buckets, precision=precision,
                    matmul_precision=matmul_precision, overwrite=overwrite, saved_model=False, mesh=mesh, sharding=sharding,
-                   rules=rules, input_rules=input_rules, progress=progress, weights=False)
+                   rules=rules, input_rules=input_rules, progress=progress, weights=False, quantize=quantize, group_size=group_size)
 

@@ -300,7 +300,8 @@ def inspect(artifact_dir, as_json):
             console.print(f"  {prefix}dim {dim.name}: {dim.range_text} (example {dim.example})")
         for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
             for spec in specs:
-                console.print(f"  {prefix}{kind} {spec.name}: {spec.dtype}[{', '.join(map(str, spec.shape))}]")
+                # Printed without markup: rich would take "[batch, seq]" for a style tag and drop it.
+                console.print(f"  {prefix}{kind} {spec.name}: {spec.dtype}[{', '.join(map(str, spec.shape))}]", markup=False)
     for name, plan in data.get("sharding", {}).items():
         split = {weight: spec for weight, spec in plan["weights"].items() if any(entry is not None for entry in spec)}
         console.print(f"  {name}: mesh {describe_mesh(plan['mesh'])}, {plan['preset']}, {len(split)}/{len(plan['weights'])} weights split; "
@@ -322,19 +323,30 @@ def inspect(artifact_dir, as_json):
 
 @main.command()
 @click.argument("artifact_dir", metavar="ARTIFACT", type=click.Path(path_type=pathlib.Path))
-@click.option("--tokens", "token_lists", multiple=True, required=True, metavar="ID,ID,...",
+@click.option("--tokens", "token_lists", multiple=True, metavar="ID,ID,...",
               help="A prompt's token ids (repeat for several prompts, up to the artifact's max batch).")
+@click.option("--prompt", "texts", multiple=True, metavar="TEXT",
+              help="A prompt as text, encoded with the tokenizer the artifact carries (a Hugging Face source's); repeat for several.")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Tokens to generate per prompt.")
 @handles_errors
-def generate(artifact_dir, token_lists, max_new_tokens):
+def generate(artifact_dir, token_lists, texts, max_new_tokens):
     """Greedy generation with a text-generation artifact on CPU (prefill, then decode steps over the KV cache), printing
-    each step's tokens as they come (one line per step, one id per prompt)."""
+    each step's tokens as they come (one line per step, one id per prompt); with --prompt, then each prompt's new text."""
     from tpuexport.artifact import load
 
-    prompts = [parse_tokens(text) for text in token_lists]
+    if bool(token_lists) == bool(texts):
+        raise TpuExportError("give the prompts either as --tokens ID,ID,... or as --prompt TEXT (one of them, repeatable)")
     artifact = load(artifact_dir)
+    tokenizer = artifact.tokenizer() if texts else None
+    prompts = [parse_tokens(text) for text in token_lists] or [tokenizer(text)["input_ids"] for text in texts]
+    generated: list[list[int]] = [[] for _ in prompts]
     for step in artifact.stream(prompts, max_new_tokens):
         click.echo(" ".join("-" if token is None else str(token) for token in step))
+        for row, token in enumerate(step):
+            if token is not None:
+                generated[row].append(token)
+    for tokens in generated if tokenizer else ():
+        click.echo(tokenizer.decode(tokens))
 
 
 def parse_tokens(text: str) -> list[int]:

@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -55,6 +57,9 @@ from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
 from tpuexport.artifact import tf_serving as serving_stage
 from tpuexport.errors import TpuExportError, VerificationError
+
+# errno values of a write that found no room: disk full, over RLIMIT_FSIZE, over quota.
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +173,26 @@ class StageClock:
         self.event(name, seconds, detail)
 
 
+def _disk_full_is_bad_input(convert):
+    """A write that fails for lack of space (or over the file size limit), in this process or a
+    compiler's, becomes one TpuExportError line; the artifact's staging and scratch directories
+    are already gone by then (they are removed on any exception)."""
+
+    @functools.wraps(convert)
+    def run(loaded, options, progress=None):
+        try:
+            return convert(loaded, options, progress)
+        except OSError as error:
+            if error.errno not in DISK_FULL_ERRNOS:
+                raise
+            where = error.filename or f"next to {options.out}"
+            raise TpuExportError(f"could not write {where}: {error.strerror or os.strerror(error.errno)}; nothing was written "
+                                 f"to {options.out}: free space on that filesystem (or raise the file size limit) and convert again") from None
+
+    return run
+
+
+@_disk_full_is_bad_input
 def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions, progress=None) -> artifact_stage.Artifact:
     """Converts a loaded source into an artifact.
 
@@ -320,12 +345,14 @@ def _check_options(options: ConversionOptions) -> tuple[list, list]:
     if options.task == "text-generation":
         if options.max_context is None:
             raise TpuExportError("--task text-generation needs --max-context N (positions per cache slot), e.g. --max-context 2048")
-        if options.quantize:
-            raise TpuExportError("--quantize with --task text-generation is not supported yet; convert the float model")
+        if options.quantize and _weight_only_scheme(options) is None:
+            raise TpuExportError("--quantize int8/int8-dynamic with --task text-generation is not supported yet; convert the float "
+                                 "model or use --quantize int8-weight-only / int4-weight-only")
     elif options.max_context is not None or options.max_batch != 1:
         raise TpuExportError("--max-context / --max-batch apply to --task text-generation only; add --task text-generation or drop them")
-    if options.quantize and not options.weights:
-        raise TpuExportError("--quantize needs the model's weights (it calibrates and rounds them); plan without it")
+    if options.quantize and not options.weights and _weight_only_scheme(options) is None:
+        raise TpuExportError("--quantize int8/int8-dynamic needs the model's weights (it calibrates and rounds them); plan without it "
+                             "or with a weight-only mode")
     _weight_only_scheme(options)
     return targets, slices
 
@@ -371,7 +398,7 @@ def _run_plan(loaded: export_stage.LoadedSource, options: ConversionOptions, tar
                                       f"not read), precision {_describe_precision(lowered)}, matmul precision {options.matmul_precision}; "
                                       f"{_describe_scans(lowered.scanned)}"):
         lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
-                                    options.scan, weights=False, keep_f32=captured.keep_f32)
+                                    options.scan, weights=False, keep_f32=captured.keep_f32, weight_only=_weight_only_scheme(options))
     plans = _plan_slices(options.sharding, slices, lowered, buckets, clock)
     with compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock, lowered), plans) as compiling:
         report = compiling.result()
@@ -508,7 +535,7 @@ def _quantization_report(quantized, lowered: lower_stage.LoweredProgram, compile
 def _scratch_directory(out: pathlib.Path):
     """A hidden directory next to `out` (same filesystem: its files are moved into the artifact),
     removed when the conversion ends, failed or not."""
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.scratch-", dir=out.parent))
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix=artifact_stage.sibling_prefix(out, "scratch"), dir=out.parent))
     try:
         yield scratch
     finally:
@@ -619,14 +646,18 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
             captured[name] = export_stage.capture(export_stage.on_meta_device(source) if plan_only else source)
     with clock.stage("lower", lambda: f"{len(program.weights_program.weight_names)} weight arrays shared by "
                                       f"{', '.join(program.entry_points)}, precision {_describe_precision(program.weights_program)}"):
+        weight_only = _weight_only_scheme(options)
         lowered = {name: lower_stage.lower(entry.program, entry.signature, options.precision, options.matmul_precision, options.scan,
-                                           weights=not plan_only)
+                                           weights=not plan_only, weight_only=weight_only)
                    for name, entry in captured.items()}
         # Both programs collected the same weights; the artifact and the runs keep decode's.
         lowered["prefill"] = dataclasses.replace(lowered["prefill"], weights=lowered["decode"].weights)
         program = lower_stage.GenerationProgram(spec, lowered, prefill_batches)
-    buckets = {"prefill": compile_stage.make_buckets(lowered["prefill"].signature, {"batch": list(prefill_batches),
-                                                                                    "seq": list(spec.prefill_buckets)}),
+    # With one cache slot, prefill's batch is static (no batch dim to bucket).
+    prefill_sizes = {"seq": list(spec.prefill_buckets)}
+    if any(dim.name == "batch" for dim in lowered["prefill"].signature.dims):
+        prefill_sizes["batch"] = list(prefill_batches)
+    buckets = {"prefill": compile_stage.make_buckets(lowered["prefill"].signature, prefill_sizes),
                "decode": compile_stage.make_buckets(lowered["decode"].signature, None)}
     plans = {name: _plan_generation_slices(options.sharding, slices, spec, entry, buckets[name], clock, name)
              for name, entry in lowered.items()}
@@ -641,7 +672,9 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
                 tolerances = verify_stage.with_overrides(
                     verify_stage.default_tolerances(lowered["decode"].resolved_precision, options.matmul_precision, False),
                     **options.tolerance_overrides)
-                report = verify_stage.verify_generation(program, model, tolerances, options.new_tokens)
+                # A weight-only program is compared with generate() on the model with those weights dequantized.
+                with _dequantized_weights(modules["decode"], lowered["decode"], weight_only):
+                    report = verify_stage.verify_generation(program, model, tolerances, options.new_tokens)
             if not report.passed:
                 raise VerificationError(report, _write_failed_report(options.out, report.to_json()))
         compiled = {name: job.result() for name, job in jobs.items()}
@@ -650,8 +683,29 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
     with clock.stage("write", lambda: str(options.out) + (" (plan only: no weights, not verified)" if plan_only else "")):
         artifact_stage.write_generation_artifact(options.out, source=loaded.info, program=program, compiled=compiled,
                                                  verification=report, stage_seconds=clock.seconds, overwrite=options.overwrite,
-                                                 extra_writers=_source_writers(loaded))
+                                                 extra_writers=_source_writers(loaded) + _generation_quantization(lowered["decode"], weight_only))
     return artifact_stage.load(options.out)
+
+
+def _dequantized_weights(module: torch.nn.Module, lowered: lower_stage.LoweredProgram, scheme):
+    """While open, eager PyTorch computes with `module`'s weight-only weights rounded and dequantized
+    (quantize/weight_only.py); a no-op without a scheme."""
+    if scheme is None:
+        return contextlib.nullcontext()
+    from tpuexport.quantize.weight_only import DequantizedReference, DequantizedWeights
+
+    axes = {part: entry["axis"] for name, entry in lowered.quantized.items() for part in lowered.weight_parts[name]}
+    return DequantizedWeights(DequantizedReference(module, axes, scheme).weights, scheme)
+
+
+def _generation_quantization(lowered: lower_stage.LoweredProgram, scheme) -> tuple:
+    """The manifest's quantization section of a weight-only generation artifact (which weights, how,
+    bytes vs f32; its outputs are compared with generate() by verification, not by SQNR)."""
+    if scheme is None:
+        return ()
+    from tpuexport.verify.quantization_report import weight_only_section
+
+    return (lambda staging: {"quantization": weight_only_section(lowered, scheme)},)
 
 
 def _plan_generation_slices(request: compile_stage.ShardingRequest, slices: list, spec: export_stage.GenerationSpec,

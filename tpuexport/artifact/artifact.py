@@ -28,6 +28,7 @@ from tpuexport.artifact import layout
 from tpuexport.artifact.manifest import sha256_file
 from tpuexport.errors import TpuExportError
 from tpuexport.export import GenerationSpec
+from tpuexport.export.huggingface import ARTIFACT_DIRECTORY as HF_DIRECTORY
 from tpuexport.lower import GenerationProgram, GenerationSession, LoweredProgram, stream_greedy
 from tpuexport.signature import ProgramSignature
 
@@ -149,6 +150,23 @@ class Artifact:
         program = self.generation_program
         return stream_greedy(GenerationSession(program), [list(map(int, prompt)) for prompt in prompts], max_new_tokens)
 
+    def tokenizer(self):
+        """The Hugging Face tokenizer a text-generation artifact carries (hf/, copied from a Hugging
+        Face source directory), loaded from those files alone (no download, no remote code).
+
+        Raises:
+          TpuExportError: the artifact has no tokenizer files.
+        """
+        files = self.manifest.get("huggingface", {}).get("files", [])
+        if not any(name.startswith("tokenizer") or name in ("vocab.txt", "vocab.json", "spiece.model") for name in files):
+            raise TpuExportError(f"{self.path} carries no tokenizer (its source was not a Hugging Face directory with tokenizer files); "
+                                 "pass token ids with --tokens")
+        from transformers import AutoTokenizer
+
+        for name in files:
+            self.checked_path(f"{HF_DIRECTORY}/{name}")
+        return AutoTokenizer.from_pretrained(str(self.path / HF_DIRECTORY), local_files_only=True, trust_remote_code=False)
+
     def generate(self, tokens, max_new_tokens: int = 32) -> list[list[int]]:
         """Greedy generation by the artifact's prefill and decode entry points on CPU (the lowered
         StableHLO, the KV cache held between steps as on a TPU).
@@ -182,8 +200,8 @@ class Artifact:
           TpuExportError: a plan (no weights), wrong number of inputs or sizes outside the dims' ranges,
             or a program or weights file that does not match its sha256 in the manifest.
         """
-        arrays = [to_numpy(value.detach().cpu()) if isinstance(value, torch.Tensor) else np.asarray(value) for value in inputs]
-        outputs = self.program.run(arrays)
+        arrays = [_input_array(value, spec.name) for value, spec in zip(inputs, self.signature.inputs)]
+        outputs = self.program.run(arrays + list(inputs[len(arrays):]))
         tensors = [to_torch(array).to(getattr(torch, spec.torch_dtype)) for array, spec in zip(outputs, self.signature.outputs)]
         return pytree.tree_unflatten(tensors, pytree.treespec_loads(self.signature.output_tree))
 
@@ -235,6 +253,20 @@ class Artifact:
                 outputs = [arrays[f"{index}/output/{spec.name}"] for spec in self.signature.outputs]
                 cases.append((case["sizes"], inputs, outputs))
         return cases
+
+
+def _input_array(value, name: str) -> np.ndarray:
+    """A run's input as a numpy array (torch tensors of any dtype and device, bfloat16 included).
+
+    Raises:
+      TpuExportError: a value numpy cannot make an array of (ragged nested lists, ...).
+    """
+    if isinstance(value, torch.Tensor):
+        return to_numpy(value.detach().cpu())
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError) as error:
+        raise TpuExportError(f"input {name!r} is not an array ({type(value).__name__}: {error}); pass a tensor or numpy array") from None
 
 
 def load(path) -> Artifact:

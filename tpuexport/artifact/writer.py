@@ -1,14 +1,21 @@
 """Writing an artifact directory atomically: everything goes to a temporary sibling directory,
-which is renamed into place only once complete, so a failed conversion leaves nothing behind."""
+which is renamed into place only once complete, so a failed conversion leaves nothing behind.
+
+A conversion that is killed (SIGKILL, power loss) cannot remove its hidden siblings of OUT
+(`.OUT.partial-*`, the pipeline's `.OUT.scratch-*`); their names hold the host and process id that
+made them, and the next conversion into OUT removes those whose process is gone.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import pathlib
 import shutil
+import socket
 import uuid
 from typing import Callable
 
@@ -38,22 +45,60 @@ def check_destination(out: pathlib.Path, overwrite: bool) -> None:
         raise TpuExportError(f"the parent directory of {out} does not exist; create it first")
 
 
+# Two conversions into one directory: the first to finish wins, the other fails with this.
+APPEARED = "{out} appeared while converting (another conversion wrote it); nothing of this one was written, choose another -o"
+
+
+def sibling_prefix(out: pathlib.Path, kind: str) -> str:
+    """The name prefix of a hidden sibling of `out` this process makes ("partial", "scratch", "old")."""
+    return f".{out.name}.{kind}-{socket.gethostname()}-{os.getpid()}-"
+
+
+def remove_abandoned_siblings(out: pathlib.Path) -> None:
+    """Removes the hidden siblings of `out` that conversions on this host left when they were killed."""
+    host = socket.gethostname()
+    for sibling in out.parent.glob(f".{glob_escape(out.name)}.*-{glob_escape(host)}-*-*"):
+        pid = sibling.name.split("-")[-2]  # the last part, a random suffix, has no "-"
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+def glob_escape(text: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def staging_directory(out: pathlib.Path, overwrite: bool):
     """Yields a temporary directory next to `out`; on success it replaces `out`, on error it is removed."""
-    staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    remove_abandoned_siblings(out)
+    staging = out.parent / f"{sibling_prefix(out, 'partial')}{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
         yield staging
         if out.exists():
             if not overwrite:
-                raise TpuExportError(f"{out} appeared while converting; choose another -o")
-            retired = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+                raise TpuExportError(APPEARED.format(out=out))
+            retired = out.parent / f"{sibling_prefix(out, 'old')}{uuid.uuid4().hex[:8]}"
             os.rename(out, retired)
             os.rename(staging, out)
             shutil.rmtree(retired)
         else:
-            os.rename(staging, out)
+            try:
+                os.rename(staging, out)
+            except OSError as error:  # another conversion renamed its directory there since the check above
+                if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                raise TpuExportError(APPEARED.format(out=out)) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

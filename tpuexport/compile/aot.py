@@ -13,10 +13,15 @@ its devices exchange (hlo.py).
 The targets' processes run at the same time (up to one per core), and in the background of the
 conversion (`CompileJob`): verification and the SavedModel need only the lowered program, so
 they run while the TPU compiler works.
+
+A compiler process that does not finish a bucket within TPUEXPORT_COMPILE_TIMEOUT seconds
+(environment, default COMPILE_TIMEOUT_SECONDS; its start-up counts toward its first bucket) is
+killed and the conversion fails naming the target and bucket.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -41,6 +46,28 @@ from tpuexport.lower import LoweredProgram
 from tpuexport.lower.lowering import CPU_COMPILER_OPTIONS
 
 CHILD_SCRIPT = pathlib.Path(__file__).with_name("compile_child.py")
+# The slowest compile measured (Llama-3-70B planned for v5p-128, README) takes 151 s: ten times that,
+# so only a hung compiler reaches it.
+COMPILE_TIMEOUT_SECONDS = 1800.0
+COMPILE_TIMEOUT_VARIABLE = "TPUEXPORT_COMPILE_TIMEOUT"
+
+
+def compile_timeout() -> float:
+    """Seconds a compiler process may spend on one bucket (TPUEXPORT_COMPILE_TIMEOUT, else the default).
+
+    Raises:
+      TpuExportError: the variable is not a positive number.
+    """
+    text = os.environ.get(COMPILE_TIMEOUT_VARIABLE)
+    if text is None:
+        return COMPILE_TIMEOUT_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise TpuExportError(f"{COMPILE_TIMEOUT_VARIABLE}={text!r} is not a positive number of seconds; set it to e.g. 600 or unset it")
+    return seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +271,7 @@ def compile_target(
                                 tuple((name, ()) for name in lowered.weight_names),
                                 tuple((spec.name, ()) for spec in lowered.signature.inputs))
         request = {
+            "parent_pid": os.getpid(),
             "exported": str(exported_path),
             "platform": target.platform,
             "topology": target.topology,
@@ -269,6 +297,7 @@ def compiler_options(target: Target) -> dict:
 
 
 def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan):
+    timeout = compile_timeout()
     # libtpu's start-up warnings go to the child's stderr, kept in a file for crash reports only.
     with open(scratch_dir / "stderr.txt", "w+b") as stderr:
         child = subprocess.Popen(
@@ -277,15 +306,23 @@ def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lower
         )
         if job is not None:
             job.started(child)
-        child.stdin.write(json.dumps(request))
-        child.stdin.close()
+        watchdog = _Watchdog(child, timeout)
+        try:
+            child.stdin.write(json.dumps(request))
+            child.stdin.close()
+        except BrokenPipeError:  # it died before reading the request; its exit status, below, says how
+            with contextlib.suppress(BrokenPipeError):
+                child.stdin.close()
         compiling = None
         try:
             for line in child.stdout:
+                watchdog.restart()
                 event = json.loads(line)
                 bucket = buckets[event["bucket"]]
                 if event["event"] == "start":
                     compiling = bucket
+                elif event["event"] == "error" and event.get("errno") is not None:
+                    raise OSError(event["errno"], event["message"], event.get("filename"))
                 elif event["event"] == "error":
                     raise _compile_error(target, bucket, event["message"], _largest_buffers(lowered, plan, bucket))
                 else:
@@ -297,9 +334,39 @@ def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lower
         finally:
             child.stdout.close()
             returncode = child.wait()
+            watchdog.stop()
+        if watchdog.fired:
+            raise TpuExportError(
+                f"the TPU compiler for {target.name} took more than {timeout:g} s "
+                f"{f'on bucket {compiling.name}' if compiling else 'to start'} and was stopped; "
+                f"raise {COMPILE_TIMEOUT_VARIABLE} (seconds) if it is only slow, else drop that bucket or target")
         if returncode != 0:
             stderr.seek(0)
             raise _crash_error(target, compiling, returncode, stderr.read().decode(errors="replace"))
+
+
+class _Watchdog:
+    """Kills a process that goes `timeout` seconds without `restart()` (a hung compiler)."""
+
+    def __init__(self, process: subprocess.Popen, timeout: float):
+        self.process, self.timeout, self.fired = process, timeout, False
+        self.timer = None
+        self.restart()
+
+    def restart(self) -> None:
+        self.stop()
+        self.timer = threading.Timer(self.timeout, self._fire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def _fire(self) -> None:
+        if self.process.poll() is None:
+            self.fired = True
+            self.process.kill()
 
 
 def _compiled_bucket(target: Target, bucket: Bucket, event: dict, scratch_dir: pathlib.Path, plan: ShardingPlan | None,
@@ -333,6 +400,10 @@ def _compile_error(target: Target, bucket: Bucket, message: str, largest_buffers
 
 def _crash_error(target: Target, bucket: Bucket | None, returncode: int, stderr_text: str) -> TpuExportError:
     cause = f"signal {signal.Signals(-returncode).name}" if returncode < 0 else f"exit code {returncode}"
+    if returncode == -signal.SIGKILL:
+        where = f" compiling bucket {bucket.name}" if bucket is not None else ""
+        return TpuExportError(f"the TPU compiler process for {target.name} was killed (SIGKILL, as the kernel's out-of-memory "
+                              f"killer sends){where}; free memory or convert fewer targets at once, and convert again")
     if bucket is None:
         last = " ".join(stderr_text.strip().splitlines()[-1:])[:200]
         return TpuExportError(f"the TPU compiler process for {target.name} failed ({cause}: {last}); "

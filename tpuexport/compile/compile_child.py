@@ -14,11 +14,17 @@ Protocol, one JSON object per stdout line, flushed as it happens:
                                                            files <i>.executable, <i>.hlo.txt written;
                                                            memory is per device; device_ids in mesh order
   {"event": "error", "bucket": i, "message"}               XLA raised; the process stops there
+  {"event": "error", "bucket": i, "message", "errno", "filename"}
+                                                           writing its files failed (e.g. the disk is full)
+The process asks the kernel for SIGKILL when its parent dies: a compiler left running (or hung)
+by a conversion that was killed would otherwise keep a core busy for nobody.
 """
 
+import ctypes
 import json
 import os
 import pathlib
+import signal
 import sys
 import time
 
@@ -54,6 +60,17 @@ def optimal_seconds(analysis: dict, hlo_text: str) -> float | None:
     return seconds if seconds >= 0 else None
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2), Linux
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the thread that started it ends (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+
 def emit(**event) -> None:
     print(json.dumps(event), flush=True)
 
@@ -82,6 +99,7 @@ def shardings(request, devices_available):
 
 def main() -> None:
     request = json.load(sys.stdin)
+    die_with_parent(request["parent_pid"])
     out_dir = pathlib.Path(request["out_dir"])
     exported = jax.export.deserialize(bytearray(pathlib.Path(request["exported"]).read_bytes()))
     if request["platform"] == "cpu":
@@ -106,9 +124,13 @@ def main() -> None:
             return
         seconds = time.perf_counter() - start
         executable, _, _ = serialize_executable.serialize(compiled)
-        (out_dir / f"{index}.executable").write_bytes(bytes(executable))
-        hlo_text = compiled.as_text()
-        (out_dir / f"{index}.hlo.txt").write_text(hlo_text)
+        try:
+            (out_dir / f"{index}.executable").write_bytes(bytes(executable))
+            hlo_text = compiled.as_text()
+            (out_dir / f"{index}.hlo.txt").write_text(hlo_text)
+        except OSError as error:  # the parent raises it as the OSError it is (disk full is bad input there)
+            emit(event="error", bucket=index, message=error.strerror, errno=error.errno, filename=error.filename)
+            return
         stats = compiled.memory_analysis()
         analysis = compiled.cost_analysis() or {}
         if isinstance(analysis, list):  # older jax returned one dict per computation

@@ -296,13 +296,14 @@ def example_arguments(spec: GenerationSpec) -> dict[str, tuple[tuple, dict | Non
     dtype = getattr(torch, spec.dtype)
     cache = (torch.zeros(spec.cache_shape, dtype=dtype), torch.zeros(spec.cache_shape, dtype=dtype))
     example_seq = max(2, min(spec.prefill_buckets[0], spec.max_context))
-    batch = torch.export.Dim("batch", min=1, max=spec.max_batch)
     seq = torch.export.Dim("seq", min=2, max=spec.max_context)
     prefill_args = (torch.ones((spec.max_batch, example_seq), dtype=torch.long),
                     torch.full((spec.max_batch,), example_seq, dtype=torch.long),
                     torch.arange(spec.max_batch, dtype=torch.long), *cache)
-    prefill_shapes = ({0: batch, 1: seq}, {0: batch}, {0: batch}, None, None)
-    if spec.max_batch == 1:  # torch.export specializes a dim whose example size is 1
+    if spec.max_batch == 1:  # one slot: prefill's batch is the static 1
         prefill_shapes = ({1: seq}, None, None, None, None)
+    else:
+        batch = torch.export.Dim("batch", min=1, max=spec.max_batch)
+        prefill_shapes = ({0: batch, 1: seq}, {0: batch}, {0: batch}, None, None)
     decode_args = (torch.ones((spec.max_batch,), dtype=torch.long), torch.zeros((spec.max_batch,), dtype=torch.long), *cache)
     return {"prefill": (prefill_args, prefill_shapes), "decode": (decode_args, None)}

@@ -173,12 +173,15 @@ def _load_factory(path: pathlib.Path, factory: str, reference: str, checkpoint: 
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(path.parent.resolve()))
+    # Registered while it runs, as an import would: dataclasses (and typing) look their module up there.
+    sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as error:
         raise TpuExportError(f"importing {path} failed ({type(error).__name__}: {_first_line(error)}); fix the file") from None
     finally:
         sys.path.pop(0)
+        sys.modules.pop(module_name, None)
     function = getattr(module, factory, None)
     if not callable(function):
         raise TpuExportError(f"{path} has no function {factory!r}; name a function defined in that file")

@@ -34,6 +34,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -175,6 +176,7 @@ class LoweredProgram:
         except ValueError as error:
             raise TpuExportError(f"input shapes do not fit the program: {error}") from None
         for array, spec in zip(arrays, specs):
+            _check_dtype_kind(array, spec)
             _check_integer_range(array, spec)
         inputs = [jnp.asarray(a.astype(s.dtype)) for a, s in zip(arrays, specs)]
         outputs = self._compiled(program or self.exported, tuple((a.shape, a.dtype) for a in inputs))(self._device_weights, inputs)
@@ -192,6 +194,26 @@ class LoweredProgram:
             self._executables[key] = (program, jax.jit(program.call).lower(self._device_weights, inputs)
                                       .compile(compiler_options=CPU_COMPILER_OPTIONS))
         return self._executables[key][1]
+
+
+def _dtype_kind(dtype: np.dtype) -> str:
+    """"floating", "integer", "bool" or "other" (bfloat16, whose numpy kind is "V", is floating)."""
+    if dtype == np.bool_:
+        return "bool"
+    if np.issubdtype(dtype, np.integer):
+        return "integer"
+    if np.issubdtype(dtype, np.floating) or dtype == ml_dtypes.bfloat16:
+        return "floating"
+    return "other"
+
+
+def _check_dtype_kind(array: np.ndarray, spec) -> None:
+    """Refuses an input of another kind than the artifact's (a float for token ids, an int for a
+    float input, ...), which a cast would silently change; other widths are cast."""
+    expected = _dtype_kind(np.dtype(spec.dtype))
+    if _dtype_kind(array.dtype) != expected:
+        raise TpuExportError(f"input {spec.name!r} is {array.dtype}, the artifact takes {spec.dtype}; "
+                             f"pass a{'n' if expected == 'integer' else ''} {expected} array (other widths are cast)")
 
 
 def _check_integer_range(array: np.ndarray, spec) -> None:
@@ -265,7 +287,7 @@ def lower(
     exported, before_scan = trace_and_export(decomposed, signature, names, stacked_names, specs, precision, runs, tied,
                                              kept_f32_meetings(decomposed.graph, kept), frozenset(decisions), quantized)
     exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision])
-    pinned = tuple({"op": node.name, "module": _module_path(node), "feeds": feeds, "precision": "highest"}
+    pinned = tuple({"op": node.name, "module": module_path(node), "feeds": feeds, "precision": "highest"}
                    for node, feeds in decisions.items())
     return LoweredProgram(exported, stacked_names, stacked if weights else None, signature, precision, matmul_precision, flops,
                           decomposed, tuple(run.to_json(before_scan[run.last_op]) for run in runs), tied, pinned,
@@ -315,12 +337,11 @@ def quantized_specs(shape: tuple[int, ...], scheme, axis: int) -> tuple[jax.Shap
     values_shape = (*shape[:-1], shape[-1] // 2) if scheme.bits == 4 else tuple(shape)
     scale_shape = list(shape)
     scale_shape[axis] //= scheme.group(shape[axis])
-    scale_dtype = jnp.bfloat16 if scheme.bits == 4 else jnp.float32
     return (jax.ShapeDtypeStruct(values_shape, jnp.uint8 if scheme.bits == 4 else jnp.int8),
-            jax.ShapeDtypeStruct(tuple(scale_shape), scale_dtype))
+            jax.ShapeDtypeStruct(tuple(scale_shape), jnp.bfloat16))
 
 
-def _module_path(node: torch.fx.Node) -> str:
+def module_path(node: torch.fx.Node) -> str:
     """The dotted path of the module an op comes from ("" for the root)."""
     stack = node.meta.get("nn_module_stack") or {}
     return list(stack.values())[-1][0] if stack else ""

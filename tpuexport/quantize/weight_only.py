@@ -6,11 +6,12 @@ multiplies by them without a dequantized copy). Quantizing is a function of one 
 checkpoint's weights are quantized one at a time as they stream into the artifact.
 
 Schemes (symmetric: zero point 0, the same range on both sides of zero):
-  int8-weight-only  int8 in [-127, 127], one float32 scale per output channel (max|w| / 127 over
+  int8-weight-only  int8 in [-127, 127], one bfloat16 scale per output channel (max|w| / 127 over
                     the contraction dim)
   int4-weight-only  int4 in [-7, 7], one bfloat16 scale per `group_size` consecutive elements of
-                    the contraction dim (max|w| / 7 over the group; the scale is rounded to
-                    bfloat16 before the weights are divided by it)
+                    the contraction dim (max|w| / 7 over the group)
+Each scale is rounded to bfloat16 before the weights are divided by it, so the integers are chosen
+for the scale the program multiplies by (no per-channel bias from rounding the scale afterwards).
 
 Which weights: every 2-D float weight that only matrix products read as their right-hand side
 (nn.Linear, GPT-2's Conv1D, an lm_head) or that only embedding lookups read (token and position
@@ -37,6 +38,9 @@ from tpuexport.errors import TpuExportError
 
 MODES = ("int8-weight-only", "int4-weight-only")
 DEFAULT_GROUP_SIZE = 128
+# Rows quantized at once: the rounding's f32 temporaries stay a few times this many rows, not a few
+# times the weight (a 128256-row embedding in f32 is 2 GB).
+ROWS_AT_ONCE = 4096
 INT4_PACKING = ("two int4 per byte along the last axis: element 2i in the low nibble, element 2i+1 in the high nibble "
                 "(two's complement)")
 
@@ -73,7 +77,7 @@ class WeightOnlyScheme:
 
     @property
     def scale_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.bits == 4 else torch.float32
+        return torch.bfloat16
 
     def group(self, size: int) -> int:
         """The group size along a contraction dim of `size` elements."""
@@ -81,7 +85,7 @@ class WeightOnlyScheme:
 
     def describe(self) -> str:
         if self.bits == 8:
-            return "int8 symmetric weights [-127, 127], one float32 scale per output channel; float compute"
+            return "int8 symmetric weights [-127, 127], one bfloat16 scale per output channel; float compute"
         return (f"int4 symmetric weights [-7, 7] in groups of {self.group_size} along the contraction dim, one bfloat16 "
                 f"scale per group; {INT4_PACKING}; float compute")
 
@@ -187,6 +191,9 @@ def quantize_tensor(tensor: torch.Tensor, scheme: WeightOnlyScheme, axis: int) -
       (integers as int8 in the weight's shape, scales in the scheme's scale dtype: the weight's
       shape with `axis` divided by the group size).
     """
+    if tensor.dim() + axis != 0 and tensor.shape[0] > ROWS_AT_ONCE:
+        parts = [quantize_tensor(rows, scheme, axis) for rows in tensor.split(ROWS_AT_ONCE)]
+        return torch.cat([integers for integers, _ in parts]), torch.cat([scale for _, scale in parts])
     weights = tensor.detach().to(torch.float32)
     grouped, scale_shape = _grouped(weights, scheme, axis)
     largest = grouped.abs().amax(dim=axis, keepdim=True)
@@ -235,6 +242,8 @@ def stored_tensors(tensor: torch.Tensor, scheme: WeightOnlyScheme, axis: int) ->
 def fake_quantized(tensor: torch.Tensor, scheme: WeightOnlyScheme, axis: int) -> torch.Tensor:
     """The weight rounded to the scheme and dequantized again, in its own dtype: what the
     weight-only program multiplies by."""
+    if tensor.dim() + axis != 0 and tensor.shape[0] > ROWS_AT_ONCE:
+        return torch.cat([fake_quantized(rows, scheme, axis) for rows in tensor.split(ROWS_AT_ONCE)])
     integers, scale = quantize_tensor(tensor, scheme, axis)
     return dequantize_tensor(integers, scale, scheme, axis, tensor.dtype)
 

@@ -212,24 +212,26 @@ def report_writer(report: dict) -> Callable[[pathlib.Path], dict]:
     return write
 
 
-def weight_only_section(lowered: LoweredProgram, scheme, float_reference, example_inputs) -> dict:
+def weight_only_section(lowered: LoweredProgram, scheme, float_reference=None, example_inputs=()) -> dict:
     """The manifest's `quantization` section of a weight-only program (no PT2E, no report file).
 
     Args:
       lowered: the lowered weight-only program (with its weights).
       scheme: its quantize.weight_only.WeightOnlyScheme.
-      float_reference: the float model, run eagerly.
+      float_reference: the float model, run eagerly; None for no SQNR (outputs empty).
       example_inputs: the inputs SQNR is measured on.
     Returns:
       {"mode", "scheme", "group_size", "packing", "weights": {name: entry}, "outputs": [{"name",
       "sqnr_db"}], "weight_bytes": {"quantized", "f32", "ratio"}, "warnings"}; SQNR of the artifact's
       CPU run against the float model (report rule as for PT2E).
     """
-    artifact_outputs = lowered.run([to_numpy(t) for t in example_inputs])
-    float_outputs = eager_outputs(float_reference, example_inputs)
-    outputs = [{"name": spec.name, "sqnr_db": sqnr_db([expected], [actual])}
-               for spec, expected, actual in zip(lowered.signature.outputs, float_outputs, artifact_outputs)
-               if np.issubdtype(expected.dtype, np.floating)]
+    outputs = []
+    if float_reference is not None:
+        artifact_outputs = lowered.run([to_numpy(t) for t in example_inputs])
+        float_outputs = eager_outputs(float_reference, example_inputs)
+        outputs = [{"name": spec.name, "sqnr_db": sqnr_db([expected], [actual])}
+                   for spec, expected, actual in zip(lowered.signature.outputs, float_outputs, artifact_outputs)
+                   if np.issubdtype(expected.dtype, np.floating)]
     f32_bytes = 0
     scales = {entry["scale"] for entry in lowered.quantized.values()}
     for name, spec in zip(lowered.weight_names, lowered.weight_specs):

@@ -1,6 +1,8 @@
 """Running the lowered program on CPU at several dim sizes and comparing with eager PyTorch.
 
-Sizes: chosen by what they test and bounded by their matmul FLOPs (sizes.py). Each case runs the
+Sizes: chosen by what they test and bounded by their matmul FLOPs (sizes.py); the values that
+depend on positions alone (rotary tables, position embeddings) also run at every dim's largest
+size, whatever the budget (positions.py). Each case runs the
 program twice, TPU-faithfully and in plain f32 (tolerances.py), and compares both with the eager
 outputs, computed once per case. Inputs at new sizes are random but follow the example inputs
 (tpuexport/inputs.py).
@@ -21,6 +23,7 @@ from tpuexport.lower import LoweredProgram
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
 from tpuexport.verify.compare import compare_output
 from tpuexport.verify.conformance import check_ops
+from tpuexport.verify.positions import verify_positions
 from tpuexport.verify.report import VerificationCase, VerificationReport
 from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS, PlannedCase, plan_cases
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
@@ -101,6 +104,10 @@ def verify(
                 golden_bytes += size
                 case = dataclasses.replace(case, golden=True)
         cases.append(case)
+    if not check_op_by_op:  # float programs: quantized ones are checked op by op
+        positions = verify_positions(lowered, example_inputs, tolerances, make_inputs)
+        if positions is not None:
+            cases.append(positions)
     return VerificationReport(lowered.precision, lowered.matmul_precision, tolerances, tuple(cases), golden,
                               budget_flops=budget_flops, conformance=conformance)
 

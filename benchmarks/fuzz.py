@@ -1,0 +1,98 @@
+"""Property-based fuzzing of conversions: random small models (benchmarks/fuzz_models.py) converted
+and run at fresh sizes; prints the cases run, the outcomes, the refusals by reason, each failure
+shrunk to a minimal model, and last `silent mismatches: K` (K must be 0).
+
+    python benchmarks/fuzz.py --examples 200 [--seed 0] [--max-ops 5] [--no-shrink] [--log FILE]
+
+Ctrl-C or SIGTERM stops it early and prints the figures of the cases run so far (without shrinking).
+
+A failure is a silent mismatch (verification passed, a fresh size does not match eager) or a crash
+(a conversion raising anything but TpuExportError / VerificationError). Each is shrunk by
+hypothesis to the smallest case failing the same way, printed as a `FuzzCase(...)` to paste into
+tests/test_fuzz.py as a regression.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import pathlib
+import signal
+import sys
+import time
+import warnings
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from hypothesis import HealthCheck, Phase, find, given, seed, settings  # noqa: E402
+
+import fuzz_models  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", type=int, default=100, help="random models to convert")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-ops", type=int, default=5, help="ops per model at most")
+    parser.add_argument("--no-shrink", action="store_true", help="report failures as drawn, without shrinking")
+    parser.add_argument("--log", type=pathlib.Path, help="append one line per case here as it finishes")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    signal.signal(signal.SIGTERM, _stop)
+
+    outcomes: collections.Counter = collections.Counter()
+    reasons: collections.Counter = collections.Counter()
+    failures: list[tuple[fuzz_models.FuzzCase, fuzz_models.Outcome]] = []
+    verify_failed: list[tuple[fuzz_models.FuzzCase, fuzz_models.Outcome]] = []
+    started = time.perf_counter()
+
+    @seed(args.seed)
+    @settings(max_examples=args.examples, phases=[Phase.generate], database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(fuzz_models.fuzz_cases(args.max_ops))
+    def run_one(case):
+        outcome = fuzz_models.check(case)
+        outcomes[outcome.kind] += 1
+        if outcome.kind == "refused":
+            reasons[outcome.reason] += 1
+        if outcome.kind in fuzz_models.FAILURES:
+            failures.append((case, outcome))
+        if outcome.kind == "verify-failed":
+            verify_failed.append((case, outcome))
+        if args.log:
+            with open(args.log, "a") as log:
+                failed = f"\t{case!r}\t{' '.join(outcome.detail.split())[-600:]}" if outcome.kind in fuzz_models.FAILURES else ""
+                log.write(f"{sum(outcomes.values())}\t{outcome.kind}\t{outcome.reason}\t{case.describe()}{failed}\n")
+
+    interrupted = False
+    try:
+        run_one()
+    except KeyboardInterrupt:
+        interrupted = True
+    seconds = time.perf_counter() - started
+    total = sum(outcomes.values())
+    print(f"cases run: {total} in {seconds:.0f} s ({seconds / max(total, 1):.1f} s each){' (interrupted)' if interrupted else ''}")
+    for kind in fuzz_models.OUTCOMES:
+        print(f"  {kind:16s} {outcomes[kind]}")
+    print("refusals by reason:")
+    for reason, count in reasons.most_common():
+        print(f"  {count:5d}  {reason}")
+    for case, outcome in verify_failed:
+        print(f"verification refused: {case.describe()}\n    {outcome.detail[:400]}")
+    for case, outcome in failures:
+        print(f"FAILURE {outcome.kind} ({outcome.reason}): {case.describe()}\n    {outcome.detail[-1500:]}")
+        if not (args.no_shrink or interrupted):
+            same = lambda candidate: fuzz_models.check(candidate).kind == outcome.kind  # noqa: E731
+            smallest = find(fuzz_models.fuzz_cases(args.max_ops), same,
+                            settings=settings(max_examples=200, database=None, deadline=None, suppress_health_check=list(HealthCheck)))
+            print(f"  shrunk to: {smallest!r}")
+    print(f"silent mismatches: {outcomes['silent-mismatch']}")
+
+
+def _stop(signum, frame):
+    """SIGTERM stops the run as Ctrl-C does (a background run ignores SIGINT)."""
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    main()

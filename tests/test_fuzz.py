@@ -1,0 +1,44 @@
+"""Property-based fuzzing, fast profile: random small models (benchmarks/fuzz_models.py) either
+convert and match eager PyTorch at fresh sizes within the artifact's tolerances, or fail with one
+line; never a traceback, never a mismatch verification passed. A fixed seed and a small budget
+here; `python benchmarks/fuzz.py --examples N` is the long profile."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, seed, settings
+
+import fuzz_models
+from fuzz_models import Dims, FuzzCase
+
+
+def assert_holds(case: FuzzCase) -> fuzz_models.Outcome:
+    outcome = fuzz_models.check(case)
+    assert outcome.kind not in fuzz_models.FAILURES, f"{outcome.kind} ({outcome.reason}) for {case.describe()}:\n{outcome.detail}"
+    if outcome.kind in ("refused", "verify-failed"):
+        assert "\n" not in outcome.detail, outcome.detail
+    return outcome
+
+
+@seed(20261123)
+@settings(max_examples=5, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(fuzz_models.fuzz_cases(max_ops=4))
+def test_random_models_convert_and_match_at_fresh_sizes_or_fail_in_one_line(case):
+    assert_holds(case)
+
+
+# Cases the fuzzer drew that exercise one risky path each, kept as regressions (see the README's
+# "Fuzzing" for the long run they come from).
+REGRESSIONS = {
+    # torch.cond on a symbolic size and a bool-masked attention over a sequence given as 2*k.
+    "cond-seq-masked-attention": FuzzCase(6, Dims(1, 16, 2, "multiple", 2, 6, 3), True, False,
+                                          (("cond", "seq_length"), ("conv1d", 4, 3), ("concat_features", "gelu"),
+                                           ("attention", 2, "bool_mask")), True, "bf16-mixed", "default", None, 10491),
+    # A gather of an embedding table by token ids (int64 -> int32 in the artifact) under highest.
+    "gather-ids": FuzzCase(6, Dims(2, 8, 2, "multiple", 3, 12, 3), True, True, (("gather",),), True, "f32", "highest", None, 262),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REGRESSIONS))
+def test_regression_cases(name):
+    assert assert_holds(REGRESSIONS[name]).kind == "ok"
