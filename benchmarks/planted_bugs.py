@@ -85,21 +85,21 @@ def _shifted_quantize(x, scale, zero_point, quant_min, quant_max, dtype):
 def int8_scale_off_by_one_step():
     """Integer results rescaled by 127/128 (bias added before the error, so it is all scaled)."""
     return _swapped({
-        _tx.int8_linear.default: _scaled(OWN_LOWERINGS[_tx.int8_linear.default], 127 / 128),
-        _tx.int8_conv.default: _scaled(OWN_LOWERINGS[_tx.int8_conv.default], 127 / 128),
-        _tx.int8_matmul.default: _scaled(OWN_LOWERINGS[_tx.int8_matmul.default], 127 / 128),
+        _tx.int8_linear.default: _scaled(ops.JAX_LOWERINGS[_tx.int8_linear.default], 127 / 128),
+        _tx.int8_conv.default: _scaled(ops.JAX_LOWERINGS[_tx.int8_conv.default], 127 / 128),
+        _tx.int8_matmul.default: _scaled(ops.JAX_LOWERINGS[_tx.int8_matmul.default], 127 / 128),
     })
 
 
 def int8_missing_bias():
     return _swapped({
-        _tx.int8_linear.default: _without_bias(OWN_LOWERINGS[_tx.int8_linear.default], 4),
-        _tx.int8_conv.default: _without_bias(OWN_LOWERINGS[_tx.int8_conv.default], 4),
+        _tx.int8_linear.default: _without_bias(ops.JAX_LOWERINGS[_tx.int8_linear.default], 4),
+        _tx.int8_conv.default: _without_bias(ops.JAX_LOWERINGS[_tx.int8_conv.default], 4),
     })
 
 
 def int8_wrong_zero_point():
-    static = OWN_LOWERINGS[_qd.quantize_per_tensor.default]
+    static = ops.JAX_LOWERINGS[_qd.quantize_per_tensor.default]
 
     def shifted_static(x, scale, zero_point, quant_min, quant_max, dtype):
         return static(x, scale, 1, quant_min, quant_max, dtype)

@@ -16,6 +16,7 @@ value the tokens take.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 from tpuexport.compile import Bucket
 from tpuexport.lower import LoweredProgram
 from tpuexport.verify.compare import OutputComparison, compare_output
+from tpuexport.verify.sizes import MAX_OPTIONAL_INPUT_ELEMENTS
 from tpuexport.verify.tolerances import VerificationTolerances
 from tpuexport.verify.verification import ProgramRuns, eager_outputs, make_inputs, short_error, to_numpy
 
@@ -77,18 +79,27 @@ class PaddingCheck:
 
 
 def padded_case(lowered: LoweredProgram, buckets: Sequence[Bucket]) -> tuple[str, int, Bucket] | None:
-    """(batch dim, real rows, bucket) of the padded run, or None when no bucket is ever padded
-    (no batch dim, or every bucket at the dim's minimum)."""
+    """(batch dim, real rows, bucket) of the padded run, or None when no bucket is ever padded (no
+    batch dim, or every bucket at the dim's minimum) or none can be run on CPU.
+
+    Whether rows are independent is a property of the program, not of a bucket's size, so the run
+    takes the largest padded bucket whose inputs stay within what verification holds in memory
+    (sizes.MAX_OPTIONAL_INPUT_ELEMENTS): a bucket of a million rows is not run whole on the CPU.
+    """
     signature = lowered.signature
     dim = signature.batch_dim()
     if dim is None:
         return None
     minimum = signature.dim(dim).min
-    largest = max(buckets, key=lambda bucket: bucket.as_dict()[dim])
-    size = largest.as_dict()[dim]
-    smaller = [bucket.as_dict()[dim] for bucket in buckets if bucket.as_dict()[dim] < size]
-    rows = max(smaller) + 1 if smaller else minimum
-    return None if rows >= size else (dim, rows, largest)
+    sizes = sorted({bucket.as_dict()[dim] for bucket in buckets})
+    for bucket in sorted(buckets, key=lambda bucket: bucket.as_dict()[dim], reverse=True):
+        size = bucket.as_dict()[dim]
+        smaller = [other for other in sizes if other < size]
+        rows = max(smaller) + 1 if smaller else minimum
+        elements = sum(math.prod(spec.concrete_shape(bucket.as_dict())) for spec in signature.inputs)
+        if rows < size and elements <= MAX_OPTIONAL_INPUT_ELEMENTS:
+            return dim, rows, bucket
+    return None
 
 
 def verify_padding(lowered: LoweredProgram, reference, example_inputs: Sequence[torch.Tensor], buckets: Sequence[Bucket],

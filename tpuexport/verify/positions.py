@@ -15,6 +15,8 @@ are compared under the conversion's tolerances, as a case labelled "positions".
 
 from __future__ import annotations
 
+import math
+
 from typing import Sequence
 
 import jax
@@ -33,6 +35,8 @@ from tpuexport.verify.tolerances import VerificationTolerances
 from tpuexport.verify.tpu_numerics import tpu_faithful
 
 LABEL = "positions"
+# The inputs this case makes at the largest sizes stay below this (about 1 GiB in f32).
+MAX_POSITION_INPUT_ELEMENTS = 1 << 28
 _USER_INPUT = torch.export.graph_signature.InputKind.USER_INPUT
 
 
@@ -84,6 +88,10 @@ def _subgraph(program: torch.export.ExportedProgram, tables: Sequence[torch.fx.N
     return torch.fx.GraphModule(program.graph_module, graph), placeholders
 
 
+def _input_elements(signature, sizes: dict[str, int]) -> int:
+    return sum(math.prod(spec.concrete_shape(sizes)) for spec in signature.inputs)
+
+
 def verify_positions(lowered: LoweredProgram, example_inputs: Sequence[torch.Tensor], tolerances: VerificationTolerances,
                      make_inputs) -> VerificationCase | None:
     """Runs the position tables at every dim's largest size, lowered and in PyTorch, and compares them.
@@ -102,6 +110,11 @@ def verify_positions(lowered: LoweredProgram, example_inputs: Sequence[torch.Ten
     if program is None or not signature.dims:
         return None
     sizes = {d.name: d.max if d.max is not None else max(4 * d.example, d.min) for d in signature.dims}
+    batch = signature.batch_dim()
+    if batch is not None and _input_elements(signature, sizes) > MAX_POSITION_INPUT_ELEMENTS:
+        sizes[batch] = signature.dim(batch).min  # positions are the same in every row; memory is not
+    if _input_elements(signature, sizes) > MAX_POSITION_INPUT_ELEMENTS:
+        return None
     specs = {spec.arg.name: spec for spec in program.graph_signature.input_specs}
     state = {**program.state_dict, **program.constants}
     tables = position_tables(program)
