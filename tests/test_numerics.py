@@ -121,7 +121,9 @@ def test_verification_runs_both_and_gates_on_the_tpu_arithmetic(model):
     lowered = lower(model.program, model.signature)
     report = verify(lowered, model.reference, model.example_inputs)
     assert report.passed
-    for case in report.cases:
+    # The model's outputs at every size; the "positions" case compares tables computed from
+    # weights and sizes alone, not the model's outputs.
+    for case in [case for case in report.cases if case.label != "positions"]:
         tpu, cpu = case.runs["tpu"][0], case.runs["cpu"][0]
         assert 1e-4 < tpu.relative_rms_error < 0.05 and cpu.relative_rms_error < 1e-5
     strict = default_tolerances("f32", "default", quantized=False)
