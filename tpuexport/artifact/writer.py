@@ -292,8 +292,9 @@ def _weights_file(lowered: LoweredProgram, weights_file: pathlib.Path | None, pu
     return put(layout.WEIGHTS, save_arrays(dict(zip(lowered.weight_names, lowered.weights))))
 
 
-def verification_section(verification: VerificationReport) -> dict:
-    """The manifest's "verification" block (extra writers extend it, e.g. with the SavedModel check)."""
+def _report_summary(verification: VerificationReport | GenerationReport) -> dict:
+    """What the "verification" block of every artifact says: outcome, reference, arithmetic,
+    tolerances, and where the report and golden data are."""
     return {
         "passed": verification.passed,
         "against": verification.against,
@@ -301,6 +302,13 @@ def verification_section(verification: VerificationReport) -> dict:
         "tolerances": verification.tolerances.to_json(),
         "report": layout.VERIFICATION_REPORT,
         "golden": layout.GOLDEN,
+    }
+
+
+def verification_section(verification: VerificationReport) -> dict:
+    """The manifest's "verification" block (extra writers extend it, e.g. with the SavedModel check)."""
+    return {
+        **_report_summary(verification),
         "cases": [{"label": c.label, "sizes": c.sizes, "reason": c.reason, "golden": c.golden} for c in verification.cases],
         "conformance": None if verification.conformance is None else verification.conformance.to_json(),
     }
@@ -448,12 +456,7 @@ def _cache_bytes_per_device(result, spec) -> int:
 def _generation_verification(verification: GenerationReport) -> dict:
     """The manifest's "verification" block of a text-generation artifact."""
     return {
-        "passed": verification.passed,
-        "against": verification.against,
-        "matmul_precision": verification.matmul_precision,
-        "tolerances": verification.tolerances.to_json(),
-        "report": layout.VERIFICATION_REPORT,
-        "golden": layout.GOLDEN,
+        **_report_summary(verification),
         "tokens_compared": verification.tokens_compared(),
         "ties": verification.ties(),
         "cases": [{"label": case.label, "sizes": case.sizes, "lengths": list(case.lengths), "slots": list(case.slots),
