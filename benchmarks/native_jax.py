@@ -274,7 +274,7 @@ def build(kind: str, small: bool) -> dict:
         hf = model.model
         forward = functools.partial(_llama_outputs, config=hf.config.to_dict())
         return {"model": model, "args": args, "dims": dims, "hf": hf, "native": forward, "precision": "bf16"}
-    built = families.bert() if small else families.bert_base()
+    built = (families.FAMILIES["bert"] if small else families.BASE_FAMILIES["bert-base"]).build()
     hf = built["model"].model
     forward = functools.partial(_bert_outputs, config=hf.config.to_dict())
     torch.manual_seed(0)
@@ -300,7 +300,7 @@ def check_shape_inputs(kind: str, vocab: int):
         return (ids,)
     mask = torch.ones(batch, seq, dtype=torch.long)
     mask[1, seq - 5:] = 0
-    return ids, mask
+    return ids, mask, torch.zeros_like(ids)  # token_type_ids: the native model adds type 0's embedding
 
 
 def relative_error(actual, expected) -> float:
@@ -394,7 +394,7 @@ def measure(kind: str, small: bool, scan: bool) -> dict:
         inputs = check_shape_inputs(kind, hf.config.vocab_size)
         with torch.no_grad():
             eager = built["model"](*inputs)
-        expected = [eager[name].to(torch.float32).numpy() for name in built["model"].output_names]
+        expected = [value.to(torch.float32).numpy() for value in eager.values()]  # the outputs' order, as native returns them
         int_inputs = [np.asarray(t.numpy(), np.int32) for t in inputs]
         ours = jax.jit(lambda w, x: native(w, x, scan=scan))(weights, int_inputs)
         result["native_vs_eager"] = max(relative_error(a, e) for a, e in zip(ours, expected))
