@@ -272,6 +272,8 @@ def _bucket_entry(put, result, lowered: LoweredProgram, entry_point: str | None 
     }
     if target.is_slice:
         bucket["collectives"] = result.collectives
+    if result.kernels:  # which program it was compiled from: kernels with their block sizes, or why not (lower/kernels.py)
+        bucket["kernels"] = result.kernels
     return bucket
 
 

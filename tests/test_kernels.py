@@ -1,0 +1,148 @@
+"""TPU kernels per bucket (lower/kernels.py, verify/kernels.py, --kernels): a small attention model's
+bucket compiles for v5e with Pallas flash attention, runs in interpret mode as eager PyTorch does,
+planted wrong kernel arguments fail the kernel check, and --kernels none is the kernel-free build."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tpuexport
+from tpuexport.export import LoadedSource, capture
+from tpuexport.lower import lower, lower_bucket_kernels
+from tpuexport.lower.attention import flash_call
+from tpuexport.verify.kernels import verify_kernel_use
+
+KERNEL_SEQ, SHORT_SEQ = 256, 128
+
+
+class CausalPaddedAttention(nn.Module):
+    """Grouped-query self-attention over a right- or left-padded batch, its mask built as transformers
+    builds one: a causal [q, k] compare of positions AND a per-key padding mask."""
+
+    def __init__(self, hidden=128, heads=4, kv_heads=2, window: int | None = None, float_mask=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.q = nn.Linear(hidden, hidden)
+        self.kv = nn.Linear(hidden, 2 * kv_heads * self.head_dim)
+        self.out = nn.Linear(hidden, hidden)
+        self.window, self.float_mask = window, float_mask
+
+    def forward(self, x, attention_mask):
+        batch, seq, _ = x.shape
+        query = self.q(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        key, value = self.kv(x).view(batch, seq, 2 * self.kv_heads, self.head_dim).transpose(1, 2).chunk(2, dim=1)
+        positions = torch.arange(seq)
+        mask = (positions[None, None, :, None] >= positions[None, None, None, :]) & attention_mask.bool()[:, None, None, :]
+        if self.window is not None:
+            mask = mask & (positions[None, None, :, None] - positions[None, None, None, :] < self.window)
+        if self.float_mask:
+            mask = torch.where(mask, 0.0, float("-inf"))
+        attended = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+        return self.out(attended.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def _inputs(batch=2, seq=KERNEL_SEQ):
+    x = torch.randn(batch, seq, 128, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, seq - seq // 4:] = 0  # right padding
+    mask[1, : seq // 3] = 0  # left padding: the first rows see no key under the causal mask
+    return x, mask
+
+
+def _source(model: nn.Module) -> LoadedSource:
+    seq = torch.export.Dim("seq", min=2, max=KERNEL_SEQ)
+    return LoadedSource(model.eval(), _inputs(), {"x": {1: seq}, "attention_mask": {1: seq}}, None, None)
+
+
+@pytest.fixture(scope="module")
+def lowered():
+    captured = capture(_source(CausalPaddedAttention()))
+    return lower(captured.program, captured.signature)
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    """The model converted for v5e at seq 128 and 256, with --kernels auto and none."""
+    model = CausalPaddedAttention().eval()
+    built = {}
+    for mode in ("auto", "none"):
+        source = _source(model)
+        built[mode] = tpuexport.convert(model, source.args, source.dynamic_shapes, target="v5e", buckets={"seq": [SHORT_SEQ, KERNEL_SEQ]},
+                                        out=tmp_path_factory.mktemp(f"kernels_{mode}") / "attention.tpu", saved_model=False,
+                                        kernels=mode)
+    return built
+
+
+def _buckets(artifact) -> dict:
+    return {bucket["sizes"]["seq"]: bucket for bucket in artifact.manifest["targets"]["v5e"]["buckets"]}
+
+
+def test_kernel_bucket_compiles_for_v5e_with_flash_attention(artifacts):
+    buckets = _buckets(artifacts["auto"])
+    kernels = buckets[KERNEL_SEQ]["kernels"]
+    assert kernels["program"] == "static with kernels"
+    [use] = kernels["attention"]
+    assert use["kernel"] == "flash_attention" and use["causal"] and use["key_mask"]
+    assert use["shape"] == {"batch": 2, "heads": 4, "kv_heads": 2, "q": KERNEL_SEQ, "k": KERNEL_SEQ, "head_dim": 32}
+    assert use["block_sizes"] == {"block_q": 256, "block_k_major": 256, "block_k": 256, "block_b": 1}
+    short = buckets[SHORT_SEQ]["kernels"]
+    assert short["program"] == "portable" and "128 keys" in short["reason"]
+    [check] = artifacts["auto"].manifest["kernels"]["verification"]
+    assert check["passed"] and check["relative_rms_error"] < 1e-4
+
+
+def test_kernels_none_is_the_kernel_free_build(artifacts):
+    auto, none = _buckets(artifacts["auto"]), _buckets(artifacts["none"])
+    assert all("kernels" not in bucket for bucket in none.values())
+    assert artifacts["none"].manifest["kernels"] == {"mode": "none", "verification": []}
+    # The bucket without kernels is the same executable either way; the kernel bucket is another program.
+    assert auto[SHORT_SEQ]["fingerprint"] == none[SHORT_SEQ]["fingerprint"]
+    assert auto[KERNEL_SEQ]["fingerprint"] != none[KERNEL_SEQ]["fingerprint"]
+
+
+def test_kernel_program_in_interpret_mode_matches_eager(lowered):
+    bucket = lower_bucket_kernels(lowered, {"seq": KERNEL_SEQ}, interpret=True)
+    assert [use.kernel for use in bucket.uses] == ["flash_attention"]
+    x, mask = _inputs()
+    expected = CausalPaddedAttention().eval()(x, mask).detach().numpy()
+    [actual] = lowered.run([x.numpy(), mask.numpy()], program=bucket.exported)
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+
+
+PLANTED = {
+    "causal flag": lambda q, k, v, keys, rows, causal, scale, blocks: flash_call(q, k, v, keys, rows, not causal, scale, blocks),
+    "scale": lambda q, k, v, keys, rows, causal, scale, blocks: flash_call(q, k, v, keys, rows, causal, 1.0, blocks),
+    "segment ids": lambda q, k, v, keys, rows, causal, scale, blocks: flash_call(q, k, v, None, rows, causal, scale, blocks),
+}
+
+
+@pytest.fixture(scope="module")
+def kernel_use(lowered):
+    [use] = lower_bucket_kernels(lowered, {"seq": KERNEL_SEQ}).uses
+    return use
+
+
+def test_kernel_use_passes_its_interpret_mode_check(kernel_use):
+    check = verify_kernel_use(kernel_use)
+    assert check.passed and check.shape["q"] == KERNEL_SEQ
+
+
+@pytest.mark.parametrize("bug", list(PLANTED))
+def test_planted_wrong_kernel_arguments_fail(kernel_use, bug):
+    check = verify_kernel_use(kernel_use, PLANTED[bug])
+    assert not check.passed and check.error > 100 * check.tolerance
+
+
+@pytest.mark.parametrize("options, reason", [
+    ({"window": 64}, "a mask other than causal and padding"),
+    ({"float_mask": True}, "a float attention mask"),
+])
+def test_masks_the_kernel_cannot_express_keep_the_portable_program(options, reason):
+    captured = capture(_source(CausalPaddedAttention(**options)))
+    bucket = lower_bucket_kernels(lower(captured.program, captured.signature), {"seq": KERNEL_SEQ})
+    assert bucket.exported is None and reason in bucket.reason
