@@ -146,3 +146,11 @@ def test_masks_the_kernel_cannot_express_keep_the_portable_program(options, reas
     captured = capture(_source(CausalPaddedAttention(**options)))
     bucket = lower_bucket_kernels(lower(captured.program, captured.signature), {"seq": KERNEL_SEQ})
     assert bucket.exported is None and reason in bucket.reason
+
+
+def test_unknown_kernels_mode_is_one_clear_error(tmp_path):
+    model = CausalPaddedAttention()
+    source = _source(model)
+    with pytest.raises(tpuexport.TpuExportError, match=r"unknown --kernels 'fast'; use one of auto, none"):
+        tpuexport.convert(model, source.args, source.dynamic_shapes, out=tmp_path / "x.tpu", kernels="fast")
+    assert not (tmp_path / "x.tpu").exists()

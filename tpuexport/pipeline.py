@@ -376,6 +376,9 @@ def _bucket_kernels(mode: str, lowered: lower_stage.LoweredProgram, buckets: lis
     """
     if mode == "none":
         return None, {}
+    if not lower_stage.has_attention(lowered):  # nothing a kernel computes: no stage to report
+        return {bucket.name: lower_stage.BucketKernels(bucket.as_dict(), None, reason=lower_stage.NO_ATTENTION)
+                for bucket in buckets}, {}
     with clock.stage("kernels", lambda: _describe_kernels(kernels)):
         kernels = {bucket.name: lower_stage.lower_bucket_kernels(lowered, bucket.as_dict()) for bucket in buckets}
     uses = [use for lowering in kernels.values() for use in lowering.kernels]

@@ -101,6 +101,16 @@ def check_kernel_mode(mode: str) -> str:
     return mode
 
 
+NO_ATTENTION = "the program has no scaled_dot_product_attention"
+
+
+def has_attention(lowered: LoweredProgram) -> bool:
+    """Whether the program (lowered in this process) has an attention op a kernel might compute."""
+    return lowered.graph is not None and any(node.target is aten.scaled_dot_product_attention.default
+                                             for module in lowered.graph.graph_module.modules()
+                                             if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes)
+
+
 def lower_bucket_kernels(lowered: LoweredProgram, sizes: dict[str, int], interpret: bool = False) -> BucketKernels:
     """Lowers one bucket again with TPU kernels where they apply and pay.
 
@@ -119,7 +129,7 @@ def lower_bucket_kernels(lowered: LoweredProgram, sizes: dict[str, int], interpr
         return BucketKernels(sizes, None, reason="precision bf16-mixed casts attention operands per op: kernels not supported there yet")
     graph, skipped = kernel_graph(lowered.graph, lowered.signature, sizes)
     if graph is None:
-        return BucketKernels(sizes, None, reason=skipped or "the program has no scaled_dot_product_attention")
+        return BucketKernels(sizes, None, reason=skipped or NO_ATTENTION)
     options = lowered.lowering_options
     avals = [jax.ShapeDtypeStruct(spec.concrete_shape(sizes), spec.dtype) for spec in lowered.signature.inputs]
     if interpret:
