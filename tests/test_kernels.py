@@ -96,10 +96,19 @@ def test_kernel_bucket_compiles_for_v5e_with_flash_attention(artifacts):
     assert check["passed"] and check["relative_rms_error"] < 1e-4
 
 
+def test_recompiling_the_artifact_compiles_the_kernel_program_again(artifacts):
+    artifact = artifacts["auto"]
+    programs = artifact.manifest["kernels"]["programs"]
+    assert list(programs) == [_buckets(artifact)[KERNEL_SEQ]["name"]] and programs[_buckets(artifact)[KERNEL_SEQ]["name"]] in artifact.manifest["files"]
+    report = tpuexport.verify_artifact(artifact.path, recompile=True)
+    recompile = next(check for check in report.checks if check.name == "recompile")
+    assert recompile.status == "passed", recompile.message
+
+
 def test_kernels_none_is_the_kernel_free_build(artifacts):
     auto, none = _buckets(artifacts["auto"]), _buckets(artifacts["none"])
     assert all("kernels" not in bucket for bucket in none.values())
-    assert artifacts["none"].manifest["kernels"] == {"mode": "none", "verification": []}
+    assert artifacts["none"].manifest["kernels"] == {"mode": "none", "programs": {}, "verification": []}
     # The bucket without kernels is the same executable either way; the kernel bucket is another program.
     assert auto[SHORT_SEQ]["fingerprint"] == none[SHORT_SEQ]["fingerprint"]
     assert auto[KERNEL_SEQ]["fingerprint"] != none[KERNEL_SEQ]["fingerprint"]

@@ -313,7 +313,7 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             extra_writers += (_weight_only_report(weight_only, lowered, float_reference, captured.example_inputs, clock),)
         if padding:
             extra_writers += (lambda staging: {"padding": padding.to_json()},)
-        extra_writers += (_kernels_writer(options.kernels, kernel_checks),)
+        extra_writers += (artifact_stage.kernels_writer(options.kernels, kernels, [check.to_json() for check in kernel_checks.values()]),)
         with clock.stage("write", lambda: str(options.out)):
             try:
                 artifact_stage.write_artifact(
@@ -402,11 +402,6 @@ def _describe_kernels(kernels: dict) -> str:
     return f"{len(used)} of {len(kernels)} bucket(s) with flash attention" + (f" ({', '.join(used)})" if used else "")
 
 
-def _kernels_writer(mode: str, checks: dict):
-    """The manifest's "kernels" section: the mode and each kernel use's interpret-mode check."""
-    return lambda staging: {"kernels": {"mode": mode, "verification": [check.to_json() for check in checks.values()]}}
-
-
 def _weight_only_scheme(options: ConversionOptions):
     """The weight-only scheme the options ask for (quantize/weight_only.py), or None.
 
@@ -457,7 +452,8 @@ def _run_plan(loaded: export_stage.LoadedSource, options: ConversionOptions, tar
     with clock.stage("write", lambda: f"{options.out} (plan only: no weights, not verified)"):
         artifact_stage.write_artifact(options.out, source=captured.source, lowered=lowered, compiled=lambda: report, verification=None,
                                       stage_seconds=clock.seconds, overwrite=options.overwrite,
-                                      extra_writers=_source_writers(loaded) + (_kernels_writer(options.kernels, kernel_checks),))
+                                      extra_writers=_source_writers(loaded) + (artifact_stage.kernels_writer(
+                                          options.kernels, kernels, [check.to_json() for check in kernel_checks.values()]),))
     return artifact_stage.load(options.out)
 
 
