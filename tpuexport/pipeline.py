@@ -264,7 +264,7 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
                 weights_file = saved_model_build.weights_file
 
         plans = _plan_slices(options.sharding, slices, lowered, buckets, clock)
-        kernels, kernel_checks = _bucket_kernels(options.kernels, lowered, buckets, clock)
+        kernels, kernel_checks = _bucket_kernels(options.kernels, lowered, buckets, targets, clock)
 
         # The TPU compiler runs in its own processes from here on, while verify and the SavedModel run.
         compiling = running.enter_context(compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock, lowered), plans,
@@ -366,19 +366,29 @@ def _check_options(options: ConversionOptions) -> tuple[list, list]:
     return targets, slices
 
 
-def _bucket_kernels(mode: str, lowered: lower_stage.LoweredProgram, buckets: list, clock: StageClock) -> tuple[dict | None, dict]:
+def _bucket_kernels(mode: str, lowered: lower_stage.LoweredProgram, buckets: list, targets: list,
+                    clock: StageClock) -> tuple[dict | None, dict]:
     """The kernels pass: with mode "auto", each bucket lowered again with TPU kernels where they pay,
     and each distinct kernel use run in Pallas interpret mode against the portable lowering; a bucket
     whose kernel use fails keeps the portable program, and says so.
 
+    Args:
+      mode: "auto" or "none"; lowered: the portable program; buckets: the compile buckets;
+      targets: the resolved targets (kernels are lowered only when one is a single TPU chip);
+      clock: times the passes.
     Returns:
-      ({bucket name: BucketKernels} for the compile stage, or None for mode "none"; {use: KernelCheck}).
+      ({bucket name: BucketKernels} for the compile stage, or None for mode "none";
+      {verify.kernel_check_key(use): KernelCheck}).
     """
     if mode == "none":
         return None, {}
-    if not lower_stage.has_attention(lowered):  # nothing a kernel computes: no stage to report
-        return {bucket.name: lower_stage.BucketKernels(bucket.as_dict(), None, reason=lower_stage.NO_ATTENTION)
-                for bucket in buckets}, {}
+    # Nothing a kernel computes, or no target that compiles kernels: no stage to report.
+    chips = [target for target in targets if target.platform == "tpu" and not target.is_slice]
+    reason = None if chips else "no single TPU chip among the targets: kernels are compiled for single chips only"
+    if reason is None and not lower_stage.has_attention(lowered):
+        reason = lower_stage.NO_ATTENTION
+    if reason:
+        return {bucket.name: lower_stage.BucketKernels(bucket.as_dict(), None, reason=reason) for bucket in buckets}, {}
     with clock.stage("kernels", lambda: _describe_kernels(kernels)):
         kernels = {bucket.name: lower_stage.lower_bucket_kernels(lowered, bucket.as_dict()) for bucket in buckets}
     uses = [use for lowering in kernels.values() for use in lowering.kernels]
@@ -445,7 +455,7 @@ def _run_plan(loaded: export_stage.LoadedSource, options: ConversionOptions, tar
         lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
                                     options.scan, weights=False, keep_f32=captured.keep_f32, weight_only=_weight_only_scheme(options))
     plans = _plan_slices(options.sharding, slices, lowered, buckets, clock)
-    kernels, kernel_checks = _bucket_kernels(options.kernels, lowered, buckets, clock)
+    kernels, kernel_checks = _bucket_kernels(options.kernels, lowered, buckets, targets, clock)
     with compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock, lowered), plans, kernels) as compiling:
         report = compiling.result()
     clock.record("compile", compiling.seconds, f"{len(report.results)} executable(s)")
