@@ -307,6 +307,8 @@ def _evaluate(node, shapes: dict[str, tuple], evaluated: dict):
     else:
         args = _evaluate(node.args, shapes, evaluated)
         kwargs = {name: _evaluate(item, shapes, evaluated) for name, item in node.kwargs.items()}
+        if "device" in kwargs:  # a program captured on the meta device builds its positions there: here they need values
+            kwargs["device"] = torch.device("cpu")
         try:
             value = node.target(*args, **kwargs)
         except Exception as error:  # an op that cannot run on concrete values here: treat it as reading data
