@@ -36,7 +36,7 @@ class CausalPaddedAttention(nn.Module):
         batch, seq, _ = x.shape
         query = self.q(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
         key, value = self.kv(x).view(batch, seq, 2 * self.kv_heads, self.head_dim).transpose(1, 2).chunk(2, dim=1)
-        positions = torch.arange(seq)
+        positions = torch.arange(seq, device=x.device)
         mask = (positions[None, None, :, None] >= positions[None, None, None, :]) & attention_mask.bool()[:, None, None, :]
         if self.window is not None:
             mask = mask & (positions[None, None, :, None] - positions[None, None, None, :] < self.window)
@@ -163,3 +163,15 @@ def test_unknown_kernels_mode_is_one_clear_error(tmp_path):
     with pytest.raises(tpuexport.TpuExportError, match=r"unknown --kernels 'fast'; use one of auto, none"):
         tpuexport.convert(model, source.args, source.dynamic_shapes, out=tmp_path / "x.tpu", kernels="fast")
     assert not (tmp_path / "x.tpu").exists()
+
+
+def test_a_plan_on_the_meta_device_compiles_the_kernel_bucket(tmp_path):
+    with torch.device("meta"):
+        model = CausalPaddedAttention()
+    x, mask = _inputs()
+    seq = torch.export.Dim("seq", min=2, max=KERNEL_SEQ)
+    artifact = tpuexport.plan(model, (x.to("meta"), mask.to("meta")), {"x": {1: seq}, "attention_mask": {1: seq}},
+                              target="v5e", out=tmp_path / "plan.tpu")
+    [bucket] = artifact.manifest["targets"]["v5e"]["buckets"]
+    assert bucket["kernels"]["program"] == "static with kernels"
+    assert artifact.manifest["kernels"]["verification"][0]["passed"]
