@@ -6,8 +6,8 @@
 
 sizes: attention alone at 8 x seq, 32 query / 8 key-value heads of 64, bfloat16, causal, compiled
 for v5e: tpuexport's portable lowering (lower/attention.py, as the kernel-free program computes it)
-and its kernel path (attention_kernel: flash_attention with plan_kernel's blocks, k/v repeated),
-XLA's bytes accessed and temporaries of each. The rule `plan_kernel` applies (KERNEL_MIN_KEYS) comes
+and the kernel (flash_call: flash_attention with the largest block dividing the sequence, k/v
+repeated), XLA's bytes accessed and temporaries of each, and whether plan_kernel uses the kernel. The rule `plan_kernel` applies (KERNEL_MIN_KEYS) comes
 from this table.
 
 targets: the kernel path at 2 x 1024, 4 heads of 64, causal with a padding mask (segment ids),
@@ -45,18 +45,21 @@ def sizes() -> list[str]:
     import jax
     import jax.numpy as jnp
 
-    from tpuexport.lower.attention import attention_kernel, scaled_dot_product_attention
+    from tpuexport.lower.attention import FLASH_BLOCKS, flash_call, plan_kernel, scaled_dot_product_attention
 
     batch, heads, kv_heads, dim = 8, 32, 8, 64
     lines = [f"attention alone on v5e, {batch} x seq, {heads} / {kv_heads} heads of {dim}, bf16, causal:",
-             "| seq | portable GB accessed | kernel GB accessed | portable MiB temporaries | kernel MiB temporaries | kernel / portable bytes |",
-             "|---|---|---|---|---|---|"]
+             "| seq | portable GB accessed | kernel GB accessed | portable MiB temporaries | kernel MiB temporaries | kernel / portable bytes | --kernels auto uses it |",
+             "|---|---|---|---|---|---|---|"]
     for seq in (128, 256, 512, 1024, 2048):
         specs = [jax.ShapeDtypeStruct((batch, count, seq, dim), jnp.bfloat16) for count in (heads, kv_heads, kv_heads)]
+        block = next(size for size in FLASH_BLOCKS if seq % size == 0)
+        blocks = {"block_q": block, "block_k_major": block, "block_k": block, "block_b": 1}
         portable = _figures(_compiled(lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=True), specs, "v5e:1x1"))
-        kernel = _figures(_compiled(lambda q, k, v: attention_kernel(q, k, v, causal=True), specs, "v5e:1x1"))
+        kernel = _figures(_compiled(lambda q, k, v: flash_call(q, k, v, None, None, True, dim ** -0.5, blocks), specs, "v5e:1x1"))
+        use = plan_kernel(specs[0].shape, specs[1].shape, specs[2].shape, jnp.bfloat16, True, dim ** -0.5, False, False)
         lines.append(f"| {seq} | {portable[0] / 1e9:.3f} | {kernel[0] / 1e9:.3f} | {portable[1] / 2**20:.1f} | {kernel[1] / 2**20:.1f} | "
-                     f"{kernel[0] / portable[0]:.2f}x |")
+                     f"{kernel[0] / portable[0]:.2f}x | {'yes' if use.kernel else 'no'} |")
     return lines
 
 
@@ -85,11 +88,14 @@ def targets() -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("tables", nargs="*", choices=["sizes", "targets"], default=["sizes", "targets"])
+    parser.add_argument("tables", nargs="*", metavar="sizes|targets", help="which tables (default both)")
     options = parser.parse_args()
+    tables = {"sizes": sizes, "targets": targets}
+    if set(options.tables) - set(tables):
+        parser.error(f"unknown table(s) {sorted(set(options.tables) - set(tables))}; choose from sizes, targets")
     warnings.filterwarnings("ignore")
-    for table in options.tables:
-        print("\n".join({"sizes": sizes, "targets": targets}[table]()) + "\n", flush=True)
+    for table in options.tables or list(tables):
+        print("\n".join(tables[table]()) + "\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -114,12 +114,13 @@ def _grouped_mask(mask, batch_dims: int, kv_heads: int, groups: int):
 # TPU executables of a bucket may compute attention with JAX's Pallas flash-attention kernel
 # (lower/kernels.py re-traces the bucket with `tpuexport::attention_kernel` in place of each
 # scaled_dot_product_attention whose mask it can express). The kernel keeps the [q, k] scores in
-# VMEM, block by block. Measured on v5e (benchmarks/kernels.py, B=8, H=32, D=64, causal, bf16),
-# XLA's attention vs the kernel, bytes accessed / temporaries:
-#   seq  128:   84 MB / 0 MiB  vs   97 MB / 0 MiB   (the kernel reads more)
-#   seq  256:  236 MB / 0 MiB  vs  193 MB / 0 MiB
-#   seq  512:  740 MB / 256 MiB vs 386 MB / 32 MiB
-#   seq 2048: 9408 MB / 4096 MiB vs 1342 MB / 512 MiB
+# VMEM, block by block. Measured on v5e (benchmarks/kernels.py sizes, results/kernels.txt: 8 x seq,
+# 32 query / 8 key-value heads of 64, causal, bf16), the portable lowering vs the kernel, bytes
+# accessed / temporaries:
+#   seq  128:   64 MB / 0 MiB    vs   82 MB / 0 MiB   (the kernel reads 1.27x)
+#   seq  256:  198 MB / 0 MiB    vs  164 MB / 0 MiB   (0.83x)
+#   seq  512:  664 MB / 256 MiB  vs  327 MB / 32 MiB
+#   seq 2048: 9374 MB / 4096 MiB vs 1309 MB / 512 MiB
 # so the kernel is used from KERNEL_MIN_KEYS keys on, where it reads fewer bytes.
 KERNEL_MIN_KEYS = 256
 # Block sizes tried, largest first: the sequence must be a multiple of one (the kernel's lanes are 128 wide).
