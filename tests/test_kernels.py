@@ -105,6 +105,17 @@ def test_recompiling_the_artifact_compiles_the_kernel_program_again(artifacts):
     assert recompile.status == "passed", recompile.message
 
 
+def test_inspect_shows_the_kernels_per_bucket(artifacts):
+    from click.testing import CliRunner
+
+    from tpuexport.cli import main
+
+    result = CliRunner().invoke(main, ["inspect", str(artifacts["auto"].path)])
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[2].strip(): line for line in result.output.splitlines() if line.count("│") > 5}
+    assert "flash_attention 256" in rows[f"seq{KERNEL_SEQ}"] and "flash_attention" not in rows[f"seq{SHORT_SEQ}"]
+
+
 def test_kernels_none_is_the_kernel_free_build(artifacts):
     auto, none = _buckets(artifacts["auto"]), _buckets(artifacts["none"])
     assert all("kernels" not in bucket for bucket in none.values())

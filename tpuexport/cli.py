@@ -253,7 +253,7 @@ def summary(artifact) -> dict:
         "targets": {
             name: [
                 {k: bucket[k] for k in ("entry_point", "name", "sizes", "executable", "memory", "cost", "fits_in_hbm", "hbm_utilization",
-                                        "collectives", "decode_step") if k in bucket}
+                                        "collectives", "decode_step", "kernels") if k in bucket}
                 for bucket in target["buckets"]
             ]
             for name, target in manifest["targets"].items()
@@ -267,6 +267,12 @@ def summary(artifact) -> dict:
         **({"huggingface": {key: value for key, value in manifest["huggingface"].items() if key != "config"}}
            if "huggingface" in manifest else {}),
     }
+
+
+def describe_kernels(kernels: dict | None) -> str:
+    """A bucket's TPU kernels for the inspect table: "flash_attention 512" (its block size) or "-"."""
+    used = sorted({f"{use['kernel']} {use['block_sizes']['block_q']}" for use in (kernels or {}).get("attention", []) if use.get("kernel")})
+    return ", ".join(used) if (kernels or {}).get("program") == "static with kernels" and used else "-"
 
 
 @main.command()
@@ -315,13 +321,13 @@ def inspect(artifact_dir, as_json):
         console.print(f"  scanned {run['module']} {run['first']}-{run['first'] + run['count'] - 1} ({run['count']} blocks, weights stacked)")
     for line in describe_weight_only(data.get("quantization", {})):
         console.print(f"  {line}")
-    table = Table("target", "bucket", "HBM per chip", "of HBM", "collectives", "GFLOP", "est. µs", "executable")
+    table = Table("target", "bucket", "HBM per chip", "of HBM", "collectives", "GFLOP", "est. µs", "kernels", "executable")
     for name, buckets in data["targets"].items():
         for bucket in buckets:
             table.add_row(
                 name, f"{bucket['entry_point']} {bucket['name']}" if "entry_point" in bucket else bucket["name"], f"{bucket['memory']['total_bytes'] / 2**20:.2f} MiB", f"{bucket['hbm_utilization']:.4%}",
                 describe_collectives(bucket.get("collectives")), f"{bucket['cost']['flops'] / 1e9:.4f}",
-                describe_microseconds(bucket["cost"]["optimal_seconds"]), bucket["executable"],
+                describe_microseconds(bucket["cost"]["optimal_seconds"]), describe_kernels(bucket.get("kernels")), bucket["executable"],
             )
     console.print(table)
 
