@@ -158,6 +158,22 @@ def test_planted_wrong_kernel_arguments_fail(kernel_use, bug):
     assert not check.passed and check.error > 100 * check.tolerance
 
 
+def test_a_planted_kernel_bug_keeps_the_portable_program(tmp_path, monkeypatch):
+    """A wrong causal flag in the kernel call the TPU program is traced with: the conversion's
+    interpret-mode check catches it and the bucket is compiled from the portable program."""
+    from tpuexport.lower import attention
+
+    monkeypatch.setattr(attention, "flash_call", PLANTED["causal flag"])
+    model = CausalPaddedAttention()
+    source = _source(model)
+    artifact = tpuexport.convert(model, source.args, source.dynamic_shapes, target="v5e", out=tmp_path / "planted.tpu",
+                                 saved_model=False)
+    [bucket] = artifact.manifest["targets"]["v5e"]["buckets"]
+    assert bucket["kernels"]["program"] == "portable" and "failed verification in interpret mode" in bucket["kernels"]["reason"]
+    [check] = artifact.manifest["kernels"]["verification"]
+    assert not check["passed"] and artifact.manifest["kernels"]["programs"] == {}
+
+
 @pytest.mark.parametrize("options, reason", [
     ({"window": 64}, "a mask other than causal and padding"),
     ({"float_mask": True}, "a float attention mask"),

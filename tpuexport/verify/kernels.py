@@ -62,17 +62,19 @@ class KernelCheck:
                 "how": "Pallas interpret mode on CPU vs the portable attention lowering"}
 
 
-def verify_kernel_use(use: attention.KernelUse, kernel: Callable = attention.flash_call) -> KernelCheck:
+def verify_kernel_use(use: attention.KernelUse, kernel: Callable | None = None) -> KernelCheck:
     """Runs one kernel use in interpret mode against the reference lowering.
 
     Args:
       use: a KernelUse with a kernel (block sizes).
-      kernel: the kernel call to check, `attention.flash_call` (another only to plant a bug).
+      kernel: the kernel call to check; None for `attention.flash_call` as the lowering calls it
+        now (looked up at the call, so that it is the function the TPU program was traced with).
     Returns:
       The KernelCheck.
     """
     from jax.experimental.pallas import tpu as pltpu  # Pallas loads only where kernels are used
 
+    kernel = kernel or attention.flash_call
     block = use.block_sizes["block_k"]
     q_len, k_len = min(use.q_len, 2 * use.block_sizes["block_q"]), min(use.k_len, 2 * block)
     kv_heads = min(use.kv_heads, 2)
