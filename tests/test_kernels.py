@@ -156,6 +156,18 @@ def test_kernel_use_passes_its_interpret_mode_check(kernel_use):
     assert check.passed and check.shape["q"] == KERNEL_SEQ
 
 
+@pytest.mark.parametrize("dtype, causal, key_mask, query_mask", [
+    ("bfloat16", False, True, True),  # an encoder's padding, rows masked too
+    ("float32", True, False, False),  # is_causal alone
+])
+def test_other_mask_forms_pass_their_interpret_mode_check(dtype, causal, key_mask, query_mask):
+    from tpuexport.lower.attention import plan_kernel
+
+    use = plan_kernel((2, 4, 512, 64), (2, 4, 512, 64), (2, 4, 512, 64), jnp.dtype(dtype), causal, 0.125, key_mask, query_mask)
+    check = verify_kernel_use(use)
+    assert use.block_sizes["block_q"] == 512 and check.passed, check.to_json()
+
+
 @pytest.mark.parametrize("bug", list(PLANTED))
 def test_planted_wrong_kernel_arguments_fail(kernel_use, bug):
     check = verify_kernel_use(kernel_use, PLANTED[bug])
