@@ -217,3 +217,21 @@ def test_a_model_on_the_meta_device_gets_the_kernel():
     captured = capture(source)
     bucket = lower_bucket_kernels(lower(captured.program, captured.signature, weights=False), {"seq": KERNEL_SEQ})
     assert bucket.exported is not None and [use.kernel for use in bucket.uses] == ["flash_attention"]
+
+
+class TwoAttentions(nn.Module):
+    """A causal-padded attention the kernel computes, then a sliding-window one it cannot."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = CausalPaddedAttention(), CausalPaddedAttention(window=64)
+
+    def forward(self, x, attention_mask):
+        return self.second(self.first(x, attention_mask), attention_mask)
+
+
+def test_a_bucket_records_why_its_other_attention_keeps_xla():
+    captured = capture(_source(TwoAttentions()))
+    bucket = lower_bucket_kernels(lower(captured.program, captured.signature), {"seq": KERNEL_SEQ})
+    assert bucket.exported is not None and [use.kernel for use in bucket.uses] == ["flash_attention"]
+    assert "a mask other than causal and padding" in bucket.to_json()["other_attention"]

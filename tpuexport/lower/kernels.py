@@ -31,6 +31,7 @@ import jax
 import torch
 import torch.nn.functional as F
 
+from tpuexport.errors import TpuExportError
 from tpuexport.lower.attention import KERNEL_MIN_KEYS, recording_kernel_uses
 from tpuexport.lower.lowering import LoweredProgram, lower_decomposed
 from tpuexport.signature import ProgramSignature
@@ -71,12 +72,14 @@ class BucketKernels:
         portable one: weights, then inputs), or None when the bucket keeps the portable program.
       uses: every attention op's KernelUse (a scanned layer's once), kernel or not.
       reason: why the bucket keeps the portable program (None when it has kernels).
+      unmatched: why some attention ops keep XLA's attention while others use the kernel, or None.
     """
 
     sizes: dict[str, int]
     exported: jax.export.Exported | None
     uses: tuple = ()
     reason: str | None = None
+    unmatched: str | None = None
 
     @property
     def kernels(self) -> tuple:
@@ -85,7 +88,7 @@ class BucketKernels:
     def to_json(self) -> dict:
         entry = {"program": "static with kernels" if self.exported is not None else "portable",
                  "attention": [use.to_json() for use in self.uses]}
-        return entry | ({"reason": self.reason} if self.reason else {})
+        return entry | ({"reason": self.reason} if self.reason else {}) | ({"other_attention": self.unmatched} if self.unmatched else {})
 
 
 def check_kernel_mode(mode: str) -> str:
@@ -94,8 +97,6 @@ def check_kernel_mode(mode: str) -> str:
     Raises:
       TpuExportError: another value.
     """
-    from tpuexport.errors import TpuExportError
-
     if mode not in KERNEL_MODES:
         raise TpuExportError(f"unknown --kernels {mode!r}; use one of {', '.join(KERNEL_MODES)}")
     return mode
@@ -149,7 +150,7 @@ def lower_bucket_kernels(lowered: LoweredProgram, sizes: dict[str, int], interpr
     if not any(use.kernel for use in uses):
         reasons = sorted({use.reason for use in uses})
         return BucketKernels(sizes, None, tuple(uses), "; ".join(reasons) + (f"; {skipped}" if skipped else ""))
-    return BucketKernels(sizes, static.exported, tuple(uses), None)
+    return BucketKernels(sizes, static.exported, tuple(uses), None, skipped)
 
 
 def kernel_graph(program: torch.export.ExportedProgram, signature: ProgramSignature,
