@@ -104,6 +104,7 @@ def test_recompiling_the_artifact_compiles_the_kernel_program_again(artifacts):
     report = tpuexport.verify_artifact(artifact.path, recompile=True)
     recompile = next(check for check in report.checks if check.name == "recompile")
     assert recompile.status == "passed", recompile.message
+    assert report.passed, [(check.name, check.status, check.message) for check in report.checks]
 
 
 def test_inspect_shows_the_kernels_per_bucket(artifacts):
