@@ -7,8 +7,8 @@
 sizes: attention alone at 8 x seq, 32 query / 8 key-value heads of 64, bfloat16, causal, compiled
 for v5e: tpuexport's portable lowering (lower/attention.py, as the kernel-free program computes it)
 and the kernel (flash_call: flash_attention with the largest block dividing the sequence, k/v
-repeated), XLA's bytes accessed and temporaries of each, and whether plan_kernel uses the kernel. The rule `plan_kernel` applies (KERNEL_MIN_KEYS) comes
-from this table.
+repeated), XLA's bytes accessed and temporaries of each, and whether plan_kernel uses the kernel.
+The rule plan_kernel applies (KERNEL_MIN_KEYS) comes from this table.
 
 targets: the kernel path at 2 x 1024, 4 heads of 64, causal with a padding mask (segment ids),
 compiled for each single chip of tpuexport's TARGETS: its temporaries, or XLA's error.
@@ -49,7 +49,8 @@ def sizes() -> list[str]:
 
     batch, heads, kv_heads, dim = 8, 32, 8, 64
     lines = [f"attention alone on v5e, {batch} x seq, {heads} / {kv_heads} heads of {dim}, bf16, causal:",
-             "| seq | portable GB accessed | kernel GB accessed | portable MiB temporaries | kernel MiB temporaries | kernel / portable bytes | --kernels auto uses it |",
+             "| seq | portable GB accessed | kernel GB accessed | portable MiB temporaries | kernel MiB temporaries "
+             "| kernel / portable bytes | --kernels auto uses it |",
              "|---|---|---|---|---|---|---|"]
     for seq in (128, 256, 512, 1024, 2048):
         specs = [jax.ShapeDtypeStruct((batch, count, seq, dim), jnp.bfloat16) for count in (heads, kv_heads, kv_heads)]

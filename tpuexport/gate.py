@@ -378,6 +378,11 @@ def check_compatibility(artifact: Artifact, today: datetime.date | None = None):
     return PASSED, f"{what}: JAX releases until {until} load it ({days} days left)", details
 
 
+def _kernel_program(artifact: Artifact, relative: str) -> jax.export.Exported:
+    """A bucket's static program with TPU kernels, read after its sha256 matched."""
+    return jax.export.deserialize(bytearray(artifact.read_checked(relative)))
+
+
 @gate_check("recompile")
 def check_recompile(artifact: Artifact, strict: bool = False):
     """Recompiles every target and bucket and compares the compiled-HLO fingerprints.
@@ -397,7 +402,7 @@ def check_recompile(artifact: Artifact, strict: bool = False):
         buckets = [compile_stage.Bucket(tuple(recorded["sizes"].items())) for recorded in entry["buckets"]]
         plan = compile_stage.ShardingPlan.from_json(entry["sharding"]) if "sharding" in entry else None
         # A bucket compiled from its static program with TPU kernels is compiled from that program again.
-        kernels = {bucket.name: BucketKernels(bucket.as_dict(), jax.export.deserialize(bytearray(artifact.read_checked(kernel_programs[bucket.name]))))
+        kernels = {bucket.name: BucketKernels(bucket.as_dict(), _kernel_program(artifact, kernel_programs[bucket.name]))
                    for bucket, recorded in zip(buckets, entry["buckets"])
                    if recorded.get("kernels", {}).get("program") == "static with kernels" and bucket.name in kernel_programs}
         for recorded, result in zip(entry["buckets"], compile_stage.compile_target(program, target, buckets, plan=plan, kernels=kernels)):
