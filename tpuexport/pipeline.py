@@ -298,7 +298,8 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         @functools.cache
         def compiled() -> compile_stage.CompileReport:
             result = compiling.result()
-            clock.record("compile", compiling.seconds, f"{len(result.results)} executable(s), alongside verify and the SavedModel")
+            alongside = "verify and the SavedModel" if options.saved_model else "verify"
+            clock.record("compile", compiling.seconds, f"{len(result.results)} executable(s), alongside {alongside}")
             return result
 
         extra_writers = _source_writers(loaded)
