@@ -1,8 +1,11 @@
 """The command line in a subprocess, as users and CI run it: every source kind, inspect, targets,
-exit codes, and bad input (one line, exit 2, no traceback, nothing left on disk)."""
+exit codes, and bad input (one line, exit 2, no traceback, nothing left on disk). The bad-input
+table runs in this process through click's runner (a subprocess costs seconds of imports per case);
+two of its cases run in a subprocess too, for the real process's exit code and stderr."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -23,6 +26,17 @@ def tpuexport(*args, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tpuexport.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=600)
 
 
+def tpuexport_in_process(*args, cwd) -> subprocess.CompletedProcess:
+    """The command run by click's test runner in this process, in `cwd`, as a CompletedProcess."""
+    from click.testing import CliRunner
+
+    from tpuexport.cli import main
+
+    with contextlib.chdir(cwd):
+        result = CliRunner().invoke(main, list(map(str, args)))
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+
+
 def assert_clean_bad_input(result, directory: pathlib.Path, expected: str, before: set[str]):
     """Exit 2, one error line naming the problem (after any finished-stage progress lines), no
     traceback, no new files."""
@@ -39,7 +53,7 @@ def assert_clean_bad_input(result, directory: pathlib.Path, expected: str, befor
 def test_convert_factory_source_with_buckets_and_json(tmp_path):
     out = tmp_path / "mlp.tpu"
     result = tpuexport("convert", f"{EXAMPLES / 'mlp.py'}:build", "--target", "v5e", "--target", "v6e",
-                       "--bucket", "batch=1,16", "-o", out, "--json")
+                       "--bucket", "batch=1,16", "-o", out, "--json", "--no-saved-model")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["artifact"] == str(out)
@@ -64,11 +78,16 @@ NEW_SIZE_INPUTS = {
 
 
 @pytest.mark.parametrize("example", list(NEW_SIZE_INPUTS))
-def test_every_example_converts_for_v5e_and_v6e_and_runs_at_a_new_size(example, tmp_path):
-    out = tmp_path / f"{example}.tpu"
-    result = tpuexport("convert", f"{EXAMPLES / example}.py:build", "--target", "v5e", "--target", "v6e", "-o", out)
-    assert result.returncode == 0, result.stderr
-    artifact = tpuexport_api.load(out)
+def test_every_example_converts_for_v5e_and_v6e_and_runs_at_a_new_size(example, tmp_path, request):
+    """The CNN through the command line; the MLP and the transformer are the session's shared
+    conversions of the same examples for the same targets (tests/conftest.py)."""
+    if example == "cnn":
+        out = tmp_path / f"{example}.tpu"
+        result = tpuexport("convert", f"{EXAMPLES / example}.py:build", "--target", "v5e", "--target", "v6e", "-o", out)
+        assert result.returncode == 0, result.stderr
+        artifact = tpuexport_api.load(out)
+    else:
+        artifact = request.getfixturevalue(f"{example}_artifact")
     assert list(artifact.manifest["targets"]) == ["v5e", "v6e"]
     inputs = NEW_SIZE_INPUTS[example]()
     with torch.no_grad():
@@ -80,7 +99,7 @@ def test_convert_pt2_source_keeps_its_dims(tmp_path):
     built = build_example("transformer")
     program = torch.export.export(built["model"].eval(), built["args"], dynamic_shapes=built["dynamic_shapes"])
     torch.export.save(program, tmp_path / "encoder.pt2")
-    result = tpuexport("convert", tmp_path / "encoder.pt2", "--target", "v6e", "--json", cwd=tmp_path)
+    result = tpuexport("convert", tmp_path / "encoder.pt2", "--target", "v6e", "--json", "--no-saved-model", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["artifact"] == "encoder.tpu" and (tmp_path / "encoder.tpu/manifest.json").is_file()
@@ -98,7 +117,7 @@ def test_pickle_is_refused_without_opt_in_and_converted_with_it(tmp_path):
     assert "--trust-pickle" in refused.stderr
 
     accepted = tpuexport("convert", tmp_path / "mlp.pt", "--trust-pickle", "--input", "features:B,32:float32",
-                         "--dim", "B=1:64", "-o", tmp_path / "mlp.tpu", "--json")
+                         "--dim", "B=1:64", "-o", tmp_path / "mlp.tpu", "--json", "--no-saved-model")
     assert accepted.returncode == 0, accepted.stderr
     signature = json.loads(accepted.stdout)["signature"]
     assert signature["inputs"][0]["name"] == "features" and signature["inputs"][0]["shape"] == ["B", 32]
@@ -116,7 +135,7 @@ def test_targets_lists_every_generation_with_its_hbm():
 
 def test_verification_failure_exits_1_and_keeps_only_the_report(tmp_path):
     result = tpuexport("convert", f"{EXAMPLES / 'mlp.py'}:build", "--precision", "bf16", "--atol", "0", "--rtol", "0", "--scale-tol", "0",
-                       "-o", tmp_path / "mlp.tpu")
+                       "-o", tmp_path / "mlp.tpu", "--no-saved-model")
     assert result.returncode == 1, result.stderr
     assert "output 'output_0'" in result.stderr and "mlp.tpu.verification-report.json" in result.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["mlp.tpu.verification-report.json"]
@@ -185,6 +204,9 @@ BAD_INPUTS = {
 }
 
 
+IN_A_SUBPROCESS = {"missing file", "unknown target"}
+
+
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_gets_one_line_and_exit_2(case, tmp_path):
     write(tmp_path, "unsupported.py", UNSUPPORTED_FACTORY)
@@ -198,7 +220,8 @@ def test_bad_input_gets_one_line_and_exit_2(case, tmp_path):
     (tmp_path / "existing.tpu" / "manifest.json").write_text("{}")
     args, expected = BAD_INPUTS[case]
     before = {p.name for p in tmp_path.iterdir()}
-    result = tpuexport(*args, cwd=tmp_path)
+    run = tpuexport if case in IN_A_SUBPROCESS else tpuexport_in_process
+    result = run(*args, cwd=tmp_path)
     assert_clean_bad_input(result, tmp_path, expected, before)
 
 

@@ -249,6 +249,9 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
                                         options.scan, weights=captured.checkpoint_state is None, keep_f32=captured.keep_f32,
                                         weight_only=weight_only)
+        for target in targets:  # seconds, not a verification and a compile, to say a bucket cannot fit
+            if not target.is_slice:
+                compile_stage.check_chip_fit(lowered.weight_names, lowered.weight_specs, lowered.signature, target, buckets)
         weights_file = None
         if captured.checkpoint_state is not None:
             lowered, weights_file = _stream_weights(captured, lowered, scratch, clock, weight_only)

@@ -3,7 +3,7 @@ bucket, with per-device memory/cost figures and, for slices, the collectives."""
 
 from tpuexport.compile.aot import CompiledBucket, CompileJob, CompileReport, compile_program, compile_target
 from tpuexport.compile.buckets import Bucket, make_buckets, parse_bucket_options
-from tpuexport.compile.sharding import PRESETS, ShardingPlan, ShardingRequest, make_request, plan_sharding, resolve_mesh
+from tpuexport.compile.sharding import PRESETS, ShardingPlan, ShardingRequest, check_chip_fit, make_request, plan_sharding, resolve_mesh
 from tpuexport.compile.slices import SLICES, resolve_targets
 from tpuexport.compile.targets import TARGETS, Target
 
@@ -18,6 +18,7 @@ __all__ = [
     "ShardingPlan",
     "ShardingRequest",
     "Target",
+    "check_chip_fit",
     "compile_program",
     "compile_target",
     "make_buckets",

@@ -312,6 +312,30 @@ def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequen
     return plan
 
 
+def check_chip_fit(weight_names: Sequence[str], weights: Sequence, signature: ProgramSignature, target: Target,
+                   buckets: Sequence[Bucket]) -> None:
+    """Refuses a single-chip bucket whose weights and inputs alone exceed the chip's HBM, before
+    anything is verified or compiled (a slice's plan is checked the same way by `plan_sharding`;
+    the compiler's verdict with temporaries comes after compilation).
+
+    Args:
+      weight_names, weights: the weights' names and shapes/dtypes, in call order.
+      signature: the program's inputs.
+      target: a single chip.
+      buckets: the buckets to compile.
+    Raises:
+      TpuExportError: a bucket's arguments do not fit, naming the largest buffers.
+    """
+    for bucket in buckets:
+        buffers = per_device_buffers(None, weight_names, weights, signature, bucket)
+        total = sum(size for _, size in buffers)
+        if total > target.hbm_bytes_per_device:
+            raise TpuExportError(
+                f"does not fit in HBM: {target.name} bucket {bucket.name} needs {total:,} bytes for its weights and inputs alone, "
+                f"HBM is {target.hbm_bytes_per_device:,}; largest: {describe_buffers(buffers)}; use smaller buckets "
+                "(--bucket), a slice with a sharding plan, or a target with more HBM")
+
+
 def resolve_mesh(request: ShardingRequest, target: Target) -> tuple[tuple[str, int], ...]:
     """The request's mesh for a slice target (the preset's default mesh when none was given).
 
