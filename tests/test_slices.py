@@ -280,7 +280,7 @@ def test_plans_that_do_not_fit_a_chip_name_the_largest_buffers(tmp_path):
     # Replicated on a slice: refused from the plan's per-chip shard sizes, before compiling.
     with pytest.raises(tpuexport.TpuExportError, match=r"does not fit v5e-8: .* largest per device: input x f32\[1048576,4096\] 16384\.0 MiB"):
         tpuexport.convert(WideInput().eval(), target="v5e-8", out=tmp_path / "replicated.tpu", **common)
-    # One chip: XLA's per-device memory exceeds its HBM; the error names the buffers.
+    # One chip: its arguments alone exceed the HBM, refused before verifying or compiling; the error names them.
     with pytest.raises(tpuexport.TpuExportError, match=r"does not fit in HBM: v5e bucket batch1048576 .* largest arguments: input x f32\[1048576,4096\]"):
         tpuexport.convert(WideInput().eval(), target="v5e", out=tmp_path / "chip.tpu", **common)
     assert list(tmp_path.iterdir()) == []

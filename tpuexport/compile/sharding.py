@@ -332,7 +332,7 @@ def check_chip_fit(weight_names: Sequence[str], weights: Sequence, signature: Pr
         if total > target.hbm_bytes_per_device:
             raise TpuExportError(
                 f"does not fit in HBM: {target.name} bucket {bucket.name} needs {total:,} bytes for its weights and inputs alone, "
-                f"HBM is {target.hbm_bytes_per_device:,}; largest: {describe_buffers(buffers)}; use smaller buckets "
+                f"HBM is {target.hbm_bytes_per_device:,}; largest arguments: {describe_buffers(buffers)}; use smaller buckets "
                 "(--bucket), a slice with a sharding plan, or a target with more HBM")
 
 
