@@ -19,10 +19,14 @@ exit 2; crash = anything else) with the last line of stderr; convert seconds (th
 for int8, the lowest output SQNR against the float model, weight bytes against f32 and the share of
 matmul/conv FLOPs that the compiled TPU HLO runs as s8 x s8 -> s32.
 
-Modes "generate-f32" and "generate-bf16" convert the decoder families' directories with
-`--task text-generation` (max context 64, max batch 2, prefill bucket batch 2 x seq 16 with rows of
-different lengths, 32 new tokens compared with generate(do_sample=False)); their row says whether
-greedy parity holds, the tokens compared and the ties. Other kinds have no row in these modes.
+Modes "generate-f32", "generate-bf16", "generate-int8-weight-only" and "generate-int4-weight-only"
+(--group-size 32) convert the decoder families' directories with `--task text-generation` (max
+context 64, max batch 2, prefill bucket batch 2 x seq 16 with rows of different lengths, 32 new
+tokens compared with generate(do_sample=False)). They print after the other modes, in a table of
+their own: greedy parity (a weight-only artifact against generate() with its rounded weights), the
+tokens compared and the ties; for weight-only, against the float model's generate(): the first step
+where greedy tokens differ ("none": the same 32 tokens) and the logits SQNR up to that step, and the
+weight bytes against f32. Other kinds have no row in these modes.
 
 Mode "bf16-checkpoint" writes the transformers families' directories in bfloat16 (as most
 checkpoints are published; non-persistent buffers such as rotary `inv_freq` are not in a checkpoint)
@@ -48,8 +52,9 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = pathlib.Path(__file__).resolve().parent
 MODES = ("f32", "bf16", "int8", "int8-dynamic", "int8-weight-only", "bf16-checkpoint")
 CHECKPOINT_MODE = "bf16-checkpoint"
-GENERATION_MODES = ("generate-f32", "generate-bf16")
+GENERATION_MODES = ("generate-f32", "generate-bf16", "generate-int8-weight-only", "generate-int4-weight-only")
 GENERATION_NEW_TOKENS = 32
+GENERATION_INT4_GROUP_SIZE = 32  # divides the families' width of 64
 TASK_CHOICES = ("auto", "explicit")
 CHILD_TIMEOUT_SECONDS = 1200
 STATUS_OF_EXIT_CODE = {0: "passed", 1: "mismatch", 2: "error"}
@@ -96,7 +101,9 @@ def convert_command(family, source: str, mode: str, task_choice: str, out: pathl
         if not generation:
             command += [option for dim in family.dims for option in ("--dim", dim)]
     numerics = mode.removeprefix("generate-")
-    if numerics.startswith("int8"):
+    if numerics == "int4-weight-only":
+        command += ["--quantize", numerics, "--group-size", str(GENERATION_INT4_GROUP_SIZE)]
+    elif numerics.startswith("int8"):
         command += ["--quantize", numerics] + (["--random-calibration"] if numerics == "int8" and family.save is not None else [])
     elif mode != CHECKPOINT_MODE:  # a bf16 checkpoint converts with default options
         command += ["--precision", numerics]
@@ -149,7 +156,11 @@ def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
         if "tokens_compared" in manifest["verification"]:
             row["tokens_compared"] = manifest["verification"]["tokens_compared"]
             row["ties"] = manifest["verification"]["ties"]
-        if "quantization" in manifest:
+        if mode in GENERATION_MODES:
+            row["float_divergence"] = (row["report"] or {}).get("float_divergence")
+            if "quantization" in manifest:
+                row["weight_ratio"] = manifest["quantization"]["weight_bytes"]["ratio"]
+        elif "quantization" in manifest:
             quantization = _read_json(out / manifest["quantization"]["report"])
             row["sqnr_db"] = [o["sqnr_db"] for o in quantization["outputs"]]
             row["weight_ratio"] = quantization["weight_bytes"]["ratio"]
@@ -181,12 +192,30 @@ def format_row(row: dict) -> str:
     if checked:
         message = checked.get("error") or (f"resolved {checked['resolved_precision']}; run gives {'/'.join(checked['run_dtypes'])}"
                                            + (f"; inv_freq {'/'.join(checked['rotary_dtypes'])}" if checked["rotary_dtypes"] else ""))
-    if row["mode"] in GENERATION_MODES or "tokens_compared" in row:
+    if "tokens_compared" in row:  # a decoder's bf16 checkpoint (a text-generation artifact)
         parity = {"passed": "yes", "mismatch": "no"}.get(row["status"], row["status"])
         return (f"| {row['family']} | {row['task']} | {row['asked']} | {row['mode']} | greedy parity {parity} | {row.get('seconds', '-')} | "
                 f"{row.get('tokens_compared', '-')} tokens compared, {row.get('ties', '-')} ties | - | - | {message} |")
     return (f"| {row['family']} | {row['task']} | {row['asked']} | {row['mode']} | {row['status']} | {row.get('seconds', '-')} | {sqnr_text} | "
             f"{f'{ratio:.3f}' if ratio is not None else '-'} | {f'{integer:.0%}' if integer is not None else '-'} | {message} |")
+
+
+GENERATION_HEADER = ("| family | mode | greedy parity | seconds | tokens compared | ties | vs float: first differing step | "
+                     "vs float: logits SQNR dB | weights vs f32 | error (last line) |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def format_generation_row(row: dict) -> str:
+    """A generate-* row of the text-generation table (GENERATION_HEADER)."""
+    parity = {"passed": "yes", "mismatch": "no"}.get(row["status"], row["status"])
+    divergence = row.get("float_divergence")
+    first, sqnr = "-", "-"
+    if divergence:
+        first = "none" if divergence["first"] is None else f"step {divergence['first']['step']} (row {divergence['first']['row']})"
+        sqnr = "identical" if divergence["sqnr_db"] is None else f"{divergence['sqnr_db']:.1f}"
+    ratio = row.get("weight_ratio")
+    message = "" if row["status"] == "passed" else first_line(row.get("message", ""))
+    return (f"| {row['family']} | {row['mode']} | {parity} | {row.get('seconds', '-')} | {row.get('tokens_compared', '-')} | "
+            f"{row.get('ties', '-')} | {first} | {sqnr} | {f'{ratio:.3f}' if ratio is not None else '-'} | {message} |")
 
 
 def main() -> None:
@@ -228,15 +257,22 @@ def main() -> None:
             for mode in modes if (mode not in GENERATION_MODES or (FAMILIES[name].kind == "decoder" and FAMILIES[name].save))
             and (mode != CHECKPOINT_MODE or FAMILIES[name].save)]
     print(f"{len(names)} families x {len(modes)} modes x --task {'/'.join(task_choices)}, target {options.target}"
-          f"{', SavedModel' if options.saved_model else ''}\n", flush=True)
-    print("| family | task | --task | mode | status | seconds | int8 SQNR dB (worst output) | weights vs f32 | s8 FLOPs | "
-          "error (last line), or bf16 checkpoint: resolved precision, run dtypes, rotary table |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          f"{', SavedModel' if options.saved_model else ''}", flush=True)
     rows = []
-    with ThreadPoolExecutor(max_workers=options.jobs) as pool:
-        for row in pool.map(lambda job: run_row(*job, options), jobs):
-            rows.append(row)
-            print(format_row(row), flush=True)
+    # The other modes' table first, then the text-generation table (its own columns).
+    for table_jobs, header, formatter in (
+            ([job for job in jobs if job[1] not in GENERATION_MODES],
+             "| family | task | --task | mode | status | seconds | int8 SQNR dB (worst output) | weights vs f32 | s8 FLOPs | "
+             "error (last line), or bf16 checkpoint: resolved precision, run dtypes, rotary table |\n|---|---|---|---|---|---|---|---|---|---|",
+             format_row),
+            ([job for job in jobs if job[1] in GENERATION_MODES], GENERATION_HEADER, format_generation_row)):
+        if not table_jobs:
+            continue
+        print("\n" + header, flush=True)
+        with ThreadPoolExecutor(max_workers=options.jobs) as pool:
+            for row in pool.map(lambda job: run_row(*job, options), table_jobs):
+                rows.append(row)
+                print(formatter(row), flush=True)
     passed = {(mode, choice): [r["status"] == "passed" for r in rows if r["mode"] == mode and r["asked"] in (choice, "factory")]
               for mode in modes for choice in task_choices}
     print("\npassed: " + ", ".join(f"{mode} --task {choice} {sum(seen)}/{len(seen)}" for (mode, choice), seen in passed.items()))

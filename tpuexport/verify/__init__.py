@@ -1,7 +1,7 @@
 """Verify stage: run the lowered program on CPU (TPU-faithfully and in plain f32) and compare with eager PyTorch."""
 
 from tpuexport.verify.compare import OutputComparison, Tolerances, compare_output
-from tpuexport.verify.generation import DEFAULT_NEW_TOKENS, GenerationReport, verify_generation
+from tpuexport.verify.generation import DEFAULT_NEW_TOKENS, GenerationReport, eager_references, verify_generation
 from tpuexport.verify.padding import PaddingCheck, verify_padding
 from tpuexport.verify.report import VerificationCase, VerificationReport
 from tpuexport.verify.sharded import ShardedVerification, verify_sharded
@@ -12,6 +12,7 @@ from tpuexport.verify.verification import ProgramRuns, make_inputs, verify
 __all__ = [
     "DEFAULT_NEW_TOKENS",
     "GenerationReport",
+    "eager_references",
     "verify_generation",
     "DEFAULT_BUDGET_FLOPS",
     "OutputComparison",
