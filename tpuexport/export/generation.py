@@ -189,6 +189,15 @@ def _masked_value(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
+# Config fields of causal LMs that rescale the LM head's logits in ways the entry points do not model
+# (Cohere's logit_scale, Granite's logits_scaling): refused rather than verified into a mismatch.
+_UNSUPPORTED_LOGIT_FIELDS = ("logit_scale", "logits_scaling")
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 # Attention layer types whose keys a plain (optionally windowed) causal mask describes.
 _MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -204,7 +213,7 @@ def attention_windows(model: nn.Module) -> dict[str, int | None]:
     Raises:
       TpuExportError: a layer type no causal mask describes (linear attention, chunked attention, ...).
     """
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = _text_config(model.config)
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if not layer_types:
@@ -244,7 +253,12 @@ class _EntryPoint(nn.Module):
         return output.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.get_output_embeddings()(hidden).float()
+        """The LM head of the rows wanted, as the causal LM's forward computes it (Gemma 2/3 soft-cap its logits)."""
+        logits = self.model.get_output_embeddings()(hidden)
+        cap = getattr(_text_config(self.model.config), "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
 
 class Prefill(_EntryPoint):
@@ -302,7 +316,11 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
     if max_batch < 1 or max_context < 2:
         raise TpuExportError(f"--max-batch {max_batch} / --max-context {max_context} out of range; give max batch >= 1 and max context >= 2")
     attention_windows(model)  # refuses a layer type the entry points cannot mask
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
+    rescaled = [field for field in _UNSUPPORTED_LOGIT_FIELDS if getattr(text, field, None) not in (None, 1, 1.0)]
+    if rescaled:
+        raise TpuExportError(f"--task text-generation: {type(model).__name__} rescales its logits by {rescaled[0]}, which the "
+                             "prefill/decode entry points do not support yet")
     layers = text.num_hidden_layers
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
