@@ -110,10 +110,20 @@ def test_entry_points_match_generate(family):
     assert len(set(report.cases[0].lengths)) == MAX_BATCH  # rows of different lengths in one prefill batch
 
 
-def test_layers_no_causal_mask_describes_are_refused(tmp_path):
-    model = tiny_qwen2(layer_types=["full_attention", "chunked_attention"])
-    with pytest.raises(tpuexport.TpuExportError, match="has chunked_attention layers, which the KV-cache entry points do not support"):
-        tpuexport.convert(model, task="text-generation", max_context=32, max_batch=2, target="v5e", out=tmp_path / "lm.tpu")
+def tiny_cohere() -> transformers.PreTrainedModel:
+    config = transformers.CohereConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=128, logit_scale=0.5)
+    return transformers.CohereForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("model, expected", [
+    (lambda: tiny_qwen2(layer_types=["full_attention", "chunked_attention"]),
+     "has chunked_attention layers, which the KV-cache entry points do not support yet"),
+    (tiny_cohere, "rescales its logits by logit_scale, which the prefill/decode entry points do not support yet"),
+], ids=["chunked-attention", "logit-scale"])
+def test_what_the_entry_points_do_not_model_is_refused(tmp_path, model, expected):
+    with pytest.raises(tpuexport.TpuExportError, match=expected):
+        tpuexport.convert(model(), task="text-generation", max_context=32, max_batch=2, target="v5e", out=tmp_path / "lm.tpu")
     assert list(tmp_path.iterdir()) == []
 
 
