@@ -160,7 +160,9 @@ class GenerationReport:
         return sum(case.runs["cpu"].tokens_compared for case in self.cases if "cpu" in case.runs)
 
     def ties(self) -> int:
-        return sum(1 for case in self.cases for run in case.runs.values() for difference in run.differences if difference.tie)
+        """Steps (of tokens_compared) where a run's argmax differs from generate's within the tie margin; a
+        step tied in both runs counts once."""
+        return sum(len({(d.row, d.step) for run in case.runs.values() for d in run.differences if d.tie}) for case in self.cases)
 
     def worst_errors(self) -> dict[str, float]:
         return {run: max((case.runs[run].logits.relative_rms_error for case in self.cases if run in case.runs), default=0.0)
