@@ -20,10 +20,14 @@ for int8 and int4, the lowest output SQNR against the float model, weight bytes 
 PT2E int8, the share of matmul/conv FLOPs that the compiled TPU HLO runs as s8 x s8 -> s32
 (int4-weight-only uses --group-size 32, which divides the tiny families' width).
 
-Modes "generate-f32" and "generate-bf16" convert the decoder families' directories with
-`--task text-generation` (max context 64, max batch 2, prefill bucket batch 2 x seq 16 with rows of
-different lengths, 32 new tokens compared with generate(do_sample=False)); their row says whether
-greedy parity holds, the tokens compared and the ties. Other kinds have no row in these modes.
+Modes "generate-f32", "generate-bf16", "generate-int8-weight-only" and "generate-int4-weight-only"
+(--group-size 32) convert the decoder families' directories with `--task text-generation` (max
+context 64, max batch 2, prefill bucket batch 2 x seq 16 with rows of different lengths, 32 new
+tokens compared with generate(do_sample=False)). They print after the other modes, in a table of
+their own: greedy parity (a weight-only artifact against generate() with its rounded weights), the
+tokens compared and the ties; for weight-only, against the float model's generate(): the first step
+where greedy tokens differ ("none": the same 32 tokens) and the logits SQNR up to that step, and the
+weight bytes against f32. Other kinds have no row in these modes.
 
 Mode "bf16-checkpoint" writes the transformers families' directories in bfloat16 (as most
 checkpoints are published; non-persistent buffers such as rotary `inv_freq` are not in a checkpoint)
@@ -51,7 +55,7 @@ MODES = ("f32", "bf16", "int8", "int8-dynamic", "int8-weight-only", "int4-weight
 # int4 groups must divide the tiny families' widths (64); 128, the default, does not.
 INT4_GROUP_SIZE = 32
 CHECKPOINT_MODE = "bf16-checkpoint"
-GENERATION_MODES = ("generate-f32", "generate-bf16")
+GENERATION_MODES = ("generate-f32", "generate-bf16", "generate-int8-weight-only", "generate-int4-weight-only")
 GENERATION_NEW_TOKENS = 32
 TASK_CHOICES = ("auto", "explicit")
 CHILD_TIMEOUT_SECONDS = 1200
@@ -153,7 +157,11 @@ def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
         if "tokens_compared" in manifest["verification"]:
             row["tokens_compared"] = manifest["verification"]["tokens_compared"]
             row["ties"] = manifest["verification"]["ties"]
-        if "quantization" in manifest:  # PT2E's report is a file; weight-only's is the manifest section itself
+        if mode in GENERATION_MODES:
+            row["float_divergence"] = (row["report"] or {}).get("float_divergence")
+            if "quantization" in manifest:
+                row["weight_ratio"] = manifest["quantization"]["weight_bytes"]["ratio"]
+        elif "quantization" in manifest:  # PT2E's report is a file; weight-only's is the manifest section itself
             section = manifest["quantization"]
             quantization = _read_json(out / section["report"]) if "report" in section else section
             row["sqnr_db"] = [o["sqnr_db"] for o in quantization["outputs"]]
@@ -186,12 +194,30 @@ def format_row(row: dict) -> str:
     if checked:
         message = checked.get("error") or (f"resolved {checked['resolved_precision']}; run gives {'/'.join(checked['run_dtypes'])}"
                                            + (f"; inv_freq {'/'.join(checked['rotary_dtypes'])}" if checked["rotary_dtypes"] else ""))
-    if row["mode"] in GENERATION_MODES or "tokens_compared" in row:
+    if "tokens_compared" in row:  # a decoder's bf16 checkpoint (a text-generation artifact)
         parity = {"passed": "yes", "mismatch": "no"}.get(row["status"], row["status"])
         return (f"| {row['family']} | {row['task']} | {row['asked']} | {row['mode']} | greedy parity {parity} | {row.get('seconds', '-')} | "
                 f"{row.get('tokens_compared', '-')} tokens compared, {row.get('ties', '-')} ties | - | - | {message} |")
     return (f"| {row['family']} | {row['task']} | {row['asked']} | {row['mode']} | {row['status']} | {row.get('seconds', '-')} | {sqnr_text} | "
             f"{f'{ratio:.3f}' if ratio is not None else '-'} | {f'{integer:.0%}' if integer is not None else '-'} | {message} |")
+
+
+GENERATION_HEADER = ("| family | mode | greedy parity | seconds | tokens compared | ties | vs float: first differing step | "
+                     "vs float: logits SQNR dB | weights vs f32 | error (last line) |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def format_generation_row(row: dict) -> str:
+    """A generate-* row of the text-generation table (GENERATION_HEADER)."""
+    parity = {"passed": "yes", "mismatch": "no"}.get(row["status"], row["status"])
+    divergence = row.get("float_divergence")
+    first, sqnr = "-", "-"
+    if divergence:
+        first = "none" if divergence["first"] is None else f"step {divergence['first']['step']} (row {divergence['first']['row']})"
+        sqnr = "identical" if divergence["sqnr_db"] is None else f"{divergence['sqnr_db']:.1f}"
+    ratio = row.get("weight_ratio")
+    message = "" if row["status"] == "passed" else first_line(row.get("message", ""))
+    return (f"| {row['family']} | {row['mode']} | {parity} | {row.get('seconds', '-')} | {row.get('tokens_compared', '-')} | "
+            f"{row.get('ties', '-')} | {first} | {sqnr} | {f'{ratio:.3f}' if ratio is not None else '-'} | {message} |")
 
 
 def main() -> None:
@@ -233,15 +259,22 @@ def main() -> None:
             for mode in modes if (mode not in GENERATION_MODES or (FAMILIES[name].kind == "decoder" and FAMILIES[name].save))
             and (mode != CHECKPOINT_MODE or FAMILIES[name].save)]
     print(f"{len(names)} families x {len(modes)} modes x --task {'/'.join(task_choices)}, target {options.target}"
-          f"{', SavedModel' if options.saved_model else ''}\n", flush=True)
-    print("| family | task | --task | mode | status | seconds | int8 SQNR dB (worst output) | weights vs f32 | s8 FLOPs | "
-          "error (last line), or bf16 checkpoint: resolved precision, run dtypes, rotary table |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          f"{', SavedModel' if options.saved_model else ''}", flush=True)
     rows = []
-    with ThreadPoolExecutor(max_workers=options.jobs) as pool:
-        for row in pool.map(lambda job: run_row(*job, options), jobs):
-            rows.append(row)
-            print(format_row(row), flush=True)
+    # The other modes' table first, then the text-generation table (its own columns).
+    for table_jobs, header, formatter in (
+            ([job for job in jobs if job[1] not in GENERATION_MODES],
+             "| family | task | --task | mode | status | seconds | int8 SQNR dB (worst output) | weights vs f32 | s8 FLOPs | "
+             "error (last line), or bf16 checkpoint: resolved precision, run dtypes, rotary table |\n|---|---|---|---|---|---|---|---|---|---|",
+             format_row),
+            ([job for job in jobs if job[1] in GENERATION_MODES], GENERATION_HEADER, format_generation_row)):
+        if not table_jobs:
+            continue
+        print("\n" + header, flush=True)
+        with ThreadPoolExecutor(max_workers=options.jobs) as pool:
+            for row in pool.map(lambda job: run_row(*job, options), table_jobs):
+                rows.append(row)
+                print(formatter(row), flush=True)
     passed = {(mode, choice): [r["status"] == "passed" for r in rows if r["mode"] == mode and r["asked"] in (choice, "factory")]
               for mode in modes for choice in task_choices}
     print("\npassed: " + ", ".join(f"{mode} --task {choice} {sum(seen)}/{len(seen)}" for (mode, choice), seen in passed.items()))

@@ -43,6 +43,16 @@ def tiny_gpt2() -> transformers.PreTrainedModel:
     return transformers.GPT2LMHeadModel(config).eval()
 
 
+def tiny_qwen2(**options) -> transformers.PreTrainedModel:
+    """A tiny Qwen2: layer 0 full attention, layer 1 attends to the last 6 positions only (mixed layer
+    types: the model takes a mask per type), unless `options` say otherwise."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(**{**dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                                use_sliding_window=True, sliding_window=6, max_window_layers=1), **options})
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
 def lowered_entry_point(module: torch.nn.Module, spec: export_stage.GenerationSpec, name: str) -> lower_stage.LoweredProgram:
     """One entry point captured and lowered as the pipeline does it."""
     args, dynamic_shapes = export_stage.example_arguments(spec)[name]
@@ -86,14 +96,54 @@ def test_llama_artifact_generates_what_generate_does(llama_generation):
         assert tokens == expected[0, len(prompt):].tolist()
 
 
-def test_gpt2_entry_points_match_generate():
-    model = tiny_gpt2()
+@pytest.mark.parametrize("family", [tiny_gpt2, tiny_qwen2], ids=["gpt2", "qwen2-sliding-window"])
+def test_entry_points_match_generate(family):
+    """GPT-2: learned absolute positions. Qwen2: a sliding-window layer beside a full one, the window
+    (6) shorter than the 16-token prompt, so prefill and decode both drop keys."""
+    model = family()
     spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
     modules = export_stage.entry_point_modules(model, spec)
     entry_points = {name: lowered_entry_point(modules[name], spec, name) for name in ("prefill", "decode")}
     report = verify_generation(lower_stage.GenerationProgram(spec, entry_points, (MAX_BATCH,)), model, new_tokens=8)
     assert report.passed, report.failure_summary()
     assert report.tokens_compared() == MAX_BATCH * 8
+    assert len(set(report.cases[0].lengths)) == MAX_BATCH  # rows of different lengths in one prefill batch
+
+
+def tiny_cohere() -> transformers.PreTrainedModel:
+    config = transformers.CohereConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=128, logit_scale=0.5)
+    return transformers.CohereForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("model, expected", [
+    (lambda: tiny_qwen2(layer_types=["full_attention", "chunked_attention"]),
+     "has chunked_attention layers, which the KV-cache entry points do not support yet"),
+    (tiny_cohere, "rescales its logits by logit_scale, which the prefill/decode entry points do not support yet"),
+], ids=["chunked-attention", "logit-scale"])
+def test_what_the_entry_points_do_not_model_is_refused(tmp_path, model, expected):
+    with pytest.raises(tpuexport.TpuExportError, match=expected):
+        tpuexport.convert(model(), task="text-generation", max_context=32, max_batch=2, target="v5e", out=tmp_path / "lm.tpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_float_divergence_is_the_first_step_the_rounded_weights_change():
+    """A weight-only case against the float model: the earliest differing greedy step over the rows,
+    and the SQNR over each row's steps up to it (later steps saw other tokens)."""
+    from tpuexport.verify.compare import sqnr_db
+    from tpuexport.verify.generation import float_divergence
+
+    generator = np.random.default_rng(0)
+    float_logits = generator.normal(size=(2, 5, 16)).astype(np.float32)
+    actual = float_logits + generator.normal(scale=0.1, size=float_logits.shape).astype(np.float32)
+    float_tokens = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    rounded_tokens = [[1, 2, 3, 4, 11], [6, 7, 12, 9, 10]]  # row 0 leaves at step 4, row 1 at step 2
+    divergence = float_divergence(actual, rounded_tokens, [(tokens, logits) for tokens, logits in zip(float_tokens, float_logits)])
+    assert divergence.first == {"row": 1, "step": 2, "float_token": 8, "token": 12}
+    assert divergence.tokens_compared == 10
+    assert divergence.sqnr_db == sqnr_db([float_logits[0], float_logits[1, :3]], [actual[0], actual[1, :3]])
+    same = float_divergence(actual, float_tokens, [(tokens, logits) for tokens, logits in zip(float_tokens, float_logits)])
+    assert same.first is None and same.sqnr_db == sqnr_db(list(float_logits), list(actual))
 
 
 class LateWriteCache(DecodeCache):

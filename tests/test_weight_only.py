@@ -268,6 +268,12 @@ def test_generation_artifact_with_int4_weights_generates_what_the_dequantized_mo
                                  target="v5e", out=tmp_path / "llama.tpu", quantize="int4-weight-only", group_size=GROUP)
     manifest = artifact.manifest
     assert manifest["verification"]["passed"] and manifest["verification"]["tokens_compared"] > 0
+    # Its distance from the float model's generate(), measured on the artifact's logits.
+    report = json.loads((artifact.path / manifest["verification"]["report"]).read_text())
+    divergence = report["float_divergence"]
+    assert divergence["tokens_compared"] == manifest["verification"]["tokens_compared"]
+    assert 5.0 < divergence["sqnr_db"] < 60.0
+    assert divergence["first"] is None or 0 <= divergence["first"]["step"] < report["cases"][0]["new_tokens"]
     quantized = manifest["quantization"]["weights"]
     assert "model.model.embed_tokens.weight" in quantized and quantized["model.lm_head.weight"]["bits"] == 4
     assert manifest["quantization"]["weight_bytes"]["ratio"] < 0.15

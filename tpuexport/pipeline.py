@@ -738,9 +738,11 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
                 tolerances = verify_stage.with_overrides(
                     verify_stage.default_tolerances(lowered["decode"].resolved_precision, options.matmul_precision, False),
                     **options.tolerance_overrides)
-                # A weight-only program is compared with generate() on the model with those weights dequantized.
+                # A weight-only program is compared with generate() on the model with those weights dequantized;
+                # its distance from the float model's generate() is measured too.
+                float_reference = verify_stage.eager_references(program, model, options.new_tokens) if weight_only else None
                 with _dequantized_weights(modules["decode"], lowered["decode"], weight_only):
-                    report = verify_stage.verify_generation(program, model, tolerances, options.new_tokens)
+                    report = verify_stage.verify_generation(program, model, tolerances, options.new_tokens, float_reference)
             if not report.passed:
                 raise VerificationError(report, _write_failed_report(options.out, report.to_json()))
         compiled = {name: job.result() for name, job in jobs.items()}
@@ -802,6 +804,13 @@ def _plan_generation_slices(request: compile_stage.ShardingRequest, slices: list
 
 def _describe_generation(report) -> str:
     worst = report.worst_errors()
-    return (f"{len(report.cases)} prefill bucket(s) + decode, {report.tokens_compared()} tokens compared with generate(), "
-            f"{'passed' if report.passed else 'FAILED'} ({report.ties()} tie(s)); worst logits relative RMS error {worst['tpu']:.1e} "
-            f"as the TPU computes, {worst['cpu']:.1e} in f32")
+    described = (f"{len(report.cases)} prefill bucket(s) + decode, {report.tokens_compared()} tokens compared with generate(), "
+                 f"{'passed' if report.passed else 'FAILED'} ({report.ties()} tie(s)); worst logits relative RMS error {worst['tpu']:.1e} "
+                 f"as the TPU computes, {worst['cpu']:.1e} in f32")
+    divergence = report.float_divergence()
+    if divergence is None:
+        return described
+    first = divergence["first"]
+    sqnr = "identical" if divergence["sqnr_db"] is None else f"{divergence['sqnr_db']:.1f} dB"
+    return (described + "; vs the float model: " + ("same greedy tokens" if first is None else f"first differs at step {first['step']}")
+            + f", logits SQNR {sqnr}")

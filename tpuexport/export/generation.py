@@ -189,6 +189,55 @@ def _masked_value(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
+# Config fields of causal LMs that rescale the LM head's logits in ways the entry points do not model
+# (Cohere's logit_scale, Granite's logits_scaling): refused rather than verified into a mismatch.
+_UNSUPPORTED_LOGIT_FIELDS = ("logit_scale", "logits_scaling")
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+# Attention layer types whose keys a plain (optionally windowed) causal mask describes.
+_MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def attention_windows(model: nn.Module) -> dict[str, int | None]:
+    """The attention each layer type of a Hugging Face decoder does: {layer type: sliding window}.
+
+    A query at position q attends to keys k with q - window < k <= q (transformers'
+    `sliding_window_overlay`); window None is full causal attention. A config with `layer_types`
+    (Qwen2, Gemma 2/3) gives its "sliding_attention" layers `sliding_window`; one without it
+    (Mistral, Mixtral, Phi-3) applies `sliding_window`, when set, to every layer.
+
+    Raises:
+      TpuExportError: a layer type no causal mask describes (linear attention, chunked attention, ...).
+    """
+    config = _text_config(model.config)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return {"full_attention": window}
+    unknown = sorted(set(layer_types) - set(_MASKED_LAYER_TYPES))
+    if unknown:
+        raise TpuExportError(f"--task text-generation: {type(model).__name__} has {unknown[0]} layers, which the KV-cache entry points "
+                             f"do not support yet (only {' and '.join(_MASKED_LAYER_TYPES)})")
+    return {layer_type: window if layer_type == "sliding_attention" else None for layer_type in sorted(set(layer_types))}
+
+
+def _causal_masks(windows: dict[str, int | None], queries: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype):
+    """The additive masks [batch, 1, queries, keys] of queries at positions `queries` [batch, q] over
+    cache positions `keys` [k]: one tensor when every layer attends alike, else {layer type: mask}
+    (what transformers' models with mixed layer types take as a prepared mask)."""
+    masks = {}
+    for layer_type, window in windows.items():
+        visible = keys[None, None, :] <= queries[:, :, None]
+        if window is not None:
+            visible = visible & (keys[None, None, :] > queries[:, :, None] - window)
+        masks[layer_type] = torch.where(visible, 0.0, _masked_value(dtype)).to(dtype)[:, None]
+    return next(iter(masks.values())) if len(masks) == 1 else masks
+
+
 class _EntryPoint(nn.Module):
     """Holds the model (registered once, as `model`, so every entry point names its weights alike)."""
 
@@ -196,6 +245,7 @@ class _EntryPoint(nn.Module):
         super().__init__()
         self.model = model
         self.spec = spec
+        self.windows = attention_windows(model)
 
     def hidden_states(self, tokens, mask, positions, cache) -> torch.Tensor:
         output = self.model.base_model(input_ids=tokens, attention_mask=mask, position_ids=positions,
@@ -203,7 +253,12 @@ class _EntryPoint(nn.Module):
         return output.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.get_output_embeddings()(hidden).float()
+        """The LM head of the rows wanted, as the causal LM's forward computes it (Gemma 2/3 soft-cap its logits)."""
+        logits = self.model.get_output_embeddings()(hidden)
+        cap = getattr(_text_config(self.model.config), "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
 
 class Prefill(_EntryPoint):
@@ -216,8 +271,7 @@ class Prefill(_EntryPoint):
         torch._check(slots.shape[0] == batch)
         dtype = cache_k.dtype
         positions = torch.arange(steps, device=tokens.device)
-        causal = positions[None, :] <= positions[:, None]
-        mask = torch.where(causal, 0.0, _masked_value(dtype)).to(dtype)[None, None].expand(batch, 1, steps, steps)
+        mask = _causal_masks(self.windows, positions[None, :].expand(batch, steps), positions, dtype)
         cache = self.cache_type(cache_k, cache_v, self.spec.layout, slots)
         hidden = self.hidden_states(tokens, mask, positions[None, :].expand(batch, steps), cache)
         last = hidden[torch.arange(batch, device=tokens.device), lengths - 1]
@@ -230,8 +284,7 @@ class Decode(_EntryPoint):
     def forward(self, tokens, positions, cache_k, cache_v):
         dtype = cache_k.dtype
         keys = torch.arange(self.spec.max_context, device=tokens.device)
-        visible = keys[None, :] <= positions[:, None]
-        mask = torch.where(visible, 0.0, _masked_value(dtype)).to(dtype)[:, None, None, :]
+        mask = _causal_masks(self.windows, positions[:, None], keys, dtype)
         cache = self.cache_type(cache_k, cache_v, self.spec.layout, positions)
         hidden = self.hidden_states(tokens[:, None], mask, positions[:, None], cache)
         return {"logits": self.logits(hidden[:, 0]), "cache_k": cache.keys, "cache_v": cache.values}
@@ -262,7 +315,12 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
         raise TpuExportError(f"unknown cache layout {layout!r}; use one of {', '.join(CACHE_LAYOUTS)}")
     if max_batch < 1 or max_context < 2:
         raise TpuExportError(f"--max-batch {max_batch} / --max-context {max_context} out of range; give max batch >= 1 and max context >= 2")
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    attention_windows(model)  # refuses a layer type the entry points cannot mask
+    text = _text_config(config)
+    rescaled = [field for field in _UNSUPPORTED_LOGIT_FIELDS if getattr(text, field, None) not in (None, 1, 1.0)]
+    if rescaled:
+        raise TpuExportError(f"--task text-generation: {type(model).__name__} rescales its logits by {rescaled[0]}, which the "
+                             "prefill/decode entry points do not support yet")
     layers = text.num_hidden_layers
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads

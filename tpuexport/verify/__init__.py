@@ -1,7 +1,7 @@
 """Verify stage: run the lowered program on CPU (TPU-faithfully and in plain f32) and compare with eager PyTorch."""
 
 from tpuexport.verify.compare import OutputComparison, Tolerances, compare_output
-from tpuexport.verify.generation import DEFAULT_NEW_TOKENS, GenerationReport, verify_generation
+from tpuexport.verify.generation import DEFAULT_NEW_TOKENS, GenerationReport, eager_references, verify_generation
 from tpuexport.verify.kernels import KernelCheck, verify_kernels
 from tpuexport.verify.kernels import check_key as kernel_check_key
 from tpuexport.verify.padding import PaddingCheck, verify_padding
@@ -14,6 +14,7 @@ from tpuexport.verify.verification import ProgramRuns, make_inputs, verify
 __all__ = [
     "DEFAULT_NEW_TOKENS",
     "GenerationReport",
+    "eager_references",
     "KernelCheck",
     "kernel_check_key",
     "verify_kernels",

@@ -19,6 +19,12 @@ fed the eager model's token, so that one near-tie flip does not change every lat
            two tokens are within the logits tolerance of each other (atol + rtol * |eager logit| +
            scale_tol * rms(eager logits of that step)): rounding decides such a pair, and the
            logits check bounds the numbers either way. Any other difference fails.
+
+A weight-only artifact is verified against generate() of the model with its weights rounded as the
+artifact rounds them (that is what it computes). How far that moves generation from the float
+model is measured, not gated (FloatDivergence): the first step where greedy generation with the
+rounded weights leaves the float model's, and the SQNR of the artifact's logits (TPU-faithful run)
+against the float model's over the steps before it, where both saw the same tokens.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 
 from tpuexport.lower.generation import GenerationProgram, GenerationSession, cpu_runner
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
-from tpuexport.verify.compare import OutputComparison, Tolerances, compare_output
+from tpuexport.verify.compare import OutputComparison, Tolerances, compare_output, sqnr_db
 from tpuexport.verify.report import RUNS
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
 from tpuexport.verify.tpu_numerics import tpu_faithful
@@ -87,6 +93,23 @@ class GenerationRun:
 
 
 @dataclasses.dataclass(frozen=True)
+class FloatDivergence:
+    """A weight-only case's distance from the float model's greedy generation.
+
+    Attributes:
+      tokens_compared: rows x steps.
+      first: the earliest step where greedy generation with the rounded weights gives another
+        token than the float model: {"row", "step", "float_token", "token"}; None if none does.
+      sqnr_db: the artifact's logits (TPU-faithful run) against the float model's, each row's steps
+        up to and including its divergence (the same tokens before it); None if identical.
+    """
+
+    tokens_compared: int
+    first: dict | None
+    sqnr_db: float | None
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerationCase:
     """One prefill bucket's generation.
 
@@ -97,6 +120,7 @@ class GenerationCase:
       runs: {"tpu": GenerationRun, "cpu": GenerationRun}.
       error: why the case could not run (the artifact or eager model raised), else None.
       golden: whether its prompts, eager tokens and logits are stored.
+      float_divergence: a weight-only case's distance from the float model, else None.
     """
 
     sizes: dict[str, int]
@@ -106,6 +130,7 @@ class GenerationCase:
     runs: dict[str, GenerationRun]
     error: str | None = None
     golden: bool = False
+    float_divergence: FloatDivergence | None = None
 
     @property
     def label(self) -> str:
@@ -135,11 +160,23 @@ class GenerationReport:
         return sum(case.runs["cpu"].tokens_compared for case in self.cases if "cpu" in case.runs)
 
     def ties(self) -> int:
-        return sum(1 for case in self.cases for run in case.runs.values() for difference in run.differences if difference.tie)
+        """Steps (of tokens_compared) where a run's argmax differs from generate's within the tie margin; a
+        step tied in both runs counts once."""
+        return sum(len({(d.row, d.step) for run in case.runs.values() for d in run.differences if d.tie}) for case in self.cases)
 
     def worst_errors(self) -> dict[str, float]:
         return {run: max((case.runs[run].logits.relative_rms_error for case in self.cases if run in case.runs), default=0.0)
                 for run in RUNS}
+
+    def float_divergence(self) -> dict | None:
+        """Weight-only: the cases' FloatDivergence together (the earliest divergence, the lowest SQNR); None otherwise."""
+        measured = [(case, case.float_divergence) for case in self.cases if case.float_divergence is not None]
+        if not measured:
+            return None
+        diverged = [{"case": case.label, **divergence.first} for case, divergence in measured if divergence.first is not None]
+        sqnrs = [divergence.sqnr_db for _, divergence in measured if divergence.sqnr_db is not None]
+        return {"against": "generate(do_sample=False) of the float model", "tokens_compared": sum(d.tokens_compared for _, d in measured),
+                "first": min(diverged, key=lambda first: first["step"], default=None), "sqnr_db": min(sqnrs, default=None)}
 
     def failure_summary(self) -> str:
         clauses = []
@@ -167,10 +204,12 @@ class GenerationReport:
             "rule": __doc__.split("Both CPU runs", 1)[1].strip().replace("\n", " "),
             "tokens_compared": self.tokens_compared(),
             "ties": self.ties(),
+            "float_divergence": self.float_divergence(),
             "cases": [
                 {
                     "label": case.label, "sizes": case.sizes, "lengths": list(case.lengths), "slots": list(case.slots),
                     "new_tokens": case.new_tokens, "passed": case.passed, "error": case.error, "golden": case.golden,
+                    "float_divergence": dataclasses.asdict(case.float_divergence) if case.float_divergence else None,
                     "runs": {name: {"passed": run.passed, "tokens_compared": run.tokens_compared,
                                     "logits": {**dataclasses.asdict(run.logits), "passed": run.logits.passed},
                                     "differences": [{**dataclasses.asdict(d), "tie": d.tie} for d in run.differences]}
@@ -214,6 +253,35 @@ def eager_generate(model: torch.nn.Module, prompt: Sequence[int], new_tokens: in
     return tokens, logits
 
 
+def eager_references(program: GenerationProgram, model: torch.nn.Module, new_tokens: int) -> list[list[tuple[list[int], np.ndarray]]]:
+    """generate() of every case's prompts (plan_prompts): per prefill bucket, per row, (new tokens,
+    logits [steps, vocab]). Raises what the model raises."""
+    references = []
+    for index, sizes in enumerate(program.prefill_buckets()):
+        prompts, _, steps = plan_prompts(program, sizes, new_tokens, seed=index)
+        references.append([eager_generate(model, prompt, steps) for prompt in prompts])
+    return references
+
+
+def float_divergence(actual: np.ndarray, eager_tokens: list[list[int]], reference: list[tuple[list[int], np.ndarray]]) -> FloatDivergence:
+    """A weight-only run's distance from the float model (module docstring).
+
+    Args:
+      actual: the artifact's teacher-forced logits [rows, steps, vocab] (TPU-faithful run).
+      eager_tokens: generate()'s tokens with the rounded weights, per row.
+      reference: the float model's (tokens, logits) per row.
+    """
+    first, expected, quantized = None, [], []
+    for row, (tokens, (float_tokens, float_logits)) in enumerate(zip(eager_tokens, reference)):
+        step = next((step for step, (token, float_token) in enumerate(zip(tokens, float_tokens)) if token != float_token), None)
+        if step is not None and (first is None or step < first["step"]):
+            first = {"row": row, "step": step, "float_token": float_tokens[step], "token": tokens[step]}
+        seen = len(tokens) if step is None else step + 1
+        expected.append(float_logits[:seen])
+        quantized.append(actual[row, :seen])
+    return FloatDivergence(int(actual.shape[0] * actual.shape[1]), first, sqnr_db(expected, quantized))
+
+
 def teacher_forced_logits(session: GenerationSession, prompts, slots, seq: int, eager_tokens: list[list[int]]) -> np.ndarray:
     """The artifact's logits of every step, each decode step fed the eager token: [rows, steps, vocab]."""
     spec = session.program.spec
@@ -246,14 +314,18 @@ def compare_run(actual: np.ndarray, expected: np.ndarray, eager_tokens: list[lis
 
 
 def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolerances: VerificationTolerances | None = None,
-                      new_tokens: int = DEFAULT_NEW_TOKENS) -> GenerationReport:
+                      new_tokens: int = DEFAULT_NEW_TOKENS,
+                      float_reference: list[list[tuple[list[int], np.ndarray]]] | None = None) -> GenerationReport:
     """Generates with the artifact's entry points on CPU and compares with Hugging Face generate.
 
     Args:
       program: the lowered generation program (with weights).
-      model: the Hugging Face causal LM it was captured from.
+      model: the Hugging Face causal LM it was captured from (a weight-only program's: computing
+        with the rounded weights).
       tolerances: None for the defaults of the program's precision settings.
       new_tokens: tokens generated per prompt (fewer where the context has no room).
+      float_reference: a weight-only program's float model generations (eager_references, taken
+        before the weights were rounded): each case then measures its FloatDivergence.
     Returns:
       The GenerationReport, passed or not, with golden data (prompts, eager tokens and logits).
     """
@@ -273,11 +345,13 @@ def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolera
             continue
         eager_tokens = [tokens for tokens, _ in eager]
         expected = np.stack([logits for _, logits in eager])
-        runs = {}
+        runs, divergence = {}, None
         try:
             for name, runner in runners.items():
                 actual = teacher_forced_logits(GenerationSession(program, runner), prompts, slots, sizes["seq"], eager_tokens)
                 runs[name] = compare_run(actual, expected, eager_tokens, getattr(tolerances, name))
+                if name == "tpu" and float_reference is not None:
+                    divergence = float_divergence(actual, eager_tokens, float_reference[index])
         except Exception as error:  # XLA runtime errors, shape assertions
             cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, f"the artifact raised {type(error).__name__}: "
                                         f"{' '.join(str(error).split())[:300]}"))
@@ -290,7 +364,7 @@ def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolera
         if stored:
             golden.update(arrays)
             golden_bytes += size
-        cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, golden=stored))
+        cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, golden=stored, float_divergence=divergence))
     return GenerationReport(decode.resolved_precision, decode.matmul_precision, tolerances, tuple(cases), golden)
 
 
