@@ -3,6 +3,7 @@
 from tpuexport.verify.compare import OutputComparison, Tolerances, compare_output
 from tpuexport.verify.generation import DEFAULT_NEW_TOKENS, GenerationReport, verify_generation
 from tpuexport.verify.padding import PaddingCheck, verify_padding
+from tpuexport.verify.quantized_generation import QuantizedGenerationReport, verify_quantized_generation
 from tpuexport.verify.report import VerificationCase, VerificationReport
 from tpuexport.verify.sharded import ShardedVerification, verify_sharded
 from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS, PlannedCase, plan_cases, resolve_requested_sizes
@@ -30,6 +31,8 @@ __all__ = [
     "resolve_requested_sizes",
     "verify",
     "verify_padding",
+    "verify_quantized_generation",
+    "QuantizedGenerationReport",
     "verify_sharded",
     "with_overrides",
 ]
