@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 from tpuexport.errors import TpuExportError
 from tpuexport.export import CapturedModel, GenerationSpec
 from tpuexport.quantize.calibration import _read_arrays
-from tpuexport.quantize.quantization import RANDOM_CALIBRATION_WARNING, QuantizedModel, quantize
+from tpuexport.quantize.quantization import MAX_EVALUATION_SAMPLES, RANDOM_CALIBRATION_WARNING, QuantizedModel, quantize
 
 # Decode steps calibrated after each prefill batch (each one a sample holding a whole cache).
 DECODE_STEPS = 4
@@ -70,8 +70,11 @@ def quantize_entry_points(captured: dict[str, CapturedModel], spec: GenerationSp
     for name, entry in captured.items():
         result = quantize(entry, mode, calibration=samples[name])
         counted = len(samples[name]) if mode == "int8" else 0
+        # Evaluated on served inputs only: the entry points' example inputs (tokens of ones, an empty
+        # cache, every slot at position 0) are placeholders for export, not inputs a server sends.
         quantized[name] = dataclasses.replace(result, calibration_source=source if mode == "int8" else "none",
                                               calibration_samples=counted,
+                                              evaluation_samples=tuple(samples[name][:MAX_EVALUATION_SAMPLES + 1]),
                                               warnings=(RANDOM_CALIBRATION_WARNING,) if mode == "int8" and source == "random" else ())
     check_same_weights(quantized)
     return quantized
@@ -95,7 +98,8 @@ def calibration_prompts(spec: GenerationSpec, mode: str, calibration, calibratio
                              "--random-calibration to accept random tokens (or use --quantize int8-dynamic)")
     generator = np.random.default_rng(0)
     longest = max(2, min(spec.prefill_buckets[0], spec.max_context - DECODE_STEPS))
-    lengths = np.linspace(longest, max(2, longest // 4), RANDOM_PROMPTS).round().astype(int)
+    # Down to one token: decode's early positions (few keys) have their own activation ranges.
+    lengths = np.linspace(longest, 1, RANDOM_PROMPTS).round().astype(int)
     return [[int(token) for token in generator.integers(0, spec.vocab, length)] for length in lengths], "random"
 
 
