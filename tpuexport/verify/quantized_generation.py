@@ -67,7 +67,8 @@ class QuantizedGenerationReport(GenerationReport):
         return "; ".join(clauses) or "generation matches"
 
     def to_json(self) -> dict:
-        return {**super().to_json(), "conformance": {name: check.to_json() for name, check in self.conformance.items()},
+        return {**super().to_json(), "rule": " ".join(__doc__[__doc__.index("Greedy parity"):].split()),
+                "conformance": {name: check.to_json() for name, check in self.conformance.items()},
                 "float_comparison": self.float_comparison}
 
 
