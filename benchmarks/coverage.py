@@ -167,6 +167,7 @@ def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
             row["sqnr_db"] = [o["sqnr_db"] for o in quantization["outputs"]]
             row["weight_ratio"] = quantization["weight_bytes"]["ratio"]
             row["integer_flops_fraction"] = quantization.get("integer_flops", {}).get("fraction")
+            row["first_divergence"] = quantization.get("first_divergence")  # int8 text generation
         if mode == CHECKPOINT_MODE and "signature" in manifest:  # a forward artifact (a generation one has entry points)
             checked = subprocess.run([sys.executable, str(HERE / "coverage.py"), "--bf16-check", str(out)], capture_output=True, text=True,
                                      timeout=options.child_timeout, env=environment)
@@ -194,7 +195,11 @@ def format_row(row: dict) -> str:
     if checked:
         message = checked.get("error") or (f"resolved {checked['resolved_precision']}; run gives {'/'.join(checked['run_dtypes'])}"
                                            + (f"; inv_freq {'/'.join(checked['rotary_dtypes'])}" if checked["rotary_dtypes"] else ""))
-    if "tokens_compared" in row:  # a decoder's bf16 checkpoint (a text-generation artifact)
+    if "tokens_compared" in row and sqnr:  # int8 text generation: verified against its PT2E entry points
+        steps = [entry["step"] for entry in row.get("first_divergence") or []]
+        message = message or (f"{row['tokens_compared']} tokens vs PT2E, {row['ties']} ties; first step off the float argmax per row: "
+                              f"{', '.join('none' if step is None else str(step) for step in steps)}")
+    elif "tokens_compared" in row:  # a decoder's bf16 checkpoint (a text-generation artifact)
         parity = {"passed": "yes", "mismatch": "no"}.get(row["status"], row["status"])
         return (f"| {row['family']} | {row['task']} | {row['asked']} | {row['mode']} | greedy parity {parity} | {row.get('seconds', '-')} | "
                 f"{row.get('tokens_compared', '-')} tokens compared, {row.get('ties', '-')} ties | - | - | {message} |")

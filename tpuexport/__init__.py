@@ -124,7 +124,9 @@ def convert(
       keep_float: a regex over state_dict names of weights that weight-only quantization keeps
         float (e.g. "lm_head"); None quantizes every matmul and embedding weight.
       calibration: for "int8": an iterable of example-args tuples [(x,), ...], or a path to a .npz /
-        .safetensors file (one array per input name, samples on axis 0).
+        .safetensors file (one array per input name, samples on axis 0). With task="text-generation":
+        calibration prompts, a list of token-id sequences, or a file holding "tokens" [N, seq] and
+        optional "lengths" [N] (quantize/generation.py).
       random_calibration: allow "int8" without calibration data, calibrated on random inputs (warned).
       mesh: the slice's device mesh, "data=2,model=4" or {"data": 2, "model": 4}; sizes multiply
         to the slice's device count. None: the preset's one-axis mesh.

@@ -112,7 +112,8 @@ def source_and_target_options(command):
               help="int4-weight-only: weights per bfloat16 scale along the contraction dim.")
 @click.option("--keep-float", metavar="REGEX", help="Weight-only: keep weights whose state_dict name matches REGEX float (e.g. lm_head).")
 @click.option("--calibration", "calibration_file", type=click.Path(path_type=pathlib.Path),
-              help="Calibration samples for --quantize int8: .npz/.safetensors, one array per input name, samples on axis 0.")
+              help="Calibration samples for --quantize int8: .npz/.safetensors, one array per input name, samples on axis 0; "
+                   "with --task text-generation, prompts: 'tokens' [N, seq] and optional 'lengths' [N].")
 @click.option("--random-calibration", is_flag=True, help="Calibrate --quantize int8 on random inputs (not real data; warned).")
 @click.option("--weights/--no-weights", "weights", default=True, show_default=True,
               help="--no-weights: a plan, as `tpuexport plan` (compiled from the weights' shapes; not verified, no SavedModel).")

@@ -358,9 +358,6 @@ def _check_options(options: ConversionOptions) -> tuple[list, list]:
     if options.task == "text-generation":
         if options.max_context is None:
             raise TpuExportError("--task text-generation needs --max-context N (positions per cache slot), e.g. --max-context 2048")
-        if options.quantize and _weight_only_scheme(options) is None:
-            raise TpuExportError("--quantize int8/int8-dynamic with --task text-generation is not supported yet; convert the float "
-                                 "model or use --quantize int8-weight-only / int4-weight-only")
     elif options.max_context is not None or options.max_batch != 1:
         raise TpuExportError("--max-context / --max-batch apply to --task text-generation only; add --task text-generation or drop them")
     if options.quantize and not options.weights and _weight_only_scheme(options) is None:
@@ -664,11 +661,14 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
     """A text-generation conversion: the entry points are the unit every pass handles.
 
       export   prefill and decode modules over the one model, each torch.exported   -> {name: CapturedModel}
+      quantize PT2E int8 / int8-dynamic (optional), each entry point with its own activation
+               observers, calibrated as it is driven; one set of weights         -> {name: QuantizedModel}
       lower    each entry point lowered; one set of weights kept                   -> GenerationProgram
       plan     per slice target and entry point, the cache split with the heads (tensor-parallel)
                or the batch (data-parallel)
       compile  per target, entry point and bucket, the cache donated (in the background)
-      verify   greedy generation vs Hugging Face generate, teacher-forced, both CPU runs
+      verify   greedy generation vs Hugging Face generate, teacher-forced, both CPU runs (int8:
+               vs the PT2E entry points' greedy generation, verify/quantized_generation.py)
       write    one weights file, each entry point's program files, "entry_points" in the manifest
 
     Args:
@@ -706,9 +706,13 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
         for name, (args, dynamic_shapes) in export_stage.example_arguments(spec).items():
             source = export_stage.LoadedSource(modules[name], args, dynamic_shapes, None, loaded.info)
             captured[name] = export_stage.capture(export_stage.on_meta_device(source) if plan_only else source)
+    weight_only = _weight_only_scheme(options)
+    quantized = None
+    if options.quantize and weight_only is None:
+        quantized = _quantize_entry_points(captured, spec, options, clock)
+        captured = {name: result.captured for name, result in quantized.items()}
     with clock.stage("lower", lambda: f"{len(program.weights_program.weight_names)} weight arrays shared by "
                                       f"{', '.join(program.entry_points)}, precision {_describe_precision(program.weights_program)}"):
-        weight_only = _weight_only_scheme(options)
         lowered = {name: lower_stage.lower(entry.program, entry.signature, options.precision, options.matmul_precision, options.scan,
                                            weights=not plan_only, weight_only=weight_only)
                    for name, entry in captured.items()}
@@ -736,13 +740,17 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
         if not plan_only:
             with clock.stage("verify", lambda: _describe_generation(report)):
                 tolerances = verify_stage.with_overrides(
-                    verify_stage.default_tolerances(lowered["decode"].resolved_precision, options.matmul_precision, False),
+                    verify_stage.default_tolerances(lowered["decode"].resolved_precision, options.matmul_precision, quantized is not None),
                     **options.tolerance_overrides)
-                # A weight-only program is compared with generate() on the model with those weights dequantized;
-                # its distance from the float model's generate() is measured too.
-                float_reference = verify_stage.eager_references(program, model, options.new_tokens) if weight_only else None
-                with _dequantized_weights(modules["decode"], lowered["decode"], weight_only):
-                    report = verify_stage.verify_generation(program, model, tolerances, options.new_tokens, float_reference)
+                if quantized:  # int8: against the PT2E entry points, as forward int8 programs are
+                    references = {name: result.captured.reference for name, result in quantized.items()}
+                    report = verify_stage.verify_quantized_generation(program, model, references, tolerances, options.new_tokens)
+                else:
+                    # A weight-only program is compared with generate() on the model with those weights dequantized;
+                    # its distance from the float model's generate() is measured too.
+                    float_reference = verify_stage.eager_references(program, model, options.new_tokens) if weight_only else None
+                    with _dequantized_weights(modules["decode"], lowered["decode"], weight_only):
+                        report = verify_stage.verify_generation(program, model, tolerances, options.new_tokens, float_reference)
             if not report.passed:
                 raise VerificationError(report, _write_failed_report(options.out, report.to_json()))
         compiled = {name: job.result() for name, job in jobs.items()}
@@ -751,7 +759,8 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
     with clock.stage("write", lambda: str(options.out) + (" (plan only: no weights, not verified)" if plan_only else "")):
         artifact_stage.write_generation_artifact(options.out, source=loaded.info, program=program, compiled=compiled,
                                                  verification=report, stage_seconds=clock.seconds, overwrite=options.overwrite,
-                                                 extra_writers=_source_writers(loaded) + _generation_quantization(lowered["decode"], weight_only))
+                                                 extra_writers=_source_writers(loaded) + _generation_quantization(lowered["decode"], weight_only)
+                                                 + _generation_int8_report(quantized, program, compiled, report, clock))
     return artifact_stage.load(options.out)
 
 
@@ -774,6 +783,37 @@ def _generation_quantization(lowered: lower_stage.LoweredProgram, scheme) -> tup
     from tpuexport.verify.quantization_report import weight_only_section
 
     return (lambda staging: {"quantization": weight_only_section(lowered, scheme)},)
+
+
+def _quantize_entry_points(captured: dict, spec: export_stage.GenerationSpec, options: ConversionOptions, clock: StageClock) -> dict:
+    """The quantize pass of a text-generation conversion: every entry point quantized with PT2E,
+    calibrated as it is driven, one set of weights (quantize/generation.py)."""
+    from tpuexport.quantize.generation import quantize_entry_points
+
+    with clock.stage("quantize", lambda: "; ".join(f"{name} {result.describe()}" for name, result in quantized.items())):
+        quantized = quantize_entry_points(captured, spec, options.quantize, options.calibration, options.calibration_file,
+                                          options.random_calibration)
+    return quantized
+
+
+def _generation_int8_report(quantized: dict | None, program: lower_stage.GenerationProgram, compiled: dict, report,
+                            clock: StageClock) -> tuple:
+    """The writer of an int8 generation artifact's quantization report (SQNR per entry point and of
+    the verified logits against the float model, the integer share of each entry point's first
+    TPU executable's matmul FLOPs); none without PT2E quantization."""
+    if not quantized:
+        return ()
+    from tpuexport.verify import quantization_report
+
+    def write(staging: pathlib.Path) -> dict:
+        with clock.stage("quantization report", lambda: quantization_report.describe_report(content)):
+            matmuls = {name: quantization_report.CompiledMatmuls(result.results[0].target.name, result.results[0].bucket.name,
+                                                                 result.results[0].matmul_flops)
+                       for name, result in compiled.items()}
+            content = quantization_report.generation_report(quantized, program, matmuls, report.float_comparison)
+        return quantization_report.report_writer(content)(staging)
+
+    return (write,)
 
 
 def _plan_generation_slices(request: compile_stage.ShardingRequest, slices: list, spec: export_stage.GenerationSpec,
@@ -804,12 +844,13 @@ def _plan_generation_slices(request: compile_stage.ShardingRequest, slices: list
 
 def _describe_generation(report) -> str:
     worst = report.worst_errors()
-    described = (f"{len(report.cases)} prefill bucket(s) + decode, {report.tokens_compared()} tokens compared with generate(), "
+    reference = "the PT2E entry points" if isinstance(report, verify_stage.QuantizedGenerationReport) else "generate()"
+    described = (f"{len(report.cases)} prefill bucket(s) + decode, {report.tokens_compared()} tokens compared with {reference}, "
                  f"{'passed' if report.passed else 'FAILED'} ({report.ties()} tie(s)); worst logits relative RMS error {worst['tpu']:.1e} "
                  f"as the TPU computes, {worst['cpu']:.1e} in f32")
-    divergence = report.float_divergence()
-    if divergence is None:
+    if isinstance(report, verify_stage.QuantizedGenerationReport) or report.float_divergence() is None:
         return described
+    divergence = report.float_divergence()
     first = divergence["first"]
     sqnr = "identical" if divergence["sqnr_db"] is None else f"{divergence['sqnr_db']:.1f} dB"
     return (described + "; vs the float model: " + ("same greedy tokens" if first is None else f"first differs at step {first['step']}")

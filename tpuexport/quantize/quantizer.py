@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 from torchao.quantization.pt2e import MinMaxObserver, PerChannelMinMaxObserver, PlaceholderObserver
-from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, QuantizationSpec, Quantizer
+from torchao.quantization.pt2e.quantizer import FixedQParamsQuantizationSpec, QuantizationAnnotation, QuantizationSpec, Quantizer
 
 MODES = ("int8", "int8-dynamic", "int8-weight-only")
 
@@ -48,6 +48,12 @@ EMBEDDING_OPS = {torch.ops.aten.embedding.default: QuantizedInputs((), 0)}
 QUANTIZED_OPS = {**LINEAR_OPS, **ADDMM_OPS, **CONV_OPS, **MATMUL_OPS, **EMBEDDING_OPS}
 
 _EPS = torch.finfo(torch.float32).eps
+# Softmax results (attention's probabilities, the left operand of P·V) lie in [0, 1] whatever the
+# inputs: a static scale of 1/127 covers that range, where a calibrated one covers only the largest
+# probability calibration saw (a decode step at an early position, with few keys, has larger ones).
+SOFTMAX_OPS = {torch.ops.aten._safe_softmax.default, torch.ops.aten.softmax.int, torch.ops.aten._softmax.default}
+PROBABILITY_SPEC = FixedQParamsQuantizationSpec(dtype=torch.int8, scale=1.0 / INT8_MAX, zero_point=0, quant_min=INT8_MIN, quant_max=INT8_MAX,
+                                                qscheme=torch.per_tensor_symmetric)
 
 
 def weight_spec(axis: int = 0) -> QuantizationSpec:
@@ -107,7 +113,8 @@ class TpuQuantizer(Quantizer):
             if index == quantized.weight:
                 specs[argument] = weight_spec(quantized.weight_axis)
             elif index in quantized.activations and activation is not None:
-                specs[argument] = activation
+                static_probabilities = self.mode == "int8" and argument.op == "call_function" and argument.target in SOFTMAX_OPS
+                specs[argument] = PROBABILITY_SPEC if static_probabilities else activation
         return specs
 
     def transform_for_annotation(self, model: torch.fx.GraphModule) -> torch.fx.GraphModule:

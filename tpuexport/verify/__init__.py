@@ -5,6 +5,7 @@ from tpuexport.verify.generation import DEFAULT_NEW_TOKENS, GenerationReport, ea
 from tpuexport.verify.kernels import KernelCheck, verify_kernels
 from tpuexport.verify.kernels import check_key as kernel_check_key
 from tpuexport.verify.padding import PaddingCheck, verify_padding
+from tpuexport.verify.quantized_generation import QuantizedGenerationReport, verify_quantized_generation
 from tpuexport.verify.report import VerificationCase, VerificationReport
 from tpuexport.verify.sharded import ShardedVerification, verify_sharded
 from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS, PlannedCase, plan_cases, resolve_requested_sizes
@@ -36,6 +37,8 @@ __all__ = [
     "resolve_requested_sizes",
     "verify",
     "verify_padding",
+    "verify_quantized_generation",
+    "QuantizedGenerationReport",
     "verify_sharded",
     "with_overrides",
 ]

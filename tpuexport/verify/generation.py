@@ -307,7 +307,8 @@ def compare_run(actual: np.ndarray, expected: np.ndarray, eager_tokens: list[lis
             chosen, eager = int(actual[row, step].argmax()), eager_tokens[row][step]
             if chosen != eager:
                 logits = expected[row, step].astype(np.float64)
-                margin = tolerances.atol + tolerances.rtol * abs(logits[eager]) + tolerances.scale_tol * float(np.sqrt(np.mean(logits ** 2)))
+                margin = (tolerances.atol + tolerances.rtol * abs(logits[eager]) + tolerances.scale_tol * float(np.sqrt(np.mean(logits ** 2)))
+                          + tolerances.quantization_steps * float(np.abs(logits).max()) / 127.0)  # int8 programs' steps (compare.py)
                 differences.append(TokenDifference(row, step, eager, chosen, float(logits[eager] - logits[chosen]), float(margin)))
     return GenerationRun(compare_output("logits", actual, expected, tolerances), int(actual.shape[0] * actual.shape[1]),
                          tuple(differences))

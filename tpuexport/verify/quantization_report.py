@@ -108,6 +108,37 @@ def build_report(quantized: QuantizedModel, lowered: LoweredProgram, compiled: C
     }
 
 
+def generation_report(quantized: dict[str, QuantizedModel], program, compiled: dict[str, CompiledMatmuls], float_comparison: dict) -> dict:
+    """The report.json content of an int8 text-generation artifact: one forward-style report per
+    entry point (on its calibration/evaluation samples: prefill over prompts, decode over filled
+    caches), and at the top the teacher-forced logits over the verified tokens against the float
+    model (verify/quantized_generation.py), which is what `outputs` holds.
+
+    Args:
+      quantized: {entry point: QuantizedModel}.
+      program: the lowered GenerationProgram (its entry points share one set of weights).
+      compiled: {entry point: the matmul FLOPs of one of its compiled TPU executables}.
+      float_comparison: QuantizedGenerationReport.float_comparison.
+    Returns:
+      A JSON-ready dict with the keys of `build_report` (decode's layers, weights and integer
+      FLOPs at the top) plus "entry_points" and "first_divergence".
+    """
+    entry_points = {name: build_report(quantized[name], program.entry_points[name], compiled[name]) for name in quantized}
+    decode = entry_points["decode"]
+    logits = float_comparison["logits"]
+    return {
+        **decode,
+        "evaluation_samples": "teacher-forced logits of every verified generation step (verification's cases)",
+        "sqnr_rule": float_comparison["rule"],
+        "outputs": [{"name": "logits", "sqnr_db": logits["sqnr_db"], "cpu_sqnr_db": logits["cpu_sqnr_db"],
+                     "pt2e_sqnr_db": logits["pt2e_sqnr_db"]}],
+        "first_divergence": float_comparison["first_divergence"],
+        "integer_flops": {**decode["integer_flops"], "by_entry_point": {name: report["integer_flops"]["fraction"]
+                                                                         for name, report in entry_points.items()}},
+        "entry_points": entry_points,
+    }
+
+
 def _unquantized_matmuls(converted: torch.fx.GraphModule) -> list[dict]:
     """Matrix-multiplying ops of the converted graph that read no dequantized input (left float)."""
     found = []
