@@ -94,29 +94,33 @@ def write_checkpoint(config: dict, dtype: str, directory: pathlib.Path) -> tuple
 
     with torch.device("meta"):
         model = __import__("transformers").LlamaForCausalLM(__import__("transformers").LlamaConfig(**config))
-    generator = torch.Generator().manual_seed(0)
-    shards, shard, shard_bytes, count = [], {}, 0, 0
+    element_bytes = getattr(torch, dtype).itemsize
+    # The shards are planned from the shapes first (a shard's file name holds the shard count), so
+    # each one is generated and written in turn and only one is ever in memory.
+    shards, shard, shard_bytes = [], [], 0
     for name, parameter in model.state_dict().items():  # tied lm_head.weight: saved once, as Hugging Face does
         if config.get("tie_word_embeddings") and name == "lm_head.weight":
             continue
-        tensor = torch.ones(parameter.shape) if name.endswith("norm.weight") else torch.randn(parameter.shape, generator=generator) * 0.02
-        tensor = tensor.to(getattr(torch, dtype))
-        count += tensor.numel()
-        if shard and shard_bytes + tensor.nbytes > SHARD_BYTES:
+        size = parameter.numel() * element_bytes
+        if shard and shard_bytes + size > SHARD_BYTES:
             shards.append(shard)
-            shard, shard_bytes = {}, 0
-        shard[name], shard_bytes = tensor, shard_bytes + tensor.nbytes
-        if shard_bytes >= SHARD_BYTES:
-            shards.append(shard)
-            shard, shard_bytes = {}, 0
+            shard, shard_bytes = [], 0
+        shard.append((name, parameter.shape))
+        shard_bytes += size
     if shard:
         shards.append(shard)
-    weight_map = {}
-    for index, tensors in enumerate(shards):
+    generator = torch.Generator().manual_seed(0)
+    weight_map, count = {}, 0
+    for index, names in enumerate(shards):
         file = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name, shape in names:
+            tensor = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=generator) * 0.02
+            tensors[name] = tensor.to(getattr(torch, dtype))
+            count += tensor.numel()
         safetensors.torch.save_file(tensors, str(directory / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
-        tensors.clear()
+        del tensors
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     return count, sum(path.stat().st_size for path in directory.glob("*.safetensors"))
 
