@@ -1,5 +1,5 @@
 """Coverage of real architectures: every family in benchmarks/families.py through the command line,
-as a user runs it, in float, bf16, each int8 mode and as a bf16 checkpoint. Prints one row per
+as a user runs it, in float, bf16, each int8 mode, int4 weight-only and as a bf16 checkpoint. Prints one row per
 family, task choice and mode.
 
     pip install -c constraints.txt -e ".[bench]"
@@ -16,8 +16,9 @@ Each conversion runs in its own process, with a single-bucket v5e compile and, u
 no TF SavedModel. Columns: the task converted (as --task auto resolved it) and the --task given;
 status (passed, mismatch = verification failed, exit 1; error = refused with a one-line error,
 exit 2; crash = anything else) with the last line of stderr; convert seconds (the whole command);
-for int8, the lowest output SQNR against the float model, weight bytes against f32 and the share of
-matmul/conv FLOPs that the compiled TPU HLO runs as s8 x s8 -> s32.
+for int8 and int4, the lowest output SQNR against the float model, weight bytes against f32 and, for
+PT2E int8, the share of matmul/conv FLOPs that the compiled TPU HLO runs as s8 x s8 -> s32
+(int4-weight-only uses --group-size 32, which divides the tiny families' width).
 
 Modes "generate-f32" and "generate-bf16" convert the decoder families' directories with
 `--task text-generation` (max context 64, max batch 2, prefill bucket batch 2 x seq 16 with rows of
@@ -46,7 +47,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = pathlib.Path(__file__).resolve().parent
-MODES = ("f32", "bf16", "int8", "int8-dynamic", "int8-weight-only", "bf16-checkpoint")
+MODES = ("f32", "bf16", "int8", "int8-dynamic", "int8-weight-only", "int4-weight-only", "bf16-checkpoint")
+# int4 groups must divide the tiny families' widths (64); 128, the default, does not.
+INT4_GROUP_SIZE = 32
 CHECKPOINT_MODE = "bf16-checkpoint"
 GENERATION_MODES = ("generate-f32", "generate-bf16")
 GENERATION_NEW_TOKENS = 32
@@ -96,8 +99,9 @@ def convert_command(family, source: str, mode: str, task_choice: str, out: pathl
         if not generation:
             command += [option for dim in family.dims for option in ("--dim", dim)]
     numerics = mode.removeprefix("generate-")
-    if numerics.startswith("int8"):
+    if numerics.startswith(("int8", "int4")):
         command += ["--quantize", numerics] + (["--random-calibration"] if numerics == "int8" and family.save is not None else [])
+        command += ["--group-size", str(INT4_GROUP_SIZE)] if numerics == "int4-weight-only" else []
     elif mode != CHECKPOINT_MODE:  # a bf16 checkpoint converts with default options
         command += ["--precision", numerics]
     if generation:
@@ -149,8 +153,9 @@ def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
         if "tokens_compared" in manifest["verification"]:
             row["tokens_compared"] = manifest["verification"]["tokens_compared"]
             row["ties"] = manifest["verification"]["ties"]
-        if "quantization" in manifest:
-            quantization = _read_json(out / manifest["quantization"]["report"])
+        if "quantization" in manifest:  # PT2E's report is a file; weight-only's is the manifest section itself
+            section = manifest["quantization"]
+            quantization = _read_json(out / section["report"]) if "report" in section else section
             row["sqnr_db"] = [o["sqnr_db"] for o in quantization["outputs"]]
             row["weight_ratio"] = quantization["weight_bytes"]["ratio"]
             row["integer_flops_fraction"] = quantization.get("integer_flops", {}).get("fraction")

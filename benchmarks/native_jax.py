@@ -5,6 +5,7 @@ native JAX model with the same weights, shapes and dtypes, both compiled for v5e
     python benchmarks/native_jax.py --small         # the same architectures, tiny widths (seconds)
     python benchmarks/native_jax.py --models llama --modes scanned
     python benchmarks/native_jax.py --attention     # attention alone at Llama-1B's shape (seconds)
+    python benchmarks/native_jax.py --models llama --modes scanned --kernels   # also with TPU kernels
 
 Models (transformers configs, random weights, nothing downloaded):
   llama  LlamaForCausalLM, Llama-3.2-1B's shapes (hidden 2048, 16 layers, 32 query / 8 key-value
@@ -24,7 +25,9 @@ batch 2 x seq 16; the Llama-1B shape has no weights, its code is the --small mod
 
 Printed per model and mode: bytes accessed, flops (XLA's cost analysis), temporaries (XLA's
 memory analysis) of both executables, and tpuexport / native. Each (model, mode) runs in its own
-process.
+process. With --kernels, two more programs: tpuexport's bucket lowered again with TPU kernels
+(what `--kernels auto` compiles; lower/kernels.py) and the native Llama with JAX's Pallas
+`flash_attention` (causal, k/v repeated to the query heads, 512 blocks), and their ratio.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def rotate_half(x):
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def llama_forward(weights: dict, input_ids, config: dict, scan: bool):
+def llama_forward(weights: dict, input_ids, config: dict, scan: bool, flash: bool = False):
     """Logits of a Llama decoder (transformers' LlamaForCausalLM semantics, causal, no padding).
 
     Args:
@@ -95,6 +98,7 @@ def llama_forward(weights: dict, input_ids, config: dict, scan: bool):
       input_ids: [batch, seq] int32.
       config: the LlamaConfig's fields.
       scan: layers as one jax.lax.scan (else a Python loop).
+      flash: attention by JAX's Pallas TPU flash_attention kernel (TPU only; compiled, not run here).
     """
     import jax
     import jax.numpy as jnp
@@ -123,10 +127,13 @@ def llama_forward(weights: dict, input_ids, config: dict, scan: bool):
         k = jnp.einsum("bsh,hd->bsd", h, w["k"]).reshape(batch, seq, kv_heads, head_dim)
         v = jnp.einsum("bsh,hd->bsd", h, w["v"]).reshape(batch, seq, kv_heads, head_dim)
         q, k = rope(q), rope(k)
-        scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32) * scale
-        scores = jnp.where(causal, scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        attended = jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(batch, seq, heads * head_dim)
+        if flash:
+            attended = flash_attention(q, k, v, scale)
+        else:
+            scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32) * scale
+            scores = jnp.where(causal, scores, -jnp.inf)
+            probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+            attended = jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(batch, seq, heads * head_dim)
         x = x + jnp.einsum("bsd,dh->bsh", attended, w["o"])
         h = rms_norm(x, w["post_norm"], eps)
         mlp = jax.nn.silu(jnp.einsum("bsh,hf->bsf", h, w["gate"])) * jnp.einsum("bsh,hf->bsf", h, w["up"])
@@ -136,6 +143,21 @@ def llama_forward(weights: dict, input_ids, config: dict, scan: bool):
     h = rms_norm(x, weights["norm"], eps)
     head = weights.get("lm_head", embed)
     return jnp.einsum("bsh,vh->bsv", h, head)
+
+
+def flash_attention(q, k, v, scale):
+    """Causal attention by Pallas's TPU flash kernel: q [b, s, kv_heads, groups, d], k and v
+    [b, s, kv_heads, d] -> [b, s, heads * d] (k, v repeated per group: the kernel needs equal heads)."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
+
+    batch, seq, kv_heads, groups, head_dim = q.shape
+    query = q.reshape(batch, seq, kv_heads * groups, head_dim).transpose(0, 2, 1, 3)
+    key, value = (jnp.repeat(t.transpose(0, 2, 1, 3), groups, axis=1) for t in (k, v))
+    block = min(512, seq)
+    attended = pallas_flash.flash_attention(query, key, value, causal=True, sm_scale=scale, block_sizes=pallas_flash.BlockSizes(
+        block_q=block, block_k_major=block, block_k=block, block_b=1))
+    return attended.transpose(0, 2, 1, 3).reshape(batch, seq, kv_heads * groups * head_dim)
 
 
 def bert_forward(weights: dict, input_ids, attention_mask, config: dict, scan: bool):
@@ -282,8 +304,8 @@ def build(kind: str, small: bool) -> dict:
             "precision": "f32"}
 
 
-def _llama_outputs(weights, inputs, config, scan):
-    return [llama_forward(weights, inputs[0], config, scan)]
+def _llama_outputs(weights, inputs, config, scan, flash=False):
+    return [llama_forward(weights, inputs[0], config, scan, flash)]
 
 
 def _bert_outputs(weights, inputs, config, scan):
@@ -367,7 +389,7 @@ def measure_attention() -> list[str]:
     return lines
 
 
-def measure(kind: str, small: bool, scan: bool) -> dict:
+def measure(kind: str, small: bool, scan: bool, kernels: bool = False) -> dict:
     """Builds, checks and compiles one model in one mode (in this process)."""
     import jax
     import numpy as np
@@ -408,6 +430,13 @@ def measure(kind: str, small: bool, scan: bool) -> dict:
     result["tpuexport"] = compile_v5e(lowered.exported.call, (list(lowered.weight_specs), input_specs))
     weight_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), weights)
     result["native"] = compile_v5e(lambda w, x: native(w, x, scan=scan), (weight_specs, input_specs))
+    if kernels:
+        bucket = lower_stage.lower_bucket_kernels(lowered, sizes)
+        result["kernels"] = [use.to_json() for use in bucket.uses[:1]] + ([{"reason": bucket.reason}] if bucket.reason else [])
+        if bucket.exported is not None:
+            result["tpuexport + kernels"] = compile_v5e(bucket.exported.call, (list(lowered.weight_specs), input_specs))
+        if kind == "llama":
+            result["native + flash"] = compile_v5e(lambda w, x: native(w, x, scan=scan, flash=True), (weight_specs, input_specs))
     return result
 
 
@@ -423,7 +452,9 @@ def report_rows(results: list[dict]) -> list[str]:
         if "error" in row:
             lines.append(f"| {row['model']} | {row['mode']} | | error: {row['error']} | | | | |")
             continue
-        for program in ("tpuexport", "native"):
+        for program in ("tpuexport", "native", "tpuexport + kernels", "native + flash"):
+            if program not in row:
+                continue
             figures = row[program]
             lines.append(f"| {row['model']} | {row['mode']} | {row['shape']} | {program} | {figures['bytes_accessed'] / gb:.4g} | "
                          f"{figures['flops']:.4g} | {figures['temp_bytes'] / 1e6:.4g} | {figures['compile_seconds']:.1f} |")
@@ -431,7 +462,15 @@ def report_rows(results: list[dict]) -> list[str]:
         lines.append(f"| {row['model']} | {row['mode']} | {row['shape']} | **tpuexport / native** | "
                      f"**{_ratio(ours['bytes_accessed'], native['bytes_accessed'])}** | {_ratio(ours['flops'], native['flops'])} | "
                      f"**{_ratio(ours['temp_bytes'], native['temp_bytes'])}** | |")
+        if "tpuexport + kernels" in row and "native + flash" in row:
+            ours, native = row["tpuexport + kernels"], row["native + flash"]
+            lines.append(f"| {row['model']} | {row['mode']} | {row['shape']} | **tpuexport + kernels / native + flash** | "
+                         f"**{_ratio(ours['bytes_accessed'], native['bytes_accessed'])}** | {_ratio(ours['flops'], native['flops'])} | "
+                         f"**{_ratio(ours['temp_bytes'], native['temp_bytes'])}** | |")
     lines.append("")
+    for row in results:
+        for use in row.get("kernels", []):
+            lines.append(f"{row['model']} {row['mode']} kernels: {json.dumps(use)}")
     for row in results:
         if "error" in row:
             continue
@@ -456,6 +495,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=["llama", "bert"], choices=sorted(SHAPES))
     parser.add_argument("--modes", nargs="*", default=["scanned", "unrolled"], choices=["scanned", "unrolled"])
     parser.add_argument("--attention", action="store_true", help="attention alone at Llama-1B's shape (seconds)")
+    parser.add_argument("--kernels", action="store_true", help="also tpuexport with TPU kernels and native JAX with flash attention")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)  # a child's model
     options = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -465,14 +505,15 @@ def main() -> None:
         return
     if options.one:
         kind, mode = options.one
-        print(json.dumps(measure(kind, options.small, mode == "scanned")), flush=True)
+        print(json.dumps(measure(kind, options.small, mode == "scanned", options.kernels)), flush=True)
         return
     print(f"tpuexport vs native JAX on {TOPOLOGY} ({'--small' if options.small else 'full size'}); XLA cost and memory analysis",
           flush=True)
     results = []
     for kind in options.models:
         for mode in options.modes:
-            command = [sys.executable, __file__, "--one", kind, mode] + (["--small"] if options.small else [])
+            command = ([sys.executable, __file__, "--one", kind, mode] + (["--small"] if options.small else [])
+                       + (["--kernels"] if options.kernels else []))
             child = subprocess.run(command, capture_output=True, text=True)
             if child.returncode != 0:
                 tail = (child.stderr.strip().splitlines() or ["no output"])[-1]

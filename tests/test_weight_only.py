@@ -233,6 +233,28 @@ def test_keep_float_keeps_matching_weights_float(captured):
     assert "lm_head.weight_scale" not in specs
 
 
+class PositionBias(torch.nn.Module):
+    """T5's shape of the problem: a lookup table with one value per head (rows of 4, shorter than
+    a group) beside matmul weights that int4 quantizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Embedding(16, 4)
+        self.proj = torch.nn.Linear(WIDTH, WIDTH, bias=False)
+
+    def forward(self, x, buckets):
+        return self.proj(x) + self.bias(buckets).sum(-1, keepdim=True)
+
+
+def test_int4_keeps_a_lookup_table_with_rows_shorter_than_a_group_float():
+    model = PositionBias().eval()
+    args = (torch.randn(2, WIDTH), torch.tensor([1, 3]))
+    program = torch.export.export(model, args).run_decompositions()
+    lowered = lower_stage.lower(program, export_stage.describe(program, args), weights=False,
+                                weight_only=WeightOnlyScheme("int4-weight-only", group_size=GROUP))
+    assert sorted(lowered.quantized) == ["proj.weight"]
+
+
 def test_generation_artifact_with_int4_weights_generates_what_the_dequantized_model_does(tmp_path):
     """Prefill and decode share the quantized weights; verification compares with generate() on the
     model whose weights are rounded and dequantized; the decode step's arguments are the int4 weights and the cache."""

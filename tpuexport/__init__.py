@@ -62,6 +62,7 @@ def convert(
     buckets: dict[str, list[int]] | None = None,
     precision: str = "auto",
     matmul_precision: str = "default",
+    kernels: str = "auto",
     tolerances: dict[str, float] | tuple[float, float] | None = None,
     verify_budget_flops: float = DEFAULT_BUDGET_FLOPS,
     verify_sizes: list[dict[str, int]] | None = None,
@@ -104,6 +105,9 @@ def convert(
         "bf16-mixed" (autocast-like); README, "Precision".
       matmul_precision: the TPU arithmetic of dots and convolutions, pinned in the artifact and
         emulated by verification: "default" (one bf16 pass), "high" (bf16x3), "highest" (f32).
+      kernels: "auto" (each single-chip TPU executable uses Pallas flash attention where it reads
+        fewer bytes, verified in interpret mode on CPU; README, "TPU kernels") or "none" (the
+        kernel-free program everywhere).
       tolerances: verification overrides, {"atol": ..., "rtol": ..., "scale_tol": ...} or
         (atol, rtol); None for the defaults of the numeric settings (README, "Verification").
       verify_budget_flops: matmul FLOPs the optional verification sizes may add.
@@ -162,7 +166,7 @@ def convert(
     targets = (target,) if isinstance(target, str) else tuple(target)
     calibration_file = pathlib.Path(calibration) if isinstance(calibration, (str, pathlib.Path)) else None
     options = ConversionOptions(
-        targets, pathlib.Path(out), buckets=buckets, precision=precision, matmul_precision=matmul_precision,
+        targets, pathlib.Path(out), buckets=buckets, precision=precision, matmul_precision=matmul_precision, kernels=kernels,
         tolerance_overrides=dict(tolerances or {}), verify_budget_flops=verify_budget_flops, verify_sizes=tuple(verify_sizes or ()),
         overwrite=overwrite, scan=scan, saved_model=saved_model, model_name=model_name, model_version=model_version,
         quantize=quantize, group_size=group_size, keep_float=keep_float, calibration=None if calibration_file else calibration, calibration_file=calibration_file,
@@ -182,6 +186,7 @@ def plan(
     buckets: dict[str, list[int]] | None = None,
     precision: str = "auto",
     matmul_precision: str = "default",
+    kernels: str = "auto",
     overwrite: bool = False,
     mesh: str | dict[str, int] | None = None,
     sharding: str | None = None,
@@ -202,7 +207,7 @@ def plan(
     executables, no weights, golden data or SavedModel, and its manifest says "plan_only": true.
 
     Args:
-      model, args, dynamic_shapes, target, out, buckets, precision, matmul_precision, overwrite,
+      model, args, dynamic_shapes, target, out, buckets, precision, matmul_precision, kernels, overwrite,
       mesh, sharding, rules, input_rules, progress: as for `convert` (example inputs may be real
         CPU tensors or meta tensors).
       quantize, group_size: None, or a weight-only mode ("int8-weight-only", "int4-weight-only")
@@ -214,6 +219,6 @@ def plan(
         largest buffers); nothing is written.
     """
     return convert(model, args, dynamic_shapes, target=target, out=out, buckets=buckets, precision=precision,
-                   matmul_precision=matmul_precision, overwrite=overwrite, saved_model=False, mesh=mesh, sharding=sharding,
+                   matmul_precision=matmul_precision, kernels=kernels, overwrite=overwrite, saved_model=False, mesh=mesh, sharding=sharding,
                    rules=rules, input_rules=input_rules, progress=progress, weights=False, quantize=quantize, group_size=group_size)
 

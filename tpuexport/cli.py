@@ -59,6 +59,9 @@ SOURCE_AND_TARGET_OPTIONS = (
                       "norms and reductions in f32."),
     click.option("--matmul-precision", type=click.Choice(["default", "high", "highest"]), default="default", show_default=True,
                  help="TPU arithmetic of every dot/convolution: one bf16 pass, bf16x3, or f32 accuracy (six passes)."),
+    click.option("--kernels", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
+                 help="TPU kernels per bucket: auto uses Pallas flash attention where it reads fewer bytes (manifest: kernels or "
+                      "why not, per executable); none compiles the kernel-free program everywhere."),
     click.option("--task", default="auto", show_default=True, metavar="TASK",
                  help="Task of a Hugging Face directory / hf:ORG/NAME source, as optimum names it (text-classification, "
                       "text-generation, image-classification, automatic-speech-recognition, ...); auto: from config.json's architectures."),
@@ -123,7 +126,7 @@ def source_and_target_options(command):
 @click.option("--verify-new-tokens", type=int, default=8, show_default=True,
               help="text-generation: tokens each verification prompt generates, compared with generate().")
 @handles_errors
-def convert(source, targets, out, buckets, precision, matmul_precision, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
+def convert(source, targets, out, buckets, precision, matmul_precision, kernels, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
             shard_inputs, as_json, atol, rtol, scale_tol, verify_budget, verify_sizes, scan, saved_model, model_name, model_version, quantize,
             group_size, keep_float, calibration_file, random_calibration, weights, checkpoint, max_context, max_batch, cache_layout,
             verify_new_tokens):
@@ -134,7 +137,8 @@ def convert(source, targets, out, buckets, precision, matmul_precision, task, in
         raise TpuExportError(f"--verify-budget {verify_budget:g} is negative; give GFLOP >= 0 (0 runs only the sizes every conversion runs)")
     _convert_source(
         source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json, task=task,
-        precision=precision, matmul_precision=matmul_precision, tolerance_overrides=overrides, verify_budget_flops=verify_budget * 1e9,
+        precision=precision, matmul_precision=matmul_precision, kernels=kernels, tolerance_overrides=overrides,
+        verify_budget_flops=verify_budget * 1e9,
         verify_sizes=tuple(parse_sizes(text, "--verify-size") for text in verify_sizes), overwrite=force,
         scan=scan, saved_model=saved_model and weights, model_name=model_name, model_version=model_version, quantize=quantize,
         group_size=group_size, keep_float=keep_float, calibration_file=calibration_file, random_calibration=random_calibration,
@@ -147,12 +151,13 @@ def convert(source, targets, out, buckets, precision, matmul_precision, task, in
 @click.argument("source")
 @source_and_target_options
 @handles_errors
-def plan(source, targets, out, buckets, precision, matmul_precision, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
+def plan(source, targets, out, buckets, precision, matmul_precision, kernels, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
          shard_inputs, as_json):
     """Plan SOURCE without weights (e.g. a model built on the meta device): compile for every target and bucket with the
     sharding plan and report per-chip HBM; no verification, no weights in the artifact."""
     _convert_source(source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json, task=task,
-                    precision=precision, matmul_precision=matmul_precision, overwrite=force, saved_model=False, weights=False)
+                    precision=precision, matmul_precision=matmul_precision, kernels=kernels, overwrite=force, saved_model=False,
+                    weights=False)
 
 
 def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pickle: bool, sharding_options: tuple, as_json: bool,
@@ -248,7 +253,7 @@ def summary(artifact) -> dict:
         "targets": {
             name: [
                 {k: bucket[k] for k in ("entry_point", "name", "sizes", "executable", "memory", "cost", "fits_in_hbm", "hbm_utilization",
-                                        "collectives", "decode_step") if k in bucket}
+                                        "collectives", "decode_step", "kernels") if k in bucket}
                 for bucket in target["buckets"]
             ]
             for name, target in manifest["targets"].items()
@@ -262,6 +267,12 @@ def summary(artifact) -> dict:
         **({"huggingface": {key: value for key, value in manifest["huggingface"].items() if key != "config"}}
            if "huggingface" in manifest else {}),
     }
+
+
+def describe_kernels(kernels: dict | None) -> str:
+    """A bucket's TPU kernels for the inspect table: "flash_attention 512" (its block size) or "-"."""
+    used = sorted({f"{use['kernel']} {use['block_sizes']['block_q']}" for use in (kernels or {}).get("attention", []) if use.get("kernel")})
+    return ", ".join(used) if (kernels or {}).get("program") == "static with kernels" and used else "-"
 
 
 @main.command()
@@ -310,13 +321,13 @@ def inspect(artifact_dir, as_json):
         console.print(f"  scanned {run['module']} {run['first']}-{run['first'] + run['count'] - 1} ({run['count']} blocks, weights stacked)")
     for line in describe_weight_only(data.get("quantization", {})):
         console.print(f"  {line}")
-    table = Table("target", "bucket", "HBM per chip", "of HBM", "collectives", "GFLOP", "est. µs", "executable")
+    table = Table("target", "bucket", "HBM per chip", "of HBM", "collectives", "GFLOP", "est. µs", "kernels", "executable")
     for name, buckets in data["targets"].items():
         for bucket in buckets:
             table.add_row(
                 name, f"{bucket['entry_point']} {bucket['name']}" if "entry_point" in bucket else bucket["name"], f"{bucket['memory']['total_bytes'] / 2**20:.2f} MiB", f"{bucket['hbm_utilization']:.4%}",
                 describe_collectives(bucket.get("collectives")), f"{bucket['cost']['flops'] / 1e9:.4f}",
-                describe_microseconds(bucket["cost"]["optimal_seconds"]), bucket["executable"],
+                describe_microseconds(bucket["cost"]["optimal_seconds"]), describe_kernels(bucket.get("kernels")), bucket["executable"],
             )
     console.print(table)
 

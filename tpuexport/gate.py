@@ -28,6 +28,8 @@ import pathlib
 import time
 import xml.etree.ElementTree as ElementTree
 
+import jax
+
 from tpuexport import compile as compile_stage
 from tpuexport import export as export_stage
 from tpuexport.artifact import Artifact, layout, load
@@ -35,6 +37,7 @@ from tpuexport.arrays import load_arrays
 from tpuexport.artifact.manifest import hash_tree, package_versions
 from tpuexport.artifact.tf_serving import check_saved_model
 from tpuexport.errors import EXIT_OK, EXIT_VERIFICATION_FAILED
+from tpuexport.lower import BucketKernels
 from tpuexport.signature import ProgramSignature
 from tpuexport.verify.compare import sqnr_db
 from tpuexport.verify.generation import replay_golden
@@ -375,6 +378,11 @@ def check_compatibility(artifact: Artifact, today: datetime.date | None = None):
     return PASSED, f"{what}: JAX releases until {until} load it ({days} days left)", details
 
 
+def _kernel_program(artifact: Artifact, relative: str) -> jax.export.Exported:
+    """A bucket's static program with TPU kernels, read after its sha256 matched."""
+    return jax.export.deserialize(bytearray(artifact.read_checked(relative)))
+
+
 @gate_check("recompile")
 def check_recompile(artifact: Artifact, strict: bool = False):
     """Recompiles every target and bucket and compares the compiled-HLO fingerprints.
@@ -388,11 +396,16 @@ def check_recompile(artifact: Artifact, strict: bool = False):
     """
     program = artifact.program
     fingerprints, drifted = {}, []
+    kernel_programs = artifact.manifest.get("kernels", {}).get("programs", {})
     for target_name, entry in artifact.manifest["targets"].items():
         target = compile_stage.resolve_targets([target_name])[0]
         buckets = [compile_stage.Bucket(tuple(recorded["sizes"].items())) for recorded in entry["buckets"]]
         plan = compile_stage.ShardingPlan.from_json(entry["sharding"]) if "sharding" in entry else None
-        for recorded, result in zip(entry["buckets"], compile_stage.compile_target(program, target, buckets, plan=plan)):
+        # A bucket compiled from its static program with TPU kernels is compiled from that program again.
+        kernels = {bucket.name: BucketKernels(bucket.as_dict(), _kernel_program(artifact, kernel_programs[bucket.name]))
+                   for bucket, recorded in zip(buckets, entry["buckets"])
+                   if recorded.get("kernels", {}).get("program") == "static with kernels" and bucket.name in kernel_programs}
+        for recorded, result in zip(entry["buckets"], compile_stage.compile_target(program, target, buckets, plan=plan, kernels=kernels)):
             key = f"{target_name}/{result.bucket.name}"
             fingerprints[key] = {"then": recorded["fingerprint"], "now": result.fingerprint}
             if fingerprints[key]["then"] != fingerprints[key]["now"]:

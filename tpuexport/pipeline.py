@@ -10,6 +10,9 @@
            tensor, and memory-mapped back                          -> LoweredProgram with weights
            (with a SavedModel: the program is checked to load in TensorFlow)
   plan     a sharding plan per slice target          -> {target: ShardingPlan}
+  kernels  (--kernels auto) each bucket lowered again at its static shapes with Pallas TPU
+           kernels where they pay, each kernel use run in interpret mode against the portable
+           lowering (lower/kernels.py, verify/kernels.py)  -> {bucket: BucketKernels}
   compile  libtpu AOT per target and bucket          -> CompileReport      (child processes, in the
                                                                              background from here)
   verify   CPU runs vs eager PyTorch (fails fast)    -> VerificationReport
@@ -73,6 +76,7 @@ class ConversionOptions:
       precision: "auto" (the model's own dtypes), "f32", "bf16" or "bf16-mixed" (lower/mixed_precision.py).
       matmul_precision: the TPU arithmetic pinned on every dot and convolution: "default" (one
         bf16 pass), "high" (bf16x3) or "highest" (f32 accuracy).
+      kernels: "auto" (single-chip TPU executables use Pallas kernels where they pay) or "none".
       tolerance_overrides: {"atol"|"rtol"|"scale_tol": value} replacing the defaults of both
         verification runs (verify/tolerances.py); empty for the defaults.
       verify_budget_flops: matmul FLOPs the optional verification sizes may add (verify/sizes.py).
@@ -108,6 +112,7 @@ class ConversionOptions:
     buckets: dict[str, list[int]] | None = None
     precision: str = lower_stage.DEFAULT_PRECISION
     matmul_precision: str = "default"
+    kernels: str = "auto"
     tolerance_overrides: dict[str, float] = dataclasses.field(default_factory=dict)
     verify_budget_flops: float = verify_stage.DEFAULT_BUDGET_FLOPS
     verify_sizes: tuple[dict[str, int], ...] = ()
@@ -259,9 +264,11 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
                 weights_file = saved_model_build.weights_file
 
         plans = _plan_slices(options.sharding, slices, lowered, buckets, clock)
+        kernels, kernel_checks = _bucket_kernels(options.kernels, lowered, buckets, targets, clock)
 
         # The TPU compiler runs in its own processes from here on, while verify and the SavedModel run.
-        compiling = running.enter_context(compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock, lowered), plans))
+        compiling = running.enter_context(compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock, lowered), plans,
+                                                                   kernels))
         with clock.stage("verify", lambda: _describe_verification(report)):
             tolerances = verify_stage.with_overrides(
                 verify_stage.default_tolerances(lowered.resolved_precision, options.matmul_precision, quantized is not None),
@@ -291,7 +298,8 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         @functools.cache
         def compiled() -> compile_stage.CompileReport:
             result = compiling.result()
-            clock.record("compile", compiling.seconds, f"{len(result.results)} executable(s), alongside verify and the SavedModel")
+            alongside = "verify and the SavedModel" if options.saved_model else "verify"
+            clock.record("compile", compiling.seconds, f"{len(result.results)} executable(s), alongside {alongside}")
             return result
 
         extra_writers = _source_writers(loaded)
@@ -306,6 +314,7 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             extra_writers += (_weight_only_report(weight_only, lowered, float_reference, captured.example_inputs, clock),)
         if padding:
             extra_writers += (lambda staging: {"padding": padding.to_json()},)
+        extra_writers += (artifact_stage.kernels_writer(options.kernels, kernels, [check.to_json() for check in kernel_checks.values()]),)
         with clock.stage("write", lambda: str(options.out)):
             try:
                 artifact_stage.write_artifact(
@@ -342,6 +351,7 @@ def _check_options(options: ConversionOptions) -> tuple[list, list]:
         raise TpuExportError(f"unknown matmul precision {options.matmul_precision!r}; use one of {', '.join(lower_stage.MATMUL_PRECISIONS)}")
     if options.task not in TASKS:
         raise TpuExportError(f"unknown task {options.task!r}; use one of {', '.join(TASKS)}")
+    lower_stage.check_kernel_mode(options.kernels)
     if options.task == "text-generation":
         if options.max_context is None:
             raise TpuExportError("--task text-generation needs --max-context N (positions per cache slot), e.g. --max-context 2048")
@@ -355,6 +365,52 @@ def _check_options(options: ConversionOptions) -> tuple[list, list]:
                              "or with a weight-only mode")
     _weight_only_scheme(options)
     return targets, slices
+
+
+def _bucket_kernels(mode: str, lowered: lower_stage.LoweredProgram, buckets: list, targets: list,
+                    clock: StageClock) -> tuple[dict | None, dict]:
+    """The kernels pass: with mode "auto", each bucket lowered again with TPU kernels where they pay,
+    and each distinct kernel use run in Pallas interpret mode against the portable lowering; a bucket
+    whose kernel use fails keeps the portable program, and says so.
+
+    Args:
+      mode: "auto" or "none"; lowered: the portable program; buckets: the compile buckets;
+      targets: the resolved targets (kernels are lowered only when one is a single TPU chip);
+      clock: times the passes.
+    Returns:
+      ({bucket name: BucketKernels} for the compile stage, or None for mode "none";
+      {verify.kernel_check_key(use): KernelCheck}).
+    """
+    if mode == "none":
+        return None, {}
+    # Nothing a kernel computes, or no target that compiles kernels: no stage to report.
+    chips = [target for target in targets if target.platform == "tpu" and not target.is_slice]
+    reason = None if chips else "no single TPU chip among the targets: kernels are compiled for single chips only"
+    if reason is None and not lower_stage.has_attention(lowered):
+        reason = lower_stage.NO_ATTENTION
+    if reason:
+        return {bucket.name: lower_stage.BucketKernels(bucket.as_dict(), None, reason=reason) for bucket in buckets}, {}
+    with clock.stage("kernels", lambda: _describe_kernels(kernels)):
+        kernels = {bucket.name: lower_stage.lower_bucket_kernels(lowered, bucket.as_dict()) for bucket in buckets}
+    uses = [use for lowering in kernels.values() for use in lowering.kernels]
+    if not uses:
+        return kernels, {}
+    with clock.stage("verify kernels", lambda: f"{len(checks)} kernel use(s) in Pallas interpret mode, "
+                                               f"{sum(check.passed for check in checks.values())} passed"):
+        checks = verify_stage.verify_kernels(uses)
+    for name, lowering in kernels.items():
+        failed = [checks[verify_stage.kernel_check_key(use)] for use in lowering.kernels
+                  if not checks[verify_stage.kernel_check_key(use)].passed]
+        if failed:
+            kernels[name] = dataclasses.replace(lowering, exported=None, reason=(
+                f"the kernel failed verification in interpret mode (relative RMS error {failed[0].error:.2e} > "
+                f"{failed[0].tolerance:g} vs the portable lowering): the portable program is used"))
+    return kernels, checks
+
+
+def _describe_kernels(kernels: dict) -> str:
+    used = [name for name, lowering in kernels.items() if lowering.exported is not None]
+    return f"{len(used)} of {len(kernels)} bucket(s) with flash attention" + (f" ({', '.join(used)})" if used else "")
 
 
 def _weight_only_scheme(options: ConversionOptions):
@@ -400,12 +456,15 @@ def _run_plan(loaded: export_stage.LoadedSource, options: ConversionOptions, tar
         lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
                                     options.scan, weights=False, keep_f32=captured.keep_f32, weight_only=_weight_only_scheme(options))
     plans = _plan_slices(options.sharding, slices, lowered, buckets, clock)
-    with compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock, lowered), plans) as compiling:
+    kernels, kernel_checks = _bucket_kernels(options.kernels, lowered, buckets, targets, clock)
+    with compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock, lowered), plans, kernels) as compiling:
         report = compiling.result()
     clock.record("compile", compiling.seconds, f"{len(report.results)} executable(s)")
     with clock.stage("write", lambda: f"{options.out} (plan only: no weights, not verified)"):
         artifact_stage.write_artifact(options.out, source=captured.source, lowered=lowered, compiled=lambda: report, verification=None,
-                                      stage_seconds=clock.seconds, overwrite=options.overwrite, extra_writers=_source_writers(loaded))
+                                      stage_seconds=clock.seconds, overwrite=options.overwrite,
+                                      extra_writers=_source_writers(loaded) + (artifact_stage.kernels_writer(
+                                          options.kernels, kernels, [check.to_json() for check in kernel_checks.values()]),))
     return artifact_stage.load(options.out)
 
 
@@ -663,8 +722,12 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
              for name, entry in lowered.items()}
     with contextlib.ExitStack() as running:
         # Every executable donates its inputs (compile_child.py): the cache's buffers become its outputs.
+        # Kernels stay off here for now: the decode step's attention reads the KV cache (paged/ragged kernels), not flash's form.
+        kernels = {name: {bucket.name: lower_stage.BucketKernels(bucket.as_dict(), None, reason="text generation: kernels not used "
+                                                                 "for prefill and decode yet") for bucket in buckets[name]}
+                   if options.kernels == "auto" else None for name in lowered}
         jobs = {name: running.enter_context(compile_stage.CompileJob(entry, targets, buckets[name], _compiled_event(clock, entry, name),
-                                                                     plans[name]))
+                                                                     plans[name], kernels[name]))
                 for name, entry in lowered.items()}
         report = None
         if not plan_only:

@@ -321,6 +321,8 @@ def manifest_paths(manifest: dict) -> list:
     may hold anything there)."""
     named = list(manifest["files"])
     named += [value for value in map(functools.partial(_entry, manifest), PATH_ENTRIES) if value is not None]
+    kernel_programs = _entry(manifest, "kernels.programs")
+    named += list(kernel_programs.values()) if isinstance(kernel_programs, dict) else []
     entry_points = manifest.get("entry_points")
     for entry in (entry_points.values() if isinstance(entry_points, dict) else ()):
         named += [entry.get(key) for key in ("exported", "mlir_text", "stablehlo_bytecode") if isinstance(entry, dict) and key in entry]

@@ -23,6 +23,12 @@ def executable_path(target: str, bucket: str, entry_point: str | None = None) ->
     return f"{EXECUTABLES_DIR}/{target}/{entry_point + '/' if entry_point else ''}{bucket}.pjrt"
 
 
+def kernel_program_path(bucket: str) -> str:
+    """A bucket's static TPU program with kernels (what its TPU executables were compiled from,
+    lower/kernels.py): program/kernels/<bucket>.jaxexport."""
+    return f"program/kernels/{bucket}.jaxexport"
+
+
 def entry_point_program(entry_point: str, program_file: str) -> str:
     """A text-generation entry point's program file: program/<entry point>/<file name> (one of
     EXPORTED, MLIR_TEXT, STABLEHLO_BYTECODE's names)."""

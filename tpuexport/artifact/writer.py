@@ -218,6 +218,28 @@ def write_artifact(
     return manifest
 
 
+def kernels_writer(mode: str, kernels: dict | None, checks: list[dict]):
+    """The writer (see write_artifact's extra_writers) of the manifest's "kernels" section and of each
+    bucket's static program with kernels (layout.kernel_program_path), which `tpuexport verify
+    --recompile` compiles again.
+
+    Args:
+      mode: "auto" or "none".
+      kernels: {bucket name: lower.BucketKernels}, or None.
+      checks: the kernel uses' interpret-mode checks (verify.KernelCheck.to_json()).
+    """
+    def write(staging: pathlib.Path) -> dict:
+        programs = {}
+        for name, lowering in (kernels or {}).items():
+            if lowering.exported is not None:
+                programs[name] = layout.kernel_program_path(name)
+                (staging / programs[name]).parent.mkdir(parents=True, exist_ok=True)
+                (staging / programs[name]).write_bytes(bytes(lowering.exported.serialize()))
+        return {"kernels": {"mode": mode, "programs": programs, "verification": list(checks)}}
+
+    return write
+
+
 def _program_files(put, exported, entry_point: str | None = None) -> dict:
     """Writes a program's three files (program/, or program/<entry point>/) and returns their paths."""
     def path(name: str) -> str:
@@ -272,6 +294,8 @@ def _bucket_entry(put, result, lowered: LoweredProgram, entry_point: str | None 
     }
     if target.is_slice:
         bucket["collectives"] = result.collectives
+    if result.kernels:  # which program it was compiled from: kernels with their block sizes, or why not (lower/kernels.py)
+        bucket["kernels"] = result.kernels
     return bucket
 
 

@@ -43,6 +43,7 @@ from tpuexport.compile.sharding import DATA_AXIS, ShardingPlan, describe_buffers
 from tpuexport.compile.targets import Target
 from tpuexport.errors import TpuExportError
 from tpuexport.lower import LoweredProgram
+from tpuexport.lower.kernels import BucketKernels
 from tpuexport.lower.lowering import CPU_COMPILER_OPTIONS
 
 CHILD_SCRIPT = pathlib.Path(__file__).with_name("compile_child.py")
@@ -93,6 +94,9 @@ class CompiledBucket:
       device_ids: the topology's device ids in mesh order (one id for a single chip).
       compile_key: what the executable loads on (compile_key.compile_key): versions, platform,
         device kind and count, compiler options, jax.export versions.
+      kernels: which program it was compiled from: the bucket's static program with TPU kernels
+        (lower/kernels.py; its attention ops' kernels and block sizes) or the portable one, and why
+        ({} when kernels were not asked for).
     """
 
     target: Target
@@ -108,6 +112,7 @@ class CompiledBucket:
     collectives: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     device_ids: tuple[int, ...] = ()
     compile_key: dict = dataclasses.field(default_factory=dict)
+    kernels: dict = dataclasses.field(default_factory=dict)
 
     @property
     def fits_in_hbm(self) -> bool:
@@ -130,6 +135,7 @@ def compile_program(
     buckets: list[Bucket],
     on_compiled: Callable[[CompiledBucket], None] | None = None,
     plans: dict[str, ShardingPlan] | None = None,
+    kernels: dict[str, BucketKernels] | None = None,
 ) -> CompileReport:
     """Compiles the lowered program for every target and bucket, and waits for it.
 
@@ -140,6 +146,9 @@ def compile_program(
       on_compiled: called after each executable (for progress output).
       plans: {slice target name: its sharding plan} (sharding.plan_sharding); a slice without a
         plan is compiled with every weight and input whole on every device.
+      kernels: {bucket name: its kernel lowering (lower.kernels.lower_bucket_kernels)}: a single
+        TPU chip compiles a bucket's static program with kernels where it has one; None (kernels
+        not asked for) compiles the portable program everywhere.
     Returns:
       The CompileReport.
     Raises:
@@ -147,7 +156,7 @@ def compile_program(
         a bucket does not fit in a device's HBM (all such buckets are named, with their largest
         buffers).
     """
-    with CompileJob(lowered, targets, buckets, on_compiled, plans) as job:
+    with CompileJob(lowered, targets, buckets, on_compiled, plans, kernels) as job:
         return job.result()
 
 
@@ -165,6 +174,7 @@ class CompileJob:
         buckets: list[Bucket],
         on_compiled: Callable[[CompiledBucket], None] | None = None,
         plans: dict[str, ShardingPlan] | None = None,
+        kernels: dict[str, BucketKernels] | None = None,
     ):
         self.lowered = lowered
         self.targets = targets
@@ -175,7 +185,8 @@ class CompileJob:
         self.pool = ThreadPoolExecutor(max_workers=max(1, min(len(targets), os.cpu_count() or 1)), thread_name_prefix="tpu-compile")
         self.started_at = time.perf_counter()
         self.finished_at = self.started_at
-        self.futures = [self.pool.submit(compile_target, lowered, target, buckets, on_compiled, self, self.plans.get(target.name))
+        self.futures = [self.pool.submit(compile_target, lowered, target, buckets, on_compiled, self, self.plans.get(target.name),
+                                         kernels)
                         for target in targets]
         for future in self.futures:
             future.add_done_callback(self._finished)
@@ -246,6 +257,7 @@ def compile_target(
     on_compiled: Callable[[CompiledBucket], None] | None = None,
     job: CompileJob | None = None,
     plan: ShardingPlan | None = None,
+    kernels: dict[str, BucketKernels] | None = None,
 ) -> list[CompiledBucket]:
     """Compiles every bucket for one target in one compiler process (see the module docstring).
 
@@ -257,6 +269,7 @@ def compile_target(
       job: the CompileJob running this, which may kill the process, or None.
       plan: the sharding plan of a slice target; None compiles a slice with everything whole on
         every device, and a single chip for its one device.
+      kernels: {bucket name: BucketKernels}, or None (see compile_program).
     Returns:
       One CompiledBucket per bucket, in order (HBM fit is not judged here).
     Raises:
@@ -270,6 +283,7 @@ def compile_target(
             plan = ShardingPlan(((DATA_AXIS, target.devices),), "replicated",
                                 tuple((name, ()) for name in lowered.weight_names),
                                 tuple((spec.name, ()) for spec in lowered.signature.inputs))
+        records, kernel_programs = _kernel_programs(target, buckets, kernels, scratch_dir)
         request = {
             "parent_pid": os.getpid(),
             "exported": str(exported_path),
@@ -280,14 +294,43 @@ def compile_target(
             # Shapes only: the compiler never sees a weight's values (nor needs them, for a plan).
             "weights": [[list(w.shape), str(w.dtype)] for w in lowered.weight_specs],
             "buckets": [
-                {"inputs": [[list(spec.concrete_shape(bucket.as_dict())), spec.dtype] for spec in lowered.signature.inputs]}
-                for bucket in buckets
+                {"inputs": [[list(spec.concrete_shape(bucket.as_dict())), spec.dtype] for spec in lowered.signature.inputs],
+                 "exported": kernel_program}
+                for bucket, kernel_program in zip(buckets, kernel_programs)
             ],
             "mesh": plan.to_json()["mesh"] if plan else None,
             "weight_specs": list(plan.to_json()["weights"].values()) if plan else None,
             "input_specs": list(plan.to_json()["inputs"].values()) if plan else None,
         }
-        return list(_run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan))
+        return list(_run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan, records))
+
+
+def _kernel_programs(target: Target, buckets: list[Bucket], kernels: dict | None,
+                     scratch_dir: pathlib.Path) -> tuple[list[dict], list[str | None]]:
+    """Per bucket, what the manifest records about kernels on this target, and the path of the
+    static program with kernels to compile (written into `scratch_dir`), or None for the portable one."""
+    records, paths = [], []
+    for index, bucket in enumerate(buckets):
+        lowering = (kernels or {}).get(bucket.name)
+        if lowering is None:
+            records.append({})
+            paths.append(None)
+            continue
+        record = lowering.to_json()
+        why_not = None
+        if target.platform != "tpu":
+            why_not = "XLA:CPU target: Pallas TPU kernels run on TPUs only"
+        elif target.is_slice:
+            why_not = "slice target: a kernel over a sharded program needs a per-device partition (shard_map), not supported yet"
+        if lowering.exported is None or why_not:
+            records.append({**record, "program": "portable", **({"reason": why_not} if why_not else {})})
+            paths.append(None)
+            continue
+        path = scratch_dir / f"kernels-{index}.jaxexport"
+        path.write_bytes(bytes(lowering.exported.serialize()))
+        records.append(record)
+        paths.append(str(path))
+    return records, paths
 
 
 def compiler_options(target: Target) -> dict:
@@ -296,7 +339,7 @@ def compiler_options(target: Target) -> dict:
     return dict(CPU_COMPILER_OPTIONS) if target.platform == "cpu" else {}
 
 
-def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan):
+def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan, kernel_records):
     timeout = compile_timeout()
     # libtpu's start-up warnings go to the child's stderr, kept in a file for crash reports only.
     with open(scratch_dir / "stderr.txt", "w+b") as stderr:
@@ -327,7 +370,11 @@ def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lower
                     raise _compile_error(target, bucket, event["message"], _largest_buffers(lowered, plan, bucket))
                 else:
                     compiling = None
-                    result = _compiled_bucket(target, bucket, event, scratch_dir, plan, lowered)
+                    kernels = dict(kernel_records[event["bucket"]])
+                    if event.get("kernel_error"):  # the static program with kernels did not compile: the portable one did
+                        kernels.update(program="portable", reason=f"the program with kernels did not compile for {target.name}: "
+                                                                   f"{event['kernel_error'][:200]}")
+                    result = dataclasses.replace(_compiled_bucket(target, bucket, event, scratch_dir, plan, lowered), kernels=kernels)
                     if on_compiled:
                         on_compiled(result)
                     yield result

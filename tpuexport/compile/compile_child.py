@@ -10,9 +10,12 @@ topology. The inputs are donated (the program may reuse their buffers for output
 shape), so the runtime must pass buffers it owns.
 Protocol, one JSON object per stdout line, flushed as it happens:
   {"event": "start", "bucket": i}                          before compiling bucket i
-  {"event": "done", "bucket": i, "seconds", "memory", "cost", "device_ids", "device_kind"}
+  {"event": "done", "bucket": i, "seconds", "memory", "cost", "device_ids", "device_kind", "kernel_error"}
                                                            files <i>.executable, <i>.hlo.txt written;
-                                                           memory is per device; device_ids in mesh order
+                                                           memory is per device; device_ids in mesh order;
+                                                           kernel_error: why the bucket's program with
+                                                           kernels ("exported" in its request) did not
+                                                           compile (the portable one was), or null
   {"event": "error", "bucket": i, "message"}               XLA raised; the process stops there
   {"event": "error", "bucket": i, "message", "errno", "filename"}
                                                            writing its files failed (e.g. the disk is full)
@@ -97,6 +100,12 @@ def shardings(request, devices_available):
     return weights, inputs, [int(device.id) for device in devices.flat]
 
 
+def compile_program(exported, weights, inputs, request):
+    """The executable of `exported` for these weights and inputs (the inputs donated)."""
+    return (jax.jit(exported.call, donate_argnums=1).trace(weights, inputs).lower()
+            .compile(compiler_options=request["compiler_options"] or None))
+
+
 def main() -> None:
     request = json.load(sys.stdin)
     die_with_parent(request["parent_pid"])
@@ -116,9 +125,16 @@ def main() -> None:
         inputs = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
                   for (shape, dtype), sharding in zip(bucket["inputs"], input_shardings)]
         start = time.perf_counter()
+        compiled, kernel_error = None, None
+        if bucket.get("exported"):  # the bucket's static program with TPU kernels; the portable one if it does not compile
+            try:
+                kernel_program = jax.export.deserialize(bytearray(pathlib.Path(bucket["exported"]).read_bytes()))
+                compiled = compile_program(kernel_program, weights, inputs, request)
+            except Exception as error:  # XLA and Mosaic raise many kinds; the parent records it
+                kernel_error = " ".join(str(error).split())
         try:
-            compiled = (jax.jit(exported.call, donate_argnums=1).trace(weights, inputs).lower()
-                        .compile(compiler_options=request["compiler_options"] or None))
+            if compiled is None:
+                compiled = compile_program(exported, weights, inputs, request)
         except Exception as error:  # XLA raises XlaRuntimeError and others; the parent words it
             emit(event="error", bucket=index, message=" ".join(str(error).split()))
             return
@@ -137,6 +153,7 @@ def main() -> None:
             analysis = analysis[0] if analysis else {}
         emit(
             event="done", bucket=index, seconds=seconds, device_ids=device_ids, device_kind=devices_available[0].device_kind,
+            kernel_error=kernel_error,
             memory={
                 "argument_bytes": int(stats.argument_size_in_bytes),
                 "output_bytes": int(stats.output_size_in_bytes),

@@ -472,9 +472,12 @@ class _NamedForward(torch.nn.Module):
         super().__init__()
         self.model = model.eval()
         self.input_names = input_names
+        # Asked per call, not only through model.config: encoder-decoders (T5) give their decoder a
+        # copy of the config, whose use_cache would otherwise keep building a cache in the forward.
+        self.options = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
 
     def forward(self, *inputs):
-        output = self.model(**dict(zip(self.input_names, inputs)), return_dict=True)
+        output = self.model(**dict(zip(self.input_names, inputs)), **self.options, return_dict=True)
         return {name: value for name, value in output.items() if isinstance(value, torch.Tensor)}
 
 

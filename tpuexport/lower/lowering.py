@@ -93,6 +93,8 @@ class LoweredProgram:
       decision_matmuls: the matmuls pinned to "highest" because they feed a discrete decision
         ({"op": graph node, "module": module path, "feeds": decision op, "precision": "highest"}
         each; matmul_precision.decision_matmuls).
+      lowering_options: what `lower` was asked besides the precisions ({"scan", "weight_only",
+        "keep_f32"}; in memory only), for lowering a bucket again (lower/kernels.py).
     """
 
     exported: jax.export.Exported
@@ -107,6 +109,7 @@ class LoweredProgram:
     tied: dict[str, str] = dataclasses.field(default_factory=dict)
     decision_matmuls: tuple[dict, ...] = ()
     quantized: dict[str, dict] = dataclasses.field(default_factory=dict)
+    lowering_options: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @functools.cached_property
     def resolved_precision(self) -> str:
@@ -270,6 +273,25 @@ def lower(
     # torch's FLOP counter knows bmm, not the matmul the next pass makes of it.
     flops = matmul_flops_expression(decomposed, signature)
     decomposed = sink_attention_masks(unmerge_batched_matmuls(decomposed))
+    lowered = lower_decomposed(decomposed, signature, precision, matmul_precision, scan, weights, weight_only, keep_f32)
+    return dataclasses.replace(lowered, matmul_flops=flops)
+
+
+def lower_decomposed(decomposed: torch.export.ExportedProgram, signature: ProgramSignature, precision: str, matmul_precision: str,
+                     scan: bool, weights: bool, weight_only, keep_f32: frozenset[str], input_avals: list | None = None,
+                     platforms: tuple[str, ...] = PLATFORMS) -> LoweredProgram:
+    """The passes of `lower` from find_runs on, over a program already decomposed and rewritten.
+
+    Args:
+      decomposed: the program after sink_attention_masks (or a copy rewritten further, such as a
+        bucket's kernel graph, lower/kernels.py).
+      signature, precision, matmul_precision, scan, weights, weight_only, keep_f32: as for `lower`.
+      input_avals: the inputs' shapes and dtypes, or None for the signature's symbolic dims.
+      platforms: what the program is exported for.
+    Returns:
+      The LoweredProgram (matmul_flops left empty; `lower` sets it), remembering these options
+      (`lowering_options`) so that a bucket can be lowered again at its static shapes.
+    """
     runs = find_runs(decomposed) if scan else ()
     tied = tied_weights(decomposed, runs)
     if weights:
@@ -285,13 +307,17 @@ def lower(
     kept = frozenset(_kept_placeholders(decomposed, keep_f32)) if precision == "bf16" else frozenset()
     decisions = decision_matmuls(decomposed.graph)
     exported, before_scan = trace_and_export(decomposed, signature, names, stacked_names, specs, precision, runs, tied,
-                                             kept_f32_meetings(decomposed.graph, kept), frozenset(decisions), quantized)
+                                             kept_f32_meetings(decomposed.graph, kept), frozenset(decisions), quantized,
+                                             input_avals, platforms)
     exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision])
     pinned = tuple({"op": node.name, "module": module_path(node), "feeds": feeds, "precision": "highest"}
                    for node, feeds in decisions.items())
-    return LoweredProgram(exported, stacked_names, stacked if weights else None, signature, precision, matmul_precision, flops,
+    options = {"scan": scan, "weight_only": weight_only, "keep_f32": keep_f32}
+    return LoweredProgram(exported, stacked_names, stacked if weights else None, signature, precision, matmul_precision, "",
                           decomposed, tuple(run.to_json(before_scan[run.last_op]) for run in runs), tied, pinned,
-                          {name: entry for name, (entry, _) in quantized.items()})
+                          {name: entry for name, (entry, _) in quantized.items()}, options)
+
+
 
 
 def _quantize_weights(program, scheme, tied, runs, names, arrays, with_arrays: bool):
@@ -558,7 +584,8 @@ class _TracingInterpreter:
 def trace_and_export(program, signature, placeholder_names, weight_names, weight_specs, precision,
                      runs: tuple[ScannedRun, ...] = (), tied: dict[str, str] | None = None,
                      kept_meetings: frozenset = frozenset(), decisions: frozenset = frozenset(),
-                     quantized: dict[str, tuple[dict, jnp.dtype]] | None = None) -> tuple[jax.export.Exported, dict]:
+                     quantized: dict[str, tuple[dict, jnp.dtype]] | None = None, input_avals: list | None = None,
+                     platforms: tuple[str, ...] = PLATFORMS) -> tuple[jax.export.Exported, dict]:
     """Traces torchax's interpreter over the graph under jax.export for CPU and TPU.
 
     Args:
@@ -575,6 +602,8 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
       decisions: matmul nodes that feed a discrete decision (traced under DECISION_SCOPE).
       quantized: weight-only weights, {name: (manifest entry, float dtype)}: the weight and its
         scales reach the ops as one QuantizedArray.
+      input_avals: the inputs' shapes and dtypes, or None for the signature's symbolic dims.
+      platforms: what to export for (PLATFORMS; a program with TPU kernels is TPU-only).
     Returns:
       (the Exported, called as `call(weights_list, inputs_list)`; {run's last op: how many of its
       blocks run before its scan}).
@@ -598,9 +627,9 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
         return [jnp.asarray(out).astype(dtype) for out, dtype in zip(outputs, output_dtypes)]
 
     weight_avals = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weight_specs]
-    input_avals = symbolic_input_avals(signature)
+    input_avals = symbolic_input_avals(signature) if input_avals is None else input_avals
     try:
-        exported = jax.export.export(jax.jit(program_fn), platforms=PLATFORMS)(weight_avals, input_avals)
+        exported = jax.export.export(jax.jit(program_fn), platforms=platforms)(weight_avals, input_avals)
         return exported, dict(tracer.before_scan)
     except Exception as error:  # torchax op implementations raise many kinds while tracing
         node = tracer.node

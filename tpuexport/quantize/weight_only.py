@@ -115,7 +115,8 @@ def quantizable_weights(program: torch.export.ExportedProgram, scheme: WeightOnl
     Returns:
       {state_dict name: contraction axis as a negative index (-1 for nn.Linear's (out, in),
       -2 for a Conv1D's (in, out) and for stacking)}, for every weight quantized; a tied weight
-      is listed under the name the program stores it under.
+      is listed under the name the program stores it under. An int4 lookup table that only
+      embedding lookups read and whose rows the group size does not divide stays float.
     Raises:
       TpuExportError: a quantized weight's contraction dim is not divisible by the group size, or
         an int4 weight's last dim is odd (it cannot be packed).
@@ -136,6 +137,15 @@ def quantizable_weights(program: torch.export.ExportedProgram, scheme: WeightOnl
         axes.setdefault(stored, set()).update(uses)
     chosen = {name: found.pop() for name, found in axes.items() if len(found) == 1 and None not in found}
     shapes = {names[node.name]: tuple(node.meta["val"].shape) for node in program.graph.nodes if node.name in names}
+    if scheme.bits == 4:
+        # A lookup table whose rows are shorter than a group (T5's relative position bias: one
+        # value per head) saves nothing worth a refusal: it stays float. A matmul weight is refused.
+        readers: dict[str, set] = {}
+        for node in program.graph.nodes:
+            if node.op == "placeholder" and node.name in names:
+                readers.setdefault(tied.get(names[node.name], names[node.name]), set()).update(user.target for user in node.users)
+        chosen = {name: axis for name, axis in chosen.items()
+                  if readers[name] != {_aten.embedding.default} or shapes[name][axis] % scheme.group_size == 0}
     for name, axis in chosen.items():
         size = shapes[name][axis]
         if scheme.bits == 4 and size % scheme.group_size:

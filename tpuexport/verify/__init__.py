@@ -2,6 +2,8 @@
 
 from tpuexport.verify.compare import OutputComparison, Tolerances, compare_output
 from tpuexport.verify.generation import DEFAULT_NEW_TOKENS, GenerationReport, verify_generation
+from tpuexport.verify.kernels import KernelCheck, verify_kernels
+from tpuexport.verify.kernels import check_key as kernel_check_key
 from tpuexport.verify.padding import PaddingCheck, verify_padding
 from tpuexport.verify.report import VerificationCase, VerificationReport
 from tpuexport.verify.sharded import ShardedVerification, verify_sharded
@@ -12,6 +14,9 @@ from tpuexport.verify.verification import ProgramRuns, make_inputs, verify
 __all__ = [
     "DEFAULT_NEW_TOKENS",
     "GenerationReport",
+    "KernelCheck",
+    "kernel_check_key",
+    "verify_kernels",
     "verify_generation",
     "DEFAULT_BUDGET_FLOPS",
     "OutputComparison",
