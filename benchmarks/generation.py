@@ -1,14 +1,18 @@
-"""Text generation at Llama-3.2-1B's shape: the KV cache layouts compared by XLA's analysis of the
-v5e decode step, and the per-target figures of a text-generation plan.
+"""Text generation at Llama-3.2-1B's (or Llama-3-8B's) shape: the KV cache layouts compared by
+XLA's analysis of the v5e decode step, and the per-target figures of a text-generation artifact.
 
 The model is transformers' LlamaForCausalLM with Llama-3.2-1B's shapes (hidden 2048, 16 layers, 32
-heads, 8 kv heads, vocab 128256, tied embeddings), bfloat16, built on the meta device: nothing is
-downloaded and no weight exists, so the artifact is a plan (`weights=False`): every entry point
-and bucket lowered and compiled by libtpu, nothing verified (tests/test_generation.py verifies
-generation on tiny models).
+heads, 8 kv heads, vocab 128256, tied embeddings) or Llama-3-8B's (hidden 4096, 32 layers, 32 / 8
+heads, MLP 14336, untied), bfloat16. Nothing is downloaded. `layouts` and `targets` build it on the
+meta device, so the artifact is a plan (`weights=False`): every entry point and bucket lowered and
+compiled by libtpu, nothing verified. `convert` builds it with random weights and runs the whole
+conversion (greedy generation verified against `generate()` on CPU, every entry point compiled),
+or plans it with --meta.
 
     python benchmarks/generation.py layouts        # the decode step alone per cache layout, v5e, 8 x 4096
-    python benchmarks/generation.py targets        # v5e and v5e-8 (tensor-parallel), 8 x 4096
+    python benchmarks/generation.py targets        # v5e and v5e-8 (tensor-parallel), 8 x 4096, a plan
+    python benchmarks/generation.py convert [--shape llama-3.2-1b] [--target v5e,v5e-8] [--sharding tensor-parallel]
+                                            [--max-context 4096] [--max-batch 8] [--prefill-seq 128] [--quantize MODE] [--meta]
 
 Figures per target (per chip): weights, KV cache at max batch x max context, temporaries (XLA's
 memory analysis of the decode step), the largest batch estimated to fit, compile seconds per entry
@@ -28,17 +32,21 @@ import torch
 
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                     num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=500000.0)
+LLAMA_3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, tie_word_embeddings=False, rope_theta=500000.0)
+SHAPES = {"llama-3.2-1b": LLAMA_3_2_1B, "llama-3-8b": LLAMA_3_8B}
 MAX_CONTEXT, MAX_BATCH = 4096, 8
 
 
-def meta_llama():
-    """Llama-3.2-1B-shaped LlamaForCausalLM, bfloat16, on the meta device."""
+def meta_llama(config: dict = LLAMA_3_2_1B, device: str = "meta"):
+    """LlamaForCausalLM of this config, bfloat16, on the meta device (no weights) or with random
+    weights on the CPU."""
     import transformers
 
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("meta"):
-            return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_3_2_1B)).eval()
+        with torch.device(device):
+            return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
     finally:
         torch.set_default_dtype(torch.float32)
 
@@ -82,6 +90,55 @@ def decode_step(layout: str) -> dict:
             "seconds": round(time.perf_counter() - start, 1)}
 
 
+def convert(options: argparse.Namespace) -> dict:
+    """Converts (or with --meta, plans) the model for text generation and returns the manifest's
+    figures and the run's peak RSS."""
+    import resource
+
+    import tpuexport
+
+    torch.manual_seed(0)
+    model = meta_llama(SHAPES[options.shape], "meta" if options.meta else "cpu")
+    stages = {}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        artifact = tpuexport.convert(model, task="text-generation", max_context=options.max_context, max_batch=options.max_batch,
+                                     target=options.target.split(","), sharding=options.sharding, precision="bf16",
+                                     buckets={"seq": [int(size) for size in options.prefill_seq.split(",")]}, quantize=options.quantize,
+                                     weights=not options.meta, saved_model=False, out=pathlib.Path(scratch) / "llm.tpu",
+                                     progress=lambda stage, seconds, detail: stages.__setitem__(stage, round(seconds, 1)))
+        manifest = artifact.manifest
+    verification = manifest.get("verification") or {}
+    return {"shape": options.shape, "seconds": round(time.perf_counter() - start, 1), "stages": stages,
+            "weight_bytes": manifest["program"]["weight_bytes"], "cache_bytes": manifest["generation"]["cache_bytes"],
+            "compile_seconds": manifest["build"]["compile_seconds"], "targets": manifest["targets"],
+            "verification": {key: verification.get(key) for key in ("passed", "against", "cases")} if verification else None,
+            "peak_rss_bytes": {"converting process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                               "largest child": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}}
+
+
+def figures_table(result: dict) -> list[str]:
+    """The per-chip figures as a table: one row per target, entry point and bucket."""
+    gib = lambda value: f"{value / 2**30:.2f}"  # noqa: E731
+    lines = ["| target | entry point | bucket | weights GiB | KV cache GiB | temporaries GiB | total GiB (of HBM) | compile s | "
+             "XLA bytes accessed GiB | ÷ (weights + cache) | largest batch (linear estimate) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for target, entry in result["targets"].items():
+        for bucket in entry["buckets"]:
+            memory, cost = bucket["memory"], bucket["cost"]
+            step = bucket.get("decode_step")
+            accessed = cost.get("bytes_accessed")
+            weights = gib(step["weight_bytes"]) if step else "(as decode)"
+            cache = gib(step["cache_bytes"]) if step else "(aliased " + gib(memory["alias_bytes"]) + ")"
+            lines.append(
+                f"| {target} | {bucket['entry_point']} | {bucket['name']} | {weights} | {cache} | {gib(memory['temp_bytes'])} | "
+                f"{gib(memory['total_bytes'])} ({bucket['hbm_utilization']:.0%}) | "
+                f"{result['compile_seconds'][target + '/' + bucket['entry_point'] + '/' + bucket['name']]:.0f} | "
+                f"{'unknown' if accessed is None else gib(accessed)} | {step['bytes_accessed_over_must_read'] if step else '-'} | "
+                f"{step['largest_batch_estimate'] if step else '-'} |")
+    return lines
+
+
 def describe_layout(result: dict) -> str:
     memory, cost = result["memory"], result["cost"]
     must_read = memory["argument_bytes"]
@@ -112,8 +169,16 @@ def describe(result: dict) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["layouts", "targets"])
+    parser.add_argument("what", choices=["layouts", "targets", "convert"])
     parser.add_argument("--json", type=pathlib.Path, help="Also write the figures as JSON here.")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="llama-3.2-1b", help="convert: the model's shape")
+    parser.add_argument("--target", default="v5e,v5e-8", help="convert: comma-separated targets")
+    parser.add_argument("--sharding", default="tensor-parallel", help="convert: the slices' sharding preset")
+    parser.add_argument("--max-context", type=int, default=MAX_CONTEXT)
+    parser.add_argument("--max-batch", type=int, default=MAX_BATCH)
+    parser.add_argument("--prefill-seq", default="128", help="convert: prefill's prompt-length buckets, comma-separated")
+    parser.add_argument("--quantize", help="convert: a weight-only mode (int8-weight-only, int4-weight-only)")
+    parser.add_argument("--meta", action="store_true", help="convert: plan on the meta device (no weights, not verified)")
     arguments = parser.parse_args()
     if arguments.what == "layouts":
         print(f"decode step, v5e, batch {MAX_BATCH} x context {MAX_CONTEXT}, bf16\n")
@@ -124,10 +189,27 @@ def main() -> None:
         for layout in ("layer_batch_head_pos", "layer_batch_pos_head"):
             results.append(decode_step(layout))
             print(describe_layout(results[-1]), flush=True)
-    else:
+    elif arguments.what == "targets":
         results = [plan(["v5e", "v5e-8"], "layer_batch_head_pos", {"seq": [2048], "batch": [1]}, "tensor-parallel")]
         for result in results:
             print("\n".join(describe(result)), flush=True)
+    else:
+        if "-" not in arguments.target:
+            arguments.sharding = None  # sharding presets apply to slices only
+        results = [convert(arguments)]
+        result = results[0]
+        print(f"{result['shape']} {'plan (meta weights)' if arguments.meta else 'random weights'}, bf16"
+              f"{', ' + arguments.quantize if arguments.quantize else ''}; --task text-generation --target "
+              f"{' --target '.join(arguments.target.split(','))}{' --sharding ' + arguments.sharding if arguments.sharding else ''} "
+              f"--max-context {arguments.max_context} --max-batch {arguments.max_batch} --bucket seq={arguments.prefill_seq}")
+        print(f"weights {result['weight_bytes'] / 2**30:.2f} GiB, KV cache {arguments.max_batch} x {arguments.max_context} "
+              f"{result['cache_bytes'] / 2**30:.2f} GiB (whole); wall {result['seconds']} s; stages (s): {result['stages']}")
+        if result["verification"] and result["verification"]["passed"] is not None:
+            cases = result["verification"]["cases"] or []
+            print(f"verified: passed {result['verification']['passed']}, {len(cases)} prefill bucket(s), against "
+                  f"{result['verification']['against']}")
+        print("peak RSS: " + ", ".join(f"{name} {value / 2**30:.2f} GiB" for name, value in result["peak_rss_bytes"].items()) + "\n")
+        print("\n".join(figures_table(result)), flush=True)
     if arguments.json:
         arguments.json.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -351,3 +351,27 @@ def test_serve_streams_generated_tokens_as_json_lines(llama_generation, tmp_path
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0
+
+
+PLAN_WITHOUT_THE_CACHE = """
+import resource, sys, torch, transformers, tpuexport
+with torch.device("meta"):
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=2**17)).eval()
+artifact = tpuexport.convert(model, task="text-generation", max_context=2**17, max_batch=64, weights=False, buckets={"seq": [16], "batch": [1]},
+                             target="v5e", saved_model=False, out=sys.argv[1])
+print(artifact.manifest["generation"]["cache_bytes"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_a_plan_does_not_allocate_its_kv_cache(tmp_path):
+    """A plan needs the cache's shape only: a tiny model whose cache at 64 x 2^17 is 4 GiB plans in
+    a process that never holds it (the cache was once made as zeros on the CPU: 8 GiB for Llama-3-8B
+    at 32 x 2048)."""
+    result = subprocess.run([sys.executable, "-c", PLAN_WITHOUT_THE_CACHE, str(tmp_path / "plan.tpu")], capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    cache_bytes, peak_rss = map(int, result.stdout.split()[-2:])
+    assert cache_bytes == 4 * 2**30
+    assert peak_rss < cache_bytes / 2, f"peak RSS {peak_rss / 2**30:.2f} GiB"

@@ -703,7 +703,7 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
                                        f"decode (batch {spec.max_batch}); cache {spec.layout} {list(spec.cache_shape)} {spec.dtype}"):
         modules = export_stage.entry_point_modules(model, spec)
         captured = {}
-        for name, (args, dynamic_shapes) in export_stage.example_arguments(spec).items():
+        for name, (args, dynamic_shapes) in export_stage.example_arguments(spec, "meta" if plan_only else "cpu").items():
             source = export_stage.LoadedSource(modules[name], args, dynamic_shapes, None, loaded.info)
             captured[name] = export_stage.capture(export_stage.on_meta_device(source) if plan_only else source)
     weight_only = _weight_only_scheme(options)

@@ -345,14 +345,22 @@ def entry_point_modules(model: nn.Module, spec: GenerationSpec, prefill: type[Pr
     return {"prefill": prefill(model.eval(), spec), "decode": decode(model.eval(), spec)}
 
 
-def example_arguments(spec: GenerationSpec) -> dict[str, tuple[tuple, dict | None]]:
+def example_arguments(spec: GenerationSpec, device: str = "cpu") -> dict[str, tuple[tuple, dict | None]]:
     """Each entry point's example inputs and torch.export dynamic_shapes.
 
     Prefill's batch (1..max_batch) and prompt length (2..max_context) are dims, compiled at its
     buckets; decode runs at max_batch, with static shapes.
+
+    Args:
+      spec: the generation spec.
+      device: where the example KV cache is made; "meta" for a plan, whose cache at max batch x
+        max context can be larger than the build machine's memory (8 GiB for Llama-3-8B at
+        32 x 2048) and is only needed for its shape.
+    Returns:
+      {entry point name: (example args, dynamic_shapes)}.
     """
     dtype = getattr(torch, spec.dtype)
-    cache = (torch.zeros(spec.cache_shape, dtype=dtype), torch.zeros(spec.cache_shape, dtype=dtype))
+    cache = (torch.zeros(spec.cache_shape, dtype=dtype, device=device), torch.zeros(spec.cache_shape, dtype=dtype, device=device))
     example_seq = max(2, min(spec.prefill_buckets[0], spec.max_context))
     seq = torch.export.Dim("seq", min=2, max=spec.max_context)
     prefill_args = (torch.ones((spec.max_batch, example_seq), dtype=torch.long),
