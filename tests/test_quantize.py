@@ -53,6 +53,40 @@ def test_static_int8_compiles_to_s8_dots_and_shrinks_weights(name):
     assert {w.dtype for w in lowered.weights} == {np.dtype(np.int8), np.dtype(np.float32)}
 
 
+class StringPaddedConvs(torch.nn.Module):
+    """Convolutions with padding="same"/"valid" (aten.conv*d.padding), as EfficientNet's all are;
+    the even kernel's "same" pads one side more and stays float."""
+
+    def __init__(self):
+        super().__init__()
+        self.same = torch.nn.Conv2d(3, 8, 3, padding="same")
+        self.valid = torch.nn.Conv2d(8, 8, 3, stride=2, padding="valid")
+        self.uneven = torch.nn.Conv2d(8, 8, 2, padding="same")
+        self.same_1d = torch.nn.Conv1d(8, 4, 3, padding="same")
+
+    def forward(self, x):
+        y = self.uneven(self.valid(torch.relu(self.same(x))))
+        return self.same_1d(y.flatten(2))
+
+
+def test_convolutions_with_string_padding_run_as_int8():
+    torch.manual_seed(0)
+    model = StringPaddedConvs().eval()
+    x = torch.randn(2, 3, 16, 16)
+    loaded = export_stage.LoadedSource(model, (x,), None, [(torch.randn(2, 3, 16, 16),) for _ in range(4)],
+                                       export_stage.SourceInfo("api"))
+    captured = export_stage.capture(loaded)
+    quantized = quantize(captured, "int8")
+    lowered = lower_stage.lower(quantized.captured.program, quantized.captured.signature)
+    [target] = compile_stage.resolve_targets(["v5e"])
+    [compiled] = compile_stage.compile_program(lowered, [target], compile_stage.make_buckets(lowered.signature, None)).results
+    operations = [op.types for op in matmul_ops(compiled.hlo_text)]
+    assert len(operations) == 4 and operations.count("s8xs8->s32") == 3, operations  # the uneven one stays float
+    report = verify_stage.verify(lowered, quantized.captured.reference, quantized.captured.example_inputs,
+                                 verify_stage.default_tolerances("f32", "default", True))
+    assert report.passed, report.to_json()
+
+
 class MatmulModel(torch.nn.Module):
     """Two activations multiplied (matmul and bmm), as in attention scores."""
 

@@ -40,7 +40,10 @@ class QuantizedInputs:
 LINEAR_OPS = {torch.ops.aten.linear.default: QuantizedInputs((0,), 1)}
 # addmm(bias, input, weight[in, out]): a linear layer written as a matrix product (GPT-2's Conv1D).
 ADDMM_OPS = {torch.ops.aten.addmm.default: QuantizedInputs((1,), 2, weight_axis=1)}
-CONV_OPS = {torch.ops.aten.conv1d.default: QuantizedInputs((0,), 1), torch.ops.aten.conv2d.default: QuantizedInputs((0,), 1)}
+# The .padding overloads take padding="valid"/"same" (EfficientNet's convolutions are all of them).
+CONV_OPS = {conv: QuantizedInputs((0,), 1) for conv in (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default,
+                                                        torch.ops.aten.conv1d.padding, torch.ops.aten.conv2d.padding)}
+CONV1D_OPS = (torch.ops.aten.conv1d.default, torch.ops.aten.conv1d.padding)
 # Two activations multiplied, e.g. attention's Q·Kᵀ and P·V.
 MATMUL_OPS = {torch.ops.aten.matmul.default: QuantizedInputs((0, 1)), torch.ops.aten.bmm.default: QuantizedInputs((0, 1))}
 # Embedding tables: int8 weights only (the indices are integers); they dominate small language models.
@@ -54,6 +57,28 @@ _EPS = torch.finfo(torch.float32).eps
 SOFTMAX_OPS = {torch.ops.aten._safe_softmax.default, torch.ops.aten.softmax.int, torch.ops.aten._softmax.default}
 PROBABILITY_SPEC = FixedQParamsQuantizationSpec(dtype=torch.int8, scale=1.0 / INT8_MAX, zero_point=0, quant_min=INT8_MIN, quant_max=INT8_MAX,
                                                 qscheme=torch.per_tensor_symmetric)
+
+
+def conv_padding(node: torch.fx.Node, kernel: tuple[int, ...]) -> list[int] | None:
+    """The per-spatial-dim padding (both sides alike) of an aten.conv1d/conv2d call, including the
+    "valid" and "same" strings of the .padding overloads; None for "same" padding that would pad one
+    side more than the other (an even kernel extent), which a symmetric padding cannot express.
+
+    Args:
+      node: the convolution call.
+      kernel: its weight's spatial sizes.
+    """
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+    given = {"stride": 1, "padding": 0, "dilation": 1, **dict(zip(names, node.args)), **node.kwargs}
+    spatial = 1 if node.target in CONV1D_OPS else 2
+    per_dim = lambda value: [int(value)] * spatial if isinstance(value, int) else [int(v) for v in value]
+    padding = given["padding"]
+    if padding == "valid":
+        return [0] * spatial
+    if padding == "same":
+        extents = [dilation * (size - 1) for dilation, size in zip(per_dim(given["dilation"]), kernel)]
+        return None if any(extent % 2 for extent in extents) else [extent // 2 for extent in extents]
+    return per_dim(padding)
 
 
 def weight_spec(axis: int = 0) -> QuantizationSpec:
@@ -98,6 +123,8 @@ class TpuQuantizer(Quantizer):
         for node in model.graph.nodes:
             if node.op != "call_function" or node.target not in QUANTIZED_OPS:
                 continue
+            if node.target in CONV_OPS and conv_padding(node, tuple(node.args[1].meta["val"].shape[2:])) is None:
+                continue  # "same" padding that pads one side more: the int8 convolution pads both sides alike
             input_specs = self._input_specs(node)
             if input_specs:
                 node.meta["quantization_annotation"] = QuantizationAnnotation(input_qspec_map=input_specs, _annotated=True)

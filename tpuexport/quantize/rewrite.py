@@ -16,7 +16,7 @@ import operator
 import torch
 
 from tpuexport.quantize import ops  # noqa: F401  (defines the torch.ops.tpuexport operators)
-from tpuexport.quantize.quantizer import ADDMM_OPS, CONV_OPS, EMBEDDING_OPS, LINEAR_OPS, MATMUL_OPS
+from tpuexport.quantize.quantizer import ADDMM_OPS, CONV1D_OPS, CONV_OPS, EMBEDDING_OPS, LINEAR_OPS, MATMUL_OPS, conv_padding
 
 _qd = torch.ops.quantized_decomposed
 _DEQUANTIZE_PER_TENSOR = (_qd.dequantize_per_tensor.default, _qd.dequantize_per_tensor.tensor)
@@ -63,7 +63,7 @@ def _replacement(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node | 
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         if node.target in LINEAR_OPS:
             return graph.call_function(torch.ops.tpuexport.int8_linear.default, (*activation, *weight, bias))
-        return graph.call_function(torch.ops.tpuexport.int8_conv.default, (*activation, *weight, bias, *_conv_options(node)))
+        return graph.call_function(torch.ops.tpuexport.int8_conv.default, (*activation, *weight, bias, *_conv_options(node, weight[0])))
     if node.target in ADDMM_OPS:
         return _addmm_replacement(graph, node)
     if node.target in MATMUL_OPS:
@@ -186,17 +186,18 @@ def _calls(argument, targets) -> bool:
     return isinstance(argument, torch.fx.Node) and argument.op == "call_function" and argument.target in targets
 
 
-def _conv_options(node: torch.fx.Node) -> tuple[list[int], list[int], list[int], int]:
-    """(stride, padding, dilation, groups) of an aten.conv1d/conv2d call, as per-spatial-dim lists."""
+def _conv_options(node: torch.fx.Node, weight: torch.fx.Node) -> tuple[list[int], list[int], list[int], int]:
+    """(stride, padding, dilation, groups) of an aten.conv1d/conv2d call, as per-spatial-dim lists
+    (`weight`: the stored int8 weight's get_attr node, for the kernel sizes "same" padding needs)."""
     defaults = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1}
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
     given = {**defaults, **dict(zip(names, node.args)), **node.kwargs}
-    spatial = 1 if node.target == torch.ops.aten.conv1d.default else 2
+    spatial = 1 if node.target in CONV1D_OPS else 2
 
     def per_dim(value) -> list[int]:
         return [int(value)] * spatial if isinstance(value, int) else [int(v) for v in value]
 
-    return per_dim(given["stride"]), per_dim(given["padding"]), per_dim(given["dilation"]), int(given["groups"])
+    return per_dim(given["stride"]), conv_padding(node, tuple(_attribute(node.graph.owning_module, weight.target).shape[2:])), per_dim(given["dilation"]), int(given["groups"])
 
 
 def _attribute(module: torch.nn.Module, target: str):
