@@ -9,13 +9,16 @@ attention with masks, reshapes, transposes, slices, gathers, concatenation, redu
 broadcasting arithmetic, dtype casts and `torch.cond`. Dims: `batch` always dynamic, `seq` static,
 dynamic or a multiple (`2*k`), each with a range. Ops that would break a constraint (a slice of a
 sequence that may have length 1, a mask that no longer lines up after pooling) are not drawn.
+Quantize modes: PT2E int8 and int8-dynamic, and weight-only int8 and int4 (a small group size).
 
-`check(case)` converts the case with the stages a conversion runs that decide its numbers (export,
-quantize, lower, verify: no TPU compile, SavedModel or write), then runs the lowered program
-(what `Artifact.run` runs, TPU-faithfully and in f32) at fresh random sizes in range and compares
-it with eager PyTorch under the artifact's own tolerances. A sampled subset of float cases
-(`full_conversion`) runs `tpuexport.convert` instead, compiled for v5e and written, and checks the
-artifact loaded back from disk. The outcome is one of:
+`check(case)` converts the case with the pipeline's own passes that decide its numbers (export,
+then `pipeline.lower_forward` and `pipeline.verify_forward`: quantize, lower, verify against the
+reference a conversion uses, with its tolerances; no TPU compile, SavedModel or write), then runs
+the lowered program (what `Artifact.run` runs, TPU-faithfully and in f32) at fresh random sizes in
+range, other than the sizes verification ran where the ranges allow, and compares it with that
+reference under the same tolerances. A sampled subset of float cases (`full_conversion`) runs
+`tpuexport.convert` instead, compiled for v5e and written, and checks the artifact loaded back
+from disk. The outcome is one of:
 
   ok                the conversion verified and every fresh size matches
   refused           the conversion failed with a one-line TpuExportError (reason: its message)
@@ -40,8 +43,7 @@ from torch import nn
 
 import tpuexport
 from tpuexport import export as export_stage
-from tpuexport import lower as lower_stage
-from tpuexport import verify as verify_stage
+from tpuexport import pipeline
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError, VerificationError
 from tpuexport.export import LoadedSource, SourceInfo
 from tpuexport.inputs import make_inputs
@@ -52,9 +54,13 @@ from tpuexport.verify.verification import ProgramRuns, run_case
 # The verification budget of a fuzz case: the always-run sizes and little more (cases are tiny).
 VERIFY_BUDGET_FLOPS = 2e6
 FRESH_SIZES = 2
+FRESH_SIZE_DRAWS = 20
 MAX_FEATURES = 32
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "tanh", "sigmoid", "softmax", "leaky_relu", "elu", "hardswish",
                "softplus", "mish")
+WEIGHT_ONLY_MODES = ("int8-weight-only", "int4-weight-only")
+# int4's elements per scale: small, so that the tiny contraction dims are mostly divisible by it.
+GROUP_SIZES = (2, 2, 4)
 OUTCOMES = ("ok", "refused", "verify-failed", "silent-mismatch", "crash")
 FAILURES = ("silent-mismatch", "crash")
 
@@ -99,6 +105,7 @@ class FuzzCase:
     seed: int
     full_conversion: bool = False
     bf16_model: bool = False  # weights and x in bfloat16 (converted in its own dtypes by precision "auto")
+    group_size: int = 2  # int4-weight-only's elements per scale
 
     def describe(self) -> str:
         ops = " -> ".join(":".join(str(p) for p in op) for op in self.ops) or "identity"
@@ -107,7 +114,7 @@ class FuzzCase:
                "multiple": f"seq=2*k, k {d.seq_min}..{d.seq_max}"}[d.seq_kind]
         return (f"F={self.features} batch {d.batch_min}..{d.batch_max} {seq} mask={self.use_mask} ids={self.use_ids} "
                 f"[{ops}] outputs={2 if self.two_outputs else 1} {self.precision}/{self.matmul_precision}"
-                f"{'/' + self.quantize if self.quantize else ''} seed={self.seed}{' full' if self.full_conversion else ''}"
+                f"{'/' + self.quantize if self.quantize else ''}{f' group {self.group_size}' if self.quantize == 'int4-weight-only' else ''} seed={self.seed}{' full' if self.full_conversion else ''}"
                 f"{' bf16-model' if self.bf16_model else ''}")
 
 
@@ -226,13 +233,12 @@ def fuzz_cases(draw, max_ops: int = 5) -> FuzzCase:
     ops = tuple(_draw_op(draw, state, {"mask": use_mask, "ids": use_ids}) for _ in range(draw(st.integers(1, max_ops))))
     precision = draw(st.sampled_from(["auto", "f32", "f32", "bf16", "bf16-mixed"]))
     matmul_precision = draw(st.sampled_from(["default", "high", "highest"])) if precision in ("auto", "f32") else "default"
-    # PT2E modes only: weight-only int8/int4 is a lowering-level substitution whose reference is the
-    # dequantized model, which this harness does not build (not fuzzed yet).
-    quantize = draw(st.sampled_from([None] * 8 + ["int8", "int8-dynamic"]))
+    quantize = draw(st.sampled_from([None] * 8 + ["int8", "int8-dynamic", *WEIGHT_ONLY_MODES]))
     full_conversion = quantize is None and draw(st.integers(0, 9)) == 0
-    bf16_model = precision == "auto" and quantize is None and draw(st.integers(0, 2)) == 0
+    bf16_model = precision == "auto" and quantize in (None, *WEIGHT_ONLY_MODES) and draw(st.integers(0, 2)) == 0
+    group_size = draw(st.sampled_from(GROUP_SIZES)) if quantize == "int4-weight-only" else 2
     return FuzzCase(features, dims, use_mask, use_ids, ops, draw(st.booleans()), precision, matmul_precision, quantize,
-                    draw(st.integers(0, 2**16)), full_conversion, bf16_model)
+                    draw(st.integers(0, 2**16)), full_conversion, bf16_model, group_size)
 
 
 class _Op(nn.Module):
@@ -458,10 +464,10 @@ def check(case: FuzzCase, fresh_sizes: int = FRESH_SIZES) -> Outcome:
     try:
         with tempfile.TemporaryDirectory(prefix="tpuexport-fuzz-") as scratch:
             if case.full_conversion:
-                lowered, reference, examples, tolerances = _convert_full(case, pathlib.Path(scratch))
+                lowered, reference, examples, tolerances, verified = _convert_full(case, pathlib.Path(scratch))
             else:
-                lowered, reference, examples, tolerances = _convert_passes(case)
-            return _check_fresh_sizes(case, lowered, reference, examples, tolerances, fresh_sizes)
+                lowered, reference, examples, tolerances, verified = _convert_passes(case)
+            return _check_fresh_sizes(case, lowered, reference, examples, tolerances, verified, fresh_sizes)
     except TpuExportError as error:
         return Outcome("refused", refusal_reason(error), str(error))
     except VerificationError as error:
@@ -470,28 +476,32 @@ def check(case: FuzzCase, fresh_sizes: int = FRESH_SIZES) -> Outcome:
         return Outcome("crash", f"{type(error).__name__}", "".join(traceback.format_exception(error))[-3000:])
 
 
+def conversion_options(case: FuzzCase) -> pipeline.ConversionOptions:
+    """The options a conversion of `case` takes (no target: the passes used here compile nothing)."""
+    return pipeline.ConversionOptions(targets=(), out=pathlib.Path("fuzz-case.tpu"), precision=case.precision,
+                                      matmul_precision=case.matmul_precision, quantize=case.quantize, group_size=case.group_size,
+                                      random_calibration=True, verify_budget_flops=VERIFY_BUDGET_FLOPS)
+
+
 def _convert_passes(case: FuzzCase):
-    """Export, quantize, lower and verify, as the pipeline runs them.
+    """Export, then the pipeline's quantize, lower and verify passes (pipeline.lower_forward and
+    verify_forward).
 
     Returns:
-      (lowered program, eager reference, example inputs, tolerances).
+      (lowered program, the reference it was verified against, example inputs, tolerances, the
+      sizes verification ran).
     Raises:
       TpuExportError, VerificationError: as a conversion does.
     """
     model, args, dynamic_shapes = build(case)
+    options = conversion_options(case)
     captured = export_stage.capture(LoadedSource(model, args, dynamic_shapes, None, SourceInfo("api")))
-    if case.quantize:
-        from tpuexport import quantize as quantize_stage
-
-        captured = quantize_stage.quantize(captured, case.quantize, random_calibration=True).captured
-    lowered = lower_stage.lower(captured.program, captured.signature, case.precision, case.matmul_precision,
-                                keep_f32=captured.keep_f32)
-    tolerances = verify_stage.default_tolerances(lowered.resolved_precision, case.matmul_precision, case.quantize is not None)
-    report = verify_stage.verify(lowered, captured.reference, captured.example_inputs, tolerances, VERIFY_BUDGET_FLOPS,
-                                 check_op_by_op=case.quantize is not None)
+    forward = pipeline.lower_forward(captured, options)
+    report = pipeline.verify_forward(forward, options)
     if not report.passed:
         raise VerificationError(report)
-    return lowered, captured.reference, captured.example_inputs, tolerances
+    verified = [verified_case.sizes for verified_case in report.cases]
+    return forward.lowered, forward.captured.reference, forward.captured.example_inputs, report.tolerances, verified
 
 
 def _convert_full(case: FuzzCase, scratch: pathlib.Path):
@@ -500,17 +510,31 @@ def _convert_full(case: FuzzCase, scratch: pathlib.Path):
     written = tpuexport.convert(model, args, dynamic_shapes, target="v5e", out=scratch / "case.tpu", precision=case.precision,
                                 matmul_precision=case.matmul_precision, verify_budget_flops=VERIFY_BUDGET_FLOPS, saved_model=False)
     artifact = tpuexport.load(written.path)
-    tolerances = VerificationTolerances.from_json(artifact.manifest["verification"]["tolerances"])
-    return artifact.program, model, args, tolerances
+    verification = artifact.manifest["verification"]
+    tolerances = VerificationTolerances.from_json(verification["tolerances"])
+    return artifact.program, model, args, tolerances, [verified_case["sizes"] for verified_case in verification["cases"]]
 
 
-def _check_fresh_sizes(case: FuzzCase, lowered, reference, examples, tolerances, count: int) -> Outcome:
-    """Runs the lowered program at `count` random sizes in the dims' ranges against eager."""
+def fresh_sizes(signature, verified: list[dict[str, int]], rng: np.random.Generator, count: int) -> list[dict[str, int]]:
+    """`count` random sizes in the dims' ranges, each other than the verified ones and the others
+    drawn when the ranges leave room (a few draws each, then one of them is taken)."""
+    drawn: list[dict[str, int]] = []
+    for _ in range(count):
+        for _ in range(FRESH_SIZE_DRAWS):
+            sizes = {dim.name: int(rng.integers(dim.min, dim.max + 1)) for dim in signature.dims}
+            if sizes not in verified and sizes not in drawn:
+                break
+        drawn.append(sizes)
+    return drawn
+
+
+def _check_fresh_sizes(case: FuzzCase, lowered, reference, examples, tolerances, verified: list[dict[str, int]],
+                       count: int) -> Outcome:
+    """Runs the lowered program at `count` fresh sizes (`fresh_sizes`) against the reference."""
     signature = lowered.signature
     rng = np.random.default_rng(case.seed)
     runs = ProgramRuns(lowered)
-    for index in range(count):
-        sizes = {dim.name: int(rng.integers(dim.min, dim.max + 1)) for dim in signature.dims}
+    for index, sizes in enumerate(fresh_sizes(signature, verified, rng, count)):
         inputs = make_inputs(signature.inputs, examples, sizes, seed=50_000 + index)
         try:
             result, _ = run_case(runs, reference, inputs, PlannedCase("fresh", sizes, "fuzz", 0.0), tolerances)

@@ -49,7 +49,7 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
@@ -60,6 +60,10 @@ from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
 from tpuexport.artifact import tf_serving as serving_stage
 from tpuexport.errors import TpuExportError, VerificationError
+
+if TYPE_CHECKING:  # torchao loads only for quantized conversions
+    from tpuexport.quantize import QuantizedModel
+    from tpuexport.quantize.weight_only import WeightOnlyScheme
 
 # errno values of a write that found no room: disk full, over RLIMIT_FSIZE, over quota.
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
@@ -238,26 +242,16 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         tensorflow = running.enter_context(serving_stage.TensorFlowProcess()) if options.saved_model else None
         with clock.stage("export", lambda: _describe_dims(captured.signature)):
             captured = export_stage.capture(loaded)
-        quantized = None
-        if options.quantize and weight_only is None:
-            quantized = _quantize(captured, options, clock)
-            captured = quantized.captured
         buckets = compile_stage.make_buckets(captured.signature, options.buckets)
         requested_sizes = verify_stage.resolve_requested_sizes(captured.signature, options.verify_sizes)
-        with clock.stage("lower", lambda: f"{len(lowered.weight_names)} weight arrays, precision {_describe_precision(lowered)}, "
-                                          f"matmul precision {options.matmul_precision}; {_describe_scans(lowered.scanned)}"):
-            lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
-                                        options.scan, weights=captured.checkpoint_state is None, keep_f32=captured.keep_f32,
-                                        weight_only=weight_only)
+        forward = lower_forward(captured, options, clock)
+        captured, quantized, lowered = forward.captured, forward.quantized, forward.lowered
         for target in targets:  # seconds, not a verification and a compile, to say a bucket cannot fit
             if not target.is_slice:
                 compile_stage.check_chip_fit(lowered.weight_names, lowered.weight_specs, lowered.signature, target, buckets)
         weights_file = None
         if captured.checkpoint_state is not None:
             lowered, weights_file = _stream_weights(captured, lowered, scratch, clock, weight_only)
-        float_reference = captured.reference
-        if weight_only is not None:
-            captured = dataclasses.replace(captured, reference=_dequantized_reference(captured, lowered, weight_only))
 
         if options.saved_model:
             # Before verification and compilation: a program TensorFlow cannot load fails in seconds;
@@ -273,16 +267,8 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         compiling = running.enter_context(compile_stage.CompileJob(lowered, targets, buckets, _compiled_event(clock, lowered), plans,
                                                                    kernels))
         with clock.stage("verify", lambda: _describe_verification(report)):
-            tolerances = verify_stage.with_overrides(
-                verify_stage.default_tolerances(lowered.resolved_precision, options.matmul_precision, quantized is not None),
-                **options.tolerance_overrides,
-            )
-            report = verify_stage.verify(lowered, captured.reference, captured.example_inputs, tolerances,
-                                         options.verify_budget_flops, requested_sizes, check_op_by_op=quantized is not None)
-            if quantized:
-                report = dataclasses.replace(report, against="the PT2E-converted model, eager PyTorch")
-            if weight_only is not None:
-                report = dataclasses.replace(report, against="the model with its quantized weights dequantized, eager PyTorch")
+            report = verify_forward(dataclasses.replace(forward, lowered=lowered), options, requested_sizes)
+        tolerances = report.tolerances
         if not report.passed:
             raise VerificationError(report, _write_failed_report(options.out, report.to_json()))
         sharded = []
@@ -314,7 +300,7 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         if quantized:
             extra_writers += (_quantization_report(quantized, lowered, compiled, clock),)
         if weight_only is not None:
-            extra_writers += (_weight_only_report(weight_only, lowered, float_reference, captured.example_inputs, clock),)
+            extra_writers += (_weight_only_report(weight_only, lowered, forward.float_reference, captured.example_inputs, clock),)
         if padding:
             extra_writers += (lambda staging: {"padding": padding.to_json()},)
         extra_writers += (artifact_stage.kernels_writer(options.kernels, kernels, [check.to_json() for check in kernel_checks.values()]),)
@@ -329,6 +315,85 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
             except serving_stage.SavedModelMismatch as mismatch:
                 raise VerificationError(report, _write_failed_report(options.out, mismatch.report), mismatch.summary) from None
     return artifact_stage.load(options.out)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweredForward:
+    """A forward conversion after its quantize and lower passes.
+
+    Attributes:
+      captured: the captured model the program comes from (the quantize pass's for PT2E modes);
+        its `reference` is what verification compares with: the eager model, the PT2E model, or
+        for weight-only modes the float model with its quantized weights dequantized.
+      float_reference: the float eager model (weight-only reports measure their distance from it).
+      quantized: the quantize pass's QuantizedModel (PT2E modes), or None.
+      weight_only: the weight-only scheme (quantize/weight_only.py), or None.
+      lowered: the lowered program (without weights when a checkpoint streams them later).
+    """
+
+    captured: export_stage.CapturedModel
+    float_reference: Callable
+    quantized: QuantizedModel | None
+    weight_only: WeightOnlyScheme | None
+    lowered: lower_stage.LoweredProgram
+
+
+def lower_forward(captured: export_stage.CapturedModel, options: ConversionOptions, clock: StageClock | None = None) -> LoweredForward:
+    """The quantize and lower passes of a forward conversion, with the reference verification
+    compares the program with (run_conversion runs them; so does the fuzz harness,
+    benchmarks/fuzz_models.py, which needs no TPU compile or artifact).
+
+    Args:
+      captured: the export pass's result.
+      options: the conversion's options (precision, matmul precision, scan, quantize and its settings).
+      clock: times the passes, or None.
+    Returns:
+      The LoweredForward.
+    Raises:
+      TpuExportError: bad quantize options or calibration, an unsupported operator, a failed lowering.
+    """
+    clock = clock or StageClock(None)
+    weight_only = _weight_only_scheme(options)
+    quantized = None
+    if options.quantize and weight_only is None:
+        quantized = _quantize(captured, options, clock)
+        captured = quantized.captured
+    with clock.stage("lower", lambda: f"{len(lowered.weight_names)} weight arrays, precision {_describe_precision(lowered)}, "
+                                      f"matmul precision {options.matmul_precision}; {_describe_scans(lowered.scanned)}"):
+        lowered = lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision,
+                                    options.scan, weights=captured.checkpoint_state is None, keep_f32=captured.keep_f32,
+                                    weight_only=weight_only)
+    float_reference = captured.reference
+    if weight_only is not None:
+        captured = dataclasses.replace(captured, reference=_dequantized_reference(captured, lowered, weight_only))
+    return LoweredForward(captured, float_reference, quantized, weight_only, lowered)
+
+
+def verify_forward(forward: LoweredForward, options: ConversionOptions,
+                   requested_sizes: tuple[dict[str, int], ...] = ()) -> verify_stage.VerificationReport:
+    """The verify pass of a forward conversion: the program's CPU runs at the planned sizes against
+    its reference, within the tolerances of its precision and quantization (and the options'
+    overrides); PT2E programs are also checked op by op.
+
+    Args:
+      forward: the program and its reference (`lower_forward`; its program has its weights).
+      options: the conversion's options (matmul precision, tolerance overrides, budget).
+      requested_sizes: sizes that must be verified, resolved (verify.resolve_requested_sizes).
+    Returns:
+      The VerificationReport, passed or not (its `tolerances` are the ones applied).
+    """
+    quantized = forward.quantized is not None
+    tolerances = verify_stage.with_overrides(
+        verify_stage.default_tolerances(forward.lowered.resolved_precision, options.matmul_precision, quantized),
+        **options.tolerance_overrides,
+    )
+    report = verify_stage.verify(forward.lowered, forward.captured.reference, forward.captured.example_inputs, tolerances,
+                                 options.verify_budget_flops, requested_sizes, check_op_by_op=quantized)
+    if quantized:
+        report = dataclasses.replace(report, against="the PT2E-converted model, eager PyTorch")
+    if forward.weight_only is not None:
+        report = dataclasses.replace(report, against="the model with its quantized weights dequantized, eager PyTorch")
+    return report
 
 
 def _check_options(options: ConversionOptions) -> tuple[list, list]:
