@@ -457,6 +457,7 @@ class Outcome:
     kind: str  # one of OUTCOMES
     reason: str = ""
     detail: str = ""
+    quantized_weights: int = 0  # weights a weight-only program holds as integers
 
 
 def check(case: FuzzCase, fresh_sizes: int = FRESH_SIZES) -> Outcome:
@@ -545,7 +546,7 @@ def _check_fresh_sizes(case: FuzzCase, lowered, reference, examples, tolerances,
                 f"{run} {o.name}: max abs {o.max_abs_error:.3g}, {o.mismatched}/{o.elements} outside"
                 for run, outputs in result.runs.items() for o in outputs if not o.passed)
             return Outcome("silent-mismatch", "mismatch at fresh sizes", f"{sizes}: {summary}")
-    return Outcome("ok")
+    return Outcome("ok", quantized_weights=len(lowered.quantized))
 
 
 def refusal_reason(error: TpuExportError) -> str:

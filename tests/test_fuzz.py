@@ -36,9 +36,20 @@ REGRESSIONS = {
                                            ("attention", 2, "bool_mask")), True, "bf16-mixed", "default", None, 10491),
     # A gather of an embedding table by token ids (int64 -> int32 in the artifact) under highest.
     "gather-ids": FuzzCase(6, Dims(2, 8, 2, "multiple", 3, 12, 3), True, True, (("gather",),), True, "f32", "highest", None, 262),
+    # Weight-only int8 and int4 (group 2): linear weights and an embedding table quantized, checked
+    # against the float model with those weights dequantized.
+    "int8-weight-only": FuzzCase(4, Dims(1, 4, 2, "dynamic", 1, 6, 3), False, True,
+                                 (("linear", 8, True), ("embedding", 5), ("linear", 4, False)), False, "f32", "default",
+                                 "int8-weight-only", 3),
+    "int4-weight-only-bf16": FuzzCase(4, Dims(1, 4, 2, "dynamic", 1, 6, 3), False, True,
+                                      (("linear", 8, True), ("embedding", 5), ("linear", 4, False)), False, "auto", "default",
+                                      "int4-weight-only", 3, bf16_model=True, group_size=2),
 }
 
 
 @pytest.mark.parametrize("name", sorted(REGRESSIONS))
 def test_regression_cases(name):
-    assert assert_holds(REGRESSIONS[name]).kind == "ok"
+    outcome = assert_holds(REGRESSIONS[name])
+    assert outcome.kind == "ok"
+    if "weight-only" in name:  # both linear weights and the embedding table are integers in the program
+        assert outcome.quantized_weights == 3

@@ -392,13 +392,12 @@ def tied_weights(program: torch.export.ExportedProgram, runs: tuple[ScannedRun, 
 
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """Runs torch's default decompositions, with library custom operators decomposed through what
-    defines them (lower/custom_ops.py), then torchax's extra ones (as torchax's exporter does).
+    defines them (lower/custom_ops.py), and torchax's extra ones (`_torchax_extra_decompositions`).
 
     Raises:
       TpuExportError: decomposition failed; when it is a custom operator's decomposition that fails
         (the rest decompose without it), the message names the operator.
     """
-    torchax = import_torchax()
     custom = custom_operator_decompositions(program)
 
     def decomposed(extra: dict) -> torch.export.ExportedProgram:
@@ -406,7 +405,8 @@ def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedPro
         # Kept whole: lowered as attention is written in JAX (attention.py), not as torch's math.
         del table[torch.ops.aten.scaled_dot_product_attention.default]
         table.update(extra)
-        return program.run_decompositions(table).run_decompositions(torchax.decompositions.DECOMPOSITIONS)
+        table.update(_torchax_extra_decompositions())
+        return program.run_decompositions(table)
 
     try:
         return decomposed(custom)
@@ -422,6 +422,21 @@ def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedPro
             f"({message}); register a decomposition without data-dependent Python (.tolist(), .item(), branches on "
             "tensor values) with torch._decomp.register_decomposition") from None
     raise TpuExportError(f"torch could not decompose the program ({message}); simplify the failing op") from None
+
+
+@functools.cache
+def _torchax_extra_decompositions() -> dict:
+    """torchax's decompositions of the ops torch's default table does not have, to run in the same
+    pass as torch's.
+
+    torchax's exporter runs its table as a second pass after torch's. One pass with this part of it
+    gives the same program (decompositions apply again to the ops they emit) at half the cost: each
+    pass retraces the whole program. The ops torch's table has stay torch's: the first pass
+    decomposed them, so torchax's versions (a few, such as std, differ) never ran.
+    """
+    default = torch.export.default_decompositions()
+    return {operator: decomposition for operator, decomposition in import_torchax().decompositions.DECOMPOSITIONS.items()
+            if operator not in default}
 
 
 def _succeeds(attempt) -> bool:
