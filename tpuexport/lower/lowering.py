@@ -116,7 +116,15 @@ class LoweredProgram:
         """What the program computes in: "f32", "bf16", "f16" or "bf16-mixed" (mixed_precision.resolve_precision);
         verification's default tolerances follow it."""
         specs = self.signature.inputs + self.signature.outputs
-        return resolve_precision(self.precision, self.exported, [spec.torch_dtype for spec in specs])
+        dtypes = [spec.torch_dtype for spec in specs]
+        if self.quantized and self.graph is not None:
+            # A weight-only program's bfloat16 scales are multiplied in its weights' own dtype
+            # (quantize/weight_only.py): they do not make an f32 program compute in bf16, while its
+            # text holds them. The torch graph it traced has every dtype it computes in, and no scale.
+            dtypes += [str(node.meta["val"].dtype).removeprefix("torch.") for node in self.graph.graph.nodes
+                       if isinstance(node.meta.get("val"), torch.Tensor)]
+            return resolve_precision(self.precision, None, dtypes)
+        return resolve_precision(self.precision, self.exported, dtypes)
 
     @property
     def plan_only(self) -> bool:

@@ -109,12 +109,13 @@ def input_compute_dtype(precision: str):
     return {"bf16": jnp.bfloat16, "f32": jnp.float32}.get(precision)
 
 
-def resolve_precision(precision: str, exported: jax.export.Exported, input_dtypes) -> str:
+def resolve_precision(precision: str, exported: jax.export.Exported | None, input_dtypes) -> str:
     """What a program computes in, for its verification tolerances and the manifest.
 
     Args:
       precision: the requested one (PRECISIONS).
-      exported: the lowered program.
+      exported: the lowered program, or None when `input_dtypes` already names every dtype it
+        computes in.
       input_dtypes: the dtype names of the model's inputs and outputs (what eager PyTorch computes
         with; a bfloat16 model is compared in bfloat16 even where the program widens it).
     Returns:
@@ -123,7 +124,7 @@ def resolve_precision(precision: str, exported: jax.export.Exported, input_dtype
     """
     if precision in ("bf16", "bf16-mixed"):
         return precision
-    text = exported.mlir_module()
+    text = exported.mlir_module() if exported is not None else ""
     names = set(input_dtypes)
     for name, pattern in _HALF_TYPES.items():
         if ({"bf16": "bfloat16", "f16": "float16"}[name] in names) or pattern.search(text):
