@@ -3,8 +3,10 @@ and run at fresh sizes; prints the cases run, the outcomes, the refusals by reas
 shrunk to a minimal model, and last `silent mismatches: K` (K must be 0).
 
     python benchmarks/fuzz.py --examples 200 [--seed 0] [--max-ops 5] [--no-shrink] [--log FILE]
+    python benchmarks/fuzz.py --summarize FILE [FILE ...]   # the figures of logged runs, added up
 
-Ctrl-C or SIGTERM stops it early and prints the figures of the cases run so far (without shrinking).
+Ctrl-C stops it at once, SIGTERM when the case running ends; either way it prints the figures of
+the cases run so far (without shrinking).
 
 A failure is a silent mismatch (verification passed, a fresh size does not match eager) or a crash
 (a conversion raising anything but TpuExportError / VerificationError). Each is shrunk by
@@ -19,6 +21,7 @@ import collections
 import pathlib
 import signal
 import sys
+import threading
 import time
 import warnings
 
@@ -36,7 +39,12 @@ def main() -> None:
     parser.add_argument("--max-ops", type=int, default=5, help="ops per model at most")
     parser.add_argument("--no-shrink", action="store_true", help="report failures as drawn, without shrinking")
     parser.add_argument("--log", type=pathlib.Path, help="append one line per case here as it finishes")
+    parser.add_argument("--summarize", type=pathlib.Path, nargs="+", metavar="LOG",
+                        help="print the figures of these --log files (cases, outcomes by mode, refusals) and exit")
     args = parser.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+        return
     warnings.filterwarnings("ignore")
     signal.signal(signal.SIGTERM, _stop)
 
@@ -51,6 +59,8 @@ def main() -> None:
               suppress_health_check=list(HealthCheck))
     @given(fuzz_models.fuzz_cases(args.max_ops))
     def run_one(case):
+        if _stop_requested.is_set():
+            raise KeyboardInterrupt
         outcome = fuzz_models.check(case)
         outcomes[outcome.kind] += 1
         if outcome.kind == "refused":
@@ -89,9 +99,54 @@ def main() -> None:
     print(f"silent mismatches: {outcomes['silent-mismatch']}")
 
 
+_stop_requested = threading.Event()
+
+
+def summarize(logs: list[pathlib.Path]) -> None:
+    """Prints the figures of logged runs added up: cases, outcomes overall and by mode, refusals by
+    reason, each failure's line, and last `silent mismatches: K`."""
+    outcomes: collections.Counter = collections.Counter()
+    reasons: collections.Counter = collections.Counter()
+    by_mode: collections.Counter = collections.Counter()
+    failures = []
+    for log in logs:
+        for line in log.read_text().splitlines():
+            _, kind, reason, description, *failed = line.split("\t")
+            outcomes[kind] += 1
+            by_mode[_mode(description), kind] += 1
+            if kind == "refused":
+                reasons[reason] += 1
+            if failed:
+                failures.append(line)
+    print(f"cases run: {sum(outcomes.values())} (logs: {', '.join(str(log) for log in logs)})")
+    for kind in fuzz_models.OUTCOMES:
+        print(f"  {kind:16s} {outcomes[kind]}")
+    modes = sorted({mode for mode, _ in by_mode})
+    print("by mode:        " + "".join(f"{kind:>16s}" for kind in fuzz_models.OUTCOMES))
+    for mode in modes:
+        print(f"  {mode:14s}" + "".join(f"{by_mode[mode, kind]:16d}" for kind in fuzz_models.OUTCOMES))
+    print("refusals by reason:")
+    for reason, count in reasons.most_common():
+        print(f"  {count:5d}  {reason}")
+    for line in failures:
+        print(f"FAILURE {line}")
+    print(f"silent mismatches: {outcomes['silent-mismatch']}")
+
+
+def _mode(description: str) -> str:
+    """A logged case's mode: its quantize mode, "float (full)" for a full conversion, or "float"."""
+    settings_field = next(field for field in description.split("] ")[-1].split() if "/" in field)
+    parts = settings_field.split("/")
+    if len(parts) > 2:
+        return parts[2]
+    return "float (full)" if " full" in description else "float"
+
+
 def _stop(signum, frame):
-    """SIGTERM stops the run as Ctrl-C does (a background run ignores SIGINT)."""
-    raise KeyboardInterrupt
+    """SIGTERM (a background run ignores SIGINT) stops the run before its next case. Not by raising
+    here: an exception raised by a signal handler that lands in a finalizer or a weakref callback
+    is printed and ignored, and the run went on."""
+    _stop_requested.set()
 
 
 if __name__ == "__main__":
