@@ -122,9 +122,9 @@ def summarize(logs: list[pathlib.Path]) -> None:
     for kind in fuzz_models.OUTCOMES:
         print(f"  {kind:16s} {outcomes[kind]}")
     modes = sorted({mode for mode, _ in by_mode})
-    print("by mode:        " + "".join(f"{kind:>16s}" for kind in fuzz_models.OUTCOMES))
+    print(f"by mode:{'':12s}" + "".join(f"{kind:>16s}" for kind in fuzz_models.OUTCOMES))
     for mode in modes:
-        print(f"  {mode:14s}" + "".join(f"{by_mode[mode, kind]:16d}" for kind in fuzz_models.OUTCOMES))
+        print(f"  {mode:18s}" + "".join(f"{by_mode[mode, kind]:16d}" for kind in fuzz_models.OUTCOMES))
     print("refusals by reason:")
     for reason, count in reasons.most_common():
         print(f"  {count:5d}  {reason}")
