@@ -78,3 +78,20 @@ def test_f32_weight_only_programs_are_verified_with_f32_tolerances():
     against_float = pipeline.verify_forward(dataclasses.replace(
         forward, captured=dataclasses.replace(forward.captured, reference=forward.float_reference)), options)
     assert not against_float.passed
+
+
+@pytest.mark.parametrize("precision, ops, differ", [
+    ("bf16", (("linear", 8, True),), False),  # bf16 matmuls: the TPU computes them as the CPU does
+    ("f32", (("activation", "gelu"),), False),  # no matmul at all
+    ("f32", (("linear", 8, True),), True),  # an f32 matmul in one bf16 pass: a rewritten program
+])
+def test_the_tpu_faithful_run_is_the_program_itself_unless_a_matmul_differs(precision, ops, differ):
+    """Found profiling the fuzz harness: tpu_faithful re-serialized an unchanged program, so
+    verification compiled and ran every size twice for bf16, int8 and matmul-free programs."""
+    from tpuexport.verify.verification import ProgramRuns
+
+    case = FuzzCase(4, Dims(1, 4, 2, "static", 3, 3, 3), False, False, ops, False, precision, "default", None, 1)
+    model, args, dynamic_shapes = fuzz_models.build(case)
+    forward = pipeline.lower_forward(export_stage.capture(LoadedSource(model, args, dynamic_shapes, None, SourceInfo("api"))),
+                                     fuzz_models.conversion_options(case))
+    assert ProgramRuns(forward.lowered).runs_differ is differ
