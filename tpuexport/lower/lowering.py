@@ -11,6 +11,8 @@ Passes, in order:
                      that sharding propagation sees them (after the FLOPs are counted on the bmm)
   sink_attention_masks  each attention's [q, k] mask recomputed next to it from its per-query and
                      per-key parts, so that XLA fuses it with the softmax (graph_passes.py)
+  group_repeated_kv  attention gets the key/value heads its model repeated to the query heads, with
+                     enable_gqa (the lowering groups query heads; graph_passes.py)
   collect_weights    parameters, buffers and constants in the program's placeholder order (for a
                      plan, collect_weight_specs: their shapes and dtypes only, nothing read)
   find_runs          runs of identical blocks (a model's layers), their weights stacked (scan.py)
@@ -43,7 +45,8 @@ from tpuexport.errors import TpuExportError, UnsupportedOperatorsError
 from tpuexport.lower import aten_lowerings, attention, control_flow, symbolic_ops  # noqa: F401  (they register tpuexport's own lowerings)
 from tpuexport.lower.cost import matmul_flops_expression
 from tpuexport.lower.custom_ops import custom_operator_decompositions
-from tpuexport.lower.graph_passes import expand_convolution_arguments, reshape_views, sink_attention_masks, unmerge_batched_matmuls
+from tpuexport.lower.graph_passes import (expand_convolution_arguments, group_repeated_kv, reshape_views, sink_attention_masks,
+                                         unmerge_batched_matmuls)
 from tpuexport.lower.matmul_precision import DECISION_SCOPE, MATMUL_PRECISIONS, decision_matmuls, pin_matmul_precision
 from tpuexport.lower.mixed_precision import (PRECISIONS, cast_arguments, cast_result, input_compute_dtype, is_quantization_op,
                                              kept_f32_meetings, resolve_precision, stored_dtype, stored_weight)
@@ -272,7 +275,7 @@ def lower(
     check_operators(decomposed)
     # torch's FLOP counter knows bmm, not the matmul the next pass makes of it.
     flops = matmul_flops_expression(decomposed, signature)
-    decomposed = sink_attention_masks(unmerge_batched_matmuls(decomposed))
+    decomposed = group_repeated_kv(sink_attention_masks(unmerge_batched_matmuls(decomposed)))
     lowered = lower_decomposed(decomposed, signature, precision, matmul_precision, scan, weights, weight_only, keep_f32)
     return dataclasses.replace(lowered, matmul_flops=flops)
 
