@@ -348,6 +348,7 @@ def write_generation_artifact(
     stage_seconds: dict[str, float],
     overwrite: bool = False,
     extra_writers=(),
+    weights_file: pathlib.Path | None = None,
 ) -> dict:
     """Writes a text-generation artifact: one weights file, each entry point's program files and
     executables, and the manifest's "entry_points" and "generation" sections (README, "Text
@@ -363,6 +364,8 @@ def write_generation_artifact(
       overwrite: replace an existing artifact.
       extra_writers: callables (staging_dir) -> dict of manifest sections, as for `write_artifact`
         (a Hugging Face source's tokenizer and config files).
+      weights_file: the weights already written as safetensors (streamed from a checkpoint), moved
+        into the artifact instead of being written again; None to write them here.
     Returns:
       The manifest written.
     """
@@ -373,6 +376,11 @@ def write_generation_artifact(
             path = staging / relative
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data.encode() if isinstance(data, str) else data)
+            return relative
+
+        def move(source: pathlib.Path, relative: str) -> str:
+            (staging / relative).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(source, staging / relative)
             return relative
 
         entry_points = {}
@@ -402,7 +410,7 @@ def write_generation_artifact(
             "matmul_precision": shared.matmul_precision,
             # What every entry point shares: the weights, passed first to each.
             "program": {
-                "weights": None if shared.plan_only else put(layout.WEIGHTS, save_arrays(dict(zip(shared.weight_names, shared.weights)))),
+                "weights": _weights_file(shared, weights_file, put, move),
                 "weight_names": list(shared.weight_names),
                 "tied_weights": dict(shared.tied),
                 "weight_bytes": shared.weight_bytes,
