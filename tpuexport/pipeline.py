@@ -776,10 +776,14 @@ def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOpt
                 else:
                     # A weight-only program is compared with generate() on the model with those weights dequantized;
                     # its distance from the float model's generate() is measured too.
-                    eager_model = model if checkpoint_model is None else checkpoint_model
-                    float_reference = verify_stage.eager_references(program, eager_model, options.new_tokens) if weight_only else None
-                    eager_module = modules["decode"] if checkpoint_model is None else export_stage.entry_point_modules(eager_model, spec)["decode"]
-                    with _dequantized_weights(eager_module, lowered["decode"], weight_only):
+                    if checkpoint_model is None:
+                        float_reference = verify_stage.eager_references(program, model, options.new_tokens) if weight_only else None
+                        with _dequantized_weights(modules["decode"], lowered["decode"], weight_only):
+                            report = verify_stage.verify_generation(program, model, tolerances, options.new_tokens, float_reference)
+                    else:
+                        float_reference = verify_stage.eager_references(program, checkpoint_model, options.new_tokens) if weight_only else None
+                        eager_model = checkpoint_model if weight_only is None else _dequantized_checkpoint_model(
+                            model, checkpoint_model, lowered["decode"], weight_only, scratch, clock)
                         report = verify_stage.verify_generation(program, eager_model, tolerances, options.new_tokens, float_reference)
             if not report.passed:
                 raise VerificationError(report, _write_failed_report(options.out, report.to_json()))
@@ -803,6 +807,45 @@ def _dequantized_weights(module: torch.nn.Module, lowered: lower_stage.LoweredPr
 
     axes = {part: entry["axis"] for name, entry in lowered.quantized.items() for part in lowered.weight_parts[name]}
     return DequantizedWeights(DequantizedReference(module, axes, scheme).weights, scheme)
+
+
+def _dequantized_checkpoint_model(model: torch.nn.Module, checkpoint_model: torch.nn.Module, lowered: lower_stage.LoweredProgram,
+                                  scheme, scratch: pathlib.Path, clock: StageClock) -> torch.nn.Module:
+    """The eager reference of a weight-only generation program streamed from a checkpoint: a copy of
+    `model` whose quantized weights are the checkpoint's rounded and dequantized (from its float
+    tensors, not from the artifact's integers) once, written to a scratch file and memory-mapped,
+    and whose other weights are `checkpoint_model`'s (the checkpoint's memory maps).
+
+    Rounding at every use (DequantizedWeights) would round every weight again at each generate()
+    step: for Llama-3.2-1B, minutes per step on two cores. The file is written one weight at a time
+    and its pages are file-backed, so the process owns no rounded copy of the model.
+
+    Args:
+      model: the user's model (parameters on the meta device); checkpoint_model: its copy with the
+        checkpoint's tensors; lowered: the weight-only entry point (its `quantized` weights and their
+        state names under the entry points' `model.` prefix); scheme: the weight-only scheme;
+      scratch: the conversion's scratch directory; clock: times the pass.
+    Returns:
+      The copy, ready for generate().
+    """
+    import jax
+
+    from tpuexport.arrays import numpy_dtype
+    from tpuexport.quantize.weight_only import fake_quantized
+
+    # The entry points hold the causal LM as `model` (export/generation.py), so their state names carry that prefix.
+    axes = {part.removeprefix("model."): entry["axis"] for name, entry in lowered.quantized.items() for part in lowered.weight_parts[name]}
+    state = {**dict(checkpoint_model.named_parameters()), **dict(checkpoint_model.named_buffers())}  # one name per tensor (tied once)
+    names = [name for name in state if name in axes]
+    path = scratch / "dequantized.safetensors"
+    with clock.stage("dequantize", lambda: f"{len(names)} weight(s) rounded and dequantized once for generate(), "
+                                           f"{written / 2**30:.2f} GiB memory-mapped"):
+        specs = [jax.ShapeDtypeStruct(tuple(state[name].shape), numpy_dtype(str(state[name].dtype).removeprefix("torch."))) for name in names]
+        written = artifact_stage.write_weights(path, names, specs, lambda name: [fake_quantized(state[name], scheme, axes[name])])
+        dequantized = export_stage.open_checkpoint(path)
+        tensors = {name: dequantized[name] if name in axes else tensor for name, tensor in state.items()}
+        reference = export_stage.with_checkpoint_weights(model, export_stage.Checkpoint(tensors, "the dequantized weights"))
+    return reference
 
 
 def _generation_quantization(lowered: lower_stage.LoweredProgram, scheme) -> tuple:
