@@ -28,6 +28,10 @@ memory pressure). Printed: the peaks of the converting process and of each child
 the TensorFlow process that builds the SavedModel), as GiB and as ratios to the f32 and bf16 model, the
 wall time, and the stages' seconds from the artifact's manifest.
 
+`python benchmarks/streamed_conversion.py --run-generation ARTIFACT` runs a text-generation
+artifact's prefill and one decode step on XLA:CPU (as verification does) and prints each one's peak
+own memory.
+
 --memory-limit runs the conversion in a memory cgroup (v1, /sys/fs/cgroup/memory; needs root) with
 that limit on everything it and its children hold, page cache included: a limit below the f32
 model's size shows that the file-backed pages are given back under pressure, i.e. that a model
@@ -134,6 +138,34 @@ def write_checkpoint(config: dict, dtype: str, directory: pathlib.Path) -> tuple
         del tensors
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     return count, sum(path.stat().st_size for path in directory.glob("*.safetensors"))
+
+
+def run_generation(artifact: pathlib.Path) -> None:
+    """Runs a text-generation artifact's prefill (one 99-token prompt at its first prefill bucket) and
+    one decode step on XLA:CPU, as verification does, printing the seconds and this process's peak
+    own (anon) memory of each: where a conversion's verify stage spends its memory."""
+    import tpuexport
+    from tpuexport.lower.generation import GenerationSession
+
+    peak = {"anon": 0}
+    stopped = threading.Event()
+
+    def sample() -> None:
+        while not stopped.is_set():
+            peak["anon"] = max(peak["anon"], _status(os.getpid())["anon"])
+            stopped.wait(0.02)
+
+    threading.Thread(target=sample, daemon=True).start()
+    program = tpuexport.load(artifact).generation_program
+    session = GenerationSession(program)
+    print(f"artifact loaded: own memory {_status(os.getpid())['anon'] / 2**30:.2f} GiB", flush=True)
+    for name, step in (("prefill", lambda: session.prefill([list(range(1, 100))], [0], seq=program.spec.prefill_buckets[0])),
+                       ("decode", lambda: session.decode([5] * program.spec.max_batch, [99] * program.spec.max_batch))):
+        peak["anon"], start = 0, time.perf_counter()
+        step()
+        print(f"{name} on XLA:CPU (compile and run): {time.perf_counter() - start:.1f} s, peak own memory {peak['anon'] / 2**30:.2f} GiB",
+              flush=True)
+    stopped.set()
 
 
 def _status(pid: int) -> dict[str, int] | None:
@@ -292,7 +324,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--write-checkpoint"]:
+    if sys.argv[1:2] == ["--run-generation"]:
+        run_generation(pathlib.Path(sys.argv[2]))
+    elif sys.argv[1:2] == ["--write-checkpoint"]:
         count, _ = write_checkpoint(json.loads(sys.argv[2]), sys.argv[3], pathlib.Path(sys.argv[4]))
         index = pathlib.Path(sys.argv[4]) / "model.safetensors.index.json"
         index.write_text(json.dumps(dict(json.loads(index.read_text()), metadata={"parameters": count}), indent=1))
