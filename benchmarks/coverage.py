@@ -32,9 +32,10 @@ weight bytes against f32. Other kinds have no row in these modes.
 Mode "bf16-checkpoint" writes the transformers families' directories in bfloat16 (as most
 checkpoints are published; non-persistent buffers such as rotary `inv_freq` are not in a checkpoint)
 and converts them with default options (precision auto); a causal LM converts as the generate modes
-do (--task text-generation, no --precision). A forward artifact's row says what the precision
-resolved to, the dtypes `Artifact.run` returns on the first golden inputs, and the dtype of any
-rotary table in the artifact's weights. The diffusers UNet (a factory, no checkpoint) has no row in
+do (--task text-generation, no --precision). The row says what the precision resolved to, the
+dtypes a forward artifact's `Artifact.run` returns on the first golden inputs (a text-generation
+artifact's: the logits and KV cache of one prefill), and the dtype of any rotary table in the
+artifact's weights. The diffusers UNet (a factory, no checkpoint) has no row in
 this mode.
 """
 

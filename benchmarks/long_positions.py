@@ -71,12 +71,14 @@ def main() -> None:
     case = verify_positions(with_tables, captured.example_inputs, default_tolerances(lowered.resolved_precision, "default", False),
                             lambda specs, examples, sizes, seed: [torch.zeros(spec.concrete_shape(sizes), dtype=torch.long) for spec in specs])
     seconds = time.perf_counter() - start
-    peak = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 2**20
+    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the process's peak so far, in KiB on Linux
     print(f"\nposition tables ({len(tables)} found): case {case.label if case else 'none'} at {case.sizes if case else '-'}, "
-          f"{'passed' if case and case.passed else 'FAILED'} in {seconds:.1f} s (peak RSS grew {peak:.2f} GiB)")
+          f"{'passed' if case and case.passed else 'FAILED'} in {seconds:.1f} s; the process's peak RSS {rss_after / 2**20:.2f} GiB "
+          f"({rss_before / 2**20:.2f} GiB before the case, which grew it by {max(0, rss_after - rss_before) / 2**20:.2f} GiB)")
     if case:
-        for output in case.runs["cpu"]:
-            print(f"  {output.name}: {output.elements} elements, max abs error {output.max_abs_error:.3g}")
+        print("\n| table | elements | tpu run: max abs error, outside tolerance | cpu run: max abs error, outside tolerance |\n|---|---|---|---|")
+        for tpu, cpu in zip(case.runs["tpu"], case.runs["cpu"]):
+            print(f"| {tpu.name} | {tpu.elements} | {tpu.max_abs_error:.3g}, {tpu.mismatched} | {cpu.max_abs_error:.3g}, {cpu.mismatched} |")
 
 
 if __name__ == "__main__":
