@@ -90,6 +90,8 @@ def main() -> None:
         ("none (every matmul one bf16 pass)", set(), False),
         ("the router's (tpuexport's default)", router_weights, False),
         ("the router's and the experts'", router_weights | expert_weights, False),
+        ("the router's and attention's projections (q, k, v, o)", router_weights | attention_weights, False),
+        ("the router's and attention's scores and values", router_weights, True),
         ("the router's and attention's (projections, scores, values)", router_weights | attention_weights, True),
     ]
     print(f"Mixtral (coverage config, {len(routers)} MoE layers, top-{top} of {config['num_local_experts']}), "
