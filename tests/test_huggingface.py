@@ -196,17 +196,20 @@ def test_a_bf16_checkpoint_builds_the_model_in_bf16(models, tmp_path):
     assert weight.dtype == torch.bfloat16 and torch.equal(weight, llama.model.layers[0].mlp.up_proj.weight)
 
 
-def test_an_encoder_decoder_exports_without_a_cache_from_its_directory(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_an_encoder_decoder_exports_without_a_cache_from_its_directory(tmp_path, dtype):
     """T5 gives its decoder a copy of the config, so turning use_cache off in the model's config
     alone left the decoder building a cache: its tensors became constants on the meta device and
-    the conversion was refused. The forward is asked for no cache per call."""
+    the conversion was refused. The forward is asked for no cache per call. A bf16 checkpoint
+    (as most are published) loads and exports in bf16 the same way."""
     from tpuexport.export import capture
 
     directory = save(transformers.T5Model(transformers.T5Config(
         vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
-        relative_attention_num_buckets=8, decoder_start_token_id=0)), tmp_path / "t5")
+        relative_attention_num_buckets=8, decoder_start_token_id=0)).to(dtype), tmp_path / "t5")
     loaded = load_source(str(directory), task="feature-extraction")
     captured = capture(loaded)
+    assert captured.reference.model.shared.weight.dtype == dtype
     assert not any(name.startswith("lifted_tensor") or ".lifted_tensor" in name for name in captured.program.constants)
     eager = captured.reference(*captured.example_inputs)
     assert eager["last_hidden_state"].shape[:2] == captured.example_inputs[2].shape
