@@ -129,6 +129,53 @@ def unmerge_batched_matmuls(program: torch.export.ExportedProgram) -> torch.expo
     return program
 
 
+# The matrix operand of each 2D matmul op: mm(matrix, weight), addmm(bias, matrix, weight).
+_MATRIX_OPERAND = {aten.mm.default: 0, aten.addmm.default: 1}
+
+
+def merged_matmul_operand(node: torch.fx.Node) -> tuple[int, torch.fx.Node] | None:
+    """Where a 2D matmul (a linear layer) reads a view merging the leading dims of a higher-rank tensor.
+
+    torch's decompositions compute `linear` of a [batch, seq, in] tensor as `view([batch * seq, in])`,
+    `addmm` (or `mm`) and a view back. XLA:TPU lays the merged [batch * seq, out] result out for its
+    consumers and then copies it again into the layout the next ops want (attention's q, k and v:
+    two relayout copies each instead of one; benchmarks/native_jax.py, BERT-base 8 x 128). The same
+    product over the unmerged tensor (a dot_general contracting its last dim) has no such copies, so
+    the lowering computes it that way (lowering._TracingInterpreter) and merges the result's leading
+    dims after the dot, where XLA folds the two reshapes away. The graph itself is not changed.
+
+    Args:
+      node: any op of the decomposed graph.
+    Returns:
+      (the matrix operand's position in `node.args`, the unmerged tensor's node) when `node` is an mm
+      or addmm whose matrix operand is such a view (rank >= 3, the contracted last dim kept), else None.
+    """
+    position = _MATRIX_OPERAND.get(node.target)
+    if position is None or len(node.args) <= position:
+        return None
+    view = node.args[position]
+    if not (isinstance(view, torch.fx.Node) and view.target in _VIEWS and isinstance(view.args[0], torch.fx.Node)):
+        return None
+    source = view.args[0].meta.get("val")
+    merged = view.meta.get("val")
+    if not (isinstance(source, torch.Tensor) and isinstance(merged, torch.Tensor) and source.dim() >= 3 and merged.dim() == 2
+            and str(source.shape[-1]) == str(merged.shape[-1])):
+        return None
+    return position, view.args[0]
+
+
+def reads_heads_last(node: torch.fx.Node) -> bool:
+    """Whether every reader of a [..., heads, q, dim] value (an attention's result) swaps its heads
+    and q dims (`transpose(1, 2)`, a permute after decomposition), as models do before the output
+    projection; attention.scaled_dot_product_attention then computes it in that order."""
+    value = node.meta.get("val")
+    if not (isinstance(value, torch.Tensor) and value.dim() >= 3 and node.users):
+        return False
+    rank = value.dim()
+    swapped = [*range(rank - 3), rank - 2, rank - 3, rank - 1]
+    return all(user.target is aten.permute.default and [dim % rank for dim in user.args[1]] == swapped for user in node.users)
+
+
 # Elementwise ops that build attention masks from per-query and per-key values (positions,
 # padding, document ids): comparisons, boolean logic, selects, broadcasts.
 _MASK_OPS = frozenset({
