@@ -117,6 +117,8 @@ def test_decoder_lm_with_task_auto_is_a_generation_artifact(models, tmp_path):
     assert set(manifest["entry_points"]) == {"prefill", "decode"}
     assert manifest["generation"]["max_batch"] == 2 and manifest["generation"]["max_context"] == 32
     assert manifest["verification"]["passed"]
+    # The weights streamed from the directory's checkpoint, once for both entry points.
+    assert "streamed from the checkpoint" in result.stderr and manifest["source"]["checkpoint"] == "llama"
     refused = tpuexport("convert", models["llama"], "--dim", "batch=1:2", "-o", tmp_path / "x.tpu", *QUICK)
     assert refused.returncode == 2 and "--dim does not apply to --task text-generation" in refused.stderr
 
@@ -178,7 +180,7 @@ def test_a_checkpoint_in_an_older_layout_streams_under_the_model_names(models):
 def test_a_bf16_checkpoint_builds_the_model_in_bf16(models, tmp_path):
     """The model is built in the dtype config.json records (what from_pretrained does), so a bf16
     checkpoint converts in bf16 by default and its tensors stream without a cast; a causal LM
-    (text-generation) is read whole, in bf16 too."""
+    (text-generation) too."""
     bert = transformers.BertForSequenceClassification.from_pretrained(models["bert"], dtype=torch.bfloat16)
     bert.save_pretrained(tmp_path / "bert-bf16")
     loaded = load_source(str(tmp_path / "bert-bf16"))
@@ -189,8 +191,9 @@ def test_a_bf16_checkpoint_builds_the_model_in_bf16(models, tmp_path):
     llama = transformers.LlamaForCausalLM.from_pretrained(models["llama"], dtype=torch.bfloat16)
     llama.save_pretrained(tmp_path / "llama-bf16")
     loaded = load_source(str(tmp_path / "llama-bf16"))
-    assert loaded.checkpoint is None and all(parameter.dtype == torch.bfloat16 for parameter in loaded.model.parameters())
-    assert torch.equal(loaded.model.model.layers[0].mlp.up_proj.weight, llama.model.layers[0].mlp.up_proj.weight)
+    assert all(parameter.is_meta and parameter.dtype == torch.bfloat16 for parameter in loaded.model.parameters())
+    weight = loaded.checkpoint["model.layers.0.mlp.up_proj.weight"]
+    assert weight.dtype == torch.bfloat16 and torch.equal(weight, llama.model.layers[0].mlp.up_proj.weight)
 
 
 def test_an_encoder_decoder_exports_without_a_cache_from_its_directory(tmp_path):

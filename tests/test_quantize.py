@@ -186,11 +186,13 @@ def test_cli_bad_calibration_files_give_one_line_errors(tmp_path, case, message)
     assert not (tmp_path / "m.tpu").exists()
 
 
-def test_gate_against_the_float_source_checks_int8_sqnr(tmp_path):
-    """`verify --against` on an int8 artifact compares SQNR vs the float model with convert time's."""
+@pytest.mark.parametrize("mode", ["int8", "int4-weight-only"])
+def test_gate_against_the_float_source_checks_quantized_sqnr(tmp_path, mode):
+    """`verify --against` on a quantized artifact compares SQNR vs the float model with convert
+    time's, and names the artifact's quantization mode."""
     built = build_example("mlp")
     artifact = tpuexport.convert(built["model"], built["args"], built["dynamic_shapes"], out=tmp_path / "mlp.tpu",
-                                 quantize="int8", calibration=built["calibration"], saved_model=False)
+                                 quantize=mode, group_size=32, calibration=built["calibration"], saved_model=False)
     source = f"{EXAMPLES / 'mlp.py'}:build"
     report = tpuexport.verify_artifact(artifact.path, against=source)
     against = next(c for c in report.checks if c.name == "against")
@@ -204,7 +206,7 @@ def test_gate_against_the_float_source_checks_int8_sqnr(tmp_path):
     manifest["quantization"]["outputs"][0]["sqnr_db"] = recorded + 10
     manifest_path.write_text(json.dumps(manifest))
     drifted = next(c for c in tpuexport.verify_artifact(artifact.path, against=source).checks if c.name == "against")
-    assert drifted.status == "failed" and "int8 artifact drifted" in drifted.message and "output_0" in drifted.message
+    assert drifted.status == "failed" and f"{mode} artifact drifted" in drifted.message and "output_0" in drifted.message
 
 
 class PairedLinear(torch.nn.Module):

@@ -450,9 +450,10 @@ def check_against(artifact: Artifact, loaded: export_stage.LoadedSource):
 
 
 def _against_float_model(artifact: Artifact, captured: export_stage.CapturedModel, reference: str):
-    """For an int8 artifact: is it still as close to the float source as it was at convert time?
+    """For a quantized artifact (int8, int8-dynamic, int8/int4 weight-only): is it still as close to the
+    float source as it was at convert time?
 
-    An int8 program cannot match the float model elementwise, so each output's SQNR against the
+    A quantized program cannot match the float model elementwise, so each output's SQNR against the
     float model, over fresh inputs at the verification sizes, must stay within
     QUANTIZED_SQNR_MARGIN_DB of the SQNR the quantization report recorded.
 
@@ -465,6 +466,7 @@ def _against_float_model(artifact: Artifact, captured: export_stage.CapturedMode
         actual.append(runs.run([to_numpy(t) for t in inputs])["tpu"])
         expected.append(eager_outputs(captured.reference, inputs))
     recorded = {o["name"]: o["sqnr_db"] for o in artifact.manifest["quantization"]["outputs"]}
+    mode = artifact.manifest["quantization"]["mode"]
     measured = {
         spec.name: sqnr_db([outputs[index] for outputs in expected], [outputs[index] for outputs in actual])
         for index, spec in enumerate(artifact.signature.outputs)
@@ -477,9 +479,9 @@ def _against_float_model(artifact: Artifact, captured: export_stage.CapturedMode
         and measured[name] < recorded[name] - QUANTIZED_SQNR_MARGIN_DB
     ]
     if worse:
-        return FAILED, f"int8 artifact drifted from {reference}: SQNR {'; '.join(worse)}", details
+        return FAILED, f"{mode} artifact drifted from {reference}: SQNR {'; '.join(worse)}", details
     listed = ", ".join(f"{name} {value:.1f} dB" if value is not None else f"{name} exact" for name, value in measured.items())
-    return PASSED, f"int8 artifact vs {reference} on fresh inputs: SQNR {listed} (within {QUANTIZED_SQNR_MARGIN_DB:g} dB of convert time)", details
+    return PASSED, f"{mode} artifact vs {reference} on fresh inputs: SQNR {listed} (within {QUANTIZED_SQNR_MARGIN_DB:g} dB of convert time)", details
 
 
 def _fresh_inputs(artifact: Artifact, captured: export_stage.CapturedModel):

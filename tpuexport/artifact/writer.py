@@ -9,7 +9,6 @@ made them, and the next conversion into OUT removes those whose process is gone.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import json
 import os
@@ -143,17 +142,7 @@ def write_artifact(
       The manifest written.
     """
     with staging_directory(out, overwrite) as staging:
-        def put(relative: str, data: bytes | str) -> str:
-            path = staging / relative
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data.encode() if isinstance(data, str) else data)
-            return relative
-
-        def move(source: pathlib.Path, relative: str) -> str:
-            (staging / relative).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(source, staging / relative)
-            return relative
-
+        put, move = _putter(staging), _mover(staging)
         exported = lowered.exported
         program = {
             **_program_files(put, exported),
@@ -171,16 +160,7 @@ def write_artifact(
             "matmul_flops": lowered.matmul_flops,
         }
         manifest = {
-            "format": layout.FORMAT,
-            "format_version": layout.FORMAT_VERSION,
-            "plan_only": lowered.plan_only,
-            "versions": package_versions(),
-            "source": {"kind": source.kind, "path": source.path, "sha256": source.sha256, "reference": source.reference,
-                       "checkpoint": source.checkpoint},
-            "precision": lowered.precision,
-            # What "auto" (or f32) resolved to: what the program computes in, which set the tolerances.
-            "resolved_precision": lowered.resolved_precision,
-            "matmul_precision": lowered.matmul_precision,
+            **_manifest_head(source, lowered),
             "signature": lowered.signature.to_json(),
             "program": program,
             "targets": {},
@@ -193,29 +173,88 @@ def write_artifact(
             report = verification.to_json()
             if sharded_verification:
                 report["sharded"] = list(sharded_verification)
-            put(layout.VERIFICATION_REPORT, json.dumps(report, indent=2) + "\n")
-            put(layout.GOLDEN, save_arrays(verification.golden))
+            _put_verification(put, report, verification.golden)
         if sharded_verification:
             manifest["verification"]["sharded"] = [
                 {key: entry[key] for key in ("targets", "passed", "devices", "mesh", "collectives")}
                 | {"cases": [{key: case[key] for key in ("label", "sizes", "reason", "passed")} for case in entry["cases"]]}
                 for entry in sharded_verification
             ]
-        extra_build = {}
-        for writer in extra_writers:
-            sections = writer(staging)
-            extra_build.update(sections.pop("build", {}))
-            manifest.update(sections)
+        extra_build = _run_extra_writers(extra_writers, staging, manifest)
         results = compiled().results
         for result in results:
             _target_entry(manifest, result)["buckets"].append(_bucket_entry(put, result, lowered))
-        manifest["build"] = {**build_section(stage_seconds), **extra_build}
-        manifest["build"]["compile_seconds"] = {
-            f"{r.target.name}/{r.bucket.name}": round(r.compile_seconds, 3) for r in results
-        }
-        manifest["files"] = hash_tree(staging)
-        put(layout.MANIFEST, dumps(manifest))
+        compile_seconds = {f"{r.target.name}/{r.bucket.name}": r.compile_seconds for r in results}
+        _put_manifest(put, staging, manifest, stage_seconds, extra_build, compile_seconds)
     return manifest
+
+
+def _putter(staging: pathlib.Path) -> Callable[[str, bytes | str], str]:
+    """put(relative path, data): writes a file under the staging directory, returns the relative path."""
+    def put(relative: str, data: bytes | str) -> str:
+        path = staging / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data.encode() if isinstance(data, str) else data)
+        return relative
+
+    return put
+
+
+def _mover(staging: pathlib.Path) -> Callable[[pathlib.Path, str], str]:
+    """move(file, relative path): moves a file already written (on the same filesystem) into the
+    staging directory, returns the relative path."""
+    def move(source: pathlib.Path, relative: str) -> str:
+        (staging / relative).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(source, staging / relative)
+        return relative
+
+    return move
+
+
+def _manifest_head(source: SourceInfo, lowered: LoweredProgram) -> dict:
+    """The manifest's first sections, alike for every artifact: format, versions, source, precisions."""
+    return {
+        "format": layout.FORMAT,
+        "format_version": layout.FORMAT_VERSION,
+        "plan_only": lowered.plan_only,
+        "versions": package_versions(),
+        "source": {"kind": source.kind, "path": source.path, "sha256": source.sha256, "reference": source.reference,
+                   "checkpoint": source.checkpoint},
+        "precision": lowered.precision,
+        # What "auto" (or f32) resolved to: what the program computes in, which set the tolerances.
+        "resolved_precision": lowered.resolved_precision,
+        "matmul_precision": lowered.matmul_precision,
+    }
+
+
+def _put_verification(put, report: dict, golden: dict) -> None:
+    """Writes the verification report and its golden data."""
+    put(layout.VERIFICATION_REPORT, json.dumps(report, indent=2) + "\n")
+    put(layout.GOLDEN, save_arrays(golden))
+
+
+def _run_extra_writers(extra_writers, staging: pathlib.Path, manifest: dict) -> dict:
+    """Runs the extra writers in order, their sections merged into the manifest.
+
+    Returns:
+      Their "build" entries (run-dependent figures such as timings), for the "build" section.
+    """
+    extra_build = {}
+    for writer in extra_writers:
+        sections = writer(staging)
+        extra_build.update(sections.pop("build", {}))
+        manifest.update(sections)
+    return extra_build
+
+
+def _put_manifest(put, staging: pathlib.Path, manifest: dict, stage_seconds: dict[str, float], extra_build: dict,
+                  compile_seconds: dict[str, float]) -> None:
+    """Completes the manifest (build section with compile seconds per executable, every file's
+    sha256) and writes it, last: a directory without a manifest is no artifact."""
+    manifest["build"] = {**build_section(stage_seconds), **extra_build,
+                         "compile_seconds": {key: round(seconds, 3) for key, seconds in compile_seconds.items()}}
+    manifest["files"] = hash_tree(staging)
+    put(layout.MANIFEST, dumps(manifest))
 
 
 def kernels_writer(mode: str, kernels: dict | None, checks: list[dict]):
@@ -348,6 +387,7 @@ def write_generation_artifact(
     stage_seconds: dict[str, float],
     overwrite: bool = False,
     extra_writers=(),
+    weights_file: pathlib.Path | None = None,
 ) -> dict:
     """Writes a text-generation artifact: one weights file, each entry point's program files and
     executables, and the manifest's "entry_points" and "generation" sections (README, "Text
@@ -363,18 +403,15 @@ def write_generation_artifact(
       overwrite: replace an existing artifact.
       extra_writers: callables (staging_dir) -> dict of manifest sections, as for `write_artifact`
         (a Hugging Face source's tokenizer and config files).
+      weights_file: the weights already written as safetensors (streamed from a checkpoint), moved
+        into the artifact instead of being written again; None to write them here.
     Returns:
       The manifest written.
     """
     spec = program.spec
     shared = program.weights_program
     with staging_directory(out, overwrite) as staging:
-        def put(relative: str, data: bytes | str) -> str:
-            path = staging / relative
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data.encode() if isinstance(data, str) else data)
-            return relative
-
+        put, move = _putter(staging), _mover(staging)
         entry_points = {}
         for name, lowered in program.entry_points.items():
             inputs = [tensor.name for tensor in lowered.signature.inputs]
@@ -390,19 +427,11 @@ def write_generation_artifact(
                 "call": "exported.call(weights, inputs): two lists, in program.weight_names and this signature's input order",
             }
         manifest = {
-            "format": layout.FORMAT,
-            "format_version": layout.FORMAT_VERSION,
+            **_manifest_head(source, shared),
             "task": "text-generation",
-            "plan_only": shared.plan_only,
-            "versions": package_versions(),
-            "source": {"kind": source.kind, "path": source.path, "sha256": source.sha256, "reference": source.reference,
-                       "checkpoint": source.checkpoint},
-            "precision": shared.precision,
-            "resolved_precision": shared.resolved_precision,
-            "matmul_precision": shared.matmul_precision,
             # What every entry point shares: the weights, passed first to each.
             "program": {
-                "weights": None if shared.plan_only else put(layout.WEIGHTS, save_arrays(dict(zip(shared.weight_names, shared.weights)))),
+                "weights": _weights_file(shared, weights_file, put, move),
                 "weight_names": list(shared.weight_names),
                 "tied_weights": dict(shared.tied),
                 "weight_bytes": shared.weight_bytes,
@@ -419,8 +448,7 @@ def write_generation_artifact(
             "scanned": list(shared.scanned),
         }
         if verification is not None:
-            put(layout.VERIFICATION_REPORT, json.dumps(verification.to_json(), indent=2) + "\n")
-            put(layout.GOLDEN, save_arrays(verification.golden))
+            _put_verification(put, verification.to_json(), verification.golden)
         for name, report in compiled.items():
             for result in report.results:
                 bucket = {"entry_point": name, **_bucket_entry(put, result, program.entry_points[name], name)}
@@ -429,15 +457,10 @@ def write_generation_artifact(
                 if name == "decode":
                     bucket["decode_step"] = _decode_step_figures(result, spec)
                 _target_entry(manifest, result)["buckets"].append(bucket)
-        for writer in extra_writers:
-            manifest.update(writer(staging))
-        manifest["build"] = build_section(stage_seconds)
-        manifest["build"]["compile_seconds"] = {
-            f"{result.target.name}/{name}/{result.bucket.name}": round(result.compile_seconds, 3)
-            for name, report in compiled.items() for result in report.results
-        }
-        manifest["files"] = hash_tree(staging)
-        put(layout.MANIFEST, dumps(manifest))
+        extra_build = _run_extra_writers(extra_writers, staging, manifest)
+        compile_seconds = {f"{result.target.name}/{name}/{result.bucket.name}": result.compile_seconds
+                           for name, report in compiled.items() for result in report.results}
+        _put_manifest(put, staging, manifest, stage_seconds, extra_build, compile_seconds)
     return manifest
 
 

@@ -72,11 +72,6 @@ def data_type(name: str) -> int:
     return _DATA_TYPES[name][0]
 
 
-def data_type_name(name: str) -> str:
-    """"DT_FLOAT" for "float32" (as TF Serving's REST metadata spells dtypes)."""
-    return types_pb2.DataType.Name(data_type(name))
-
-
 def to_array(proto, name: str) -> np.ndarray:
     """A TensorProto as a numpy array.
 

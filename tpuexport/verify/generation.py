@@ -335,7 +335,7 @@ def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolera
     precision = MATMUL_PRECISIONS[decode.matmul_precision]
     faithful = {name: tpu_faithful(lowered.exported, precision) for name, lowered in program.entry_points.items()}
     runners = {"tpu": cpu_runner(program, faithful), "cpu": cpu_runner(program)}
-    cases, golden, golden_bytes = [], {}, 0
+    cases, golden = [], {}
     for index, sizes in enumerate(program.prefill_buckets()):
         prompts, slots, steps = plan_prompts(program, sizes, new_tokens, seed=index)
         lengths = tuple(len(prompt) for prompt in prompts)
@@ -354,19 +354,41 @@ def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolera
                 if name == "tpu" and float_reference is not None:
                     divergence = float_divergence(actual, eager_tokens, float_reference[index])
         except Exception as error:  # XLA runtime errors, shape assertions
-            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, f"the artifact raised {type(error).__name__}: "
-                                        f"{' '.join(str(error).split())[:300]}"))
+            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, artifact_raised(error)))
             continue
-        arrays = {f"{index}/prompts": _padded(prompts, sizes["seq"]), f"{index}/lengths": np.array(lengths, np.int32),
-                  f"{index}/slots": np.array(slots, np.int32), f"{index}/eager_tokens": np.array(eager_tokens, np.int32),
-                  f"{index}/eager_logits": expected}
-        size = sum(array.nbytes for array in arrays.values())
-        stored = index == 0 or golden_bytes + size <= MAX_GOLDEN_BYTES
-        if stored:
-            golden.update(arrays)
-            golden_bytes += size
+        stored = store_golden_case(golden, index, prompts, slots, sizes["seq"], eager_tokens, expected)
         cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, golden=stored, float_divergence=divergence))
     return GenerationReport(decode.resolved_precision, decode.matmul_precision, tolerances, tuple(cases), golden)
+
+
+def store_golden_case(golden: dict[str, np.ndarray], index: int, prompts: list[list[int]], slots: list[int], seq: int,
+                      tokens: list[list[int]], logits: np.ndarray) -> bool:
+    """Adds one verified case's golden arrays (what the gate replays) while the golden data stays
+    within MAX_GOLDEN_BYTES; the first case is always stored.
+
+    Args:
+      golden: the golden arrays so far, keyed "<case>/<name>"; updated in place.
+      index: the case's number.
+      prompts, slots: the case's prompts (unpadded) and the cache slots they were given.
+      seq: the prefill bucket's length the prompts are padded to.
+      tokens, logits: the reference's greedy tokens per row and its logits of every step.
+    Returns:
+      Whether the case was stored.
+    """
+    arrays = {f"{index}/prompts": _padded(prompts, seq), f"{index}/lengths": np.array([len(prompt) for prompt in prompts], np.int32),
+              f"{index}/slots": np.array(slots, np.int32), f"{index}/eager_tokens": np.array(tokens, np.int32),
+              f"{index}/eager_logits": logits}
+    size = sum(array.nbytes for array in arrays.values())
+    stored = index == 0 or sum(array.nbytes for array in golden.values()) + size <= MAX_GOLDEN_BYTES
+    if stored:
+        golden.update(arrays)
+    return stored
+
+
+def artifact_raised(error: BaseException) -> str:
+    """A verification case's error when the artifact's run raised (XLA runtime errors, shape
+    assertions, a damaged artifact): the exception's type and first 300 characters on one line."""
+    return f"the artifact raised {type(error).__name__}: {' '.join(str(error).split())[:300]}"
 
 
 def _padded(prompts: list[list[int]], seq: int) -> np.ndarray:
@@ -409,7 +431,7 @@ def replay_golden(program: GenerationProgram, golden: dict[str, np.ndarray], cas
                 actual = teacher_forced_logits(GenerationSession(program, runner), prompts, slots, case["sizes"]["seq"], eager_tokens)
                 runs[name] = compare_run(actual, expected, eager_tokens, getattr(tolerances, name))
         except Exception as exception:  # a damaged artifact can raise anything
-            error = f"the artifact raised {type(exception).__name__}: {' '.join(str(exception).split())[:300]}"
+            error = artifact_raised(exception)
         replayed.append(GenerationCase(case["sizes"], tuple(lengths), tuple(slots), len(eager_tokens[0]), runs, error, golden=True))
     return GenerationReport(decode.resolved_precision, decode.matmul_precision, tolerances, tuple(replayed), {},
                             "stored generate() tokens and logits")

@@ -34,8 +34,8 @@ from tpuexport.lower.generation import GenerationProgram, GenerationSession, Run
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
 from tpuexport.verify.compare import sqnr_db
 from tpuexport.verify.conformance import OpConformance, check_ops
-from tpuexport.verify.generation import (MAX_GOLDEN_BYTES, GenerationCase, GenerationReport, _padded, compare_run, plan_prompts,
-                                         teacher_forced_logits)
+from tpuexport.verify.generation import (GenerationCase, GenerationReport, artifact_raised, compare_run, plan_prompts,
+                                         store_golden_case, teacher_forced_logits)
 from tpuexport.verify.tolerances import VerificationTolerances
 from tpuexport.verify.tpu_numerics import tpu_faithful
 from tpuexport.verify.verification import to_numpy
@@ -135,7 +135,7 @@ def verify_quantized_generation(program: GenerationProgram, model: torch.nn.Modu
     runners = {"tpu": cpu_runner(program, faithful), "cpu": cpu_runner(program)}
     first_inputs: dict[str, list[torch.Tensor]] = {}
     reference_runner = torch_runner(references, first_inputs)
-    cases, golden, golden_bytes = [], {}, 0
+    cases, golden = [], {}
     artifact_logits, pt2e_logits, cpu_logits, float_values, divergences = [], [], [], [], []
     for index, sizes in enumerate(program.prefill_buckets()):
         prompts, slots, steps = plan_prompts(program, sizes, new_tokens, seed=index)
@@ -147,8 +147,7 @@ def verify_quantized_generation(program: GenerationProgram, model: torch.nn.Modu
                 actual[name] = teacher_forced_logits(GenerationSession(program, runner), prompts, slots, sizes["seq"], tokens)
                 runs[name] = compare_run(actual[name], expected, tokens, getattr(tolerances, name))
         except Exception as error:  # XLA runtime errors, shape assertions
-            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, f"the artifact raised {type(error).__name__}: "
-                                        f"{' '.join(str(error).split())[:300]}"))
+            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, artifact_raised(error)))
             continue
         for row, prompt in enumerate(prompts):
             reference = float_logits(model, prompt, tokens[row])
@@ -158,14 +157,7 @@ def verify_quantized_generation(program: GenerationProgram, model: torch.nn.Modu
             pt2e_logits.append(expected[row])
             departs = [step for step in range(steps) if int(reference[step].argmax()) != tokens[row][step]]
             divergences.append({"case": index, "row": row, "step": departs[0] if departs else None})
-        arrays = {f"{index}/prompts": _padded(prompts, sizes["seq"]), f"{index}/lengths": np.array(lengths, np.int32),
-                  f"{index}/slots": np.array(slots, np.int32), f"{index}/eager_tokens": np.array(tokens, np.int32),
-                  f"{index}/eager_logits": expected}
-        size = sum(array.nbytes for array in arrays.values())
-        stored = index == 0 or golden_bytes + size <= MAX_GOLDEN_BYTES
-        if stored:
-            golden.update(arrays)
-            golden_bytes += size
+        stored = store_golden_case(golden, index, prompts, slots, sizes["seq"], tokens, expected)
         cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, golden=stored))
     conformance = {name: check_ops(program.entry_points[name].graph, inputs, _sizes(program.entry_points[name], inputs))
                    for name, inputs in first_inputs.items()}

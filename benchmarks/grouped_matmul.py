@@ -1,0 +1,76 @@
+"""What v5e's grouped matmul (jax.lax.ragged_dot, mixture-of-experts layers) costs per expert weight
+layout and dtype: one layer's experts, compiled for v5e (compile-only topology).
+
+    nice -n 10 python benchmarks/grouped_matmul.py
+
+Mixtral-8x7B's gate/up shapes (8 experts, 4096 -> 14336) at 64 tokens (a decode step) and 2048
+(a prefill). Rows:
+  - the weight stored [experts, out, in] as transformers keeps it and swapped to [experts, in, out]
+    before ragged_dot (what tpuexport lowers today), and stored [experts, in, out] as the TPU's
+    grouped matmul reads it;
+  - bf16, and int8 weights as a weight-only program could read them: the integers as ragged_dot's
+    right-hand side (mixed bf16 x s8 operands, f32 accumulation), the per-output-channel scale
+    applied to each row's result after the product (it commutes with the contraction);
+  - int4: packed u8 bitcast to s4.
+Prints XLA's argument and temporary bytes and its bytes accessed. Temporaries the size of the weight
+mean the compiler copied it (a relayout or a dequantized copy).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import SingleDeviceSharding
+
+EXPERTS, INNER, OUTER = 8, 4096, 14336
+
+
+def figures(function, specs) -> str:
+    topology = topologies.get_topology_desc(topology_name="v5e:1x1", platform="tpu", chips_per_host_bounds=(1, 1, 1))
+    placed = [jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(topology.devices[0])) for shape, dtype in specs]
+    try:
+        compiled = jax.jit(function).trace(*placed).lower().compile()
+    except Exception as error:  # the compiler's refusal is the figure
+        return f"does not compile: {' '.join(str(error).split())[:120]}"
+    memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    mib = 2 ** 20
+    accessed = cost.get("bytes accessed", 0)
+    return (f"arguments {memory.argument_size_in_bytes / mib:8.1f} MiB  temporaries {memory.temp_size_in_bytes / mib:8.1f} MiB  "
+            f"bytes accessed {accessed / mib:8.1f} MiB" if accessed > 0 else "bytes accessed unknown")
+
+
+def scaled(product, scale, group_sizes, rows: int):
+    """Each row's product times its expert's per-output-channel scale."""
+    expert = jnp.repeat(jnp.arange(EXPERTS), group_sizes, total_repeat_length=rows)
+    return (product * scale[expert].astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def main() -> None:
+    sizes = ((EXPERTS,), jnp.int32)
+    for rows in (64, 2048):
+        x = ((rows, INNER), jnp.bfloat16)
+        print(f"{rows} tokens, experts {EXPERTS} x {INNER} -> {OUTER} (bf16 weights {EXPERTS * INNER * OUTER * 2 / 2**20:.0f} MiB)", flush=True)
+        rows_of = [
+            ("bf16 [e, out, in], swapped", lambda x, w, s: jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), s),
+             [x, ((EXPERTS, OUTER, INNER), jnp.bfloat16), sizes]),
+            ("bf16 [e, in, out]", lambda x, w, s: jax.lax.ragged_dot(x, w, s), [x, ((EXPERTS, INNER, OUTER), jnp.bfloat16), sizes]),
+            ("int8 [e, out, in], swapped", lambda x, w, c, s: scaled(jax.lax.ragged_dot(
+                x, jnp.swapaxes(w, 1, 2), s, preferred_element_type=jnp.float32), c, s, x.shape[0]),
+             [x, ((EXPERTS, OUTER, INNER), jnp.int8), ((EXPERTS, OUTER), jnp.bfloat16), sizes]),
+            ("int8 [e, in, out]", lambda x, w, c, s: scaled(jax.lax.ragged_dot(x, w, s, preferred_element_type=jnp.float32), c, s,
+                                                             x.shape[0]),
+             [x, ((EXPERTS, INNER, OUTER), jnp.int8), ((EXPERTS, OUTER), jnp.bfloat16), sizes]),
+            ("int8 dequantized first", lambda x, w, c, s: jax.lax.ragged_dot(x, w.astype(jnp.bfloat16) * c[:, None, :], s),
+             [x, ((EXPERTS, INNER, OUTER), jnp.int8), ((EXPERTS, OUTER), jnp.bfloat16), sizes]),
+            ("int4 [e, in, out] (s4)", lambda x, w, c, s: scaled(jax.lax.ragged_dot(
+                x, jax.lax.bitcast_convert_type(w, jnp.int4).reshape(EXPERTS, INNER, OUTER), s, preferred_element_type=jnp.float32),
+                c, s, x.shape[0]),
+             [x, ((EXPERTS, INNER, OUTER // 2), jnp.uint8), ((EXPERTS, OUTER), jnp.bfloat16), sizes]),
+        ]
+        for label, function, specs in rows_of:
+            print(f"  {label:<28}{figures(function, specs)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
