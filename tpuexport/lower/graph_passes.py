@@ -129,6 +129,79 @@ def unmerge_batched_matmuls(program: torch.export.ExportedProgram) -> torch.expo
     return program
 
 
+# The matrix operand of each 2D matmul op: mm(matrix, weight), addmm(bias, matrix, weight).
+_MATRIX_OPERAND = {aten.mm.default: 0, aten.addmm.default: 1}
+
+
+def merged_matmul_operand(node: torch.fx.Node) -> tuple[int, torch.fx.Node] | None:
+    """Where a 2D matmul (a linear layer) reads a view merging the leading dims of a higher-rank
+    tensor, and either its result is split into attention heads or its input joins them.
+
+    torch's decompositions compute `linear` of a [batch, seq, in] tensor as `view([batch * seq, in])`,
+    `addmm` (or `mm`) and a view back. When the result is then split into heads (attention's q, k and
+    v), XLA:TPU lays the merged [batch * seq, out] result out and copies it twice into the layout
+    attention reads (benchmarks/native_jax.py, BERT-base 8 x 128), and the output projection's input
+    (the heads joined) is copied once more. Over the unmerged tensor (a dot_general contracting its
+    last dim) q, k and v are copied once and the output projection's input not at all, so the lowering computes it that
+    way (lowering._TracingInterpreter) and merges the result's leading dims after the dot, where XLA
+    folds the two reshapes away. Other linear layers keep the merged form: for BERT's feed-forward
+    layers the unmerged dot made XLA write the GELU's erf masks out (more bytes, not fewer). The graph
+    itself is not changed.
+
+    Args:
+      node: any op of the decomposed graph.
+    Returns:
+      (the matrix operand's position in `node.args`, the unmerged tensor's node) when `node` is an mm
+      or addmm whose matrix operand is such a view (rank >= 3, the contracted last dim kept), and
+      whose result is only viewed back and split into heads (a view of rank >= 4) or whose unmerged
+      tensor is a view of a rank >= 4 one; else None.
+    """
+    position = _MATRIX_OPERAND.get(node.target)
+    if position is None or len(node.args) <= position:
+        return None
+    view = node.args[position]
+    if not (isinstance(view, torch.fx.Node) and view.target in _VIEWS and isinstance(view.args[0], torch.fx.Node)):
+        return None
+    if not (_split_into_heads(node) or _joins_heads(view.args[0])):
+        return None
+    source = view.args[0].meta.get("val")
+    merged = view.meta.get("val")
+    if not (isinstance(source, torch.Tensor) and isinstance(merged, torch.Tensor) and source.dim() >= 3 and merged.dim() == 2
+            and str(source.shape[-1]) == str(merged.shape[-1])):
+        return None
+    return position, view.args[0]
+
+
+def _rank(node) -> int:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value.dim() if isinstance(value, torch.Tensor) else 0
+
+
+def _split_into_heads(node: torch.fx.Node) -> bool:
+    """Whether a 2D matmul's every reader is a view whose every reader is a view of rank >= 4
+    ([batch, seq, heads, dim])."""
+    views = list(node.users)
+    return bool(views) and all(view.target in _VIEWS and view.users and all(
+        user.target in _VIEWS and _rank(user) >= 4 for user in view.users) for view in views)
+
+
+def _joins_heads(node: torch.fx.Node) -> bool:
+    """Whether a value is a view of a rank >= 4 tensor ([batch, seq, heads, dim] -> [batch, seq, hidden])."""
+    return node.target in _VIEWS and _rank(node.args[0]) >= 4
+
+
+def reads_heads_last(node: torch.fx.Node) -> bool:
+    """Whether every reader of a [..., heads, q, dim] value (an attention's result) swaps its heads
+    and q dims (`transpose(1, 2)`, a permute after decomposition), as models do before the output
+    projection; attention.scaled_dot_product_attention then computes it in that order."""
+    value = node.meta.get("val")
+    if not (isinstance(value, torch.Tensor) and value.dim() >= 3 and node.users):
+        return False
+    rank = value.dim()
+    swapped = [*range(rank - 3), rank - 2, rank - 3, rank - 1]
+    return all(user.target is aten.permute.default and [dim % rank for dim in user.args[1]] == swapped for user in node.users)
+
+
 # Elementwise ops that build attention masks from per-query and per-key values (positions,
 # padding, document ids): comparisons, boolean logic, selects, broadcasts.
 _MASK_OPS = frozenset({
