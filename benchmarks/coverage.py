@@ -32,9 +32,10 @@ weight bytes against f32. Other kinds have no row in these modes.
 Mode "bf16-checkpoint" writes the transformers families' directories in bfloat16 (as most
 checkpoints are published; non-persistent buffers such as rotary `inv_freq` are not in a checkpoint)
 and converts them with default options (precision auto); a causal LM converts as the generate modes
-do (--task text-generation, no --precision). A forward artifact's row says what the precision
-resolved to, the dtypes `Artifact.run` returns on the first golden inputs, and the dtype of any
-rotary table in the artifact's weights. The diffusers UNet (a factory, no checkpoint) has no row in
+do (--task text-generation, no --precision). The row says what the precision resolved to, the
+dtypes a forward artifact's `Artifact.run` returns on the first golden inputs (a text-generation
+artifact's: the logits and KV cache of one prefill), and the dtype of any rotary table in the
+artifact's weights. The diffusers UNet (a factory, no checkpoint) has no row in
 this mode.
 """
 
@@ -74,20 +75,36 @@ def save_family(family_name: str, directory: pathlib.Path, dtype_name: str) -> N
 
 def bf16_check(artifact_dir: pathlib.Path) -> dict:
     """What a bf16 checkpoint's artifact computes in (run in a child process): the resolved
-    precision, the dtypes Artifact.run returns on the first golden inputs, rotary tables' dtypes."""
+    precision, the dtypes its outputs come back in and any rotary table's dtype.
+
+    A forward artifact runs `Artifact.run` on its first golden inputs; a text-generation artifact
+    (no `run`: prefill and decode entry points) runs one prefill of its first compiled batch and
+    reports its logits' and KV cache's dtypes.
+    """
+    import numpy as np
     import torch
     from torch.utils import _pytree as pytree
 
     import tpuexport
     from tpuexport.arrays import to_torch
+    from tpuexport.lower.generation import GenerationSession
 
     artifact = tpuexport.load(artifact_dir)
-    _, inputs, _ = artifact.golden_cases()[0]
-    dtypes = [spec.torch_dtype for spec in artifact.signature.inputs]
-    outputs = pytree.tree_leaves(artifact.run(*(to_torch(array).to(getattr(torch, dtype)) for array, dtype in zip(inputs, dtypes))))
-    program = artifact.program
-    return {"resolved_precision": artifact.manifest["resolved_precision"],
-            "run_dtypes": sorted({str(output.dtype).removeprefix("torch.") for output in outputs}),
+    if artifact.task == "text-generation":
+        generation = artifact.generation_program
+        session = GenerationSession(generation)
+        rows = generation.prefill_batches[0]
+        logits = session.prefill([[1, 2, 3]] * rows, list(range(rows)))
+        outputs = {"logits": logits, "cache": session.cache[0]}
+        program, via = generation.weights_program, "prefill"
+        dtypes = [f"{name} {np.asarray(array).dtype}" for name, array in outputs.items()]
+    else:
+        _, inputs, _ = artifact.golden_cases()[0]
+        input_dtypes = [spec.torch_dtype for spec in artifact.signature.inputs]
+        outputs = pytree.tree_leaves(artifact.run(*(to_torch(array).to(getattr(torch, dtype)) for array, dtype in zip(inputs, input_dtypes))))
+        program, via = artifact.program, "run"
+        dtypes = sorted({str(output.dtype).removeprefix("torch.") for output in outputs})
+    return {"resolved_precision": artifact.manifest["resolved_precision"], "via": via, "run_dtypes": dtypes,
             "rotary_dtypes": sorted({str(spec.dtype) for name, spec in zip(program.weight_names, program.weight_specs) if "inv_freq" in name})}
 
 
@@ -168,7 +185,7 @@ def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
             row["weight_ratio"] = quantization["weight_bytes"]["ratio"]
             row["integer_flops_fraction"] = quantization.get("integer_flops", {}).get("fraction")
             row["first_divergence"] = quantization.get("first_divergence")  # int8 text generation
-        if mode == CHECKPOINT_MODE and "signature" in manifest:  # a forward artifact (a generation one has entry points)
+        if mode == CHECKPOINT_MODE:
             checked = subprocess.run([sys.executable, str(HERE / "coverage.py"), "--bf16-check", str(out)], capture_output=True, text=True,
                                      timeout=options.child_timeout, env=environment)
             row["bf16_check"] = (json.loads(checked.stdout.strip().splitlines()[-1]) if checked.returncode == 0
@@ -193,7 +210,8 @@ def format_row(row: dict) -> str:
     message = "" if row["status"] == "passed" else first_line(row.get("message", ""))
     checked = row.get("bf16_check")
     if checked:
-        message = checked.get("error") or (f"resolved {checked['resolved_precision']}; run gives {'/'.join(checked['run_dtypes'])}"
+        message = checked.get("error") or (f"resolved {checked['resolved_precision']}; {checked.get('via', 'run')} gives "
+                                           f"{'/'.join(checked['run_dtypes'])}"
                                            + (f"; inv_freq {'/'.join(checked['rotary_dtypes'])}" if checked["rotary_dtypes"] else ""))
     if "tokens_compared" in row and sqnr:  # int8 text generation: verified against its PT2E entry points
         steps = [entry["step"] for entry in row.get("first_divergence") or []]

@@ -9,9 +9,9 @@ compiled by libtpu, nothing verified. `convert` builds it with random weights an
 conversion (greedy generation verified against `generate()` on CPU, every entry point compiled),
 or plans it with --meta.
 
-    python benchmarks/generation.py layouts        # the decode step alone per cache layout, v5e, 8 x 4096
+    python benchmarks/generation.py layouts [--shape S] [--layers N]   # the decode step alone per cache layout, v5e, 8 x 4096
     python benchmarks/generation.py targets        # v5e and v5e-8 (tensor-parallel), 8 x 4096, a plan
-    python benchmarks/generation.py convert [--shape llama-3.2-1b] [--target v5e,v5e-8] [--sharding tensor-parallel]
+    python benchmarks/generation.py convert [--shape llama-3.2-1b] [--layers N] [--target v5e,v5e-8] [--sharding tensor-parallel]
                                             [--max-context 4096] [--max-batch 8] [--prefill-seq 128] [--quantize MODE] [--meta]
 
 Figures per target (per chip): weights, KV cache at max batch x max context, temporaries (XLA's
@@ -51,6 +51,12 @@ def meta_llama(config: dict = LLAMA_3_2_1B, device: str = "meta"):
         torch.set_default_dtype(torch.float32)
 
 
+def model_config(shape: str, layers: int | None) -> dict:
+    """The config of a shape in SHAPES, with `layers` decoder layers when given (a few layers compile in
+    seconds and show how the decode step's bytes grow per layer)."""
+    return {**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}
+
+
 def plan(targets: list[str], layout: str, buckets: dict, sharding: str | None = None) -> dict:
     """Plans the model for text generation and returns the manifest's figures."""
     import tpuexport
@@ -68,7 +74,7 @@ def plan(targets: list[str], layout: str, buckets: dict, sharding: str | None = 
             "compile_seconds": manifest["build"]["compile_seconds"], "targets": manifest["targets"]}
 
 
-def decode_step(layout: str) -> dict:
+def decode_step(layout: str, config: dict = LLAMA_3_2_1B) -> dict:
     """The decode entry point alone for one cache layout, lowered from shapes and compiled for v5e:
     XLA's memory and cost analysis of one step (no prefill, no artifact)."""
     from tpuexport import compile as compile_stage
@@ -76,7 +82,7 @@ def decode_step(layout: str) -> dict:
     from tpuexport import lower as lower_stage
 
     start = time.perf_counter()
-    model = meta_llama()
+    model = meta_llama(config)
     spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, layout, prefill_buckets=(128,))
     args, _ = export_stage.example_arguments(spec)["decode"]
     source = export_stage.LoadedSource(export_stage.entry_point_modules(model, spec)["decode"], args, None, None,
@@ -98,7 +104,7 @@ def convert(options: argparse.Namespace) -> dict:
     import tpuexport
 
     torch.manual_seed(0)
-    model = meta_llama(SHAPES[options.shape], "meta" if options.meta else "cpu")
+    model = meta_llama(model_config(options.shape, options.layers), "meta" if options.meta else "cpu")
     stages = {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
@@ -109,7 +115,7 @@ def convert(options: argparse.Namespace) -> dict:
                                      progress=lambda stage, seconds, detail: stages.__setitem__(stage, round(seconds, 1)))
         manifest = artifact.manifest
     verification = manifest.get("verification") or {}
-    return {"shape": options.shape, "seconds": round(time.perf_counter() - start, 1), "stages": stages,
+    return {"shape": options.shape, "layers": model.config.num_hidden_layers, "seconds": round(time.perf_counter() - start, 1), "stages": stages,
             "weight_bytes": manifest["program"]["weight_bytes"], "cache_bytes": manifest["generation"]["cache_bytes"],
             "compile_seconds": manifest["build"]["compile_seconds"], "targets": manifest["targets"],
             "verification": {key: verification.get(key) for key in ("passed", "against", "cases")} if verification else None,
@@ -172,6 +178,7 @@ def main() -> None:
     parser.add_argument("what", choices=["layouts", "targets", "convert"])
     parser.add_argument("--json", type=pathlib.Path, help="Also write the figures as JSON here.")
     parser.add_argument("--shape", choices=tuple(SHAPES), default="llama-3.2-1b", help="convert: the model's shape")
+    parser.add_argument("--layers", type=int, help="layouts, convert: decoder layers (default: the shape's)")
     parser.add_argument("--target", default="v5e,v5e-8", help="convert: comma-separated targets")
     parser.add_argument("--sharding", default="tensor-parallel", help="convert: the slices' sharding preset")
     parser.add_argument("--max-context", type=int, default=MAX_CONTEXT)
@@ -181,13 +188,14 @@ def main() -> None:
     parser.add_argument("--meta", action="store_true", help="convert: plan on the meta device (no weights, not verified)")
     arguments = parser.parse_args()
     if arguments.what == "layouts":
-        print(f"decode step, v5e, batch {MAX_BATCH} x context {MAX_CONTEXT}, bf16\n")
+        layers = model_config(arguments.shape, arguments.layers)["num_hidden_layers"]
+        print(f"decode step, v5e, {arguments.shape} ({layers} layers), batch {MAX_BATCH} x context {MAX_CONTEXT}, bf16\n")
         print("| layout | cache shape (each of K, V) | XLA GiB accessed | / (weights + cache) | est. ms | temporaries MiB | aliased GiB | "
               "compile s |")
         print("|---|---|---|---|---|---|---|---|", flush=True)
         results = []
         for layout in ("layer_batch_head_pos", "layer_batch_pos_head"):
-            results.append(decode_step(layout))
+            results.append(decode_step(layout, model_config(arguments.shape, arguments.layers)))
             print(describe_layout(results[-1]), flush=True)
     elif arguments.what == "targets":
         results = [plan(["v5e", "v5e-8"], "layer_batch_head_pos", {"seq": [2048], "batch": [1]}, "tensor-parallel")]
@@ -198,7 +206,7 @@ def main() -> None:
             arguments.sharding = None  # sharding presets apply to slices only
         results = [convert(arguments)]
         result = results[0]
-        print(f"{result['shape']} {'plan (meta weights)' if arguments.meta else 'random weights'}, bf16"
+        print(f"{result['shape']} ({result['layers']} layers) {'plan (meta weights)' if arguments.meta else 'random weights'}, bf16"
               f"{', ' + arguments.quantize if arguments.quantize else ''}; --task text-generation --target "
               f"{' --target '.join(arguments.target.split(','))}{' --sharding ' + arguments.sharding if arguments.sharding else ''} "
               f"--max-context {arguments.max_context} --max-batch {arguments.max_batch} --bucket seq={arguments.prefill_seq}")

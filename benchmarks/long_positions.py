@@ -7,7 +7,9 @@ and the position-table check at every dim's largest size, timed.
 The model is built on the meta device and its parameters become zero-stride CPU views (no 2.5 GB of
 random weights; a program exported on the meta device would compute its tables on the meta device
 too): the full-model cases are planned, not run (their FLOPs say what they would cost); the rotary
-table is computed as transformers computes it, so the position check runs for real.
+table is computed as transformers computes it, so the position check runs for real: its seconds and
+the process's peak RSS are printed, and it runs again with the planted bug (the artifact's inv_freq
+rounded to bfloat16), which must fail.
 """
 
 from __future__ import annotations
@@ -68,15 +70,30 @@ def main() -> None:
     with_tables = dataclasses.replace(lowered, weights=weights)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
-    case = verify_positions(with_tables, captured.example_inputs, default_tolerances(lowered.resolved_precision, "default", False),
-                            lambda specs, examples, sizes, seed: [torch.zeros(spec.concrete_shape(sizes), dtype=torch.long) for spec in specs])
+    tolerances = default_tolerances(lowered.resolved_precision, "default", False)
+
+    def zeros(specs, examples, sizes, seed):  # token ids do not reach the position tables; only their shapes count
+        return [torch.zeros(spec.concrete_shape(sizes), dtype=torch.long) for spec in specs]
+
+    case = verify_positions(with_tables, captured.example_inputs, tolerances, zeros)
     seconds = time.perf_counter() - start
-    peak = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 2**20
+    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the process's peak so far, in KiB on Linux
     print(f"\nposition tables ({len(tables)} found): case {case.label if case else 'none'} at {case.sizes if case else '-'}, "
-          f"{'passed' if case and case.passed else 'FAILED'} in {seconds:.1f} s (peak RSS grew {peak:.2f} GiB)")
+          f"{'passed' if case and case.passed else 'FAILED'} in {seconds:.1f} s; the process's peak RSS {rss_after / 2**20:.2f} GiB "
+          f"({rss_before / 2**20:.2f} GiB before the case, which grew it by {max(0, rss_after - rss_before) / 2**20:.2f} GiB)")
     if case:
-        for output in case.runs["cpu"]:
-            print(f"  {output.name}: {output.elements} elements, max abs error {output.max_abs_error:.3g}")
+        print("\n| table | elements | tpu run: max abs error, outside tolerance | cpu run: max abs error, outside tolerance |\n|---|---|---|---|")
+        for tpu, cpu in zip(case.runs["tpu"], case.runs["cpu"]):
+            print(f"| {tpu.name} | {tpu.elements} | {tpu.max_abs_error:.3g}, {tpu.mismatched} | {cpu.max_abs_error:.3g}, {cpu.mismatched} |")
+
+    # The planted bug: the artifact's inv_freq rounded to bfloat16 (the model's own stays f32).
+    planted = dataclasses.replace(lowered, weights=tuple(inv_freq.to(torch.bfloat16).float().numpy() if name in names else None
+                                                         for name in lowered.weight_names))
+    bugged = verify_positions(planted, captured.example_inputs, tolerances, zeros)
+    outside = sum(output.mismatched for output in bugged.runs["tpu"])
+    elements = sum(output.elements for output in bugged.runs["tpu"])
+    print(f"\nplanted bug (the artifact's inv_freq rounded to bfloat16): case {'passed' if bugged.passed else 'FAILED'}; tpu run "
+          f"{outside} of {elements} elements outside tolerance, max abs error {max(o.max_abs_error for o in bugged.runs['tpu']):.3g}")
 
 
 if __name__ == "__main__":

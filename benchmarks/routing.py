@@ -3,6 +3,7 @@ route every token as eager PyTorch does? Prints, per verified case, the mismatch
 runs (outliers the 1-in-10^4 allowance would have to absorb) and the matmuls pinned to highest.
 
     python benchmarks/routing.py                 # the coverage Mixtral, up to batch 64 x seq 128
+    python benchmarks/routing.py --matmul-precision highest     # every matmul pinned, not only the routers
 
 The family's dims are widened to batch 1..64 so that batch 64 x seq 128 is a verified size.
 """
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("--family", default="mixtral")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--matmul-precision", default="default", help="every matmul's TPU precision (the routers' stay highest)")
     options = parser.parse_args()
 
     import torch
@@ -41,7 +43,7 @@ def main() -> None:
     seq = torch.export.Dim("seq", min=2, max=options.seq)
     shapes = {name: {0: batch, 1: seq} for name in built["dynamic_shapes"]}
     captured = export_stage.capture(LoadedSource(built["model"], built["args"], shapes, None, SourceInfo("api")))
-    lowered = lower_stage.lower(captured.program, captured.signature)
+    lowered = lower_stage.lower(captured.program, captured.signature, matmul_precision=options.matmul_precision)
     print(f"{options.family}: {len(lowered.decision_matmuls)} matmul(s) pinned to highest: "
           + ", ".join(f"{entry['module']} -> {entry['feeds']}" for entry in lowered.decision_matmuls))
     start = time.perf_counter()

@@ -4,6 +4,7 @@ memory and wall time of `tpuexport convert --checkpoint` (and a Llama-3-8B-shape
     python benchmarks/streamed_conversion.py [--shape llama-3.2-1b|llama-3-8b] [--dtype f32|bf16] [--layers N]
                                              [--precision bf16] [--no-saved-model] [--keep DIR] [--memory-limit GIB]
                                              [--quantize int4-weight-only [--group-size 128]]
+                                             [--task text-generation [--max-context 2048] [--max-batch 1] [--prefill-seq 128]]
 
 The model is transformers' LlamaForCausalLM with Llama-3.2-1B's shapes (hidden 2048, 16 layers,
 32 query / 8 key-value heads, MLP 8192, vocabulary 128256, tied embeddings: 1.24B parameters,
@@ -17,12 +18,19 @@ then runs the CLI on it in a child process:
     tpuexport convert benchmarks/streamed_conversion.py:build --checkpoint DIR --target v5e --precision bf16
 
 (the factory builds the model from the config; within --checkpoint its parameters are on the meta
-device). The child and its children are sampled every 50 ms from /proc: VmRSS, and its two parts,
+device). With --task text-generation the factory is `build_lm` (the causal LM itself) and the
+conversion is `--task text-generation --max-context N --max-batch B --bucket seq=S`: prefill and
+decode entry points over a KV cache, the weights streamed once for both, verified against
+generate() of the model whose parameters are the checkpoint's memory maps. The child and its children are sampled every 50 ms from /proc: VmRSS, and its two parts,
 RssAnon (memory the process owns: what must fit in RAM) and RssFile (pages of memory-mapped files:
 the checkpoint and the artifact's weights, which the kernel reads on first touch and drops under
 memory pressure). Printed: the peaks of the converting process and of each child (the TPU compiler,
 the TensorFlow process that builds the SavedModel), as GiB and as ratios to the f32 and bf16 model, the
 wall time, and the stages' seconds from the artifact's manifest.
+
+`python benchmarks/streamed_conversion.py --run-generation ARTIFACT` runs a text-generation
+artifact's prefill and one decode step on XLA:CPU (as verification does) and prints each one's peak
+own memory.
 
 --memory-limit runs the conversion in a memory cgroup (v1, /sys/fs/cgroup/memory; needs root) with
 that limit on everything it and its children hold, page cache included: a limit below the f32
@@ -82,6 +90,13 @@ def build():
     return {"model": model, "args": (input_ids,), "dynamic_shapes": {"input_ids": {0: batch, 1: seq}}}
 
 
+def build_lm():
+    """The factory of a text-generation conversion: the causal LM itself (the entry points make their own inputs)."""
+    built = json.loads(os.environ[CONFIG_VARIABLE])
+    model, _ = llama(built["config"], built["dtype"])
+    return model.model
+
+
 def write_checkpoint(config: dict, dtype: str, directory: pathlib.Path) -> tuple[int, int]:
     """Writes a random-weight checkpoint in `dtype` (a torch dtype's name) in Hugging Face's sharded
     layout, one shard in memory at a time.
@@ -123,6 +138,35 @@ def write_checkpoint(config: dict, dtype: str, directory: pathlib.Path) -> tuple
         del tensors
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     return count, sum(path.stat().st_size for path in directory.glob("*.safetensors"))
+
+
+def run_generation(artifact: pathlib.Path) -> None:
+    """Runs a text-generation artifact's prefill (one 99-token prompt at its first prefill bucket) and
+    one decode step on XLA:CPU, as verification does, printing the seconds and this process's peak
+    own (anon) memory of each: where a conversion's verify stage spends its memory."""
+    import tpuexport
+    from tpuexport.lower.generation import GenerationSession
+
+    peak = {"anon": 0}
+    stopped = threading.Event()
+
+    def sample() -> None:
+        while not stopped.is_set():
+            peak["anon"] = max(peak["anon"], _status(os.getpid())["anon"])
+            stopped.wait(0.02)
+
+    threading.Thread(target=sample, daemon=True).start()
+    program = tpuexport.load(artifact).generation_program
+    session = GenerationSession(program)
+    print(f"artifact loaded: own memory {_status(os.getpid())['anon'] / 2**30:.2f} GiB", flush=True)
+    for name, step in (("prefill", lambda: session.prefill([list(range(1, 100))], [0], seq=program.spec.prefill_buckets[0])),
+                       ("decode", lambda: session.decode([5] * program.spec.max_batch, [99] * program.spec.max_batch))):
+        for what in ("compile and run", "run again"):
+            peak["anon"], start = 0, time.perf_counter()
+            step()
+            print(f"{name} on XLA:CPU ({what}): {time.perf_counter() - start:.1f} s, peak own memory {peak['anon'] / 2**30:.2f} GiB",
+                  flush=True)
+    stopped.set()
 
 
 def _status(pid: int) -> dict[str, int] | None:
@@ -183,6 +227,10 @@ def main() -> None:
     parser.add_argument("--memory-limit", type=float, metavar="GIB", help="run the conversion in a memory cgroup with this limit")
     parser.add_argument("--quantize", choices=("int8-weight-only", "int4-weight-only"), help="quantize the weights as they stream")
     parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--task", choices=("forward", "text-generation"), default="forward")
+    parser.add_argument("--max-context", type=int, default=2048, help="text-generation: the KV cache's positions per slot")
+    parser.add_argument("--max-batch", type=int, default=1, help="text-generation: the KV cache's slots (decode's batch)")
+    parser.add_argument("--prefill-seq", default="128", help="text-generation: prefill's prompt-length buckets (--bucket seq=...)")
     options = parser.parse_args()
     config = dict(SHAPES[options.shape], num_hidden_layers=options.layers or SHAPES[options.shape]["num_hidden_layers"])
     dtype = DTYPES[options.dtype]
@@ -200,9 +248,14 @@ def main() -> None:
         parameters = index["metadata"].get("parameters") or disk_bytes // 4
         f32_bytes, bf16_bytes = parameters * 4, parameters * 2
 
-        command = [sys.executable, "-m", "tpuexport.cli", "convert", f"{pathlib.Path(__file__).resolve()}:build", "--checkpoint",
+        generation = options.task == "text-generation"
+        factory = f"{pathlib.Path(__file__).resolve()}:{'build_lm' if generation else 'build'}"
+        command = [sys.executable, "-m", "tpuexport.cli", "convert", factory, "--checkpoint",
                    str(checkpoint), "--target", "v5e", "--precision", options.precision, "--out", str(artifact), "--force"]
-        if not options.saved_model:
+        if generation:  # no SavedModel is written for text generation
+            command += ["--task", "text-generation", "--max-context", str(options.max_context), "--max-batch", str(options.max_batch),
+                        "--bucket", f"seq={options.prefill_seq}"]
+        elif not options.saved_model:
             command.append("--no-saved-model")
         if options.quantize:
             command += ["--quantize", options.quantize, "--group-size", str(options.group_size)]
@@ -235,20 +288,29 @@ def main() -> None:
 
         manifest = json.loads((artifact / "manifest.json").read_text())
         gib = lambda value: f"{value / 2**30:.2f} GiB"  # noqa: E731
-        print(f"\nmodel: {options.shape} shape, {config['num_hidden_layers']} layers, {parameters / 1e9:.2f}B parameters, "
+        print(f"\nconverted as {options.task}" + (f": max context {options.max_context}, max batch {options.max_batch}, prefill seq "
+                                                  f"{options.prefill_seq}" if generation else ""))
+        print(f"model: {options.shape} shape, {config['num_hidden_layers']} layers, {parameters / 1e9:.2f}B parameters, "
               f"f32 {gib(f32_bytes)}, bf16 {gib(bf16_bytes)}; checkpoint {len(shards)} shards ({options.dtype}), {gib(disk_bytes)} on disk; "
               f"artifact weights ({options.quantize or options.precision}) {gib((artifact / manifest['program']['weights']).stat().st_size)}")
         if options.quantize:
             quantization = manifest["quantization"]
             print(f"{options.quantize}: {len(quantization['weights'])} weights quantized, weight bytes {quantization['weight_bytes']['ratio']}x "
                   f"f32, SQNR vs float {[(o['name'], o['sqnr_db']) for o in quantization['outputs']]}")
+        if options.quantize or generation:
             for bucket in manifest["targets"]["v5e"]["buckets"]:
                 accessed = bucket["cost"].get("bytes_accessed")
-                print(f"v5e {bucket['name']}: {bucket['memory']['argument_bytes'] / 2**30:.2f} GiB arguments, "
+                print(f"v5e {bucket.get('entry_point', '')} {bucket['name']}: {bucket['memory']['argument_bytes'] / 2**30:.2f} GiB arguments, "
                       f"{bucket['memory']['temp_bytes'] / 2**30:.2f} GiB temporaries, {bucket['memory']['total_bytes'] / 2**30:.2f} GiB in all; "
                       f"XLA bytes accessed {'unknown' if accessed is None else gib(accessed)}")
         print(f"wall time {wall:.0f} s; stages: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in manifest["build"]["stage_seconds"].items()))
-        print(f"verified sizes: {[case['sizes'] for case in manifest['verification']['cases']]}; passed {manifest['verification']['passed']}")
+        verification = manifest["verification"]
+        print(f"verified sizes: {[case['sizes'] for case in verification['cases']]}; passed {verification['passed']}"
+              + (f"; {verification['tokens_compared']} tokens compared with generate(), {verification['ties']} tie(s)" if generation else ""))
+        if generation and options.quantize:
+            divergence = json.loads((artifact / verification["report"]).read_text())["float_divergence"]
+            print(f"vs the float model's generate(): first differing step {divergence['first'] and divergence['first']['step']}, "
+                  f"logits SQNR {divergence['sqnr_db']} dB")
         print(f"\n{'process':<28}{'peak RSS':>12}{'anon':>12}{'file-backed':>14}{'RSS / f32 model':>18}{'anon / f32':>12}"
               f"{'RSS / bf16':>12}{'anon / bf16':>13}")
         main_peak = sampler.peaks.pop(process.pid)
@@ -263,7 +325,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--write-checkpoint"]:
+    if sys.argv[1:2] == ["--run-generation"]:
+        run_generation(pathlib.Path(sys.argv[2]))
+    elif sys.argv[1:2] == ["--write-checkpoint"]:
         count, _ = write_checkpoint(json.loads(sys.argv[2]), sys.argv[3], pathlib.Path(sys.argv[4]))
         index = pathlib.Path(sys.argv[4]) / "model.safetensors.index.json"
         index.write_text(json.dumps(dict(json.loads(index.read_text()), metadata={"parameters": count}), indent=1))

@@ -117,6 +117,8 @@ def test_decoder_lm_with_task_auto_is_a_generation_artifact(models, tmp_path):
     assert set(manifest["entry_points"]) == {"prefill", "decode"}
     assert manifest["generation"]["max_batch"] == 2 and manifest["generation"]["max_context"] == 32
     assert manifest["verification"]["passed"]
+    # The weights streamed from the directory's checkpoint, once for both entry points.
+    assert "streamed from the checkpoint" in result.stderr and manifest["source"]["checkpoint"] == "llama"
     refused = tpuexport("convert", models["llama"], "--dim", "batch=1:2", "-o", tmp_path / "x.tpu", *QUICK)
     assert refused.returncode == 2 and "--dim does not apply to --task text-generation" in refused.stderr
 
@@ -178,7 +180,7 @@ def test_a_checkpoint_in_an_older_layout_streams_under_the_model_names(models):
 def test_a_bf16_checkpoint_builds_the_model_in_bf16(models, tmp_path):
     """The model is built in the dtype config.json records (what from_pretrained does), so a bf16
     checkpoint converts in bf16 by default and its tensors stream without a cast; a causal LM
-    (text-generation) is read whole, in bf16 too."""
+    (text-generation) too."""
     bert = transformers.BertForSequenceClassification.from_pretrained(models["bert"], dtype=torch.bfloat16)
     bert.save_pretrained(tmp_path / "bert-bf16")
     loaded = load_source(str(tmp_path / "bert-bf16"))
@@ -189,21 +191,25 @@ def test_a_bf16_checkpoint_builds_the_model_in_bf16(models, tmp_path):
     llama = transformers.LlamaForCausalLM.from_pretrained(models["llama"], dtype=torch.bfloat16)
     llama.save_pretrained(tmp_path / "llama-bf16")
     loaded = load_source(str(tmp_path / "llama-bf16"))
-    assert loaded.checkpoint is None and all(parameter.dtype == torch.bfloat16 for parameter in loaded.model.parameters())
-    assert torch.equal(loaded.model.model.layers[0].mlp.up_proj.weight, llama.model.layers[0].mlp.up_proj.weight)
+    assert all(parameter.is_meta and parameter.dtype == torch.bfloat16 for parameter in loaded.model.parameters())
+    weight = loaded.checkpoint["model.layers.0.mlp.up_proj.weight"]
+    assert weight.dtype == torch.bfloat16 and torch.equal(weight, llama.model.layers[0].mlp.up_proj.weight)
 
 
-def test_an_encoder_decoder_exports_without_a_cache_from_its_directory(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_an_encoder_decoder_exports_without_a_cache_from_its_directory(tmp_path, dtype):
     """T5 gives its decoder a copy of the config, so turning use_cache off in the model's config
     alone left the decoder building a cache: its tensors became constants on the meta device and
-    the conversion was refused. The forward is asked for no cache per call."""
+    the conversion was refused. The forward is asked for no cache per call. A bf16 checkpoint
+    (as most are published) loads and exports in bf16 the same way."""
     from tpuexport.export import capture
 
     directory = save(transformers.T5Model(transformers.T5Config(
         vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
-        relative_attention_num_buckets=8, decoder_start_token_id=0)), tmp_path / "t5")
+        relative_attention_num_buckets=8, decoder_start_token_id=0)).to(dtype), tmp_path / "t5")
     loaded = load_source(str(directory), task="feature-extraction")
     captured = capture(loaded)
+    assert captured.reference.model.shared.weight.dtype == dtype
     assert not any(name.startswith("lifted_tensor") or ".lifted_tensor" in name for name in captured.program.constants)
     eager = captured.reference(*captured.example_inputs)
     assert eager["last_hidden_state"].shape[:2] == captured.example_inputs[2].shape

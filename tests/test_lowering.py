@@ -95,3 +95,36 @@ def test_dims_named_like_sympy_functions_lower_and_count_flops():
     x = np.random.default_rng(0).standard_normal((3, 5, 8)).astype(np.float32)
     np.testing.assert_allclose(lowered.run([x])[0], model(torch.from_numpy(x)).detach().numpy(), atol=1e-5)
     assert captured.signature.sizes_of([(3, 5, 8)]) == {"beta": 3, "sequence": 5}
+
+
+class RepeatedKeyValueAttention(torch.nn.Module):
+    """Grouped-query attention with a mask, its key/value heads repeated to the query heads as
+    transformers' `repeat_kv` does (4 query heads over 2 key/value heads)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.query, self.key_value = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x, padding):
+        b, s, _ = x.shape
+        query = self.query(x).view(b, s, 4, 4).transpose(1, 2)
+        key, value = (t.view(b, s, 2, 4).transpose(1, 2) for t in self.key_value(x).split(8, dim=2))
+        key, value = (t[:, :, None].expand(b, 2, 2, s, 4).reshape(b, 4, s, 4) for t in (key, value))
+        mask = padding.bool()[:, None, None, :]
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+
+
+def test_attention_gets_the_unrepeated_key_value_heads():
+    x, padding = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1)), torch.ones(2, 6, dtype=torch.long)
+    padding[1, 4:] = 0
+    batch, seq = torch.export.Dim("batch", max=8), torch.export.Dim("seq", min=2, max=32)
+    model = captured(RepeatedKeyValueAttention().eval(), (x, padding), {"x": {0: batch, 1: seq}, "padding": {0: batch, 1: seq}})
+    lowered = lower(model.program, model.signature)
+    (attention,) = [n for n in lowered.graph.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert [argument.meta["val"].shape[1] for argument in attention.args[:3]] == [4, 2, 2]
+    assert attention.kwargs["enable_gqa"] is True
+    assert not any(n.target is torch.ops.aten.expand.default and n.meta["val"].dim() == 5 for n in lowered.graph.graph.nodes)
+    with torch.no_grad():
+        expected = model.reference(x, padding).numpy()
+    np.testing.assert_allclose(lowered.run([x.numpy(), padding.numpy()])[0], expected, rtol=1e-5, atol=1e-5)

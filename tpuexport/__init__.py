@@ -141,7 +141,8 @@ def convert(
       checkpoint: stream the weights from here instead of the model (which may then have its
         parameters on the meta device, e.g. built within `tpuexport.parameters_on_meta()`): a
         .safetensors file, a sharded checkpoint directory, a .pt state_dict, or a Mapping name ->
-        tensor read one tensor at a time. No more than a few tensors are in memory at once.
+        tensor read one tensor at a time. No more than a few tensors are in memory at once. With
+        task "text-generation" too (streamed once for both entry points).
       task: "forward" (the model's forward as one program) or "text-generation": `model` is a
         Hugging Face causal LM (no args), and the artifact holds entry points prefill and decode
         over a KV cache of max_batch x max_context (README, "Text generation"); `buckets` then

@@ -119,7 +119,8 @@ def source_and_target_options(command):
               help="--no-weights: a plan, as `tpuexport plan` (compiled from the weights' shapes; not verified, no SavedModel).")
 @click.option("--checkpoint", type=click.Path(path_type=pathlib.Path),
               help="Stream the weights from this checkpoint (.safetensors, a sharded directory with its index, or a .pt state_dict); "
-                   "the factory's model is built with its parameters on the meta device.")
+                   "the factory's model is built with its parameters on the meta device (with --task text-generation too: "
+                   "the factory returns the causal LM).")
 @click.option("--max-context", type=int, help="text-generation: positions per KV cache slot (prompt + generated tokens).")
 @click.option("--max-batch", type=int, default=1, show_default=True, help="text-generation: KV cache slots, decode's batch.")
 @click.option("--cache-layout", type=click.Choice(["layer_batch_head_pos", "layer_batch_pos_head"]), default="layer_batch_head_pos",
@@ -196,9 +197,8 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
 
     huggingface = is_huggingface_source(source)
     generation = task == "text-generation"
-    # PT2E calibrates and rounds, and generation's entry points wrap, the weights in memory; weight-only
-    # modes quantize them as they stream.
-    in_memory = options.get("quantize") in ("int8", "int8-dynamic") or generation
+    # PT2E calibrates and rounds the weights in memory; weight-only modes quantize them as they stream.
+    in_memory = options.get("quantize") in ("int8", "int8-dynamic")
     loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs, checkpoint=checkpoint,
                                       task=task if huggingface or not generation else None, weights_in_memory=in_memory)
     if loaded.huggingface is not None and loaded.huggingface.task == "text-generation":

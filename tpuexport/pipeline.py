@@ -142,6 +142,9 @@ class ConversionOptions:
 
 TASKS = ("forward", "text-generation")
 
+# The one line a PT2E mode gets with a checkpoint.
+PT2E_CHECKPOINT_ERROR = ("--quantize with --checkpoint is not supported: PT2E calibrates and rounds the weights in memory; load the weights "
+                         "into the model and convert it without --checkpoint, or use --quantize int8-weight-only / int4-weight-only")
 # The one line a model without weights gets from a conversion that needs them.
 META_WEIGHTS_ERROR = "the model's weights are on the meta device; use `tpuexport plan` or --no-weights"
 
@@ -230,9 +233,7 @@ def run_conversion(loaded: export_stage.LoadedSource, options: ConversionOptions
         raise TpuExportError(f"{META_WEIGHTS_ERROR} (tpuexport.plan or convert(weights=False) in Python)")
     weight_only = _weight_only_scheme(options)
     if loaded.checkpoint is not None and options.quantize and weight_only is None:
-        raise TpuExportError("--quantize with --checkpoint is not supported: PT2E calibrates and rounds the weights in memory; "
-                             "load the weights into the model and convert it without --checkpoint, or use --quantize int8-weight-only / "
-                             "int4-weight-only")
+        raise TpuExportError(PT2E_CHECKPOINT_ERROR)
     model_name = serving_stage.check_model_name(options.model_name or serving_stage.default_model_name(options.out))
     serving_stage.check_model_version(options.model_version)
     with contextlib.ExitStack() as running:
@@ -729,12 +730,19 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
       quantize PT2E int8 / int8-dynamic (optional), each entry point with its own activation
                observers, calibrated as it is driven; one set of weights         -> {name: QuantizedModel}
       lower    each entry point lowered; one set of weights kept                   -> GenerationProgram
+      weights  (a source with a checkpoint) the entry points exported on the meta device and lowered
+               from shapes; the checkpoint's tensors streamed once into the one weights file
+               (weight-only modes quantized as they stream) and memory-mapped back for every entry point
       plan     per slice target and entry point, the cache split with the heads (tensor-parallel)
                or the batch (data-parallel)
       compile  per target, entry point and bucket, the cache donated (in the background)
       verify   greedy generation vs Hugging Face generate, teacher-forced, both CPU runs (int8:
                vs the PT2E entry points' greedy generation, verify/quantized_generation.py)
       write    one weights file, each entry point's program files, "entry_points" in the manifest
+
+    With a checkpoint, the eager model that generate() runs in verification is a copy of the model whose
+    parameters are the checkpoint's memory-mapped tensors (export.with_checkpoint_weights), and the
+    program's are the artifact's weights file, memory-mapped: neither is a copy the process owns.
 
     Args:
       loaded: the source: a Hugging Face causal LM (args not needed).
@@ -749,11 +757,23 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
     model = loaded.model
     if not isinstance(model, torch.nn.Module):
         raise TpuExportError(f"--task text-generation needs the nn.Module of a Hugging Face causal LM, not a {type(model).__name__}")
-    if loaded.checkpoint is not None:
-        raise TpuExportError("--checkpoint with --task text-generation is not supported yet; load the weights into the model")
     plan_only = not options.weights
-    if not plan_only and export_stage.weights_on_meta(model):
+    streamed = loaded.checkpoint is not None and not plan_only
+    if not plan_only and not streamed and export_stage.weights_on_meta(model):
         raise TpuExportError(f"{META_WEIGHTS_ERROR} (tpuexport.plan or convert(weights=False) in Python)")
+    if streamed and options.quantize and _weight_only_scheme(options) is None:
+        raise TpuExportError(PT2E_CHECKPOINT_ERROR)
+    with _scratch_directory(options.out) if streamed else contextlib.nullcontext() as scratch:
+        return _generation_passes(loaded, options, targets, slices, clock, scratch)
+
+
+def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOptions, targets: list, slices: list,
+                       clock: StageClock, scratch: pathlib.Path | None) -> artifact_stage.Artifact:
+    """The passes of `_run_generation` (its arguments, checked), with the conversion's scratch
+    directory when the weights stream from a checkpoint (else None)."""
+    model = loaded.model
+    plan_only = not options.weights
+    checkpoint_model = export_stage.with_checkpoint_weights(model, loaded.checkpoint) if scratch is not None else None
     requested = dict(options.buckets or {})
     unknown = sorted(set(requested) - {"batch", "seq"})
     if unknown:
@@ -767,23 +787,31 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
     with clock.stage("export", lambda: f"entry points prefill (batch {list(prefill_batches)} x seq {list(spec.prefill_buckets)}) and "
                                        f"decode (batch {spec.max_batch}); cache {spec.layout} {list(spec.cache_shape)} {spec.dtype}"):
         modules = export_stage.entry_point_modules(model, spec)
+        # With a checkpoint, each entry point is exported on the meta device and its weights are the one
+        # checkpoint copy's tensors (the same tensors for both: one set of weights, streamed once).
+        state = None if checkpoint_model is None else export_stage.Checkpoint(
+            {**dict(checkpoint_model.named_parameters(remove_duplicate=False)), **dict(checkpoint_model.named_buffers(remove_duplicate=False))},
+            loaded.checkpoint.description, loaded.checkpoint.name)
         captured = {}
-        for name, (args, dynamic_shapes) in export_stage.example_arguments(spec, "meta" if plan_only else "cpu").items():
-            source = export_stage.LoadedSource(modules[name], args, dynamic_shapes, None, loaded.info)
+        for name, (args, dynamic_shapes) in export_stage.example_arguments(spec, "meta" if plan_only or state is not None else "cpu").items():
+            source = export_stage.LoadedSource(modules[name], args, dynamic_shapes, None, loaded.info, checkpoint=state)
             captured[name] = export_stage.capture(export_stage.on_meta_device(source) if plan_only else source)
     weight_only = _weight_only_scheme(options)
     quantized = None
     if options.quantize and weight_only is None:
         quantized = _quantize_entry_points(captured, spec, options, clock)
         captured = {name: result.captured for name, result in quantized.items()}
-    with clock.stage("lower", lambda: f"{len(program.weights_program.weight_names)} weight arrays shared by "
-                                      f"{', '.join(program.entry_points)}, precision {_describe_precision(program.weights_program)}"):
+    with clock.stage("lower", lambda: f"{len(lowered['decode'].weight_names)} weight arrays shared by "
+                                      f"{', '.join(lowered)}, precision {_describe_precision(lowered['decode'])}"):
         lowered = {name: lower_stage.lower(entry.program, entry.signature, options.precision, options.matmul_precision, options.scan,
-                                           weights=not plan_only, weight_only=weight_only)
+                                           weights=not plan_only and scratch is None, weight_only=weight_only)
                    for name, entry in captured.items()}
-        # Both programs collected the same weights; the artifact and the runs keep decode's.
-        lowered["prefill"] = dataclasses.replace(lowered["prefill"], weights=lowered["decode"].weights)
-        program = lower_stage.GenerationProgram(spec, lowered, prefill_batches)
+    weights_file = None
+    if scratch is not None:  # the entry points take the same weights: decode's names and parts stream them for both
+        lowered["decode"], weights_file = _stream_weights(captured["decode"], lowered["decode"], scratch, clock, weight_only)
+    # Both programs collected the same weights; the artifact and the runs keep decode's.
+    lowered["prefill"] = dataclasses.replace(lowered["prefill"], weights=lowered["decode"].weights)
+    program = lower_stage.GenerationProgram(spec, lowered, prefill_batches)
     # With one cache slot, prefill's batch is static (no batch dim to bucket).
     prefill_sizes = {"seq": list(spec.prefill_buckets)}
     if any(dim.name == "batch" for dim in lowered["prefill"].signature.dims):
@@ -813,9 +841,15 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
                 else:
                     # A weight-only program is compared with generate() on the model with those weights dequantized;
                     # its distance from the float model's generate() is measured too.
-                    float_reference = verify_stage.eager_references(program, model, options.new_tokens) if weight_only else None
-                    with _dequantized_weights(modules["decode"], lowered["decode"], weight_only):
-                        report = verify_stage.verify_generation(program, model, tolerances, options.new_tokens, float_reference)
+                    if checkpoint_model is None:
+                        float_reference = verify_stage.eager_references(program, model, options.new_tokens) if weight_only else None
+                        with _dequantized_weights(modules["decode"], lowered["decode"], weight_only):
+                            report = verify_stage.verify_generation(program, model, tolerances, options.new_tokens, float_reference)
+                    else:
+                        float_reference = verify_stage.eager_references(program, checkpoint_model, options.new_tokens) if weight_only else None
+                        eager_model = checkpoint_model if weight_only is None else _dequantized_checkpoint_model(
+                            model, checkpoint_model, lowered["decode"], weight_only, scratch, clock)
+                        report = verify_stage.verify_generation(program, eager_model, tolerances, options.new_tokens, float_reference)
             if not report.passed:
                 raise VerificationError(report, _write_failed_report(options.out, report.to_json()))
         compiled = {name: job.result() for name, job in jobs.items()}
@@ -824,7 +858,7 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
     with clock.stage("write", lambda: str(options.out) + (" (plan only: no weights, not verified)" if plan_only else "")):
         artifact_stage.write_generation_artifact(options.out, source=loaded.info, program=program, compiled=compiled,
                                                  verification=report, stage_seconds=clock.seconds, overwrite=options.overwrite,
-                                                 extra_writers=_source_writers(loaded) + _generation_quantization(lowered["decode"], weight_only)
+                                                 weights_file=weights_file, extra_writers=_source_writers(loaded) + _generation_quantization(lowered["decode"], weight_only)
                                                  + _generation_int8_report(quantized, program, compiled, report, clock))
     return artifact_stage.load(options.out)
 
@@ -838,6 +872,45 @@ def _dequantized_weights(module: torch.nn.Module, lowered: lower_stage.LoweredPr
 
     axes = {part: entry["axis"] for name, entry in lowered.quantized.items() for part in lowered.weight_parts[name]}
     return DequantizedWeights(DequantizedReference(module, axes, scheme).weights, scheme)
+
+
+def _dequantized_checkpoint_model(model: torch.nn.Module, checkpoint_model: torch.nn.Module, lowered: lower_stage.LoweredProgram,
+                                  scheme, scratch: pathlib.Path, clock: StageClock) -> torch.nn.Module:
+    """The eager reference of a weight-only generation program streamed from a checkpoint: a copy of
+    `model` whose quantized weights are the checkpoint's rounded and dequantized (from its float
+    tensors, not from the artifact's integers) once, written to a scratch file and memory-mapped,
+    and whose other weights are `checkpoint_model`'s (the checkpoint's memory maps).
+
+    Rounding at every use (DequantizedWeights) would round every weight again at each generate()
+    step: for Llama-3.2-1B, minutes per step on two cores. The file is written one weight at a time
+    and its pages are file-backed, so the process owns no rounded copy of the model.
+
+    Args:
+      model: the user's model (parameters on the meta device); checkpoint_model: its copy with the
+        checkpoint's tensors; lowered: the weight-only entry point (its `quantized` weights and their
+        state names under the entry points' `model.` prefix); scheme: the weight-only scheme;
+      scratch: the conversion's scratch directory; clock: times the pass.
+    Returns:
+      The copy, ready for generate().
+    """
+    import jax
+
+    from tpuexport.arrays import numpy_dtype
+    from tpuexport.quantize.weight_only import fake_quantized
+
+    # The entry points hold the causal LM as `model` (export/generation.py), so their state names carry that prefix.
+    axes = {part.removeprefix("model."): entry["axis"] for name, entry in lowered.quantized.items() for part in lowered.weight_parts[name]}
+    state = {**dict(checkpoint_model.named_parameters()), **dict(checkpoint_model.named_buffers())}  # one name per tensor (tied once)
+    names = [name for name in state if name in axes]
+    path = scratch / "dequantized.safetensors"
+    with clock.stage("dequantize", lambda: f"{len(names)} weight(s) rounded and dequantized once for generate(), "
+                                           f"{written / 2**30:.2f} GiB memory-mapped"):
+        specs = [jax.ShapeDtypeStruct(tuple(state[name].shape), numpy_dtype(str(state[name].dtype).removeprefix("torch."))) for name in names]
+        written = artifact_stage.write_weights(path, names, specs, lambda name: [fake_quantized(state[name], scheme, axes[name])])
+        dequantized = export_stage.open_checkpoint(path)
+        tensors = {name: dequantized[name] if name in axes else tensor for name, tensor in state.items()}
+        reference = export_stage.with_checkpoint_weights(model, export_stage.Checkpoint(tensors, "the dequantized weights"))
+    return reference
 
 
 def _generation_quantization(lowered: lower_stage.LoweredProgram, scheme) -> tuple:

@@ -142,13 +142,7 @@ def write_artifact(
       The manifest written.
     """
     with staging_directory(out, overwrite) as staging:
-        put = _putter(staging)
-
-        def move(source: pathlib.Path, relative: str) -> str:
-            (staging / relative).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(source, staging / relative)
-            return relative
-
+        put, move = _putter(staging), _mover(staging)
         exported = lowered.exported
         program = {
             **_program_files(put, exported),
@@ -204,6 +198,17 @@ def _putter(staging: pathlib.Path) -> Callable[[str, bytes | str], str]:
         return relative
 
     return put
+
+
+def _mover(staging: pathlib.Path) -> Callable[[pathlib.Path, str], str]:
+    """move(file, relative path): moves a file already written (on the same filesystem) into the
+    staging directory, returns the relative path."""
+    def move(source: pathlib.Path, relative: str) -> str:
+        (staging / relative).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(source, staging / relative)
+        return relative
+
+    return move
 
 
 def _manifest_head(source: SourceInfo, lowered: LoweredProgram) -> dict:
@@ -382,6 +387,7 @@ def write_generation_artifact(
     stage_seconds: dict[str, float],
     overwrite: bool = False,
     extra_writers=(),
+    weights_file: pathlib.Path | None = None,
 ) -> dict:
     """Writes a text-generation artifact: one weights file, each entry point's program files and
     executables, and the manifest's "entry_points" and "generation" sections (README, "Text
@@ -397,13 +403,15 @@ def write_generation_artifact(
       overwrite: replace an existing artifact.
       extra_writers: callables (staging_dir) -> dict of manifest sections, as for `write_artifact`
         (a Hugging Face source's tokenizer and config files).
+      weights_file: the weights already written as safetensors (streamed from a checkpoint), moved
+        into the artifact instead of being written again; None to write them here.
     Returns:
       The manifest written.
     """
     spec = program.spec
     shared = program.weights_program
     with staging_directory(out, overwrite) as staging:
-        put = _putter(staging)
+        put, move = _putter(staging), _mover(staging)
         entry_points = {}
         for name, lowered in program.entry_points.items():
             inputs = [tensor.name for tensor in lowered.signature.inputs]
@@ -423,7 +431,7 @@ def write_generation_artifact(
             "task": "text-generation",
             # What every entry point shares: the weights, passed first to each.
             "program": {
-                "weights": None if shared.plan_only else put(layout.WEIGHTS, save_arrays(dict(zip(shared.weight_names, shared.weights)))),
+                "weights": _weights_file(shared, weights_file, put, move),
                 "weight_names": list(shared.weight_names),
                 "tied_weights": dict(shared.tied),
                 "weight_bytes": shared.weight_bytes,

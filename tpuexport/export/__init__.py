@@ -3,7 +3,7 @@
 from tpuexport.export.capture import CapturedModel, capture, describe, on_meta_device, torch_dynamic_shapes, weights_on_meta
 from tpuexport.export.generation import (CACHE_INPUTS, CACHE_LAYOUTS, DEFAULT_CACHE_LAYOUT, ENTRY_POINTS, GenerationSpec, entry_point_modules,
                                          example_arguments, generation_spec)
-from tpuexport.export.checkpoints import Checkpoint, open_checkpoint, parameters_on_meta
+from tpuexport.export.checkpoints import Checkpoint, open_checkpoint, parameters_on_meta, with_checkpoint_weights
 from tpuexport.export.sources import LoadedSource, SourceInfo, load_source
 from tpuexport.export.specs import DimSpec, InputSpec, example_args, parse_dim, parse_input
 
@@ -33,4 +33,5 @@ __all__ = [
     "parameters_on_meta",
     "torch_dynamic_shapes",
     "weights_on_meta",
+    "with_checkpoint_weights",
 ]

@@ -17,7 +17,12 @@ state_dict names and values; the artifact stores them once):
 
 The cache is an input and an output (functional, no buffer mutation): the compiled decode step
 donates it, so the TPU updates it in place. Its layout is one of CACHE_LAYOUTS; each layer's
-update is one scatter into the whole [layers, ...] tensor, so no layer copies the cache.
+update is one scatter into the whole [layers, ...] tensor, so no layer copies the cache. Decode
+writes after its last layer and each layer's attention reads the cache as the step received it,
+with the step's new key selected at its position: XLA can then update the donated cache in place.
+A write before a later layer's read of the same tensor made XLA copy the whole cache for each
+layer (XLA's analysis of the Llama-3.2-1B decode step on v5e, batch 8 x 4096: 5.2x the bytes of
+the weights + cache; see benchmarks/results/generation_decode_write.md).
 
 The KV cache is a `transformers.cache_utils.Cache` whose `update` writes functionally; the model
 gets a prepared 4D additive mask (transformers' mask functions return a 4D mask as it is) and
@@ -114,6 +119,10 @@ class FunctionalKVCache:
         self.values = self.write(self.values, new_values, layer)
         return self.read(self.keys, new_keys, layer), self.read(self.values, new_values, layer)
 
+    def written(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache tensors (keys, values) once every layer has been updated: the entry point's outputs."""
+        return self.keys, self.values
+
     def write(self, cache: torch.Tensor, new: torch.Tensor, layer: int) -> torch.Tensor:
         raise NotImplementedError
 
@@ -145,11 +154,28 @@ class PrefillCache(FunctionalKVCache):
 
 class DecodeCache(FunctionalKVCache):
     """Decode: row r's new key goes to position positions[r] of slot r; attention reads the
-    layer's whole cache (the mask keeps keys 0..positions[r])."""
+    layer's whole cache (the mask keeps keys 0..positions[r]).
+
+    Every write waits until the last layer has read (`written`): attention reads the cache as the
+    step received it, with the new key selected in at its position (the values the write would
+    store), so no read of the cache follows a write into it (see the module's docstring).
+    """
 
     def __init__(self, keys, values, layout, positions: torch.Tensor):
         super().__init__(keys, values, layout)
         self.positions = positions
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, new keys, new values), in call order
+
+    def update(self, new_keys, new_values, layer):
+        self.pending.append((layer, new_keys, new_values))
+        return self.read(self.keys, new_keys, layer), self.read(self.values, new_values, layer)
+
+    def written(self):
+        keys, values = self.keys, self.values
+        for layer, new_keys, new_values in self.pending:
+            keys = self.write(keys, new_keys, layer)
+            values = self.write(values, new_values, layer)
+        return keys, values
 
     def write(self, cache, new, layer):
         batch, heads, _, _ = new.shape
@@ -165,7 +191,9 @@ class DecodeCache(FunctionalKVCache):
         layer_cache = cache[layer]
         if self.layout == "layer_batch_pos_head":
             layer_cache = layer_cache.transpose(1, 2)
-        return layer_cache.to(new.dtype)
+        keys = torch.arange(layer_cache.shape[2], device=new.device)
+        current = keys[None, None, :, None] == self.positions[:, None, None, None]
+        return torch.where(current, new.to(cache.dtype), layer_cache).to(new.dtype)
 
 
 def _transformers_cache(functional: FunctionalKVCache):
@@ -275,7 +303,8 @@ class Prefill(_EntryPoint):
         cache = self.cache_type(cache_k, cache_v, self.spec.layout, slots)
         hidden = self.hidden_states(tokens, mask, positions[None, :].expand(batch, steps), cache)
         last = hidden[torch.arange(batch, device=tokens.device), lengths - 1]
-        return {"logits": self.logits(last), "cache_k": cache.keys, "cache_v": cache.values}
+        cache_k, cache_v = cache.written()
+        return {"logits": self.logits(last), "cache_k": cache_k, "cache_v": cache_v}
 
 
 class Decode(_EntryPoint):
@@ -287,7 +316,8 @@ class Decode(_EntryPoint):
         mask = _causal_masks(self.windows, positions[:, None], keys, dtype)
         cache = self.cache_type(cache_k, cache_v, self.spec.layout, positions)
         hidden = self.hidden_states(tokens[:, None], mask, positions[:, None], cache)
-        return {"logits": self.logits(hidden[:, 0]), "cache_k": cache.keys, "cache_v": cache.values}
+        cache_k, cache_v = cache.written()
+        return {"logits": self.logits(hidden[:, 0]), "cache_k": cache_k, "cache_v": cache_v}
 
 
 def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: str = DEFAULT_CACHE_LAYOUT,

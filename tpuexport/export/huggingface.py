@@ -16,9 +16,10 @@ config and that `--dim NAME=MIN:MAX` overrides (MIN == MAX makes a dim static):
 Outputs are the tensors of the model's output (logits, last_hidden_state, pooler_output, ...).
 
 Each task maps to a function building the LoadedSource (`Task.build`); `text-generation` gives the
-causal LM itself with its weights read into memory, which the pipeline converts as prefill and decode
-entry points over a KV cache (export/generation.py), its `--max-context` defaulting to the config's
-`max_position_embeddings` (`generation_context`).
+causal LM itself (on the meta device, its weights streamed from the checkpoint as for the other
+tasks), which the pipeline converts as prefill and decode entry points over a KV cache
+(export/generation.py), its `--max-context` defaulting to the config's `max_position_embeddings`
+(`generation_context`).
 
 `transformers` is the optional extra `tpuexport[hf]`.
 """
@@ -292,7 +293,7 @@ def _forward_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_mem
     with parameters_on_meta(), quiet_loggers(*TORCHAO_LOGGERS):
         model = auto_class.from_config(config, dtype=dtype).eval()
     wrapped, args, dynamic_shapes = forward_program(model, dims)
-    checkpoint = _checkpoint(resolved.directory, wrapped)
+    checkpoint = _checkpoint(resolved.directory, wrapped.model, "model.")
     info = _source_info(resolved)
     record = HuggingFaceInfo(resolved.task, type(model).__name__, config.model_type, resolved.revision, resolved.config_json,
                              {name: resolved.directory / name for name in SERVING_FILES if (resolved.directory / name).is_file()})
@@ -306,8 +307,10 @@ def _forward_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_mem
 
 
 def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_memory: bool) -> LoadedSource:
-    """The causal LM read by transformers (weights in memory, in the checkpoint's dtype), for the
-    pipeline's prefill and decode entry points; they choose their own inputs, so --dim does not apply.
+    """The causal LM for the pipeline's prefill and decode entry points (they choose their own inputs,
+    so --dim does not apply): on the meta device with the directory's checkpoint, whose tensors stream
+    into the artifact, or read by transformers (weights in memory, in the checkpoint's dtype) with
+    `weights_in_memory` or when transformers converts some tensor when loading.
 
     Raises:
       TpuExportError: a --dim was given.
@@ -315,10 +318,18 @@ def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_
     if dims:
         raise TpuExportError("--dim does not apply to --task text-generation (its entry points' sizes are --max-batch, "
                              "--max-context and the --bucket seq=... prompt lengths); drop it")
-    model = _from_pretrained(getattr(_import_transformers(), resolved.auto_class), resolved.directory, _config_dtype(resolved.config))
+    auto_class = getattr(_import_transformers(), resolved.auto_class)
+    dtype = _config_dtype(resolved.config)
+    checkpoint = None
+    if not weights_in_memory:
+        with parameters_on_meta(), quiet_loggers(*TORCHAO_LOGGERS):
+            model = auto_class.from_config(resolved.config, dtype=dtype).eval()
+        checkpoint = _checkpoint(resolved.directory, model)
+    if checkpoint is None:
+        model = _from_pretrained(auto_class, resolved.directory, dtype)
     record = HuggingFaceInfo(resolved.task, type(model).__name__, resolved.config.model_type, resolved.revision, resolved.config_json,
                              {name: resolved.directory / name for name in SERVING_FILES if (resolved.directory / name).is_file()})
-    return LoadedSource(model.eval(), None, None, None, _source_info(resolved), huggingface=record)
+    return LoadedSource(model.eval(), None, None, None, _source_info(resolved), checkpoint=checkpoint, huggingface=record)
 
 
 def generation_context(model: torch.nn.Module) -> int:
@@ -512,10 +523,14 @@ class _Renamed(Checkpoint):
         return self._checkpoint[self._tensors[name]]
 
 
-def _checkpoint(directory: pathlib.Path, wrapped: torch.nn.Module) -> Checkpoint | None:
-    """The directory's checkpoint under the wrapped model's names, renamed as transformers renames
-    them when loading (older layouts, base-model prefixes added or dropped).
+def _checkpoint(directory: pathlib.Path, model: torch.nn.Module, prefix: str = "") -> Checkpoint | None:
+    """The directory's checkpoint under the model's names, renamed as transformers renames them when
+    loading (older layouts, base-model prefixes added or dropped).
 
+    Args:
+      directory: the model directory.
+      model: the transformers model (its parameters on the meta device).
+      prefix: where the converted module holds `model` ("model." for the named forward wrapper).
     Returns:
       The renamed Checkpoint; None when transformers would convert some tensor rather than rename
       it (e.g. per-expert weights fused into one tensor), or when some parameter (every name of a
@@ -528,7 +543,6 @@ def _checkpoint(directory: pathlib.Path, wrapped: torch.nn.Module) -> Checkpoint
         checkpoint = open_checkpoint(directory / "pytorch_model.bin")
     else:
         checkpoint = open_checkpoint(directory)
-    model = wrapped.model
     transforms = get_model_conversion_mapping(model)
     renamings = [transform for transform in transforms if not isinstance(transform, WeightConverter)]
     converters = [transform for transform in transforms if isinstance(transform, WeightConverter)]
@@ -539,10 +553,10 @@ def _checkpoint(directory: pathlib.Path, wrapped: torch.nn.Module) -> Checkpoint
         if converted is not None:
             return None
         if renamed in state:
-            names["model." + renamed] = key
+            names[prefix + renamed] = key
     groups: dict[int, list[str]] = {}
-    for name, parameter in wrapped.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(parameter), []).append(name)
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(parameter), []).append(prefix + name)
     if any(not any(name in names for name in group) for group in groups.values()):
         return None
     return _Renamed(checkpoint, names)

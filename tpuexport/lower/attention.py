@@ -47,7 +47,7 @@ aten = torch.ops.aten
 
 @register_lowering(aten.scaled_dot_product_attention.default)
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-                                 enable_gqa=False):
+                                 enable_gqa=False, read_heads_last=False):
     """torch.nn.functional.scaled_dot_product_attention, inference only.
 
     Args:
@@ -59,6 +59,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       is_causal: mask the upper triangle (query i sees keys 0..i).
       scale: the scores' factor; None for 1 / sqrt(dim).
       enable_gqa: torch's flag for kv_heads < heads (the grouping is read from the shapes).
+      read_heads_last: the result's every reader swaps its heads and q dims back (the lowering's
+        interpreter says so from the graph: graph_passes.reads_heads_last).
     Returns:
       [..., heads, q, value_dim] in the query's dtype.
     """
@@ -94,7 +96,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     exponentials = jnp.exp(scores - row_max)
     probabilities = (exponentials / jnp.sum(exponentials, axis=-1, keepdims=True)).astype(dtype)
-    attended = jnp.einsum("...hgqk,...hkd->...hgqd", probabilities, value, preferred_element_type=jnp.float32)
+    if read_heads_last:
+        # Computed in the order its readers want ([..., q, heads, dim]: `transpose(1, 2)` before the
+        # output projection) and transposed back, which XLA cancels with theirs. Computed as [...,
+        # heads, q, dim], the values and the result are copied into other layouts (BERT-base on v5e:
+        # three more copies per layer, 12 % of the attention block's bytes; measured in
+        # benchmarks/native_jax.py). For a reader that does not transpose, this order costs more.
+        attended = jnp.einsum("...hgqk,...hkd->...qhgd", probabilities, value, preferred_element_type=jnp.float32)
+        attended = jnp.moveaxis(attended, -4, -2)
+    else:
+        attended = jnp.einsum("...hgqk,...hkd->...hgqd", probabilities, value, preferred_element_type=jnp.float32)
     if dead_rows is not None:
         attended = jnp.where(dead_rows, 0.0, attended)
     return attended.astype(query.dtype).reshape(*lead, heads, q_len, value.shape[-1])

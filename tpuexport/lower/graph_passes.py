@@ -129,6 +129,79 @@ def unmerge_batched_matmuls(program: torch.export.ExportedProgram) -> torch.expo
     return program
 
 
+# The matrix operand of each 2D matmul op: mm(matrix, weight), addmm(bias, matrix, weight).
+_MATRIX_OPERAND = {aten.mm.default: 0, aten.addmm.default: 1}
+
+
+def merged_matmul_operand(node: torch.fx.Node) -> tuple[int, torch.fx.Node] | None:
+    """Where a 2D matmul (a linear layer) reads a view merging the leading dims of a higher-rank
+    tensor, and either its result is split into attention heads or its input joins them.
+
+    torch's decompositions compute `linear` of a [batch, seq, in] tensor as `view([batch * seq, in])`,
+    `addmm` (or `mm`) and a view back. When the result is then split into heads (attention's q, k and
+    v), XLA:TPU lays the merged [batch * seq, out] result out and copies it twice into the layout
+    attention reads (benchmarks/native_jax.py, BERT-base 8 x 128), and the output projection's input
+    (the heads joined) is copied once more. Over the unmerged tensor (a dot_general contracting its
+    last dim) q, k and v are copied once and the output projection's input not at all, so the lowering computes it that
+    way (lowering._TracingInterpreter) and merges the result's leading dims after the dot, where XLA
+    folds the two reshapes away. Other linear layers keep the merged form: for BERT's feed-forward
+    layers the unmerged dot made XLA write the GELU's erf masks out (more bytes, not fewer). The graph
+    itself is not changed.
+
+    Args:
+      node: any op of the decomposed graph.
+    Returns:
+      (the matrix operand's position in `node.args`, the unmerged tensor's node) when `node` is an mm
+      or addmm whose matrix operand is such a view (rank >= 3, the contracted last dim kept), and
+      whose result is only viewed back and split into heads (a view of rank >= 4) or whose unmerged
+      tensor is a view of a rank >= 4 one; else None.
+    """
+    position = _MATRIX_OPERAND.get(node.target)
+    if position is None or len(node.args) <= position:
+        return None
+    view = node.args[position]
+    if not (isinstance(view, torch.fx.Node) and view.target in _VIEWS and isinstance(view.args[0], torch.fx.Node)):
+        return None
+    if not (_split_into_heads(node) or _joins_heads(view.args[0])):
+        return None
+    source = view.args[0].meta.get("val")
+    merged = view.meta.get("val")
+    if not (isinstance(source, torch.Tensor) and isinstance(merged, torch.Tensor) and source.dim() >= 3 and merged.dim() == 2
+            and str(source.shape[-1]) == str(merged.shape[-1])):
+        return None
+    return position, view.args[0]
+
+
+def _rank(node) -> int:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value.dim() if isinstance(value, torch.Tensor) else 0
+
+
+def _split_into_heads(node: torch.fx.Node) -> bool:
+    """Whether a 2D matmul's every reader is a view whose every reader is a view of rank >= 4
+    ([batch, seq, heads, dim])."""
+    views = list(node.users)
+    return bool(views) and all(view.target in _VIEWS and view.users and all(
+        user.target in _VIEWS and _rank(user) >= 4 for user in view.users) for view in views)
+
+
+def _joins_heads(node: torch.fx.Node) -> bool:
+    """Whether a value is a view of a rank >= 4 tensor ([batch, seq, heads, dim] -> [batch, seq, hidden])."""
+    return node.target in _VIEWS and _rank(node.args[0]) >= 4
+
+
+def reads_heads_last(node: torch.fx.Node) -> bool:
+    """Whether every reader of a [..., heads, q, dim] value (an attention's result) swaps its heads
+    and q dims (`transpose(1, 2)`, a permute after decomposition), as models do before the output
+    projection; attention.scaled_dot_product_attention then computes it in that order."""
+    value = node.meta.get("val")
+    if not (isinstance(value, torch.Tensor) and value.dim() >= 3 and node.users):
+        return False
+    rank = value.dim()
+    swapped = [*range(rank - 3), rank - 2, rank - 3, rank - 1]
+    return all(user.target is aten.permute.default and [dim % rank for dim in user.args[1]] == swapped for user in node.users)
+
+
 # Elementwise ops that build attention masks from per-query and per-key values (positions,
 # padding, document ids): comparisons, boolean logic, selects, broadcasts.
 _MASK_OPS = frozenset({
@@ -186,6 +259,66 @@ def sink_attention_masks(program: torch.export.ExportedProgram) -> torch.export.
                 attention.args = (*attention.args[:3], sunk, *attention.args[4:])
             else:
                 attention.kwargs = {**attention.kwargs, "attn_mask": sunk}
+        graph.eliminate_dead_code()
+        module.recompile()
+    return program
+
+
+_RESHAPES = frozenset({aten.reshape.default, aten.view.default, aten._unsafe_view.default})
+
+
+def _repeated_heads_source(node) -> torch.fx.Node | None:
+    """The [batch, kv_heads, k, dim] tensor that `node` repeats along its heads as transformers'
+    `repeat_kv` does (`x[:, :, None].expand(b, kv_heads, n, k, dim).reshape(b, kv_heads * n, k, dim)`),
+    or None when `node` is not such a repeat."""
+    if not (isinstance(node, torch.fx.Node) and node.target in _RESHAPES and len(node.users) == 1):
+        return None
+    expanded = node.args[0]
+    if isinstance(expanded, torch.fx.Node) and expanded.target is aten.clone.default and len(expanded.users) == 1:
+        expanded = expanded.args[0]  # torch's decomposition of reshape copies the expanded view first
+    if not (isinstance(expanded, torch.fx.Node) and expanded.target is aten.expand.default and len(expanded.users) == 1):
+        return None
+    inserted = expanded.args[0]
+    if not (isinstance(inserted, torch.fx.Node) and inserted.target is aten.unsqueeze.default and inserted.args[1] == 2
+            and len(inserted.users) == 1):
+        return None
+    source = inserted.args[0]
+    source_value, repeated_value = source.meta.get("val"), node.meta.get("val")
+    if not (isinstance(source_value, torch.Tensor) and isinstance(repeated_value, torch.Tensor) and source_value.dim() == 4
+            and repeated_value.dim() == 4):
+        return None
+    groups = expanded.meta["val"].shape[2]
+    same = [str(a) == str(b) for a, b in zip(source_value.shape, repeated_value.shape)]
+    if not (same[0] and same[2] and same[3] and str(repeated_value.shape[1]) == str(source_value.shape[1] * groups)):
+        return None
+    return source
+
+
+def group_repeated_kv(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Gives each scaled_dot_product_attention the key and value heads its model repeated for it.
+
+    transformers repeats a grouped-query model's key/value heads up to the query heads before
+    `scaled_dot_product_attention` whenever it passes a mask (`repeat_kv`). The attention lowering
+    groups the query heads over the key/value heads instead (lower/attention.py); fed repeated
+    heads, XLA:TPU materializes the repeat, in f32 for a decode step's single query (a one-layer
+    Llama-3.2-1B-shaped decode step, 8 x 4096 on v5e: 2.42 GiB accessed and 0.25 GiB of
+    temporaries, 1.75 GiB and 1 MiB without the repeat). The attention is then called with the
+    unrepeated heads and `enable_gqa=True`, which is torch's meaning of the same attention.
+
+    Args:
+      program: a decomposed program that the lowering stage owns (rewritten in place).
+    Returns:
+      `program`.
+    """
+    for module in graph_modules(program):
+        graph = module.graph
+        for attention in [node for node in graph.nodes if node.target is aten.scaled_dot_product_attention.default]:
+            key, value = attention.args[1], attention.args[2]
+            sources = _repeated_heads_source(key), _repeated_heads_source(value)
+            if None in sources or str(sources[0].meta["val"].shape[1]) != str(sources[1].meta["val"].shape[1]):
+                continue
+            attention.args = (attention.args[0], *sources, *attention.args[3:])
+            attention.kwargs = {**attention.kwargs, "enable_gqa": True}
         graph.eliminate_dead_code()
         module.recompile()
     return program

@@ -9,8 +9,12 @@ Passes, in order:
   check_operators    every operator without a lowering, reported at once with user source lines
   unmerge_batched_matmuls  bmm over merged (batch, heads) dims back to one matmul over both, so
                      that sharding propagation sees them (after the FLOPs are counted on the bmm)
+                     (linear layers' mm/addmm over merged [batch * seq, in] views are traced as a
+                     dot over the unmerged tensor: graph_passes.merged_matmul_operand)
   sink_attention_masks  each attention's [q, k] mask recomputed next to it from its per-query and
                      per-key parts, so that XLA fuses it with the softmax (graph_passes.py)
+  group_repeated_kv  attention gets the key/value heads its model repeated to the query heads, with
+                     enable_gqa (the lowering groups query heads; graph_passes.py)
   collect_weights    parameters, buffers and constants in the program's placeholder order (for a
                      plan, collect_weight_specs: their shapes and dtypes only, nothing read)
   find_runs          runs of identical blocks (a model's layers), their weights stacked (scan.py)
@@ -43,7 +47,8 @@ from tpuexport.errors import TpuExportError, UnsupportedOperatorsError
 from tpuexport.lower import aten_lowerings, attention, control_flow, symbolic_ops  # noqa: F401  (they register tpuexport's own lowerings)
 from tpuexport.lower.cost import matmul_flops_expression
 from tpuexport.lower.custom_ops import custom_operator_decompositions
-from tpuexport.lower.graph_passes import expand_convolution_arguments, reshape_views, sink_attention_masks, unmerge_batched_matmuls
+from tpuexport.lower.graph_passes import (expand_convolution_arguments, group_repeated_kv, merged_matmul_operand, reads_heads_last,
+                                         reshape_views, sink_attention_masks, unmerge_batched_matmuls)
 from tpuexport.lower.matmul_precision import DECISION_SCOPE, MATMUL_PRECISIONS, decision_matmuls, pin_matmul_precision
 from tpuexport.lower.mixed_precision import (PRECISIONS, cast_arguments, cast_result, input_compute_dtype, is_quantization_op,
                                              kept_f32_meetings, resolve_precision, stored_dtype, stored_weight)
@@ -280,7 +285,7 @@ def lower(
     check_operators(decomposed)
     # torch's FLOP counter knows bmm, not the matmul the next pass makes of it.
     flops = matmul_flops_expression(decomposed, signature)
-    decomposed = sink_attention_masks(unmerge_batched_matmuls(decomposed))
+    decomposed = group_repeated_kv(sink_attention_masks(unmerge_batched_matmuls(decomposed)))
     lowered = lower_decomposed(decomposed, signature, precision, matmul_precision, scan, weights, weight_only, keep_f32)
     return dataclasses.replace(lowered, matmul_flops=flops)
 
@@ -565,7 +570,10 @@ class _TracingInterpreter:
                     return outputs.get(node)
                 if node in skipped:
                     return None
-                return super().run_node(node)
+                value = super().run_node(node)
+                if node.op == "placeholder" and isinstance(value, jax.Array):  # ops record theirs in call_function
+                    owner.shapes[node] = value.shape
+                return value
 
             def call_node(self, node, args, kwargs):
                 """One op of a scan body, run as run_node would run it."""
@@ -582,9 +590,25 @@ class _TracingInterpreter:
                 own = own_lowering(target)
                 # A matmul feeding a decision is traced under a scope its StableHLO ops keep, so it is pinned HIGHEST.
                 scope = jax.named_scope(DECISION_SCOPE + owner.node.name) if owner.node in decisions else contextlib.nullcontext()
+                node = owner.node
+                unmerged = merged_matmul_operand(node)
+                if unmerged is not None and unmerged[1] in owner.shapes:  # a linear layer over [batch, seq, in]
+                    position, source = unmerged
+                    merged_rows = args[position].shape[0]
+                    unmerged_matrix = args[position].reshape(*owner.shapes[source][:-1], args[position].shape[-1])
+                    args = (*args[:position], unmerged_matrix, *args[position + 1:])
+                else:
+                    merged_rows = None
+                if target is torch.ops.aten.scaled_dot_product_attention.default and reads_heads_last(node):
+                    kwargs = {**kwargs, "read_heads_last": True}
                 with scope:
                     result = own(*args, **kwargs) if own is not None else super().call_function(target, args, kwargs)
-                return cast_result(precision, target, result)
+                if merged_rows is not None:
+                    result = result.reshape(merged_rows, result.shape[-1])
+                result = cast_result(precision, target, result)
+                if isinstance(result, jax.Array):
+                    owner.shapes[node] = result.shape
+                return result
 
             def get_attr(self, target, args, kwargs):
                 value = super().get_attr(target, args, kwargs)
@@ -595,6 +619,9 @@ class _TracingInterpreter:
         self.node = None
         self.weights: dict = {}  # the program's weights by name while tracing, stacked ones among them
         self.before_scan: dict = {}  # {run's last op: blocks run on their own before its scan}
+        # {op: its value's shape as last traced} (a scan body's ops too): a linear layer's dot is
+        # traced over its input's unmerged dims (graph_passes.merged_matmul_operand).
+        self.shapes: dict = {}
         self.interpreter = Interpreter(graph_module)
         # A scan reads values computed outside its run after their last use in graph order
         # (the ops that used them are skipped), so no value is dropped early.
