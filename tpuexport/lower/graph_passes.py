@@ -18,6 +18,11 @@ def graph_modules(program: torch.export.ExportedProgram) -> list[torch.fx.GraphM
     return [module for module in program.graph_module.modules() if isinstance(module, torch.fx.GraphModule)]
 
 
+def attention_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The graph's scaled_dot_product_attention ops, listed first so that a pass may rewrite around them."""
+    return [node for node in graph.nodes if node.target is aten.scaled_dot_product_attention.default]
+
+
 def _mutated(node: torch.fx.Node) -> bool:
     """Whether an operator that writes into its arguments uses `node`."""
     return any(isinstance(user.target, torch._ops.OpOverload) and user.target._schema.is_mutable for user in node.users)
@@ -237,7 +242,7 @@ def sink_attention_masks(program: torch.export.ExportedProgram) -> torch.export.
     """
     for module in graph_modules(program):
         graph = module.graph
-        for attention in [node for node in graph.nodes if node.target is aten.scaled_dot_product_attention.default]:
+        for attention in attention_nodes(graph):
             mask = attention.args[3] if len(attention.args) > 3 else attention.kwargs.get("attn_mask")
             if not (isinstance(mask, torch.fx.Node) and mask.target in _MASK_OPS and _query_by_key(mask)):
                 continue
@@ -312,7 +317,7 @@ def group_repeated_kv(program: torch.export.ExportedProgram) -> torch.export.Exp
     """
     for module in graph_modules(program):
         graph = module.graph
-        for attention in [node for node in graph.nodes if node.target is aten.scaled_dot_product_attention.default]:
+        for attention in attention_nodes(graph):
             key, value = attention.args[1], attention.args[2]
             sources = _repeated_heads_source(key), _repeated_heads_source(value)
             if None in sources or str(sources[0].meta["val"].shape[1]) != str(sources[1].meta["val"].shape[1]):

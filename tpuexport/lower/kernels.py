@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from tpuexport.errors import TpuExportError
 from tpuexport.lower.attention import KERNEL_MIN_KEYS, recording_kernel_uses
+from tpuexport.lower.graph_passes import attention_nodes
 from tpuexport.lower.lowering import LoweredProgram, lower_decomposed
 from tpuexport.signature import ProgramSignature
 
@@ -171,7 +172,7 @@ def kernel_graph(program: torch.export.ExportedProgram, signature: ProgramSignat
     symbols = _symbol_sizes(module.graph, shapes)
     reasons, rewritten = set(), 0
     graph = module.graph
-    for attention in [node for node in graph.nodes if node.target is aten.scaled_dot_product_attention.default]:
+    for attention in attention_nodes(graph):
         keys = _static_size(attention.args[1].meta["val"].shape[-2], symbols)
         if keys is not None and keys < KERNEL_MIN_KEYS:  # plan_kernel would say so after tracing the bucket again
             reasons.add(f"{keys} keys: below {KERNEL_MIN_KEYS} XLA's fused attention reads fewer bytes than the kernel")
