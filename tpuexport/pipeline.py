@@ -370,6 +370,16 @@ def lower_forward(captured: export_stage.CapturedModel, options: ConversionOptio
     return LoweredForward(captured, float_reference, quantized, weight_only, lowered)
 
 
+def _verification_tolerances(lowered: lower_stage.LoweredProgram, options: ConversionOptions,
+                             quantized: bool) -> verify_stage.VerificationTolerances:
+    """The tolerances a program is verified with: the defaults of what it computes in and of its
+    quantization (PT2E int8), with the options' overrides."""
+    return verify_stage.with_overrides(
+        verify_stage.default_tolerances(lowered.resolved_precision, options.matmul_precision, quantized),
+        **options.tolerance_overrides,
+    )
+
+
 def verify_forward(forward: LoweredForward, options: ConversionOptions,
                    requested_sizes: tuple[dict[str, int], ...] = ()) -> verify_stage.VerificationReport:
     """The verify pass of a forward conversion: the program's CPU runs at the planned sizes against
@@ -384,10 +394,7 @@ def verify_forward(forward: LoweredForward, options: ConversionOptions,
       The VerificationReport, passed or not (its `tolerances` are the ones applied).
     """
     quantized = forward.quantized is not None
-    tolerances = verify_stage.with_overrides(
-        verify_stage.default_tolerances(forward.lowered.resolved_precision, options.matmul_precision, quantized),
-        **options.tolerance_overrides,
-    )
+    tolerances = _verification_tolerances(forward.lowered, options, quantized)
     report = verify_stage.verify(forward.lowered, forward.captured.reference, forward.captured.example_inputs, tolerances,
                                  options.verify_budget_flops, requested_sizes, check_op_by_op=quantized)
     if quantized:
@@ -832,9 +839,7 @@ def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOpt
         report = None
         if not plan_only:
             with clock.stage("verify", lambda: _describe_generation(report)):
-                tolerances = verify_stage.with_overrides(
-                    verify_stage.default_tolerances(lowered["decode"].resolved_precision, options.matmul_precision, quantized is not None),
-                    **options.tolerance_overrides)
+                tolerances = _verification_tolerances(lowered["decode"], options, quantized is not None)
                 if quantized:  # int8: against the PT2E entry points, as forward int8 programs are
                     references = {name: result.captured.reference for name, result in quantized.items()}
                     report = verify_stage.verify_quantized_generation(program, model, references, tolerances, options.new_tokens)
