@@ -215,6 +215,27 @@ def test_an_additive_causal_mask_from_sizes_alone_gets_the_kernel(masked_value):
     assert bucket.exported is not None and [(use.kernel, use.causal) for use in bucket.uses] == [("flash_attention", True)]
 
 
+class RoutedAttention(nn.Module):
+    """Causal attention whose output a router's top-k reads: the attention feeds a decision."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention, self.router = CausalPaddedAttention(padding=False), nn.Linear(128, 4)
+
+    def forward(self, x, attention_mask):
+        hidden = self.attention(x, attention_mask)
+        weights, chosen = self.router(hidden).softmax(-1).topk(2)
+        return hidden * weights.sum(-1, keepdim=True), chosen
+
+
+def test_f32_attention_feeding_a_decision_keeps_its_pinned_precision_not_the_kernel():
+    captured = capture(_source(RoutedAttention()))
+    lowered = lower(captured.program, captured.signature)
+    assert "attention" in {entry["module"] for entry in lowered.decision_matmuls}
+    bucket = lower_bucket_kernels(lowered, {"seq": KERNEL_SEQ})
+    assert bucket.exported is None and "feeds a discrete decision" in bucket.reason
+
+
 def test_text_generation_prefill_gets_flash_attention_and_decode_says_why_not(tmp_path):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,

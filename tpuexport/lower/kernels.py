@@ -37,6 +37,7 @@ from tpuexport.errors import TpuExportError
 from tpuexport.lower.attention import KERNEL_MIN_KEYS, recording_kernel_uses
 from tpuexport.lower.graph_passes import attention_nodes
 from tpuexport.lower.lowering import LoweredProgram, lower_decomposed
+from tpuexport.lower.matmul_precision import decision_matmuls
 from tpuexport.signature import ProgramSignature
 
 aten = torch.ops.aten
@@ -174,7 +175,12 @@ def kernel_graph(program: torch.export.ExportedProgram, signature: ProgramSignat
     symbols = _symbol_sizes(module.graph, shapes)
     reasons, rewritten = set(), 0
     graph = module.graph
+    feeding_decisions = decision_matmuls(graph)
     for attention in attention_nodes(graph):
+        if attention in feeding_decisions and attention.args[0].meta["val"].dtype == torch.float32:
+            reasons.add("it feeds a discrete decision (e.g. a mixture of experts' routing): its f32 dots are pinned to highest "
+                        "precision, which the kernel does not compute")
+            continue
         keys = _static_size(attention.args[1].meta["val"].shape[-2], symbols)
         if keys is not None and keys < KERNEL_MIN_KEYS:  # plan_kernel would say so after tracing the bucket again
             reasons.add(f"{keys} keys: below {KERNEL_MIN_KEYS} XLA's fused attention reads fewer bytes than the kernel")
