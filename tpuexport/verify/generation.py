@@ -316,7 +316,8 @@ def compare_run(actual: np.ndarray, expected: np.ndarray, eager_tokens: list[lis
 
 def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolerances: VerificationTolerances | None = None,
                       new_tokens: int = DEFAULT_NEW_TOKENS,
-                      float_reference: list[list[tuple[list[int], np.ndarray]]] | None = None) -> GenerationReport:
+                      float_reference: list[list[tuple[list[int], np.ndarray]]] | None = None,
+                      first_seed: int = 0) -> GenerationReport:
     """Generates with the artifact's entry points on CPU and compares with Hugging Face generate.
 
     Args:
@@ -327,6 +328,8 @@ def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolera
       new_tokens: tokens generated per prompt (fewer where the context has no room).
       float_reference: a weight-only program's float model generations (eager_references, taken
         before the weights were rounded): each case then measures its FloatDivergence.
+      first_seed: the seed of the first prefill bucket's prompts (each next bucket's is one more);
+        0 is what a conversion verifies (and float_reference was drawn with), others give fresh prompts.
     Returns:
       The GenerationReport, passed or not, with golden data (prompts, eager tokens and logits).
     """
@@ -337,7 +340,7 @@ def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolera
     runners = {"tpu": cpu_runner(program, faithful), "cpu": cpu_runner(program)}
     cases, golden = [], {}
     for index, sizes in enumerate(program.prefill_buckets()):
-        prompts, slots, steps = plan_prompts(program, sizes, new_tokens, seed=index)
+        prompts, slots, steps = plan_prompts(program, sizes, new_tokens, seed=first_seed + index)
         lengths = tuple(len(prompt) for prompt in prompts)
         try:
             eager = [eager_generate(model, prompt, steps) for prompt in prompts]
