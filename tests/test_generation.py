@@ -179,6 +179,19 @@ class ShiftedRotaryDecode(Decode):
         return super().hidden_states(tokens, mask, positions + 1, cache)
 
 
+def test_eager_generation_ignores_the_models_own_eos_token():
+    """generate() took the EOS token from the model's generation_config and stopped rows early, so
+    rows of one case had different lengths (a crash in verification; benchmarks/fuzz_generation.py)."""
+    from tpuexport.verify.generation import eager_generate
+
+    model = tiny_llama()
+    first, _ = eager_generate(model, [5, 17, 42], 1)
+    model.generation_config.eos_token_id = first[0]
+    tokens, logits = eager_generate(model, [5, 17, 42], 6)
+    assert len(tokens) == 6 and logits.shape == (6, model.config.vocab_size) and tokens[0] == first[0]
+    assert model.generation_config.eos_token_id == first[0]  # the model's own config is back
+
+
 @pytest.mark.parametrize("buggy_decode", [OffByOneDecode, UnwrittenDecode, ShiftedRotaryDecode], ids=lambda cls: cls.__name__)
 def test_planted_cache_bugs_fail_verification(llama_generation, buggy_decode):
     artifact, model = llama_generation

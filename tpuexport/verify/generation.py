@@ -245,9 +245,18 @@ def eager_generate(model: torch.nn.Module, prompt: Sequence[int], new_tokens: in
 
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=0, do_sample=False, num_beams=1, eos_token_id=None,
                               pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    with torch.no_grad():
-        output = model.generate(torch.tensor([list(prompt)]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
-                                generation_config=config)
+    # generate() fills what the config leaves None (eos_token_id among them) from the model's own
+    # generation_config: a model whose config names an EOS token stopped its rows at different steps
+    # (found by benchmarks/fuzz_generation.py, a Gemma with EOS 1 in a 60-token vocabulary). The
+    # model's is swapped for the defaults while generating, and put back.
+    own_config = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        with torch.no_grad():
+            output = model.generate(torch.tensor([list(prompt)]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
+                                    generation_config=config)
+    finally:
+        model.generation_config = own_config
     tokens = [int(token) for token in output.sequences[0, len(prompt):]]
     logits = np.stack([step[0].float().numpy() for step in output.logits])
     return tokens, logits
