@@ -3,6 +3,7 @@
     python benchmarks/kernels.py            # both tables (about a minute)
     python benchmarks/kernels.py sizes      # XLA's attention vs the kernel on v5e per sequence length
     python benchmarks/kernels.py targets    # the kernel compiled for every chip tpuexport targets
+    python benchmarks/kernels.py prefill [--layers N]   # text generation's prefill with and without kernels (minutes)
 
 sizes: attention alone at 8 x seq, 32 query / 8 key-value heads of 64, bfloat16, causal, compiled
 for v5e: tpuexport's portable lowering (lower/attention.py, as the kernel-free program computes it)
@@ -12,6 +13,10 @@ The rule plan_kernel applies (KERNEL_MIN_KEYS) comes from this table.
 
 targets: the kernel path at 2 x 1024, 4 heads of 64, causal with a padding mask (segment ids),
 compiled for each single chip of tpuexport's TARGETS: its temporaries, or XLA's error.
+
+prefill: a Llama-3.2-1B-shaped causal LM (bf16, meta weights, `--layers` decoder layers) planned
+with --task text-generation for v5e, cache 8 x 4096, prefill buckets batch 1 and 8 x seq 2048, with
+--kernels auto and none: each executable's XLA bytes accessed and temporaries, and its kernels.
 """
 
 from __future__ import annotations
@@ -87,15 +92,43 @@ def targets() -> list[str]:
     return lines
 
 
+def prefill(layers: int) -> list[str]:
+    import tempfile
+
+    import torch
+    import transformers
+
+    import tpuexport
+
+    config = transformers.LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers,
+                                      num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
+                                      tie_word_embeddings=True, torch_dtype=torch.bfloat16)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    lines = [f"Llama-3.2-1B dims, {layers} layer(s), bf16, v5e; cache 8 x 4096; prefill batch 1 and 8 x seq 2048 (plan, meta weights)", "",
+             "| --kernels | entry point | bucket | XLA bytes accessed GB | temporaries MiB | program | attention |", "|---|---|---|---|---|---|---|"]
+    for mode in ("none", "auto"):
+        with tempfile.TemporaryDirectory() as scratch:
+            artifact = tpuexport.convert(model, task="text-generation", max_context=4096, max_batch=8, buckets={"seq": [2048]},
+                                         target="v5e", out=pathlib.Path(scratch) / "plan.tpu", weights=False, kernels=mode)
+            for bucket in artifact.manifest["targets"]["v5e"]["buckets"]:
+                kernels = bucket.get("kernels") or {}
+                used = sorted({use.get("kernel") or "xla" for use in kernels.get("attention", [])}) or ["-"]
+                lines.append(f"| {mode} | {bucket['entry_point']} | {bucket['name']} | {bucket['cost']['bytes_accessed'] / 1e9:.2f} | "
+                             f"{bucket['memory']['temp_bytes'] / 2**20:.0f} | {kernels.get('program', 'portable')} | {', '.join(used)} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("tables", nargs="*", metavar="sizes|targets", help="which tables (default both)")
+    parser.add_argument("tables", nargs="*", metavar="sizes|targets|prefill", help="which tables (default sizes and targets)")
+    parser.add_argument("--layers", type=int, default=2, help="prefill: decoder layers")
     options = parser.parse_args()
-    tables = {"sizes": sizes, "targets": targets}
+    tables = {"sizes": sizes, "targets": targets, "prefill": lambda: prefill(options.layers)}
     if set(options.tables) - set(tables):
-        parser.error(f"unknown table(s) {sorted(set(options.tables) - set(tables))}; choose from sizes, targets")
+        parser.error(f"unknown table(s) {sorted(set(options.tables) - set(tables))}; choose from sizes, targets, prefill")
     warnings.filterwarnings("ignore")
-    for table in options.tables or list(tables):
+    for table in options.tables or ["sizes", "targets"]:
         print("\n".join(tables[table]()) + "\n", flush=True)
 
 
