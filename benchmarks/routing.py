@@ -3,7 +3,7 @@ route every token as eager PyTorch does? Prints, per verified case, the mismatch
 runs (outliers the 1-in-10^4 allowance would have to absorb) and the matmuls pinned to highest.
 
     python benchmarks/routing.py                 # the coverage Mixtral, up to batch 64 x seq 128
-    python benchmarks/routing.py --matmul-precision highest     # every matmul pinned, not only the routers
+    python benchmarks/routing.py --matmul-precision highest     # every matmul pinned, not only the routers' cone
 
 The family's dims are widened to batch 1..64 so that batch 64 x seq 128 is a verified size.
 """

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 
 import tpuexport
@@ -24,25 +25,28 @@ class CausalPaddedAttention(nn.Module):
     """Grouped-query self-attention over a right- or left-padded batch, its mask built as transformers
     builds one: a causal [q, k] compare of positions AND a per-key padding mask."""
 
-    def __init__(self, hidden=128, heads=4, kv_heads=2, window: int | None = None, float_mask=False):
+    def __init__(self, hidden=128, heads=4, kv_heads=2, window: int | None = None, float_mask=False, padding=True,
+                 masked_value=float("-inf")):
         super().__init__()
         torch.manual_seed(0)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
         self.q = nn.Linear(hidden, hidden)
         self.kv = nn.Linear(hidden, 2 * kv_heads * self.head_dim)
         self.out = nn.Linear(hidden, hidden)
-        self.window, self.float_mask = window, float_mask
+        self.window, self.float_mask, self.padding, self.masked_value = window, float_mask, padding, masked_value
 
     def forward(self, x, attention_mask):
         batch, seq, _ = x.shape
         query = self.q(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
         key, value = self.kv(x).view(batch, seq, 2 * self.kv_heads, self.head_dim).transpose(1, 2).chunk(2, dim=1)
         positions = torch.arange(seq, device=x.device)
-        mask = (positions[None, None, :, None] >= positions[None, None, None, :]) & attention_mask.bool()[:, None, None, :]
+        mask = positions[None, None, :, None] >= positions[None, None, None, :]
+        if self.padding:
+            mask = mask & attention_mask.bool()[:, None, None, :]
         if self.window is not None:
             mask = mask & (positions[None, None, :, None] - positions[None, None, None, :] < self.window)
         if self.float_mask:
-            mask = torch.where(mask, 0.0, float("-inf"))
+            mask = torch.where(mask, 0.0, self.masked_value)
         attended = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
         return self.out(attended.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -193,12 +197,60 @@ def test_a_planted_kernel_bug_keeps_the_portable_program(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("options, reason", [
     ({"window": 64}, "a mask other than causal and padding"),
-    ({"float_mask": True}, "a float attention mask"),
+    ({"float_mask": True}, "a float attention mask"),  # its padding part is read from the inputs
+    ({"float_mask": True, "padding": False, "masked_value": -1e4}, "a float attention mask"),  # scores biased, not hidden
 ])
 def test_masks_the_kernel_cannot_express_keep_the_portable_program(options, reason):
     captured = capture(_source(CausalPaddedAttention(**options)))
     bucket = lower_bucket_kernels(lower(captured.program, captured.signature), {"seq": KERNEL_SEQ})
     assert bucket.exported is None and reason in bucket.reason
+
+
+@pytest.mark.parametrize("masked_value", [float("-inf"), torch.finfo(torch.float32).min])
+def test_an_additive_causal_mask_from_sizes_alone_gets_the_kernel(masked_value):
+    """0 where a key is seen and -inf or the dtype's lowest value elsewhere (text generation's prefill
+    builds its causal mask so, as transformers does): the kernel's causal flag."""
+    captured = capture(_source(CausalPaddedAttention(float_mask=True, padding=False, masked_value=masked_value)))
+    bucket = lower_bucket_kernels(lower(captured.program, captured.signature), {"seq": KERNEL_SEQ})
+    assert bucket.exported is not None and [(use.kernel, use.causal) for use in bucket.uses] == [("flash_attention", True)]
+
+
+class RoutedAttention(nn.Module):
+    """Causal attention whose output a router's top-k reads: the attention feeds a decision."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention, self.router = CausalPaddedAttention(padding=False), nn.Linear(128, 4)
+
+    def forward(self, x, attention_mask):
+        hidden = self.attention(x, attention_mask)
+        weights, chosen = self.router(hidden).softmax(-1).topk(2)
+        return hidden * weights.sum(-1, keepdim=True), chosen
+
+
+def test_f32_attention_feeding_a_decision_keeps_its_pinned_precision_not_the_kernel():
+    captured = capture(_source(RoutedAttention()))
+    lowered = lower(captured.program, captured.signature)
+    assert "attention" in {entry["module"] for entry in lowered.decision_matmuls}
+    bucket = lower_bucket_kernels(lowered, {"seq": KERNEL_SEQ})
+    assert bucket.exported is None and "feeds a discrete decision" in bucket.reason
+
+
+def test_text_generation_prefill_gets_flash_attention_and_decode_says_why_not(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=2 * KERNEL_SEQ)
+    model = transformers.LlamaForCausalLM(config).eval()
+    artifact = tpuexport.convert(model, task="text-generation", max_context=2 * KERNEL_SEQ, max_batch=1, buckets={"seq": [KERNEL_SEQ]},
+                                 target="v5e", out=tmp_path / "llama.tpu", weights=False)
+    buckets = {bucket["entry_point"]: bucket for bucket in artifact.manifest["targets"]["v5e"]["buckets"]}
+    prefill, decode = buckets["prefill"]["kernels"], buckets["decode"]["kernels"]
+    assert prefill["program"] == "static with kernels"
+    assert [(use["kernel"], use["causal"], use["shape"]["kv_heads"]) for use in prefill["attention"]] == [("flash_attention", True, 2)]
+    assert decode["program"] == "portable" and "decode attention kernel is not used yet" in decode["reason"]
+    kernels = artifact.manifest["kernels"]
+    assert list(kernels["programs"]) == [f"prefill/seq{KERNEL_SEQ}"] and all(check["passed"] for check in kernels["verification"])
+    assert kernels["programs"][f"prefill/seq{KERNEL_SEQ}"] in artifact.manifest["files"]
 
 
 def test_unknown_kernels_mode_is_one_clear_error(tmp_path):

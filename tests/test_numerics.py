@@ -117,6 +117,23 @@ def test_tpu_faithful_run_multiplies_bf16_operands_as_the_tpu_does(setting, pass
     assert np.abs(actual - x.astype(np.float64) @ w).max() > 1e-6  # not f32: the rounding is really there
 
 
+def test_the_tpu_faithful_run_rounds_at_large_sizes_too():
+    """XLA:CPU keeps excess precision where it may: without the optimization barrier it removed the
+    f32 -> bf16 -> f32 rounding from the coverage Mixtral's whole TPU-faithful run from 4,096
+    tokens on (32 x 128: the same outputs as the f32 run), while it rounded at 16 x 128."""
+    from families import FAMILIES
+    from tpuexport.verify.verification import ProgramRuns
+
+    built = FAMILIES["mixtral"].build()
+    dims = {0: torch.export.Dim("batch", min=1, max=32), 1: torch.export.Dim("seq", min=2, max=128)}
+    captured = capture(LoadedSource(built["model"], built["args"], {name: dims for name in built["dynamic_shapes"]}, None,
+                                    SourceInfo("api")))
+    runs = ProgramRuns(lower(captured.program, captured.signature))
+    tokens = np.random.default_rng(0).integers(0, 1000, (32, 128)).astype(np.int32)
+    outputs = runs.run([tokens, np.ones_like(tokens)])
+    assert np.abs(np.asarray(outputs["tpu"][0]) - np.asarray(outputs["cpu"][0])).max() > 1e-4
+
+
 def test_verification_runs_both_and_gates_on_the_tpu_arithmetic(model):
     lowered = lower(model.program, model.signature)
     report = verify(lowered, model.reference, model.example_inputs)
@@ -189,50 +206,57 @@ def test_cli_matmul_precision_and_verify_options(tmp_path):
 
 
 class BestItem(torch.nn.Module):
-    """Index of the best-scoring item: a discrete output that the TPU's bf16 operand rounding can change.
-    With `project`, the scores come from a matmul that does not feed the argmax directly (only the
-    scoring matmul is pinned to highest by default, see test_a_matmul_feeding_a_decision_is_pinned_to_highest)."""
+    """Index of the best-scoring item (a discrete decision: its matmuls are pinned to highest by
+    default, the projection's too, see test_matmuls_feeding_a_decision_are_pinned_to_highest), or with
+    `threshold` whether each item's score is above it: a discrete output that is no decision op, so
+    the TPU's bf16 operand rounding changes it unless the user asks for more precision."""
 
-    def __init__(self, project: bool = False):
+    def __init__(self, project: bool = False, threshold: float | None = None):
         super().__init__()
         self.project = torch.nn.Linear(2, 2, bias=False) if project else torch.nn.Identity()
         self.score = torch.nn.Linear(2, 1, bias=False)
+        self.threshold = threshold
         with torch.no_grad():
             self.score.weight.fill_(1.0)
             if project:
                 self.project.weight.copy_(torch.eye(2))
 
     def forward(self, items):
-        return self.score(self.project(items)).squeeze(-1).argmax(-1)
+        scores = self.score(self.project(items)).squeeze(-1)
+        return scores.argmax(-1) if self.threshold is None else scores > self.threshold
 
 
-# 1e-3 and 1.0005e-3 round to the same bfloat16: in one bf16 pass the two items tie (argmax picks
-# the first), in f32 the second wins.
+# 1e-3 and 1.0005e-3 round to the same bfloat16 (9.9945e-4): in one bf16 pass the two items tie
+# (argmax picks the first; both score 1.00099945, under 1.0010002), in f32 the second wins (1.001 < 1.0010002 < 1.0010005).
 TIED_IN_BF16 = torch.tensor([[[1.0, 1e-3], [1.0, 1.0005e-3]]] * 2)
+BETWEEN_THE_SCORES = 1.0010002
 
 
 def test_a_discrete_output_the_tpu_would_change_fails_with_the_precision_named(tmp_path):
     items = TIED_IN_BF16
     batch = torch.export.Dim("batch", min=1, max=4)
     with pytest.raises(tpuexport.VerificationError) as failure:
-        tpuexport.convert(BestItem(project=True), (items,), {"items": {0: batch}}, out=tmp_path / "best.tpu", saved_model=False)
+        tpuexport.convert(BestItem(threshold=BETWEEN_THE_SCORES), (items,), {"items": {0: batch}}, out=tmp_path / "best.tpu",
+                          saved_model=False)
     assert "output 'output_0' at batch=2 (tpu run)" in str(failure.value) and "--matmul-precision high or highest" in str(failure.value)
-    artifact = tpuexport.convert(BestItem(project=True), (items,), {"items": {0: batch}}, out=tmp_path / "best.tpu", saved_model=False,
-                                 matmul_precision="highest")
-    assert artifact.run(items).tolist() == [1, 1]
+    artifact = tpuexport.convert(BestItem(threshold=BETWEEN_THE_SCORES), (items,), {"items": {0: batch}}, out=tmp_path / "best.tpu",
+                                 saved_model=False, matmul_precision="highest")
+    assert artifact.run(items).tolist() == [[False, True]] * 2
 
 
-def test_a_matmul_feeding_a_decision_is_pinned_to_highest():
-    """The scoring matmul feeds the argmax directly: pinned HIGHEST under the default setting (so the
-    TPU ranks as f32 does), recorded per op, and the TPU-faithful run keeps it f32."""
+def test_matmuls_feeding_a_decision_are_pinned_to_highest():
+    """The scoring matmul feeds the argmax directly, the projection through it: both pinned HIGHEST
+    under the default setting (so the TPU ranks as f32 does), recorded per op, and the TPU-faithful
+    run keeps them f32."""
     items = TIED_IN_BF16
-    captured = capture(LoadedSource(BestItem(), (items,), {"items": {0: torch.export.Dim("batch", min=1, max=4)}}, None, SourceInfo("api")))
+    captured = capture(LoadedSource(BestItem(project=True), (items,), {"items": {0: torch.export.Dim("batch", min=1, max=4)}}, None,
+                                    SourceInfo("api")))
     lowered = lower(captured.program, captured.signature)
     assert lowered.matmul_precision == "default"
-    assert [(entry["module"], entry["feeds"], entry["precision"]) for entry in lowered.decision_matmuls] == [
-        ("score", "aten.argmax.default", "highest")]
+    assert sorted((entry["module"], entry["feeds"], entry["precision"]) for entry in lowered.decision_matmuls) == [
+        ("project", "aten.argmax.default", "highest"), ("score", "aten.argmax.default", "highest")]
     dots = [line for line in lowered.exported.mlir_module().splitlines() if "stablehlo.dot_general" in line]
-    assert dots and all("HIGHEST" in line for line in dots)
+    assert len(dots) >= 2 and all("HIGHEST" in line for line in dots)
     report = verify(lowered, captured.reference, captured.example_inputs)
     assert report.passed and all(output.mismatched == 0 for case in report.cases for output in case.runs["tpu"])
 

@@ -800,7 +800,9 @@ def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOpt
             {**dict(checkpoint_model.named_parameters(remove_duplicate=False)), **dict(checkpoint_model.named_buffers(remove_duplicate=False))},
             loaded.checkpoint.description, loaded.checkpoint.name)
         captured = {}
-        for name, (args, dynamic_shapes) in export_stage.example_arguments(spec, "meta" if plan_only or state is not None else "cpu").items():
+        # A plan of a model built on the CPU exports with its CPU weights, as a forward plan does.
+        on_meta = state is not None or (plan_only and export_stage.weights_on_meta(model))
+        for name, (args, dynamic_shapes) in export_stage.example_arguments(spec, "meta" if on_meta else "cpu").items():
             source = export_stage.LoadedSource(modules[name], args, dynamic_shapes, None, loaded.info, checkpoint=state)
             captured[name] = export_stage.capture(export_stage.on_meta_device(source) if plan_only else source)
     weight_only = _weight_only_scheme(options)
@@ -829,10 +831,7 @@ def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOpt
              for name, entry in lowered.items()}
     with contextlib.ExitStack() as running:
         # Every executable donates its inputs (compile_child.py): the cache's buffers become its outputs.
-        # Kernels stay off here for now: the decode step's attention reads the KV cache (paged/ragged kernels), not flash's form.
-        kernels = {name: {bucket.name: lower_stage.BucketKernels(bucket.as_dict(), None, reason="text generation: kernels not used "
-                                                                 "for prefill and decode yet") for bucket in buckets[name]}
-                   if options.kernels == "auto" else None for name in lowered}
+        kernels, kernel_checks = _generation_kernels(options.kernels, lowered, buckets, targets, clock)
         jobs = {name: running.enter_context(compile_stage.CompileJob(entry, targets, buckets[name], _compiled_event(clock, entry, name),
                                                                      plans[name], kernels[name]))
                 for name, entry in lowered.items()}
@@ -864,8 +863,31 @@ def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOpt
         artifact_stage.write_generation_artifact(options.out, source=loaded.info, program=program, compiled=compiled,
                                                  verification=report, stage_seconds=clock.seconds, overwrite=options.overwrite,
                                                  weights_file=weights_file, extra_writers=_source_writers(loaded) + _generation_quantization(lowered["decode"], weight_only)
-                                                 + _generation_int8_report(quantized, program, compiled, report, clock))
+                                                 + _generation_int8_report(quantized, program, compiled, report, clock) + (artifact_stage.kernels_writer(
+                                                     options.kernels, {f"{name}/{bucket}": lowering for name, entry in kernels.items()
+                                                                       for bucket, lowering in (entry or {}).items()},
+                                                     [check.to_json() for check in kernel_checks.values()]),))
     return artifact_stage.load(options.out)
+
+
+# Why decode keeps XLA's attention: its query is one token over the whole cache (flash's blocks are
+# query-by-key tiles); a ragged/paged decode kernel reads the cache in the layout it pages.
+DECODE_KERNEL_REASON = ("decode: one query per row over the KV cache; the flash kernel tiles queries, and a ragged/paged "
+                        "decode attention kernel is not used yet")
+
+
+def _generation_kernels(mode: str, lowered: dict, buckets: dict, targets: list, clock: StageClock) -> tuple[dict, dict]:
+    """The kernels pass of a text-generation conversion: prefill's buckets as a forward program's
+    (its causal attention over the prompt is flash attention's form), decode without kernels.
+
+    Returns:
+      ({entry point: {bucket name: BucketKernels} or None for mode "none"}, prefill's kernel checks).
+    """
+    if mode == "none":
+        return {name: None for name in lowered}, {}
+    prefill, checks = _bucket_kernels(mode, lowered["prefill"], buckets["prefill"], targets, clock)
+    decode = {bucket.name: lower_stage.BucketKernels(bucket.as_dict(), None, reason=DECODE_KERNEL_REASON) for bucket in buckets["decode"]}
+    return {"prefill": prefill, "decode": decode}, checks
 
 
 def _dequantized_weights(module: torch.nn.Module, lowered: lower_stage.LoweredProgram, scheme):

@@ -11,7 +11,9 @@ comparison 's' < '128' is inconclusive") and run on CPU only in interpret mode. 
                  The mask's parts are found in the graph: it is an AND of terms; a term computed
                  from the bucket's sizes alone (positions from arange) is evaluated here, at the
                  bucket's sizes, and must be all true or exactly the causal triangle; a term read
-                 from the inputs (padding) must be [batch, 1, 1, k] or [batch, 1, q, 1].
+                 from the inputs (padding) must be [batch, 1, 1, k] or [batch, 1, q, 1]. A float
+                 (additive) mask is taken when it is computed from sizes alone and holds only 0
+                 and -inf / the dtype's lowest value: the boolean mask it is.
   lower again    the copy lowered at the bucket's static input shapes, for TPU only; the lowering
                  of each attention_kernel (lower/attention.py) uses the kernel where it pays
                  (plan_kernel: enough keys, a block size dividing the sequence) and records a
@@ -35,6 +37,7 @@ from tpuexport.errors import TpuExportError
 from tpuexport.lower.attention import KERNEL_MIN_KEYS, recording_kernel_uses
 from tpuexport.lower.graph_passes import attention_nodes
 from tpuexport.lower.lowering import LoweredProgram, lower_decomposed
+from tpuexport.lower.matmul_precision import decision_matmuls
 from tpuexport.signature import ProgramSignature
 
 aten = torch.ops.aten
@@ -172,7 +175,12 @@ def kernel_graph(program: torch.export.ExportedProgram, signature: ProgramSignat
     symbols = _symbol_sizes(module.graph, shapes)
     reasons, rewritten = set(), 0
     graph = module.graph
+    feeding_decisions = decision_matmuls(graph)
     for attention in attention_nodes(graph):
+        if attention in feeding_decisions and attention.args[0].meta["val"].dtype == torch.float32:
+            reasons.add("it feeds a discrete decision (e.g. a mixture of experts' routing): its f32 dots are pinned to highest "
+                        "precision, which the kernel does not compute")
+            continue
         keys = _static_size(attention.args[1].meta["val"].shape[-2], symbols)
         if keys is not None and keys < KERNEL_MIN_KEYS:  # plan_kernel would say so after tracing the bucket again
             reasons.add(f"{keys} keys: below {KERNEL_MIN_KEYS} XLA's fused attention reads fewer bytes than the kernel")
@@ -243,13 +251,20 @@ def _mask_form(attention: torch.fx.Node, shapes: dict[str, tuple]):
     if mask is None:
         return causal, None, None, scale
     value = mask.meta.get("val")
-    if value is None or value.dtype != torch.bool:
-        return "a float attention mask (added to the scores): the kernel takes causal and padding masks"
-    key_terms, query_terms = [], []
+    if value is None:
+        return "an attention mask of unknown type"
     evaluated: dict = {}
-    for term in _and_terms(mask):
+    if value.dtype != torch.bool:
+        visible = _additive_mask_visible(mask, shapes, evaluated)
+        if visible is None:
+            return "a float attention mask (added to the scores) other than 0 or the dtype's lowest value from sizes alone"
+        terms = [visible]
+    else:
+        terms = _and_terms(mask)
+    key_terms, query_terms = [], []
+    for term in terms:
         try:
-            constant = _evaluate(term, shapes, evaluated)
+            constant = term if isinstance(term, torch.Tensor) else _evaluate(term, shapes, evaluated)
         except _DataDependent:
             term_shape = [str(size) for size in term.meta["val"].shape]
             if len(term_shape) != 4 or term_shape[1] != "1":
@@ -273,6 +288,21 @@ def _mask_form(attention: torch.fx.Node, shapes: dict[str, tuple]):
     if len(key_terms) > 1 or len(query_terms) > 1:
         return "several per-key or per-query mask terms"
     return causal, (key_terms or [None])[0], (query_terms or [None])[0], scale
+
+
+def _additive_mask_visible(mask: torch.fx.Node, shapes: dict[str, tuple], evaluated: dict) -> torch.Tensor | None:
+    """The keys a float mask lets each query see, when the mask is computed from sizes alone and
+    holds only 0 (seen) and the dtype's lowest value or -inf (hidden): adding the lowest value
+    gives its scores a softmax weight of exactly 0, as a kernel's mask does (the entry points of
+    text generation build their causal masks so, as transformers' models do). Else None."""
+    try:
+        constant = torch.as_tensor(_evaluate(mask, shapes, evaluated))
+    except _DataDependent:
+        return None
+    hidden = constant <= torch.finfo(constant.dtype).min
+    if not bool(((constant == 0) | hidden).all()):
+        return None
+    return ~hidden
 
 
 _AND_OPS = (aten.bitwise_and.Tensor, aten.logical_and.default)

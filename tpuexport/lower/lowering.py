@@ -342,9 +342,10 @@ def lower_decomposed(decomposed: torch.export.ExportedProgram, signature: Progra
     exported, before_scan = trace_and_export(decomposed, signature, names, stacked_names, specs, precision, runs, tied,
                                              kept_f32_meetings(decomposed.graph, kept), frozenset(decisions), quantized,
                                              input_avals, platforms, layouts)
-    exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision])
+    pinned_ops: set[str] = set()
+    exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision], pinned_ops)
     pinned = tuple({"op": node.name, "module": module_path(node), "feeds": feeds, "precision": "highest"}
-                   for node, feeds in decisions.items())
+                   for node, feeds in decisions.items() if node.name in pinned_ops)
     options = {"scan": scan, "weight_only": weight_only, "keep_f32": keep_f32}
     return LoweredProgram(exported, stacked_names, stacked if weights else None, signature, precision, matmul_precision, "",
                           decomposed, tuple(run.to_json(before_scan[run.last_op]) for run in runs), tied, pinned,

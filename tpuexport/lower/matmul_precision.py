@@ -17,17 +17,26 @@ compiled TPU HLO shows the enum as `operand_precision` (DEFAULT is StableHLO's d
 serialization leaves out; the module's `tpuexport.matmul_precision` attribute names the setting).
 Integer dots (int8 x int8 -> int32) have no precision and are left alone.
 
-Matmuls that feed a discrete decision are pinned to HIGHEST whatever the setting: those whose
-result reaches a top-k, sort, argmax/argmin or max/min-with-indices through no other matmul (a
-mixture of experts' router, a scoring head). They are small, and one bf16 pass would flip the
-decision for near-ties (a token routed to another expert changes that expert's whole output), so
-the TPU would not compute what the model does. The lowering traces them under a named scope
-(DECISION_SCOPE + node name) that the StableHLO's op locations keep; the manifest lists them.
+Matmuls that feed a discrete decision are pinned to HIGHEST whatever the setting: every matmul
+whose result reaches a top-k, sort, argmax/argmin or max/min-with-indices (a mixture of experts'
+router, a scoring head), directly or through other ops and matmuls. One bf16 pass anywhere in that
+cone moves the decision's inputs by ~1e-3, and near-ties flip (a token routed to another expert
+changes that expert's whole output), so the TPU would not compute what the model does. Pinning the
+routers alone is not enough: a Mixtral-shaped model (f32, batch 64 x seq 128) still routed tokens
+of 33 of 8.19M logits differently with its routers pinned, 2 with its layers' attention pinned too,
+none with the whole cone (benchmarks/routing.py). For bf16 operands HIGHEST costs nothing (one
+pass computes their products exactly); for f32 ones it is six passes instead of one, on nearly
+every matmul of an f32 mixture of experts (all but the last layer's experts and the head):
+`--precision bf16` is the fast path there. The lowering traces the cone's ops under a named scope
+(DECISION_SCOPE + node name) that the StableHLO's op locations keep; the manifest lists the ops
+whose dots were pinned.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+import re
 
 import jax
 from jax.extend.mlir import ir
@@ -41,9 +50,13 @@ from tpuexport.lower.stablehlo_rewrite import operand_element_types, rewrite_mat
 MODULE_ATTRIBUTE = "tpuexport.matmul_precision"
 # The named scope a decision's matmuls are traced under (found again in the ops' locations).
 DECISION_SCOPE = "tpuexport_decision."
+# The graph node an op was traced for, in its location: ".../tpuexport_decision.mm_4/dot_general".
+_DECISION_OWNER = re.compile(re.escape(DECISION_SCOPE) + r"([^/\"]+)")
 
 _aten = torch.ops.aten
 _MATMULS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.convolution.default})
+# Attention's two dots are traced under its node: pinning the node pins them.
+_PINNED_OPS = _MATMULS | {_aten.scaled_dot_product_attention.default}
 DECISIONS = frozenset({_aten.topk.default, _aten.sort.default, _aten.sort.stable, _aten.argmax.default, _aten.argmin.default,
                        _aten.max.dim, _aten.min.dim})
 
@@ -79,27 +92,25 @@ MATMUL_PRECISIONS = {
 
 
 def decision_matmuls(graph: torch.fx.Graph) -> dict[torch.fx.Node, str]:
-    """The matmuls whose results reach a discrete decision through no other matmul.
+    """The ops whose matmuls feed a discrete decision: every op the decision's inputs are computed
+    by (its ancestors; their dots are pinned, the rest of their ops unaffected).
 
     Args:
       graph: the decomposed program's graph.
     Returns:
-      {matmul node: the name of the first decision op it feeds, e.g. "aten.topk.default"}.
+      {node: the name of the first decision op it feeds, e.g. "aten.topk.default"}.
     """
     found: dict[torch.fx.Node, str] = {}
     for decision in graph.nodes:
         if decision.op != "call_function" or decision.target not in DECISIONS:
             continue
-        pending, seen = list(decision.all_input_nodes), set()
+        pending = list(decision.all_input_nodes)
         while pending:
             node = pending.pop()
-            if node in seen:
+            if node in found or node.op != "call_function":
                 continue
-            seen.add(node)
-            if node.op == "call_function" and node.target in _MATMULS:
-                found.setdefault(node, str(decision.target))
-            else:
-                pending.extend(node.all_input_nodes)
+            found[node] = str(decision.target)
+            pending.extend(node.all_input_nodes)
     return found
 
 
@@ -108,13 +119,15 @@ def is_decision_matmul(op: ir.Operation) -> bool:
     return DECISION_SCOPE in str(op.location)
 
 
-def pin_matmul_precision(exported: jax.export.Exported, precision: MatmulPrecision) -> jax.export.Exported:
+def pin_matmul_precision(exported: jax.export.Exported, precision: MatmulPrecision,
+                         pinned_ops: set[str] | None = None) -> jax.export.Exported:
     """Writes `precision` on every floating-point dot_general and convolution of the program, and
     HIGHEST on those that feed a decision (module docstring).
 
     Args:
       exported: the lowered program.
       precision: the setting to pin.
+      pinned_ops: a set that receives the graph node names whose dots were pinned for a decision, or None.
     Returns:
       The same program with the setting's precision on every floating-point dot and
       convolution (replacing whatever precision or algorithm the op had); integer ops unchanged.
@@ -124,7 +137,10 @@ def pin_matmul_precision(exported: jax.export.Exported, precision: MatmulPrecisi
     def pin(op: ir.Operation) -> None:
         if not all(isinstance(t, ir.FloatType) for t in operand_element_types(op)):
             return
-        op.attributes["precision_config"] = (highest if is_decision_matmul(op) else precision).precision_config()
+        decision = is_decision_matmul(op)
+        if decision and pinned_ops is not None:
+            pinned_ops.update(_DECISION_OWNER.findall(str(op.location)))
+        op.attributes["precision_config"] = (highest if decision else precision).precision_config()
         if "algorithm" in op.attributes:
             del op.attributes["algorithm"]
 
