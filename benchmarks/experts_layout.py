@@ -78,7 +78,7 @@ def main() -> None:
         layouts = manifest["program"].get("weight_layouts", {})
         bucket = manifest["targets"]["v5e"]["buckets"][0]
         memory, cost = bucket["memory"], bucket["cost"]
-        quantized = len(manifest.get("quantization", {}).get("weights", {}))
+        quantized = sum(name.endswith("_scale") for name in manifest["program"]["weight_names"])  # a plan has no quantization section
         print(f"{options.layers} layers {'scanned' if options.scan else 'unrolled'}, {options.quantize or 'bf16'}, batch {batch} x seq {seq} "
               f"({batch * seq} tokens): weights {manifest['program']['weight_bytes'] / gib:.2f} GiB, {quantized} quantized, "
               f"{len(layouts)} stored transposed; planned in {time.perf_counter() - start:.0f} s", flush=True)
