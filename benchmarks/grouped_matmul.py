@@ -6,12 +6,17 @@ layout and dtype: one layer's experts, compiled for v5e (compile-only topology).
 Mixtral-8x7B's gate/up shapes (8 experts, 4096 -> 14336) at 64 tokens (a decode step) and 2048
 (a prefill). Rows:
   - the weight stored [experts, out, in] as transformers keeps it and swapped to [experts, in, out]
-    before ragged_dot (what tpuexport lowers today), and stored [experts, in, out] as the TPU's
-    grouped matmul reads it;
+    before ragged_dot (what tpuexport lowered until lower/weight_layouts.py), the same layout
+    contracted in place by ragged_dot_general's dimension numbers, and stored [experts, in, out] as
+    the TPU's grouped matmul reads it (what tpuexport stores now);
   - bf16, and int8 weights as a weight-only program could read them: the integers as ragged_dot's
     right-hand side (mixed bf16 x s8 operands, f32 accumulation), the per-output-channel scale
     applied to each row's result after the product (it commutes with the contraction);
-  - int4: packed u8 bitcast to s4.
+  - int4: packed u8 bitcast to s4;
+  - scanned: LAYERS layers' [experts, in, out] weights stacked, one ragged_dot per step of a scan
+    reading its layer's slice (what a scanned program does), and the same with the layer folded into
+    the groups (one ragged_dot over [layers * experts, in, out], the other layers' groups empty).
+    XLA's figures for a loop count its body once.
 Prints XLA's argument and temporary bytes and its bytes accessed. Temporaries the size of the weight
 mean the compiler copied it (a relayout or a dequantized copy).
 """
@@ -24,6 +29,10 @@ from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
 EXPERTS, INNER, OUTER = 8, 4096, 14336
+LAYERS = 4
+# ragged_dot_general contracting the rhs's last dim: an [experts, out, in] weight read in place.
+CONTRACTING_LAST = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+                                                     rhs_group_dimensions=[0])
 
 
 def figures(function, specs) -> str:
@@ -46,6 +55,25 @@ def scaled(product, scale, group_sizes, rows: int):
     return (product * scale[expert].astype(jnp.float32)).astype(jnp.bfloat16)
 
 
+def scanned_slices(x, w, s):
+    """A scan over the layers, each step's ragged_dot reading its layer's slice of the stack."""
+    def step(h, layer):
+        return jax.lax.ragged_dot(h, jax.lax.dynamic_index_in_dim(w, layer, keepdims=False), s)[:, :INNER], None
+
+    return jax.lax.scan(step, x, jnp.arange(LAYERS))[0]
+
+
+def scanned_folded(x, w, s):
+    """The same with the layer folded into the groups: other layers' groups get no rows."""
+    flat = w.reshape(LAYERS * EXPERTS, INNER, OUTER)
+
+    def step(h, layer):
+        sizes = jax.lax.dynamic_update_slice(jnp.zeros((LAYERS * EXPERTS,), jnp.int32), s, (layer * EXPERTS,))
+        return jax.lax.ragged_dot(h, flat, sizes)[:, :INNER], None
+
+    return jax.lax.scan(step, x, jnp.arange(LAYERS))[0]
+
+
 def main() -> None:
     sizes = ((EXPERTS,), jnp.int32)
     for rows in (64, 2048):
@@ -53,6 +81,8 @@ def main() -> None:
         print(f"{rows} tokens, experts {EXPERTS} x {INNER} -> {OUTER} (bf16 weights {EXPERTS * INNER * OUTER * 2 / 2**20:.0f} MiB)", flush=True)
         rows_of = [
             ("bf16 [e, out, in], swapped", lambda x, w, s: jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), s),
+             [x, ((EXPERTS, OUTER, INNER), jnp.bfloat16), sizes]),
+            ("bf16 [e, out, in], general", lambda x, w, s: jax.lax.ragged_dot_general(x, w, s, CONTRACTING_LAST),
              [x, ((EXPERTS, OUTER, INNER), jnp.bfloat16), sizes]),
             ("bf16 [e, in, out]", lambda x, w, s: jax.lax.ragged_dot(x, w, s), [x, ((EXPERTS, INNER, OUTER), jnp.bfloat16), sizes]),
             ("int8 [e, out, in], swapped", lambda x, w, c, s: scaled(jax.lax.ragged_dot(
@@ -67,6 +97,8 @@ def main() -> None:
                 x, jax.lax.bitcast_convert_type(w, jnp.int4).reshape(EXPERTS, INNER, OUTER), s, preferred_element_type=jnp.float32),
                 c, s, x.shape[0]),
              [x, ((EXPERTS, INNER, OUTER // 2), jnp.uint8), ((EXPERTS, OUTER), jnp.bfloat16), sizes]),
+            (f"bf16 scan of {LAYERS}, slices", scanned_slices, [x, ((LAYERS, EXPERTS, INNER, OUTER), jnp.bfloat16), sizes]),
+            (f"bf16 scan of {LAYERS}, folded", scanned_folded, [x, ((LAYERS, EXPERTS, INNER, OUTER), jnp.bfloat16), sizes]),
         ]
         for label, function, specs in rows_of:
             print(f"  {label:<28}{figures(function, specs)}", flush=True)

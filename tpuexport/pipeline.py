@@ -550,7 +550,7 @@ def _source_writers(loaded: export_stage.LoadedSource) -> tuple:
 def _stream_weights(captured: export_stage.CapturedModel, lowered: lower_stage.LoweredProgram, scratch: pathlib.Path,
                     clock: StageClock, weight_only=None) -> tuple[lower_stage.LoweredProgram, pathlib.Path]:
     """The weights pass: copies the checkpoint's tensors into the artifact's weights file one at a
-    time (cast to the program's dtypes, scanned blocks stacked, weight-only ones quantized) and
+    time (in their stored layouts, cast to the program's dtypes, scanned blocks stacked, weight-only ones quantized) and
     maps the file back.
 
     Args:
@@ -565,7 +565,8 @@ def _stream_weights(captured: export_stage.CapturedModel, lowered: lower_stage.L
     path = scratch / "weights.safetensors"
 
     def parts(name: str):
-        tensors = (captured.checkpoint_state[part] for part in lowered.weight_parts[name])
+        layout = lowered.weight_layouts.get(name)
+        tensors = (lower_stage.in_stored_layout(captured.checkpoint_state[part], layout) for part in lowered.weight_parts[name])
         return stored.parts(name, tensors) if weight_only is not None else tensors
 
     if weight_only is not None:
@@ -590,7 +591,7 @@ def _plan_slices(request: compile_stage.ShardingRequest, slices: list, lowered: 
     for target in slices:
         with clock.stage(f"plan {target.name}", lambda: _describe_plan(plans[target.name])):
             plans[target.name] = compile_stage.plan_sharding(request, target, lowered.weight_names, lowered.weight_specs,
-                                                             lowered.signature, buckets, lowered.stacked)
+                                                             lowered.signature, buckets, lowered.stacked, lowered.weight_layouts)
     return plans
 
 
@@ -623,8 +624,7 @@ def _dequantized_reference(captured: export_stage.CapturedModel, lowered: lower_
     rounded and dequantized as it runs (quantize/weight_only.py)."""
     from tpuexport.quantize.weight_only import DequantizedReference
 
-    axes = {part: entry["axis"] for name, entry in lowered.quantized.items() for part in lowered.weight_parts[name]}
-    return DequantizedReference(captured.reference, axes, scheme)
+    return DequantizedReference(captured.reference, lowered.quantized_state_axes, scheme)
 
 
 def _weight_only_report(scheme, lowered: lower_stage.LoweredProgram, float_reference, example_inputs, clock: StageClock):
@@ -897,8 +897,7 @@ def _dequantized_weights(module: torch.nn.Module, lowered: lower_stage.LoweredPr
         return contextlib.nullcontext()
     from tpuexport.quantize.weight_only import DequantizedReference, DequantizedWeights
 
-    axes = {part: entry["axis"] for name, entry in lowered.quantized.items() for part in lowered.weight_parts[name]}
-    return DequantizedWeights(DequantizedReference(module, axes, scheme).weights, scheme)
+    return DequantizedWeights(DequantizedReference(module, lowered.quantized_state_axes, scheme).weights, scheme)
 
 
 def _dequantized_checkpoint_model(model: torch.nn.Module, checkpoint_model: torch.nn.Module, lowered: lower_stage.LoweredProgram,
@@ -923,17 +922,17 @@ def _dequantized_checkpoint_model(model: torch.nn.Module, checkpoint_model: torc
     import jax
 
     from tpuexport.arrays import numpy_dtype
-    from tpuexport.quantize.weight_only import fake_quantized
+    from tpuexport.quantize.weight_only import fake_quantized, scheme_for
 
     # The entry points hold the causal LM as `model` (export/generation.py), so their state names carry that prefix.
-    axes = {part.removeprefix("model."): entry["axis"] for name, entry in lowered.quantized.items() for part in lowered.weight_parts[name]}
+    axes = {part.removeprefix("model."): axis for part, axis in lowered.quantized_state_axes.items()}
     state = {**dict(checkpoint_model.named_parameters()), **dict(checkpoint_model.named_buffers())}  # one name per tensor (tied once)
     names = [name for name in state if name in axes]
     path = scratch / "dequantized.safetensors"
     with clock.stage("dequantize", lambda: f"{len(names)} weight(s) rounded and dequantized once for generate(), "
                                            f"{written / 2**30:.2f} GiB memory-mapped"):
         specs = [jax.ShapeDtypeStruct(tuple(state[name].shape), numpy_dtype(str(state[name].dtype).removeprefix("torch."))) for name in names]
-        written = artifact_stage.write_weights(path, names, specs, lambda name: [fake_quantized(state[name], scheme, axes[name])])
+        written = artifact_stage.write_weights(path, names, specs, lambda name: [fake_quantized(state[name], scheme_for(scheme, state[name].dim()), axes[name])])
         dequantized = export_stage.open_checkpoint(path)
         tensors = {name: dequantized[name] if name in axes else tensor for name, tensor in state.items()}
         reference = export_stage.with_checkpoint_weights(model, export_stage.Checkpoint(tensors, "the dequantized weights"))
@@ -1003,7 +1002,7 @@ def _plan_generation_slices(request: compile_stage.ShardingRequest, slices: list
         entry_request = dataclasses.replace(request, input_rules=rules + request.input_rules)
         with clock.stage(f"plan {target.name} {entry_point}", lambda: _describe_plan(plans[target.name])):
             plans[target.name] = compile_stage.plan_sharding(entry_request, target, lowered.weight_names, lowered.weight_specs,
-                                                             lowered.signature, buckets, lowered.stacked)
+                                                             lowered.signature, buckets, lowered.stacked, lowered.weight_layouts)
     return plans
 
 

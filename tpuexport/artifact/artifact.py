@@ -119,6 +119,7 @@ class Artifact:
         return LoweredProgram(exported, tuple(program["weight_names"]), weights, signature, self.manifest["precision"],
                               self.manifest["matmul_precision"], matmul_flops,
                               scanned=tuple(self.manifest.get("scanned", ())), tied=program.get("tied_weights", {}),
+                              weight_layouts={name: tuple(layout) for name, layout in program.get("weight_layouts", {}).items()},
                               decision_matmuls=tuple(decisions))
 
     def _require_task(self, task: str, what: str) -> None:

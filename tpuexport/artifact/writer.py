@@ -154,6 +154,8 @@ def write_artifact(
             "weights": _weights_file(lowered, weights_file, put, move),
             "weight_names": list(lowered.weight_names),
             "tied_weights": dict(lowered.tied),
+            # Weights stored in another layout than their state_dict tensors: the tensor's axes in stored order.
+            "weight_layouts": {name: list(layout) for name, layout in lowered.weight_layouts.items()},
             # Matmuls pinned to "highest" whatever matmul_precision says: they feed a top-k, sort or argmax.
             "decision_matmuls": list(lowered.decision_matmuls),
             "weight_bytes": lowered.weight_bytes,
@@ -434,6 +436,8 @@ def write_generation_artifact(
                 "weights": _weights_file(shared, weights_file, put, move),
                 "weight_names": list(shared.weight_names),
                 "tied_weights": dict(shared.tied),
+                # Weights stored in another layout than their state_dict tensors: the tensor's axes in stored order.
+                "weight_layouts": {name: list(layout) for name, layout in shared.weight_layouts.items()},
                 "weight_bytes": shared.weight_bytes,
                 "calling_convention_version": shared.exported.calling_convention_version,
                 "platforms": list(shared.exported.platforms),

@@ -25,7 +25,9 @@ What the user asks for (a `ShardingRequest`):
   rules    `REGEX=SPEC` over state_dict names (re.search) and `NAME=SPEC` for inputs, applied
            after the preset in order, later rules winning. SPEC lists one entry per leading dim:
            a mesh axis, `None`, or axes joined with `+` (major first); missing trailing dims are
-           whole. `model,None` splits dim 0 over "model".
+           whole. `model,None` splits dim 0 over "model". A SPEC gives the dims of the state_dict
+           tensor; for a weight the program stores in another layout (a mixture-of-experts weight
+           stored transposed, lower/weight_layouts.py) it is permuted to the stored dims.
 
 A preset leaves a weight whole when its dim does not divide evenly (recorded in the plan's notes);
 an explicit rule that does not divide is an error.
@@ -243,7 +245,8 @@ def make_request(mesh=None, sharding: str | None = None, rules: Iterable = (), i
 
 
 def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequence[str], weights: Sequence,
-                  signature: ProgramSignature, buckets: Sequence[Bucket], stacked: Sequence[bool]) -> ShardingPlan:
+                  signature: ProgramSignature, buckets: Sequence[Bucket], stacked: Sequence[bool],
+                  layouts: Mapping[str, tuple[int, ...]] | None = None) -> ShardingPlan:
     """Resolves a request against a slice target and the lowered program.
 
     Args:
@@ -257,6 +260,8 @@ def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequen
       stacked: per weight, whether it is a scanned run's stack of its blocks' weights (axis 0 the
         block); presets and --shard rules lay out one block's weight, and the stack axis stays
         whole (each device holds its share of every layer).
+      layouts: weights stored in another layout than their state_dict tensors (LoweredProgram.
+        weight_layouts): a --shard rule's dims, given in the tensor's layout, are permuted to it.
     Returns:
       The ShardingPlan.
     Raises:
@@ -281,7 +286,8 @@ def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequen
             shown = ", ".join(list(weight_names)[:6]) + (", ..." if len(weight_names) > 6 else "")
             raise TpuExportError(f"--shard pattern {pattern!r} matches no weight; the weights are state_dict names such as {shown}")
         for index in matched:
-            weight_specs[index] = _fit_spec(spec, len(block_shapes[index]), f"weight {weight_names[index]!r}", f"--shard {pattern}")
+            fitted = _fit_spec(spec, len(block_shapes[index]), f"weight {weight_names[index]!r}", f"--shard {pattern}")
+            weight_specs[index] = _in_layout(fitted, (layouts or {}).get(weight_names[index]))
         rules.append(f"{pattern}={_spec_text(spec)}")
     input_names = [spec.name for spec in signature.inputs]
     for name, spec in request.input_rules:
@@ -470,6 +476,18 @@ def _fit_spec(spec: Spec, rank: int, what: str, option: str) -> Spec:
     if len(spec) > rank:
         raise TpuExportError(f"{option} gives {len(spec)} dims but {what} has rank {rank}")
     return spec
+
+
+def _in_layout(spec: Spec, layout: tuple[int, ...] | None) -> Spec:
+    """A spec over a state_dict tensor's dims as a spec over its stored array's (`layout`: the
+    tensor's axes in stored order), trailing whole dims left out."""
+    if layout is None:
+        return spec
+    full = (*spec, *(None,) * (len(layout) - len(spec)))
+    permuted = [full[axis] for axis in layout]
+    while permuted and permuted[-1] is None:
+        permuted.pop()
+    return tuple(permuted)
 
 
 def _check_divisible(what: str, shape: tuple[int, ...], spec: Spec, sizes: dict[str, int]) -> None:

@@ -8,6 +8,8 @@ from tpuexport.lower.lowering import PRECISIONS, LoweredProgram, lower
 from tpuexport.lower.mixed_precision import DEFAULT_PRECISION
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
 from tpuexport.lower.op_support import UnsupportedOperator, find_unsupported
+from tpuexport.lower.weight_layouts import in_state_layout, in_stored_layout
 
 __all__ = ["KERNEL_MODES", "NO_ATTENTION", "BucketKernels", "check_kernel_mode", "has_attention", "lower_bucket_kernels", "DEFAULT_PRECISION", "MATMUL_PRECISIONS", "PRECISIONS", "GenerationProgram", "GenerationSession", "LoweredProgram", "UnsupportedOperator",
-           "check_prompts", "cpu_runner", "find_unsupported", "flops_at", "lower", "stream_greedy"]
+           "check_prompts", "cpu_runner", "find_unsupported", "flops_at", "in_state_layout", "in_stored_layout", "lower",
+           "stream_greedy"]

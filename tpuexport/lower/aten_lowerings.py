@@ -107,9 +107,13 @@ def grouped_mm(inputs, weights, offsets=None, bias=None, out_dtype=None):
     if not (inputs.ndim == 2 and weights.ndim == 3 and offsets is not None and bias is None):
         raise NotImplementedError("only the mixture-of-experts form of grouped_mm lowers: "
                                   "(M, K) rows by (G, K, N) weights, with offsets and no bias")
-    group_sizes = jnp.diff(offsets, prepend=jnp.zeros((1,), offsets.dtype)).astype(jnp.int32)
-    result = jax.lax.ragged_dot(inputs, weights, group_sizes)
+    result = jax.lax.ragged_dot(inputs, weights, group_sizes_of(offsets))
     return result.astype(import_torchax().ops.mappings.t2j_dtype(out_dtype) if out_dtype is not None else inputs.dtype)
+
+
+def group_sizes_of(offsets):
+    """ragged_dot's group sizes from grouped_mm's offsets (where each group's rows end)."""
+    return jnp.diff(offsets, prepend=jnp.zeros((1,), offsets.dtype)).astype(jnp.int32)
 
 
 @register_lowering(aten.embedding.default)

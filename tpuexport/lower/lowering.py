@@ -17,6 +17,8 @@ Passes, in order:
                      enable_gqa (the lowering groups query heads; graph_passes.py)
   collect_weights    parameters, buffers and constants in the program's placeholder order (for a
                      plan, collect_weight_specs: their shapes and dtypes only, nothing read)
+  transposed_weights  mixture-of-experts weights that only grouped matmuls read transposed are
+                     stored transposed, as the TPU's grouped matmul reads them (weight_layouts.py)
   find_runs          runs of identical blocks (a model's layers), their weights stacked (scan.py)
   trace_and_export   torchax's interpreter traced by jax.export with one-scope symbolic dims, each
                      run of blocks as one jax.lax.scan
@@ -58,6 +60,7 @@ from tpuexport.lower.op_support import find_unsupported, user_source
 from tpuexport.lower.quantized_weights import QuantizedArray, call_with_quantized, dequantize_all, holds_quantized
 from tpuexport.lower.shapes import symbolic_input_avals
 from tpuexport.lower.torchax_import import import_torchax
+from tpuexport.lower.weight_layouts import SWAPPED, TransposedWeight, call_with_transposed, in_stored_layout, transposed_weights
 from tpuexport.signature import ProgramSignature, artifact_dtype
 
 PLATFORMS = ("cpu", "tpu")
@@ -94,7 +97,10 @@ class LoweredProgram:
       tied: weights that are another weight (an lm_head tied to the embedding), {state_dict name:
         the name it is stored and passed under}: not arguments of the program, held once.
       quantized: weight-only weights, {weight name: {"mode", "bits", "axis" (contraction axis of
-        one block's weight, from the end), "group_size", "scale" (the scales' weight name)}}.
+        one block's weight as stored, from the end), "group_size", "scale" (the scales' weight name)}}.
+      weight_layouts: weights stored in another layout than their state_dict tensors', {weight
+        name: the tensor's axes in stored order (of one block's, for a stack)} (weight_layouts.py);
+        a quantized weight's scales are stored in its layout and listed too.
       decision_matmuls: the matmuls pinned to "highest" because they feed a discrete decision
         ({"op": graph node, "module": module path, "feeds": decision op, "precision": "highest"}
         each; matmul_precision.decision_matmuls).
@@ -114,6 +120,7 @@ class LoweredProgram:
     tied: dict[str, str] = dataclasses.field(default_factory=dict)
     decision_matmuls: tuple[dict, ...] = ()
     quantized: dict[str, dict] = dataclasses.field(default_factory=dict)
+    weight_layouts: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     lowering_options: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @functools.cached_property
@@ -155,6 +162,13 @@ class LoweredProgram:
         stacked = {name: tuple(originals) for run in self.scanned for name, originals in run["weights"].items()}
         stacked.update({entry["scale"]: stacked.get(name, (name,)) for name, entry in self.quantized.items()})
         return {name: stacked.get(name, (name,)) for name in self.weight_names}
+
+    @property
+    def quantized_state_axes(self) -> dict[str, int]:
+        """{state_dict name: contraction axis in the state_dict tensor's layout} of every quantized
+        weight's parts (`quantized` gives the axis as stored, which a transposed layout swaps)."""
+        return {part: {-1: -2, -2: -1}[entry["axis"]] if name in self.weight_layouts else entry["axis"]
+                for name, entry in self.quantized.items() for part in self.weight_parts[name]}
 
     @property
     def stacked(self) -> tuple[bool, ...]:
@@ -307,21 +321,27 @@ def lower_decomposed(decomposed: torch.export.ExportedProgram, signature: Progra
     """
     runs = find_runs(decomposed) if scan else ()
     tied = tied_weights(decomposed, runs)
+    transposed = transposed_weights(decomposed, tied)
     if weights:
         names, arrays = collect_weights(decomposed, precision, keep_f32)
     else:
         names, arrays = collect_weight_specs(decomposed, precision, keep_f32)
+    arrays = tuple(in_stored_layout(array, SWAPPED if name in transposed else None) for name, array in zip(names, arrays))
     kept = [index for index, name in enumerate(names) if name not in tied]
     stacked_names, stacked = stack_weights(tuple(names[index] for index in kept), tuple(arrays[index] for index in kept), runs)
+    originals = {weight.name: weight.originals for run in runs for weight in run.weights}
+    layouts = {name: SWAPPED for name in stacked_names if originals.get(name, (name,))[0] in transposed}
     quantized = {}
     if weight_only is not None:
-        stacked_names, stacked, quantized = _quantize_weights(decomposed, weight_only, tied, runs, stacked_names, stacked, weights)
+        stacked_names, stacked, quantized = _quantize_weights(decomposed, weight_only, tied, runs, stacked_names, stacked, weights,
+                                                              layouts)
+        layouts.update({entry["scale"]: layouts[name] for name, (entry, _) in quantized.items() if name in layouts})
     specs = tuple(jax.ShapeDtypeStruct(array.shape, array.dtype) for array in stacked)
     kept = frozenset(_kept_placeholders(decomposed, keep_f32)) if precision == "bf16" else frozenset()
     decisions = decision_matmuls(decomposed.graph)
     exported, before_scan = trace_and_export(decomposed, signature, names, stacked_names, specs, precision, runs, tied,
                                              kept_f32_meetings(decomposed.graph, kept), frozenset(decisions), quantized,
-                                             input_avals, platforms)
+                                             input_avals, platforms, layouts)
     pinned_ops: set[str] = set()
     exported = pin_matmul_precision(exported, MATMUL_PRECISIONS[matmul_precision], pinned_ops)
     pinned = tuple({"op": node.name, "module": module_path(node), "feeds": feeds, "precision": "highest"}
@@ -329,12 +349,12 @@ def lower_decomposed(decomposed: torch.export.ExportedProgram, signature: Progra
     options = {"scan": scan, "weight_only": weight_only, "keep_f32": keep_f32}
     return LoweredProgram(exported, stacked_names, stacked if weights else None, signature, precision, matmul_precision, "",
                           decomposed, tuple(run.to_json(before_scan[run.last_op]) for run in runs), tied, pinned,
-                          {name: entry for name, (entry, _) in quantized.items()}, options)
+                          {name: entry for name, (entry, _) in quantized.items()}, layouts, options)
 
 
 
 
-def _quantize_weights(program, scheme, tied, runs, names, arrays, with_arrays: bool):
+def _quantize_weights(program, scheme, tied, runs, names, arrays, with_arrays: bool, layouts: dict[str, tuple[int, ...]]):
     """The program's weights with the scheme's chosen ones as integers, each followed by its scales.
 
     Args:
@@ -344,6 +364,8 @@ def _quantize_weights(program, scheme, tied, runs, names, arrays, with_arrays: b
       names, arrays: the weights in call order (stacked), arrays or (for `with_arrays` False)
         ShapeDtypeStructs.
       with_arrays: whether `arrays` are arrays to quantize.
+      layouts: the weights stored transposed (weight_layouts.py): quantized in that layout, along
+        the contraction axis as stored.
     Returns:
       (names, arrays or specs, {weight name: (manifest entry, the float dtype it computes in)}).
     """
@@ -355,19 +377,24 @@ def _quantize_weights(program, scheme, tied, runs, names, arrays, with_arrays: b
     for name, array in zip(names, arrays):
         axes = {chosen.get(original) for original in originals.get(name, (name,))}
         axis = axes.pop() if len(axes) == 1 else None
+        if axis is not None and name in layouts:
+            axis = {-1: -2, -2: -1}[axis]  # the last two axes are stored swapped
         if axis is None:
             new_names.append(name)
             new_arrays.append(array)
             continue
         scale_name = f"{name}_scale"
+        stored = weight_only.scheme_for(scheme, len(array.shape) - (name in originals))
         if with_arrays:
-            values, scale = weight_only.stored_tensors(torch.from_numpy(np.asarray(array, np.float32)), scheme, axis)
+            values, scale = weight_only.stored_tensors(torch.from_numpy(np.asarray(array, np.float32)), stored, axis)
             new_arrays += [values.numpy(), to_numpy(scale)]
         else:
-            new_arrays += list(quantized_specs(array.shape, scheme, axis))
+            new_arrays += list(quantized_specs(array.shape, stored, axis))
         new_names += [name, scale_name]
-        entry = {"mode": scheme.mode, "bits": scheme.bits, "axis": axis, "group_size": scheme.group(array.shape[axis]),
+        entry = {"mode": stored.mode, "bits": stored.bits, "axis": axis, "group_size": stored.group(array.shape[axis]),
                  "scale": scale_name}
+        if stored != scheme:
+            entry["reason"] = weight_only.INT8_GROUPED_MATMUL_REASON
         quantized[name] = (entry, jnp.dtype(array.dtype))
     return tuple(new_names), tuple(new_arrays), quantized
 
@@ -582,15 +609,23 @@ class _TracingInterpreter:
                 return self.call_function(node.target, args, kwargs)
 
             def call_function(self, target, args, kwargs):
+                if any(isinstance(arg, TransposedWeight) for arg in args):
+                    done, value = call_with_transposed(target, args)
+                    if done:
+                        return value
+                    args = value
+                # A matmul feeding a decision is traced under a scope its StableHLO ops keep, so it is pinned
+                # HIGHEST (a weight-only router's product too).
+                decision = owner.node in decisions
                 if holds_quantized(args, kwargs):
-                    value = call_with_quantized(target, args, kwargs)
+                    with jax.named_scope(DECISION_SCOPE + owner.node.name) if decision else contextlib.nullcontext():
+                        value = call_with_quantized(target, args, kwargs)
                     if value is not None:
                         return value if isinstance(value, QuantizedArray) else cast_result(precision, target, value)
                     args, kwargs = dequantize_all(args), dict(zip(kwargs, dequantize_all(tuple(kwargs.values()))))
                 args, kwargs = cast_arguments(precision, target, args, kwargs, owner.node in meetings)
                 own = own_lowering(target)
-                # A matmul feeding a decision is traced under a scope its StableHLO ops keep, so it is pinned HIGHEST.
-                scope = jax.named_scope(DECISION_SCOPE + owner.node.name) if owner.node in decisions else contextlib.nullcontext()
+                scope = jax.named_scope(DECISION_SCOPE + owner.node.name) if decision else contextlib.nullcontext()
                 node = owner.node
                 unmerged = merged_matmul_operand(node)
                 if unmerged is not None and unmerged[1] in owner.shapes:  # a linear layer over [batch, seq, in]
@@ -636,7 +671,8 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
                      runs: tuple[ScannedRun, ...] = (), tied: dict[str, str] | None = None,
                      kept_meetings: frozenset = frozenset(), decisions: frozenset = frozenset(),
                      quantized: dict[str, tuple[dict, jnp.dtype]] | None = None, input_avals: list | None = None,
-                     platforms: tuple[str, ...] = PLATFORMS) -> tuple[jax.export.Exported, dict]:
+                     platforms: tuple[str, ...] = PLATFORMS,
+                     layouts: dict[str, tuple[int, ...]] | None = None) -> tuple[jax.export.Exported, dict]:
     """Traces torchax's interpreter over the graph under jax.export for CPU and TPU.
 
     Args:
@@ -655,6 +691,8 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
         scales reach the ops as one QuantizedArray.
       input_avals: the inputs' shapes and dtypes, or None for the signature's symbolic dims.
       platforms: what to export for (PLATFORMS; a program with TPU kernels is TPU-only).
+      layouts: weights stored transposed ({name: layout}, weight_layouts.py): the transpose that
+        reads one gets its stored array (a quantized one's QuantizedArray starts transposed).
     Returns:
       (the Exported, called as `call(weights_list, inputs_list)`; {run's last op: how many of its
       blocks run before its scan}).
@@ -671,7 +709,10 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
         tracer.weights = dict(zip(weight_names, weights_list))
         for name, (entry, dtype) in (quantized or {}).items():
             tracer.weights[name] = QuantizedArray(tracer.weights.pop(name), tracer.weights.pop(entry["scale"]), entry["bits"],
-                                                  entry["axis"], dtype)
+                                                  entry["axis"], dtype, name in (layouts or {}))
+        for name in (layouts or {}):  # float weights; a quantized one's QuantizedArray is transposed
+            if name in tracer.weights and not isinstance(tracer.weights[name], QuantizedArray):
+                tracer.weights[name] = TransposedWeight(tracer.weights[name])
         # A stacked block weight's own placeholder is read by no op that runs, so it gets None.
         placeholders = [tracer.weights.get((tied or {}).get(name, name)) for name in placeholder_names]
         outputs = tracer.run(*placeholders, *inputs_list)[mutations:]

@@ -16,8 +16,12 @@ for the scale the program multiplies by (no per-channel bias from rounding the s
 Which weights: every 2-D float weight that only matrix products read as their right-hand side
 (nn.Linear, GPT-2's Conv1D, an lm_head) or that only embedding lookups read (token and position
 tables, grouped along a row), or both with the same contraction axis (an embedding tied to the
-lm_head). `keep_float` (a regex over state_dict names) keeps matching weights float. Others
-(convolutions, norms, biases) stay float.
+lm_head); and every 3-D float weight that only grouped matmuls read as their right-hand side,
+transposed or not (mixture-of-experts layers: [experts, out, in] in transformers), stored int8 per
+output channel in both modes (`scheme_for`: XLA's TPU compiler refuses s4 ragged_dot operands, and
+int4's groups along the contraction dim could not be scaled after the grouped product). `keep_float` (a
+regex over state_dict names) keeps matching weights float. Others (convolutions, norms, biases) stay
+float.
 
 Storage (the artifact's safetensors): the weight's own name holds the integers in the weight's
 layout, `<name>_scale` its scales (the weight's shape with the contraction axis divided by the group
@@ -48,6 +52,10 @@ _aten = torch.ops.aten
 _TRANSPOSES = (_aten.t.default, _aten.permute.default, _aten.transpose.int)
 # Matrix products and the argument that is their right-hand side.
 _RIGHT_HAND_SIDE = {_aten.mm.default: 1, _aten.bmm.default: 1, _aten.addmm.default: 2}
+# Grouped matmuls (mixture-of-experts layers: rows times their expert's matrix, [experts, k, n] argument 1),
+# torch's and transformers' stand-in for it (by name: it exists once transformers is imported).
+_GROUPED_MATMULS = (_aten._grouped_mm.default,)
+_GROUPED_MATMUL_NAMES = ("transformers::grouped_mm_fallback",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +98,18 @@ class WeightOnlyScheme:
                 f"scale per group; {INT4_PACKING}; float compute")
 
 
+# Why a grouped matmul's weight is int8 in an int4 conversion (the manifest's entry for it says so).
+INT8_GROUPED_MATMUL_REASON = ("a grouped matmul's (ragged_dot) weight: stored int8 per output channel, as XLA's TPU compiler does not "
+                              "compile s4 ragged_dot operands (libtpu 0.0.42.1: 'Unsupported element type: S4')")
+
+
+def scheme_for(scheme: WeightOnlyScheme, rank: int) -> WeightOnlyScheme:
+    """The scheme a chosen weight of this rank (one block's) is stored in: a 3-D weight is a grouped
+    matmul's (quantizable_weights chooses no other), int8 per output channel whatever the mode
+    (INT8_GROUPED_MATMUL_REASON); any other, the conversion's scheme."""
+    return dataclasses.replace(scheme, mode="int8-weight-only") if rank == 3 and scheme.bits == 4 else scheme
+
+
 def check_scheme(mode: str, group_size: int) -> WeightOnlyScheme:
     """The scheme of a mode and --group-size, checked.
 
@@ -130,8 +150,10 @@ def quantizable_weights(program: torch.export.ExportedProgram, scheme: WeightOnl
         value = node.meta.get("val")
         name = names[node.name]
         stored = tied.get(name, name)
-        usable = isinstance(value, torch.Tensor) and value.dim() == 2 and value.dtype.is_floating_point
+        usable = isinstance(value, torch.Tensor) and value.dim() in (2, 3) and value.dtype.is_floating_point
         uses = {_contraction_axis(user, node, False) for user in node.users} if usable else {None}
+        if usable and value.dim() == 3 and not all(_grouped_matmul_reads(user, node) for user in node.users):
+            uses = {None}  # a 3-D weight is quantized for grouped matmuls only
         if scheme.keep_float and (re.search(scheme.keep_float, name) or re.search(scheme.keep_float, stored)):
             uses = {None}
         axes.setdefault(stored, set()).update(uses)
@@ -148,11 +170,11 @@ def quantizable_weights(program: torch.export.ExportedProgram, scheme: WeightOnl
                   if readers[name] != {_aten.embedding.default} or shapes[name][axis] % scheme.group_size == 0}
     for name, axis in chosen.items():
         size = shapes[name][axis]
-        if scheme.bits == 4 and size % scheme.group_size:
+        if scheme_for(scheme, len(shapes[name])).bits == 4 and size % scheme.group_size:
             raise TpuExportError(f"--group-size {scheme.group_size} does not divide weight {name!r}'s contraction dim ({size} of "
                                  f"shape {list(shapes[name])}); give a group size that divides every quantized weight's, "
                                  f"or keep it float with --keep-float")
-        if scheme.bits == 4 and shapes[name][-1] % 2:
+        if scheme_for(scheme, len(shapes[name])).bits == 4 and shapes[name][-1] % 2:
             raise TpuExportError(f"int4 weight {name!r} of shape {list(shapes[name])} has an odd last dim and cannot be packed two "
                                  "per byte; keep it float with --keep-float")
     return chosen
@@ -171,7 +193,7 @@ def _contraction_axis(node: torch.fx.Node, value: torch.fx.Node, transposed: boo
             return None
         following = {_contraction_axis(user, node, transposed) for user in node.users}
         return following.pop() if len(following) == 1 else None
-    index = _RIGHT_HAND_SIDE.get(node.target)
+    index = 1 if is_grouped_matmul(node.target) else _RIGHT_HAND_SIDE.get(node.target)
     if index is not None and len(node.args) > index and node.args[index] is value and value not in node.args[:index]:
         # The right-hand side (k, n) contracts its first axis: the stored weight's last when transposed.
         return -1 if transposed else -2
@@ -181,13 +203,27 @@ def _contraction_axis(node: torch.fx.Node, value: torch.fx.Node, transposed: boo
 
 
 def _swaps_last_two(node: torch.fx.Node, rank: int) -> bool:
-    if rank != 2:
+    if rank not in (2, 3):
         return False
     if node.target is _aten.permute.default:
-        return list(node.args[1]) == [1, 0]
+        return [dim % rank for dim in node.args[1]] == [*range(rank - 2), rank - 1, rank - 2]
     if node.target is _aten.transpose.int:
-        return sorted(dim % 2 for dim in node.args[1:3]) == [0, 1]
-    return True
+        return sorted(dim % rank for dim in node.args[1:3]) == [rank - 2, rank - 1]
+    return rank == 2
+
+
+def is_grouped_matmul(target) -> bool:
+    """Whether an op is a grouped matmul (torch._grouped_mm, transformers' stand-in for it)."""
+    return target in _GROUPED_MATMULS or (getattr(target, "_overloadname", None) == "default"
+                                          and getattr(target, "_name", None) in _GROUPED_MATMUL_NAMES)
+
+
+def _grouped_matmul_reads(node: torch.fx.Node, value: torch.fx.Node) -> bool:
+    """Whether `node` reads `value` as a grouped matmul's right-hand side, directly or through a
+    transpose of its last two axes."""
+    if node.target in _TRANSPOSES and node.args[0] is value and _swaps_last_two(node, 3):
+        return bool(node.users) and all(_grouped_matmul_reads(user, node) for user in node.users)
+    return is_grouped_matmul(node.target) and len(node.args) > 1 and node.args[1] is value and value not in (node.args[0], *node.args[2:])
 
 
 def quantize_tensor(tensor: torch.Tensor, scheme: WeightOnlyScheme, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,7 +322,7 @@ class DequantizedWeights(torch.overrides.TorchFunctionMode):
         if entry is None or entry[0] is not argument:
             return argument
         with torch.no_grad():
-            return fake_quantized(argument, self.scheme, entry[1])
+            return fake_quantized(argument, scheme_for(self.scheme, argument.dim()), entry[1])
 
 
 class DequantizedReference:
@@ -343,13 +379,13 @@ class StoredWeights:
         """
         if name in self.quantized:
             for index, tensor in enumerate(tensors):
-                values, scale = stored_tensors(tensor, self.scheme, self.quantized[name]["axis"])
+                values, scale = stored_tensors(tensor, scheme_for(self.scheme, tensor.dim()), self.quantized[name]["axis"])
                 self.scales[(self.quantized[name]["scale"], index)] = scale
                 yield values
         elif name in self.weight_of_scale:
             axis = self.quantized[self.weight_of_scale[name]]["axis"]
             for index, tensor in enumerate(tensors):
                 scale = self.scales.pop((name, index), None)
-                yield scale if scale is not None else quantize_tensor(tensor, self.scheme, axis)[1]
+                yield scale if scale is not None else quantize_tensor(tensor, scheme_for(self.scheme, tensor.dim()), axis)[1]
         else:
             yield from tensors

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tpuexport.arrays import to_numpy
-from tpuexport.lower import LoweredProgram
+from tpuexport.lower import LoweredProgram, in_state_layout
 from tpuexport.lower.lowering import _TracingInterpreter, module_path
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS, pin_matmul_precision
 from tpuexport.lower.mixed_precision import input_compute_dtype
@@ -171,13 +171,13 @@ def _placeholders_of(table: torch.fx.Node) -> set[torch.fx.Node]:
 
 
 def artifact_weight(lowered: LoweredProgram, state_name: str) -> np.ndarray:
-    """One weight as the artifact holds it, by state name: a scanned block's from its stack, a tied
-    one from the weight it is."""
+    """One weight as the artifact holds it, by state name, in the state_dict tensor's layout: a
+    scanned block's from its stack, a tied one from the weight it is."""
     state_name = lowered.tied.get(state_name, state_name)
     for name, array in zip(lowered.weight_names, lowered.weights):
         parts = lowered.weight_parts[name]
         if state_name in parts:
-            return array[parts.index(state_name)] if len(parts) > 1 else array
+            return in_state_layout(array[parts.index(state_name)] if len(parts) > 1 else array, lowered.weight_layouts.get(name))
     raise KeyError(state_name)
 
 

@@ -12,7 +12,9 @@ own StableHLO so that XLA:CPU computes exactly those products:
                       below f32 accumulation-order noise)
 
 Products of two bfloat16 values are exact in f32, so on CPU the rewritten op differs from the TPU
-only in the order of f32 accumulation. bfloat16 programs (--precision bf16) need nothing: their
+only in the order of f32 accumulation. A dot of an f32 operand and an integer one (a weight-only
+int8 grouped matmul: f32 rows times s8 experts) rounds the f32 operand alone: int8 values are exact
+in bfloat16, so its passes are op(hi, q) and, for high, op(lo, q). bfloat16 programs (--precision bf16) need nothing: their
 operands already are bfloat16 on both platforms. Elementwise transcendental functions (exp, tanh,
 ...) use slightly different f32 approximations on TPU (about 1e-6 relative); they are not emulated.
 XLA may compute a dot whose contraction is tiny (size 1) as elementwise f32 multiplies on the TPU;
@@ -44,7 +46,14 @@ def tpu_faithful(exported: jax.export.Exported, precision: MatmulPrecision) -> j
 
     def emulate(op: ir.Operation) -> None:
         # Matmuls feeding a decision are pinned to HIGHEST (lower/matmul_precision.py): f32 as it is.
-        if not all(isinstance(t, ir.F32Type) for t in operand_element_types(op)) or is_decision_matmul(op):
+        types = operand_element_types(op)
+        if is_decision_matmul(op) or not any(isinstance(t, ir.F32Type) for t in types):
+            return
+        if not all(isinstance(t, (ir.F32Type, ir.IntegerType)) for t in types):
+            return
+        if any(isinstance(t, ir.IntegerType) for t in types):
+            emulated.append(op.name)
+            _emulate_mixed(op, types, precision)
             return
         emulated.append(op.name)
         lhs, rhs = list(op.operands)[:2]
@@ -67,6 +76,23 @@ def tpu_faithful(exported: jax.export.Exported, precision: MatmulPrecision) -> j
     # Nothing rewritten (bf16 or integer matmuls, or none): the same program, so verification runs
     # and compiles it once per size, not twice.
     return faithful if emulated else exported
+
+
+def _emulate_mixed(op: ir.Operation, types: list[ir.Type], precision: MatmulPrecision) -> None:
+    """A dot of one f32 operand and one integer operand, with the f32 operand's bfloat16 passes."""
+    position = 0 if isinstance(types[0], ir.F32Type) else 1
+    value = op.operands[position]
+    hi = _through_bf16(value)
+    if precision.bf16_passes == 1:
+        op.operands[position] = hi
+        return
+    terms = []
+    for part in (hi, _through_bf16(stablehlo.SubtractOp(value, hi).result)):
+        term = op.clone(ir.InsertionPoint(op))
+        term.operands[position] = part
+        terms.append(term.result)
+    op.result.replace_all_uses_with(stablehlo.AddOp(terms[0], terms[1]).result)
+    op.erase()
 
 
 def _through_bf16(value: ir.Value) -> ir.Value:
