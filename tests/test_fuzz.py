@@ -85,6 +85,22 @@ def test_f32_weight_only_programs_are_verified_with_f32_tolerances():
     assert not against_float.passed
 
 
+def test_a_size_torch_export_fixed_at_1_is_refused_naming_the_op_the_line_and_the_fix():
+    """Found by fuzzing: a sequence 2*k sliced twice with step 2 has length 1 at the example k=2;
+    torch.export fixes it at 1 for the linear after it, keeping only a guard on the inputs, and the
+    lowering failed on the shape as "not supported yet". The refusal now names the guard, a size
+    in range that it refuses and the fix. With an example where that length is not 1 (k=5) the same
+    model converts and matches at fresh sizes."""
+    ops = (("slice_seq", "stride_2"), ("slice_seq", "stride_2"), ("linear", 8, True))
+    case = FuzzCase(8, Dims(2, 8, 2, "multiple", 2, 6, 2), False, True, ops, False, "f32", "default", None, 2816)
+    outcome = assert_holds(case)
+    assert outcome.kind == "refused"
+    assert "at aten.expand.default from " in outcome.detail and "fuzz_models.py" in outcome.detail
+    assert "fails at k=3 (declared k 2..6)" in outcome.detail and "give example inputs where no such size is 1" in outcome.detail
+    assert "While executing" not in outcome.detail
+    assert assert_holds(dataclasses.replace(case, dims=Dims(2, 8, 2, "multiple", 2, 6, 5))).kind == "ok"
+
+
 @pytest.mark.parametrize("precision, ops, differ", [
     ("bf16", (("linear", 8, True),), False),  # bf16 matmuls: the TPU computes them as the CPU does
     ("f32", (("activation", "gelu"),), False),  # no matmul at all
