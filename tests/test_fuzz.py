@@ -101,6 +101,23 @@ def test_a_size_torch_export_fixed_at_1_is_refused_naming_the_op_the_line_and_th
     assert assert_holds(dataclasses.replace(case, dims=Dims(2, 8, 2, "multiple", 2, 6, 5))).kind == "ok"
 
 
+@pytest.mark.parametrize("case, fix", [
+    # bf16 rounds a LayerNorm over 2 features to +-1 within a few ulps; |t| - 1 keeps only those ulps.
+    (FuzzCase(2, Dims(1, 4, 3, "dynamic", 1, 6, 4), False, True, (("activation", "softplus"), ("gather",), ("arith", "scale_shift"),
+                                                                   ("norm", "layer"), ("cond", "seq_length")), True, "bf16", "default", None, 1150),
+     "--precision bf16-mixed keeps norms, softmax and reductions in f32"),
+    # A GroupNorm over one element (2 groups of 2 channels, seq 1): f32 noise times 1/sqrt(eps), in eager PyTorch too.
+    (FuzzCase(2, Dims(2, 16, 2, "dynamic", 1, 6, 2), False, False, (("reduce", "logsumexp"), ("norm", "group"), ("concat_seq",)), False,
+              "auto", "highest", None, 177), "outputs that amplify rounding"),
+], ids=["bf16-layer-norm-cancellation", "group-norm-of-one-element"])
+def test_verification_refuses_outputs_that_amplify_rounding_and_names_the_fix(case, fix):
+    """Found by fuzzing: session 5's three verify-failed cases, correct lowerings of models whose
+    outputs are rounding noise. Refused (no artifact), and the message says what to change."""
+    outcome = assert_holds(case)
+    assert outcome.kind == "verify-failed"
+    assert fix in outcome.detail and "loosen --atol/--rtol/--scale-tol" in outcome.detail
+
+
 @pytest.mark.parametrize("precision, ops, differ", [
     ("bf16", (("linear", 8, True),), False),  # bf16 matmuls: the TPU computes them as the CPU does
     ("f32", (("activation", "gelu"),), False),  # no matmul at all
