@@ -24,22 +24,25 @@ def narrowed_range(program: torch.export.ExportedProgram, signature: ProgramSign
       program: an exported program (decomposed or not: decomposing keeps the guards).
       signature: its signature (dims with ranges and example sizes).
     Returns:
-      "G fails at k=6 (declared k 2..6)" for the first guard G that fails inside the ranges, or
-      None (no guard fails, or the guards test more than sizes and fail at the example too).
+      "G fails at k=3 (declared k 2..6)" for the first guard G that fails inside the ranges, or
+      None (no guard fails, or they cannot be checked here: the explanation must not fail itself).
     """
     if not getattr(program, "_guards_code", None) or not signature.dims:
         return None
-    guards = getattr(program.module(), "_guards_fn", None)
     example = signature.example_sizes()
-    if guards is None or _guard_failure(guards, signature, example) is not None:
+    try:
+        guards = getattr(program.module(), "_guards_fn", None)
+        if guards is None or _guard_failure(guards, signature, example) is not None:
+            return None
+        failures = ((sizes, _guard_failure(guards, signature, sizes)) for sizes in _sizes_across_ranges(signature))
+        sizes, failure = next(((sizes, failure) for sizes, failure in failures if failure is not None), (None, None))
+    except Exception:  # it only explains another error: a program torch cannot unlift, or guards on more than sizes
         return None
-    for sizes in _sizes_across_ranges(signature):
-        failure = _guard_failure(guards, signature, sizes)
-        if failure is not None:
-            changed = [dim for dim in signature.dims if sizes[dim.name] != example[dim.name]]
-            return (f"{failure.removeprefix('Guard failed: ')} fails at {', '.join(f'{dim.name}={sizes[dim.name]}' for dim in changed)} "
-                    f"(declared {', '.join(f'{dim.name} {dim.range_text}' for dim in changed)})")
-    return None
+    if failure is None:
+        return None
+    changed = [dim for dim in signature.dims if sizes[dim.name] != example[dim.name]]
+    return (f"{failure.removeprefix('Guard failed: ')} fails at {', '.join(f'{dim.name}={sizes[dim.name]}' for dim in changed)} "
+            f"(declared {', '.join(f'{dim.name} {dim.range_text}' for dim in changed)})")
 
 
 def _sizes_across_ranges(signature: ProgramSignature) -> list[dict[str, int]]:
