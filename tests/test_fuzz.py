@@ -42,6 +42,11 @@ REGRESSIONS = {
                                            ("attention", 2, "bool_mask")), True, "bf16-mixed", "default", None, 10491),
     # A gather of an embedding table by token ids (int64 -> int32 in the artifact) under highest.
     "gather-ids": FuzzCase(6, Dims(2, 8, 2, "multiple", 3, 12, 3), True, True, (("gather",),), True, "f32", "highest", None, 262),
+    # Average pooling without ceil_mode (refused in session 5's runs: torchax's lowering was looked up by
+    # its overload, which torchax does not register) before attention, in bf16.
+    "avg-pool-attention": FuzzCase(8, Dims(1, 8, 2, "static", 5, 5, 5), False, False,
+                                   (("norm", "layer"), ("attention", 1, "none"), ("pool", "avg", False)), False, "bf16",
+                                   "default", None, 479),
     # Weight-only int8 and int4 (group 2): linear weights and an embedding table quantized, checked
     # against the float model with those weights dequantized.
     "int8-weight-only": FuzzCase(4, Dims(1, 4, 2, "dynamic", 1, 6, 3), False, True,
@@ -78,6 +83,39 @@ def test_f32_weight_only_programs_are_verified_with_f32_tolerances():
     against_float = pipeline.verify_forward(dataclasses.replace(
         forward, captured=dataclasses.replace(forward.captured, reference=forward.float_reference)), options)
     assert not against_float.passed
+
+
+def test_a_size_torch_export_fixed_at_1_is_refused_naming_the_op_the_line_and_the_fix():
+    """Found by fuzzing: a sequence 2*k sliced twice with step 2 has length 1 at the example k=2;
+    torch.export fixes it at 1 for the linear after it, keeping only a guard on the inputs, and the
+    lowering failed on the shape as "not supported yet". The refusal now names the guard, a size
+    in range that it refuses and the fix. With an example where that length is not 1 (k=5) the same
+    model converts and matches at fresh sizes."""
+    ops = (("slice_seq", "stride_2"), ("slice_seq", "stride_2"), ("linear", 8, True))
+    case = FuzzCase(8, Dims(2, 8, 2, "multiple", 2, 6, 2), False, True, ops, False, "f32", "default", None, 2816)
+    outcome = assert_holds(case)
+    assert outcome.kind == "refused"
+    assert "at aten.expand.default from " in outcome.detail and "fuzz_models.py" in outcome.detail
+    assert "fails at k=3 (declared k 2..6)" in outcome.detail and "give example inputs where no such size is 1" in outcome.detail
+    assert "While executing" not in outcome.detail
+    assert assert_holds(dataclasses.replace(case, dims=Dims(2, 8, 2, "multiple", 2, 6, 5))).kind == "ok"
+
+
+@pytest.mark.parametrize("case, fix", [
+    # bf16 rounds a LayerNorm over 2 features to +-1 within a few ulps; |t| - 1 keeps only those ulps.
+    (FuzzCase(2, Dims(1, 4, 3, "dynamic", 1, 6, 4), False, True, (("activation", "softplus"), ("gather",), ("arith", "scale_shift"),
+                                                                   ("norm", "layer"), ("cond", "seq_length")), True, "bf16", "default", None, 1150),
+     "--precision bf16-mixed keeps norms, softmax and reductions in f32"),
+    # A GroupNorm over one element (2 groups of 2 channels, seq 1): f32 noise times 1/sqrt(eps), in eager PyTorch too.
+    (FuzzCase(2, Dims(2, 16, 2, "dynamic", 1, 6, 2), False, False, (("reduce", "logsumexp"), ("norm", "group"), ("concat_seq",)), False,
+              "auto", "highest", None, 177), "outputs that amplify rounding"),
+], ids=["bf16-layer-norm-cancellation", "group-norm-of-one-element"])
+def test_verification_refuses_outputs_that_amplify_rounding_and_names_the_fix(case, fix):
+    """Found by fuzzing: session 5's three verify-failed cases, correct lowerings of models whose
+    outputs are rounding noise. Refused (no artifact), and the message says what to change."""
+    outcome = assert_holds(case)
+    assert outcome.kind == "verify-failed"
+    assert fix in outcome.detail and "loosen --atol/--rtol/--scale-tol" in outcome.detail
 
 
 @pytest.mark.parametrize("precision, ops, differ", [

@@ -77,6 +77,24 @@ def test_depthwise_convolution_with_padding_modes_and_a_ceil_mode_pooler():
     assert max(case.sizes["batch"] for case in report.cases) == 16
 
 
+class AveragePools(nn.Module):
+    """Average pooling as audio and vision models use it: over the sequence (AvgPool1d, without and
+    with ceil_mode) and over an image (AvgPool2d with padding)."""
+
+    def forward(self, x):
+        over_seq = x.transpose(1, 2)
+        image = x.unsqueeze(1)
+        return F.avg_pool1d(over_seq, 2, 2), F.avg_pool1d(over_seq, 2, 2, ceil_mode=True), F.avg_pool2d(image, 3, 2, padding=1)
+
+
+@pytest.mark.parametrize("length", [None, 2 * torch.export.Dim("k", min=1, max=8)], ids=["static-seq", "seq-2k"])
+def test_average_pooling_without_ceil_mode_and_over_a_symbolic_length(length):
+    # Found by fuzzing: every avg_pool but ceil_mode over static sizes reached torchax's lowering
+    # through a lookup that failed (torchax registers avg_pool2d for all its overloads at once).
+    shapes = {"x": {0: batch} | ({1: length} if length is not None else {})}
+    lowered_and_verified(AveragePools(), (torch.randn(2, 6, 8),), shapes)
+
+
 class Positions(nn.Module):
     """Position ids and relative-position buckets from symbolic lengths (T5, BART, DeBERTa)."""
 

@@ -18,8 +18,11 @@ aten = torch.ops.aten
 
 
 def torchax_lowering(operator):
-    """torchax's JAX function for `operator`."""
-    return import_torchax().ops.ops_registry.all_aten_ops[operator].func
+    """torchax's JAX function for `operator`: registered for the overload, or for all overloads of
+    the operator at once (its OpOverloadPacket, as torchax registers `avg_pool2d`), looked up in that
+    order as torchax's own interpreter does."""
+    registry = import_torchax().ops.ops_registry.all_aten_ops
+    return (registry.get(operator) or registry[operator.overloadpacket]).func
 
 
 def _is_integer(value) -> bool:

@@ -46,6 +46,7 @@ import torch
 
 from tpuexport.arrays import to_numpy
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError
+from tpuexport.export.guards import narrowed_range
 from tpuexport.lower import aten_lowerings, attention, control_flow, symbolic_ops  # noqa: F401  (they register tpuexport's own lowerings)
 from tpuexport.lower.cost import matmul_flops_expression
 from tpuexport.lower.custom_ops import custom_operator_decompositions
@@ -726,6 +727,10 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
     except Exception as error:  # torchax op implementations raise many kinds while tracing
         node = tracer.node
         where = f" at {node.target} from {user_source(node)}" if node is not None else ""
-        message = " ".join(str(error).split())[:300]
-        raise TpuExportError(f"lowering failed{where}: {type(error).__name__}: {message}; "
-                             "this op or shape pattern is not supported yet") from None
+        # torch.fx appends the node and a traceback ("While executing %expand ..."), both named here already.
+        message = " ".join(str(error).split()).split(" While executing ")[0][:300]
+        narrowed = narrowed_range(program, signature)
+        fix = (f"torch.export fixed a size computed from the example inputs, so its program only holds at some sizes ({narrowed}): "
+               "give example inputs where no such size is 1 (a sliced or pooled length), or narrow the dim's range"
+               if narrowed else "this op or shape pattern is not supported yet")
+        raise TpuExportError(f"lowering failed{where}: {type(error).__name__}: {message}; {fix}") from None
