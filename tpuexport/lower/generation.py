@@ -10,14 +10,39 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterator, Sequence
 
+import jax
 import numpy as np
 
 from tpuexport.errors import TpuExportError
 from tpuexport.export.generation import ENTRY_POINTS, GenerationSpec
 from tpuexport.lower.lowering import LoweredProgram
+from tpuexport.lower.registry import register_lowering
 
 # How a session runs one entry point: (entry point name, inputs in its signature order) -> outputs.
 Runner = Callable[[str, list[np.ndarray]], list[np.ndarray]]
+
+
+@register_lowering("tpuexport::write_decode_cache")
+def write_decode_cache(cache, new, layer: int, positions, layout: str):
+    """export/generation.py's `write_decode_cache` as one `dynamic_update_slice` per row, which XLA
+    runs in place on the donated cache whatever its TPU layout (a scatter of the same rows copies
+    the cache into another layout and back, and so does a read of the cache beside the update:
+    benchmarks/results/generation_decode_write.md). dynamic_update_slice clamps a position outside
+    the context onto it, as the op's eager meaning does.
+
+    Args:
+      cache: [layers, batch, kv_heads, context, head_dim] ("layer_batch_head_pos") or [layers,
+        batch, context, kv_heads, head_dim]; new: [batch, kv_heads, head_dim]; layer: the layer
+        written; positions: [batch], each row's position; layout: the cache layout.
+    Returns:
+      The cache with the rows written.
+    """
+    heads_then_positions = layout == "layer_batch_head_pos"
+    for row in range(new.shape[0]):
+        start = (layer, row, 0, positions[row], 0) if heads_then_positions else (layer, row, positions[row], 0, 0)
+        update = new[row][None, None, :, None, :] if heads_then_positions else new[row][None, None, None]
+        cache = jax.lax.dynamic_update_slice(cache, update.astype(cache.dtype), start)
+    return cache
 
 
 @dataclasses.dataclass(frozen=True)
