@@ -11,6 +11,7 @@ import dataclasses
 from typing import Callable, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from tpuexport.errors import TpuExportError
@@ -20,6 +21,28 @@ from tpuexport.lower.registry import register_lowering
 
 # How a session runs one entry point: (entry point name, inputs in its signature order) -> outputs.
 Runner = Callable[[str, list[np.ndarray]], list[np.ndarray]]
+
+
+@register_lowering("tpuexport::write_prefill_cache")
+def write_prefill_cache(cache, new, layer: int, slots, layout: str):
+    """export/generation.py's `write_prefill_cache` as a loop over the rows (prefill's batch is a
+    symbolic dim), one `dynamic_update_slice` of the row's [kv_heads, steps, head_dim] into its slot
+    each, in place (see write_decode_cache). dynamic_update_slice clamps a slot outside the cache
+    onto it, as the op's eager meaning does.
+
+    Args:
+      cache: the cache in `layout` (as for write_decode_cache); new: [batch, kv_heads, steps,
+        head_dim]; layer: the layer written; slots: [batch], each row's cache slot.
+    Returns:
+      The cache with the rows written at positions 0..steps-1.
+    """
+    rows = new if layout == "layer_batch_head_pos" else jnp.swapaxes(new, 1, 2)
+
+    def write_row(row, cache):
+        update = jax.lax.dynamic_index_in_dim(rows, row, 0, keepdims=True)[None].astype(cache.dtype)
+        return jax.lax.dynamic_update_slice(cache, update, (layer, slots[row], 0, 0, 0))
+
+    return jax.lax.fori_loop(0, rows.shape[0], write_row, cache)
 
 
 @register_lowering("tpuexport::write_decode_cache")
