@@ -5,9 +5,10 @@ The model is transformers' LlamaForCausalLM with Llama-3.2-1B's shapes (hidden 2
 heads, 8 kv heads, vocab 128256, tied embeddings) or Llama-3-8B's (hidden 4096, 32 layers, 32 / 8
 heads, MLP 14336, untied), bfloat16. Nothing is downloaded. `layouts` and `targets` build it on the
 meta device, so the artifact is a plan (`weights=False`): every entry point and bucket lowered and
-compiled by libtpu, nothing verified. `convert` builds it with random weights and runs the whole
-conversion (greedy generation verified against `generate()` on CPU, every entry point compiled),
-or plans it with --meta.
+compiled by libtpu, nothing verified. `convert` writes random weights as a bf16 safetensors
+checkpoint (benchmarks/streamed_conversion.py's writer) and runs the whole conversion from it
+(weights streamed, greedy generation verified against `generate()` on CPU, every entry point
+compiled), or plans it with --meta.
 
     python benchmarks/generation.py layouts [--shape S] [--layers N]   # the decode step alone per cache layout, v5e, 8 x 4096
     python benchmarks/generation.py targets        # v5e and v5e-8 (tensor-parallel), 8 x 4096, a plan
@@ -96,23 +97,52 @@ def decode_step(layout: str, config: dict = LLAMA_3_2_1B) -> dict:
             "seconds": round(time.perf_counter() - start, 1)}
 
 
+def _memory_status() -> str:
+    """The process's resident set now and at its peak (Linux /proc), for the progress lines."""
+    fields = dict(line.split(":", 1) for line in pathlib.Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return f"RSS {int(fields['VmRSS'].split()[0]) / 2**20:.1f} GiB, peak {int(fields['VmHWM'].split()[0]) / 2**20:.1f} GiB"
+
+
 def convert(options: argparse.Namespace) -> dict:
     """Converts (or with --meta, plans) the model for text generation and returns the manifest's
-    figures and the run's peak RSS."""
+    figures and the run's peak RSS. Each stage is printed to stderr as it ends, with the process's
+    memory (a long conversion that runs out of memory says where)."""
     import resource
+    import sys
 
     import tpuexport
 
-    torch.manual_seed(0)
-    model = meta_llama(model_config(options.shape, options.layers), "meta" if options.meta else "cpu")
+    config = model_config(options.shape, options.layers)
+    if options.meta:
+        model = meta_llama(config)
+    else:
+        with tpuexport.parameters_on_meta():  # buffers (rotary frequencies) real, parameters from the checkpoint
+            model = meta_llama(config, "cpu")
     stages = {}
     start = time.perf_counter()
+
+    def progress(stage: str, seconds: float, detail) -> None:
+        stages[stage] = round(seconds, 1)
+        print(f"[{time.perf_counter() - start:7.1f} s] {stage}: {seconds:.1f} s; {_memory_status()}", file=sys.stderr, flush=True)
+
     with tempfile.TemporaryDirectory() as scratch:
+        checkpoint = None
+        if not options.meta:
+            # Random weights written as a bf16 Hugging Face checkpoint and streamed from it: the artifact's
+            # weights and verification's eager model are then memory maps of files. Built in memory
+            # instead, the 16-layer model's verification held 16.8 GiB and the kernel killed it (OOM, 24 GiB
+            # machine shared with other work).
+            from streamed_conversion import write_checkpoint
+
+            checkpoint = pathlib.Path(scratch) / "checkpoint"
+            checkpoint.mkdir()
+            write_checkpoint(config, "bfloat16", checkpoint)
+            progress("write random checkpoint", time.perf_counter() - start, None)
         artifact = tpuexport.convert(model, task="text-generation", max_context=options.max_context, max_batch=options.max_batch,
                                      target=options.target.split(","), sharding=options.sharding, precision="bf16",
                                      buckets={"seq": [int(size) for size in options.prefill_seq.split(",")]}, quantize=options.quantize,
-                                     weights=not options.meta, saved_model=False, out=pathlib.Path(scratch) / "llm.tpu",
-                                     progress=lambda stage, seconds, detail: stages.__setitem__(stage, round(seconds, 1)))
+                                     weights=not options.meta, checkpoint=checkpoint, saved_model=False,
+                                     out=pathlib.Path(scratch) / "llm.tpu", progress=progress)
         manifest = artifact.manifest
     verification = manifest.get("verification") or {}
     return {"shape": options.shape, "layers": model.config.num_hidden_layers, "seconds": round(time.perf_counter() - start, 1), "stages": stages,

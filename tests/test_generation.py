@@ -24,7 +24,8 @@ import tpuexport
 from conftest import ROOT
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
-from tpuexport.export.generation import Decode, DecodeCache
+from tpuexport.export.generation import CACHE_LAYOUTS, Decode, DecodeCache, write_decode_cache, write_prefill_cache
+from tpuexport.lower import generation as lowered_generation
 from tpuexport.verify import verify_generation
 
 MAX_CONTEXT, MAX_BATCH = 64, 2
@@ -205,6 +206,26 @@ def test_planted_cache_bugs_fail_verification(llama_generation, buggy_decode):
     assert "(cpu run)" in report.failure_summary()
     case = report.cases[0]
     assert case.runs["cpu"].logits.relative_rms_error > 1e-3
+
+
+@pytest.mark.parametrize("layout", CACHE_LAYOUTS)
+def test_cache_writes_lower_as_their_eager_meaning(layout):
+    """The cache writes' JAX lowerings (dynamic_update_slice per row) store what their eager index_put
+    stores, positions and slots outside the cache clamped onto it."""
+    torch.manual_seed(0)
+    shape = (2, 3, 2, 8, 4) if layout == "layer_batch_head_pos" else (2, 3, 8, 2, 4)
+    cache = torch.randn(shape)
+    new, positions = torch.randn(3, 2, 4), torch.tensor([0, 7, 9])
+    eager = write_decode_cache(cache, new, 1, positions, layout)
+    lowered = lowered_generation.write_decode_cache(jax.numpy.asarray(cache.numpy()), jax.numpy.asarray(new.numpy()), 1,
+                                                    jax.numpy.asarray(positions.numpy()), layout)
+    np.testing.assert_array_equal(np.asarray(lowered), eager.numpy())
+    prompts, slots = torch.randn(2, 2, 5, 4), torch.tensor([2, 0])
+    eager = write_prefill_cache(cache, prompts, 0, slots, layout)
+    lowered = jax.jit(lowered_generation.write_prefill_cache, static_argnums=(2, 4))(
+        jax.numpy.asarray(cache.numpy()), jax.numpy.asarray(prompts.numpy()), 0, jax.numpy.asarray(slots.numpy()), layout)
+    np.testing.assert_array_equal(np.asarray(lowered), eager.numpy())
+    assert not torch.equal(eager, cache)
 
 
 def cli(*args) -> subprocess.CompletedProcess:

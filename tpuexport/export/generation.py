@@ -16,13 +16,14 @@ state_dict names and values; the artifact stores them once):
       are written at `positions[r]`, and the row attends to keys 0..positions[r].
 
 The cache is an input and an output (functional, no buffer mutation): the compiled decode step
-donates it, so the TPU updates it in place. Its layout is one of CACHE_LAYOUTS; each layer's
-update is one scatter into the whole [layers, ...] tensor, so no layer copies the cache. Decode
-writes after its last layer and each layer's attention reads the cache as the step received it,
-with the step's new key selected at its position: XLA can then update the donated cache in place.
-A write before a later layer's read of the same tensor made XLA copy the whole cache for each
-layer (XLA's analysis of the Llama-3.2-1B decode step on v5e, batch 8 x 4096: 5.2x the bytes of
-the weights + cache; see benchmarks/results/generation_decode_write.md).
+donates it, so the TPU updates it in place. Its layout is one of CACHE_LAYOUTS; a layer's update
+is one `write_prefill_cache` or `write_decode_cache` (a dynamic_update_slice per row once lowered:
+a scatter made XLA relayout the whole cache into a copy and back on TPU). Decode writes after its last layer and each layer's attention reads the
+cache as the step received it, with the step's new key selected at its position: XLA can then
+update the donated cache in place. A write before a later layer's read of the same tensor made
+XLA copy the whole cache for each layer (XLA's analysis of the Llama-3.2-1B decode step on v5e,
+batch 8 x 4096: 5.2x the bytes of the weights + cache; see
+benchmarks/results/generation_decode_write.md).
 
 The KV cache is a `transformers.cache_utils.Cache` whose `update` writes functionally; the model
 gets a prepared 4D additive mask (transformers' mask functions return a 4D mask as it is) and
@@ -109,10 +110,6 @@ class FunctionalKVCache:
         self.values = values
         self.layout = layout
 
-    def layer_index(self, layer: int, like: torch.Tensor) -> torch.Tensor:
-        # An op, not a Python constant: torch.export would lift torch.tensor(layer) as a constant per layer.
-        return torch.full((1,), layer, dtype=torch.long, device=like.device)
-
     def update(self, new_keys: torch.Tensor, new_values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes a layer's new keys/values ([batch, heads, steps, head_dim]) and returns what attention reads."""
         self.keys = self.write(self.keys, new_keys, layer)
@@ -139,14 +136,7 @@ class PrefillCache(FunctionalKVCache):
         self.slots = slots
 
     def write(self, cache, new, layer):
-        batch, heads, steps, _ = new.shape
-        index = self.layer_index(layer, new)
-        positions = torch.arange(steps, device=new.device)
-        if self.layout == "layer_batch_head_pos":
-            heads_index = torch.arange(heads, device=new.device)
-            indices = (index, self.slots[:, None, None], heads_index[None, :, None], positions[None, None, :])
-            return cache.index_put(indices, new.to(cache.dtype))
-        return cache.index_put((index, self.slots[:, None], positions[None, :]), new.transpose(1, 2).to(cache.dtype))
+        return write_prefill_cache(cache, new.to(cache.dtype), layer, self.slots, self.layout)
 
     def read(self, cache, new, layer):
         return new
@@ -178,14 +168,7 @@ class DecodeCache(FunctionalKVCache):
         return keys, values
 
     def write(self, cache, new, layer):
-        batch, heads, _, _ = new.shape
-        index = self.layer_index(layer, new)
-        rows = torch.arange(batch, device=new.device)
-        if self.layout == "layer_batch_head_pos":
-            heads_index = torch.arange(heads, device=new.device)
-            indices = (index, rows[:, None], heads_index[None, :], self.positions[:, None])
-            return cache.index_put(indices, new[:, :, 0].to(cache.dtype))
-        return cache.index_put((index, rows, self.positions), new[:, :, 0].to(cache.dtype))
+        return write_decode_cache(cache, new[:, :, 0].to(cache.dtype), layer, self.positions, self.layout)
 
     def read(self, cache, new, layer):
         layer_cache = cache[layer]
@@ -194,6 +177,59 @@ class DecodeCache(FunctionalKVCache):
         keys = torch.arange(layer_cache.shape[2], device=new.device)
         current = keys[None, None, :, None] == self.positions[:, None, None, None]
         return torch.where(current, new.to(cache.dtype), layer_cache).to(new.dtype)
+
+
+@torch.library.custom_op("tpuexport::write_prefill_cache", mutates_args=())
+def write_prefill_cache(cache: torch.Tensor, new: torch.Tensor, layer: int, slots: torch.Tensor, layout: str) -> torch.Tensor:
+    """The cache with row r's new keys or values ([batch, kv_heads, steps, head_dim]) at positions
+    0..steps-1 of slot slots[r] in one layer; a slot outside 0..max_batch-1 is clamped onto it.
+
+    One op, not `index_put`, for the reason `write_decode_cache` gives (a scatter relayouts the
+    whole cache on TPU: 7.2x the cache's bytes for a batch of 8 prompts of 128 tokens into an 8 x
+    4096 cache on v5e); lower/generation.py lowers it as a loop over the rows, one
+    `dynamic_update_slice` each (0.2x). This is its eager meaning."""
+    batch, heads, steps, _ = new.shape
+    slots = slots.clamp(0, cache.shape[1] - 1)
+    index = torch.full((1,), layer, dtype=torch.long, device=new.device)
+    positions = torch.arange(steps, device=new.device)
+    if layout == "layer_batch_head_pos":
+        heads_index = torch.arange(heads, device=new.device)
+        return cache.index_put((index, slots[:, None, None], heads_index[None, :, None], positions[None, None, :]), new)
+    return cache.index_put((index, slots[:, None], positions[None, :]), new.transpose(1, 2))
+
+
+@write_prefill_cache.register_fake
+def _(cache, new, layer, slots, layout):
+    return torch.empty_like(cache)
+
+
+@torch.library.custom_op("tpuexport::write_decode_cache", mutates_args=())
+def write_decode_cache(cache: torch.Tensor, new: torch.Tensor, layer: int, positions: torch.Tensor, layout: str) -> torch.Tensor:
+    """The cache with row r's new key or value ([batch, kv_heads, head_dim]) at position positions[r]
+    of slot r in one layer; a position outside 0..max_context-1 is clamped onto it (the write lands
+    on the slot's first or last position, as dynamic_update_slice does).
+
+    One op, not `index_put`, because of the TPU's layout of the cache: with head_dim (64) its minor
+    dim, the TPU keeps the cache with its positions minor, and XLA's scatter wants the written
+    head_dim minor, so an `index_put` scatter relayouts the whole cache into a copy and back (on v5e:
+    6x the cache's bytes per step). lower/generation.py lowers this op as one
+    `dynamic_update_slice` per row, which updates the donated cache in place in any layout. This is
+    its eager meaning."""
+    batch, heads, _ = new.shape
+    rows = torch.arange(batch, device=new.device)
+    context = cache.shape[3] if layout == "layer_batch_head_pos" else cache.shape[2]
+    positions = positions.clamp(0, context - 1)
+    # An op, not a Python constant: torch.export would lift torch.tensor(layer) as a constant per layer.
+    index = torch.full((1,), layer, dtype=torch.long, device=new.device)
+    if layout == "layer_batch_head_pos":
+        heads_index = torch.arange(heads, device=new.device)
+        return cache.index_put((index, rows[:, None], heads_index[None, :], positions[:, None]), new)
+    return cache.index_put((index, rows, positions), new)
+
+
+@write_decode_cache.register_fake
+def _(cache, new, layer, positions, layout):
+    return torch.empty_like(cache)
 
 
 def _transformers_cache(functional: FunctionalKVCache):

@@ -10,14 +10,62 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterator, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from tpuexport.errors import TpuExportError
 from tpuexport.export.generation import ENTRY_POINTS, GenerationSpec
 from tpuexport.lower.lowering import LoweredProgram
+from tpuexport.lower.registry import register_lowering
 
 # How a session runs one entry point: (entry point name, inputs in its signature order) -> outputs.
 Runner = Callable[[str, list[np.ndarray]], list[np.ndarray]]
+
+
+@register_lowering("tpuexport::write_prefill_cache")
+def write_prefill_cache(cache, new, layer: int, slots, layout: str):
+    """export/generation.py's `write_prefill_cache` as a loop over the rows (prefill's batch is a
+    symbolic dim), one `dynamic_update_slice` of the row's [kv_heads, steps, head_dim] into its slot
+    each, in place (see write_decode_cache). dynamic_update_slice clamps a slot outside the cache
+    onto it, as the op's eager meaning does.
+
+    Args:
+      cache: the cache in `layout` (as for write_decode_cache); new: [batch, kv_heads, steps,
+        head_dim]; layer: the layer written; slots: [batch], each row's cache slot.
+    Returns:
+      The cache with the rows written at positions 0..steps-1.
+    """
+    rows = new if layout == "layer_batch_head_pos" else jnp.swapaxes(new, 1, 2)
+
+    def write_row(row, cache):
+        update = jax.lax.dynamic_index_in_dim(rows, row, 0, keepdims=True)[None].astype(cache.dtype)
+        return jax.lax.dynamic_update_slice(cache, update, (layer, slots[row], 0, 0, 0))
+
+    return jax.lax.fori_loop(0, rows.shape[0], write_row, cache)
+
+
+@register_lowering("tpuexport::write_decode_cache")
+def write_decode_cache(cache, new, layer: int, positions, layout: str):
+    """export/generation.py's `write_decode_cache` as one `dynamic_update_slice` per row, which XLA
+    runs in place on the donated cache whatever its TPU layout (a scatter of the same rows copies
+    the cache into another layout and back, and so does a read of the cache beside the update:
+    benchmarks/results/generation_decode_write.md). dynamic_update_slice clamps a position outside
+    the context onto it, as the op's eager meaning does.
+
+    Args:
+      cache: [layers, batch, kv_heads, context, head_dim] ("layer_batch_head_pos") or [layers,
+        batch, context, kv_heads, head_dim]; new: [batch, kv_heads, head_dim]; layer: the layer
+        written; positions: [batch], each row's position; layout: the cache layout.
+    Returns:
+      The cache with the rows written.
+    """
+    heads_then_positions = layout == "layer_batch_head_pos"
+    for row in range(new.shape[0]):
+        start = (layer, row, 0, positions[row], 0) if heads_then_positions else (layer, row, positions[row], 0, 0)
+        update = new[row][None, None, :, None, :] if heads_then_positions else new[row][None, None, None]
+        cache = jax.lax.dynamic_update_slice(cache, update.astype(cache.dtype), start)
+    return cache
 
 
 @dataclasses.dataclass(frozen=True)
