@@ -55,6 +55,12 @@ REGRESSIONS = {
     "int4-weight-only-bf16": FuzzCase(4, Dims(1, 4, 2, "dynamic", 1, 6, 3), False, True,
                                       (("linear", 8, True), ("embedding", 5), ("linear", 4, False)), False, "auto", "default",
                                       "int4-weight-only", 3, bf16_model=True, group_size=2),
+    # Weight-only attention over a batch-only dim (seq static): the out projection's bias broadcast to
+    # the batch is a "position table" (weights and sizes alone); its check computed with the raw int8
+    # weight instead of the dequantized one and refused a correct program (max abs error 126).
+    "weight-only-position-table": FuzzCase(2, Dims(2, 4, 4, "static", 2, 2, 2), True, False,
+                                           (("attention", 2, "additive_mask"), ("linear", 16, False)), False, "f32", "default",
+                                           "int8-weight-only", 2865),
 }
 
 
@@ -62,7 +68,7 @@ REGRESSIONS = {
 def test_regression_cases(name):
     outcome = assert_holds(REGRESSIONS[name])
     assert outcome.kind == "ok"
-    if "weight-only" in name:  # both linear weights and the embedding table are integers in the program
+    if name in ("int8-weight-only", "int4-weight-only-bf16"):  # both linear weights and the embedding table are integers
         assert outcome.quantized_weights == 3
 
 

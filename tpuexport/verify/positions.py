@@ -28,6 +28,7 @@ from tpuexport.arrays import to_numpy
 from tpuexport.lower import LoweredProgram, in_state_layout
 from tpuexport.lower.lowering import _TracingInterpreter, module_path
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS, pin_matmul_precision
+from tpuexport.lower.quantized_weights import QuantizedArray
 from tpuexport.lower.mixed_precision import input_compute_dtype
 from tpuexport.verify.compare import compare_output
 from tpuexport.verify.report import VerificationCase
@@ -127,7 +128,8 @@ def verify_positions(lowered: LoweredProgram, example_inputs: Sequence[torch.Ten
     try:
         with torch.no_grad():
             expected = [_float_numpy(value) for value in
-                        module(*(inputs[name] if name in inputs else state[specs[name].target] for name in placeholders))]
+                        module(*(inputs[name] if name in inputs else _reference_weight(lowered, state, specs[name].target)
+                                 for name in placeholders))]
         actual = _lowered_tables(lowered, module, placeholders, inputs, specs)
     except Exception:  # a subgraph cut out of its model may need what the cut left out; the full cases cover it
         return None
@@ -171,14 +173,35 @@ def _placeholders_of(table: torch.fx.Node) -> set[torch.fx.Node]:
 
 
 def artifact_weight(lowered: LoweredProgram, state_name: str) -> np.ndarray:
-    """One weight as the artifact holds it, by state name, in the state_dict tensor's layout: a
-    scanned block's from its stack, a tied one from the weight it is."""
+    """One weight as the artifact's program computes with it, by state name, in the state_dict
+    tensor's layout: a scanned block's from its stack, a tied one from the weight it is, a
+    weight-only one dequantized (its integers times its scales)."""
     state_name = lowered.tied.get(state_name, state_name)
     for name, array in zip(lowered.weight_names, lowered.weights):
         parts = lowered.weight_parts[name]
         if state_name in parts:
+            if name in lowered.quantized:
+                array = _dequantized(lowered, name, array)
             return in_state_layout(array[parts.index(state_name)] if len(parts) > 1 else array, lowered.weight_layouts.get(name))
     raise KeyError(state_name)
+
+
+def _dequantized(lowered: LoweredProgram, name: str, values) -> np.ndarray:
+    entry = lowered.quantized[name]
+    scale = lowered.weights[lowered.weight_names.index(entry["scale"])]
+    dtype = jnp.bfloat16 if lowered.resolved_precision == "bf16" else jnp.float32
+    return np.asarray(QuantizedArray(jnp.asarray(values), jnp.asarray(scale), entry["bits"], entry["axis"], dtype).dequantized())
+
+
+def _reference_weight(lowered: LoweredProgram, state: dict, state_name: str) -> torch.Tensor:
+    """A weight for PyTorch's run of the tables: the model's own, or for a weight-only weight what
+    the program computes with (its dequantized values: the tables are compared with the weights the
+    artifact holds, as the other cases compare with the dequantized model)."""
+    tensor = state[state_name]
+    stored = lowered.tied.get(state_name, state_name)
+    if not any(stored in lowered.weight_parts[name] for name in lowered.quantized):
+        return tensor
+    return torch.from_numpy(np.asarray(artifact_weight(lowered, state_name), np.float32)).to(tensor.dtype)
 
 
 def _float_numpy(value) -> np.ndarray:
