@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import re
 
 import jax
 from jax.extend.mlir import ir
@@ -54,9 +53,6 @@ DECISION_SCOPE = "tpuexport_decision."
 _DECISION_OWNER = re.compile(re.escape(DECISION_SCOPE) + r"([^/\"]+)")
 
 _aten = torch.ops.aten
-_MATMULS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.convolution.default})
-# Attention's two dots are traced under its node: pinning the node pins them.
-_PINNED_OPS = _MATMULS | {_aten.scaled_dot_product_attention.default}
 DECISIONS = frozenset({_aten.topk.default, _aten.sort.default, _aten.sort.stable, _aten.argmax.default, _aten.argmin.default,
                        _aten.max.dim, _aten.min.dim})
 
