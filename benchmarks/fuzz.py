@@ -102,29 +102,30 @@ def main() -> None:
 _stop_requested = threading.Event()
 
 
-def summarize(logs: list[pathlib.Path]) -> None:
-    """Prints the figures of logged runs added up: cases, outcomes overall and by mode, refusals by
-    reason, each failure's line, and last `silent mismatches: K`."""
+def summarize(logs: list[pathlib.Path], group=None, group_label: str = "mode") -> None:
+    """Prints the figures of logged runs added up: cases, outcomes overall and by group (the case's
+    mode unless `group` maps a logged description to another), refusals by reason, each failure's
+    line, and last `silent mismatches: K`. fuzz_generation.py's logs are read the same way."""
+    group = group or _mode
     outcomes: collections.Counter = collections.Counter()
     reasons: collections.Counter = collections.Counter()
-    by_mode: collections.Counter = collections.Counter()
+    by_group: collections.Counter = collections.Counter()
     failures = []
     for log in logs:
         for line in log.read_text().splitlines():
             _, kind, reason, description, *failed = line.split("\t")
             outcomes[kind] += 1
-            by_mode[_mode(description), kind] += 1
+            by_group[group(description), kind] += 1
             if kind == "refused":
                 reasons[reason] += 1
-            if failed:
+            if any(failed):
                 failures.append(line)
     print(f"cases run: {sum(outcomes.values())} (logs: {', '.join(str(log) for log in logs)})")
     for kind in fuzz_models.OUTCOMES:
         print(f"  {kind:16s} {outcomes[kind]}")
-    modes = sorted({mode for mode, _ in by_mode})
-    print(f"by mode:{'':12s}" + "".join(f"{kind:>16s}" for kind in fuzz_models.OUTCOMES))
-    for mode in modes:
-        print(f"  {mode:18s}" + "".join(f"{by_mode[mode, kind]:16d}" for kind in fuzz_models.OUTCOMES))
+    print(f"by {group_label}:".ljust(20) + "".join(f"{kind:>16s}" for kind in fuzz_models.OUTCOMES))
+    for name in sorted({name for name, _ in by_group}):
+        print(f"  {name:18s}" + "".join(f"{by_group[name, kind]:16d}" for kind in fuzz_models.OUTCOMES))
     print("refusals by reason:")
     for reason, count in reasons.most_common():
         print(f"  {count:5d}  {reason}")

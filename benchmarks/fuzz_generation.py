@@ -18,7 +18,6 @@ their lowering), nor is int8 PT2E (its entry points are calibrated per conversio
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import pathlib
 import sys
@@ -33,7 +32,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fuzz_models import OUTCOMES, Outcome, refusal_reason  # noqa: E402
+from fuzz_models import Outcome, refusal_reason  # noqa: E402
 
 # Prompts per fresh check: the conversion verified seeds 0.. (one per prefill bucket); these are new.
 FRESH_SEED = 1000
@@ -165,32 +164,11 @@ def main() -> None:
 
 
 def summarize(logs: list[pathlib.Path]) -> None:
-    """Prints the figures of logged runs added up, and last `silent mismatches: K`."""
-    outcomes: collections.Counter = collections.Counter()
-    reasons: collections.Counter = collections.Counter()
-    by_family: collections.Counter = collections.Counter()
-    failures = []
-    for log in logs:
-        for line in log.read_text().splitlines():
-            _, kind, reason, description, failed = line.split("\t")
-            outcomes[kind] += 1
-            by_family[description.split()[0], _dtype(description), kind] += 1
-            if kind == "refused":
-                reasons[reason] += 1
-            if failed:
-                failures.append(line)
-    print(f"cases run: {sum(outcomes.values())} (logs: {', '.join(str(log) for log in logs)})")
-    for kind in OUTCOMES:
-        print(f"  {kind:16s} {outcomes[kind]}")
-    print(f"by family, dtype:{'':3s}" + "".join(f"{kind:>16s}" for kind in OUTCOMES))
-    for family, dtype in sorted({(family, dtype) for family, dtype, _ in by_family}):
-        print(f"  {family + ' ' + dtype:18s}" + "".join(f"{by_family[family, dtype, kind]:16d}" for kind in OUTCOMES))
-    print("refusals by reason:")
-    for reason, count in reasons.most_common():
-        print(f"  {count:5d}  {reason}")
-    for line in failures:
-        print(f"FAILURE {line}")
-    print(f"silent mismatches: {outcomes['silent-mismatch']}")
+    """Prints the figures of logged runs added up (fuzz.py's summary, by family and dtype), and last
+    `silent mismatches: K`."""
+    import fuzz
+
+    fuzz.summarize(logs, lambda description: f"{description.split()[0]} {_dtype(description)}", "family, dtype")
 
 
 def _dtype(description: str) -> str:
