@@ -30,7 +30,9 @@ batch 2 x seq 16; the Llama-1B shape has no weights, its code is the --small mod
 
 Printed per model and mode: bytes accessed, flops (XLA's cost analysis), temporaries (XLA's
 memory analysis), XLA:TPU's summed per-op cycle estimates (`estimated_cycles`) of both executables,
-and tpuexport / native. Each (model, mode) runs in its own
+and tpuexport / native; then per program the bytes it prefetches into on-chip memory and its bytes
+accessed without the prefetches' bookkeeping (decode_bytes.py's model: a prefetched weight is read
+from HBM once, its on-chip copies add 4 x copy-start and 3 x slice-start bytes to bytes accessed). Each (model, mode) runs in its own
 process. With --kernels, two more programs: tpuexport's bucket lowered again with TPU kernels
 (what `--kernels auto` compiles; lower/kernels.py) and the native Llama with JAX's Pallas
 `flash_attention` (causal, k/v repeated to the query heads, 512 blocks), and their ratio.
@@ -364,6 +366,8 @@ def compile_v5e(function, argument_specs) -> dict:
     from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
 
+    from decode_bytes import prefetched_bytes, without_prefetch_bookkeeping
+
     topology = topologies.get_topology_desc(topology_name=TOPOLOGY, platform="tpu", chips_per_host_bounds=(1, 1, 1))
     device = SingleDeviceSharding(topology.devices[0])
     placed = jax.tree.map(lambda spec: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=device), argument_specs)
@@ -373,9 +377,12 @@ def compile_v5e(function, argument_specs) -> dict:
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, list) else cost
     memory = compiled.memory_analysis()
+    hlo_text = compiled.as_text()
+    prefetched = prefetched_bytes(hlo_text)
     return {"bytes_accessed": float(cost.get("bytes accessed", 0.0)), "flops": float(cost.get("flops", 0.0)),
             "temp_bytes": int(memory.temp_size_in_bytes), "argument_bytes": int(memory.argument_size_in_bytes),
-            "estimated_cycles": estimated_cycles(compiled.as_text()), "optimal_seconds": float(cost.get("optimal_seconds", 0.0)),
+            "estimated_cycles": estimated_cycles(hlo_text), "optimal_seconds": float(cost.get("optimal_seconds", 0.0)),
+            "prefetched": prefetched, "without_prefetch": without_prefetch_bookkeeping(float(cost.get("bytes accessed", 0.0)), prefetched),
             "compile_seconds": seconds}
 
 
@@ -508,6 +515,22 @@ def report_rows(results: list[dict]) -> list[str]:
             lines.append(f"| {row['model']} | {row['mode']} | {row['shape']} | **tpuexport + kernels / native + flash** | "
                          f"**{_ratio(ours['bytes_accessed'], native['bytes_accessed'])}** | {_ratio(ours['flops'], native['flops'])} | "
                          f"**{_ratio(ours['temp_bytes'], native['temp_bytes'])}** | {_ratio(ours['estimated_cycles'], native['estimated_cycles'])} | |")
+    lines += ["", "VMEM prefetches (decode_bytes.py: bytes accessed count a prefetched weight's HBM read once, plus its on-chip "
+              "copies, 4 x copy-start and 3 x slice-start bytes):", "",
+              "| model | mode | program | copy-start MB | slice-start MB | bytes accessed without prefetch bookkeeping GB | / native |",
+              "|---|---|---|---|---|---|---|"]
+    for row in results:
+        if "error" in row:
+            continue
+        # tpuexport's programs against the native one they are compared with above.
+        references = {"tpuexport": "native", "tpuexport + kernels": "native + flash"}
+        for program in ("tpuexport", "native", PER_LAYER, "tpuexport + kernels", "native + flash"):
+            if program not in row:
+                continue
+            figures, reference = row[program], row.get(references.get(program, ""))
+            ratio = _ratio(figures["without_prefetch"], reference["without_prefetch"]) if reference else ""
+            lines.append(f"| {row['model']} | {row['mode']} | {program} | {figures['prefetched']['copy-start'] / 1e6:.4g} | "
+                         f"{figures['prefetched']['slice-start'] / 1e6:.4g} | {figures['without_prefetch'] / 1e9:.4g} | {ratio} |")
     lines.append("")
     for row in results:
         for use in row.get("kernels", []):
