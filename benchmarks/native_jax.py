@@ -29,7 +29,10 @@ model is first run on CPU and compared with eager PyTorch (and tpuexport's progr
 batch 2 x seq 16; the Llama-1B shape has no weights, its code is the --small model's.
 
 Printed per model and mode: bytes accessed, flops (XLA's cost analysis), temporaries (XLA's
-memory analysis) of both executables, and tpuexport / native. Each (model, mode) runs in its own
+memory analysis), XLA:TPU's summed per-op cycle estimates (`estimated_cycles`) of both executables,
+and tpuexport / native; then per program the bytes it prefetches into on-chip memory and its bytes
+accessed without the prefetches' bookkeeping (decode_bytes.py's model: a prefetched weight is read
+from HBM once, its on-chip copies add 4 x copy-start and 3 x slice-start bytes to bytes accessed). Each (model, mode) runs in its own
 process. With --kernels, two more programs: tpuexport's bucket lowered again with TPU kernels
 (what `--kernels auto` compiles; lower/kernels.py) and the native Llama with JAX's Pallas
 `flash_attention` (causal, k/v repeated to the query heads, 512 blocks), and their ratio.
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -60,6 +64,7 @@ BERT_SMALL = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_atte
 SHAPES = {"llama": ((8, 2048), (4, 512)), "bert": ((8, 128), (8, 128))}
 CHECK_SHAPE = (2, 16)
 PER_LAYER = "native, per-layer weights"
+ESTIMATED_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,6 +366,8 @@ def compile_v5e(function, argument_specs) -> dict:
     from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
 
+    from decode_bytes import prefetched_bytes, without_prefetch_bookkeeping
+
     topology = topologies.get_topology_desc(topology_name=TOPOLOGY, platform="tpu", chips_per_host_bounds=(1, 1, 1))
     device = SingleDeviceSharding(topology.devices[0])
     placed = jax.tree.map(lambda spec: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=device), argument_specs)
@@ -370,9 +377,20 @@ def compile_v5e(function, argument_specs) -> dict:
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, list) else cost
     memory = compiled.memory_analysis()
+    hlo_text = compiled.as_text()
+    prefetched = prefetched_bytes(hlo_text)
     return {"bytes_accessed": float(cost.get("bytes accessed", 0.0)), "flops": float(cost.get("flops", 0.0)),
             "temp_bytes": int(memory.temp_size_in_bytes), "argument_bytes": int(memory.argument_size_in_bytes),
+            "estimated_cycles": estimated_cycles(hlo_text), "optimal_seconds": float(cost.get("optimal_seconds", 0.0)),
+            "prefetched": prefetched, "without_prefetch": without_prefetch_bookkeeping(float(cost.get("bytes accessed", 0.0)), prefetched),
             "compile_seconds": seconds}
+
+
+def estimated_cycles(hlo_text: str) -> int:
+    """XLA:TPU's own run-time estimate: the `estimated_cycles` its cost model writes into the
+    backend_config of each op it tiles (fusions, convolutions), summed over the compiled HLO. A loop
+    body counts once, as in the cost analysis."""
+    return sum(int(cycles) for cycles in ESTIMATED_CYCLES.findall(hlo_text))
 
 
 def measure_attention() -> list[str]:
@@ -470,32 +488,49 @@ def measure(kind: str, small: bool, scan: bool, kernels: bool = False) -> dict:
 
 def report_rows(results: list[dict]) -> list[str]:
     gb = 1e9
-    lines = ["| model | mode | shape | program | bytes accessed GB | flops | temporaries MB | compile s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | mode | shape | program | bytes accessed GB | flops | temporaries MB | est. cycles | compile s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in results:
         if "error" in row:
-            lines.append(f"| {row['model']} | {row['mode']} | | error: {row['error']} | | | | |")
+            lines.append(f"| {row['model']} | {row['mode']} | | error: {row['error']} | | | | | |")
             continue
         for program in ("tpuexport", "native", PER_LAYER, "tpuexport + kernels", "native + flash"):
             if program not in row:
                 continue
             figures = row[program]
             lines.append(f"| {row['model']} | {row['mode']} | {row['shape']} | {program} | {figures['bytes_accessed'] / gb:.4g} | "
-                         f"{figures['flops']:.4g} | {figures['temp_bytes'] / 1e6:.4g} | {figures['compile_seconds']:.1f} |")
+                         f"{figures['flops']:.4g} | {figures['temp_bytes'] / 1e6:.4g} | {figures['estimated_cycles']:.4g} | "
+                         f"{figures['compile_seconds']:.1f} |")
         ours, native = row["tpuexport"], row["native"]
         lines.append(f"| {row['model']} | {row['mode']} | {row['shape']} | **tpuexport / native** | "
                      f"**{_ratio(ours['bytes_accessed'], native['bytes_accessed'])}** | {_ratio(ours['flops'], native['flops'])} | "
-                     f"**{_ratio(ours['temp_bytes'], native['temp_bytes'])}** | |")
+                     f"**{_ratio(ours['temp_bytes'], native['temp_bytes'])}** | {_ratio(ours['estimated_cycles'], native['estimated_cycles'])} | |")
         if PER_LAYER in row:
             native = row[PER_LAYER]
             lines.append(f"| {row['model']} | {row['mode']} | {row['shape']} | **tpuexport / {PER_LAYER}** | "
                          f"**{_ratio(ours['bytes_accessed'], native['bytes_accessed'])}** | {_ratio(ours['flops'], native['flops'])} | "
-                         f"**{_ratio(ours['temp_bytes'], native['temp_bytes'])}** | |")
+                         f"**{_ratio(ours['temp_bytes'], native['temp_bytes'])}** | {_ratio(ours['estimated_cycles'], native['estimated_cycles'])} | |")
         if "tpuexport + kernels" in row and "native + flash" in row:
             ours, native = row["tpuexport + kernels"], row["native + flash"]
             lines.append(f"| {row['model']} | {row['mode']} | {row['shape']} | **tpuexport + kernels / native + flash** | "
                          f"**{_ratio(ours['bytes_accessed'], native['bytes_accessed'])}** | {_ratio(ours['flops'], native['flops'])} | "
-                         f"**{_ratio(ours['temp_bytes'], native['temp_bytes'])}** | |")
+                         f"**{_ratio(ours['temp_bytes'], native['temp_bytes'])}** | {_ratio(ours['estimated_cycles'], native['estimated_cycles'])} | |")
+    lines += ["", "VMEM prefetches (decode_bytes.py: bytes accessed count a prefetched weight's HBM read once, plus its on-chip "
+              "copies, 4 x copy-start and 3 x slice-start bytes):", "",
+              "| model | mode | program | copy-start MB | slice-start MB | bytes accessed without prefetch bookkeeping GB | / native |",
+              "|---|---|---|---|---|---|---|"]
+    for row in results:
+        if "error" in row:
+            continue
+        # tpuexport's programs against the native one they are compared with above.
+        references = {"tpuexport": "native", "tpuexport + kernels": "native + flash"}
+        for program in ("tpuexport", "native", PER_LAYER, "tpuexport + kernels", "native + flash"):
+            if program not in row:
+                continue
+            figures, reference = row[program], row.get(references.get(program, ""))
+            ratio = _ratio(figures["without_prefetch"], reference["without_prefetch"]) if reference else ""
+            lines.append(f"| {row['model']} | {row['mode']} | {program} | {figures['prefetched']['copy-start'] / 1e6:.4g} | "
+                         f"{figures['prefetched']['slice-start'] / 1e6:.4g} | {figures['without_prefetch'] / 1e9:.4g} | {ratio} |")
     lines.append("")
     for row in results:
         for use in row.get("kernels", []):
