@@ -58,6 +58,9 @@ def main() -> None:
     parser.add_argument("--buckets", default="8x8,1x2048", help="batch x seq sizes, comma-separated")
     parser.add_argument("--quantize", default=None, help="a weight-only mode, e.g. int8-weight-only")
     parser.add_argument("--no-scan", dest="scan", action="store_false")
+    parser.add_argument("--target", default="v5e", help="a chip or a slice, e.g. v5e-8")
+    parser.add_argument("--sharding", default=None, help="a slice's preset, e.g. tensor-parallel")
+    parser.add_argument("--rule", action="append", default=[], help="a sharding rule REGEX=SPEC (repeatable)")
     options = parser.parse_args()
     import tpuexport
 
@@ -71,12 +74,13 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as directory:
             start = time.perf_counter()
             # A plan (no weights): `tpuexport.plan`, with the scan option; attention kernels off in both programs.
-            artifact = tpuexport.convert(model, args, shapes, target="v5e", out=pathlib.Path(directory) / "plan.tpu", weights=False,
+            artifact = tpuexport.convert(model, args, shapes, out=pathlib.Path(directory) / "plan.tpu", weights=False,
                                          saved_model=False, kernels="none", buckets={"batch": [batch], "seq": [seq]},
-                                         quantize=options.quantize, scan=options.scan)
+                                         quantize=options.quantize, scan=options.scan,
+                                         target=options.target, sharding=options.sharding, rules=options.rule)
             manifest = artifact.manifest
         layouts = manifest["program"].get("weight_layouts", {})
-        bucket = manifest["targets"]["v5e"]["buckets"][0]
+        bucket = manifest["targets"][options.target]["buckets"][0]
         memory, cost = bucket["memory"], bucket["cost"]
         quantized = sum(name.endswith("_scale") for name in manifest["program"]["weight_names"])  # a plan has no quantization section
         print(f"{options.layers} layers {'scanned' if options.scan else 'unrolled'}, {options.quantize or 'bf16'}, batch {batch} x seq {seq} "

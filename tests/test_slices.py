@@ -332,3 +332,35 @@ def test_cli_bad_mesh_is_one_line_exit_2_and_writes_nothing(tmp_path):
     assert set(tmp_path.iterdir()) == before
     single = tpuexport_cli("convert", f"{EXAMPLES / 'decoder.py'}:build", "--target", "v5e", "--sharding", "fsdp", "-o", tmp_path / "x.tpu")
     assert single.returncode == 2 and "sharding options need a slice target such as v5e-8" in single.stderr
+
+
+def test_tensor_parallel_splits_every_expert_like_a_dense_mlp(tmp_path):
+    import transformers
+
+    config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_local_experts=4,
+                                        num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2)
+    torch.manual_seed(0)
+    mixtral = transformers.MixtralForCausalLM(config).eval()
+
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = mixtral
+
+        def forward(self, tokens):
+            return self.model(input_ids=tokens, use_cache=False).logits
+
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    artifact = tpuexport.convert(Logits(), (tokens,), {"tokens": {1: torch.export.Dim("seq", min=2, max=32)}}, out=tmp_path / "moe.tpu",
+                                 target="v5e-8", mesh="model=4,data=2", sharding="tensor-parallel", saved_model=False,
+                                 verify_budget_flops=0, kernels="none")
+    weights, _ = specs(artifact)
+    # Stored [layers, experts, in, out] (lower/weight_layouts.py): gate/up split by output features, down by input
+    # features, within every expert; no weight of the experts is whole on a chip.
+    assert weights["model.model.layers.0-1.mlp.experts.gate_up_proj"] == [None, None, None, "model"]
+    assert weights["model.model.layers.0-1.mlp.experts.down_proj"] == [None, None, "model"]
+    assert weights["model.model.layers.0-1.mlp.gate.weight"] == []  # the router: every chip routes every token
+    assert not [note for note in artifact.manifest["targets"]["v5e-8"]["sharding"]["notes"] if "experts" in note]
+    sharded_run(artifact)
+    # Each chip multiplies by its slice of every expert: no expert weight is gathered.
+    assert "all-gather" not in only_bucket(artifact)["collectives"]

@@ -17,7 +17,9 @@ What the user asks for (a `ShardingRequest`):
                             vocabulary. Found from state_dict names (`_COLUMN_PARALLEL`,
                             `_ROW_PARALLEL`, `_VOCAB_PARALLEL`) and checked against shapes: a row-
                             parallel weight is split only when a column-parallel weight of its
-                            module produces its input features. int8 programs' `weight_int8`
+                            module produces its input features. Mixture-of-experts weights
+                            ([experts, out, in]: `experts.gate_up_proj`, `experts.down_proj`) the
+                            same way within every expert. int8 programs' `weight_int8`
                             and `weight_scale` follow their layer. Inputs as data-parallel when
                             the mesh also has a "data" axis.
            fsdp             every weight's largest dim divisible by the "data" size over "data";
@@ -69,6 +71,12 @@ _ROW_PARALLEL = re.compile(
 _VOCAB_PARALLEL = re.compile(
     r"(?:^|\.)(?:embed_tokens|wte|word_embeddings|embed_in|tok_embeddings|lm_head|embed_out)\.(?:weight|weight_int8|weight_scale)$")
 _WEIGHT = re.compile(r"\.weight(?:_int8)?$")
+# Mixture-of-experts weights, one [experts, out, in] tensor per projection (transformers' Mixtral, Qwen-MoE,
+# ...): split per expert like their dense counterparts (every chip holds a slice of every expert). Split
+# over the experts axis instead, XLA:TPU gathers the weights for the grouped matmul (Mixtral-8x7B dims, 2
+# layers, v5e-8, 64 tokens: 3251 MiB temporaries per chip against 226; benchmarks/experts_layout.py).
+_EXPERTS_COLUMN_PARALLEL = re.compile(r"(?:^|\.)experts\.(?:gate_up_proj|gate_proj|up_proj)$")
+_EXPERTS_ROW_PARALLEL = re.compile(r"(?:^|\.)experts\.down_proj$")
 # GPT-2's Conv1D layers store their weight as (in, out), transposed from nn.Linear.
 _TRANSPOSED = re.compile(r"(?:^|\.)(?:c_attn|c_fc|c_proj)\.weight$")
 
@@ -275,7 +283,12 @@ def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequen
     mesh_text = ",".join(f"{axis}={size}" for axis, size in mesh)
     shapes = [tuple(int(d) for d in w.shape) for w in weights]
     block_shapes = [shape[1:] if is_stacked else shape for shape, is_stacked in zip(shapes, stacked)]
-    weight_specs, notes = _preset_weight_specs(request.preset, weight_names, _unpacked_shapes(weight_names, block_shapes, weights), sizes)
+    layouts = layouts or {}
+    # Presets read state_dict names with their state_dict shapes, as rules do; their specs are then laid out as stored.
+    state_shapes = [_state_dict_shape(shape, layouts.get(name))
+                    for name, shape in zip(weight_names, _unpacked_shapes(weight_names, block_shapes, weights))]
+    weight_specs, notes = _preset_weight_specs(request.preset, weight_names, state_shapes, sizes)
+    weight_specs = [_in_layout(spec, layouts.get(name)) for name, spec in zip(weight_names, weight_specs)]
     weight_specs = _scales_follow_weights(weight_names, block_shapes, weight_specs, sizes, notes)
     input_specs = [_preset_input_spec(request.preset, spec.shape, sizes) for spec in signature.inputs]
     rules = []
@@ -287,7 +300,7 @@ def plan_sharding(request: ShardingRequest, target: Target, weight_names: Sequen
             raise TpuExportError(f"--shard pattern {pattern!r} matches no weight; the weights are state_dict names such as {shown}")
         for index in matched:
             fitted = _fit_spec(spec, len(block_shapes[index]), f"weight {weight_names[index]!r}", f"--shard {pattern}")
-            weight_specs[index] = _in_layout(fitted, (layouts or {}).get(weight_names[index]))
+            weight_specs[index] = _in_layout(fitted, layouts.get(weight_names[index]))
         rules.append(f"{pattern}={_spec_text(spec)}")
     input_names = [spec.name for spec in signature.inputs]
     for name, spec in request.input_rules:
@@ -423,6 +436,10 @@ def _tensor_parallel_specs(names: Sequence[str], shapes: Sequence[tuple[int, ...
     for name, shape in zip(names, shapes):
         if _COLUMN_PARALLEL.search(name) and _WEIGHT.search(name) and len(shape) == 2:
             column_outputs.setdefault(_module_of(name), set()).add(shape[out_axis(name)])
+        elif _EXPERTS_COLUMN_PARALLEL.search(name) and len(shape) == 3:
+            # A fused gate_up_proj's outputs are halved (gate times up) before down_proj reads them.
+            fused = name.endswith("gate_up_proj")
+            column_outputs.setdefault(_module_of(name), set()).add(shape[1] // 2 if fused else shape[1])
 
     def split(index: int, axis: int) -> None:
         name, shape = names[index], shapes[index]
@@ -443,6 +460,14 @@ def _tensor_parallel_specs(names: Sequence[str], shapes: Sequence[tuple[int, ...
                              "input features, whole on every device")
                 continue
             split(index, in_axis)
+        elif _EXPERTS_COLUMN_PARALLEL.search(name) and len(shape) == 3:
+            split(index, 1)
+        elif _EXPERTS_ROW_PARALLEL.search(name) and len(shape) == 3:
+            if shape[2] not in column_outputs.get(_module_of(name), set()):
+                notes.append(f"{name} {list(shape)}: no column-parallel expert projection of its module produces its {shape[2]} "
+                             "input features, whole on every device")
+                continue
+            split(index, 2)
     if not any(specs):
         raise TpuExportError(
             "--sharding tensor-parallel found no attention or MLP projections to split (state_dict names ending in "
@@ -476,6 +501,16 @@ def _fit_spec(spec: Spec, rank: int, what: str, option: str) -> Spec:
     if len(spec) > rank:
         raise TpuExportError(f"{option} gives {len(spec)} dims but {what} has rank {rank}")
     return spec
+
+
+def _state_dict_shape(stored: tuple[int, ...], layout: tuple[int, ...] | None) -> tuple[int, ...]:
+    """A stored array's shape as its state_dict tensor's (`layout`: the tensor's axes in stored order)."""
+    if layout is None:
+        return stored
+    shape = [0] * len(stored)
+    for size, axis in zip(stored, layout):
+        shape[axis] = size
+    return tuple(shape)
 
 
 def _in_layout(spec: Spec, layout: tuple[int, ...] | None) -> Spec:
