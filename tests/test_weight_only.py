@@ -417,3 +417,35 @@ def test_tpu_convolutions_read_integer_weights_without_a_float_copy(conv_capture
         assert parameters[lowered.weight_names.index(name)] == (kind, ",".join(map(str, stored))), name
         for shape in (kernel, matrix):
             assert tuple(sorted(size for size in shape if size != 1)) not in floating_shapes, (name, shape)
+
+
+class WeightNormedConv(torch.nn.Module):
+    """wav2vec2's positional convolution in small: a grouped conv1d under weight_norm over the
+    kernel dim, whose weight the program computes from g and v."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(32, 32, 8, padding=4, groups=2), dim=2)
+
+    def forward(self, x):
+        return x + torch.nn.functional.gelu(self.conv(x)[..., :-1])
+
+
+@pytest.mark.parametrize("mode", ["int8-weight-only", "int4-weight-only"])
+def test_weight_normed_convolution_quantizes_its_direction(mode):
+    torch.manual_seed(0)
+    model = WeightNormedConv().eval()
+    captured = export_stage.capture(export_stage.LoadedSource(model, (torch.randn(2, 32, 24),), None, None, export_stage.SourceInfo("api")))
+    scheme = check_scheme(mode, GROUP)
+    lowered = lower_stage.lower(captured.program, captured.signature, weight_only=scheme)
+    # v is the integers (one scale per output channel); g, one value per kernel position, stays float.
+    assert sorted(lowered.quantized) == ["conv.parametrizations.weight.original1"]
+    entry = lowered.quantized["conv.parametrizations.weight.original1"]
+    assert entry["kernel_shape"] == [32, 16, 8] and entry["bits"] == scheme.bits and entry["group_size"] == 128
+    tolerances = verify_stage.default_tolerances("f32", "default", quantized=False)
+    reference = DequantizedReference(captured.reference, lowered.quantized_state_axes, scheme)
+    report = verify_stage.verify(lowered, reference, captured.example_inputs, tolerances, budget_flops=0)
+    assert report.passed
+    [floating] = eager_outputs(captured.reference, captured.example_inputs)
+    [expected] = eager_outputs(reference, captured.example_inputs)
+    assert not np.allclose(expected, floating, rtol=1e-5, atol=1e-6)

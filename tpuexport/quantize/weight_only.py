@@ -211,7 +211,8 @@ def quantizable_weights(program: torch.export.ExportedProgram, scheme: WeightOnl
         uses = {_contraction_axis(user, node, False) for user in node.users} if usable else {None}
         if usable and value.dim() == 3 and not all(_grouped_matmul_reads(user, node) for user in node.users):
             uses = {None}  # a 3-D weight is quantized for grouped matmuls and convolutions only
-        if floating and value.dim() >= 3 and all(_convolution_reads(user, node) for user in node.users):
+        if floating and value.dim() >= 3 and (all(_convolution_reads(user, node) for user in node.users)
+                                              or _weight_norm_direction(node)):
             uses = {convolution_axes(value.dim())}
         if scheme.keep_float and (re.search(scheme.keep_float, name) or re.search(scheme.keep_float, stored)):
             uses = {None}
@@ -293,6 +294,18 @@ def _convolution_reads(node: torch.fx.Node, value: torch.fx.Node) -> bool:
     the convolution's result."""
     return (node.target is _CONVOLUTION and len(node.args) > 6 and node.args[1] is value and not node.args[6]
             and value is not node.args[0] and value is not node.args[2])
+
+
+def _weight_norm_direction(value: torch.fx.Node) -> bool:
+    """Whether `value` is the direction `v` of a weight-normed convolution (torch's weight_norm,
+    wav2vec2's positional convolution): read by the norm of it and by one product, v x g / norm,
+    that only convolutions read as their weight. Quantized per output channel like a convolution
+    weight; the program computes the convolution's weight from the dequantized v as the float
+    program does from v (a float weight the size of v each call)."""
+    norms = [user for user in value.users if user.target is _aten.linalg_vector_norm.default and user.args[0] is value]
+    products = [user for user in value.users if user.target is _aten.mul.Tensor and value in user.args[:2]]
+    return (len(value.users) == 2 and len(norms) == 1 and len(products) == 1 and bool(products[0].users)
+            and all(_convolution_reads(user, products[0]) for user in products[0].users))
 
 
 def quantize_tensor(tensor: torch.Tensor, scheme: WeightOnlyScheme, axis: Axis) -> tuple[torch.Tensor, torch.Tensor]:
