@@ -13,8 +13,10 @@ For convolution weights of ResNet-50's and wav2vec2-base's shapes:
      and int4 convolutions (lower/quantized_weights.quantized_convolution: integers into the
      convolution, scales on its result) and int4 in groups of 128 (dequantized before the
      convolution, since a scale along the contraction does not commute with it): XLA's argument
-     bytes, temporaries, bytes accessed, and how many arrays outside any fusion hold the weight as
-     floats (for the quantized ones: a materialized dequantized copy; for bf16, relayouts).
+     bytes, temporaries, bytes accessed, and how many float arrays outside any fusion have the
+     weight's number of elements (for the quantized ones: a materialized dequantized copy; for bf16, relayouts).
+  3. wav2vec2's positional convolution under weight_norm, its weight computed from v (float, or
+     int8 per output channel and dequantized, as tpuexport lowers it) and g: the same figures.
 """
 
 from __future__ import annotations
@@ -86,12 +88,13 @@ def compiled_figures(function, specs, kernel) -> str:
     memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
     text = compiled.as_text()
     entry = text[text.index("\nENTRY"):].split("\n}")[0]
-    weight_dims = sorted(size for size in kernel if size != 1)
+    # Any layout or grouping of the weight (kernel, matrix, per feature group) has its element count;
+    # the activations of these shapes have other counts.
     results = [re.match(r"\s*(?:ROOT )?%\S+ = (?:f32|bf16)\[([\d,]*)\]", line) for line in entry.splitlines() if "parameter(" not in line]
-    copies = sum(1 for result in results if result and sorted(int(size) for size in result[1].split(",") if size not in ("", "1")) == weight_dims)
+    copies = sum(1 for result in results if result and math.prod(int(size) for size in result[1].split(",") if size) == math.prod(kernel))
     mib = 2 ** 20
     return (f"arguments {memory.argument_size_in_bytes / mib:7.2f} MiB  temporaries {memory.temp_size_in_bytes / mib:6.2f} MiB  "
-            f"bytes accessed {cost.get('bytes accessed', 0) / mib:7.1f} MiB  float arrays of the weight's shape outside fusions: {copies}")
+            f"bytes accessed {cost.get('bytes accessed', 0) / mib:7.1f} MiB  float arrays of the weight's size outside fusions: {copies}")
 
 
 def print_compiled() -> None:
@@ -127,9 +130,30 @@ def print_compiled() -> None:
               flush=True)
 
 
+def print_weight_norm() -> None:
+    """wav2vec2's positional convolution as its program computes it: weight = v x g / ||v|| (norm
+    over all dims but the kernel's), from a float v or from v int8 per output channel, dequantized
+    (what tpuexport does with a weight-normed convolution's direction)."""
+    shape, groups, input_shape = SHAPES["wav2vec2 pos conv g16 k128"]
+    options = ([1], [shape[2] // 2], [1], False, [0], groups)
+    dtype = jnp.dtype(jnp.float32)
+
+    def normed(x, v, g):
+        weight = v * (g / jnp.sqrt(jnp.sum(v * v, axis=(0, 1), keepdims=True)))
+        return torchax_lowering(torch.ops.aten.convolution.default)(x, weight, None, *options)
+
+    x, g = (input_shape, jnp.float32), ((1, 1, shape[2]), jnp.float32)
+    print(f"wav2vec2 pos conv under weight_norm (f32 model): v {list(shape)}", flush=True)
+    print(f"  {'f32 v':<20}" + compiled_figures(normed, [x, (shape, jnp.float32), g], shape), flush=True)
+    print(f"  {'int8 v per channel':<20}" + compiled_figures(
+        lambda x, values, scale, g: normed(x, QuantizedArray(values, scale, 8, -1, dtype, kernel=shape).dequantized(), g),
+        [x, ((shape[0], math.prod(shape[1:])), jnp.int8), ((shape[0], 1), jnp.bfloat16), g], shape), flush=True)
+
+
 def main() -> None:
     print_sqnr()
     print_compiled()
+    print_weight_norm()
 
 
 if __name__ == "__main__":

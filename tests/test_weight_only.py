@@ -362,6 +362,8 @@ def test_convolution_weights_quantized_per_output_channel_verified_against_dequa
     stem = weights["stem.weight"]
     assert (stem["bits"], stem.get("reason")) == ((8, INT8_ODD_CONVOLUTION_REASON) if bits == 4 else (8, None))
     assert header["conv.bias"]["dtype"] == "F32"
+    listed = CliRunner().invoke(main, ["inspect", str(artifact.path)]).output
+    assert f"conv.weight: int{bits}, convolution [16, 4, 3, 3] per output channel, scales conv.weight_scale" in listed
 
     # The artifact computes what the float model computes with its weights rounded and dequantized...
     reference = DequantizedReference(model, {name: entry["axis"] for name, entry in weights.items()}, WeightOnlyScheme(mode, GROUP))
@@ -397,8 +399,8 @@ def test_planted_convolution_scale_bugs_fail_verification(conv_captured, bug):
 @pytest.mark.parametrize("mode, element", [("int8-weight-only", "s8"), ("int4-weight-only", "u8")])
 def test_tpu_convolutions_read_integer_weights_without_a_float_copy(conv_captured, mode, element):
     """On v5e the convolution weights are integer arguments and no op outside a fusion makes a
-    float array of a convolution weight's shape (as a kernel or as its matrix): the conversion
-    happens inside the convolution's fusion."""
+    float array of a convolution weight's size (as a kernel, its matrix or per feature group; no
+    activation here has one of these sizes): the conversion happens inside the convolution's fusion."""
     lowered = lower_stage.lower(conv_captured.program, conv_captured.signature, weights=False,
                                 weight_only=check_scheme(mode, GROUP))
     [target] = compile_stage.resolve_targets(["v5e"])
@@ -407,16 +409,15 @@ def test_tpu_convolutions_read_integer_weights_without_a_float_copy(conv_capture
     parameters = {int(position): (kind, dims) for kind, dims, position in re.findall(r"= (\w+)\[([\d,]*)\]\S* parameter\((\d+)\)", entry)}
     convolutions = {name: entry for name, entry in lowered.quantized.items() if "kernel_shape" in entry}
     assert len(convolutions) == 5
-    floating_shapes = {tuple(sorted(int(size) for size in dims.split(",") if size not in ("", "1")))
-                       for dims in re.findall(r"= (?:f32|bf16)\[([\d,]*)\]", entry)}
+    floating_sizes = {int(np.prod([int(size) for size in dims.split(",") if size]))
+                      for dims in re.findall(r"= (?:f32|bf16)\[([\d,]*)\]\S* (?!parameter)", entry)}
     for name, quantized in convolutions.items():
         kernel = quantized["kernel_shape"]
         matrix = [kernel[0], int(np.prod(kernel[1:]))]
         kind = "s8" if quantized["bits"] == 8 else element
         stored = [matrix[0], matrix[1] // (2 if kind == "u8" else 1)]
         assert parameters[lowered.weight_names.index(name)] == (kind, ",".join(map(str, stored))), name
-        for shape in (kernel, matrix):
-            assert tuple(sorted(size for size in shape if size != 1)) not in floating_shapes, (name, shape)
+        assert int(np.prod(kernel)) not in floating_sizes, (name, kernel)
 
 
 class WeightNormedConv(torch.nn.Module):

@@ -9,25 +9,38 @@ Schemes (symmetric: zero point 0, the same range on both sides of zero):
   int8-weight-only  int8 in [-127, 127], one bfloat16 scale per output channel (max|w| / 127 over
                     the contraction dim)
   int4-weight-only  int4 in [-7, 7], one bfloat16 scale per `group_size` consecutive elements of
-                    the contraction dim (max|w| / 7 over the group)
+                    the contraction dim (max|w| / 7 over the group); convolution weights one per
+                    output channel (below)
 Each scale is rounded to bfloat16 before the weights are divided by it, so the integers are chosen
 for the scale the program multiplies by (no per-channel bias from rounding the scale afterwards).
 
 Which weights: every 2-D float weight that only matrix products read as their right-hand side
 (nn.Linear, GPT-2's Conv1D, an lm_head) or that only embedding lookups read (token and position
 tables, grouped along a row), or both with the same contraction axis (an embedding tied to the
-lm_head); and every 3-D float weight that only grouped matmuls read as their right-hand side,
+lm_head); every 3-D float weight that only grouped matmuls read as their right-hand side,
 transposed or not (mixture-of-experts layers: [experts, out, in] in transformers), stored int8 per
 output channel in both modes (`scheme_for`: XLA's TPU compiler refuses s4 ragged_dot operands, and
-int4's groups along the contraction dim could not be scaled after the grouped product). `keep_float` (a
-regex over state_dict names) keeps matching weights float. Others (convolutions, norms, biases) stay
-float.
+int4's groups along the contraction dim could not be scaled after the grouped product); and every
+float weight of 3 or more dims that only (not transposed) convolutions read as their weight
+(conv1d/2d/3d [out, in/groups, *kernel], grouped and depthwise too), or that is the direction v of
+a weight-normed convolution (read only by its norm and by v x g / norm, which only convolutions
+read: wav2vec2's positional convolution; g stays float; the program computes the weight from the
+dequantized v, a float copy as the float program makes from v). A convolution weight has one scale per
+output channel in both modes, so the scale multiplies the convolution's result (an int4 group
+along the contraction would not commute with it: the weight would be dequantized before the
+convolution, which XLA:TPU materializes; benchmarks/weight_only_convolutions.py); one whose
+contraction (in/groups x kernel) has an odd number of elements is stored int8 in an int4
+conversion (INT8_ODD_CONVOLUTION_REASON). `keep_float` (a regex over state_dict names) keeps
+matching weights float. Others (norms, biases, transposed convolutions) stay float.
 
 Storage (the artifact's safetensors): the weight's own name holds the integers in the weight's
 layout, `<name>_scale` its scales (the weight's shape with the contraction axis divided by the group
-size; per output channel int8: 1 there). int4 is packed two values per byte along the last axis:
-element 2i in the low nibble, element 2i+1 in the high nibble, each a two's-complement 4-bit
-integer (the order of XLA's bitcast from u8 to s4), stored as U8 with the last dim halved.
+size; per output channel int8: 1 there). A convolution weight is stored as its [out, in/groups x
+kernel] matrix (`matrix_shape`: contraction axis -1, scales [out, 1]); its manifest entry gives the
+kernel's shape (`kernel_shape`) and its contraction axes as `axis`. int4 is packed two values per
+byte along the last axis: element 2i in the low nibble, element 2i+1 in the high nibble, each a
+two's-complement 4-bit integer (the order of XLA's bitcast from u8 to s4), stored as U8 with the
+last dim halved.
 """
 
 from __future__ import annotations
