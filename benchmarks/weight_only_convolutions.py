@@ -1,6 +1,6 @@
 """Weight-only convolutions: one scale per output channel or per group of the contraction?
 
-    nice -n 10 python benchmarks/weight_only_convolutions.py
+    nice -n 10 python benchmarks/weight_only_convolutions.py [--resnet-50]
 
 For convolution weights of ResNet-50's and wav2vec2-base's shapes:
   1. SQNR (dB) of the convolution's output against the float one, on random inputs, with the
@@ -17,10 +17,17 @@ For convolution weights of ResNet-50's and wav2vec2-base's shapes:
      weight's number of elements (for the quantized ones: a materialized dequantized copy; for bf16, relayouts).
   3. wav2vec2's positional convolution under weight_norm, its weight computed from v (float, or
      int8 per output channel and dequantized, as tpuexport lowers it) and g: the same figures.
+  --resnet-50 instead: the whole ResNet-50 (benchmarks/families.py, random weights) lowered as a
+     weight-only plan and compiled for v5e at batch 2 in both modes: the element types of its
+     convolution weight parameters, argument and temporary bytes, and every float array outside
+     fusions whose element count is a convolution weight's (with its shape, to tell activations
+     of the same size from weight copies).
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
 import math
 import re
 
@@ -150,7 +157,40 @@ def print_weight_norm() -> None:
         [x, ((shape[0], math.prod(shape[1:])), jnp.int8), ((shape[0], 1), jnp.bfloat16), g], shape), flush=True)
 
 
+def print_resnet_50() -> None:
+    from families import BASE_FAMILIES
+
+    from tpuexport import compile as compile_stage
+    from tpuexport import export as export_stage
+    from tpuexport import lower as lower_stage
+    from tpuexport.quantize.weight_only import check_scheme
+
+    built = BASE_FAMILIES["resnet-50"].build()
+    captured = export_stage.capture(export_stage.LoadedSource(built["model"], built["args"], built.get("dynamic_shapes"), None,
+                                                              export_stage.SourceInfo("api")))
+    [target] = compile_stage.resolve_targets(["v5e"])
+    for mode in ("int8-weight-only", "int4-weight-only"):
+        lowered = lower_stage.lower(captured.program, captured.signature, weights=False, weight_only=check_scheme(mode, 128))
+        bucket = [bucket for bucket in compile_stage.make_buckets(lowered.signature, None) if dict(bucket.sizes)["batch"] == 2]
+        [compiled] = compile_stage.compile_program(lowered, [target], bucket).results
+        entry = compiled.hlo_text[compiled.hlo_text.index("\nENTRY"):].split("\n}")[0]
+        parameters = {int(position): kind for kind, position in re.findall(r"= (\w+)\[[\d,]*\]\S* parameter\((\d+)\)", entry)}
+        convolutions = {name: entry for name, entry in lowered.quantized.items() if "kernel_shape" in entry}
+        kinds = collections.Counter(parameters[lowered.weight_names.index(name)] for name in convolutions)
+        weight_sizes = {math.prod(entry["kernel_shape"]) for entry in convolutions.values()}
+        same_size = collections.Counter(f"{kind}[{dims}]" for kind, dims in re.findall(r"= (f32|bf16)\[([\d,]*)\]\S* (?!parameter)", entry)
+                                        if math.prod(int(size) for size in dims.split(",") if size) in weight_sizes)
+        memory = compiled.memory
+        print(f"resnet-50 {mode}: {len(convolutions)} convolution weights, parameters {dict(kinds)}; arguments "
+              f"{memory['argument_bytes'] / 2**20:.1f} MiB, temporaries {memory['temp_bytes'] / 2**20:.1f} MiB; float arrays outside "
+              f"fusions of a convolution weight's size: {dict(same_size) or 'none'}", flush=True)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--resnet-50", action="store_true", help="compile the whole ResNet-50 plan for v5e instead")
+    if parser.parse_args().resnet_50:
+        return print_resnet_50()
     print_sqnr()
     print_compiled()
     print_weight_norm()
