@@ -450,3 +450,18 @@ def test_weight_normed_convolution_quantizes_its_direction(mode):
     [floating] = eager_outputs(captured.reference, captured.example_inputs)
     [expected] = eager_outputs(reference, captured.example_inputs)
     assert not np.allclose(expected, floating, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-mixed"])
+def test_convolution_weights_in_bfloat16_programs_verified(tmp_path, conv_checkpoint, precision):
+    """The convolution's operands in the dtype the precision computes it in (bf16 weights, or f32
+    weights with bf16 convolution operands), its integers converted to it."""
+    model = TinyConvNet().eval()
+    model.load_state_dict(conv_checkpoint[0].state_dict())  # a copy: the fixture's model stays f32
+    args = (images(),)
+    if precision == "bf16":
+        model, args = model.to(torch.bfloat16), (args[0].to(torch.bfloat16),)
+    artifact = tpuexport.convert(model, args, None, out=tmp_path / "m.tpu", quantize="int4-weight-only", group_size=GROUP,
+                                 precision=precision, saved_model=False)
+    assert artifact.manifest["verification"]["passed"]
+    assert artifact.manifest["quantization"]["weights"]["point.weight"]["bits"] == 4

@@ -18,7 +18,7 @@ chose the weights whose every use is one of them) take it as it is:
                             go to the convolution, the scales multiply its result (they commute
                             with the contraction); on v5e the convolution reads the s8 (or s4)
                             weight inside its fusion, no float copy of it exists (a per-group
-                            int4 scale would need one: tests/test_weight_only.py, docs/quantization.md)
+                            int4 scale would need one: benchmarks/weight_only_convolutions.py)
   grouped matmul            an int8 [experts, k, n] weight (per output channel) as ragged_dot's
                             s8 right-hand side, f32 accumulation, each row's product times its
                             expert's scales after the dot (the scale commutes with the
