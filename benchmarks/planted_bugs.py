@@ -21,6 +21,10 @@ weight-only int4 (packing and the program's dequantization):
   int4_nibble_order_swapped   element 2i packed into the high nibble, 2i+1 into the low one
   int4_wrong_group_boundary   groups of every (size/group)-th element instead of consecutive runs
   int4_scale_of_the_wrong_group  each group scaled by its neighbour's scale
+weight-only convolutions (int8 and int4: the scale per output channel that multiplies the result):
+  conv_scale_of_the_wrong_channel  each output channel scaled by its neighbour's scale
+  conv_scale_on_the_input_channels the scales multiply the input's channels (the wrong side of the
+                              contraction) where in and out channels are as many, without groups
 A bug whose op the program does not use (no biases, no norms) leaves it unchanged: the benchmark
 reports such rows as exact.
 """
@@ -255,4 +259,46 @@ WEIGHT_ONLY_BUGS = {
     "int4_nibble_order_swapped": _nibble_order_swapped,
     "int4_wrong_group_boundary": _wrong_group_boundary,
     "int4_scale_of_the_wrong_group": _scale_of_the_wrong_group,
+}
+
+
+def _convolution_scaled_with(scaled):
+    """quantized_convolution with `scaled(x, integers, scale, options)` -> the result in place of the correct one."""
+    from tpuexport.lower import quantized_weights
+
+    def quantized_convolution(x, weight, bias, *options):
+        integers = weight.integers().reshape(weight.shape).astype(weight.dtype)
+        scale = weight.scale.reshape(-1).astype(jnp.promote_types(weight.scale.dtype, weight.dtype))
+        result = scaled(x, integers, scale, options, len(weight.kernel) - 2)
+        if bias is not None:
+            result = result + bias.reshape(bias.shape + (1,) * (len(weight.kernel) - 2)).astype(result.dtype)
+        return result.astype(weight.dtype)
+
+    return _patched(quantized_weights, "quantized_convolution", quantized_convolution)
+
+
+def _convolution(x, integers, options):
+    from tpuexport.lower.aten_lowerings import torchax_lowering
+
+    return torchax_lowering(torch.ops.aten.convolution.default)(x, integers, None, *options)
+
+
+def _conv_scale_of_the_wrong_channel():
+    return _convolution_scaled_with(lambda x, integers, scale, options, spatial:
+                                    _convolution(x, integers, options) * jnp.roll(scale, 1).reshape((-1,) + (1,) * spatial))
+
+
+def _conv_scale_on_the_input_channels():
+    def scaled(x, integers, scale, options, spatial):
+        per_channel = scale.reshape((-1,) + (1,) * spatial)
+        if integers.shape[0] == integers.shape[1] and options[-1] == 1:
+            return _convolution(x * per_channel.astype(x.dtype), integers, options)
+        return _convolution(x, integers, options) * per_channel
+
+    return _convolution_scaled_with(scaled)
+
+
+WEIGHT_ONLY_CONVOLUTION_BUGS = {
+    "conv_scale_of_the_wrong_channel": _conv_scale_of_the_wrong_channel,
+    "conv_scale_on_the_input_channels": _conv_scale_on_the_input_channels,
 }

@@ -7,8 +7,8 @@ For each family (benchmarks/families.py, tiny random-weight configs: hidden 64, 
 64; --base adds the 12-layer llama-base, hidden 768, with groups of 128) and mode, lowers the model
 as a conversion does (lower with the weight-only scheme: the weights quantized as the artifact
 stores them), runs the program on CPU on the example inputs and prints:
-  - weight bytes of the program vs the same weights in f32 (embeddings and lm_head quantized too,
-    the default; norms, biases and convolutions float),
+  - weight bytes of the program vs the same weights in f32 (embeddings, lm_head and convolutions
+    quantized too, the default; norms and biases float),
   - how many weights were quantized,
   - SQNR (dB) of each output against the float model, and of the float model with its weights
     rounded and dequantized (the verification reference) against the program (float agreement).

@@ -12,7 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 from click.testing import CliRunner
-from planted_bugs import WEIGHT_ONLY_BUGS
+from planted_bugs import WEIGHT_ONLY_BUGS, WEIGHT_ONLY_CONVOLUTION_BUGS
 
 import tpuexport
 from tpuexport import compile as compile_stage
@@ -22,7 +22,8 @@ from tpuexport import verify as verify_stage
 from tpuexport.arrays import read_safetensors_header
 from tpuexport.cli import main
 from tpuexport.errors import EXIT_BAD_INPUT, TpuExportError
-from tpuexport.quantize.weight_only import DequantizedReference, WeightOnlyScheme, check_scheme, pack_int4, quantize_tensor
+from tpuexport.quantize.weight_only import (INT8_ODD_CONVOLUTION_REASON, DequantizedReference, WeightOnlyScheme, check_scheme,
+                                            pack_int4, quantize_tensor)
 from tpuexport.verify.verification import eager_outputs
 
 WIDTH, HIDDEN, VOCAB, LAYERS = 64, 128, 256, 2
@@ -292,3 +293,175 @@ def test_large_weights_are_rounded_in_row_blocks_alike(monkeypatch):
     assert torch.equal(whole[0][0], blocks[0][0]) and torch.equal(whole[0][1], blocks[0][1]) and torch.equal(whole[1], blocks[1])
     transposed = quantize_tensor(weight.T.contiguous(), scheme, -2)  # (in, out): rows are the contraction axis, one block
     assert transposed[1].shape == (2, 10)
+
+
+class ConvBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(32, 32, 3, padding=1)
+
+    def forward(self, x):
+        return x + torch.relu(self.conv(x))
+
+
+class TinyConvNet(torch.nn.Module):
+    """The convolutions weight-only quantizes: conv2d (a 3-channel stem whose contraction, 27, int4
+    cannot pack; grouped with a bias; pointwise) and conv1d blocks (as many in as out channels:
+    a scale on the wrong side of the contraction still runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.conv = torch.nn.Conv2d(8, 16, 3, stride=2, padding=1, groups=2)
+        self.point = torch.nn.Conv2d(16, 32, 1)
+        self.blocks = torch.nn.ModuleList(ConvBlock() for _ in range(2))
+        self.head = torch.nn.Linear(32, 10)
+
+    def forward(self, image):
+        x = torch.relu(self.point(torch.relu(self.conv(torch.relu(self.stem(image))))))
+        x = x.flatten(2)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(-1))
+
+
+def images(seed: int = 0) -> torch.Tensor:
+    return torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def conv_checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    model = TinyConvNet().eval()
+    path = tmp_path_factory.mktemp("conv_checkpoint") / "model.safetensors"
+    safetensors.torch.save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, path)
+    return model, path
+
+
+@pytest.mark.parametrize("mode", ["int8-weight-only", "int4-weight-only"])
+def test_convolution_weights_quantized_per_output_channel_verified_against_dequantized_model(tmp_path, conv_checkpoint, mode):
+    model, path = conv_checkpoint
+    with tpuexport.parameters_on_meta():
+        on_meta = TinyConvNet().eval()
+    batch = torch.export.Dim("batch", min=1, max=8)
+    artifact = tpuexport.convert(on_meta, (images(),), {"image": {0: batch}}, out=tmp_path / "m.tpu", checkpoint=path, quantize=mode,
+                                 group_size=GROUP, saved_model=False)
+    manifest = artifact.manifest
+    assert manifest["verification"]["passed"]
+    bits = 4 if mode.startswith("int4") else 8
+    weights = manifest["quantization"]["weights"]
+    assert sorted(weights) == ["blocks.0.conv.weight", "blocks.1.conv.weight", "conv.weight", "head.weight", "point.weight", "stem.weight"]
+    # One scale per output channel; the weight stored as its [out, in/groups x kernel] matrix.
+    header, _ = read_safetensors_header(artifact.path / manifest["program"]["weights"])
+    conv = weights["conv.weight"]
+    assert conv["axis"] == [-3, -2, -1] and conv["kernel_shape"] == [16, 4, 3, 3] and conv["bits"] == bits and conv["group_size"] == 36
+    assert header["conv.weight"]["shape"] == [16, 36 // (2 if bits == 4 else 1)]
+    assert header["conv.weight"]["dtype"] == ("U8" if bits == 4 else "I8")
+    assert header["conv.weight_scale"] == {**header["conv.weight_scale"], "shape": [16, 1], "dtype": "BF16"}
+    assert header["blocks.1.conv.weight_scale"]["shape"] == [32, 1] and weights["blocks.1.conv.weight"]["axis"] == [-2, -1]
+    stem = weights["stem.weight"]
+    assert (stem["bits"], stem.get("reason")) == ((8, INT8_ODD_CONVOLUTION_REASON) if bits == 4 else (8, None))
+    assert header["conv.bias"]["dtype"] == "F32"
+    listed = CliRunner().invoke(main, ["inspect", str(artifact.path)]).output
+    assert f"conv.weight: int{bits}, convolution [16, 4, 3, 3] per output channel, scales conv.weight_scale" in listed
+
+    # The artifact computes what the float model computes with its weights rounded and dequantized...
+    reference = DequantizedReference(model, {name: entry["axis"] for name, entry in weights.items()}, WeightOnlyScheme(mode, GROUP))
+    fresh = images(1)
+    [expected] = eager_outputs(reference, (fresh,))
+    actual = np.asarray(artifact.run(fresh))
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    # ...which is not the float model's.
+    [floating] = eager_outputs(model, (fresh,))
+    assert not np.allclose(actual, floating, rtol=1e-5, atol=1e-6)
+    [output] = manifest["quantization"]["outputs"]
+    assert output["sqnr_db"] > 35 if bits == 8 else 12 < output["sqnr_db"] < 35
+
+
+@pytest.fixture(scope="module")
+def conv_captured(conv_checkpoint):
+    model, _ = conv_checkpoint
+    return export_stage.capture(export_stage.LoadedSource(model, (images(),), None, None, export_stage.SourceInfo("api")))
+
+
+@pytest.mark.parametrize("bug", sorted(WEIGHT_ONLY_CONVOLUTION_BUGS))
+def test_planted_convolution_scale_bugs_fail_verification(conv_captured, bug):
+    scheme = WeightOnlyScheme("int8-weight-only")
+    tolerances = verify_stage.default_tolerances("f32", "default", quantized=False)
+    with WEIGHT_ONLY_CONVOLUTION_BUGS[bug]():
+        lowered = lower_stage.lower(conv_captured.program, conv_captured.signature, weight_only=scheme)
+        axes = {part: entry["axis"] for name, entry in lowered.quantized.items() for part in lowered.weight_parts[name]}
+        report = verify_stage.verify(lowered, DequantizedReference(conv_captured.reference, axes, scheme), conv_captured.example_inputs,
+                                     tolerances, budget_flops=0)
+    assert not report.passed, bug
+
+
+@pytest.mark.parametrize("mode, element", [("int8-weight-only", "s8"), ("int4-weight-only", "u8")])
+def test_tpu_convolutions_read_integer_weights_without_a_float_copy(conv_captured, mode, element):
+    """On v5e the convolution weights are integer arguments and no op outside a fusion makes a
+    float array of a convolution weight's size (as a kernel, its matrix or per feature group; no
+    activation here has one of these sizes): the conversion happens inside the convolution's fusion."""
+    lowered = lower_stage.lower(conv_captured.program, conv_captured.signature, weights=False,
+                                weight_only=check_scheme(mode, GROUP))
+    [target] = compile_stage.resolve_targets(["v5e"])
+    [compiled] = compile_stage.compile_program(lowered, [target], compile_stage.make_buckets(lowered.signature, None)).results
+    entry = compiled.hlo_text[compiled.hlo_text.index("\nENTRY"):].split("\n}")[0]
+    parameters = {int(position): (kind, dims) for kind, dims, position in re.findall(r"= (\w+)\[([\d,]*)\]\S* parameter\((\d+)\)", entry)}
+    convolutions = {name: entry for name, entry in lowered.quantized.items() if "kernel_shape" in entry}
+    assert len(convolutions) == 5
+    floating_sizes = {int(np.prod([int(size) for size in dims.split(",") if size]))
+                      for dims in re.findall(r"= (?:f32|bf16)\[([\d,]*)\]\S* (?!parameter)", entry)}
+    for name, quantized in convolutions.items():
+        kernel = quantized["kernel_shape"]
+        matrix = [kernel[0], int(np.prod(kernel[1:]))]
+        kind = "s8" if quantized["bits"] == 8 else element
+        stored = [matrix[0], matrix[1] // (2 if kind == "u8" else 1)]
+        assert parameters[lowered.weight_names.index(name)] == (kind, ",".join(map(str, stored))), name
+        assert int(np.prod(kernel)) not in floating_sizes, (name, kernel)
+
+
+class WeightNormedConv(torch.nn.Module):
+    """wav2vec2's positional convolution in small: a grouped conv1d under weight_norm over the
+    kernel dim, whose weight the program computes from g and v."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(32, 32, 8, padding=4, groups=2), dim=2)
+
+    def forward(self, x):
+        return x + torch.nn.functional.gelu(self.conv(x)[..., :-1])
+
+
+@pytest.mark.parametrize("mode", ["int8-weight-only", "int4-weight-only"])
+def test_weight_normed_convolution_quantizes_its_direction(mode):
+    torch.manual_seed(0)
+    model = WeightNormedConv().eval()
+    captured = export_stage.capture(export_stage.LoadedSource(model, (torch.randn(2, 32, 24),), None, None, export_stage.SourceInfo("api")))
+    scheme = check_scheme(mode, GROUP)
+    lowered = lower_stage.lower(captured.program, captured.signature, weight_only=scheme)
+    # v is the integers (one scale per output channel); g, one value per kernel position, stays float.
+    assert sorted(lowered.quantized) == ["conv.parametrizations.weight.original1"]
+    entry = lowered.quantized["conv.parametrizations.weight.original1"]
+    assert entry["kernel_shape"] == [32, 16, 8] and entry["bits"] == scheme.bits and entry["group_size"] == 128
+    tolerances = verify_stage.default_tolerances("f32", "default", quantized=False)
+    reference = DequantizedReference(captured.reference, lowered.quantized_state_axes, scheme)
+    report = verify_stage.verify(lowered, reference, captured.example_inputs, tolerances, budget_flops=0)
+    assert report.passed
+    [floating] = eager_outputs(captured.reference, captured.example_inputs)
+    [expected] = eager_outputs(reference, captured.example_inputs)
+    assert not np.allclose(expected, floating, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-mixed"])
+def test_convolution_weights_in_bfloat16_programs_verified(tmp_path, conv_checkpoint, precision):
+    """The convolution's operands in the dtype the precision computes it in (bf16 weights, or f32
+    weights with bf16 convolution operands), its integers converted to it."""
+    model = TinyConvNet().eval()
+    model.load_state_dict(conv_checkpoint[0].state_dict())  # a copy: the fixture's model stays f32
+    args = (images(),)
+    if precision == "bf16":
+        model, args = model.to(torch.bfloat16), (args[0].to(torch.bfloat16),)
+    artifact = tpuexport.convert(model, args, None, out=tmp_path / "m.tpu", quantize="int4-weight-only", group_size=GROUP,
+                                 precision=precision, saved_model=False)
+    assert artifact.manifest["verification"]["passed"]
+    assert artifact.manifest["quantization"]["weights"]["point.weight"]["bits"] == 4

@@ -380,6 +380,10 @@ def describe_weight_only(section: dict) -> list[str]:
     ratio = section["weight_bytes"]["ratio"]
     lines = [f"quantized {section['mode']}: {len(section['weights'])} weights, weight bytes {ratio}x f32; {section['scheme']}"]
     for name, entry in section["weights"].items():
+        if "kernel_shape" in entry:  # a convolution's weight: one scale per output channel, stored as a matrix
+            lines.append(f"  {name}: int{entry['bits']}, convolution {entry['kernel_shape']} per output channel, "
+                         f"scales {entry['scale']}")
+            continue
         group = "per output channel" if entry["bits"] == 8 else f"groups of {entry['group_size']}"
         lines.append(f"  {name}: int{entry['bits']}, {group} along axis {entry['axis']}, scales {entry['scale']}")
     return lines

@@ -932,7 +932,7 @@ def _dequantized_checkpoint_model(model: torch.nn.Module, checkpoint_model: torc
     with clock.stage("dequantize", lambda: f"{len(names)} weight(s) rounded and dequantized once for generate(), "
                                            f"{written / 2**30:.2f} GiB memory-mapped"):
         specs = [jax.ShapeDtypeStruct(tuple(state[name].shape), numpy_dtype(str(state[name].dtype).removeprefix("torch."))) for name in names]
-        written = artifact_stage.write_weights(path, names, specs, lambda name: [fake_quantized(state[name], scheme_for(scheme, state[name].dim()), axes[name])])
+        written = artifact_stage.write_weights(path, names, specs, lambda name: [fake_quantized(state[name], scheme_for(scheme, state[name].shape, axes[name]), axes[name])])
         dequantized = export_stage.open_checkpoint(path)
         tensors = {name: dequantized[name] if name in axes else tensor for name, tensor in state.items()}
         reference = export_stage.with_checkpoint_weights(model, export_stage.Checkpoint(tensors, "the dequantized weights"))

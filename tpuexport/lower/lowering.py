@@ -98,7 +98,9 @@ class LoweredProgram:
       tied: weights that are another weight (an lm_head tied to the embedding), {state_dict name:
         the name it is stored and passed under}: not arguments of the program, held once.
       quantized: weight-only weights, {weight name: {"mode", "bits", "axis" (contraction axis of
-        one block's weight as stored, from the end), "group_size", "scale" (the scales' weight name)}}.
+        one block's weight as stored, from the end; a convolution weight's axes, a list), "group_size",
+        "scale" (the scales' weight name), "kernel_shape" (a convolution weight's shape, one block's:
+        it is stored as its [out, in/groups x kernel] matrix), "reason" (why int8 in an int4 program)}}.
       weight_layouts: weights stored in another layout than their state_dict tensors', {weight
         name: the tensor's axes in stored order (of one block's, for a stack)} (weight_layouts.py);
         a quantized weight's scales are stored in its layout and listed too.
@@ -385,23 +387,30 @@ def _quantize_weights(program, scheme, tied, runs, names, arrays, with_arrays: b
             new_arrays.append(array)
             continue
         scale_name = f"{name}_scale"
-        stored = weight_only.scheme_for(scheme, len(array.shape) - (name in originals))
+        block_shape = tuple(array.shape[1:] if name in originals else array.shape)
+        stored = weight_only.scheme_for(scheme, block_shape, axis)
         if with_arrays:
             values, scale = weight_only.stored_tensors(torch.from_numpy(np.asarray(array, np.float32)), stored, axis)
             new_arrays += [values.numpy(), to_numpy(scale)]
         else:
             new_arrays += list(quantized_specs(array.shape, stored, axis))
         new_names += [name, scale_name]
-        entry = {"mode": stored.mode, "bits": stored.bits, "axis": axis, "group_size": stored.group(array.shape[axis]),
-                 "scale": scale_name}
-        if stored != scheme:
-            entry["reason"] = weight_only.INT8_GROUPED_MATMUL_REASON
+        entry = {"mode": stored.mode, "bits": stored.bits, "axis": axis if isinstance(axis, int) else list(axis),
+                 "group_size": stored.group(weight_only.contraction_size(block_shape, axis)), "scale": scale_name}
+        if not isinstance(axis, int):
+            entry["kernel_shape"] = list(block_shape)  # stored as its [out, in/groups x kernel] matrix
+        reason = weight_only.int8_reason(scheme, block_shape, axis)
+        if reason:
+            entry["reason"] = reason
         quantized[name] = (entry, jnp.dtype(array.dtype))
     return tuple(new_names), tuple(new_arrays), quantized
 
 
-def quantized_specs(shape: tuple[int, ...], scheme, axis: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+def quantized_specs(shape: tuple[int, ...], scheme, axis) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
     """The integer and scale arguments' shapes and dtypes of a weight of `shape` (quantize/weight_only.py's storage)."""
+    from tpuexport.quantize.weight_only import matrix_shape  # torch only; loaded for weight-only conversions
+
+    shape, axis = matrix_shape(shape, axis)
     values_shape = (*shape[:-1], shape[-1] // 2) if scheme.bits == 4 else tuple(shape)
     scale_shape = list(shape)
     scale_shape[axis] //= scheme.group(shape[axis])
@@ -619,6 +628,8 @@ class _TracingInterpreter:
                 # HIGHEST (a weight-only router's product too).
                 decision = owner.node in decisions
                 if holds_quantized(args, kwargs):
+                    if target is torch.ops.aten.convolution.default:  # which does not promote mixed operands
+                        args, kwargs = cast_arguments(precision, target, args, kwargs, owner.node in meetings)
                     with jax.named_scope(DECISION_SCOPE + owner.node.name) if decision else contextlib.nullcontext():
                         value = call_with_quantized(target, args, kwargs)
                     if value is not None:
@@ -709,8 +720,9 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
                            for x in inputs_list]
         tracer.weights = dict(zip(weight_names, weights_list))
         for name, (entry, dtype) in (quantized or {}).items():
+            kernel = tuple(entry["kernel_shape"]) if "kernel_shape" in entry else None  # a convolution's, stored as a matrix
             tracer.weights[name] = QuantizedArray(tracer.weights.pop(name), tracer.weights.pop(entry["scale"]), entry["bits"],
-                                                  entry["axis"], dtype, name in (layouts or {}))
+                                                  entry["axis"] if kernel is None else -1, dtype, name in (layouts or {}), kernel)
         for name in (layouts or {}):  # float weights; a quantized one's QuantizedArray is transposed
             if name in tracer.weights and not isinstance(tracer.weights[name], QuantizedArray):
                 tracer.weights[name] = TransposedWeight(tracer.weights[name])

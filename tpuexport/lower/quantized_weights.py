@@ -13,6 +13,12 @@ chose the weights whose every use is one of them) take it as it is:
                             v5e: an s4 weight of more than about 50M elements gets a bf16 copy
                             otherwise; s8 fuses at every size measured, up to 117M elements)
   embedding                 the looked-up rows only, converted after the gather
+  convolution               a weight stored as its [out, in/groups x kernel] matrix with one scale
+                            per output channel: the integers reshaped to the kernel and converted
+                            go to the convolution, the scales multiply its result (they commute
+                            with the contraction); on v5e the convolution reads the s8 (or s4)
+                            weight inside its fusion, no float copy of it exists (a per-group
+                            int4 scale would need one: benchmarks/weight_only_convolutions.py)
   grouped matmul            an int8 [experts, k, n] weight (per output channel) as ragged_dot's
                             s8 right-hand side, f32 accumulation, each row's product times its
                             expert's scales after the dot (the scale commutes with the
@@ -31,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from tpuexport.lower.aten_lowerings import group_sizes_of, grouped_mm
+from tpuexport.lower.aten_lowerings import group_sizes_of, grouped_mm, torchax_lowering
 from tpuexport.lower.registry import own_lowering
 from tpuexport.lower.torchax_import import import_torchax
 
@@ -54,6 +60,9 @@ class QuantizedArray:
       axis: the stored weight's contraction axis, -1 or -2 (counted from the end: stacks add dims in front).
       dtype: the float dtype the weight computes in.
       transposed: whether the op reading it sees the stored weight's last two axes swapped.
+      kernel: a convolution weight's shape (one block's: [out, in/groups, *kernel]), stored as
+        its [out, in/groups x kernel] matrix with axis -1 and one scale per output channel; None
+        for other weights.
     """
 
     values: jax.Array
@@ -62,6 +71,7 @@ class QuantizedArray:
     axis: int = dataclasses.field(metadata=dict(static=True))
     dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))
     transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    kernel: tuple[int, ...] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -71,6 +81,8 @@ class QuantizedArray:
     @property
     def shape(self) -> tuple[int, ...]:
         shape = self.stored_shape
+        if self.kernel is not None:
+            return shape[:-2] + self.kernel
         return shape[:-2] + (shape[-1], shape[-2]) if self.transposed else shape
 
     def astype(self, dtype) -> "QuantizedArray":
@@ -80,6 +92,19 @@ class QuantizedArray:
     def dequantized(self) -> jax.Array:
         """convert(values) * scale per group, multiplied in the wider of the scale's dtype and
         `dtype`, rounded once to `dtype`; as the op reading it sees it."""
+        integers = self.integers()
+        shape = integers.shape
+        position = len(shape) + self.axis
+        groups = self.scale.shape[position]
+        product = jnp.promote_types(self.scale.dtype, self.dtype)
+        grouped = integers.reshape(shape[:position] + (groups, shape[position] // groups) + shape[position + 1:])
+        weight = (grouped.astype(product) * jnp.expand_dims(self.scale.astype(product), position + 1)).reshape(shape).astype(self.dtype)
+        if self.kernel is not None:
+            return weight.reshape(self.shape)
+        return jnp.swapaxes(weight, -1, -2) if self.transposed else weight
+
+    def integers(self) -> jax.Array:
+        """The integers (int4 unpacked) in the stored shape, not converted."""
         integers = self.values
         if self.bits == 4 and any(not isinstance(size, int) for size in self.values.shape):
             # Looked-up rows have symbolic shapes, which XLA's bitcast does not take: unpack by arithmetic.
@@ -88,13 +113,7 @@ class QuantizedArray:
         elif self.bits == 4:
             # u8[..., m] -> s4[..., m, 2]: the low nibble is element 0 (quantize/weight_only.py packs so).
             integers = jax.lax.bitcast_convert_type(integers, jnp.int4).reshape(self.stored_shape)
-        shape = integers.shape
-        position = len(shape) + self.axis
-        groups = self.scale.shape[position]
-        product = jnp.promote_types(self.scale.dtype, self.dtype)
-        grouped = integers.reshape(shape[:position] + (groups, shape[position] // groups) + shape[position + 1:])
-        weight = (grouped.astype(product) * jnp.expand_dims(self.scale.astype(product), position + 1)).reshape(shape).astype(self.dtype)
-        return jnp.swapaxes(weight, -1, -2) if self.transposed else weight
+        return integers
 
     def rows(self, start: int, stop: int) -> "QuantizedArray":
         """Rows start:stop of a weight stored (out, in) (axis -1), with their scales."""
@@ -138,7 +157,32 @@ def call_with_quantized(target, args: tuple, kwargs: dict):
         return _embedding(weight, args[1])
     if own_lowering(target) is grouped_mm and _reads_per_channel_int8(args, kwargs):
         return quantized_grouped_matmul(args[0], args[1], args[2], kwargs.get("out_dtype"))
+    if (target is _aten.convolution.default and len(args) == 9 and not kwargs and isinstance(args[1], QuantizedArray)
+            and args[1].kernel is not None and not args[6] and not holds_quantized((args[0], args[2]), {})):
+        return quantized_convolution(*args)
     return None
+
+
+def quantized_convolution(x: jax.Array, weight: QuantizedArray, bias, *options) -> jax.Array:
+    """aten.convolution (not transposed) of `x` with a convolution weight: over its integers
+    converted to weight.dtype, then times the scale of each output channel (in the wider of the
+    scale's dtype and weight.dtype), plus the bias; in weight.dtype.
+
+    Args:
+      x: the input, [batch, channels, *spatial] or unbatched.
+      weight: the QuantizedArray (one scale per output channel, `kernel` set).
+      bias: the bias or None.
+      options: stride, padding, dilation, transposed (False), output_padding, groups.
+    """
+    integers = weight.integers().reshape(weight.shape).astype(weight.dtype)
+    result = torchax_lowering(_aten.convolution.default)(x, integers, None, *options)
+    spatial = len(weight.kernel) - 2
+    product = jnp.promote_types(weight.scale.dtype, weight.dtype)
+    scale = weight.scale.reshape(weight.scale.shape[:-2] + (-1,) + (1,) * spatial).astype(product)
+    result = result.astype(product) * scale
+    if bias is not None:
+        result = result + bias.reshape(bias.shape + (1,) * spatial).astype(product)
+    return result.astype(weight.dtype)
 
 
 def _reads_per_channel_int8(args: tuple, kwargs: dict) -> bool:

@@ -9,32 +9,46 @@ Schemes (symmetric: zero point 0, the same range on both sides of zero):
   int8-weight-only  int8 in [-127, 127], one bfloat16 scale per output channel (max|w| / 127 over
                     the contraction dim)
   int4-weight-only  int4 in [-7, 7], one bfloat16 scale per `group_size` consecutive elements of
-                    the contraction dim (max|w| / 7 over the group)
+                    the contraction dim (max|w| / 7 over the group); convolution weights one per
+                    output channel (below)
 Each scale is rounded to bfloat16 before the weights are divided by it, so the integers are chosen
 for the scale the program multiplies by (no per-channel bias from rounding the scale afterwards).
 
 Which weights: every 2-D float weight that only matrix products read as their right-hand side
 (nn.Linear, GPT-2's Conv1D, an lm_head) or that only embedding lookups read (token and position
 tables, grouped along a row), or both with the same contraction axis (an embedding tied to the
-lm_head); and every 3-D float weight that only grouped matmuls read as their right-hand side,
+lm_head); every 3-D float weight that only grouped matmuls read as their right-hand side,
 transposed or not (mixture-of-experts layers: [experts, out, in] in transformers), stored int8 per
 output channel in both modes (`scheme_for`: XLA's TPU compiler refuses s4 ragged_dot operands, and
-int4's groups along the contraction dim could not be scaled after the grouped product). `keep_float` (a
-regex over state_dict names) keeps matching weights float. Others (convolutions, norms, biases) stay
-float.
+int4's groups along the contraction dim could not be scaled after the grouped product); and every
+float weight of 3 or more dims that only (not transposed) convolutions read as their weight
+(conv1d/2d/3d [out, in/groups, *kernel], grouped and depthwise too), or that is the direction v of
+a weight-normed convolution (read only by its norm and by v x g / norm, which only convolutions
+read: wav2vec2's positional convolution; g stays float; the program computes the weight from the
+dequantized v, a float copy as the float program makes from v). A convolution weight has one scale per
+output channel in both modes, so the scale multiplies the convolution's result (an int4 group
+along the contraction would not commute with it: the weight would be dequantized before the
+convolution, which XLA:TPU materializes; benchmarks/weight_only_convolutions.py); one whose
+contraction (in/groups x kernel) has an odd number of elements is stored int8 in an int4
+conversion (INT8_ODD_CONVOLUTION_REASON). `keep_float` (a regex over state_dict names) keeps
+matching weights float. Others (norms, biases, transposed convolutions) stay float.
 
 Storage (the artifact's safetensors): the weight's own name holds the integers in the weight's
 layout, `<name>_scale` its scales (the weight's shape with the contraction axis divided by the group
-size; per output channel int8: 1 there). int4 is packed two values per byte along the last axis:
-element 2i in the low nibble, element 2i+1 in the high nibble, each a two's-complement 4-bit
-integer (the order of XLA's bitcast from u8 to s4), stored as U8 with the last dim halved.
+size; per output channel int8: 1 there). A convolution weight is stored as its [out, in/groups x
+kernel] matrix (`matrix_shape`: contraction axis -1, scales [out, 1]); its manifest entry gives the
+kernel's shape (`kernel_shape`) and its contraction axes as `axis`. int4 is packed two values per
+byte along the last axis: element 2i in the low nibble, element 2i+1 in the high nibble, each a
+two's-complement 4-bit integer (the order of XLA's bitcast from u8 to s4), stored as U8 with the
+last dim halved.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -56,6 +70,10 @@ _RIGHT_HAND_SIDE = {_aten.mm.default: 1, _aten.bmm.default: 1, _aten.addmm.defau
 # torch's and transformers' stand-in for it (by name: it exists once transformers is imported).
 _GROUPED_MATMULS = (_aten._grouped_mm.default,)
 _GROUPED_MATMUL_NAMES = ("transformers::grouped_mm_fallback",)
+_CONVOLUTION = _aten.convolution.default
+# A weight's contraction: a matrix's axis (-1 or -2), or a convolution weight's axes (all but the
+# output channels' first, e.g. (-3, -2, -1) for conv2d's [out, in/groups, kh, kw]), from the end.
+Axis = int | tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +113,7 @@ class WeightOnlyScheme:
         if self.bits == 8:
             return "int8 symmetric weights [-127, 127], one bfloat16 scale per output channel; float compute"
         return (f"int4 symmetric weights [-7, 7] in groups of {self.group_size} along the contraction dim, one bfloat16 "
-                f"scale per group; {INT4_PACKING}; float compute")
+                f"scale per group (convolution weights: one per output channel); {INT4_PACKING}; float compute")
 
 
 # Why a grouped matmul's weight is int8 in an int4 conversion (the manifest's entry for it says so).
@@ -103,11 +121,61 @@ INT8_GROUPED_MATMUL_REASON = ("a grouped matmul's (ragged_dot) weight: stored in
                               "compile s4 ragged_dot operands (libtpu 0.0.42.1: 'Unsupported element type: S4')")
 
 
-def scheme_for(scheme: WeightOnlyScheme, rank: int) -> WeightOnlyScheme:
-    """The scheme a chosen weight of this rank (one block's) is stored in: a 3-D weight is a grouped
-    matmul's (quantizable_weights chooses no other), int8 per output channel whatever the mode
-    (INT8_GROUPED_MATMUL_REASON); any other, the conversion's scheme."""
-    return dataclasses.replace(scheme, mode="int8-weight-only") if rank == 3 and scheme.bits == 4 else scheme
+# Why a convolution's weight is int8 in an int4 conversion.
+INT8_ODD_CONVOLUTION_REASON = ("a convolution weight whose contraction (in_channels/groups x kernel) has an odd number of elements: "
+                               "stored int8 per output channel, as int4 packs two per byte along it")
+
+
+def scheme_for(scheme: WeightOnlyScheme, shape: Sequence[int], axis: Axis) -> WeightOnlyScheme:
+    """The scheme a chosen weight (one block's, of `shape`) is stored in.
+
+    Returns:
+      For a 3-D weight with a matrix axis (a grouped matmul's: quantizable_weights chooses no
+      other), int8 per output channel whatever the mode (INT8_GROUPED_MATMUL_REASON); for a
+      convolution weight, one scale per output channel in both modes (it multiplies the
+      convolution's result), int8 when int4 cannot pack its contraction (INT8_ODD_CONVOLUTION_REASON);
+      for any other, the conversion's scheme.
+    """
+    axis = as_axis(axis)
+    if scheme.bits == 8:
+        return scheme
+    if isinstance(axis, int):
+        return dataclasses.replace(scheme, mode="int8-weight-only") if len(shape) == 3 else scheme
+    size = contraction_size(shape, axis)
+    return dataclasses.replace(scheme, mode="int8-weight-only") if size % 2 else dataclasses.replace(scheme, group_size=size)
+
+
+def int8_reason(scheme: WeightOnlyScheme, shape: Sequence[int], axis: Axis) -> str | None:
+    """Why a chosen weight (one block's, of `shape`) is stored int8 in an int4 conversion, or None."""
+    if scheme.bits == 8 or scheme_for(scheme, shape, axis).bits == 4:
+        return None
+    return INT8_GROUPED_MATMUL_REASON if isinstance(as_axis(axis), int) else INT8_ODD_CONVOLUTION_REASON
+
+
+def as_axis(axis) -> Axis:
+    """An Axis from its manifest form (a JSON list for a convolution weight's axes)."""
+    return axis if isinstance(axis, int) else tuple(axis)
+
+
+def convolution_axes(rank: int) -> tuple[int, ...]:
+    """The contraction axes of a convolution weight of this rank: all but the output channels'."""
+    return tuple(range(1 - rank, 0))
+
+
+def contraction_size(shape: Sequence[int], axis: Axis) -> int:
+    """How many elements one output of the weight contracts over (one scale group at most)."""
+    axis = as_axis(axis)
+    return shape[axis] if isinstance(axis, int) else math.prod(shape[len(shape) + axis[0]:])
+
+
+def matrix_shape(shape: Sequence[int], axis: Axis) -> tuple[tuple[int, ...], int]:
+    """The shape a weight is quantized and stored in, and its contraction axis there: a convolution
+    weight as its [out, in/groups x kernel] matrix (leading stack dims kept), axis -1; others as
+    they are."""
+    axis = as_axis(axis)
+    if isinstance(axis, int):
+        return tuple(shape), axis
+    return (*shape[:len(shape) + axis[0]], contraction_size(shape, axis)), -1
 
 
 def check_scheme(mode: str, group_size: int) -> WeightOnlyScheme:
@@ -134,9 +202,10 @@ def quantizable_weights(program: torch.export.ExportedProgram, scheme: WeightOnl
       tied: {placeholder name: the weight it reads} for tied weights (lowering.tied_weights).
     Returns:
       {state_dict name: contraction axis as a negative index (-1 for nn.Linear's (out, in),
-      -2 for a Conv1D's (in, out) and for stacking)}, for every weight quantized; a tied weight
-      is listed under the name the program stores it under. An int4 lookup table that only
-      embedding lookups read and whose rows the group size does not divide stays float.
+      -2 for a Conv1D's (in, out) and for stacking), or a convolution weight's contraction axes
+      (convolution_axes)}, for every weight quantized; a tied weight is listed under the name the
+      program stores it under. An int4 lookup table that only embedding lookups read and whose
+      rows the group size does not divide stays float.
     Raises:
       TpuExportError: a quantized weight's contraction dim is not divisible by the group size, or
         an int4 weight's last dim is odd (it cannot be packed).
@@ -150,10 +219,14 @@ def quantizable_weights(program: torch.export.ExportedProgram, scheme: WeightOnl
         value = node.meta.get("val")
         name = names[node.name]
         stored = tied.get(name, name)
-        usable = isinstance(value, torch.Tensor) and value.dim() in (2, 3) and value.dtype.is_floating_point
+        floating = isinstance(value, torch.Tensor) and value.dtype.is_floating_point
+        usable = floating and value.dim() in (2, 3)
         uses = {_contraction_axis(user, node, False) for user in node.users} if usable else {None}
         if usable and value.dim() == 3 and not all(_grouped_matmul_reads(user, node) for user in node.users):
-            uses = {None}  # a 3-D weight is quantized for grouped matmuls only
+            uses = {None}  # a 3-D weight is quantized for grouped matmuls and convolutions only
+        if floating and value.dim() >= 3 and (all(_convolution_reads(user, node) for user in node.users)
+                                              or _weight_norm_direction(node)):
+            uses = {convolution_axes(value.dim())}
         if scheme.keep_float and (re.search(scheme.keep_float, name) or re.search(scheme.keep_float, stored)):
             uses = {None}
         axes.setdefault(stored, set()).update(uses)
@@ -169,12 +242,14 @@ def quantizable_weights(program: torch.export.ExportedProgram, scheme: WeightOnl
         chosen = {name: axis for name, axis in chosen.items()
                   if readers[name] != {_aten.embedding.default} or shapes[name][axis] % scheme.group_size == 0}
     for name, axis in chosen.items():
+        if not isinstance(axis, int):
+            continue  # a convolution weight: one scale per output channel (scheme_for), whatever its size
         size = shapes[name][axis]
-        if scheme_for(scheme, len(shapes[name])).bits == 4 and size % scheme.group_size:
+        if scheme_for(scheme, shapes[name], axis).bits == 4 and size % scheme.group_size:
             raise TpuExportError(f"--group-size {scheme.group_size} does not divide weight {name!r}'s contraction dim ({size} of "
                                  f"shape {list(shapes[name])}); give a group size that divides every quantized weight's, "
                                  f"or keep it float with --keep-float")
-        if scheme_for(scheme, len(shapes[name])).bits == 4 and shapes[name][-1] % 2:
+        if scheme_for(scheme, shapes[name], axis).bits == 4 and shapes[name][-1] % 2:
             raise TpuExportError(f"int4 weight {name!r} of shape {list(shapes[name])} has an odd last dim and cannot be packed two "
                                  "per byte; keep it float with --keep-float")
     return chosen
@@ -226,17 +301,40 @@ def _grouped_matmul_reads(node: torch.fx.Node, value: torch.fx.Node) -> bool:
     return is_grouped_matmul(node.target) and len(node.args) > 1 and node.args[1] is value and value not in (node.args[0], *node.args[2:])
 
 
-def quantize_tensor(tensor: torch.Tensor, scheme: WeightOnlyScheme, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _convolution_reads(node: torch.fx.Node, value: torch.fx.Node) -> bool:
+    """Whether `node` is a (not transposed) convolution reading `value` as its weight only: the
+    output channels are then the weight's first axis, so a scale per output channel multiplies
+    the convolution's result."""
+    return (node.target is _CONVOLUTION and len(node.args) > 6 and node.args[1] is value and not node.args[6]
+            and value is not node.args[0] and value is not node.args[2])
+
+
+def _weight_norm_direction(value: torch.fx.Node) -> bool:
+    """Whether `value` is the direction `v` of a weight-normed convolution (torch's weight_norm,
+    wav2vec2's positional convolution): read by the norm of it and by one product, v x g / norm,
+    that only convolutions read as their weight. Quantized per output channel like a convolution
+    weight; the program computes the convolution's weight from the dequantized v as the float
+    program does from v (a float weight the size of v each call)."""
+    norms = [user for user in value.users if user.target is _aten.linalg_vector_norm.default and user.args[0] is value]
+    products = [user for user in value.users if user.target is _aten.mul.Tensor and value in user.args[:2]]
+    return (len(value.users) == 2 and len(norms) == 1 and len(products) == 1 and bool(products[0].users)
+            and all(_convolution_reads(user, products[0]) for user in products[0].users))
+
+
+def quantize_tensor(tensor: torch.Tensor, scheme: WeightOnlyScheme, axis: Axis) -> tuple[torch.Tensor, torch.Tensor]:
     """Rounds one weight (or a stack of them) to the scheme's integers.
 
     Args:
-      tensor: the float weight; leading dims beyond the last two are a stack of blocks.
-      scheme: the scheme.
-      axis: the contraction axis (-1 or -2).
+      tensor: the float weight; leading dims beyond the last two (a convolution weight's: beyond
+        its own rank) are a stack of blocks.
+      scheme: the scheme (scheme_for's, for this weight).
+      axis: the contraction axis (-1 or -2), or a convolution weight's axes.
     Returns:
-      (integers as int8 in the weight's shape, scales in the scheme's scale dtype: the weight's
-      shape with `axis` divided by the group size).
+      (integers as int8 in the weight's shape (a convolution weight's: its matrix_shape), scales
+      in the scheme's scale dtype: that shape with the contraction axis divided by the group size).
     """
+    shape, axis = matrix_shape(tensor.shape, axis)
+    tensor = tensor.reshape(shape)
     if tensor.dim() + axis != 0 and tensor.shape[0] > ROWS_AT_ONCE:
         parts = [quantize_tensor(rows, scheme, axis) for rows in tensor.split(ROWS_AT_ONCE)]
         return torch.cat([integers for integers, _ in parts]), torch.cat([scale for _, scale in parts])
@@ -279,19 +377,22 @@ def pack_int4(integers: torch.Tensor) -> torch.Tensor:
     return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
 
 
-def stored_tensors(tensor: torch.Tensor, scheme: WeightOnlyScheme, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight as the artifact stores it: (int8 integers or packed int4 bytes, scales)."""
+def stored_tensors(tensor: torch.Tensor, scheme: WeightOnlyScheme, axis: Axis) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight as the artifact stores it (a convolution weight as its matrix): (int8 integers or
+    packed int4 bytes, scales)."""
     integers, scale = quantize_tensor(tensor, scheme, axis)
     return (pack_int4(integers) if scheme.bits == 4 else integers), scale
 
 
-def fake_quantized(tensor: torch.Tensor, scheme: WeightOnlyScheme, axis: int) -> torch.Tensor:
-    """The weight rounded to the scheme and dequantized again, in its own dtype: what the
-    weight-only program multiplies by."""
-    if tensor.dim() + axis != 0 and tensor.shape[0] > ROWS_AT_ONCE:
-        return torch.cat([fake_quantized(rows, scheme, axis) for rows in tensor.split(ROWS_AT_ONCE)])
-    integers, scale = quantize_tensor(tensor, scheme, axis)
-    return dequantize_tensor(integers, scale, scheme, axis, tensor.dtype)
+def fake_quantized(tensor: torch.Tensor, scheme: WeightOnlyScheme, axis: Axis) -> torch.Tensor:
+    """The weight rounded to the scheme and dequantized again, in its own dtype and shape: what
+    the weight-only program multiplies by."""
+    shape, matrix_axis = matrix_shape(tensor.shape, axis)
+    matrix = tensor.reshape(shape)
+    if matrix.dim() + matrix_axis != 0 and matrix.shape[0] > ROWS_AT_ONCE:
+        return torch.cat([fake_quantized(rows, scheme, matrix_axis) for rows in matrix.split(ROWS_AT_ONCE)]).reshape(tensor.shape)
+    integers, scale = quantize_tensor(matrix, scheme, matrix_axis)
+    return dequantize_tensor(integers, scale, scheme, matrix_axis, tensor.dtype).reshape(tensor.shape)
 
 
 class DequantizedWeights(torch.overrides.TorchFunctionMode):
@@ -322,7 +423,7 @@ class DequantizedWeights(torch.overrides.TorchFunctionMode):
         if entry is None or entry[0] is not argument:
             return argument
         with torch.no_grad():
-            return fake_quantized(argument, scheme_for(self.scheme, argument.dim()), entry[1])
+            return fake_quantized(argument, scheme_for(self.scheme, argument.shape, entry[1]), entry[1])
 
 
 class DequantizedReference:
@@ -343,7 +444,7 @@ class DequantizedReference:
         if missing:
             raise TpuExportError(f"the model has no weight {missing[0]!r} that its program quantizes; report this with the model to tpuexport")
         self.model = model
-        self.weights = {id(state[name]): (state[name], axis) for name, axis in quantized.items()}
+        self.weights = {id(state[name]): (state[name], as_axis(axis)) for name, axis in quantized.items()}
         self.scheme = scheme
 
     def __call__(self, *args, **kwargs):
@@ -378,14 +479,15 @@ class StoredWeights:
           One stored tensor per block, computed when asked for.
         """
         if name in self.quantized:
+            axis = as_axis(self.quantized[name]["axis"])
             for index, tensor in enumerate(tensors):
-                values, scale = stored_tensors(tensor, scheme_for(self.scheme, tensor.dim()), self.quantized[name]["axis"])
+                values, scale = stored_tensors(tensor, scheme_for(self.scheme, tensor.shape, axis), axis)
                 self.scales[(self.quantized[name]["scale"], index)] = scale
                 yield values
         elif name in self.weight_of_scale:
-            axis = self.quantized[self.weight_of_scale[name]]["axis"]
+            axis = as_axis(self.quantized[self.weight_of_scale[name]]["axis"])
             for index, tensor in enumerate(tensors):
                 scale = self.scales.pop((name, index), None)
-                yield scale if scale is not None else quantize_tensor(tensor, scheme_for(self.scheme, tensor.dim()), axis)[1]
+                yield scale if scale is not None else quantize_tensor(tensor, scheme_for(self.scheme, tensor.shape, axis), axis)[1]
         else:
             yield from tensors
