@@ -1,17 +1,20 @@
 """What v5e's grouped matmul (jax.lax.ragged_dot, mixture-of-experts layers) costs per expert weight
 layout and dtype: one layer's experts, compiled for v5e (compile-only topology).
 
-    nice -n 10 python benchmarks/grouped_matmul.py
+    PYTHONPATH=. nice -n 10 python benchmarks/grouped_matmul.py
 
-Mixtral-8x7B's gate/up shapes (8 experts, 4096 -> 14336) at 64 tokens (a decode step) and 2048
-(a prefill). Rows:
+Mixtral-8x7B's gate/up shapes (8 experts, 4096 -> 14336) at 64 rows (a decode step), 2048 and 4096
+(a 2048-token prefill: top-2 routing gives the experts two rows per token). Rows:
   - the weight stored [experts, out, in] as transformers keeps it and swapped to [experts, in, out]
     before ragged_dot (what tpuexport lowered until lower/weight_layouts.py), the same layout
     contracted in place by ragged_dot_general's dimension numbers, and stored [experts, in, out] as
     the TPU's grouped matmul reads it (what tpuexport stores now);
   - bf16, and int8 weights as a weight-only program could read them: the integers as ragged_dot's
     right-hand side (mixed bf16 x s8 operands, f32 accumulation), the per-output-channel scale
-    applied to each row's result after the product (it commutes with the contraction);
+    applied to each row's result after the product (it commutes with the contraction): each row's
+    scales gathered (jnp.take, what tpuexport did until issue #24), or as tpuexport's lowering does it
+    (lower/quantized_weights.py: a one-hot [rows, experts] x [experts, n] product), or the same with a
+    bf16 ragged_dot result (rounded twice: measured, not used);
   - int4: packed u8 bitcast to s4;
   - scanned: LAYERS layers' [experts, in, out] weights stacked, one ragged_dot per step of a scan
     reading its layer's slice (what a scanned program does), and the same with the layer folded into
@@ -27,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
+
+from tpuexport.lower.quantized_weights import QuantizedArray, quantized_grouped_matmul
 
 EXPERTS, INNER, OUTER = 8, 4096, 14336
 LAYERS = 4
@@ -55,6 +60,20 @@ def scaled(product, scale, group_sizes, rows: int):
     return (product * scale[expert].astype(jnp.float32)).astype(jnp.bfloat16)
 
 
+def lowered(x, w, scale, group_sizes):
+    """tpuexport's lowering of an int8 weight-only grouped matmul."""
+    weight = QuantizedArray(values=w, scale=scale[:, None, :], bits=8, axis=-2, dtype=jnp.dtype(jnp.bfloat16))
+    return quantized_grouped_matmul(x, weight, jnp.cumsum(group_sizes))
+
+
+def bf16_product(x, w, scale, group_sizes):
+    """The same with ragged_dot's result rounded to bf16 before the scales."""
+    product = jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.bfloat16).astype(jnp.float32)
+    expert = jnp.repeat(jnp.arange(EXPERTS), group_sizes, total_repeat_length=x.shape[0])
+    row_scales = jnp.dot(jax.nn.one_hot(expert, EXPERTS, dtype=jnp.float32), scale.astype(jnp.float32), precision="highest")
+    return (product * row_scales).astype(jnp.bfloat16)
+
+
 def scanned_slices(x, w, s):
     """A scan over the layers, each step's ragged_dot reading its layer's slice of the stack."""
     def step(h, layer):
@@ -76,9 +95,9 @@ def scanned_folded(x, w, s):
 
 def main() -> None:
     sizes = ((EXPERTS,), jnp.int32)
-    for rows in (64, 2048):
+    for rows in (64, 2048, 4096):
         x = ((rows, INNER), jnp.bfloat16)
-        print(f"{rows} tokens, experts {EXPERTS} x {INNER} -> {OUTER} (bf16 weights {EXPERTS * INNER * OUTER * 2 / 2**20:.0f} MiB)", flush=True)
+        print(f"{rows} rows, experts {EXPERTS} x {INNER} -> {OUTER} (bf16 weights {EXPERTS * INNER * OUTER * 2 / 2**20:.0f} MiB)", flush=True)
         rows_of = [
             ("bf16 [e, out, in], swapped", lambda x, w, s: jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), s),
              [x, ((EXPERTS, OUTER, INNER), jnp.bfloat16), sizes]),
@@ -88,8 +107,12 @@ def main() -> None:
             ("int8 [e, out, in], swapped", lambda x, w, c, s: scaled(jax.lax.ragged_dot(
                 x, jnp.swapaxes(w, 1, 2), s, preferred_element_type=jnp.float32), c, s, x.shape[0]),
              [x, ((EXPERTS, OUTER, INNER), jnp.int8), ((EXPERTS, OUTER), jnp.bfloat16), sizes]),
-            ("int8 [e, in, out]", lambda x, w, c, s: scaled(jax.lax.ragged_dot(x, w, s, preferred_element_type=jnp.float32), c, s,
-                                                             x.shape[0]),
+            ("int8 [e, in, out], gathered", lambda x, w, c, s: scaled(
+                jax.lax.ragged_dot(x, w, s, preferred_element_type=jnp.float32), c, s, x.shape[0]),
+             [x, ((EXPERTS, INNER, OUTER), jnp.int8), ((EXPERTS, OUTER), jnp.bfloat16), sizes]),
+            ("int8 [e, in, out], lowering", lowered,
+             [x, ((EXPERTS, INNER, OUTER), jnp.int8), ((EXPERTS, OUTER), jnp.bfloat16), sizes]),
+            ("int8 [e, in, out], bf16 out", bf16_product,
              [x, ((EXPERTS, INNER, OUTER), jnp.int8), ((EXPERTS, OUTER), jnp.bfloat16), sizes]),
             ("int8 dequantized first", lambda x, w, c, s: jax.lax.ragged_dot(x, w.astype(jnp.bfloat16) * c[:, None, :], s),
              [x, ((EXPERTS, INNER, OUTER), jnp.int8), ((EXPERTS, OUTER), jnp.bfloat16), sizes]),

@@ -22,9 +22,11 @@ chose the weights whose every use is one of them) take it as it is:
   grouped matmul            an int8 [experts, k, n] weight (per output channel) as ragged_dot's
                             s8 right-hand side, f32 accumulation, each row's product times its
                             expert's scales after the dot (the scale commutes with the
-                            contraction): on v5e no converted copy of the weight exists (Mixtral's
-                            gate/up at 64 tokens: 478 MiB accessed, against 2245 MiB when
-                            dequantized first; benchmarks/grouped_matmul.py)
+                            contraction), reaching the rows by a one-hot product that fuses into
+                            the multiply: on v5e no converted copy of the weight exists (Mixtral's
+                            gate/up at 64 rows: 458 MiB accessed, against 2245 MiB when
+                            dequantized first; at 4096 rows, a 2048-token top-2 prefill, 1041 MiB
+                            as for bf16 weights; benchmarks/grouped_matmul.py)
 
 Any other op gets the dequantized weight (correct, but it materializes: the selection avoids it).
 """
@@ -198,11 +200,16 @@ def quantized_grouped_matmul(rows: jax.Array, weight: QuantizedArray, offsets: j
     matrix: ragged_dot over the integers, then each row's result times its expert's scales."""
     group_sizes = group_sizes_of(offsets)
     product = jax.lax.ragged_dot(rows, weight.values, group_sizes, preferred_element_type=jnp.float32)
-    # Each row's expert: how many experts end at or before it (rows past the last expert's end are zeros).
-    expert = jnp.minimum(jnp.sum(jnp.arange(rows.shape[0], dtype=offsets.dtype)[:, None] >= offsets[None, :], axis=1),
-                         offsets.shape[0] - 1)
-    scaled = product * jnp.take(weight.scale[..., 0, :], expert, axis=0).astype(jnp.float32)
-    return scaled.astype(rows.dtype if out_dtype is None else import_torchax().ops.mappings.t2j_dtype(out_dtype))
+    # Each row's scales as a one-hot [rows, experts] matrix (the row's expert; no expert for rows past the
+    # last end, whose product is zeros) times the [experts, n] scales: XLA fuses this small exact product into
+    # the multiply. Gathering the scales per row (jnp.take) instead materializes a [rows, n] table and pushes the
+    # f32 product out of VMEM: v5e, Mixtral gate/up at 4096 rows, 2290 MiB accessed against 1041
+    # (benchmarks/grouped_matmul.py).
+    row = jnp.arange(rows.shape[0], dtype=offsets.dtype)[:, None]
+    starts = jnp.concatenate([jnp.zeros((1,), offsets.dtype), offsets[:-1]])
+    membership = ((row >= starts[None, :]) & (row < offsets[None, :])).astype(jnp.float32)
+    row_scales = jnp.dot(membership, weight.scale[..., 0, :].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return (product * row_scales).astype(rows.dtype if out_dtype is None else import_torchax().ops.mappings.t2j_dtype(out_dtype))
 
 
 def quantized_matmul(x: jax.Array, weight: QuantizedArray) -> jax.Array:
