@@ -64,14 +64,18 @@ def tokens(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """(the float model, its safetensors checkpoint)."""
+def seeded_checkpoint(model_class, directory) -> tuple[torch.nn.Module, object]:
+    """(a float model_class built from seed 0, its safetensors checkpoint in `directory`)."""
     torch.manual_seed(0)
-    model = TinyDecoder().eval()
-    path = tmp_path_factory.mktemp("checkpoint") / "model.safetensors"
+    model = model_class().eval()
+    path = directory / "model.safetensors"
     safetensors.torch.save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, path)
     return model, path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return seeded_checkpoint(TinyDecoder, tmp_path_factory.mktemp("checkpoint"))
 
 
 @pytest.mark.parametrize("mode", ["int8-weight-only", "int4-weight-only"])
@@ -331,11 +335,7 @@ def images(seed: int = 0) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def conv_checkpoint(tmp_path_factory):
-    torch.manual_seed(0)
-    model = TinyConvNet().eval()
-    path = tmp_path_factory.mktemp("conv_checkpoint") / "model.safetensors"
-    safetensors.torch.save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, path)
-    return model, path
+    return seeded_checkpoint(TinyConvNet, tmp_path_factory.mktemp("conv_checkpoint"))
 
 
 @pytest.mark.parametrize("mode", ["int8-weight-only", "int4-weight-only"])
