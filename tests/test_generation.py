@@ -29,6 +29,7 @@ from tpuexport.export.generation import CACHE_LAYOUTS, Decode, DecodeCache, writ
 from tpuexport.lower import generation as lowered_generation
 from tpuexport.lower.cpu_program import cpu_program, state_positions
 from tpuexport.verify import verify_generation
+from tpuexport.verify.generation import cpu_runs, plan_prompts, teacher_forced_runs
 
 MAX_CONTEXT, MAX_BATCH = 64, 2
 
@@ -265,6 +266,24 @@ def test_cpu_runs_write_a_bf16_cache_in_place():
         compiled = jax.jit(cpu.exported.call).lower(weights, state_args).compile()
         assert ("", "f32") in cache_updates.findall(as_exported.as_text())
         assert set(cache_updates.findall(compiled.as_text())) == {("ROOT ", "u16")}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_both_runs_run_once_when_they_are_one_program(dtype):
+    """A bfloat16 program has no f32 matmul for the TPU-faithful rewrite to round: both CPU runs are
+    the same program, and verification runs it once for both; an f32 program's runs differ."""
+    model = tiny_llama().to(dtype)
+    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
+    modules = export_stage.entry_point_modules(model, spec)
+    program = lower_stage.GenerationProgram(spec, {name: lowered_entry_point(modules[name], spec, name) for name in ("prefill", "decode")},
+                                            (MAX_BATCH,))
+    prompts, slots, steps = plan_prompts(program, {"batch": MAX_BATCH, "seq": 16}, 3, seed=0)
+    tokens = [[1] * steps for _ in prompts]
+
+    logits = teacher_forced_runs(program, cpu_runs(program), prompts, slots, 16, tokens)
+
+    assert (logits["tpu"] is logits["cpu"]) == (dtype == torch.bfloat16)
+    assert logits["tpu"].shape == (MAX_BATCH, steps, spec.vocab)
 
 
 def cli(*args) -> subprocess.CompletedProcess:
