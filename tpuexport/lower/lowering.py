@@ -231,7 +231,7 @@ class LoweredProgram:
     def _compiled(self, program: jax.export.Exported, input_types: tuple) -> tuple:
         """The XLA:CPU executable of `program` (as cpu_program rewrites it) for inputs of these shapes and
         dtypes, compiled once, and the CpuProgram: (executable, CpuProgram). The executable takes
-        (weights, the inputs with None at the state's positions, the state's bit patterns), and donates the state."""
+        (weights, the inputs with None at the state's positions, the state's bit patterns)."""
         key = (id(program), input_types)
         if key not in self._executables:
             specs = self.signature.inputs
