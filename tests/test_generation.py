@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,7 +27,9 @@ from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.export.generation import CACHE_LAYOUTS, Decode, DecodeCache, write_decode_cache, write_prefill_cache
 from tpuexport.lower import generation as lowered_generation
+from tpuexport.lower.cpu_program import cpu_program, state_positions
 from tpuexport.verify import verify_generation
+from tpuexport.verify.generation import cpu_runs, plan_prompts, teacher_forced_runs
 
 MAX_CONTEXT, MAX_BATCH = 64, 2
 
@@ -226,6 +229,61 @@ def test_cache_writes_lower_as_their_eager_meaning(layout):
         jax.numpy.asarray(cache.numpy()), jax.numpy.asarray(prompts.numpy()), 0, jax.numpy.asarray(slots.numpy()), layout)
     np.testing.assert_array_equal(np.asarray(lowered), eager.numpy())
     assert not torch.equal(eager, cache)
+
+
+def test_cpu_runs_write_a_bf16_cache_in_place():
+    """XLA:CPU widens bfloat16 ops to f32, so each cache write became a convert of the whole cache
+    (issue #20: verification's time grew with the square of the layers). The program as the CPU runs
+    it (lower/cpu_program.py) writes the cache's bit patterns: the same outputs bit for bit, and
+    XLA:CPU's updates of the whole cache are ui16 (in place), not f32."""
+    model = tiny_llama().to(torch.bfloat16)
+    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
+    modules = export_stage.entry_point_modules(model, spec)
+    generator = np.random.default_rng(0)
+    cache = generator.standard_normal(spec.cache_shape).astype(jax.numpy.bfloat16)
+    inputs = {"prefill": [generator.integers(0, 256, (2, 16)), np.array([16, 5]), np.array([1, 0]), cache, cache + 1],
+              "decode": [generator.integers(0, 256, 2), np.array([16, 5]), cache, cache + 1]}
+    # (whether the update is its fusion's root, so that XLA:CPU runs it in place; its element type)
+    cache_updates = re.compile(rf"(ROOT )?%\S+ = (\w+)\[{','.join(map(str, spec.cache_shape))}\]\S* dynamic-update-slice\(")
+    for name, arrays in inputs.items():
+        lowered = lowered_entry_point(modules[name], spec, name)
+        assert lowered.signature.inputs[-1].dtype == "bfloat16"
+        weights = [jax.numpy.asarray(weight) for weight in lowered.weights]
+        args = [jax.numpy.asarray(array.astype(input_spec.dtype)) for array, input_spec in zip(arrays, lowered.signature.inputs)]
+        as_exported = jax.jit(lowered.exported.call).lower(weights, args).compile()
+        expected = as_exported(weights, args)
+
+        actual = lowered.run(arrays)
+
+        for output, reference in zip(actual, expected):
+            np.testing.assert_array_equal(output.view(np.uint16) if output.dtype == jax.numpy.bfloat16 else output,
+                                          np.asarray(reference).view(np.uint16) if reference.dtype == jax.numpy.bfloat16 else reference)
+        specs = lowered.signature.inputs
+        state = state_positions([s.name for s in specs], [s.name for s in lowered.signature.outputs], [s.dtype for s in specs])
+        cpu = cpu_program(lowered.exported, len(weights), state)
+        assert cpu.bits_inputs == (len(specs) - 2, len(specs) - 1) and cpu.bits_outputs == (1, 2)  # the cache
+        state_args = [jax.numpy.asarray(array.view(np.uint16)) if position in cpu.bits_inputs else array for position, array in enumerate(args)]
+        compiled = jax.jit(cpu.exported.call).lower(weights, state_args).compile()
+        assert ("", "f32") in cache_updates.findall(as_exported.as_text())
+        assert set(cache_updates.findall(compiled.as_text())) == {("ROOT ", "u16")}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_both_runs_run_once_when_they_are_one_program(dtype):
+    """A bfloat16 program has no f32 matmul for the TPU-faithful rewrite to round: both CPU runs are
+    the same program, and verification runs it once for both; an f32 program's runs differ."""
+    model = tiny_llama().to(dtype)
+    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
+    modules = export_stage.entry_point_modules(model, spec)
+    program = lower_stage.GenerationProgram(spec, {name: lowered_entry_point(modules[name], spec, name) for name in ("prefill", "decode")},
+                                            (MAX_BATCH,))
+    prompts, slots, steps = plan_prompts(program, {"batch": MAX_BATCH, "seq": 16}, 3, seed=0)
+    tokens = [[1] * steps for _ in prompts]
+
+    logits = teacher_forced_runs(program, cpu_runs(program), prompts, slots, 16, tokens)
+
+    assert (logits["tpu"] is logits["cpu"]) == (dtype == torch.bfloat16)
+    assert logits["tpu"].shape == (MAX_BATCH, steps, spec.vocab)
 
 
 def cli(*args) -> subprocess.CompletedProcess:

@@ -49,6 +49,7 @@ from tpuexport.errors import TpuExportError, UnsupportedOperatorsError
 from tpuexport.export.guards import narrowed_range
 from tpuexport.lower import aten_lowerings, attention, control_flow, symbolic_ops  # noqa: F401  (they register tpuexport's own lowerings)
 from tpuexport.lower.cost import matmul_flops_expression
+from tpuexport.lower.cpu_program import cpu_program, state_positions
 from tpuexport.lower.custom_ops import custom_operator_decompositions
 from tpuexport.lower.graph_passes import (expand_convolution_arguments, group_repeated_kv, merged_matmul_operand, reads_heads_last,
                                          reshape_views, sink_attention_masks, unmerge_batched_matmuls)
@@ -70,6 +71,11 @@ PLATFORMS = ("cpu", "tpu")
 # weights exist in f32 at once (Llama-3.2-1B in bf16: 4.9 GB of temporaries); without it each
 # iteration converts its own layer. The arithmetic is the same either way.
 CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+# And in this process (TensorFlow's XLA has no such option): without a loop, XLA:CPU's default
+# scheduler starts every bfloat16 weight's f32 conversion before the first layer runs (the text-
+# generation entry points of Llama-3.2-1B's shape, 4 layers: 1.93 GiB of temporaries per call);
+# its memory-optimized scheduler converts each where it is used (0.98 GiB), same results bit for bit.
+RUN_COMPILER_OPTIONS = {**CPU_COMPILER_OPTIONS, "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,22 +217,43 @@ class LoweredProgram:
         for array, spec in zip(arrays, specs):
             _check_dtype_kind(array, spec)
             _check_integer_range(array, spec)
-        inputs = [jnp.asarray(a.astype(s.dtype)) for a, s in zip(arrays, specs)]
-        outputs = self._compiled(program or self.exported, tuple((a.shape, a.dtype) for a in inputs))(self._device_weights, inputs)
-        return [np.asarray(output) for output in outputs]
+        inputs = [array.astype(spec.dtype, copy=False) for array, spec in zip(arrays, specs)]
+        executable, cpu = self._compiled(program or self.exported, tuple((a.shape, a.dtype) for a in inputs))
+        # The state goes in as bit patterns (cpu_program.py), without a copy (device_put runs an aligned array in place).
+        state = [jax.device_put(inputs[position].view(np.uint16)) for position in cpu.bits_inputs]
+        others = [None if position in cpu.bits_inputs else jnp.asarray(array) for position, array in enumerate(inputs)]
+        outputs = executable(self._device_weights, others, state)
+        return [np.asarray(output).view(ml_dtypes.bfloat16) if position in cpu.bits_outputs else np.asarray(output)
+                for position, output in enumerate(outputs)]
 
     @functools.cached_property
     def _executables(self) -> dict:
         return {}
 
-    def _compiled(self, program: jax.export.Exported, input_types: tuple):
-        """The XLA:CPU executable of `program` for inputs of these shapes and dtypes (compiled once)."""
+    def _compiled(self, program: jax.export.Exported, input_types: tuple) -> tuple:
+        """The XLA:CPU executable of `program` (as cpu_program rewrites it) for inputs of these shapes and
+        dtypes, compiled once, and the CpuProgram: (executable, CpuProgram). The executable takes
+        (weights, the inputs with None at the state's positions, the state's bit patterns)."""
         key = (id(program), input_types)
         if key not in self._executables:
-            inputs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in input_types]
-            self._executables[key] = (program, jax.jit(program.call).lower(self._device_weights, inputs)
-                                      .compile(compiler_options=CPU_COMPILER_OPTIONS))
-        return self._executables[key][1]
+            specs = self.signature.inputs
+            cpu = cpu_program(program, len(self.weight_names),
+                              state_positions([s.name for s in specs], [s.name for s in self.signature.outputs], [s.dtype for s in specs]))
+
+            def call(weights, others, state):
+                inputs = list(others)
+                for position, array in zip(cpu.bits_inputs, state):
+                    inputs[position] = array
+                return cpu.exported.call(weights, inputs)
+
+            arguments = [jax.ShapeDtypeStruct(shape, np.uint16 if position in cpu.bits_inputs else dtype)
+                         for position, (shape, dtype) in enumerate(input_types)]
+            others = [None if position in cpu.bits_inputs else argument for position, argument in enumerate(arguments)]
+            state = [arguments[position] for position in cpu.bits_inputs]
+            executable = (jax.jit(call).lower(self._device_weights, others, state)
+                          .compile(compiler_options=RUN_COMPILER_OPTIONS))
+            self._executables[key] = (program, executable, cpu)
+        return self._executables[key][1:]
 
 
 def _dtype_kind(dtype: np.dtype) -> str:

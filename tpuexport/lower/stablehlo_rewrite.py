@@ -31,11 +31,10 @@ def rewrite_matmuls(
         and replace its operands, attributes or uses.
       module_attributes: string attributes to set on the module ({name: value}), or None.
     Returns:
-      A new Exported whose module is the rewritten one, serialized for the same StableHLO
-      compatibility window jax.export uses.
+      A new Exported whose module is the rewritten one (rewrite_module).
     """
-    with jax_mlir.make_ir_context(), ir.Location.unknown():
-        module = ir.Module.parse(exported.mlir_module())
+
+    def edit(module: ir.Module) -> None:
         found: list[ir.Operation] = []
 
         def collect(op):
@@ -49,9 +48,27 @@ def rewrite_matmuls(
                 rewrite(op)
         for name, value in (module_attributes or {}).items():
             module.operation.attributes[name] = ir.StringAttr.get(value)
+
+    return rewrite_module(exported, edit)
+
+
+def rewrite_module(exported: jax.export.Exported, edit: Callable[[ir.Module], None], **fields) -> jax.export.Exported:
+    """The program with its module edited in place by `edit` (in an MLIR context with an unknown location).
+
+    Args:
+      exported: the program.
+      edit: changes the parsed module.
+      fields: other Exported fields to replace (e.g. in_avals, when the edit changes the signature).
+    Returns:
+      A new Exported whose module is the edited one, serialized for the same StableHLO
+      compatibility window jax.export uses.
+    """
+    with jax_mlir.make_ir_context(), ir.Location.unknown():
+        module = ir.Module.parse(exported.mlir_module())
+        edit(module)
         target = stablehlo.get_version_from_compatibility_requirement(stablehlo.StablehloCompatibilityRequirement.WEEK_4)
         serialized = stablehlo.serialize_portable_artifact(module, target)
-    return dataclasses.replace(exported, mlir_module_serialized=serialized)
+    return dataclasses.replace(exported, mlir_module_serialized=serialized, **fields)
 
 
 def operand_element_types(op: ir.Operation) -> list[ir.Type]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import jax
 import numpy as np
 import torch
 
@@ -308,6 +309,36 @@ def teacher_forced_logits(session: GenerationSession, prompts, slots, seq: int, 
     return np.stack([np.stack(row) for row in logits]).astype(np.float32)
 
 
+def cpu_runs(program: GenerationProgram) -> dict[str, dict[str, jax.export.Exported]]:
+    """The entry points' programs of each CPU run (RUNS): "tpu" their TPU-faithful rewrites, "cpu" the programs as lowered."""
+    precision = MATMUL_PRECISIONS[program.entry_points["decode"].matmul_precision]
+    return {"tpu": {name: tpu_faithful(lowered.exported, precision) for name, lowered in program.entry_points.items()},
+            "cpu": {name: lowered.exported for name, lowered in program.entry_points.items()}}
+
+
+def teacher_forced_runs(program: GenerationProgram, runs: dict[str, dict[str, jax.export.Exported]], prompts, slots, seq: int,
+                        eager_tokens: list[list[int]]) -> dict[str, np.ndarray]:
+    """Each run's teacher_forced_logits, in a session of its own.
+
+    A run whose programs are an earlier run's (a bfloat16 program has no f32 matmul to round, so
+    its TPU-faithful rewrite is the program itself) has that run's logits: the same XLA:CPU
+    executables on the same inputs compute them again, bit for bit, in as much time and memory.
+
+    Args:
+      program: the generation program.
+      runs: cpu_runs(program).
+      prompts, slots, seq, eager_tokens: as for teacher_forced_logits.
+    Returns:
+      {run: logits [rows, steps, vocab]}.
+    """
+    logits: dict[str, np.ndarray] = {}
+    for name, programs in runs.items():
+        earlier = next((other for other in logits if all(runs[other][entry] is programs[entry] for entry in programs)), None)
+        logits[name] = logits[earlier] if earlier else teacher_forced_logits(GenerationSession(program, cpu_runner(program, programs)), prompts,
+                                                                               slots, seq, eager_tokens)
+    return logits
+
+
 def compare_run(actual: np.ndarray, expected: np.ndarray, eager_tokens: list[list[int]], tolerances: Tolerances) -> GenerationRun:
     """Compares one run's teacher-forced logits [rows, steps, vocab] with eager's (module docstring rule)."""
     differences = []
@@ -344,9 +375,7 @@ def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolera
     """
     decode = program.entry_points["decode"]
     tolerances = tolerances or default_tolerances(decode.resolved_precision, decode.matmul_precision, quantized=False)
-    precision = MATMUL_PRECISIONS[decode.matmul_precision]
-    faithful = {name: tpu_faithful(lowered.exported, precision) for name, lowered in program.entry_points.items()}
-    runners = {"tpu": cpu_runner(program, faithful), "cpu": cpu_runner(program)}
+    runs_programs = cpu_runs(program)
     cases, golden = [], {}
     for index, sizes in enumerate(program.prefill_buckets()):
         prompts, slots, steps = plan_prompts(program, sizes, new_tokens, seed=first_seed + index)
@@ -358,16 +387,13 @@ def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolera
             continue
         eager_tokens = [tokens for tokens, _ in eager]
         expected = np.stack([logits for _, logits in eager])
-        runs, divergence = {}, None
         try:
-            for name, runner in runners.items():
-                actual = teacher_forced_logits(GenerationSession(program, runner), prompts, slots, sizes["seq"], eager_tokens)
-                runs[name] = compare_run(actual, expected, eager_tokens, getattr(tolerances, name))
-                if name == "tpu" and float_reference is not None:
-                    divergence = float_divergence(actual, eager_tokens, float_reference[index])
+            actual = teacher_forced_runs(program, runs_programs, prompts, slots, sizes["seq"], eager_tokens)
         except Exception as error:  # XLA runtime errors, shape assertions
-            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, artifact_raised(error)))
+            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, {}, artifact_raised(error)))
             continue
+        runs = {name: compare_run(logits, expected, eager_tokens, getattr(tolerances, name)) for name, logits in actual.items()}
+        divergence = None if float_reference is None else float_divergence(actual["tpu"], eager_tokens, float_reference[index])
         stored = store_golden_case(golden, index, prompts, slots, sizes["seq"], eager_tokens, expected)
         cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, golden=stored, float_divergence=divergence))
     return GenerationReport(decode.resolved_precision, decode.matmul_precision, tolerances, tuple(cases), golden)
@@ -425,9 +451,7 @@ def replay_golden(program: GenerationProgram, golden: dict[str, np.ndarray], cas
       A GenerationReport of the stored cases (a run that raises becomes its case's error).
     """
     decode = program.entry_points["decode"]
-    faithful = {name: tpu_faithful(lowered.exported, MATMUL_PRECISIONS[decode.matmul_precision])
-                for name, lowered in program.entry_points.items()}
-    runners = {"tpu": cpu_runner(program, faithful), "cpu": cpu_runner(program)}
+    runs_programs = cpu_runs(program)
     replayed = []
     for index, case in enumerate(cases):
         if not case["golden"]:
@@ -439,9 +463,8 @@ def replay_golden(program: GenerationProgram, golden: dict[str, np.ndarray], cas
         expected = golden[f"{index}/eager_logits"]
         runs, error = {}, None
         try:
-            for name, runner in runners.items():
-                actual = teacher_forced_logits(GenerationSession(program, runner), prompts, slots, case["sizes"]["seq"], eager_tokens)
-                runs[name] = compare_run(actual, expected, eager_tokens, getattr(tolerances, name))
+            actual = teacher_forced_runs(program, runs_programs, prompts, slots, case["sizes"]["seq"], eager_tokens)
+            runs = {name: compare_run(logits, expected, eager_tokens, getattr(tolerances, name)) for name, logits in actual.items()}
         except Exception as exception:  # a damaged artifact can raise anything
             error = artifact_raised(exception)
         replayed.append(GenerationCase(case["sizes"], tuple(lengths), tuple(slots), len(eager_tokens[0]), runs, error, golden=True))

@@ -30,14 +30,12 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from tpuexport.lower.generation import GenerationProgram, GenerationSession, Runner, cpu_runner
-from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
+from tpuexport.lower.generation import GenerationProgram, GenerationSession, Runner
 from tpuexport.verify.compare import sqnr_db
 from tpuexport.verify.conformance import OpConformance, check_ops
-from tpuexport.verify.generation import (GenerationCase, GenerationReport, artifact_raised, compare_run, plan_prompts,
-                                         store_golden_case, teacher_forced_logits)
+from tpuexport.verify.generation import (GenerationCase, GenerationReport, artifact_raised, compare_run, cpu_runs, plan_prompts,
+                                         store_golden_case, teacher_forced_runs)
 from tpuexport.verify.tolerances import VerificationTolerances
-from tpuexport.verify.tpu_numerics import tpu_faithful
 from tpuexport.verify.verification import to_numpy
 
 
@@ -130,9 +128,7 @@ def verify_quantized_generation(program: GenerationProgram, model: torch.nn.Modu
       that `tpuexport verify` replays with generation.py's replay_golden.
     """
     decode = program.entry_points["decode"]
-    faithful = {name: tpu_faithful(lowered.exported, MATMUL_PRECISIONS[decode.matmul_precision])
-                for name, lowered in program.entry_points.items()}
-    runners = {"tpu": cpu_runner(program, faithful), "cpu": cpu_runner(program)}
+    runs_programs = cpu_runs(program)
     first_inputs: dict[str, list[torch.Tensor]] = {}
     reference_runner = torch_runner(references, first_inputs)
     cases, golden = [], {}
@@ -141,14 +137,12 @@ def verify_quantized_generation(program: GenerationProgram, model: torch.nn.Modu
         prompts, slots, steps = plan_prompts(program, sizes, new_tokens, seed=index)
         lengths = tuple(len(prompt) for prompt in prompts)
         tokens, expected = greedy_logits(GenerationSession(program, reference_runner), prompts, slots, sizes["seq"], steps)
-        runs, actual = {}, {}
         try:
-            for name, runner in runners.items():
-                actual[name] = teacher_forced_logits(GenerationSession(program, runner), prompts, slots, sizes["seq"], tokens)
-                runs[name] = compare_run(actual[name], expected, tokens, getattr(tolerances, name))
+            actual = teacher_forced_runs(program, runs_programs, prompts, slots, sizes["seq"], tokens)
         except Exception as error:  # XLA runtime errors, shape assertions
-            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, artifact_raised(error)))
+            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, {}, artifact_raised(error)))
             continue
+        runs = {name: compare_run(logits, expected, tokens, getattr(tolerances, name)) for name, logits in actual.items()}
         for row, prompt in enumerate(prompts):
             reference = float_logits(model, prompt, tokens[row])
             float_values.append(reference)
