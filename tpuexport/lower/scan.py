@@ -144,7 +144,8 @@ def find_runs(program: torch.export.ExportedProgram) -> tuple[ScannedRun, ...]:
                 # Measured on a Mixtral-8x7B-shaped model (benchmarks/experts_layout.py, v5e): XLA
                 # copies each scan step's slice of the stacked experts before its grouped-matmul
                 # kernel reads it (1795 MiB of temporaries at 64 tokens, 3.3 MiB unrolled, where each
-                # layer's experts are an argument read in place); mixture-of-experts layers stay unrolled.
+                # layer's experts are an argument read in place); they stay unrolled, at the price of a
+                # longer compile (32 layers on v5e-8: 16.1 s vs 2.8 s per bucket).
                 continue
             runs.append(run)
             taken.update(run.ops)
