@@ -12,7 +12,7 @@ kernels off) for `v5e` at each bucket
 layers scanned (the default) or unrolled (`--no-scan`), bf16 or weight-only int8 (`--quantize`).
 Printed per bucket: XLA's argument bytes (the weights), temporaries and bytes accessed, how many
 weights the program stores in another layout (manifest program.weight_layouts) and how many are
-quantized. The tpuexport measured is the one on PYTHONPATH: run it with an older checkout's there
+quantized, and the lower stage's and the compiler's seconds. The tpuexport measured is the one on PYTHONPATH: run it with an older checkout's there
 for the "before" figures.
 """
 
@@ -89,6 +89,8 @@ def main() -> None:
         print(f"  arguments {memory['argument_bytes'] / mib:9.1f} MiB  temporaries {memory['temp_bytes'] / mib:9.1f} MiB  "
               f"bytes accessed {cost['bytes_accessed'] / mib:9.1f} MiB  total {memory['total_bytes'] / gib:.2f} GiB "
               f"({bucket['hbm_utilization']:.0%} of HBM)", flush=True)
+        stages, compiles = manifest["build"]["stage_seconds"], manifest["build"]["compile_seconds"]
+        print(f"  lower {stages.get('lower', 0.0):.1f} s  compile {sum(compiles.values()):.1f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -355,11 +355,13 @@ def test_tensor_parallel_splits_every_expert_like_a_dense_mlp(tmp_path):
                                  target="v5e-8", mesh="model=4,data=2", sharding="tensor-parallel", saved_model=False,
                                  verify_budget_flops=0, kernels="none")
     weights, _ = specs(artifact)
-    # Stored [layers, experts, in, out] (lower/weight_layouts.py): gate/up split by output features, down by input
-    # features, within every expert; no weight of the experts is whole on a chip.
-    assert weights["model.model.layers.0-1.mlp.experts.gate_up_proj"] == [None, None, None, "model"]
-    assert weights["model.model.layers.0-1.mlp.experts.down_proj"] == [None, None, "model"]
-    assert weights["model.model.layers.0-1.mlp.gate.weight"] == []  # the router: every chip routes every token
+    # Stored [experts, in, out] (lower/weight_layouts.py; mixture-of-experts layers stay unrolled, lower/scan.py):
+    # gate/up split by output features, down by input features, within every expert; no weight of the experts is
+    # whole on a chip.
+    for layer in (0, 1):
+        assert weights[f"model.model.layers.{layer}.mlp.experts.gate_up_proj"] == [None, None, "model"]
+        assert weights[f"model.model.layers.{layer}.mlp.experts.down_proj"] == [None, "model"]
+        assert weights[f"model.model.layers.{layer}.mlp.gate.weight"] == []  # the router: every chip routes every token
     assert not [note for note in artifact.manifest["targets"]["v5e-8"]["sharding"]["notes"] if "experts" in note]
     sharded_run(artifact)
     # Each chip multiplies by its slice of every expert: no expert weight is gathered.

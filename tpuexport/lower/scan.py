@@ -15,7 +15,10 @@ through its nodes' `nn_module_stack` metadata, where
 The blocks' weights are stacked along a new leading axis, one array per weight of the first
 block, named `P.<first>-<last>.<name within the block>` (`model.layers.0-31.mlp.up_proj.weight`),
 and `ScannedRun.to_json` maps each back to the state_dict names it holds. Blocks that differ end a
-run (a new one may start at them); a run with anything that does not fit stays unrolled.
+run (a new one may start at them); a run with anything that does not fit stays unrolled, and so do
+runs whose blocks hold convolutions (XLA:CPU runs them at half speed in a loop) or grouped matmuls
+(a mixture-of-experts layer's experts: XLA:TPU copies each scan step's slice of the stacked experts
+before its grouped-matmul kernel reads it, where unrolled it reads each layer's experts in place).
 
 The torch graph itself is not changed: op-by-op checks, FLOPs and verification read it as before.
 Only the tracing interpreter (lowering.py) skips the run's ops one by one and computes them at the
@@ -33,7 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from tpuexport.lower.aten_lowerings import grouped_mm
 from tpuexport.lower.mixed_precision import is_quantization_op
+from tpuexport.lower.registry import own_lowering
 
 _CHILD = re.compile(r"^(?P<container>.+)\.(?P<index>\d+)$")
 # Values the interpreter computes outside the scan even inside a block: symbolic sizes, plain scalars.
@@ -114,7 +119,8 @@ def find_runs(program: torch.export.ExportedProgram) -> tuple[ScannedRun, ...]:
     """Finds the runs of identical blocks to lower as scans.
 
     Containers are searched outermost first; a block inside a run found already is not searched
-    again (its ops are part of the scan body). Runs of blocks with convolutions stay unrolled.
+    again (its ops are part of the scan body). Runs of blocks with convolutions or grouped matmuls
+    (mixture-of-experts layers) stay unrolled.
 
     Args:
       program: the decomposed program (not changed).
@@ -133,6 +139,13 @@ def find_runs(program: torch.export.ExportedProgram) -> tuple[ScannedRun, ...]:
                 # Measured on ResNet-50 (benchmarks/conversion_speed.py): XLA:CPU runs convolutions
                 # inside a while loop at half speed (verify 37.5 s scanned vs 16.5 s unrolled), and
                 # a CNN's short stages (3-6 blocks) gain little compile time; they stay unrolled.
+                continue
+            if any(own_lowering(op.target) is grouped_mm for op in run.template):
+                # Measured on a Mixtral-8x7B-shaped model (benchmarks/experts_layout.py, v5e): XLA
+                # copies each scan step's slice of the stacked experts before its grouped-matmul
+                # kernel reads it (1795 MiB of temporaries at 64 tokens, 3.3 MiB unrolled, where each
+                # layer's experts are an argument read in place); they stay unrolled, at the price of a
+                # longer compile (32 layers on v5e-8: 16.1 s vs 2.8 s per bucket).
                 continue
             runs.append(run)
             taken.update(run.ops)
