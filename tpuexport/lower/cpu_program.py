@@ -28,7 +28,7 @@ import numpy as np
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 
-from tpuexport.lower.stablehlo_rewrite import rewrite_module
+from tpuexport.lower.stablehlo_rewrite import ops_named, rewrite_module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +71,11 @@ def cpu_program(exported: jax.export.Exported, weights: int, state: Sequence[tup
     updates: list[ir.Operation] = []
 
     def edit(module: ir.Module) -> None:
-        updates.extend(op for op in _ops(module, "stablehlo.dynamic_update_slice")
+        updates.extend(op for op in ops_named(module, ("stablehlo.dynamic_update_slice",))
                        if isinstance(ir.RankedTensorType(op.result.type).element_type, ir.BF16Type))
         for update in updates:
             _update_as_bits(update)
-        for loop in _ops(module, "stablehlo.while"):
+        for loop in ops_named(module, ("stablehlo.while",)):
             _carry_updates_as_bits(loop)
         _state_as_bits(_main(module), [weights + position for position, _ in state], [output for _, output in state], kept)
 
@@ -87,19 +87,6 @@ def cpu_program(exported: jax.export.Exported, weights: int, state: Sequence[tup
     if not updates:
         return CpuProgram(exported)
     return CpuProgram(rewritten, tuple(position for position, _ in state), tuple(output for _, output in state))
-
-
-def _ops(module: ir.Module, name: str) -> list[ir.Operation]:
-    """Every op of this name in the module, in every function and region."""
-    found: list[ir.Operation] = []
-
-    def collect(op: ir.Operation) -> ir.WalkResult:
-        if op.name == name:
-            found.append(op)
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(collect)
-    return found
 
 
 def _update_as_bits(op: ir.Operation) -> None:

@@ -35,15 +35,7 @@ def rewrite_matmuls(
     """
 
     def edit(module: ir.Module) -> None:
-        found: list[ir.Operation] = []
-
-        def collect(op):
-            if op.name in MATMUL_OPS:
-                found.append(op)
-            return ir.WalkResult.ADVANCE
-
-        module.operation.walk(collect)
-        for op in found:
+        for op in ops_named(module, MATMUL_OPS):
             with ir.InsertionPoint(op):
                 rewrite(op)
         for name, value in (module_attributes or {}).items():
@@ -69,6 +61,20 @@ def rewrite_module(exported: jax.export.Exported, edit: Callable[[ir.Module], No
         target = stablehlo.get_version_from_compatibility_requirement(stablehlo.StablehloCompatibilityRequirement.WEEK_4)
         serialized = stablehlo.serialize_portable_artifact(module, target)
     return dataclasses.replace(exported, mlir_module_serialized=serialized, **fields)
+
+
+def ops_named(module: ir.Module, names: tuple[str, ...]) -> list[ir.Operation]:
+    """Every op of the module named one of `names`, in every function and region, in walk order
+    (collected first, so that the caller may edit or erase them)."""
+    found: list[ir.Operation] = []
+
+    def collect(op: ir.Operation) -> ir.WalkResult:
+        if op.name in names:
+            found.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(collect)
+    return found
 
 
 def operand_element_types(op: ir.Operation) -> list[ir.Type]:

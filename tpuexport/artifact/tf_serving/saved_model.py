@@ -21,6 +21,7 @@ import numpy as np
 from tpuexport.artifact.tf_serving.tensorflow_process import TensorFlowProcess
 from tpuexport.errors import TpuExportError
 from tpuexport.lower import LoweredProgram
+from tpuexport.lower.stablehlo_rewrite import ops_named
 from tpuexport.signature import TensorSpec
 
 SIGNATURE_NAME = "serving_default"
@@ -82,15 +83,7 @@ def composites_as_calls(module_text: str) -> str:
     context = jax.jit(lambda: 0).lower().compiler_ir("stablehlo").context
     with context, ir.Location.unknown():
         module = ir.Module.parse(module_text)
-        composites = []
-
-        def collect(operation):
-            if operation.name == "stablehlo.composite":
-                composites.append(operation)
-            return ir.WalkResult.ADVANCE
-
-        module.operation.walk(collect)
-        for composite in composites:
+        for composite in ops_named(module, ("stablehlo.composite",)):
             decomposition = ir.FlatSymbolRefAttr(composite.attributes["decomposition"]).value
             with ir.InsertionPoint(composite):
                 call = func.CallOp([result.type for result in composite.results], decomposition, list(composite.operands))
