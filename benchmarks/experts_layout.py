@@ -35,21 +35,11 @@ MIXTRAL_8X7B_LAYER = dict(vocab_size=32000, hidden_size=4096, intermediate_size=
 def bf16_mixtral(layers: int):
     """MixtralForCausalLM of Mixtral-8x7B's layer shapes with `layers` layers, bf16, on the meta
     device, wrapped to take input_ids and return logits; dims batch 1..64 x seq 2..4096."""
-    import torch
     import transformers
-    from families import Outputs
+    from families import bf16_causal_lm
 
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            config = transformers.MixtralConfig(**MIXTRAL_8X7B_LAYER, num_hidden_layers=layers)
-            model = transformers.MixtralForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(torch.float32)
-    batch = torch.export.Dim("batch", min=1, max=64)
-    seq = torch.export.Dim("seq", min=2, max=4096)
-    args = (torch.randint(0, MIXTRAL_8X7B_LAYER["vocab_size"], (2, 64)),)
-    return Outputs(model, ("input_ids",), ("logits",), use_cache=False), args, {"input_ids": {0: batch, 1: seq}}
+    config = transformers.MixtralConfig(**MIXTRAL_8X7B_LAYER, num_hidden_layers=layers)
+    return bf16_causal_lm(transformers.MixtralForCausalLM, config, "meta", max_seq=4096)
 
 
 def main() -> None:

@@ -273,13 +273,23 @@ def bf16_llama(config: dict, device: str = "cpu"):
     """
     import transformers
 
+    return bf16_causal_lm(transformers.LlamaForCausalLM, transformers.LlamaConfig(**config), device, max_seq=8192)
+
+
+def bf16_causal_lm(model_class, config, device: str, max_seq: int):
+    """A transformers causal LM of `config` built in bfloat16 on `device`, wrapped to take
+    input_ids and return logits; dims batch 1..64 x seq 2..max_seq; example input [2, 64].
+
+    Returns:
+      (model, example args, dynamic_shapes).
+    """
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+            model = model_class(config).eval()
     finally:
         torch.set_default_dtype(torch.float32)
     batch = torch.export.Dim("batch", min=1, max=64)
-    seq = torch.export.Dim("seq", min=2, max=8192)
-    args = (torch.randint(0, config["vocab_size"], (2, 64)),)
+    seq = torch.export.Dim("seq", min=2, max=max_seq)
+    args = (torch.randint(0, config.vocab_size, (2, 64)),)
     return Outputs(model, ("input_ids",), ("logits",), use_cache=False), args, {"input_ids": {0: batch, 1: seq}}
