@@ -73,6 +73,13 @@ def seeded_checkpoint(model_class, directory) -> tuple[torch.nn.Module, object]:
     return model, path
 
 
+def streamed_conversion(model_class, args, dynamic_shapes, path, out, mode) -> tpuexport.Artifact:
+    """model_class converted with `mode` from its checkpoint at `path`, built on the meta device."""
+    with tpuexport.parameters_on_meta():
+        on_meta = model_class().eval()
+    return tpuexport.convert(on_meta, args, dynamic_shapes, out=out, checkpoint=path, quantize=mode, group_size=GROUP, saved_model=False)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return seeded_checkpoint(TinyDecoder, tmp_path_factory.mktemp("checkpoint"))
@@ -81,10 +88,7 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["int8-weight-only", "int4-weight-only"])
 def test_checkpoint_streams_quantized_weights_verified_against_dequantized_model(tmp_path, checkpoint, mode):
     model, path = checkpoint
-    with tpuexport.parameters_on_meta():
-        on_meta = TinyDecoder().eval()
-    artifact = tpuexport.convert(on_meta, (tokens(),), None, out=tmp_path / "m.tpu", checkpoint=path, quantize=mode,
-                                 group_size=GROUP, saved_model=False)
+    artifact = streamed_conversion(TinyDecoder, (tokens(),), None, path, tmp_path / "m.tpu", mode)
     manifest = artifact.manifest
     assert manifest["verification"]["passed"]
     section = manifest["quantization"]
@@ -341,11 +345,8 @@ def conv_checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["int8-weight-only", "int4-weight-only"])
 def test_convolution_weights_quantized_per_output_channel_verified_against_dequantized_model(tmp_path, conv_checkpoint, mode):
     model, path = conv_checkpoint
-    with tpuexport.parameters_on_meta():
-        on_meta = TinyConvNet().eval()
     batch = torch.export.Dim("batch", min=1, max=8)
-    artifact = tpuexport.convert(on_meta, (images(),), {"image": {0: batch}}, out=tmp_path / "m.tpu", checkpoint=path, quantize=mode,
-                                 group_size=GROUP, saved_model=False)
+    artifact = streamed_conversion(TinyConvNet, (images(),), {"image": {0: batch}}, path, tmp_path / "m.tpu", mode)
     manifest = artifact.manifest
     assert manifest["verification"]["passed"]
     bits = 4 if mode.startswith("int4") else 8
