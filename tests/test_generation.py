@@ -410,6 +410,31 @@ def test_runtime_generates_from_the_cpu_executables_with_the_cache_on_the_device
     assert decode["logits"].shape == (MAX_BATCH, spec.vocab) and prefill["cache_k"].is_deleted()  # donated, updated in place
 
 
+def test_cpu_executables_update_a_bf16_cache_as_bit_patterns(tmp_path):
+    """The cpu target's executables take and return a bf16 KV cache as uint16 bit patterns (the form
+    XLA:CPU updates in place, lower/cpu_program.py); the runner hands them from step to step and
+    generates what the artifact's own CPU run does."""
+    model = tiny_llama().to(torch.bfloat16)
+    artifact = tpuexport.convert(model, task="text-generation", max_context=32, max_batch=MAX_BATCH, buckets={"seq": [8], "batch": [MAX_BATCH]},
+                                 target="cpu", out=tmp_path / "llama.tpu", saved_model=False, verify_new_tokens=4)
+    buckets = artifact.manifest["targets"]["cpu"]["buckets"]
+    assert all(bucket["state_as_bits"] == ["cache_k", "cache_v"] for bucket in buckets)
+
+    runner = tpuexport.runner(artifact.path)
+    prompts = [[5, 17, 42, 7], [99, 3]]
+    assert [list(step) for step in runner.stream(prompts, max_new_tokens=6)] == [list(step) for step in zip(*artifact.generate(prompts, max_new_tokens=6))]
+    spec = artifact.generation_program.spec
+    cache = [np.zeros(spec.cache_shape, jax.numpy.bfloat16)] * 2
+    prefill = runner.run([np.array([[5, 17] + [0] * 6] * 2), np.array([2, 2]), np.array([0, 1]), *cache], "prefill")
+    assert prefill["cache_k"].dtype == np.uint16 and np.asarray(prefill["cache_k"]).view(jax.numpy.bfloat16).any()
+    bf16_cache = [jax.numpy.asarray(np.asarray(prefill[name]).view(jax.numpy.bfloat16)) for name in ("cache_k", "cache_v")]
+    from_bits = runner.run([np.array([1, 2]), np.array([2, 2]), prefill["cache_k"], prefill["cache_v"]], "decode")
+    from_bf16 = runner.run([np.array([1, 2]), np.array([2, 2]), *bf16_cache], "decode")
+    np.testing.assert_array_equal(from_bits["logits"], from_bf16["logits"])
+    np.testing.assert_array_equal(np.asarray(from_bits["cache_v"]), np.asarray(from_bf16["cache_v"]))
+    assert prefill["cache_k"].is_deleted()  # donated, updated in place
+
+
 def test_serve_streams_generated_tokens_as_json_lines(llama_generation, tmp_path):
     artifact, _ = llama_generation
     with socket.socket() as probe:
