@@ -82,19 +82,25 @@ def create_app(repository: ModelRepository, metrics: Metrics, state: dict, max_b
         return answer
 
     async def generate(request: Request) -> Response:
-        # Each request is its own generation session with its own KV cache on the device; requests
-        # are not batched together (no continuous batching).
+        # Requests share the model's KV cache, continuously batched (serve/generation.py).
         labels = {"model": UNKNOWN_MODEL, "version": ""}
         try:
             model = repository.resolve(request.path_params["name"], request.path_params.get("version"))
             labels = model.labels
             prompts, max_new_tokens = _parse_generate(await _read_json(request, max_body_bytes))
-            steps = model.runner.stream(prompts, max_new_tokens)
-            first = await run_in_threadpool(next, steps)  # the prompts are checked here: a bad one is a 400
+            if model.generation is None:
+                raise BadRequest(f"model {model.name} has no prefill and decode entry points; generation needs a text-generation "
+                                 "artifact (convert with --task text-generation)")
+            steps = model.generation.submit(prompts, max_new_tokens)  # the prompts are checked here: a bad one is a 400
+            first = await run_in_threadpool(next, steps)
         except ModelNotFound as error:
             answer, outcome = _error(404, error), "not_found"
+        except ShuttingDown as error:
+            answer, outcome = _error(503, error), "unavailable"
         except TpuExportError as error:
             answer, outcome = _error(400, error), "bad_request"
+        except Exception as error:  # a failed step: this request fails, the server serves on
+            answer, outcome = _error(500, f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"), "error"
         else:
             answer, outcome = StreamingResponse(_stream_lines(first, steps, len(prompts)), media_type="application/x-ndjson"), "ok"
         metrics.requests.labels(**labels, api="rest_generate", outcome=outcome).inc()
