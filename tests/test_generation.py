@@ -478,6 +478,21 @@ def test_serve_batches_generate_requests_continuously(llama_serving, tmp_path):
         bad = requests.post(url, json={"prompts": [[5, 100000]], "max_new_tokens": 6}, timeout=60)
         two = requests.post(url, json={"prompts": [[5, 17, 42, 7], [99, 3]], "max_new_tokens": 3}, timeout=60)  # one request, two rows
         metrics = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        # A client that goes away after its first step frees its slots: its request stops within a few
+        # of the 61 decode steps it asked for.
+        def decode_steps():
+            text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            return float(re.search(r'tpuexport_decode_rows_count\{model="llama",version="1"\} (\S+)', text).group(1))
+
+        before = decode_steps()
+        for _ in range(MAX_BATCH):
+            with requests.post(url, json={"prompts": [[5, 17]], "max_new_tokens": MAX_CONTEXT - 2}, stream=True, timeout=120) as abandoned:
+                next(abandoned.iter_lines())
+        time.sleep(1.0)
+        settled = decode_steps()
+        time.sleep(1.0)
+        assert decode_steps() == settled < before + 10
+        assert generate([99, 3], 2)[-1]["generated"] == artifact.generate([[99, 3]], 2)
 
         for (prompt, max_new_tokens), lines in zip(requested, answers):
             assert [line["step"] for line in lines[:-1]] == list(range(max_new_tokens))

@@ -53,6 +53,30 @@ class _Request:
         return [position < max_context for position in self.positions]
 
 
+class GenerationStream:
+    """A request's steps as they come: each step's new token per prompt (None for a row that
+    reached max context), as `Runner.stream` yields them; `cancel` (a client gone) frees its slots
+    after the current step. Iterating raises the error of a step that failed."""
+
+    def __init__(self, request: _Request):
+        self.request = request
+
+    def __iter__(self) -> Iterator[list[int | None]]:
+        return self
+
+    def __next__(self) -> list[int | None]:
+        step = self.request.steps.get()
+        if step is _DONE:
+            self.request.steps.put(_DONE)  # iterating again stays at the end
+            raise StopIteration
+        if isinstance(step, BaseException):
+            raise step
+        return step
+
+    def cancel(self) -> None:
+        self.request.cancelled = True
+
+
 class GenerationScheduler:
     """Runs a text-generation model's generate requests with continuous batching (module docstring).
 
@@ -76,13 +100,11 @@ class GenerationScheduler:
         self.thread = threading.Thread(target=self._loop, name=f"generation-{labels['model']}-{labels['version']}", daemon=True)
         self.thread.start()
 
-    def submit(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Iterator[list[int | None]]:
+    def submit(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> "GenerationStream":
         """Queues a request.
 
         Returns:
-          Its steps as they come: each step's new token per prompt (None for a row that reached
-          max context), as `Runner.stream` yields them. Closing the iterator early (a client gone)
-          releases the request's slots.
+          Its steps as they come (GenerationStream).
         Raises:
           TpuExportError: prompts the artifact cannot take (lower/generation.check_prompts).
           ShuttingDown: after `close`.
@@ -98,7 +120,7 @@ class GenerationScheduler:
                 raise ShuttingDown("the server is shutting down; retry on another replica")
             self.waiting.append(request)
             self.wake.notify()
-        return self._steps(request)
+        return GenerationStream(request)
 
     def close(self) -> None:
         """Stops taking requests, finishes those admitted or waiting, and ends the thread."""
@@ -106,15 +128,6 @@ class GenerationScheduler:
             self.closed = True
             self.wake.notify()
         self.thread.join()
-
-    def _steps(self, request: _Request) -> Iterator[list[int | None]]:
-        try:
-            while (step := request.steps.get()) is not _DONE:
-                if isinstance(step, BaseException):
-                    raise step
-                yield step
-        finally:
-            request.cancelled = True
 
     def _new_session(self) -> GenerationSession:
         return GenerationSession(self.program, runner=lambda name, inputs: list(self.runner.run(inputs, name).values()))

@@ -20,7 +20,6 @@ unknown model or version, 503 while shutting down.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import time
 
@@ -33,6 +32,7 @@ from starlette.routing import Route
 
 from tpuexport.errors import TpuExportError
 from tpuexport.serve.batching import ShuttingDown
+from tpuexport.serve.generation import GenerationStream
 from tpuexport.serve.metrics import UNKNOWN_MODEL, Metrics
 from tpuexport.serve.models import ModelNotFound, ModelRepository, ServedModel
 
@@ -230,15 +230,21 @@ def _parse_generate(body) -> tuple[list[list[int]], int]:
     return prompts, max_new_tokens
 
 
-def _stream_lines(first: list, steps, rows: int):
-    """The generate answer's JSON lines: each step's tokens, then every prompt's generated tokens."""
+async def _stream_lines(first: list, steps: GenerationStream, rows: int):
+    """The generate answer's JSON lines: each step's tokens, then every prompt's generated tokens.
+    A client that goes away cancels the request (Starlette cancels this generator), freeing its slots."""
     generated: list[list[int]] = [[] for _ in range(rows)]
-    for index, tokens in enumerate(itertools.chain([first], steps)):
-        for row, token in enumerate(tokens):
-            if token is not None:
-                generated[row].append(token)
-        yield json.dumps({"step": index, "tokens": tokens}) + "\n"
-    yield json.dumps({"generated": generated}) + "\n"
+    tokens, index = first, 0
+    try:
+        while tokens is not None:
+            for row, token in enumerate(tokens):
+                if token is not None:
+                    generated[row].append(token)
+            yield json.dumps({"step": index, "tokens": tokens}) + "\n"
+            tokens, index = await run_in_threadpool(next, steps, None), index + 1
+        yield json.dumps({"generated": generated}) + "\n"
+    finally:
+        steps.cancel()
 
 
 def _array(value, name: str) -> np.ndarray:
