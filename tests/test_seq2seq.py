@@ -166,3 +166,11 @@ def test_what_encoder_decoders_do_not_support_yet_is_one_line(tmp_path):
                                                        r"does not support --quantize yet"):
         tpuexport.convert(tiny_bart(), task="text-generation", max_context=MAX_CONTEXT, quantize="int8-weight-only", out=tmp_path / "a.tpu")
     assert not (tmp_path / "a.tpu").exists()
+
+
+def test_gate_replays_the_stored_generation(bart_generation):
+    artifact, _ = bart_generation
+    report = tpuexport.verify_artifact(artifact.path)
+    assert report.passed, [check.message for check in report.checks]
+    golden = next(check for check in report.checks if check.name == "golden")
+    assert "stored generation case(s)" in golden.message and golden.details["cases"][0]["runs"]["cpu"]["passed"]

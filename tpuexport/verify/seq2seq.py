@@ -124,3 +124,35 @@ def verify_seq2seq(program: Seq2SeqProgram, model: torch.nn.Module, tolerances: 
         stored = store_golden_case(golden, index, sources, slots, sizes["seq"], eager_tokens, expected)
         cases.append(Seq2SeqCase(sizes, lengths, tuple(slots), steps, runs, golden=stored))
     return GenerationReport(decode.resolved_precision, decode.matmul_precision, tolerances, tuple(cases), golden)
+
+
+def replay_golden(program: Seq2SeqProgram, golden: dict[str, np.ndarray], cases: list[dict],
+                  tolerances: VerificationTolerances) -> GenerationReport:
+    """Re-runs an encoder-decoder artifact's stored cases (the CI gate's check): the stored sources,
+    teacher-forced with the stored eager tokens, compared with the stored eager logits by the rule
+    above, in both CPU runs (verify/generation.py's replay_golden, with encode for prefill).
+
+    Returns:
+      A GenerationReport of the stored cases (a run that raises becomes its case's error).
+    """
+    decode = program.entry_points["decode"]
+    runs_programs = cpu_runs(program)
+    replayed = []
+    for index, case in enumerate(cases):
+        if not case["golden"]:
+            continue
+        lengths = [int(length) for length in golden[f"{index}/lengths"]]
+        sources = [list(map(int, row[:length])) for row, length in zip(golden[f"{index}/prompts"], lengths)]
+        slots = [int(slot) for slot in golden[f"{index}/slots"]]
+        eager_tokens = [list(map(int, row)) for row in golden[f"{index}/eager_tokens"]]
+        runs, error = {}, None
+        try:
+            for name, programs in runs_programs.items():
+                logits = teacher_forced_logits(Seq2SeqSession(program, cpu_runner(program, programs)), sources, slots, case["sizes"]["seq"],
+                                               eager_tokens)
+                runs[name] = compare_run(logits, golden[f"{index}/eager_logits"], eager_tokens, getattr(tolerances, name))
+        except Exception as exception:  # a damaged artifact can raise anything
+            runs, error = {}, artifact_raised(exception)
+        replayed.append(Seq2SeqCase(case["sizes"], tuple(lengths), tuple(slots), len(eager_tokens[0]), runs, error, golden=True))
+    return GenerationReport(decode.resolved_precision, decode.matmul_precision, tolerances, tuple(replayed), {},
+                            "stored generate() tokens and logits")
