@@ -174,7 +174,10 @@ def _family(model: nn.Module) -> str:
     if embed is not None and isinstance(getattr(embed, "offset", None), int) and isinstance(embed, nn.Embedding):
         return "bart"
     block = getattr(decoder, "block", None)
-    if block is not None and hasattr(block[0].layer[0], "SelfAttention") and block[0].layer[0].SelfAttention.has_relative_attention_bias:
+    # T5 and mT5: the first layer computes the bias every layer adds (UMT5's layers each have their own).
+    biased = [getattr(layer.layer[0], "SelfAttention", None) is not None and layer.layer[0].SelfAttention.has_relative_attention_bias
+              for layer in block or ()]
+    if biased and biased[0] and not any(biased[1:]):
         return "t5"
     raise TpuExportError(f"--task text-generation: the {type(model).__name__} encoder-decoder's decoder positions are not supported yet "
                          "(supported: BART-style learned positions, T5 relative position bias)")
