@@ -5,12 +5,21 @@ its bad input."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
 import pytest
+import requests
 import torch
 import transformers
 from click.testing import CliRunner
 
 import tpuexport
+from conftest import ROOT
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.cli import main
@@ -174,3 +183,31 @@ def test_gate_replays_the_stored_generation(bart_generation):
     assert report.passed, [check.message for check in report.checks]
     golden = next(check for check in report.checks if check.name == "golden")
     assert "stored generation case(s)" in golden.message and golden.details["cases"][0]["runs"]["cpu"]["passed"]
+
+
+def test_serve_refuses_encoder_decoder_generation_in_one_line(bart_generation, tmp_path):
+    """`tpuexport serve` loads the artifact (its encode and decode signatures), but its continuous
+    batching of generate requests is prefill-based: :generate is a 400 naming why."""
+    artifact, _ = bart_generation
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "tpuexport.cli", "serve", str(artifact.path), "--port", str(port), "--grpc-port", "0"],
+                                  stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                time.sleep(0.3)
+        answer = requests.post(f"http://127.0.0.1:{port}/v1/models/bart:generate", json={"prompts": [[5, 17]], "max_new_tokens": 6},
+                               timeout=60)
+        assert answer.status_code == 400 and "is an encoder-decoder: serve does not run its generation yet" in answer.json()["error"]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
