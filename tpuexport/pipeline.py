@@ -826,7 +826,7 @@ def _seq2seq_passes(loaded: export_stage.LoadedSource, options: ConversionOption
         jobs = {name: running.enter_context(compile_stage.CompileJob(entry, targets, buckets[name], _compiled_event(clock, entry, name)))
                 for name, entry in lowered.items()}
         report = None
-        with clock.stage("verify", lambda: _describe_generation(report).replace("prefill bucket", "encode bucket")):
+        with clock.stage("verify", lambda: _describe_generation(report, "encode")):
             report = verify_stage.verify_seq2seq(program, model, _verification_tolerances(lowered["decode"], options, False), options.new_tokens)
         if not report.passed:
             raise VerificationError(report, _write_failed_report(options.out, report.to_json()))
@@ -1071,10 +1071,10 @@ def _plan_generation_slices(request: compile_stage.ShardingRequest, slices: list
     return plans
 
 
-def _describe_generation(report) -> str:
+def _describe_generation(report, first_entry_point: str = "prefill") -> str:
     worst = report.worst_errors()
     reference = "the PT2E entry points" if isinstance(report, verify_stage.QuantizedGenerationReport) else "generate()"
-    described = (f"{len(report.cases)} prefill bucket(s) + decode, {report.tokens_compared()} tokens compared with {reference}, "
+    described = (f"{len(report.cases)} {first_entry_point} bucket(s) + decode, {report.tokens_compared()} tokens compared with {reference}, "
                  f"{'passed' if report.passed else 'FAILED'} ({report.ties()} tie(s)); worst logits relative RMS error {worst['tpu']:.1e} "
                  f"as the TPU computes, {worst['cpu']:.1e} in f32")
     if isinstance(report, verify_stage.QuantizedGenerationReport) or report.float_divergence() is None:
