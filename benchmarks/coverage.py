@@ -27,7 +27,9 @@ tokens compared with generate(do_sample=False)). They print after the other mode
 their own: greedy parity (a weight-only artifact against generate() with its rounded weights), the
 tokens compared and the ties; for weight-only, against the float model's generate(): the first step
 where greedy tokens differ ("none": the same 32 tokens) and the logits SQNR up to that step, and the
-weight bytes against f32. Other kinds have no row in these modes.
+weight bytes against f32. The encoder-decoder families (t5, bart) have rows in generate-f32 and
+generate-bf16: encode and decode entry points (source bucket batch 2 x seq 16, sources of different
+lengths, 32 new tokens from the decoder start token). Other kinds have no row in these modes.
 
 Mode "bf16-checkpoint" writes the transformers families' directories in bfloat16 (as most
 checkpoints are published; non-persistent buffers such as rotary `inv_freq` are not in a checkpoint)
@@ -57,6 +59,8 @@ MODES = ("f32", "bf16", "int8", "int8-dynamic", "int8-weight-only", "int4-weight
 INT4_GROUP_SIZE = 32
 CHECKPOINT_MODE = "bf16-checkpoint"
 GENERATION_MODES = ("generate-f32", "generate-bf16", "generate-int8-weight-only", "generate-int4-weight-only")
+# Encoder-decoders generate in float only (their entry points are not quantized yet).
+FLOAT_GENERATION_MODES = ("generate-f32", "generate-bf16")
 GENERATION_NEW_TOKENS = 32
 TASK_CHOICES = ("auto", "explicit")
 CHILD_TIMEOUT_SECONDS = 1200
@@ -193,6 +197,12 @@ def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
     return row
 
 
+def _generates(family, mode: str) -> bool:
+    """Whether a generate-* mode has a row for the family: decoders in every mode, encoder-decoders
+    (encode/decode entry points) in the float modes."""
+    return family.kind == "decoder" or (family.kind == "encoder-decoder" and mode in FLOAT_GENERATION_MODES)
+
+
 def _read_json(path) -> dict | None:
     return json.loads(pathlib.Path(path).read_text()) if path and pathlib.Path(path).is_file() else None
 
@@ -246,7 +256,8 @@ def format_generation_row(row: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", help="family names (default: all)")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES + GENERATION_MODES)} (generate-*: decoder families only)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES + GENERATION_MODES)} (generate-*: decoder families; "
+                                                            "generate-f32/bf16: encoder-decoders too)")
     parser.add_argument("--tasks", default="auto", help=f"comma-separated --task choices, from {', '.join(TASK_CHOICES)}")
     parser.add_argument("--target", default="v5e")
     parser.add_argument("--saved-model", action="store_true", help="also build and check the TF SavedModel")
@@ -279,7 +290,7 @@ def main() -> None:
         parser.error(f"unknown --tasks {options.tasks}; use {', '.join(TASK_CHOICES)}")
     # A family that is not a transformers model converts once, from its factory.
     jobs = [(name, mode, choice) for name in names for choice in (task_choices if FAMILIES[name].save else task_choices[:1])
-            for mode in modes if (mode not in GENERATION_MODES or (FAMILIES[name].kind == "decoder" and FAMILIES[name].save))
+            for mode in modes if (mode not in GENERATION_MODES or (_generates(FAMILIES[name], mode) and FAMILIES[name].save))
             and (mode != CHECKPOINT_MODE or FAMILIES[name].save)]
     print(f"{len(names)} families x {len(modes)} modes x --task {'/'.join(task_choices)}, target {options.target}"
           f"{', SavedModel' if options.saved_model else ''}", flush=True)

@@ -301,8 +301,9 @@ def inspect(artifact_dir, as_json):
                       f"files {', '.join(hf['files'].values()) or 'none'}")
     if artifact.task == "text-generation":
         generation = data["generation"]
+        cross = (f" + cross {generation['cross_shape']} x2 (max source {generation['max_source']})" if "cross_shape" in generation else "")
         console.print(f"  text generation: max batch {generation['max_batch']}, max context {generation['max_context']}, cache "
-                      f"{generation['layout']} {generation['cache_shape']} {generation['dtype']} x2 ({generation['cache_bytes'] / 2**20:.2f} MiB)")
+                      f"{generation['layout']} {generation['cache_shape']} {generation['dtype']} x2{cross} ({generation['cache_bytes'] / 2**20:.2f} MiB)")
         signatures = {name: ProgramSignature.from_json(entry) for name, entry in data["entry_points"].items()}
     else:
         signatures = {"": artifact.signature}

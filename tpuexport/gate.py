@@ -37,10 +37,11 @@ from tpuexport.arrays import load_arrays
 from tpuexport.artifact.manifest import hash_tree, package_versions
 from tpuexport.artifact.tf_serving import check_saved_model
 from tpuexport.errors import EXIT_OK, EXIT_VERIFICATION_FAILED
-from tpuexport.lower import BucketKernels
+from tpuexport.lower import BucketKernels, Seq2SeqProgram
 from tpuexport.signature import ProgramSignature
 from tpuexport.verify.compare import sqnr_db
 from tpuexport.verify.generation import replay_golden
+from tpuexport.verify.seq2seq import replay_golden as replay_seq2seq_golden
 from tpuexport.verify.report import VerificationCase, VerificationReport, describe_sizes
 from tpuexport.verify.saved_model_check import failure_summary
 from tpuexport.verify.sizes import PlannedCase, plan_cases
@@ -299,7 +300,7 @@ def _report(artifact: Artifact, cases: list[VerificationCase], against: str) -> 
 def _verify_generation_artifact(artifact: Artifact, integrity: CheckResult, damaged: set[str], recompile: bool, strict: bool,
                                 loaded) -> GateReport:
     """The gate of a text-generation artifact: integrity, then its stored generation cases replayed
-    (prefill and decode, teacher-forced); recompiling and --against are not offered for it yet."""
+    (prefill or encode, then decode, teacher-forced); recompiling and --against are not offered for it yet."""
     manifest = artifact.manifest
     program_files = [entry["exported"] for entry in manifest["entry_points"].values()] + [manifest["program"]["weights"] or ""]
     checks = [integrity]
@@ -323,7 +324,9 @@ def check_generation_golden(artifact: Artifact):
       (status, message, details); details holds every case's runs.
     """
     golden = load_arrays(artifact.read_checked(artifact.manifest["verification"]["golden"]))
-    report = replay_golden(artifact.generation_program, golden, artifact.manifest["verification"]["cases"], _tolerances(artifact))
+    program = artifact.generation_program
+    replay = replay_seq2seq_golden if isinstance(program, Seq2SeqProgram) else replay_golden
+    report = replay(program, golden, artifact.manifest["verification"]["cases"], _tolerances(artifact))
     details = {"cases": report.to_json()["cases"]}
     if not report.cases:
         return FAILED, "the artifact stores no golden data; convert again", details

@@ -770,8 +770,73 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
         raise TpuExportError(f"{META_WEIGHTS_ERROR} (tpuexport.plan or convert(weights=False) in Python)")
     if streamed and options.quantize and _weight_only_scheme(options) is None:
         raise TpuExportError(PT2E_CHECKPOINT_ERROR)
+    if export_stage.is_encoder_decoder(model):
+        return _seq2seq_passes(loaded, options, targets, slices, clock)
     with _scratch_directory(options.out) if streamed else contextlib.nullcontext() as scratch:
         return _generation_passes(loaded, options, targets, slices, clock, scratch)
+
+
+def _seq2seq_passes(loaded: export_stage.LoadedSource, options: ConversionOptions, targets: list, slices: list,
+                    clock: StageClock) -> artifact_stage.Artifact:
+    """The passes of `_run_generation` for an encoder-decoder (export/seq2seq.py): encode and decode
+    entry points over one set of weights, each exported, lowered, compiled per bucket with its
+    caches donated, greedy generation verified against generate() (verify/seq2seq.py), written as a
+    text-generation artifact. Sizes: --max-batch, --max-context (decoder positions), --bucket seq=
+    (source lengths; the longest is the cross cache's positions), --bucket batch= (encode batches).
+
+    Raises:
+      TpuExportError: what the encoder-decoder entry points do not support yet (quantization, a
+        checkpoint, slices, plans), bad sizes; VerificationError: generation does not match.
+    """
+    model = loaded.model
+    unsupported = [what for what, given in (("--quantize", options.quantize), ("--checkpoint", loaded.checkpoint is not None),
+                                             ("a slice target", slices), ("a plan (--no-weights)", not options.weights)) if given]
+    if unsupported:
+        raise TpuExportError(f"--task text-generation of an encoder-decoder ({type(model).__name__}) does not support {unsupported[0]} yet; "
+                             "convert it in float on single-chip targets with its weights")
+    requested = dict(options.buckets or {})
+    unknown = sorted(set(requested) - {"batch", "seq"})
+    if unknown:
+        raise TpuExportError(f"--bucket {unknown[0]} is not a dim of encoder-decoder generation; encode's dims are batch and seq (source length)")
+    spec = export_stage.seq2seq_spec(model, options.max_batch, options.max_context, tuple(requested["seq"]) if "seq" in requested else None)
+    encode_batches = tuple(sorted(set(requested.get("batch") or {1, options.max_batch})))
+    if not all(1 <= batch <= options.max_batch for batch in encode_batches):
+        raise TpuExportError(f"--bucket batch={','.join(map(str, encode_batches))} is out of range: encode batches are 1..{options.max_batch} "
+                             "(--max-batch)")
+    with clock.stage("export", lambda: f"entry points encode (batch {list(encode_batches)} x source {list(spec.source_buckets)}) and "
+                                       f"decode (batch {spec.max_batch}); caches {list(spec.cache_shape)} + cross {list(spec.cross_shape)} {spec.dtype}"):
+        modules = export_stage.seq2seq_entry_point_modules(model, spec)
+        captured = {name: export_stage.capture(export_stage.LoadedSource(modules[name], args, shapes, None, loaded.info))
+                    for name, (args, shapes) in export_stage.seq2seq_example_arguments(spec).items()}
+    # Unscanned: encode would scan the encoder's layers (their weights stacked) while decode, which
+    # does not run the encoder, keeps them apart, and the two must take one set of weights.
+    with clock.stage("lower", lambda: f"{len(lowered['decode'].weight_names)} weight arrays shared by "
+                                      f"{', '.join(lowered)}, precision {_describe_precision(lowered['decode'])}"):
+        lowered = {name: lower_stage.lower(entry.program, entry.signature, options.precision, options.matmul_precision, scan=False)
+                   for name, entry in captured.items()}
+    lowered["encode"] = dataclasses.replace(lowered["encode"], weights=lowered["decode"].weights)
+    program = lower_stage.Seq2SeqProgram(spec, lowered, encode_batches)
+    encode_sizes = {"seq": list(spec.source_buckets)}
+    if any(dim.name == "batch" for dim in lowered["encode"].signature.dims):
+        encode_sizes["batch"] = list(encode_batches)
+    buckets = {"encode": compile_stage.make_buckets(lowered["encode"].signature, encode_sizes),
+               "decode": compile_stage.make_buckets(lowered["decode"].signature, None)}
+    with contextlib.ExitStack() as running:
+        # Every executable donates its inputs (compile_child.py): the caches' buffers become its outputs.
+        jobs = {name: running.enter_context(compile_stage.CompileJob(entry, targets, buckets[name], _compiled_event(clock, entry, name)))
+                for name, entry in lowered.items()}
+        report = None
+        with clock.stage("verify", lambda: _describe_generation(report, "encode")):
+            report = verify_stage.verify_seq2seq(program, model, _verification_tolerances(lowered["decode"], options, False), options.new_tokens)
+        if not report.passed:
+            raise VerificationError(report, _write_failed_report(options.out, report.to_json()))
+        compiled = {name: job.result() for name, job in jobs.items()}
+        clock.record("compile", max(job.seconds for job in jobs.values()),
+                     f"{sum(len(result.results) for result in compiled.values())} executable(s), alongside verify")
+    with clock.stage("write", lambda: str(options.out)):
+        artifact_stage.write_generation_artifact(options.out, source=loaded.info, program=program, compiled=compiled, verification=report,
+                                                 stage_seconds=clock.seconds, overwrite=options.overwrite, extra_writers=_source_writers(loaded))
+    return artifact_stage.load(options.out)
 
 
 def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOptions, targets: list, slices: list,
@@ -1006,10 +1071,10 @@ def _plan_generation_slices(request: compile_stage.ShardingRequest, slices: list
     return plans
 
 
-def _describe_generation(report) -> str:
+def _describe_generation(report, first_entry_point: str = "prefill") -> str:
     worst = report.worst_errors()
     reference = "the PT2E entry points" if isinstance(report, verify_stage.QuantizedGenerationReport) else "generate()"
-    described = (f"{len(report.cases)} prefill bucket(s) + decode, {report.tokens_compared()} tokens compared with {reference}, "
+    described = (f"{len(report.cases)} {first_entry_point} bucket(s) + decode, {report.tokens_compared()} tokens compared with {reference}, "
                  f"{'passed' if report.passed else 'FAILED'} ({report.ties()} tie(s)); worst logits relative RMS error {worst['tpu']:.1e} "
                  f"as the TPU computes, {worst['cpu']:.1e} in f32")
     if isinstance(report, verify_stage.QuantizedGenerationReport) or report.float_divergence() is None:

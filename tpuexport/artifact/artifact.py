@@ -27,9 +27,8 @@ from tpuexport.artifact.weights import map_weights
 from tpuexport.artifact import layout
 from tpuexport.artifact.manifest import sha256_file
 from tpuexport.errors import TpuExportError
-from tpuexport.export import GenerationSpec
 from tpuexport.export.huggingface import ARTIFACT_DIRECTORY as HF_DIRECTORY
-from tpuexport.lower import GenerationProgram, GenerationSession, LoweredProgram, stream_greedy
+from tpuexport.lower import GenerationProgram, LoweredProgram, Seq2SeqProgram
 from tpuexport.signature import ProgramSignature
 
 
@@ -56,6 +55,9 @@ GENERATION_MANIFEST_ENTRIES = {
     "entry_points.decode": dict,
     "generation": dict,
 }
+# An encoder-decoder's text-generation artifact: encode instead of prefill (export/seq2seq.py).
+SEQ2SEQ_MANIFEST_ENTRIES = {**{name: kind for name, kind in GENERATION_MANIFEST_ENTRIES.items() if name != "entry_points.prefill"},
+                            "entry_points.encode": dict}
 # What a converted (verified) artifact has beyond that; a plan has no weights and no golden data.
 VERIFIED_MANIFEST_ENTRIES = {
     "program.weights": str,
@@ -140,7 +142,8 @@ class Artifact:
             for name, entry in self.manifest["entry_points"].items()
         }
         generation = self.manifest["generation"]
-        return GenerationProgram(GenerationSpec.from_json(generation), entry_points, tuple(generation["prefill_batches"]))
+        program_type = Seq2SeqProgram if generation.get("kind") == "encoder-decoder" else GenerationProgram
+        return program_type.from_manifest(generation, entry_points)
 
     def stream(self, prompts, max_new_tokens: int) -> Iterator[list[int | None]]:
         """Greedy generation on CPU, step by step (see `generate`): yields each step's new token per
@@ -148,8 +151,7 @@ class Artifact:
         if self.plan_only:
             raise TpuExportError("this is a plan without weights: it compiles for TPUs but cannot run; convert the model "
                                  "with its weights to run it")
-        program = self.generation_program
-        return stream_greedy(GenerationSession(program), [list(map(int, prompt)) for prompt in prompts], max_new_tokens)
+        return self.generation_program.stream([list(map(int, prompt)) for prompt in prompts], max_new_tokens)
 
     def tokenizer(self):
         """The Hugging Face tokenizer a text-generation artifact carries (hf/, copied from a Hugging
@@ -291,7 +293,10 @@ def load(path) -> Artifact:
             f"{root} has artifact format version {manifest.get('format_version')!r}; this tpuexport reads version "
             f"{layout.FORMAT_VERSION}, install the tpuexport that wrote it"
         )
-    base = GENERATION_MANIFEST_ENTRIES if manifest.get("task") == "text-generation" else REQUIRED_MANIFEST_ENTRIES
+    base = REQUIRED_MANIFEST_ENTRIES
+    if manifest.get("task") == "text-generation":
+        encoder_decoder = isinstance(manifest.get("generation"), dict) and manifest["generation"].get("kind") == "encoder-decoder"
+        base = SEQ2SEQ_MANIFEST_ENTRIES if encoder_decoder else GENERATION_MANIFEST_ENTRIES
     required = base if manifest.get("plan_only") else {**base, **VERIFIED_MANIFEST_ENTRIES}
     for path, kind in required.items():
         if not isinstance(_entry(manifest, path), kind):

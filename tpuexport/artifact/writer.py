@@ -426,8 +426,8 @@ def write_generation_artifact(
                 "decision_matmuls": list(lowered.decision_matmuls),
                 # The state: inputs returned as the output of the same name; the executables donate every
                 # input, so XLA aliases these with their outputs (updated in place).
-                "donated_inputs": [input_name for input_name in inputs if input_name in CACHE_INPUTS],
-                "state": {input_name: input_name for input_name in inputs if input_name in CACHE_INPUTS},
+                "donated_inputs": [input_name for input_name in inputs if input_name in program.state_inputs],
+                "state": {input_name: input_name for input_name in inputs if input_name in program.state_inputs},
                 "call": "exported.call(weights, inputs): two lists, in program.weight_names and this signature's input order",
             }
         manifest = {
@@ -447,8 +447,7 @@ def write_generation_artifact(
                 "serialization": export_compatibility(),
             },
             "entry_points": entry_points,
-            "generation": {**spec.to_json(), "prefill_batches": list(program.prefill_batches), "cache_inputs": list(CACHE_INPUTS),
-                           "cache_bytes": spec.cache_bytes},
+            "generation": program.manifest_section(),
             "targets": {},
             "verification": dict(PLAN_VERIFICATION) if verification is None else _generation_verification(verification),
             "scanned": list(shared.scanned),

@@ -3,6 +3,9 @@
 from tpuexport.export.capture import CapturedModel, capture, describe, on_meta_device, torch_dynamic_shapes, weights_on_meta
 from tpuexport.export.generation import (CACHE_INPUTS, CACHE_LAYOUTS, DEFAULT_CACHE_LAYOUT, ENTRY_POINTS, GenerationSpec, entry_point_modules,
                                          example_arguments, generation_spec)
+from tpuexport.export.seq2seq import Seq2SeqSpec, is_encoder_decoder, seq2seq_spec
+from tpuexport.export.seq2seq import entry_point_modules as seq2seq_entry_point_modules
+from tpuexport.export.seq2seq import example_arguments as seq2seq_example_arguments
 from tpuexport.export.checkpoints import Checkpoint, open_checkpoint, parameters_on_meta, with_checkpoint_weights
 from tpuexport.export.sources import LoadedSource, SourceInfo, load_source
 from tpuexport.export.specs import DimSpec, InputSpec, example_args, parse_dim, parse_input
@@ -16,6 +19,11 @@ __all__ = [
     "entry_point_modules",
     "example_arguments",
     "generation_spec",
+    "Seq2SeqSpec",
+    "is_encoder_decoder",
+    "seq2seq_spec",
+    "seq2seq_entry_point_modules",
+    "seq2seq_example_arguments",
     "CapturedModel",
     "Checkpoint",
     "DimSpec",

@@ -138,8 +138,12 @@ def _tasks() -> dict[str, Task]:
         ("text-classification", (("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),)),
         ("token-classification", (("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),)),
         ("question-answering", (("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),)),
-        ("text-generation", (("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),)),
+        # Before text-generation, so that --task auto keeps giving a seq2seq LM's forward (the first task whose
+        # classes name the config's architecture wins); asked for, text-generation on an encoder-decoder
+        # gives encode and decode entry points (export/seq2seq.py).
         ("text2text-generation", (("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),)),
+        ("text-generation", (("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+                             ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"))),
         ("image-classification", (("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),)),
         ("semantic-segmentation", (("AutoModelForSemanticSegmentation", "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES"),)),
         ("object-detection", (("AutoModelForObjectDetection", "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES"),)),
@@ -318,7 +322,11 @@ def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_
     if dims:
         raise TpuExportError("--dim does not apply to --task text-generation (its entry points' sizes are --max-batch, "
                              "--max-context and the --bucket seq=... prompt lengths); drop it")
-    auto_class = getattr(_import_transformers(), resolved.auto_class)
+    encoder_decoder = bool(getattr(resolved.config, "is_encoder_decoder", False))
+    # BART's model type is in both tables: its encoder-decoder configs generate as encoder-decoders, read
+    # in memory (their entry points do not stream a checkpoint yet).
+    auto_class = getattr(_import_transformers(), "AutoModelForSeq2SeqLM" if encoder_decoder else resolved.auto_class)
+    weights_in_memory = weights_in_memory or encoder_decoder
     dtype = _config_dtype(resolved.config)
     checkpoint = None
     if not weights_in_memory:

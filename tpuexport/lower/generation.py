@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export.generation import ENTRY_POINTS, GenerationSpec
+from tpuexport.export.generation import CACHE_INPUTS, ENTRY_POINTS, GenerationSpec
 from tpuexport.lower.lowering import LoweredProgram
 from tpuexport.lower.registry import register_lowering
 
@@ -90,10 +90,26 @@ class GenerationProgram:
             if other.weight_names != first.weight_names or other.weight_specs != first.weight_specs:
                 raise TpuExportError("the entry points' weights differ (names or shapes); they must share one model's weights")
 
+    # The state: inputs every entry point returns as the output of the same name (donated).
+    state_inputs = CACHE_INPUTS
+
     @property
     def weights_program(self) -> LoweredProgram:
         """The entry point whose weight arrays every entry point uses."""
         return self.entry_points["decode"]
+
+    def manifest_section(self) -> dict:
+        """The manifest's "generation" section."""
+        return {**self.spec.to_json(), "prefill_batches": list(self.prefill_batches), "cache_inputs": list(CACHE_INPUTS),
+                "cache_bytes": self.spec.cache_bytes}
+
+    @classmethod
+    def from_manifest(cls, generation: dict, entry_points: dict[str, LoweredProgram]) -> "GenerationProgram":
+        return cls(GenerationSpec.from_json(generation), entry_points, tuple(generation["prefill_batches"]))
+
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, runner: Runner | None = None) -> Iterator[list[int | None]]:
+        """Greedy generation in a fresh session (stream_greedy), on CPU or through `runner`."""
+        return stream_greedy(GenerationSession(self, runner), prompts, max_new_tokens)
 
     def prefill_buckets(self) -> list[dict[str, int]]:
         """Every compiled prefill size, {"batch": b, "seq": s}."""

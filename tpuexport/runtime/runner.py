@@ -38,7 +38,6 @@ from tpuexport.compile.aot import compiler_options, cpu_executable_program
 from tpuexport.compile.compile_key import compile_key, key_difference
 from tpuexport.compile.slices import resolve_targets
 from tpuexport.errors import TpuExportError
-from tpuexport.lower.generation import GenerationSession, stream_greedy
 from tpuexport.runtime.executables import load_executable
 from tpuexport.runtime.entry_points import DEFAULT_ENTRY_POINT, BucketEntry, EntryPoint, choose_bucket, entry_points
 from tpuexport.verify.padding import pad_rows
@@ -200,15 +199,14 @@ class Runner:
         Raises:
           TpuExportError: not a text-generation artifact, or prompts it cannot take.
         """
-        if set(self.entry_points) != {"prefill", "decode"}:
-            raise TpuExportError(f"{self.artifact.path} has no prefill and decode entry points; generation needs a text-generation "
+        if "decode" not in self.entry_points:
+            raise TpuExportError(f"{self.artifact.path} has no decode entry point; generation needs a text-generation "
                                  "artifact (convert with --task text-generation)")
 
         def call(name: str, inputs: list) -> list:
             return list(self.run(inputs, name).values())
 
-        session = GenerationSession(self.artifact.generation_program, runner=call)
-        return stream_greedy(session, [list(map(int, prompt)) for prompt in prompts], max_new_tokens)
+        return self.artifact.generation_program.stream([list(map(int, prompt)) for prompt in prompts], max_new_tokens, runner=call)
 
     def run(self, inputs: Mapping[str, object] | Sequence[object], entry_point: str | None = None) -> dict[str, np.ndarray]:
         """Checks, pads, runs and slices one request (see `prepare` and `execute`).

@@ -109,7 +109,8 @@ class ModelRepository:
                                      "converting, or serve one of them")
             runner = open_runner(artifact, target=target, allow_recompile=allow_recompile)
             labels = {"model": name, "version": str(version)}
-            generation = GenerationScheduler(runner, metrics, labels) if "entry_points" in artifact.manifest else None
+            # The scheduler prefills decoder prompts: an encoder-decoder's generate requests are refused (rest.py).
+            generation = GenerationScheduler(runner, metrics, labels) if "prefill" in runner.entry_points else None
             self.models.setdefault(name, {})[version] = ServedModel(name, version, runner, Batcher(runner, batch_timeout, metrics, labels),
                                                                     generation)
 

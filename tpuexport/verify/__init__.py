@@ -5,6 +5,7 @@ from tpuexport.verify.generation import DEFAULT_NEW_TOKENS, GenerationReport, ea
 from tpuexport.verify.kernels import KernelCheck, verify_kernels
 from tpuexport.verify.kernels import check_key as kernel_check_key
 from tpuexport.verify.padding import PaddingCheck, verify_padding
+from tpuexport.verify.seq2seq import verify_seq2seq
 from tpuexport.verify.quantized_generation import QuantizedGenerationReport, verify_quantized_generation
 from tpuexport.verify.report import VerificationCase, VerificationReport
 from tpuexport.verify.sharded import ShardedVerification, verify_sharded
@@ -20,6 +21,7 @@ __all__ = [
     "kernel_check_key",
     "verify_kernels",
     "verify_generation",
+    "verify_seq2seq",
     "DEFAULT_BUDGET_FLOPS",
     "OutputComparison",
     "PaddingCheck",

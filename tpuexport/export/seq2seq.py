@@ -1,0 +1,336 @@
+"""Capture of an encoder-decoder (BART, T5) for text generation: an encode and a decode entry point
+over one set of weights, a decoder self-attention cache and a cross-attention cache.
+
+  encode(source[batch, src], lengths[batch], slots[batch], cross_k, cross_v, source_lengths)
+      -> {cross_k, cross_v, source_lengths}
+      Sources are right-padded to the bucket's `src`; the encoder attends to each row's first
+      lengths[r] tokens (a padding mask). Every decoder layer's cross-attention keys and values of
+      row r are written at positions 0..src-1 of slot slots[r], and source_lengths[slots[r]] =
+      lengths[r] (decode masks the cross keys at and after it: padding, or an older, longer source).
+  decode(tokens[max_batch], positions[max_batch], cache_k, cache_v, cross_k, cross_v, source_lengths)
+      -> {logits[max_batch, vocab], cache_k, cache_v, cross_k, cross_v, source_lengths}
+      One decoder step of every slot, each row at its own position, as generation.py's decode: the
+      self-attention key is written at positions[r] after the last layer, attention reads the cache
+      as received with the new key selected in; cross attention reads the slot's cross keys below
+      source_lengths[r]. The cross cache and lengths pass through unchanged (every executable donates
+      its inputs, so they must come back out to be reused; XLA aliases them, no copy).
+
+No decoder prefill: generation starts from the model's decoder_start_token_id at position 0, fed
+to decode like any later token (a decoder prompt would be fed the same way, one step per token).
+
+The caches are explicit inputs and outputs, [layers, max_batch, heads, positions, head_dim]
+(generation.py's default layout), self-attention over `max_context` decoder positions, cross
+attention over `max_source` source positions. Encode computes the cross keys with the model's own
+layers: it runs the decoder for one start token over the encoder's output with a cache whose cross
+half writes what the layers give it (the rest of that decoder step is dead code XLA removes).
+Decode hands the layers a transformers `EncoderDecoderCache` whose cross half is marked filled, so
+they read the cross cache as they do in generate().
+
+Each row's decoder position is its own; the models compute positions from one cache length, so a
+family adapter (`_row_positions`) replaces the position code for the step: BART's learned position
+embedding, T5's relative position bias of its first self-attention layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+from torch import nn
+
+from tpuexport.errors import TpuExportError
+from tpuexport.export.generation import (DecodeCache, FunctionalKVCache, _causal_masks, _masked_value, _transformers_cache,
+                                         write_prefill_cache)
+
+ENTRY_POINTS = ("encode", "decode")
+LAYOUT = "layer_batch_head_pos"
+# The state: inputs returned as the output of the same name, donated when compiled.
+STATE_INPUTS = ("cache_k", "cache_v", "cross_k", "cross_v", "source_lengths")
+
+
+@dataclasses.dataclass(frozen=True)
+class Seq2SeqSpec:
+    """What an encoder-decoder artifact's entry points share: the caches and their limits.
+
+    Attributes:
+      max_batch: cache slots (decode's batch; encode's largest batch).
+      max_context: decoder positions per slot (generated tokens, the start token included).
+      max_source: source positions per slot (the longest source bucket).
+      layers, heads, head_dim: the decoder's sizes (both caches).
+      vocab: logits per row.
+      dtype: the caches' dtype (the model's, torch name).
+      source_buckets: the source lengths encode is compiled for.
+      decoder_start_token_id: the first token decode is fed.
+    """
+
+    max_batch: int
+    max_context: int
+    max_source: int
+    layers: int
+    heads: int
+    head_dim: int
+    vocab: int
+    dtype: str
+    source_buckets: tuple[int, ...]
+    decoder_start_token_id: int
+    kind: str = "encoder-decoder"
+    layout: str = LAYOUT
+
+    @property
+    def cache_shape(self) -> tuple[int, ...]:
+        """The decoder self-attention cache (cache_k, cache_v)."""
+        return (self.layers, self.max_batch, self.heads, self.max_context, self.head_dim)
+
+    @property
+    def cross_shape(self) -> tuple[int, ...]:
+        """The cross-attention cache (cross_k, cross_v)."""
+        return (self.layers, self.max_batch, self.heads, self.max_source, self.head_dim)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of both caches, keys and values (the source lengths are negligible)."""
+        size = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        count = sum(_product(shape) for shape in (self.cache_shape, self.cross_shape))
+        return 2 * count * size
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "source_buckets": list(self.source_buckets), "cache_shape": list(self.cache_shape),
+                "cross_shape": list(self.cross_shape)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Seq2SeqSpec":
+        fields = {field.name for field in dataclasses.fields(cls)}
+        values = {key: value for key, value in data.items() if key in fields}
+        return cls(**{**values, "source_buckets": tuple(values["source_buckets"])})
+
+
+def _product(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+class CrossWrite(FunctionalKVCache):
+    """Encode: row r's cross keys (all src positions) go to slot slots[r]; attention reads them as given."""
+
+    def __init__(self, keys, values, slots: torch.Tensor):
+        super().__init__(keys, values, LAYOUT)
+        self.slots = slots
+
+    def write(self, cache, new, layer):
+        return write_prefill_cache(cache, new.to(cache.dtype), layer, self.slots, self.layout)
+
+    def read(self, cache, new, layer):
+        return new
+
+
+class _SelfAttentionUnused(FunctionalKVCache):
+    """Encode's decoder step: its self-attention keys are not kept (decode writes position 0 itself)."""
+
+    def __init__(self):
+        super().__init__(None, None, LAYOUT)
+
+    def update(self, new_keys, new_values, layer):
+        return new_keys, new_values
+
+
+class _FilledLayer:
+    """A cross-attention layer whose keys are in the cache: what transformers' attention reads."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys = keys
+        self.values = values
+
+
+def _encoder_decoder_cache(self_attention: FunctionalKVCache, cross: FunctionalKVCache | None, filled: tuple | None, layers: int):
+    """A transformers EncoderDecoderCache over the functional caches: its self-attention half is
+    `self_attention`; its cross half writes through `cross` (encode) or holds `filled` (keys,
+    values) [layers, batch, heads, source, head_dim] marked filled, which the layers read (decode)."""
+    from transformers.cache_utils import Cache, EncoderDecoderCache
+
+    class CrossCache(Cache):
+        def __init__(self):
+            super().__init__(layers=[])
+            if filled is not None:
+                self.layers = [_FilledLayer(filled[0][layer], filled[1][layer]) for layer in range(layers)]
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return cross.update(key_states, value_states, layer_idx)
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return 0
+
+    cache = EncoderDecoderCache(_transformers_cache(self_attention), CrossCache())
+    cache.is_updated = {layer: filled is not None for layer in range(layers)}
+    return cache
+
+
+def _family(model: nn.Module) -> str:
+    """"bart" (a learned position embedding with an offset) or "t5" (relative position bias)."""
+    decoder = model.get_decoder()
+    embed = getattr(decoder, "embed_positions", None)
+    if embed is not None and isinstance(getattr(embed, "offset", None), int) and isinstance(embed, nn.Embedding):
+        return "bart"
+    block = getattr(decoder, "block", None)
+    # T5 and mT5: the first layer computes the bias every layer adds (UMT5's layers each have their own).
+    biased = [getattr(layer.layer[0], "SelfAttention", None) is not None and layer.layer[0].SelfAttention.has_relative_attention_bias
+              for layer in block or ()]
+    if biased and biased[0] and not any(biased[1:]):
+        return "t5"
+    raise TpuExportError(f"--task text-generation: the {type(model).__name__} encoder-decoder's decoder positions are not supported yet "
+                         "(supported: BART-style learned positions, T5 relative position bias)")
+
+
+@contextlib.contextmanager
+def _row_positions(model: nn.Module, positions: torch.Tensor):
+    """While open, the decoder computes each row's positions from `positions` [batch] (one query per row)."""
+    decoder = model.get_decoder()
+    if _family(model) == "bart":
+        embed = decoder.embed_positions
+        patched, name = embed, "forward"
+        replacement = lambda *args, **kwargs: nn.functional.embedding(positions[:, None] + embed.offset, embed.weight)  # noqa: E731
+    else:
+        attention = decoder.block[0].layer[0].SelfAttention
+
+        def replacement(query_length, key_length, device=None, past_seen_tokens=0):
+            # T5Attention.compute_bias with one query position per row: [batch, heads, 1, keys].
+            relative = torch.arange(key_length, device=positions.device)[None, :] - positions[:, None]
+            buckets = attention._relative_position_bucket(relative, bidirectional=False, num_buckets=attention.relative_attention_num_buckets,
+                                                          max_distance=attention.relative_attention_max_distance)
+            return attention.relative_attention_bias(buckets).permute(0, 2, 1)[:, :, None, :]
+
+        patched, name = attention, "compute_bias"
+    setattr(patched, name, replacement)
+    try:
+        yield
+    finally:
+        delattr(patched, name)
+
+
+def _source_mask(lengths: torch.Tensor, keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive padding mask [batch, 1, 1, keys] of sources of `lengths` tokens."""
+    visible = torch.arange(keys, device=lengths.device)[None, :] < lengths[:, None]
+    return torch.where(visible, 0.0, _masked_value(dtype)).to(dtype)[:, None, None, :]
+
+
+class _EntryPoint(nn.Module):
+    """Holds the model (registered once, as `model`, so both entry points name its weights alike)."""
+
+    def __init__(self, model: nn.Module, spec: Seq2SeqSpec):
+        super().__init__()
+        self.model = model
+        self.spec = spec
+
+
+class Encode(_EntryPoint):
+    cross_type = CrossWrite
+
+    def forward(self, source, lengths, slots, cross_k, cross_v, source_lengths):
+        batch, steps = source.shape
+        torch._check(lengths.shape[0] == batch)
+        torch._check(slots.shape[0] == batch)
+        dtype = cross_k.dtype
+        mask = _source_mask(lengths, steps, dtype)
+        hidden = self.model.get_encoder()(input_ids=source, attention_mask=mask).last_hidden_state
+        cross = self.cross_type(cross_k, cross_v, slots)
+        start = torch.full((batch, 1), self.spec.decoder_start_token_id, dtype=source.dtype, device=source.device)
+        self.model.get_decoder()(input_ids=start, attention_mask=torch.zeros((batch, 1, 1, 1), dtype=dtype, device=source.device),
+                                 encoder_hidden_states=hidden, encoder_attention_mask=mask, use_cache=True,
+                                 past_key_values=_encoder_decoder_cache(_SelfAttentionUnused(), cross, None, self.spec.layers))
+        cross_k, cross_v = cross.written()
+        clamped = slots.clamp(0, self.spec.max_batch - 1)
+        return {"cross_k": cross_k, "cross_v": cross_v, "source_lengths": source_lengths.index_put((clamped,), lengths)}
+
+
+class Decode(_EntryPoint):
+    cache_type = DecodeCache
+
+    def forward(self, tokens, positions, cache_k, cache_v, cross_k, cross_v, source_lengths):
+        dtype = cache_k.dtype
+        keys = torch.arange(self.spec.max_context, device=tokens.device)
+        mask = _causal_masks({"full_attention": None}, positions[:, None], keys, dtype)
+        cache = self.cache_type(cache_k, cache_v, LAYOUT, positions)
+        cross_mask = _source_mask(source_lengths, self.spec.max_source, dtype)
+        # The layers read the cross cache, never these states; they only tell them to attend across.
+        encoder_states = torch.zeros((tokens.shape[0], 1, self.model.config.d_model), dtype=dtype, device=tokens.device)
+        past = _encoder_decoder_cache(cache, None, (cross_k, cross_v), self.spec.layers)
+        with _row_positions(self.model, positions):
+            output = self.model(encoder_outputs=(encoder_states,), attention_mask=cross_mask, decoder_input_ids=tokens[:, None],
+                                decoder_attention_mask=mask, past_key_values=past, use_cache=True)
+        cache_k, cache_v = cache.written()
+        return {"logits": output.logits[:, 0].float(), "cache_k": cache_k, "cache_v": cache_v, "cross_k": cross_k, "cross_v": cross_v,
+                "source_lengths": source_lengths}
+
+
+def is_encoder_decoder(model: nn.Module) -> bool:
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+def seq2seq_spec(model: nn.Module, max_batch: int, max_context: int, source_buckets: tuple[int, ...] | None = None) -> Seq2SeqSpec:
+    """The caches a Hugging Face encoder-decoder needs at these limits.
+
+    Args:
+      model: a transformers encoder-decoder LM (BartForConditionalGeneration, T5ForConditionalGeneration).
+      max_batch: cache slots; max_context: decoder positions per slot.
+      source_buckets: source lengths encode is compiled for (the longest is the cross cache's
+        positions); None for 128, 512 below max_context, and max_context.
+    Returns:
+      The Seq2SeqSpec.
+    Raises:
+      TpuExportError: not a supported encoder-decoder LM, or limits out of range.
+    """
+    config = model.config
+    if model.get_output_embeddings() is None or not hasattr(model, "get_encoder"):
+        raise TpuExportError("--task text-generation needs an encoder-decoder LM with a language-model head (e.g. "
+                             f"BartForConditionalGeneration, T5ForConditionalGeneration); got {type(model).__name__}")
+    _family(model)
+    if max_batch < 1 or max_context < 2:
+        raise TpuExportError(f"--max-batch {max_batch} / --max-context {max_context} out of range; give max batch >= 1 and max context >= 2")
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and max_context > positions:
+        raise TpuExportError(f"--max-context {max_context} exceeds the model's {positions} positions (max_position_embeddings); "
+                             f"give --max-context <= {positions}")
+    if source_buckets is None:
+        source_buckets = tuple(size for size in (128, 512) if size < max_context) + (max_context,)
+    limit = positions or max(source_buckets)
+    for size in source_buckets:
+        if not 2 <= size <= limit:
+            raise TpuExportError(f"source bucket seq={size} is out of range: source lengths are 2..{limit}")
+    start = getattr(config, "decoder_start_token_id", None)
+    if start is None:
+        raise TpuExportError(f"{type(model).__name__}'s config has no decoder_start_token_id; set it (generation starts from it)")
+    layers = getattr(config, "decoder_layers", None) or getattr(config, "num_decoder_layers", None) or config.num_layers
+    heads = getattr(config, "decoder_attention_heads", None) or config.num_heads
+    head_dim = getattr(config, "d_kv", None) or config.d_model // heads
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return Seq2SeqSpec(max_batch, max_context, max(source_buckets), layers, heads, head_dim, model.get_output_embeddings().weight.shape[0],
+                       dtype, tuple(sorted(set(source_buckets))), int(start))
+
+
+def entry_point_modules(model: nn.Module, spec: Seq2SeqSpec, encode: type[Encode] = Encode,
+                        decode: type[Decode] = Decode) -> dict[str, nn.Module]:
+    """The entry points as modules over the one model: {"encode": ..., "decode": ...}."""
+    return {"encode": encode(model.eval(), spec), "decode": decode(model.eval(), spec)}
+
+
+def example_arguments(spec: Seq2SeqSpec, device: str = "cpu") -> dict[str, tuple[tuple, dict | None]]:
+    """Each entry point's example inputs and torch.export dynamic_shapes: encode's batch
+    (1..max_batch) and source length (2..max_source) are dims, decode is static at max_batch."""
+    dtype = getattr(torch, spec.dtype)
+    cache = tuple(torch.zeros(spec.cache_shape, dtype=dtype, device=device) for _ in range(2))
+    cross = tuple(torch.zeros(spec.cross_shape, dtype=dtype, device=device) for _ in range(2))
+    source_lengths = torch.ones((spec.max_batch,), dtype=torch.long)
+    example_seq = max(2, spec.source_buckets[0])
+    seq = torch.export.Dim("seq", min=2, max=spec.max_source)
+    encode_args = (torch.ones((spec.max_batch, example_seq), dtype=torch.long), torch.full((spec.max_batch,), example_seq, dtype=torch.long),
+                   torch.arange(spec.max_batch, dtype=torch.long), *cross, source_lengths)
+    if spec.max_batch == 1:
+        encode_shapes = ({1: seq}, None, None, None, None, None)
+    else:
+        batch = torch.export.Dim("batch", min=1, max=spec.max_batch)
+        encode_shapes = ({0: batch, 1: seq}, {0: batch}, {0: batch}, None, None, None)
+    decode_args = (torch.ones((spec.max_batch,), dtype=torch.long), torch.zeros((spec.max_batch,), dtype=torch.long), *cache, *cross,
+                   source_lengths)
+    return {"encode": (encode_args, encode_shapes), "decode": (decode_args, None)}

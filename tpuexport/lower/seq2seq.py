@@ -1,0 +1,172 @@
+"""An encoder-decoder generation program: its encode and decode entry points (each a LoweredProgram)
+over one set of weights, and a session that drives them on CPU (encode, then decode step by step
+from the decoder start token), holding the caches between calls as a serving runtime holds the
+TPU buffers. What `Artifact.generate`, `tpuexport generate` and verification run."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from tpuexport.errors import TpuExportError
+from tpuexport.export.seq2seq import ENTRY_POINTS, STATE_INPUTS, Seq2SeqSpec
+from tpuexport.lower.generation import Runner, cpu_runner
+from tpuexport.lower.lowering import LoweredProgram
+
+
+@dataclasses.dataclass(frozen=True)
+class Seq2SeqProgram:
+    """The lowering stage's result for an encoder-decoder with `task="text-generation"`.
+
+    Attributes:
+      spec: the caches and their limits (export/seq2seq.py).
+      entry_points: {"encode": LoweredProgram, "decode": LoweredProgram}, the same weights.
+      encode_batches: the encode batch sizes compiled.
+    """
+
+    spec: Seq2SeqSpec
+    entry_points: dict[str, LoweredProgram]
+    encode_batches: tuple[int, ...]
+    state_inputs = STATE_INPUTS
+
+    def __post_init__(self):
+        first, *others = (self.entry_points[name] for name in ENTRY_POINTS)
+        for other in others:
+            if other.weight_names != first.weight_names or other.weight_specs != first.weight_specs:
+                raise TpuExportError("the entry points' weights differ (names or shapes); they must share one model's weights")
+
+    @property
+    def weights_program(self) -> LoweredProgram:
+        """The entry point whose weight arrays every entry point uses."""
+        return self.entry_points["decode"]
+
+    def encode_buckets(self) -> list[dict[str, int]]:
+        """Every compiled encode size, {"batch": b, "seq": s} (s: source length)."""
+        return [{"batch": batch, "seq": seq} for batch in self.encode_batches for seq in self.spec.source_buckets]
+
+    def manifest_section(self) -> dict:
+        """The manifest's "generation" section."""
+        return {**self.spec.to_json(), "encode_batches": list(self.encode_batches), "cache_inputs": list(STATE_INPUTS),
+                "cache_bytes": self.spec.cache_bytes}
+
+    @classmethod
+    def from_manifest(cls, generation: dict, entry_points: dict[str, LoweredProgram]) -> "Seq2SeqProgram":
+        return cls(Seq2SeqSpec.from_json(generation), entry_points, tuple(generation["encode_batches"]))
+
+    def stream(self, sources: Sequence[Sequence[int]], max_new_tokens: int, runner: Runner | None = None) -> Iterator[list[int | None]]:
+        """Greedy generation in a fresh session (stream_greedy), on CPU or through `runner`."""
+        return stream_greedy(Seq2SeqSession(self, runner), sources, max_new_tokens)
+
+
+class Seq2SeqSession:
+    """The caches (decoder self-attention, cross-attention, source lengths) and the calls that fill
+    and advance them.
+
+    Attributes:
+      program: the program.
+      state: {state input name: array}, as the entry points take and return them.
+    """
+
+    def __init__(self, program: Seq2SeqProgram, runner: Runner | None = None):
+        self.program = program
+        self.run = runner or cpu_runner(program)
+        spec = program.spec
+        dtype = program.entry_points["decode"].signature.inputs[2].dtype
+        self.state = {"cache_k": np.zeros(spec.cache_shape, dtype), "cache_v": np.zeros(spec.cache_shape, dtype),
+                      "cross_k": np.zeros(spec.cross_shape, dtype), "cross_v": np.zeros(spec.cross_shape, dtype),
+                      "source_lengths": np.ones(spec.max_batch, np.int64)}
+
+    def _call(self, name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        signature = self.program.entry_points[name].signature
+        outputs = self.run(name, [inputs[tensor.name] if tensor.name in inputs else self.state[tensor.name] for tensor in signature.inputs])
+        outputs = dict(zip((tensor.name for tensor in signature.outputs), outputs))
+        self.state.update({key: value for key, value in outputs.items() if key in self.state})
+        return outputs
+
+    def encode(self, sources: Sequence[Sequence[int]], slots: Sequence[int], seq: int | None = None) -> None:
+        """Encodes sources into cache slots, right-padded to an encode bucket.
+
+        Args:
+          sources: token ids per row; their count must be a compiled encode batch.
+          slots: the cache slot of each row (distinct).
+          seq: the source bucket to pad to; None for the smallest that holds the longest source.
+        Raises:
+          TpuExportError: no bucket holds the sources, or a bad slot.
+        """
+        spec = self.program.spec
+        longest = max(len(source) for source in sources)
+        if seq is None:
+            fitting = [size for size in spec.source_buckets if size >= longest]
+            if not fitting:
+                raise TpuExportError(f"a source of {longest} tokens is longer than the longest source bucket ({spec.max_source}); shorten it "
+                                     "or convert with a larger --bucket seq=")
+            seq = fitting[0]
+        if len(sources) not in self.program.encode_batches:
+            raise TpuExportError(f"encode of {len(sources)} sources: the compiled encode batches are {list(self.program.encode_batches)}")
+        if len(set(slots)) != len(slots) or not all(0 <= slot < spec.max_batch for slot in slots):
+            raise TpuExportError(f"slots {list(slots)} must be distinct and within 0..{spec.max_batch - 1} (--max-batch {spec.max_batch})")
+        tokens = np.zeros((len(sources), seq), np.int64)
+        for row, source in enumerate(sources):
+            tokens[row, :len(source)] = source
+        lengths = np.array([len(source) for source in sources], np.int64)
+        self._call("encode", {"source": tokens, "lengths": lengths, "slots": np.asarray(slots, np.int64)})
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        """One decode step of every slot (max_batch tokens and positions): the logits [max_batch, vocab]."""
+        outputs = self._call("decode", {"tokens": np.asarray(tokens, np.int64), "positions": np.asarray(positions, np.int64)})
+        return outputs["logits"]
+
+
+def check_sources(spec: Seq2SeqSpec, sources: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """Refuses sources the artifact cannot generate from, in one line.
+
+    Raises:
+      TpuExportError: no source, more than max batch, an empty or too long source, a token outside
+        the vocabulary, or max_new_tokens < 1.
+    """
+    if not sources:
+        raise TpuExportError("no source given; pass token ids, e.g. --tokens 1,2,3")
+    if len(sources) > spec.max_batch:
+        raise TpuExportError(f"{len(sources)} sources exceed the artifact's max batch {spec.max_batch}; give at most {spec.max_batch} "
+                             "or convert with a larger --max-batch")
+    if max_new_tokens < 1:
+        raise TpuExportError(f"--max-new-tokens {max_new_tokens}: give at least 1")
+    for source in sources:
+        if not source:
+            raise TpuExportError("an empty source: give at least one token per source")
+        if len(source) > spec.max_source:
+            raise TpuExportError(f"a source of {len(source)} tokens is longer than the artifact's longest source bucket ({spec.max_source}); "
+                                 "shorten it or convert with a larger --bucket seq=")
+        bad = [token for token in source if not 0 <= token < spec.vocab]
+        if bad:
+            raise TpuExportError(f"token id {bad[0]} is outside the vocabulary 0..{spec.vocab - 1}")
+
+
+def stream_greedy(session: Seq2SeqSession, sources: Sequence[Sequence[int]], max_new_tokens: int) -> Iterator[list[int | None]]:
+    """Greedy generation: encode the sources at the smallest compiled encode batch that holds them
+    (padding rows in free slots; one at a time if none does), then decode steps from the decoder
+    start token; yields each step's new token per source (None once a row has reached max context).
+
+    Raises:
+      TpuExportError: sources the artifact cannot take (check_sources).
+    """
+    spec = session.program.spec
+    check_sources(spec, sources, max_new_tokens)
+    slots = list(range(len(sources)))
+    fitting = [batch for batch in session.program.encode_batches if batch >= len(sources)]
+    if fitting:
+        padding = fitting[0] - len(sources)
+        session.encode([*sources, *[[0]] * padding], slots + list(range(len(sources), len(sources) + padding)))
+    else:
+        for source, slot in zip(sources, slots):
+            session.encode([source], [slot])
+    tokens = [spec.decoder_start_token_id] * len(sources)
+    for position in range(min(max_new_tokens, spec.max_context)):
+        step_tokens = np.zeros(spec.max_batch, np.int64)
+        step_positions = np.zeros(spec.max_batch, np.int64)
+        step_tokens[:len(sources)], step_positions[:len(sources)] = tokens, position
+        logits = session.decode(step_tokens, step_positions)
+        tokens = [int(token) for token in logits[:len(sources)].argmax(-1)]
+        yield list(tokens)
