@@ -5,12 +5,14 @@ its bad input."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -185,9 +187,10 @@ def test_gate_replays_the_stored_generation(bart_generation):
     assert "stored generation case(s)" in golden.message and golden.details["cases"][0]["runs"]["cpu"]["passed"]
 
 
-def test_serve_refuses_encoder_decoder_generation_in_one_line(bart_generation, tmp_path):
-    """`tpuexport serve` loads the artifact (its encode and decode signatures), but its continuous
-    batching of generate requests is prefill-based: :generate is a 400 naming why."""
+def test_serve_generates_from_encoder_decoders(bart_generation, tmp_path):
+    """`tpuexport serve` schedules an encoder-decoder's generate requests like a decoder's (sources
+    encoded into free cache slots, rows decoded from the start token): concurrent requests, more
+    than the slots hold, each stream the tokens they generate alone."""
     artifact, _ = bart_generation
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -205,9 +208,17 @@ def test_serve_refuses_encoder_decoder_generation_in_one_line(bart_generation, t
                     break
             except requests.ConnectionError:
                 time.sleep(0.3)
-        answer = requests.post(f"http://127.0.0.1:{port}/v1/models/bart:generate", json={"prompts": [[5, 17]], "max_new_tokens": 6},
-                               timeout=60)
-        assert answer.status_code == 400 and "is an encoder-decoder: serve does not run its generation yet" in answer.json()["error"]
+        requested = [([[5, 17, 42]], 5), ([[9, 8, 7, 6], [3, 4]], 4), ([[11, 12]], 6)]
+
+        def generate(sources, max_new_tokens):
+            answer = requests.post(f"http://127.0.0.1:{port}/v1/models/bart:generate", json={"prompts": sources, "max_new_tokens": max_new_tokens},
+                                   timeout=120)
+            assert answer.status_code == 200, answer.text
+            return json.loads(answer.text.splitlines()[-1])["generated"]
+
+        with ThreadPoolExecutor(len(requested)) as pool:
+            answers = list(pool.map(lambda request: generate(*request), requested))
+        assert answers == [artifact.generate(sources, max_new_tokens=max_new_tokens) for sources, max_new_tokens in requested]
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0

@@ -5,7 +5,8 @@ One `GenerationScheduler` thread per served text-generation model loops:
   1. admits waiting requests, oldest first, while the cache has free slots for them: their prompts
      are prefilled into free slots at the smallest compiled prefill batch that holds them and whose
      padding rows find free slots too (as `Runner.stream` does), else one prompt at a time (batch
-     1, compiled by default), and each request gets its first tokens;
+     1, compiled by default), and each request gets its first tokens; an encoder-decoder's sources
+     are encoded into the slots alike, and its rows start decoding from the decoder start token;
   2. runs one decode step over all slots (idle ones decode token 0 at their own position 0, which
      nothing reads) and hands each request its rows' new tokens;
   3. releases the slots of requests that are done (max_new_tokens, every row at max context, or
@@ -28,6 +29,7 @@ import numpy as np
 
 from tpuexport.errors import TpuExportError
 from tpuexport.lower.generation import GenerationSession, check_prompts
+from tpuexport.lower.seq2seq import Seq2SeqProgram, Seq2SeqSession, check_sources
 from tpuexport.runtime import Runner
 from tpuexport.serve.batching import ShuttingDown
 from tpuexport.serve.metrics import Metrics
@@ -45,7 +47,7 @@ class _Request:
     slots: list[int] = dataclasses.field(default_factory=list)
     tokens: list[int] = dataclasses.field(default_factory=list)  # each row's last token
     positions: list[int] = dataclasses.field(default_factory=list)  # where each row's next token goes
-    prefill_batch: int = 0
+    fill_batch: int = 0
     emitted: int = 0
     cancelled: bool = False
 
@@ -90,6 +92,9 @@ class GenerationScheduler:
         self.runner = runner
         self.program = runner.artifact.generation_program
         self.spec = self.program.spec
+        self.encoder_decoder = isinstance(self.program, Seq2SeqProgram)
+        # The batches the cache's slots are filled at: encode's for an encoder-decoder, else prefill's.
+        self.fill_batches = self.program.encode_batches if self.encoder_decoder else self.program.prefill_batches
         self.metrics = metrics
         self.labels = labels
         self.waiting: collections.deque[_Request] = collections.deque()
@@ -110,9 +115,9 @@ class GenerationScheduler:
           ShuttingDown: after `close`.
         """
         prompts = [list(map(int, prompt)) for prompt in prompts]
-        check_prompts(self.spec, prompts, max_new_tokens)
-        if self._prefill_batch(len(prompts), self.spec.max_batch) is None:
-            raise TpuExportError(f"{len(prompts)} prompts fit no compiled prefill batch ({list(self.program.prefill_batches)}) and batch 1 "
+        (check_sources if self.encoder_decoder else check_prompts)(self.spec, prompts, max_new_tokens)
+        if self._fill_batch(len(prompts), self.spec.max_batch) is None:
+            raise TpuExportError(f"{len(prompts)} prompts fit no compiled batch ({list(self.fill_batches)}) and batch 1 "
                                  "is not compiled; send as many prompts as a compiled batch, or convert with --bucket batch=1,...")
         request = _Request(prompts, max_new_tokens)
         with self.wake:
@@ -129,8 +134,9 @@ class GenerationScheduler:
             self.wake.notify()
         self.thread.join()
 
-    def _new_session(self) -> GenerationSession:
-        return GenerationSession(self.program, runner=lambda name, inputs: list(self.runner.run(inputs, name).values()))
+    def _new_session(self) -> GenerationSession | Seq2SeqSession:
+        session = Seq2SeqSession if self.encoder_decoder else GenerationSession
+        return session(self.program, runner=lambda name, inputs: list(self.runner.run(inputs, name).values()))
 
     def _loop(self) -> None:
         while True:
@@ -142,7 +148,7 @@ class GenerationScheduler:
                 admitted = self._admissible()
             try:
                 for request in admitted:
-                    self._prefill(request)
+                    self._fill(request)
                 self._release()
                 if self.active:
                     self._decode()
@@ -163,11 +169,11 @@ class GenerationScheduler:
                 self.waiting.popleft()
                 continue
             free = self._free_slots()
-            batch = self._prefill_batch(len(request.prompts), len(free))
+            batch = self._fill_batch(len(request.prompts), len(free))
             if batch is None:
                 break
             self.waiting.popleft()
-            request.slots, request.prefill_batch = free[:len(request.prompts)], batch
+            request.slots, request.fill_batch = free[:len(request.prompts)], batch
             self.active.append(request)
             admitted.append(request)
         return admitted
@@ -176,27 +182,35 @@ class GenerationScheduler:
         used = {slot for request in self.active for slot in request.slots}
         return [slot for slot in range(self.spec.max_batch) if slot not in used]
 
-    def _prefill_batch(self, rows: int, free: int) -> int | None:
-        """The prefill batch for `rows` prompts with `free` slots: the smallest compiled batch that
-        holds them and fits the free slots (its padding rows go there), else 1 (one prompt at a
-        time) when compiled and the prompts fit; None: not now."""
-        batches = self.program.prefill_batches
-        fitting = [batch for batch in batches if rows <= batch <= free]
+    def _fill_batch(self, rows: int, free: int) -> int | None:
+        """The batch to fill the slots of `rows` prompts at with `free` slots: the smallest compiled
+        batch that holds them and fits the free slots (its padding rows go there), else 1 (one
+        prompt at a time) when compiled and the prompts fit; None: not now."""
+        fitting = [batch for batch in self.fill_batches if rows <= batch <= free]
         if fitting:
             return min(fitting)
-        return 1 if 1 in batches and rows <= free else None
+        return 1 if 1 in self.fill_batches and rows <= free else None
 
-    def _prefill(self, request: _Request) -> None:
-        """Fills the request's slots from its prompts and hands it its first tokens."""
-        batch = request.prefill_batch
-        if batch >= len(request.prompts):
-            # Padding rows (one token each) go to free slots, which their occupant's prefill overwrites.
-            padding = [slot for slot in self._free_slots() if slot not in request.slots][:batch - len(request.prompts)]
-            logits = self.session.prefill([*request.prompts, *[[0]] * len(padding)], [*request.slots, *padding])[:len(request.prompts)]
+    def _fill(self, request: _Request) -> None:
+        """Fills the request's slots from its prompts: prefill, whose logits give the first tokens
+        (handed to the request), or an encoder-decoder's encode, after which its rows decode from
+        the decoder start token at position 0."""
+        rows, slots = request.prompts, request.slots
+        if request.fill_batch >= len(rows):
+            # Padding rows (one token each) go to free slots, which their occupant's fill overwrites.
+            padding = [slot for slot in self._free_slots() if slot not in slots][:request.fill_batch - len(rows)]
+            fills = [([*rows, *[[0]] * len(padding)], [*slots, *padding])]
         else:
-            logits = np.concatenate([self.session.prefill([prompt], [slot]) for prompt, slot in zip(request.prompts, request.slots)])
-        request.tokens = [int(token) for token in logits.argmax(-1)]
-        request.positions = [len(prompt) for prompt in request.prompts]
+            fills = [([row], [slot]) for row, slot in zip(rows, slots)]
+        if self.encoder_decoder:
+            for batch_rows, batch_slots in fills:
+                self.session.encode(batch_rows, batch_slots)
+            request.tokens = [self.spec.decoder_start_token_id] * len(rows)
+            request.positions = [0] * len(rows)
+            return
+        logits = np.concatenate([self.session.prefill(batch_rows, batch_slots)[:len(batch_rows)] for batch_rows, batch_slots in fills])
+        request.tokens = [int(token) for token in logits[:len(rows)].argmax(-1)]
+        request.positions = [len(prompt) for prompt in rows]
         self._emit(request, list(request.tokens))
 
     def _decode(self) -> None:

@@ -88,11 +88,8 @@ def create_app(repository: ModelRepository, metrics: Metrics, state: dict, max_b
             model = repository.resolve(request.path_params["name"], request.path_params.get("version"))
             labels = model.labels
             prompts, max_new_tokens = _parse_generate(await _read_json(request, max_body_bytes))
-            if model.generation is None and "encode" in model.runner.entry_points:
-                raise BadRequest(f"model {model.name} is an encoder-decoder: serve does not run its generation yet (its continuous "
-                                 "batching prefills decoder prompts; encode and decode are not scheduled); generate with tpuexport generate")
             if model.generation is None:
-                raise BadRequest(f"model {model.name} has no prefill and decode entry points; generation needs a text-generation "
+                raise BadRequest(f"model {model.name} has no decode entry point; generation needs a text-generation "
                                  "artifact (convert with --task text-generation)")
             steps = model.generation.submit(prompts, max_new_tokens)  # the prompts are checked here: a bad one is a 400
             first = await run_in_threadpool(next, steps)
