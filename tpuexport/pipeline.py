@@ -108,6 +108,8 @@ class ConversionOptions:
         causal LM as prefill and decode entry points over a KV cache; see `_run_generation`).
       max_batch, max_context: the KV cache's slots and positions (text-generation).
       cache_layout: the KV cache's layout (export.CACHE_LAYOUTS; text-generation).
+      kv_cache_dtype: "model" (the cache in the model's dtype) or "int8" (int8 keys and values
+        with per-vector scales; export.KV_CACHE_DTYPES; text-generation).
       new_tokens: tokens generated per prompt by the generation verification.
     """
 
@@ -137,6 +139,7 @@ class ConversionOptions:
     max_batch: int = 1
     max_context: int | None = None
     cache_layout: str = export_stage.DEFAULT_CACHE_LAYOUT
+    kv_cache_dtype: str = "model"
     new_tokens: int = verify_stage.DEFAULT_NEW_TOKENS
 
 
@@ -433,6 +436,13 @@ def _check_options(options: ConversionOptions) -> tuple[list, list]:
             raise TpuExportError("--task text-generation needs --max-context N (positions per cache slot), e.g. --max-context 2048")
     elif options.max_context is not None or options.max_batch != 1:
         raise TpuExportError("--max-context / --max-batch apply to --task text-generation only; add --task text-generation or drop them")
+    export_stage.check_kv_cache_dtype(options.kv_cache_dtype)
+    if options.kv_cache_dtype != "model" and options.task != "text-generation":
+        raise TpuExportError(f"--kv-cache-dtype {options.kv_cache_dtype} applies to --task text-generation only (a forward program has "
+                             "no KV cache); add --task text-generation or drop it")
+    if options.kv_cache_dtype == "int8" and options.quantize in ("int8", "int8-dynamic"):
+        raise TpuExportError(f"--kv-cache-dtype int8 with --quantize {options.quantize} is not supported yet (PT2E would quantize "
+                             "around the cache's own int8 rounding); use it with a weight-only mode or without --quantize")
     if options.quantize and not options.weights and _weight_only_scheme(options) is None:
         raise TpuExportError("--quantize int8/int8-dynamic needs the model's weights (it calibrates and rounds them); plan without it "
                              "or with a weight-only mode")
@@ -786,13 +796,14 @@ def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOpt
     if unknown:
         raise TpuExportError(f"--bucket {unknown[0]} is not a dim of text generation; prefill's dims are batch and seq (prompt length)")
     spec = export_stage.generation_spec(model, options.max_batch, options.max_context, options.cache_layout,
-                                        tuple(requested["seq"]) if "seq" in requested else None)
+                                        tuple(requested["seq"]) if "seq" in requested else None, options.kv_cache_dtype)
     prefill_batches = tuple(sorted(set(requested.get("batch") or {1, options.max_batch})))
     if not all(1 <= batch <= options.max_batch for batch in prefill_batches):
         raise TpuExportError(f"--bucket batch={','.join(map(str, prefill_batches))} is out of range: prefill batches are 1..{options.max_batch} "
                              "(--max-batch)")
     with clock.stage("export", lambda: f"entry points prefill (batch {list(prefill_batches)} x seq {list(spec.prefill_buckets)}) and "
-                                       f"decode (batch {spec.max_batch}); cache {spec.layout} {list(spec.cache_shape)} {spec.dtype}"):
+                                       f"decode (batch {spec.max_batch}); cache {spec.layout} {list(spec.cache_shape)} "
+                                       f"{'int8 + f32 scales' if spec.quantized else spec.dtype}"):
         modules = export_stage.entry_point_modules(model, spec)
         # With a checkpoint, each entry point is exported on the meta device and its weights are the one
         # checkpoint copy's tensors (the same tensors for both: one set of weights, streamed once).
@@ -998,7 +1009,10 @@ def _plan_generation_slices(request: compile_stage.ShardingRequest, slices: list
             cache_spec[2 if spec.layout == "layer_batch_head_pos" else 3] = "model"
         if "data" in axes and request.preset in ("data-parallel", "fsdp", "tensor-parallel"):
             cache_spec[1] = "data"
-        rules = tuple((name, tuple(cache_spec)) for name in export_stage.CACHE_INPUTS)
+        # An int8 cache's scales ([layers, batch, kv_heads, context]) split alike: heads on axis 2, batch on 1.
+        scale_spec = [None, cache_spec[1], cache_spec[2 if spec.layout == "layer_batch_head_pos" else 3], None]
+        rules = (tuple((name, tuple(cache_spec)) for name in export_stage.CACHE_INPUTS)
+                 + tuple((name, tuple(scale_spec)) for name in spec.cache_inputs if name not in export_stage.CACHE_INPUTS))
         entry_request = dataclasses.replace(request, input_rules=rules + request.input_rules)
         with clock.stage(f"plan {target.name} {entry_point}", lambda: _describe_plan(plans[target.name])):
             plans[target.name] = compile_stage.plan_sharding(entry_request, target, lowered.weight_names, lowered.weight_specs,

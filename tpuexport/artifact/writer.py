@@ -424,8 +424,8 @@ def write_generation_artifact(
                 "decision_matmuls": list(lowered.decision_matmuls),
                 # The state: inputs returned as the output of the same name; the executables donate every
                 # input, so XLA aliases these with their outputs (updated in place).
-                "donated_inputs": [input_name for input_name in inputs if input_name in CACHE_INPUTS],
-                "state": {input_name: input_name for input_name in inputs if input_name in CACHE_INPUTS},
+                "donated_inputs": [input_name for input_name in inputs if input_name in spec.cache_inputs],
+                "state": {input_name: input_name for input_name in inputs if input_name in spec.cache_inputs},
                 "call": "exported.call(weights, inputs): two lists, in program.weight_names and this signature's input order",
             }
         manifest = {
@@ -445,7 +445,7 @@ def write_generation_artifact(
                 "serialization": export_compatibility(),
             },
             "entry_points": entry_points,
-            "generation": {**spec.to_json(), "prefill_batches": list(program.prefill_batches), "cache_inputs": list(CACHE_INPUTS),
+            "generation": {**spec.to_json(), "prefill_batches": list(program.prefill_batches), "cache_inputs": list(spec.cache_inputs),
                            "cache_bytes": spec.cache_bytes},
             "targets": {},
             "verification": dict(PLAN_VERIFICATION) if verification is None else _generation_verification(verification),
