@@ -853,6 +853,8 @@ def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOpt
                 if quantized:  # int8: against the PT2E entry points, as forward int8 programs are
                     references = {name: result.captured.reference for name, result in quantized.items()}
                     report = verify_stage.verify_quantized_generation(program, model, references, tolerances, options.new_tokens)
+                elif spec.quantized:
+                    report = _verify_int8_kv(program, model, modules, checkpoint_model, lowered, weight_only, tolerances, options, scratch, clock)
                 else:
                     # A weight-only program is compared with generate() on the model with those weights dequantized;
                     # its distance from the float model's generate() is measured too.
@@ -885,6 +887,31 @@ def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOpt
 # query-by-key tiles); a ragged/paged decode kernel reads the cache in the layout it pages.
 DECODE_KERNEL_REASON = ("decode: one query per row over the KV cache; the flash kernel tiles queries, and a ragged/paged "
                         "decode attention kernel is not used yet")
+
+
+def _verify_int8_kv(program: lower_stage.GenerationProgram, model: torch.nn.Module, modules: dict, checkpoint_model, lowered: dict,
+                    weight_only, tolerances, options: ConversionOptions, scratch: pathlib.Path | None, clock: StageClock):
+    """The verify pass of an int8-KV program: against its entry points run eagerly with the artifact's
+    weights (a weight-only program's rounded, as `_generation_passes` rounds them for generate()),
+    and measured against the float model's generate() (verify/int8_kv_generation.py).
+
+    Args:
+      program, lowered: the generation program and its entry points; model: the user's model;
+      modules: the entry-point modules over `model`; checkpoint_model: the model with the
+      checkpoint's tensors (streamed conversions) or None; weight_only: the weight-only scheme or
+      None; tolerances: the float tolerances; options, scratch, clock: the conversion's.
+    Returns:
+      The GenerationReport.
+    """
+    float_model = model if checkpoint_model is None else checkpoint_model
+    float_reference = verify_stage.eager_references(program, float_model, options.new_tokens)
+    if checkpoint_model is None:
+        with _dequantized_weights(modules["decode"], lowered["decode"], weight_only):
+            return verify_stage.verify_int8_kv_generation(program, modules, tolerances, float_reference, options.new_tokens)
+    eager_model = checkpoint_model if weight_only is None else _dequantized_checkpoint_model(
+        model, checkpoint_model, lowered["decode"], weight_only, scratch, clock)
+    return verify_stage.verify_int8_kv_generation(program, export_stage.entry_point_modules(eager_model, program.spec), tolerances,
+                                                  float_reference, options.new_tokens)
 
 
 def _generation_kernels(mode: str, lowered: dict, buckets: dict, targets: list, clock: StageClock) -> tuple[dict, dict]:
@@ -1022,7 +1049,8 @@ def _plan_generation_slices(request: compile_stage.ShardingRequest, slices: list
 
 def _describe_generation(report) -> str:
     worst = report.worst_errors()
-    reference = "the PT2E entry points" if isinstance(report, verify_stage.QuantizedGenerationReport) else "generate()"
+    reference = ("the PT2E entry points" if isinstance(report, verify_stage.QuantizedGenerationReport)
+                 else "the eager int8-KV entry points" if report.against == verify_stage.INT8_KV_AGAINST else "generate()")
     described = (f"{len(report.cases)} prefill bucket(s) + decode, {report.tokens_compared()} tokens compared with {reference}, "
                  f"{'passed' if report.passed else 'FAILED'} ({report.ties()} tie(s)); worst logits relative RMS error {worst['tpu']:.1e} "
                  f"as the TPU computes, {worst['cpu']:.1e} in f32")
