@@ -2,8 +2,8 @@
 model with a bf16 cache vs an int8 cache (XLA's analysis, compile-only), the scales' dtype, and on a
 tiny Llama how far int8 KV moves greedy generation from the float model's generate().
 
-    python benchmarks/kv_int8.py step [--layers N] [--scale-dtype float32|bfloat16]  # v5e decode step, batch 8 x context 4096
-    python benchmarks/kv_int8.py scales      # tiny Llama, eager: logits SQNR vs float with f32 and bf16 scales
+    python benchmarks/kv_int8.py step [--layers N] [--kv model,int8]   # v5e decode step, batch 8 x context 4096
+    python benchmarks/kv_int8.py scales      # tiny Llama, eager: the scales' dtype (f32 vs bf16), reconstruction and logits SQNR
     python benchmarks/kv_int8.py tiny        # tiny Llama and GPT-2 converted with int8 KV: the report's divergence and SQNR
 
 `step` lowers the decode entry point as the conversion does (meta weights, bf16, cache layout
@@ -16,7 +16,6 @@ temporaries, XLA's bytes accessed over what the step must read (its arguments: w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import pathlib
 import sys
 import tempfile
@@ -28,19 +27,6 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 GIB = 2**30
-
-
-@contextlib.contextmanager
-def scale_dtype(dtype: str):
-    """The int8 cache's scales in `dtype` while open (the choice KV_SCALE_DTYPE records, measured here)."""
-    from tpuexport.export import generation
-
-    kept = generation.KV_SCALE_DTYPE
-    generation.KV_SCALE_DTYPE = dtype
-    try:
-        yield
-    finally:
-        generation.KV_SCALE_DTYPE = kept
 
 
 def decode_step(kv_cache_dtype: str, layers: int | None) -> dict:
@@ -72,17 +58,15 @@ def decode_step(kv_cache_dtype: str, layers: int | None) -> dict:
 
 
 def step(options: argparse.Namespace) -> None:
-    print(f"v5e decode step, Llama-3.2-1B shape, bf16, batch 8 x context 4096, {options.layers or 16} layers, int8 scales "
-          f"{options.scale_dtype}; per chip (GiB):")
+    print(f"v5e decode step, Llama-3.2-1B shape, bf16, batch 8 x context 4096, {options.layers or 16} layers; per chip (GiB):")
     print("| cache | weights + cache (arguments) | temporaries | aliased | XLA bytes accessed / arguments | est. step | largest batch | compile s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    with scale_dtype(options.scale_dtype):
-        for kv in options.kv.split(","):
-            row = decode_step(kv, options.layers)
-            label = "bf16" if kv == "model" else f"int8 + {options.scale_dtype} scales"
-            print(f"| {label} | {row['weights'] / GIB:.3f} + {row['cache'] / GIB:.3f} ({row['arguments'] / GIB:.3f}) | "
-                  f"{row['temp'] / GIB:.3f} | {(row['alias'] or 0) / GIB:.3f} | {row['accessed'] / GIB:.2f} / {row['arguments'] / GIB:.2f} = "
-                  f"{row['ratio']:.2f} | {row['optimal_ms']:.1f} ms | {row['largest_batch']} | {row['compile_s']:.0f} |", flush=True)
+    for kv in options.kv.split(","):
+        row = decode_step(kv, options.layers)
+        label = "bf16" if kv == "model" else "int8 + bf16 scales"
+        print(f"| {label} | {row['weights'] / GIB:.3f} + {row['cache'] / GIB:.3f} ({row['arguments'] / GIB:.3f}) | "
+              f"{row['temp'] / GIB:.3f} | {(row['alias'] or 0) / GIB:.3f} | {row['accessed'] / GIB:.2f} / {row['arguments'] / GIB:.2f} = "
+              f"{row['ratio']:.2f} | {row['optimal_ms']:.1f} ms | {row['largest_batch']} | {row['compile_s']:.0f} |", flush=True)
 
 
 def tiny_llama(dtype=torch.float32):
@@ -101,10 +85,12 @@ def tiny_gpt2():
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128)).eval()
 
 
-def eager_greedy(modules: dict, spec, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], np.ndarray]:
+def eager_greedy(modules: dict, spec, prompts: list[list[int]], steps: int, scale_dtype: str | None = None) -> tuple[list[list[int]], np.ndarray]:
     """Greedy generation through the eager entry points (one prefill of every prompt, slot = row, then
-    decode steps): (tokens per row, logits [rows, steps, vocab])."""
-    cache = [torch.zeros(shape, dtype=getattr(torch, dtype)) for shape, dtype in spec.cache_tensors().values()]
+    decode steps): (tokens per row, logits [rows, steps, vocab]). scale_dtype: the int8 cache's
+    scales in this dtype instead of the spec's (the entry points quantize to the scales they get)."""
+    cache = [torch.zeros(shape, dtype=getattr(torch, scale_dtype if scale_dtype and name.endswith("_scale") else dtype))
+             for name, (shape, dtype) in spec.cache_tensors().items()]
     seq = max(map(len, prompts))
     tokens = torch.zeros((len(prompts), seq), dtype=torch.long)
     for row, prompt in enumerate(prompts):
@@ -121,6 +107,16 @@ def eager_greedy(modules: dict, spec, prompts: list[list[int]], steps: int) -> t
     return [list(map(int, row)) for row in stacked.argmax(-1)], stacked
 
 
+def eager_cache(modules: dict, spec, prompts: list[list[int]]) -> torch.Tensor:
+    """The model-dtype cache's keys and values of the prompts' real positions after prefill: [n, head_dim]."""
+    cache = [torch.zeros(shape, dtype=getattr(torch, dtype)) for shape, dtype in spec.cache_tensors().values()]
+    tokens = torch.tensor(prompts)
+    with torch.no_grad():
+        out = modules["prefill"](tokens, torch.tensor([len(prompt) for prompt in prompts]), torch.arange(len(prompts)), *cache)
+    length = len(prompts[0])
+    return torch.cat([out[name][:, :len(prompts), :, :length].reshape(-1, spec.head_dim) for name in ("cache_k", "cache_v")])
+
+
 def first_divergence(tokens: list[list[int]], reference: list[list[int]]) -> int | None:
     steps = [next((step for step, (a, b) in enumerate(zip(row, other)) if a != b), None) for row, other in zip(tokens, reference)]
     return min((step for step in steps if step is not None), default=None)
@@ -130,6 +126,7 @@ def scales(options: argparse.Namespace) -> None:
     """Eager int8-KV greedy generation of a tiny Llama (f32 and bf16), f32 vs bf16 scales: the logits'
     SQNR against the model-dtype cache's (same entry points) before the first greedy divergence."""
     from tpuexport import export as export_stage
+    from tpuexport.export.generation import dequantize_kv, quantize_kv
     from tpuexport.verify.compare import sqnr_db
 
     generator = np.random.default_rng(0)
@@ -138,10 +135,16 @@ def scales(options: argparse.Namespace) -> None:
         model = tiny_llama(getattr(torch, dtype))
         results = {}
         for kv, scale in (("model", "float32"), ("int8", "float32"), ("int8", "bfloat16")):
-            with scale_dtype(scale):
-                spec = export_stage.generation_spec(model, 4, 64, prefill_buckets=(48,), kv_cache_dtype=kv)
-                results[(kv, scale)] = eager_greedy(export_stage.entry_point_modules(model, spec), spec, prompts, 16)
+            spec = export_stage.generation_spec(model, 4, 64, prefill_buckets=(48,), kv_cache_dtype=kv)
+            results[(kv, scale)] = eager_greedy(export_stage.entry_point_modules(model, spec), spec, prompts, 16, scale)
         float_tokens, float_logits = results[("model", "float32")]
+        spec = export_stage.generation_spec(model, 4, 64, prefill_buckets=(48,))
+        keys = eager_cache(export_stage.entry_point_modules(model, spec), spec, prompts)
+        for scale in ("float32", "bfloat16"):
+            q, scales_ = quantize_kv(keys, getattr(torch, scale))
+            error = sqnr_db([keys.float().numpy()], [dequantize_kv(q, scales_, keys.dtype).float().numpy()])
+            print(f"tiny Llama {dtype}: the prompts' cached keys and values quantized with {scale} scales: reconstruction SQNR "
+                  f"{error:.2f} dB", flush=True)
         for scale in ("float32", "bfloat16"):
             tokens, logits = results[("int8", scale)]
             first = first_divergence(tokens, float_tokens)
@@ -178,7 +181,6 @@ def main() -> None:
     parser.add_argument("what", choices=["step", "scales", "tiny"])
     parser.add_argument("--layers", type=int, help="step: decoder layers (default: the shape's 16)")
     parser.add_argument("--kv", default="model,int8", help="step: the --kv-cache-dtype values compared")
-    parser.add_argument("--scale-dtype", default="float32", choices=["float32", "bfloat16"], help="step: the int8 cache's scales")
     options = parser.parse_args()
     {"step": step, "scales": scales, "tiny": tiny}[options.what](options)
 

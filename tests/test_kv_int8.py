@@ -170,7 +170,7 @@ def test_quantize_kv_is_symmetric_int8_per_vector():
     torch.manual_seed(0)
     keys = torch.randn(2, 3, 5, 16)
     keys[0, 0, 0] = 0  # an all-zero vector: scale 0, q 0
-    q, scale = quantize_kv(keys)
+    q, scale = quantize_kv(keys, torch.float32)
     assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == keys.shape[:-1]
     assert q.abs().amax(-1)[scale > 0].eq(127).all() and scale[0, 0, 0] == 0 and q[0, 0, 0].eq(0).all()
     error = (dequantize_kv(q, scale, torch.float32) - keys).abs()
@@ -205,3 +205,21 @@ def test_default_cache_is_the_models_dtype_without_scales():
     assert not set(CACHE_SCALE_INPUTS) & set(spec.cache_tensors())
     with pytest.raises(TpuExportError, match="unknown --kv-cache-dtype"):
         export_stage.generation_spec(tiny_llama(), MAX_BATCH, MAX_CONTEXT, kv_cache_dtype="fp8")
+
+
+def test_bf16_llama_from_a_checkpoint_with_bf16_scales(tmp_path):
+    """A bf16 model streamed from its checkpoint: the scales are bf16 (the model's dtype) and, like the
+    bf16 cache of a float conversion, updated in place by the CPU runs."""
+    import safetensors.torch
+    import transformers
+
+    model = tiny_llama().to(torch.bfloat16)
+    safetensors.torch.save_file(model.state_dict(), tmp_path / "model.safetensors")
+    with tpuexport.parameters_on_meta():
+        on_meta = transformers.LlamaForCausalLM(model.config).to(torch.bfloat16).eval()
+    artifact = convert_int8_kv(on_meta, tmp_path / "bf16.tpu", target="cpu", checkpoint=tmp_path / "model.safetensors")
+    generation = artifact.manifest["generation"]
+    assert generation["scale_dtype"] == "bfloat16" and generation["dtype"] == "bfloat16"
+    report = json.loads((artifact.path / "verification" / "report.json").read_text())
+    assert report["passed"] and report["against"] == INT8_KV_AGAINST
+    assert len(artifact.generate([[1, 2, 3], [4, 5]], max_new_tokens=4)[1]) == 4

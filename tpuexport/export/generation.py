@@ -53,17 +53,18 @@ CACHE_INPUTS = ("cache_k", "cache_v")
 CACHE_SCALE_INPUTS = ("cache_k_scale", "cache_v_scale")
 # --kv-cache-dtype: "model" stores keys and values in the model's dtype; "int8" stores them as
 # symmetric int8 per (layer, slot, kv-head, position), scale = absmax over head_dim / 127 (as
-# MaxText's kv_quant and vLLM store an int8 cache).
+# MaxText's kv_quant and vLLM store an int8 cache), the scales in the model's dtype.
+#
+# Scales in the model's dtype, not always float32, measured (benchmarks/kv_int8.py scales,
+# results/kv_int8.txt; a tiny Llama's cached keys and values, quantized and dequantized): in a bf16
+# model, bf16 scales 46.20 dB reconstruction SQNR vs 45.78 with f32 scales (attention reads bf16, so
+# an f32 scale is rounded at dequantization but was not when quantizing), and 3% fewer cache bytes
+# (2 vs 4 bytes per 64 int8 values; the TPU pads neither: v5e decode step of 2 Llama-1B layers at
+# 8 x 4096, arguments 0.780 vs 0.782 GiB); in an f32 model, f32 scales 46.63 vs 46.51 dB.
 KV_CACHE_DTYPES = ("model", "int8")
 # Scales are [layers, batch, kv_heads, context] whatever the cache's layout: positions minor, so the
 # TPU tiles them densely (kv_heads minor would pad 8 heads to 128 lanes).
 SCALE_LAYOUT = "layer_batch_head_pos"
-# The scales' dtype: float32, measured (benchmarks/kv_int8.py, results/kv_int8.txt). bf16 scales
-# take 3% fewer cache bytes (head_dim 64: 2 vs 4 bytes per 64 int8 values; v5e decode step of 2
-# Llama-1B layers at 8 x 4096: 0.064 vs 0.066 GiB, the TPU does not pad either) but cost 0.9 dB of
-# logits SQNR in an f32 model (a scale rounded down clamps the vector's largest element at 127):
-# 59.5 vs 60.4 dB on a tiny Llama, no difference in bf16 (46.9 dB both).
-KV_SCALE_DTYPE = "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ class GenerationSpec:
       layout: one of CACHE_LAYOUTS.
       prefill_buckets: the prompt lengths (`seq` sizes) prefill is compiled for.
       kv_cache_dtype: one of KV_CACHE_DTYPES: "model" (keys and values in `dtype`) or "int8"
-        (int8 keys and values with KV_SCALE_DTYPE scales, see `quantize_kv`).
+        (int8 keys and values with scales in `dtype`, see `quantize_kv`).
     """
 
     max_batch: int
@@ -108,12 +109,17 @@ class GenerationSpec:
         """An int8 cache's scales: [layers, max_batch, kv_heads, max_context] (SCALE_LAYOUT)."""
         return (self.layers, self.max_batch, self.kv_heads, self.max_context)
 
+    @property
+    def scale_dtype(self) -> str:
+        """An int8 cache's scales' dtype: the model's (see KV_CACHE_DTYPES)."""
+        return self.dtype
+
     def cache_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """{cache input name: (shape, torch dtype name)} in cache_inputs order."""
         stored = "int8" if self.quantized else self.dtype
         tensors = {name: (self.cache_shape, stored) for name in CACHE_INPUTS}
         if self.quantized:
-            tensors.update({name: (self.scale_shape, KV_SCALE_DTYPE) for name in CACHE_SCALE_INPUTS})
+            tensors.update({name: (self.scale_shape, self.scale_dtype) for name in CACHE_SCALE_INPUTS})
         return tensors
 
     @property
@@ -138,7 +144,7 @@ class GenerationSpec:
         if not self.quantized:  # a model-dtype cache's manifest is as it was before the option
             del data["kv_cache_dtype"]
             return data
-        return {**data, "scale_shape": list(self.scale_shape), "scale_dtype": KV_SCALE_DTYPE, "scale_layout": SCALE_LAYOUT}
+        return {**data, "scale_shape": list(self.scale_shape), "scale_dtype": self.scale_dtype, "scale_layout": SCALE_LAYOUT}
 
     @classmethod
     def from_json(cls, data: dict) -> "GenerationSpec":
@@ -147,22 +153,24 @@ class GenerationSpec:
         return cls(**{**values, "prefill_buckets": tuple(values["prefill_buckets"])})
 
 
-def quantize_kv(new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_kv(new: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys or values [..., head_dim] as an int8 cache stores them: symmetric per vector, scale =
-    absmax over head_dim / 127 (KV_SCALE_DTYPE), q = round(x / scale) (0 where the vector is 0).
+    absmax over head_dim / 127 in `scale_dtype`, q = round(x / scale) with the scale as stored (0
+    where the vector is 0).
 
     Returns:
       (q int8 [..., head_dim], scale [...]).
     """
-    scale = (new.abs().amax(-1).to(torch.float32) / 127.0).to(getattr(torch, KV_SCALE_DTYPE))
+    scale = (new.abs().amax(-1).to(torch.float32) / 127.0).to(scale_dtype)
     divisor = torch.where(scale == 0, torch.ones_like(scale), scale).to(torch.float32)
     q = torch.round(new.to(torch.float32) / divisor[..., None]).clamp(-127, 127).to(torch.int8)
     return q, scale
 
 
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """What attention reads from an int8 cache: q * scale, in `dtype` (the model's)."""
-    return (q.to(scale.dtype) * scale[..., None]).to(dtype)
+    """What attention reads from an int8 cache: q * scale, computed in `dtype` (the model's: a bf16
+    product reads fewer bytes on the TPU than an f32 one cast down, measured in results/kv_int8.txt)."""
+    return q.to(dtype) * scale.to(dtype)[..., None]
 
 
 class FunctionalKVCache:
@@ -184,7 +192,7 @@ class FunctionalKVCache:
         """New keys or values as the cache stores them: (int8, scales) for an int8 cache, else (new in the cache's dtype, None)."""
         if self.scales is None:
             return new.to(self.keys.dtype), None
-        return quantize_kv(new)
+        return quantize_kv(new, self.scales[0].dtype)
 
     def update(self, new_keys: torch.Tensor, new_values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes a layer's new keys/values ([batch, heads, steps, head_dim]) and returns what attention reads."""
