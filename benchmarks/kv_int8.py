@@ -5,6 +5,7 @@ tiny Llama how far int8 KV moves greedy generation from the float model's genera
     python benchmarks/kv_int8.py step [--layers N] [--kv model,int8]   # v5e decode step, batch 8 x context 4096
     python benchmarks/kv_int8.py scales      # tiny Llama, eager: the scales' dtype (f32 vs bf16), reconstruction and logits SQNR
     python benchmarks/kv_int8.py tiny        # tiny Llama and GPT-2 converted with int8 KV: the report's divergence and SQNR
+    python benchmarks/kv_int8.py attention   # decode attention alone in JAX, 4 layers at 8 x 4096, v5e: where an int8 cache's bytes go
 
 `step` lowers the decode entry point as the conversion does (meta weights, bf16, cache layout
 layer_batch_head_pos) and prints per chip: weights and cache bytes (the cache with its scales),
@@ -47,11 +48,15 @@ def decode_step(kv_cache_dtype: str, layers: int | None) -> dict:
     lowered = lower_stage.lower(captured.program, captured.signature, "bf16", weights=False)
     target = compile_stage.resolve_targets(["v5e"])[0]
     (result,) = compile_stage.compile_program(lowered, [target], compile_stage.make_buckets(lowered.signature, None)).results
+    from decode_bytes import prefetched_bytes, without_prefetch_bookkeeping
+
     memory, accessed = result.memory, result.cost["bytes_accessed"]
+    prefetched = prefetched_bytes(result.hlo_text)
     per_slot = (spec.cache_bytes + memory["temp_bytes"]) / spec.max_batch
     return {"kv": kv_cache_dtype, "layers": spec.layers, "weights": lowered.weight_bytes, "cache": spec.cache_bytes,
             "arguments": memory["argument_bytes"], "temp": memory["temp_bytes"], "alias": memory.get("alias_bytes"),
             "accessed": accessed, "ratio": accessed / memory["argument_bytes"],
+            "prefetched": prefetched, "adjusted": without_prefetch_bookkeeping(accessed, prefetched),
             "largest_batch": int(spec.max_batch + (target.hbm_bytes_per_device - memory["total_bytes"]) // per_slot),
             "optimal_ms": 1e3 * result.cost.get("optimal_seconds", float("nan")), "compile_s": result.compile_seconds,
             "s8_in_hlo": "s8[" in result.hlo_text, "seconds": time.perf_counter() - start}
@@ -59,14 +64,16 @@ def decode_step(kv_cache_dtype: str, layers: int | None) -> dict:
 
 def step(options: argparse.Namespace) -> None:
     print(f"v5e decode step, Llama-3.2-1B shape, bf16, batch 8 x context 4096, {options.layers or 16} layers; per chip (GiB):")
-    print("| cache | weights + cache (arguments) | temporaries | aliased | XLA bytes accessed / arguments | est. step | largest batch | compile s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| cache | weights + cache (arguments) | temporaries | aliased | XLA bytes accessed / arguments | prefetched into VMEM (copy-start / "
+          "slice-start) | without prefetch bookkeeping / arguments | est. step | largest batch | compile s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for kv in options.kv.split(","):
         row = decode_step(kv, options.layers)
         label = "bf16" if kv == "model" else "int8 + bf16 scales"
         print(f"| {label} | {row['weights'] / GIB:.3f} + {row['cache'] / GIB:.3f} ({row['arguments'] / GIB:.3f}) | "
               f"{row['temp'] / GIB:.3f} | {(row['alias'] or 0) / GIB:.3f} | {row['accessed'] / GIB:.2f} / {row['arguments'] / GIB:.2f} = "
-              f"{row['ratio']:.2f} | {row['optimal_ms']:.1f} ms | {row['largest_batch']} | {row['compile_s']:.0f} |", flush=True)
+              f"{row['ratio']:.2f} | {row['prefetched']['copy-start'] / GIB:.3f} / {row['prefetched']['slice-start'] / GIB:.3f} | "
+              f"{row['adjusted'] / GIB:.2f} / {row['arguments'] / GIB:.2f} = {row['adjusted'] / row['arguments']:.2f} | {row['optimal_ms']:.1f} ms | {row['largest_batch']} | {row['compile_s']:.0f} |", flush=True)
 
 
 def tiny_llama(dtype=torch.float32):
@@ -176,13 +183,79 @@ def tiny(options: argparse.Namespace) -> None:
                   f"{divergence['sqnr_db']:.1f} dB; convert {time.perf_counter() - start:.0f} s", flush=True)
 
 
+def attention(options: argparse.Namespace) -> None:
+    """Decode attention alone, written in JAX (Llama-1B's 8 kv heads x 4 query heads each, head_dim 64,
+    batch 8 x 4096 keys, 4 layers), compiled for v5e: a bf16 cache; an int8 cache dequantized before
+    the dots (what the entry points do); the scales factored out of the dots (scores x key scale,
+    probabilities x value scale); and both dots s8 x s8 (query and probabilities quantized too)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    device = topologies.get_topology_desc(topology_name="v5e:1x1", platform="tpu", chips_per_host_bounds=(1, 1, 1)).devices[0]
+    batch, heads, groups, keys, dim, layers = 8, 8, 4, 4096, 64, 4
+
+    def placed(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
+
+    def attend(query, key, value):
+        scores = jnp.einsum("bhgd,bhtd->bhgt", query, key, preferred_element_type=jnp.float32) / dim ** 0.5
+        return jnp.einsum("bhgt,bhtd->bhgd", jax.nn.softmax(scores, -1).astype(jnp.bfloat16), value, preferred_element_type=jnp.float32)
+
+    def bf16_cache(query, key, value):
+        return sum(attend(query, key[layer], value[layer]) for layer in range(layers))
+
+    def dequantized(query, key, value, key_scale, value_scale):
+        return sum(attend(query, key[layer].astype(jnp.bfloat16) * key_scale[layer][..., None],
+                          value[layer].astype(jnp.bfloat16) * value_scale[layer][..., None]) for layer in range(layers))
+
+    def factored(query, key, value, key_scale, value_scale):
+        out = 0
+        for layer in range(layers):
+            scores = jnp.einsum("bhgd,bhtd->bhgt", query, key[layer].astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+            scores = scores * key_scale[layer][:, :, None, :].astype(jnp.float32) / dim ** 0.5
+            weights = jax.nn.softmax(scores, -1) * value_scale[layer][:, :, None, :].astype(jnp.float32)
+            out = out + jnp.einsum("bhgt,bhtd->bhgd", weights.astype(jnp.bfloat16), value[layer].astype(jnp.bfloat16),
+                                   preferred_element_type=jnp.float32)
+        return out
+
+    def int8_dots(query, key, value, key_scale, value_scale):
+        query_scale = jnp.max(jnp.abs(query.astype(jnp.float32)), -1) / 127.0
+        query_q = jnp.round(query.astype(jnp.float32) / query_scale[..., None]).astype(jnp.int8)
+        out = 0
+        for layer in range(layers):
+            scores = jnp.einsum("bhgd,bhtd->bhgt", query_q, key[layer], preferred_element_type=jnp.int32).astype(jnp.float32)
+            scores = scores * query_scale[..., None] * key_scale[layer][:, :, None, :].astype(jnp.float32) / dim ** 0.5
+            weights = jax.nn.softmax(scores, -1) * value_scale[layer][:, :, None, :].astype(jnp.float32)
+            weights_scale = jnp.max(weights, -1) / 127.0
+            weights_q = jnp.round(weights / weights_scale[..., None]).astype(jnp.int8)
+            out = out + jnp.einsum("bhgt,bhtd->bhgd", weights_q, value[layer], preferred_element_type=jnp.int32).astype(jnp.float32) * weights_scale[..., None]
+        return out
+
+    query = placed((batch, heads, groups, dim), jnp.bfloat16)
+    bf16, int8 = placed((layers, batch, heads, keys, dim), jnp.bfloat16), placed((layers, batch, heads, keys, dim), jnp.int8)
+    scales = placed((layers, batch, heads, keys), jnp.bfloat16)
+    print(f"decode attention alone, JAX, v5e: {layers} layers, batch {batch} x {keys} keys, {heads} kv heads x {groups} query heads, head_dim {dim}")
+    for name, function, args in (("bf16 cache", bf16_cache, (query, bf16, bf16)),
+                                  ("int8 cache, dequantized before the dots", dequantized, (query, int8, int8, scales, scales)),
+                                  ("int8 cache, scales factored out of the dots", factored, (query, int8, int8, scales, scales)),
+                                  ("int8 cache, s8 x s8 dots (query, probabilities quantized)", int8_dots, (query, int8, int8, scales, scales))):
+        compiled = jax.jit(function).trace(*args).lower().compile()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        memory = compiled.memory_analysis()
+        print(f"  {name}: arguments {memory.argument_size_in_bytes / 2**20:.0f} MiB, XLA bytes accessed {cost['bytes accessed'] / 2**20:.0f} MiB, "
+              f"temporaries {memory.temp_size_in_bytes / 2**20:.1f} MiB", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["step", "scales", "tiny"])
+    parser.add_argument("what", choices=["step", "scales", "tiny", "attention"])
     parser.add_argument("--layers", type=int, help="step: decoder layers (default: the shape's 16)")
     parser.add_argument("--kv", default="model,int8", help="step: the --kv-cache-dtype values compared")
     options = parser.parse_args()
-    {"step": step, "scales": scales, "tiny": tiny}[options.what](options)
+    {"step": step, "scales": scales, "tiny": tiny, "attention": attention}[options.what](options)
 
 
 if __name__ == "__main__":
