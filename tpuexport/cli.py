@@ -126,8 +126,8 @@ def source_and_target_options(command):
 @click.option("--cache-layout", type=click.Choice(["layer_batch_head_pos", "layer_batch_pos_head"]), default="layer_batch_head_pos",
               show_default=True, help="text-generation: the KV cache's axes.")
 @click.option("--kv-cache-dtype", default="model", show_default=True,
-              help="text-generation: 'model' (the cache in the model's dtype) or 'int8' (int8 keys and values with a float32 "
-                   "scale per layer, slot, kv-head and position).")
+              help="text-generation: 'model' (the cache in the model's dtype) or 'int8' (int8 keys and values with a scale "
+                   "per layer, slot, kv-head and position, in the model's dtype).")
 @click.option("--verify-new-tokens", type=int, default=8, show_default=True,
               help="text-generation: tokens each verification prompt generates, compared with generate().")
 @handles_errors

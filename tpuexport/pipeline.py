@@ -803,7 +803,7 @@ def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOpt
                              "(--max-batch)")
     with clock.stage("export", lambda: f"entry points prefill (batch {list(prefill_batches)} x seq {list(spec.prefill_buckets)}) and "
                                        f"decode (batch {spec.max_batch}); cache {spec.layout} {list(spec.cache_shape)} "
-                                       f"{'int8 + f32 scales' if spec.quantized else spec.dtype}"):
+                                       f"{f'int8 + {spec.scale_dtype} scales' if spec.quantized else spec.dtype}"):
         modules = export_stage.entry_point_modules(model, spec)
         # With a checkpoint, each entry point is exported on the meta device and its weights are the one
         # checkpoint copy's tensors (the same tensors for both: one set of weights, streamed once).
