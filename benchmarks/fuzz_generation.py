@@ -2,7 +2,9 @@
 heads, grouped key/value heads, head size, vocabulary, tied embeddings, sliding windows, dtype,
 cache slots and context, prefill buckets) converted with `--task text-generation` for the cpu
 target, then generated from with fresh prompts up to the last position of the context and compared
-with Hugging Face generate(), token for token and logits within the conversion's tolerances.
+with Hugging Face generate(), token for token and logits within the conversion's tolerances; and
+the runtime's loaded cpu executables (what `tpuexport generate` and `serve` run) generate what the
+verified program does.
 
     python benchmarks/fuzz_generation.py --examples 40 [--seed 0] [--log FILE]
     python benchmarks/fuzz_generation.py --summarize FILE [FILE ...]
@@ -10,7 +12,7 @@ with Hugging Face generate(), token for token and logits within the conversion's
 Prints the cases run, the outcomes (ok, refused with one line, verify-failed, silent-mismatch,
 crash), refusals by reason, every failure's case, and last `silent mismatches: K` (must be 0).
 A silent mismatch is an artifact whose conversion verified and whose fresh prompts do not match
-generate(); a crash is a conversion raising anything but TpuExportError / VerificationError.
+generate(), or whose executables generate other tokens than its program; a crash is a conversion raising anything but TpuExportError / VerificationError.
 Weight-only modes are not drawn here (their reference is the dequantized model; fuzz.py covers
 their lowering), nor is int8 PT2E (its entry points are calibrated per conversion).
 """
@@ -25,6 +27,8 @@ import tempfile
 import time
 import traceback
 import warnings
+
+import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
@@ -107,6 +111,22 @@ def build(case: GenerationCase):
     return model.to(getattr(torch, case.dtype)).eval()
 
 
+def runtime_mismatch(artifact, case: GenerationCase) -> str | None:
+    """What users run: the cpu executables loaded by the runtime (tpuexport.runner) generate, from
+    a full batch of prompts of different lengths to the end of the context, what the artifact's
+    verified program generates on CPU (Artifact.stream). None when they do, else the first difference."""
+    import tpuexport
+
+    generator = np.random.default_rng(case.seed + FRESH_SEED)
+    longest = max(case.prefill_seq or (case.max_context,))
+    prompts = [generator.integers(0, case.vocab, int(generator.integers(2, longest + 1))).tolist() for _ in range(case.max_batch)]
+    expected = list(artifact.stream(prompts, case.max_context))
+    for step, (ran, verified) in enumerate(zip(tpuexport.runner(artifact.path).stream(prompts, case.max_context), expected)):
+        if list(ran) != list(verified):
+            return f"step {step}: runtime {list(ran)} vs program {list(verified)} (prompt lengths {[len(p) for p in prompts]})"
+    return None
+
+
 def check(case: GenerationCase) -> Outcome:
     """Converts a case for the cpu target and generates from fresh prompts against generate()."""
     import tpuexport
@@ -121,6 +141,7 @@ def check(case: GenerationCase) -> Outcome:
                                          buckets=buckets, target="cpu", out=pathlib.Path(scratch) / "case.tpu", saved_model=False)
             # Fresh prompts, and as many new tokens as the context holds: the last positions are reached.
             report = verify_generation(artifact.generation_program, model, new_tokens=case.max_context, first_seed=FRESH_SEED)
+            runtime = runtime_mismatch(artifact, case) if report.passed else None
     except TpuExportError as error:
         return Outcome("refused", refusal_reason(error), str(error))
     except VerificationError as error:
@@ -129,6 +150,8 @@ def check(case: GenerationCase) -> Outcome:
         return Outcome("crash", type(error).__name__, "".join(traceback.format_exception(error))[-3000:])
     if not report.passed:
         return Outcome("silent-mismatch", "fresh prompts do not match generate()", report.failure_summary())
+    if runtime:
+        return Outcome("silent-mismatch", "the runtime's executables do not generate what the program does", runtime)
     return Outcome("ok", detail=f"{report.tokens_compared()} tokens, {report.ties()} tie(s)")
 
 

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -410,8 +411,44 @@ def test_runtime_generates_from_the_cpu_executables_with_the_cache_on_the_device
     assert decode["logits"].shape == (MAX_BATCH, spec.vocab) and prefill["cache_k"].is_deleted()  # donated, updated in place
 
 
-def test_serve_streams_generated_tokens_as_json_lines(llama_generation, tmp_path):
-    artifact, _ = llama_generation
+def test_cpu_executables_update_a_bf16_cache_as_bit_patterns(tmp_path):
+    """The cpu target's executables take and return a bf16 KV cache as uint16 bit patterns (the form
+    XLA:CPU updates in place, lower/cpu_program.py); the runner hands them from step to step and
+    generates what the artifact's own CPU run does."""
+    model = tiny_llama().to(torch.bfloat16)
+    artifact = tpuexport.convert(model, task="text-generation", max_context=32, max_batch=MAX_BATCH, buckets={"seq": [8], "batch": [MAX_BATCH]},
+                                 target="cpu", out=tmp_path / "llama.tpu", saved_model=False, verify_new_tokens=4)
+    buckets = artifact.manifest["targets"]["cpu"]["buckets"]
+    assert all(bucket["state_as_bits"] == ["cache_k", "cache_v"] for bucket in buckets)
+
+    runner = tpuexport.runner(artifact.path)
+    prompts = [[5, 17, 42, 7], [99, 3]]
+    assert [list(step) for step in runner.stream(prompts, max_new_tokens=6)] == [list(step) for step in zip(*artifact.generate(prompts, max_new_tokens=6))]
+    spec = artifact.generation_program.spec
+    cache = [np.zeros(spec.cache_shape, jax.numpy.bfloat16)] * 2
+    prefill = runner.run([np.array([[5, 17] + [0] * 6] * 2), np.array([2, 2]), np.array([0, 1]), *cache], "prefill")
+    assert prefill["cache_k"].dtype == np.uint16 and np.asarray(prefill["cache_k"]).view(jax.numpy.bfloat16).any()
+    bf16_cache = [jax.numpy.asarray(np.asarray(prefill[name]).view(jax.numpy.bfloat16)) for name in ("cache_k", "cache_v")]
+    from_bits = runner.run([np.array([1, 2]), np.array([2, 2]), prefill["cache_k"], prefill["cache_v"]], "decode")
+    from_bf16 = runner.run([np.array([1, 2]), np.array([2, 2]), *bf16_cache], "decode")
+    np.testing.assert_array_equal(from_bits["logits"], from_bf16["logits"])
+    np.testing.assert_array_equal(np.asarray(from_bits["cache_v"]), np.asarray(from_bf16["cache_v"]))
+    assert prefill["cache_k"].is_deleted()  # donated, updated in place
+
+
+@pytest.fixture(scope="module")
+def llama_serving(tmp_path_factory):
+    """The tiny Llama for the cpu target with prefill batches 1 and 2 (the default): requests of one
+    prompt each can join a running decode batch."""
+    return tpuexport.convert(tiny_llama(), task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, buckets={"seq": [16]},
+                             target="cpu", saved_model=False, out=tmp_path_factory.mktemp("llama_serving") / "llama.tpu")
+
+
+def test_serve_batches_generate_requests_continuously(llama_serving, tmp_path):
+    """Concurrent generate requests share the KV cache's slots and its decode steps; a request that
+    finds no free slot waits and joins between two steps of the others; each one streams, as JSON
+    lines, the tokens it would get alone."""
+    artifact = llama_serving
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -429,17 +466,45 @@ def test_serve_streams_generated_tokens_as_json_lines(llama_generation, tmp_path
                     break
             except requests.ConnectionError:
                 time.sleep(0.3)
-        prompts = [[5, 17, 42, 7], [99, 3]]
+        requested = [([5, 17, 42, 7], 4), ([99, 3], 12), ([8, 8, 1], 6)]  # three requests, two slots
 
-        with requests.post(url, json={"prompts": prompts, "max_new_tokens": 6}, stream=True, timeout=120) as answer:
-            assert answer.status_code == 200 and answer.headers["content-type"] == "application/x-ndjson"
-            lines = [json.loads(line) for line in answer.iter_lines() if line]
+        def generate(prompt, max_new_tokens):
+            with requests.post(url, json={"prompts": [prompt], "max_new_tokens": max_new_tokens}, stream=True, timeout=120) as answer:
+                assert answer.status_code == 200 and answer.headers["content-type"] == "application/x-ndjson"
+                return [json.loads(line) for line in answer.iter_lines() if line]
+
+        with ThreadPoolExecutor(len(requested)) as pool:
+            answers = list(pool.map(lambda request: generate(*request), requested))
         bad = requests.post(url, json={"prompts": [[5, 100000]], "max_new_tokens": 6}, timeout=60)
+        two = requests.post(url, json={"prompts": [[5, 17, 42, 7], [99, 3]], "max_new_tokens": 3}, timeout=60)  # one request, two rows
+        metrics = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        # A client that goes away after its first step frees its slots: its request stops within a few
+        # of the 61 decode steps it asked for.
+        def decode_steps():
+            text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            return float(re.search(r'tpuexport_decode_rows_count\{model="llama",version="1"\} (\S+)', text).group(1))
 
-        assert [line["step"] for line in lines[:-1]] == list(range(6))
-        expected = artifact.generate(prompts, max_new_tokens=6)
-        assert [[line["tokens"][row] for line in lines[:-1]] for row in range(2)] == expected == lines[-1]["generated"]
+        before = decode_steps()
+        for _ in range(MAX_BATCH):
+            with requests.post(url, json={"prompts": [[5, 17]], "max_new_tokens": MAX_CONTEXT - 2}, stream=True, timeout=120) as abandoned:
+                next(abandoned.iter_lines())
+        time.sleep(1.0)
+        settled = decode_steps()
+        time.sleep(1.0)
+        assert decode_steps() == settled < before + 10
+        assert generate([99, 3], 2)[-1]["generated"] == artifact.generate([[99, 3]], 2)
+
+        for (prompt, max_new_tokens), lines in zip(requested, answers):
+            assert [line["step"] for line in lines[:-1]] == list(range(max_new_tokens))
+            (alone,) = artifact.generate([prompt], max_new_tokens=max_new_tokens)
+            assert [line["tokens"][0] for line in lines[:-1]] == alone == lines[-1]["generated"][0]
+        assert json.loads(two.text.splitlines()[-1])["generated"] == artifact.generate([[5, 17, 42, 7], [99, 3]], 3)
         assert bad.status_code == 400 and "token id 100000 is outside the vocabulary" in bad.json()["error"]
+        # Decode steps ran two requests' rows at once: more rows than steps.
+        rows = float(re.search(r'tpuexport_decode_rows_sum\{model="llama",version="1"\} (\S+)', metrics).group(1))
+        steps = float(re.search(r'tpuexport_decode_rows_count\{model="llama",version="1"\} (\S+)', metrics).group(1))
+        assert steps < rows < 2 * steps
+        assert 'tpuexport_generated_tokens_total{model="llama",version="1"} ' in metrics
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -76,6 +77,7 @@ import jax
 compiles = []
 jax.monitoring.register_event_duration_secs_listener(
     lambda event, seconds, **kwargs: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+import ml_dtypes
 import numpy as np
 import tpuexport
 runner = tpuexport.runner(sys.argv[1])
@@ -200,3 +202,19 @@ def test_a_model_that_mixes_rows_fails_the_padding_check_and_runs_exact_buckets_
     np.testing.assert_allclose(runner.run({"x": rows})["output_0"], artifact.run(rows).numpy(), rtol=1e-5, atol=1e-6)
     with pytest.raises(TpuExportError, match="batch=2 is outside every compiled bucket .*exact sizes only: padding the batch dim failed"):
         runner.run({"x": rows[:2]})
+
+
+def test_a_bf16_models_executables_load_and_run(tmp_path):
+    """A bfloat16 model's executables name ml_dtypes.bfloat16 in their pickle (the dtype of their
+    arguments); the loader's check lets numpy scalar types through and nothing else of ml_dtypes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).eval().to(torch.bfloat16)
+    batch = torch.export.Dim("batch", min=1, max=8)
+    artifact = tpuexport.convert(model, (torch.randn(2, 8, dtype=torch.bfloat16),), {"input": {0: batch}}, target="cpu",
+                                 out=tmp_path / "bf16.tpu", buckets={"batch": [2]}, saved_model=False)
+
+    runner = tpuexport.runner(artifact.path)
+    rows = np.random.default_rng(0).standard_normal((2, 8)).astype(ml_dtypes.bfloat16)
+    output = runner.run({"input": rows})["output_0"]
+    assert output.dtype == ml_dtypes.bfloat16 and runner.compiled_here is None
+    np.testing.assert_array_equal(output.view(np.uint16), artifact.run(rows).to(torch.float32).numpy().astype(ml_dtypes.bfloat16).view(np.uint16))

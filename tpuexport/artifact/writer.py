@@ -337,6 +337,8 @@ def _bucket_entry(put, result, lowered: LoweredProgram, entry_point: str | None 
         bucket["collectives"] = result.collectives
     if result.kernels:  # which program it was compiled from: kernels with their block sizes, or why not (lower/kernels.py)
         bucket["kernels"] = result.kernels
+    if result.state_as_bits:  # how the runtime passes this executable its state (compile/aot.py, cpu_executable_program)
+        bucket["state_as_bits"] = list(result.state_as_bits)
     return bucket
 
 

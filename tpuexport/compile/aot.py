@@ -36,6 +36,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+import jax
+
 from tpuexport.compile.buckets import Bucket
 from tpuexport.compile.compile_key import compile_key
 from tpuexport.compile.hlo import collectives, matmul_flops_by_types
@@ -43,6 +45,7 @@ from tpuexport.compile.sharding import DATA_AXIS, ShardingPlan, describe_buffers
 from tpuexport.compile.targets import Target
 from tpuexport.errors import TpuExportError
 from tpuexport.lower import LoweredProgram
+from tpuexport.lower.cpu_program import cpu_program, state_positions
 from tpuexport.lower.kernels import BucketKernels
 from tpuexport.lower.lowering import CPU_COMPILER_OPTIONS
 
@@ -97,6 +100,8 @@ class CompiledBucket:
       kernels: which program it was compiled from: the bucket's static program with TPU kernels
         (lower/kernels.py; its attention ops' kernels and block sizes) or the portable one, and why
         ({} when kernels were not asked for).
+      state_as_bits: the bfloat16 state (inputs returned as outputs of the same name: a KV cache)
+        the executable takes and returns as uint16 bit patterns (`cpu_executable_program`).
     """
 
     target: Target
@@ -113,6 +118,7 @@ class CompiledBucket:
     device_ids: tuple[int, ...] = ()
     compile_key: dict = dataclasses.field(default_factory=dict)
     kernels: dict = dataclasses.field(default_factory=dict)
+    state_as_bits: tuple[str, ...] = ()
 
     @property
     def fits_in_hbm(self) -> bool:
@@ -278,7 +284,8 @@ def compile_target(
     with tempfile.TemporaryDirectory(prefix="tpuexport-compile-") as scratch:
         scratch_dir = pathlib.Path(scratch)
         exported_path = scratch_dir / "exported.jaxexport"
-        exported_path.write_bytes(bytes(lowered.exported.serialize()))
+        program, state_as_bits = cpu_executable_program(lowered) if target.platform == "cpu" else (lowered.exported, ())
+        exported_path.write_bytes(bytes(program.serialize()))
         if target.is_slice and plan is None:
             plan = ShardingPlan(((DATA_AXIS, target.devices),), "replicated",
                                 tuple((name, ()) for name in lowered.weight_names),
@@ -294,7 +301,8 @@ def compile_target(
             # Shapes only: the compiler never sees a weight's values (nor needs them, for a plan).
             "weights": [[list(w.shape), str(w.dtype)] for w in lowered.weight_specs],
             "buckets": [
-                {"inputs": [[list(spec.concrete_shape(bucket.as_dict())), spec.dtype] for spec in lowered.signature.inputs],
+                {"inputs": [[list(spec.concrete_shape(bucket.as_dict())), "uint16" if spec.name in state_as_bits else spec.dtype]
+                            for spec in lowered.signature.inputs],
                  "exported": kernel_program}
                 for bucket, kernel_program in zip(buckets, kernel_programs)
             ],
@@ -302,7 +310,24 @@ def compile_target(
             "weight_specs": list(plan.to_json()["weights"].values()) if plan else None,
             "input_specs": list(plan.to_json()["inputs"].values()) if plan else None,
         }
-        return list(_run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan, records))
+        return list(_run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan, records, state_as_bits))
+
+
+def cpu_executable_program(lowered: LoweredProgram) -> tuple[jax.export.Exported, tuple[str, ...]]:
+    """The program an XLA:CPU executable is compiled from: the lowered one, with its bfloat16 state
+    taken and returned as uint16 bit patterns when it has any (lower/cpu_program.py: XLA:CPU then
+    updates a bfloat16 KV cache in place; with bfloat16 arguments each decode step passed over the
+    whole cache once per layer and row, benchmarks/cpu_generation.py).
+
+    Args:
+      lowered: the lowering stage's result.
+    Returns:
+      (the program, the names of the state inputs/outputs it takes and returns as bits).
+    """
+    specs = lowered.signature.inputs
+    cpu = cpu_program(lowered.exported, len(lowered.weight_names),
+                      state_positions([s.name for s in specs], [s.name for s in lowered.signature.outputs], [s.dtype for s in specs]))
+    return cpu.exported, tuple(specs[position].name for position in cpu.bits_inputs)
 
 
 def _kernel_programs(target: Target, buckets: list[Bucket], kernels: dict | None,
@@ -339,7 +364,7 @@ def compiler_options(target: Target) -> dict:
     return dict(CPU_COMPILER_OPTIONS) if target.platform == "cpu" else {}
 
 
-def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan, kernel_records):
+def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan, kernel_records, state_as_bits):
     timeout = compile_timeout()
     # libtpu's start-up warnings go to the child's stderr, kept in a file for crash reports only.
     with open(scratch_dir / "stderr.txt", "w+b") as stderr:
@@ -374,7 +399,8 @@ def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lower
                     if event.get("kernel_error"):  # the static program with kernels did not compile: the portable one did
                         kernels.update(program="portable", reason=f"the program with kernels did not compile for {target.name}: "
                                                                    f"{event['kernel_error'][:200]}")
-                    result = dataclasses.replace(_compiled_bucket(target, bucket, event, scratch_dir, plan, lowered), kernels=kernels)
+                    result = dataclasses.replace(_compiled_bucket(target, bucket, event, scratch_dir, plan, lowered), kernels=kernels,
+                                                 state_as_bits=state_as_bits)
                     if on_compiled:
                         on_compiled(result)
                     yield result

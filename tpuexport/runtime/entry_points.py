@@ -26,11 +26,14 @@ class BucketEntry:
       name: the bucket's name ("batch8").
       sizes: {dim: size}.
       executable: the executable's path inside the artifact.
+      state_as_bits: the bfloat16 state inputs/outputs the executable takes and returns as uint16
+        bit patterns (an XLA:CPU executable's KV cache; compile/aot.py, cpu_executable_program).
     """
 
     name: str
     sizes: dict[str, int]
     executable: str
+    state_as_bits: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +90,8 @@ def entry_points(manifest: dict, target: str) -> dict[str, EntryPoint]:
 
 
 def _buckets(recorded) -> tuple[BucketEntry, ...]:
-    buckets = (BucketEntry(entry["name"], dict(entry["sizes"]), entry["executable"]) for entry in recorded)
+    buckets = (BucketEntry(entry["name"], dict(entry["sizes"]), entry["executable"], tuple(entry.get("state_as_bits", ())))
+               for entry in recorded)
     return tuple(sorted(buckets, key=lambda bucket: tuple(bucket.sizes.values())))
 
 

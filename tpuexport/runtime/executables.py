@@ -3,8 +3,9 @@
 `jax.experimental.serialize_executable` stores an executable as a pickle: the PJRT executable's
 bytes plus jax's own descriptions of its arguments (avals, shardings, layouts). Unpickling may
 call any importable function the pickle names, so before the bytes reach `deserialize_and_load`
-every global they name is checked: only jax's own classes (and its `_unpickle_*` helpers) and
-numpy's `dtype` may appear, as jax writes them. Anything else (`os.system`, `builtins.eval`,
+every global they name is checked: only jax's own classes (and its `_unpickle_*` helpers), numpy's
+`dtype` and ml_dtypes' scalar types (bfloat16, int4, the float8s: the dtypes of a bf16 model's
+arguments) may appear, as jax writes them. Anything else (`os.system`, `builtins.eval`,
 copyreg extension codes) refuses the file, naming what it asked for.
 """
 
@@ -14,6 +15,8 @@ import importlib
 import pickletools
 
 import jax
+import ml_dtypes
+import numpy as np
 from jax.experimental import serialize_executable
 
 from tpuexport.errors import TpuExportError
@@ -60,9 +63,13 @@ def pickle_globals(data: bytes) -> list[tuple[str, str]]:
 
 
 def _allowed(module: str, name: str) -> bool:
-    """jax's classes and `_unpickle_*` helpers, and numpy.dtype: what serialize_executable writes."""
+    """jax's classes and `_unpickle_*` helpers, numpy.dtype and ml_dtypes' scalar types: what
+    serialize_executable writes."""
     if (module, name) == ("numpy", "dtype"):
         return True
+    if module == "ml_dtypes":
+        value = getattr(ml_dtypes, name, None)
+        return isinstance(value, type) and issubclass(value, np.generic)
     if module != "jax" and not module.startswith(("jax.", "jaxlib.")):
         return False
     try:

@@ -34,7 +34,7 @@ import numpy as np
 
 from tpuexport.artifact import Artifact, load, map_weights
 from tpuexport.artifact.manifest import sha256_file
-from tpuexport.compile.aot import compiler_options
+from tpuexport.compile.aot import compiler_options, cpu_executable_program
 from tpuexport.compile.compile_key import compile_key, key_difference
 from tpuexport.compile.slices import resolve_targets
 from tpuexport.errors import TpuExportError
@@ -72,7 +72,8 @@ class Execution:
 
     Attributes:
       outputs: {output name: array}, the padding rows removed (numpy arrays; the entry point's
-        state outputs are device arrays).
+        state outputs are device arrays, for the next call: a bfloat16 state of an XLA:CPU
+        executable comes as its uint16 bit patterns, `BucketEntry.state_as_bits`).
       bucket: the bucket that ran.
       rows: the real rows.
       padded_to: the bucket's rows (equal to `rows` when nothing was padded).
@@ -158,7 +159,7 @@ class Runner:
             values = list(inputs)
             if len(values) != len(specs):
                 raise TpuExportError(f"the model takes {len(specs)} input(s) ({', '.join(s.name for s in specs)}), got {len(values)}")
-        arrays = tuple(_as_input_array(value, spec) for value, spec in zip(values, specs))
+        arrays = tuple(_as_input_array(value, spec, spec.name in entry.state) for value, spec in zip(values, specs))
         try:
             sizes = entry.signature.sizes_of([array.shape for array in arrays])
         except ValueError as error:
@@ -176,6 +177,8 @@ class Runner:
         entry, bucket = request.entry, request.bucket
         padded_to = bucket.sizes[entry.batch_dim] if entry.batch_dim else 1
         arrays = [pad_rows(array, padded_to) for array in request.arrays] if entry.batch_dim else list(request.arrays)
+        arrays = [_state_form(array, spec.name in bucket.state_as_bits) if spec.name in entry.state and spec.dtype == "bfloat16" else array
+                  for array, spec in zip(arrays, entry.signature.inputs)]
         executable, input_shardings = self._executables[(entry.name, bucket.name)]
         # Fresh buffers, donated to the executable (it may reuse them for outputs).
         inputs = [jax.device_put(array, sharding) for array, sharding in zip(arrays, input_shardings)]
@@ -243,7 +246,7 @@ def open_runner(path, target: str | None = None, allow_recompile: bool = False) 
         raise TpuExportError(f"{artifact.path} target {chosen} was compiled for another host: {difference}; convert with --target "
                              f"for this host, or pass --allow-recompile (allow_recompile=True) to compile its StableHLO here")
     if difference:
-        executables = _compile_here(artifact, chosen, entries, devices)
+        executables, entries = _compile_here(artifact, chosen, entries, devices)
     else:
         executables = _load_executables(artifact, entries, devices[0].platform)
     # Every bucket takes the weights with the same layout: place them once, as the first expects.
@@ -340,32 +343,40 @@ def _load_executables(artifact: Artifact, entries: dict[str, EntryPoint], platfo
     return loaded
 
 
-def _compile_here(artifact: Artifact, target: str, entries: dict[str, EntryPoint], devices: list) -> dict:
-    """Compiles the artifact's StableHLO for every bucket on the first local device (allow_recompile).
+def _compile_here(artifact: Artifact, target: str, entries: dict[str, EntryPoint], devices: list) -> tuple[dict, dict[str, EntryPoint]]:
+    """Compiles the artifact's StableHLO for every bucket on the first local device (allow_recompile),
+    on XLA:CPU as the cpu target's executables are compiled (bfloat16 state as bit patterns).
 
     Returns:
-      As `_load_executables`.
+      (as `_load_executables`, the entry points with their buckets' state_as_bits as compiled here).
     """
     if "entry_points" in artifact.manifest:
         generation = artifact.generation_program
-        shared, programs = generation.weights_program, {name: lowered.exported for name, lowered in generation.entry_points.items()}
+        shared, lowered = generation.weights_program, generation.entry_points
     else:
         shared = artifact.program
-        programs = {name: shared.exported for name in entries}
+        lowered = {name: shared for name in entries}
+    programs, bits = {}, {}
+    for name in entries:
+        programs[name], bits[name] = (cpu_executable_program(lowered[name]) if devices[0].platform == "cpu"
+                                      else (lowered[name].exported, ()))
+    entries = {name: dataclasses.replace(entry, buckets=tuple(dataclasses.replace(bucket, state_as_bits=bits[name]) for bucket in entry.buckets))
+               for name, entry in entries.items()}
     device = jax.sharding.SingleDeviceSharding(devices[0])
     weights = [jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=device) for spec in shared.weight_specs]
     options = compiler_options(resolve_targets(["cpu"])[0]) if devices[0].platform == "cpu" else {}
     compiled = {}
     for entry in entries.values():
         for bucket in entry.buckets:
-            inputs = [jax.ShapeDtypeStruct(spec.concrete_shape(bucket.sizes), spec.dtype, sharding=device) for spec in entry.signature.inputs]
+            inputs = [jax.ShapeDtypeStruct(spec.concrete_shape(bucket.sizes), np.uint16 if spec.name in bits[entry.name] else spec.dtype,
+                                           sharding=device) for spec in entry.signature.inputs]
             with warnings.catch_warnings():
                 # Donation helps only where an output can take an input's buffer; jax warns otherwise.
                 warnings.filterwarnings("ignore", "Some donated buffers were not usable")
                 executable = (jax.jit(programs[entry.name].call, donate_argnums=1).trace(weights, inputs).lower()
                               .compile(compiler_options=options or None))
             compiled[(entry.name, bucket.name)] = (executable, [device] * len(inputs), [device] * len(weights))
-    return compiled
+    return compiled, entries
 
 
 def _inside(root: pathlib.Path, relative: str) -> pathlib.Path:
@@ -380,15 +391,28 @@ def _inside(root: pathlib.Path, relative: str) -> pathlib.Path:
     return path
 
 
-def _as_input_array(value, spec) -> np.ndarray:
-    """`value` as an array of the input's dtype (a device array of that dtype as it is).
+def _state_form(array, as_bits: bool):
+    """A bfloat16 state array in the form the executable takes: its uint16 bit patterns (as_bits)
+    or bfloat16. A host array is viewed (no copy); a device array in the other form is converted on
+    the device (a copy: only for state the caller made, an executable's own state comes in its form)."""
+    wanted = np.dtype(np.uint16) if as_bits else np.dtype(jax.numpy.bfloat16)
+    if array.dtype == wanted:
+        return array
+    if isinstance(array, jax.Array):
+        return jax.lax.bitcast_convert_type(array, wanted)
+    return array.view(wanted)
+
+
+def _as_input_array(value, spec, state: bool = False) -> np.ndarray:
+    """`value` as an array of the input's dtype (a device array of that dtype as it is; for a
+    bfloat16 state input, also one of its uint16 bit patterns, as an XLA:CPU executable returns it).
 
     Raises:
       TpuExportError: a value that is not numeric (or bool for a bool input), a dtype of another
         kind (a float for an integer input), or integers outside the program's integer type.
     """
     target = np.dtype(spec.dtype) if spec.dtype != "bfloat16" else np.dtype(jax.numpy.bfloat16)
-    if isinstance(value, jax.Array) and value.dtype == target:
+    if isinstance(value, jax.Array) and (value.dtype == target or (state and target == jax.numpy.bfloat16 and value.dtype == np.uint16)):
         return value  # already on a device (state from the previous call): not copied to the host
     try:
         array = np.asarray(value)

@@ -24,6 +24,9 @@ class Metrics:
       bucket_hits: executions per bucket.
       padded_rows: rows of padding run (waste), by model and version.
       rows: real rows run.
+      decode_rows: rows generating in each decode step of a text-generation model (continuous
+        batching: the requests sharing the step).
+      generated_tokens: tokens generated, by model and version.
     """
 
     def __init__(self):
@@ -39,6 +42,9 @@ class Metrics:
         self.padded_rows = Counter("tpuexport_padded_rows", "Rows of padding executed (waste).", ["model", "version"],
                                    registry=self.registry)
         self.rows = Counter("tpuexport_rows", "Real rows executed.", ["model", "version"], registry=self.registry)
+        self.decode_rows = Histogram("tpuexport_decode_rows", "Rows generating per decode step (continuous batching).",
+                                     ["model", "version"], buckets=BATCH_BUCKETS, registry=self.registry)
+        self.generated_tokens = Counter("tpuexport_generated_tokens", "Tokens generated.", ["model", "version"], registry=self.registry)
 
     def exposition(self) -> bytes:
         """The metrics in Prometheus' text format."""

@@ -12,6 +12,7 @@ from tpuexport.errors import TpuExportError
 from tpuexport.runtime import EntryPoint, Runner, open_runner
 from tpuexport.serve import protos
 from tpuexport.serve.batching import Batcher
+from tpuexport.serve.generation import GenerationScheduler
 from tpuexport.serve.metrics import Metrics
 
 PREDICT_METHOD = "tensorflow/serving/predict"
@@ -29,13 +30,15 @@ class ServedModel:
       name: TF Serving's model name (the manifest's tf_serving.model_name, else the artifact's stem).
       version: its version number.
       runner: the runtime holding its executables.
-      batcher: where its requests queue.
+      batcher: where its predict requests queue.
+      generation: where its generate requests queue (a text-generation artifact), else None.
     """
 
     name: str
     version: int
     runner: Runner
     batcher: Batcher
+    generation: GenerationScheduler | None = None
 
     @property
     def labels(self) -> dict[str, str]:
@@ -106,7 +109,9 @@ class ModelRepository:
                                      "converting, or serve one of them")
             runner = open_runner(artifact, target=target, allow_recompile=allow_recompile)
             labels = {"model": name, "version": str(version)}
-            self.models.setdefault(name, {})[version] = ServedModel(name, version, runner, Batcher(runner, batch_timeout, metrics, labels))
+            generation = GenerationScheduler(runner, metrics, labels) if "entry_points" in artifact.manifest else None
+            self.models.setdefault(name, {})[version] = ServedModel(name, version, runner, Batcher(runner, batch_timeout, metrics, labels),
+                                                                    generation)
 
     def __iter__(self):
         return (model for versions in self.models.values() for model in versions.values())
@@ -132,6 +137,8 @@ class ModelRepository:
         return versions[number]
 
     def close(self) -> None:
-        """Runs the queued requests of every model, then stops their batchers."""
+        """Runs the queued requests of every model, then stops their batchers and generation schedulers."""
         for model in self:
             model.batcher.close()
+            if model.generation is not None:
+                model.generation.close()

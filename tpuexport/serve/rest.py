@@ -20,7 +20,6 @@ unknown model or version, 503 while shutting down.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import time
 
@@ -33,6 +32,7 @@ from starlette.routing import Route
 
 from tpuexport.errors import TpuExportError
 from tpuexport.serve.batching import ShuttingDown
+from tpuexport.serve.generation import GenerationStream
 from tpuexport.serve.metrics import UNKNOWN_MODEL, Metrics
 from tpuexport.serve.models import ModelNotFound, ModelRepository, ServedModel
 
@@ -82,19 +82,25 @@ def create_app(repository: ModelRepository, metrics: Metrics, state: dict, max_b
         return answer
 
     async def generate(request: Request) -> Response:
-        # Each request is its own generation session with its own KV cache on the device; requests
-        # are not batched together (no continuous batching).
+        # Requests share the model's KV cache, continuously batched (serve/generation.py).
         labels = {"model": UNKNOWN_MODEL, "version": ""}
         try:
             model = repository.resolve(request.path_params["name"], request.path_params.get("version"))
             labels = model.labels
             prompts, max_new_tokens = _parse_generate(await _read_json(request, max_body_bytes))
-            steps = model.runner.stream(prompts, max_new_tokens)
-            first = await run_in_threadpool(next, steps)  # the prompts are checked here: a bad one is a 400
+            if model.generation is None:
+                raise BadRequest(f"model {model.name} has no prefill and decode entry points; generation needs a text-generation "
+                                 "artifact (convert with --task text-generation)")
+            steps = model.generation.submit(prompts, max_new_tokens)  # the prompts are checked here: a bad one is a 400
+            first = await run_in_threadpool(next, steps)
         except ModelNotFound as error:
             answer, outcome = _error(404, error), "not_found"
+        except ShuttingDown as error:
+            answer, outcome = _error(503, error), "unavailable"
         except TpuExportError as error:
             answer, outcome = _error(400, error), "bad_request"
+        except Exception as error:  # a failed step: this request fails, the server serves on
+            answer, outcome = _error(500, f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"), "error"
         else:
             answer, outcome = StreamingResponse(_stream_lines(first, steps, len(prompts)), media_type="application/x-ndjson"), "ok"
         metrics.requests.labels(**labels, api="rest_generate", outcome=outcome).inc()
@@ -224,15 +230,21 @@ def _parse_generate(body) -> tuple[list[list[int]], int]:
     return prompts, max_new_tokens
 
 
-def _stream_lines(first: list, steps, rows: int):
-    """The generate answer's JSON lines: each step's tokens, then every prompt's generated tokens."""
+async def _stream_lines(first: list, steps: GenerationStream, rows: int):
+    """The generate answer's JSON lines: each step's tokens, then every prompt's generated tokens.
+    A client that goes away cancels the request (Starlette cancels this generator), freeing its slots."""
     generated: list[list[int]] = [[] for _ in range(rows)]
-    for index, tokens in enumerate(itertools.chain([first], steps)):
-        for row, token in enumerate(tokens):
-            if token is not None:
-                generated[row].append(token)
-        yield json.dumps({"step": index, "tokens": tokens}) + "\n"
-    yield json.dumps({"generated": generated}) + "\n"
+    tokens, index = first, 0
+    try:
+        while tokens is not None:
+            for row, token in enumerate(tokens):
+                if token is not None:
+                    generated[row].append(token)
+            yield json.dumps({"step": index, "tokens": tokens}) + "\n"
+            tokens, index = await run_in_threadpool(next, steps, None), index + 1
+        yield json.dumps({"generated": generated}) + "\n"
+    finally:
+        steps.cancel()
 
 
 def _array(value, name: str) -> np.ndarray:
