@@ -14,6 +14,7 @@ compiled), or plans it with --meta.
     python benchmarks/generation.py targets        # v5e and v5e-8 (tensor-parallel), 8 x 4096, a plan
     python benchmarks/generation.py convert [--shape llama-3.2-1b] [--layers N] [--target v5e,v5e-8] [--sharding tensor-parallel]
                                             [--max-context 4096] [--max-batch 8] [--prefill-seq 128] [--quantize MODE] [--meta]
+                                            [--kv-cache-dtype int8]
 
 Figures per target (per chip): weights, KV cache at max batch x max context, temporaries (XLA's
 memory analysis of the decode step), the largest batch estimated to fit, compile seconds per entry
@@ -141,7 +142,7 @@ def convert(options: argparse.Namespace) -> dict:
         artifact = tpuexport.convert(model, task="text-generation", max_context=options.max_context, max_batch=options.max_batch,
                                      target=options.target.split(","), sharding=options.sharding, precision="bf16",
                                      buckets={"seq": [int(size) for size in options.prefill_seq.split(",")]}, quantize=options.quantize,
-                                     weights=not options.meta, checkpoint=checkpoint, saved_model=False,
+                                     kv_cache_dtype=options.kv_cache_dtype, weights=not options.meta, checkpoint=checkpoint, saved_model=False,
                                      out=pathlib.Path(scratch) / "llm.tpu", progress=progress)
         manifest = artifact.manifest
     verification = manifest.get("verification") or {}
@@ -215,6 +216,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=MAX_BATCH)
     parser.add_argument("--prefill-seq", default="128", help="convert: prefill's prompt-length buckets, comma-separated")
     parser.add_argument("--quantize", help="convert: a weight-only mode (int8-weight-only, int4-weight-only)")
+    parser.add_argument("--kv-cache-dtype", default="model", help="convert: the KV cache's dtype (model or int8)")
     parser.add_argument("--meta", action="store_true", help="convert: plan on the meta device (no weights, not verified)")
     arguments = parser.parse_args()
     if arguments.what == "layouts":

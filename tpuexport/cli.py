@@ -125,13 +125,16 @@ def source_and_target_options(command):
 @click.option("--max-batch", type=int, default=1, show_default=True, help="text-generation: KV cache slots, decode's batch.")
 @click.option("--cache-layout", type=click.Choice(["layer_batch_head_pos", "layer_batch_pos_head"]), default="layer_batch_head_pos",
               show_default=True, help="text-generation: the KV cache's axes.")
+@click.option("--kv-cache-dtype", default="model", show_default=True,
+              help="text-generation: 'model' (the cache in the model's dtype) or 'int8' (int8 keys and values with a scale "
+                   "per layer, slot, kv-head and position, in the model's dtype).")
 @click.option("--verify-new-tokens", type=int, default=8, show_default=True,
               help="text-generation: tokens each verification prompt generates, compared with generate().")
 @handles_errors
 def convert(source, targets, out, buckets, precision, matmul_precision, kernels, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
             shard_inputs, as_json, atol, rtol, scale_tol, verify_budget, verify_sizes, scan, saved_model, model_name, model_version, quantize,
             group_size, keep_float, calibration_file, random_calibration, weights, checkpoint, max_context, max_batch, cache_layout,
-            verify_new_tokens):
+            kv_cache_dtype, verify_new_tokens):
     """Convert SOURCE (a Hugging Face model directory or hf:ORG/NAME with --task, model.pt2, file.py:factory, or model.pt with
     --trust-pickle) into an artifact."""
     overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
@@ -145,7 +148,7 @@ def convert(source, targets, out, buckets, precision, matmul_precision, kernels,
         scan=scan, saved_model=saved_model and weights, model_name=model_name, model_version=model_version, quantize=quantize,
         group_size=group_size, keep_float=keep_float, calibration_file=calibration_file, random_calibration=random_calibration,
         weights=weights, checkpoint=checkpoint, max_context=max_context, max_batch=max_batch, cache_layout=cache_layout,
-        new_tokens=verify_new_tokens,
+        kv_cache_dtype=kv_cache_dtype, new_tokens=verify_new_tokens,
     )
 
 
@@ -303,7 +306,9 @@ def inspect(artifact_dir, as_json):
         generation = data["generation"]
         cross = (f" + cross {generation['cross_shape']} x2 (max source {generation['max_source']})" if "cross_shape" in generation else "")
         console.print(f"  text generation: max batch {generation['max_batch']}, max context {generation['max_context']}, cache "
-                      f"{generation['layout']} {generation['cache_shape']} {generation['dtype']} x2{cross} ({generation['cache_bytes'] / 2**20:.2f} MiB)")
+                      f"{generation['layout']} {generation['cache_shape']} "
+                      f"{'int8 x2 + ' + generation['scale_dtype'] + ' scales ' + str(generation['scale_shape']) + ' x2' if generation.get('kv_cache_dtype') == 'int8' else generation['dtype'] + ' x2'}"
+                      f"{cross} ({generation['cache_bytes'] / 2**20:.2f} MiB)")
         signatures = {name: ProgramSignature.from_json(entry) for name, entry in data["entry_points"].items()}
     else:
         signatures = {"": artifact.signature}

@@ -108,6 +108,8 @@ class ConversionOptions:
         causal LM as prefill and decode entry points over a KV cache; see `_run_generation`).
       max_batch, max_context: the KV cache's slots and positions (text-generation).
       cache_layout: the KV cache's layout (export.CACHE_LAYOUTS; text-generation).
+      kv_cache_dtype: "model" (the cache in the model's dtype) or "int8" (int8 keys and values
+        with per-vector scales; export.KV_CACHE_DTYPES; text-generation).
       new_tokens: tokens generated per prompt by the generation verification.
     """
 
@@ -137,6 +139,7 @@ class ConversionOptions:
     max_batch: int = 1
     max_context: int | None = None
     cache_layout: str = export_stage.DEFAULT_CACHE_LAYOUT
+    kv_cache_dtype: str = "model"
     new_tokens: int = verify_stage.DEFAULT_NEW_TOKENS
 
 
@@ -433,6 +436,13 @@ def _check_options(options: ConversionOptions) -> tuple[list, list]:
             raise TpuExportError("--task text-generation needs --max-context N (positions per cache slot), e.g. --max-context 2048")
     elif options.max_context is not None or options.max_batch != 1:
         raise TpuExportError("--max-context / --max-batch apply to --task text-generation only; add --task text-generation or drop them")
+    export_stage.check_kv_cache_dtype(options.kv_cache_dtype)
+    if options.kv_cache_dtype != "model" and options.task != "text-generation":
+        raise TpuExportError(f"--kv-cache-dtype {options.kv_cache_dtype} applies to --task text-generation only (a forward program has "
+                             "no KV cache); add --task text-generation or drop it")
+    if options.kv_cache_dtype == "int8" and options.quantize in ("int8", "int8-dynamic"):
+        raise TpuExportError(f"--kv-cache-dtype int8 with --quantize {options.quantize} is not supported yet (PT2E would quantize "
+                             "around the cache's own int8 rounding); use it with a weight-only mode or without --quantize")
     if options.quantize and not options.weights and _weight_only_scheme(options) is None:
         raise TpuExportError("--quantize int8/int8-dynamic needs the model's weights (it calibrates and rounds them); plan without it "
                              "or with a weight-only mode")
@@ -790,6 +800,7 @@ def _seq2seq_passes(loaded: export_stage.LoadedSource, options: ConversionOption
     """
     model = loaded.model
     unsupported = [what for what, given in (("--quantize", options.quantize), ("--checkpoint", loaded.checkpoint is not None),
+                                             ("--kv-cache-dtype int8", options.kv_cache_dtype == "int8"),
                                              ("a slice target", slices), ("a plan (--no-weights)", not options.weights)) if given]
     if unsupported:
         raise TpuExportError(f"--task text-generation of an encoder-decoder ({type(model).__name__}) does not support {unsupported[0]} yet; "
@@ -851,13 +862,14 @@ def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOpt
     if unknown:
         raise TpuExportError(f"--bucket {unknown[0]} is not a dim of text generation; prefill's dims are batch and seq (prompt length)")
     spec = export_stage.generation_spec(model, options.max_batch, options.max_context, options.cache_layout,
-                                        tuple(requested["seq"]) if "seq" in requested else None)
+                                        tuple(requested["seq"]) if "seq" in requested else None, options.kv_cache_dtype)
     prefill_batches = tuple(sorted(set(requested.get("batch") or {1, options.max_batch})))
     if not all(1 <= batch <= options.max_batch for batch in prefill_batches):
         raise TpuExportError(f"--bucket batch={','.join(map(str, prefill_batches))} is out of range: prefill batches are 1..{options.max_batch} "
                              "(--max-batch)")
     with clock.stage("export", lambda: f"entry points prefill (batch {list(prefill_batches)} x seq {list(spec.prefill_buckets)}) and "
-                                       f"decode (batch {spec.max_batch}); cache {spec.layout} {list(spec.cache_shape)} {spec.dtype}"):
+                                       f"decode (batch {spec.max_batch}); cache {spec.layout} {list(spec.cache_shape)} "
+                                       f"{f'int8 + {spec.scale_dtype} scales' if spec.quantized else spec.dtype}"):
         modules = export_stage.entry_point_modules(model, spec)
         # With a checkpoint, each entry point is exported on the meta device and its weights are the one
         # checkpoint copy's tensors (the same tensors for both: one set of weights, streamed once).
@@ -907,6 +919,8 @@ def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOpt
                 if quantized:  # int8: against the PT2E entry points, as forward int8 programs are
                     references = {name: result.captured.reference for name, result in quantized.items()}
                     report = verify_stage.verify_quantized_generation(program, model, references, tolerances, options.new_tokens)
+                elif spec.quantized:
+                    report = _verify_int8_kv(program, model, modules, checkpoint_model, lowered, weight_only, tolerances, options, scratch, clock)
                 else:
                     # A weight-only program is compared with generate() on the model with those weights dequantized;
                     # its distance from the float model's generate() is measured too.
@@ -939,6 +953,31 @@ def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOpt
 # query-by-key tiles); a ragged/paged decode kernel reads the cache in the layout it pages.
 DECODE_KERNEL_REASON = ("decode: one query per row over the KV cache; the flash kernel tiles queries, and a ragged/paged "
                         "decode attention kernel is not used yet")
+
+
+def _verify_int8_kv(program: lower_stage.GenerationProgram, model: torch.nn.Module, modules: dict, checkpoint_model, lowered: dict,
+                    weight_only, tolerances, options: ConversionOptions, scratch: pathlib.Path | None, clock: StageClock):
+    """The verify pass of an int8-KV program: against its entry points run eagerly with the artifact's
+    weights (a weight-only program's rounded, as `_generation_passes` rounds them for generate()),
+    and measured against the float model's generate() (verify/int8_kv_generation.py).
+
+    Args:
+      program, lowered: the generation program and its entry points; model: the user's model;
+      modules: the entry-point modules over `model`; checkpoint_model: the model with the
+      checkpoint's tensors (streamed conversions) or None; weight_only: the weight-only scheme or
+      None; tolerances: the float tolerances; options, scratch, clock: the conversion's.
+    Returns:
+      The GenerationReport.
+    """
+    float_model = model if checkpoint_model is None else checkpoint_model
+    float_reference = verify_stage.eager_references(program, float_model, options.new_tokens)
+    if checkpoint_model is None:
+        with _dequantized_weights(modules["decode"], lowered["decode"], weight_only):
+            return verify_stage.verify_int8_kv_generation(program, modules, tolerances, float_reference, options.new_tokens)
+    eager_model = checkpoint_model if weight_only is None else _dequantized_checkpoint_model(
+        model, checkpoint_model, lowered["decode"], weight_only, scratch, clock)
+    return verify_stage.verify_int8_kv_generation(program, export_stage.entry_point_modules(eager_model, program.spec), tolerances,
+                                                  float_reference, options.new_tokens)
 
 
 def _generation_kernels(mode: str, lowered: dict, buckets: dict, targets: list, clock: StageClock) -> tuple[dict, dict]:
@@ -1063,7 +1102,10 @@ def _plan_generation_slices(request: compile_stage.ShardingRequest, slices: list
             cache_spec[2 if spec.layout == "layer_batch_head_pos" else 3] = "model"
         if "data" in axes and request.preset in ("data-parallel", "fsdp", "tensor-parallel"):
             cache_spec[1] = "data"
-        rules = tuple((name, tuple(cache_spec)) for name in export_stage.CACHE_INPUTS)
+        # An int8 cache's scales ([layers, batch, kv_heads, context]) split alike: heads on axis 2, batch on 1.
+        scale_spec = [None, cache_spec[1], cache_spec[2 if spec.layout == "layer_batch_head_pos" else 3], None]
+        rules = (tuple((name, tuple(cache_spec)) for name in export_stage.CACHE_INPUTS)
+                 + tuple((name, tuple(scale_spec)) for name in spec.cache_inputs if name not in export_stage.CACHE_INPUTS))
         entry_request = dataclasses.replace(request, input_rules=rules + request.input_rules)
         with clock.stage(f"plan {target.name} {entry_point}", lambda: _describe_plan(plans[target.name])):
             plans[target.name] = compile_stage.plan_sharding(entry_request, target, lowered.weight_names, lowered.weight_specs,
@@ -1073,7 +1115,8 @@ def _plan_generation_slices(request: compile_stage.ShardingRequest, slices: list
 
 def _describe_generation(report, first_entry_point: str = "prefill") -> str:
     worst = report.worst_errors()
-    reference = "the PT2E entry points" if isinstance(report, verify_stage.QuantizedGenerationReport) else "generate()"
+    reference = ("the PT2E entry points" if isinstance(report, verify_stage.QuantizedGenerationReport)
+                 else "the eager int8-KV entry points" if report.against == verify_stage.INT8_KV_AGAINST else "generate()")
     described = (f"{len(report.cases)} {first_entry_point} bucket(s) + decode, {report.tokens_compared()} tokens compared with {reference}, "
                  f"{'passed' if report.passed else 'FAILED'} ({report.ties()} tie(s)); worst logits relative RMS error {worst['tpu']:.1e} "
                  f"as the TPU computes, {worst['cpu']:.1e} in f32")

@@ -25,6 +25,10 @@ XLA copy the whole cache for each layer (XLA's analysis of the Llama-3.2-1B deco
 batch 8 x 4096: 5.2x the bytes of the weights + cache; see
 benchmarks/results/generation_decode_write.md).
 
+With --kv-cache-dtype int8 the cache holds int8 keys and values, and two more tensors, their scales
+(cache_k_scale, cache_v_scale), follow cache_k and cache_v in every signature: `FunctionalKVCache`
+quantizes on write and dequantizes on read, so these modules define what the artifact computes.
+
 The KV cache is a `transformers.cache_utils.Cache` whose `update` writes functionally; the model
 gets a prepared 4D additive mask (transformers' mask functions return a 4D mask as it is) and
 explicit position ids, so no code of the model's depends on a cache length.
@@ -49,6 +53,23 @@ DEFAULT_CACHE_LAYOUT = "layer_batch_head_pos"
 ENTRY_POINTS = ("prefill", "decode")
 # The KV cache: an input and an output (same name) of every entry point, donated when compiled.
 CACHE_INPUTS = ("cache_k", "cache_v")
+# An int8 cache's scales, inputs and outputs like the cache (donated too), after it in every signature.
+CACHE_SCALE_INPUTS = ("cache_k_scale", "cache_v_scale")
+# --kv-cache-dtype: "model" stores keys and values in the model's dtype; "int8" stores them as
+# symmetric int8 per (layer, slot, kv-head, position), scale = absmax over head_dim / 127 (as
+# MaxText's kv_quant and vLLM store an int8 cache), the scales in the model's dtype.
+#
+# Scales in the model's dtype, not always float32, measured (benchmarks/kv_int8.py scales,
+# results/kv_int8.txt; a tiny Llama's cached keys and values, quantized and dequantized): in a bf16
+# model, bf16 scales 46.20 dB reconstruction SQNR vs 45.78 with f32 scales (attention reads bf16, so
+# an f32 scale is rounded at dequantization but was not when quantizing), and 3% fewer cache bytes
+# (2 vs 4 bytes per 64 int8 values; the TPU pads neither: v5e decode step of 2 Llama-1B layers at
+# 8 x 4096, arguments 0.780 vs 0.782 GiB); in an f32 model, f32 scales 46.63 vs 46.51 dB.
+KV_CACHE_DTYPES = ("model", "int8")
+# Scales are [layers, batch, kv_heads, context] whatever the cache's layout: positions, the long
+# axis, minor (the TPU tiles the two minor axes by 8 x 128; measured unpadded with the default
+# layout, results/kv_int8.txt), and one scale layout for the write ops of both cache layouts.
+SCALE_LAYOUT = "layer_batch_head_pos"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +84,8 @@ class GenerationSpec:
       dtype: the cache's dtype (the model's, torch name, e.g. "float32", "bfloat16").
       layout: one of CACHE_LAYOUTS.
       prefill_buckets: the prompt lengths (`seq` sizes) prefill is compiled for.
+      kv_cache_dtype: one of KV_CACHE_DTYPES: "model" (keys and values in `dtype`) or "int8"
+        (int8 keys and values with scales in `dtype`, see `quantize_kv`).
     """
 
     max_batch: int
@@ -74,6 +97,35 @@ class GenerationSpec:
     dtype: str
     layout: str
     prefill_buckets: tuple[int, ...]
+    kv_cache_dtype: str = "model"
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the cache holds int8 keys and values with scales."""
+        return self.kv_cache_dtype == "int8"
+
+    @property
+    def cache_inputs(self) -> tuple[str, ...]:
+        """The cache's tensors, in the entry points' input (and output) order."""
+        return CACHE_INPUTS + (CACHE_SCALE_INPUTS if self.quantized else ())
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """An int8 cache's scales: [layers, max_batch, kv_heads, max_context] (SCALE_LAYOUT)."""
+        return (self.layers, self.max_batch, self.kv_heads, self.max_context)
+
+    @property
+    def scale_dtype(self) -> str:
+        """An int8 cache's scales' dtype: the model's (see KV_CACHE_DTYPES)."""
+        return self.dtype
+
+    def cache_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{cache input name: (shape, torch dtype name)} in cache_inputs order."""
+        stored = "int8" if self.quantized else self.dtype
+        tensors = {name: (self.cache_shape, stored) for name in CACHE_INPUTS}
+        if self.quantized:
+            tensors.update({name: (self.scale_shape, self.scale_dtype) for name in CACHE_SCALE_INPUTS})
+        return tensors
 
     @property
     def cache_shape(self) -> tuple[int, ...]:
@@ -83,14 +135,21 @@ class GenerationSpec:
 
     @property
     def cache_bytes(self) -> int:
-        """Bytes of the keys and values together."""
-        count = 1
-        for size in self.cache_shape:
-            count *= size
-        return 2 * count * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        """Bytes of the keys and values together (and of their scales, for an int8 cache)."""
+        total = 0
+        for shape, dtype in self.cache_tensors().values():
+            count = 1
+            for size in shape:
+                count *= size
+            total += count * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        return total
 
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "prefill_buckets": list(self.prefill_buckets), "cache_shape": list(self.cache_shape)}
+        data = {**dataclasses.asdict(self), "prefill_buckets": list(self.prefill_buckets), "cache_shape": list(self.cache_shape)}
+        if not self.quantized:  # a model-dtype cache's manifest is as it was before the option
+            del data["kv_cache_dtype"]
+            return data
+        return {**data, "scale_shape": list(self.scale_shape), "scale_dtype": self.scale_dtype, "scale_layout": SCALE_LAYOUT}
 
     @classmethod
     def from_json(cls, data: dict) -> "GenerationSpec":
@@ -99,28 +158,64 @@ class GenerationSpec:
         return cls(**{**values, "prefill_buckets": tuple(values["prefill_buckets"])})
 
 
+def quantize_kv(new: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys or values [..., head_dim] as an int8 cache stores them: symmetric per vector, scale =
+    absmax over head_dim / 127 in `scale_dtype`, q = round(x / scale) with the scale as stored (0
+    where the vector is 0).
+
+    Returns:
+      (q int8 [..., head_dim], scale [...]).
+    """
+    scale = (new.abs().amax(-1).to(torch.float32) / 127.0).to(scale_dtype)
+    divisor = torch.where(scale == 0, torch.ones_like(scale), scale).to(torch.float32)
+    q = torch.round(new.to(torch.float32) / divisor[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What attention reads from an int8 cache: q * scale, computed in `dtype` (the model's, which the
+    scales are stored in: one rounding. With f32 scales an f32 product cast to bf16 took 0.065 instead
+    of 0.045 GiB of temporaries in the Llama-1B decode step on v5e, results/kv_int8.txt)."""
+    return q.to(dtype) * scale.to(dtype)[..., None]
+
+
 class FunctionalKVCache:
     """How one entry point reads and writes the cache tensors; `KVCache` calls it per layer.
 
-    Subclasses decide where a step's keys go (`write`) and what attention reads (`read`).
+    Subclasses decide where a step's keys go (`write`) and what attention reads (`read`). An int8
+    cache (scales given) is quantized on write and dequantized on read here, so the eager entry
+    points define what the lowered ones compute.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, layout: str):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, layout: str, key_scales: torch.Tensor | None = None,
+                 value_scales: torch.Tensor | None = None):
         self.keys = keys
         self.values = values
         self.layout = layout
+        self.scales = None if key_scales is None else [key_scales, value_scales]
+
+    def stored(self, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """New keys or values as the cache stores them: (int8, scales) for an int8 cache, else (new in the cache's dtype, None)."""
+        if self.scales is None:
+            return new.to(self.keys.dtype), None
+        return quantize_kv(new, self.scales[0].dtype)
 
     def update(self, new_keys: torch.Tensor, new_values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes a layer's new keys/values ([batch, heads, steps, head_dim]) and returns what attention reads."""
-        self.keys = self.write(self.keys, new_keys, layer)
-        self.values = self.write(self.values, new_values, layer)
+        (key_q, key_scale), (value_q, value_scale) = self.stored(new_keys), self.stored(new_values)
+        self.keys = self.write(self.keys, key_q, layer)
+        self.values = self.write(self.values, value_q, layer)
+        if self.scales is not None:
+            self.scales = [self.write(self.scales[0], key_scale, layer, SCALE_LAYOUT), self.write(self.scales[1], value_scale, layer, SCALE_LAYOUT)]
         return self.read(self.keys, new_keys, layer), self.read(self.values, new_values, layer)
 
-    def written(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cache tensors (keys, values) once every layer has been updated: the entry point's outputs."""
-        return self.keys, self.values
+    def written(self) -> tuple[torch.Tensor, ...]:
+        """The cache tensors (keys, values[, key scales, value scales]) once every layer has been
+        updated: the entry point's outputs."""
+        return (self.keys, self.values) + tuple(self.scales or ())
 
-    def write(self, cache: torch.Tensor, new: torch.Tensor, layer: int) -> torch.Tensor:
+    def write(self, cache: torch.Tensor, new: torch.Tensor, layer: int, layout: str | None = None) -> torch.Tensor:
+        """`cache` with a layer's `new` entries (stored form) written; layout None: the cache's."""
         raise NotImplementedError
 
     def read(self, cache: torch.Tensor, new: torch.Tensor, layer: int) -> torch.Tensor:
@@ -129,14 +224,15 @@ class FunctionalKVCache:
 
 class PrefillCache(FunctionalKVCache):
     """Prefill: row r's keys for positions 0..seq-1 go to slot slots[r]; attention reads the
-    prompt's own keys (a fresh prompt sees nothing older)."""
+    prompt's own keys (a fresh prompt sees nothing older), unrounded in an int8 cache too, as
+    serving engines prefill."""
 
-    def __init__(self, keys, values, layout, slots: torch.Tensor):
-        super().__init__(keys, values, layout)
+    def __init__(self, keys, values, layout, slots: torch.Tensor, key_scales=None, value_scales=None):
+        super().__init__(keys, values, layout, key_scales, value_scales)
         self.slots = slots
 
-    def write(self, cache, new, layer):
-        return write_prefill_cache(cache, new.to(cache.dtype), layer, self.slots, self.layout)
+    def write(self, cache, new, layer, layout=None):
+        return write_prefill_cache(cache, new, layer, self.slots, layout or self.layout)
 
     def read(self, cache, new, layer):
         return new
@@ -148,47 +244,61 @@ class DecodeCache(FunctionalKVCache):
 
     Every write waits until the last layer has read (`written`): attention reads the cache as the
     step received it, with the new key selected in at its position (the values the write would
-    store), so no read of the cache follows a write into it (see the module's docstring).
+    store: in an int8 cache, quantized and dequantized, so this step reads what later steps will),
+    so no read of the cache follows a write into it (see the module's docstring).
     """
 
-    def __init__(self, keys, values, layout, positions: torch.Tensor):
-        super().__init__(keys, values, layout)
+    def __init__(self, keys, values, layout, positions: torch.Tensor, key_scales=None, value_scales=None):
+        super().__init__(keys, values, layout, key_scales, value_scales)
         self.positions = positions
-        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, new keys, new values), in call order
+        # (layer, [(stored keys, their scales), (stored values, their scales)]), in call order
+        self.pending: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor | None]]]] = []
 
     def update(self, new_keys, new_values, layer):
-        self.pending.append((layer, new_keys, new_values))
-        return self.read(self.keys, new_keys, layer), self.read(self.values, new_values, layer)
+        stored = [self.stored(new_keys[:, :, 0]), self.stored(new_values[:, :, 0])]
+        self.pending.append((layer, stored))
+        return (self.read(self.keys, stored[0], layer, 0, new_keys.dtype),
+                self.read(self.values, stored[1], layer, 1, new_values.dtype))
 
     def written(self):
-        keys, values = self.keys, self.values
-        for layer, new_keys, new_values in self.pending:
-            keys = self.write(keys, new_keys, layer)
-            values = self.write(values, new_values, layer)
-        return keys, values
+        keys, values, scales = self.keys, self.values, list(self.scales or ())
+        for layer, ((key_q, key_scale), (value_q, value_scale)) in self.pending:
+            keys = self.write(keys, key_q, layer)
+            values = self.write(values, value_q, layer)
+            if scales:
+                scales = [self.write(scales[0], key_scale, layer, SCALE_LAYOUT), self.write(scales[1], value_scale, layer, SCALE_LAYOUT)]
+        return (keys, values) + tuple(scales)
 
-    def write(self, cache, new, layer):
-        return write_decode_cache(cache, new[:, :, 0].to(cache.dtype), layer, self.positions, self.layout)
+    def write(self, cache, new, layer, layout=None):
+        return write_decode_cache(cache, new, layer, self.positions, layout or self.layout)
 
-    def read(self, cache, new, layer):
+    def read(self, cache, stored, layer, which, dtype):
+        """Attention's keys (which 0) or values (1) of `layer`: the cache as received, the step's
+        `stored` (q, scale) selected in at each row's position, in `dtype`."""
         layer_cache = cache[layer]
         if self.layout == "layer_batch_pos_head":
             layer_cache = layer_cache.transpose(1, 2)
+        new, scale = stored
+        if self.scales is not None:
+            layer_cache = dequantize_kv(layer_cache, self.scales[which][layer], dtype)
+            new = dequantize_kv(new, scale, dtype)
         keys = torch.arange(layer_cache.shape[2], device=new.device)
         current = keys[None, None, :, None] == self.positions[:, None, None, None]
-        return torch.where(current, new.to(cache.dtype), layer_cache).to(new.dtype)
+        return torch.where(current, new[:, :, None].to(layer_cache.dtype), layer_cache).to(dtype)
 
 
 @torch.library.custom_op("tpuexport::write_prefill_cache", mutates_args=())
 def write_prefill_cache(cache: torch.Tensor, new: torch.Tensor, layer: int, slots: torch.Tensor, layout: str) -> torch.Tensor:
     """The cache with row r's new keys or values ([batch, kv_heads, steps, head_dim]) at positions
     0..steps-1 of slot slots[r] in one layer; a slot outside 0..max_batch-1 is clamped onto it.
+    An int8 cache's scales ([layers, batch, kv_heads, context], new [batch, kv_heads, steps]) are
+    written by the same op in layout "layer_batch_head_pos".
 
     One op, not `index_put`, for the reason `write_decode_cache` gives (a scatter relayouts the
     whole cache on TPU: 7.2x the cache's bytes for a batch of 8 prompts of 128 tokens into an 8 x
     4096 cache on v5e); lower/generation.py lowers it as a loop over the rows, one
     `dynamic_update_slice` each (0.2x). This is its eager meaning."""
-    batch, heads, steps, _ = new.shape
+    batch, heads, steps = new.shape[:3]  # an int8 cache's scales have no head_dim
     slots = slots.clamp(0, cache.shape[1] - 1)
     index = torch.full((1,), layer, dtype=torch.long, device=new.device)
     positions = torch.arange(steps, device=new.device)
@@ -207,7 +317,9 @@ def _(cache, new, layer, slots, layout):
 def write_decode_cache(cache: torch.Tensor, new: torch.Tensor, layer: int, positions: torch.Tensor, layout: str) -> torch.Tensor:
     """The cache with row r's new key or value ([batch, kv_heads, head_dim]) at position positions[r]
     of slot r in one layer; a position outside 0..max_context-1 is clamped onto it (the write lands
-    on the slot's first or last position, as dynamic_update_slice does).
+    on the slot's first or last position, as dynamic_update_slice does). An int8 cache's scales
+    ([layers, batch, kv_heads, context], new [batch, kv_heads]) are written by the same op in layout
+    "layer_batch_head_pos".
 
     One op, not `index_put`, because of the TPU's layout of the cache: with head_dim (64) its minor
     dim, the TPU keeps the cache with its positions minor, and XLA's scatter wants the written
@@ -215,7 +327,7 @@ def write_decode_cache(cache: torch.Tensor, new: torch.Tensor, layer: int, posit
     6x the cache's bytes per step). lower/generation.py lowers this op as one
     `dynamic_update_slice` per row, which updates the donated cache in place in any layout. This is
     its eager meaning."""
-    batch, heads, _ = new.shape
+    batch, heads = new.shape[:2]  # an int8 cache's scales have no head_dim
     rows = torch.arange(batch, device=new.device)
     context = cache.shape[3] if layout == "layer_batch_head_pos" else cache.shape[2]
     positions = positions.clamp(0, context - 1)
@@ -310,6 +422,8 @@ class _EntryPoint(nn.Module):
         self.model = model
         self.spec = spec
         self.windows = attention_windows(model)
+        # The dtype the model computes in (an int8 cache's is not): the masks' and attention's.
+        self.model_dtype = getattr(torch, spec.dtype)
 
     def hidden_states(self, tokens, mask, positions, cache) -> torch.Tensor:
         output = self.model.base_model(input_ids=tokens, attention_mask=mask, position_ids=positions,
@@ -328,36 +442,33 @@ class _EntryPoint(nn.Module):
 class Prefill(_EntryPoint):
     cache_type = PrefillCache
 
-    def forward(self, tokens, lengths, slots, cache_k, cache_v):
+    def forward(self, tokens, lengths, slots, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None):
         batch, steps = tokens.shape
         # One batch dim for the three inputs (torch.export may otherwise give each its own symbol).
         torch._check(lengths.shape[0] == batch)
         torch._check(slots.shape[0] == batch)
-        dtype = cache_k.dtype
+        dtype = self.model_dtype
         positions = torch.arange(steps, device=tokens.device)
         mask = _causal_masks(self.windows, positions[None, :].expand(batch, steps), positions, dtype)
-        cache = self.cache_type(cache_k, cache_v, self.spec.layout, slots)
+        cache = self.cache_type(cache_k, cache_v, self.spec.layout, slots, cache_k_scale, cache_v_scale)
         hidden = self.hidden_states(tokens, mask, positions[None, :].expand(batch, steps), cache)
         last = hidden[torch.arange(batch, device=tokens.device), lengths - 1]
-        cache_k, cache_v = cache.written()
-        return {"logits": self.logits(last), "cache_k": cache_k, "cache_v": cache_v}
+        return {"logits": self.logits(last), **dict(zip(self.spec.cache_inputs, cache.written()))}
 
 
 class Decode(_EntryPoint):
     cache_type = DecodeCache
 
-    def forward(self, tokens, positions, cache_k, cache_v):
-        dtype = cache_k.dtype
+    def forward(self, tokens, positions, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None):
         keys = torch.arange(self.spec.max_context, device=tokens.device)
-        mask = _causal_masks(self.windows, positions[:, None], keys, dtype)
-        cache = self.cache_type(cache_k, cache_v, self.spec.layout, positions)
+        mask = _causal_masks(self.windows, positions[:, None], keys, self.model_dtype)
+        cache = self.cache_type(cache_k, cache_v, self.spec.layout, positions, cache_k_scale, cache_v_scale)
         hidden = self.hidden_states(tokens[:, None], mask, positions[:, None], cache)
-        cache_k, cache_v = cache.written()
-        return {"logits": self.logits(hidden[:, 0]), "cache_k": cache_k, "cache_v": cache_v}
+        return {"logits": self.logits(hidden[:, 0]), **dict(zip(self.spec.cache_inputs, cache.written()))}
 
 
 def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: str = DEFAULT_CACHE_LAYOUT,
-                    prefill_buckets: tuple[int, ...] | None = None) -> GenerationSpec:
+                    prefill_buckets: tuple[int, ...] | None = None, kv_cache_dtype: str = "model") -> GenerationSpec:
     """The cache a Hugging Face decoder LM needs at these limits.
 
     Args:
@@ -366,6 +477,7 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
       layout: one of CACHE_LAYOUTS.
       prefill_buckets: prompt lengths prefill is compiled for; None for the default (128, 512,
         2048 below max_context, and max_context).
+      kv_cache_dtype: one of KV_CACHE_DTYPES.
     Returns:
       The GenerationSpec.
     Raises:
@@ -377,6 +489,7 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
                              f"got {type(model).__name__}")
     if getattr(config, "is_encoder_decoder", False):
         raise TpuExportError(f"--task text-generation supports decoder-only LMs; {type(model).__name__} is an encoder-decoder")
+    check_kv_cache_dtype(kv_cache_dtype)
     if layout not in CACHE_LAYOUTS:
         raise TpuExportError(f"unknown cache layout {layout!r}; use one of {', '.join(CACHE_LAYOUTS)}")
     if max_batch < 1 or max_context < 2:
@@ -402,7 +515,14 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
             raise TpuExportError(f"prefill bucket seq={size} is out of range: prompt lengths are 2..{max_context} (--max-context)")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return GenerationSpec(max_batch, max_context, layers, kv_heads, head_dim, model.get_output_embeddings().weight.shape[0], dtype,
-                          layout, tuple(sorted(set(prefill_buckets))))
+                          layout, tuple(sorted(set(prefill_buckets))), kv_cache_dtype)
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    """Raises TpuExportError (one line) for a --kv-cache-dtype not in KV_CACHE_DTYPES."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise TpuExportError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)} "
+                             "(model: the model's dtype)")
 
 
 def entry_point_modules(model: nn.Module, spec: GenerationSpec, prefill: type[Prefill] = Prefill,
@@ -425,17 +545,16 @@ def example_arguments(spec: GenerationSpec, device: str = "cpu") -> dict[str, tu
     Returns:
       {entry point name: (example args, dynamic_shapes)}.
     """
-    dtype = getattr(torch, spec.dtype)
-    cache = (torch.zeros(spec.cache_shape, dtype=dtype, device=device), torch.zeros(spec.cache_shape, dtype=dtype, device=device))
+    cache = tuple(torch.zeros(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype in spec.cache_tensors().values())
     example_seq = max(2, min(spec.prefill_buckets[0], spec.max_context))
     seq = torch.export.Dim("seq", min=2, max=spec.max_context)
     prefill_args = (torch.ones((spec.max_batch, example_seq), dtype=torch.long),
                     torch.full((spec.max_batch,), example_seq, dtype=torch.long),
                     torch.arange(spec.max_batch, dtype=torch.long), *cache)
     if spec.max_batch == 1:  # one slot: prefill's batch is the static 1
-        prefill_shapes = ({1: seq}, None, None, None, None)
+        prefill_shapes = ({1: seq}, None, None, *[None] * len(cache))
     else:
         batch = torch.export.Dim("batch", min=1, max=spec.max_batch)
-        prefill_shapes = ({0: batch, 1: seq}, {0: batch}, {0: batch}, None, None)
+        prefill_shapes = ({0: batch, 1: seq}, {0: batch}, {0: batch}, *[None] * len(cache))
     decode_args = (torch.ones((spec.max_batch,), dtype=torch.long), torch.zeros((spec.max_batch,), dtype=torch.long), *cache)
     return {"prefill": (prefill_args, prefill_shapes), "decode": (decode_args, None)}

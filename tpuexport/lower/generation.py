@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export.generation import CACHE_INPUTS, ENTRY_POINTS, GenerationSpec
+from tpuexport.export.generation import ENTRY_POINTS, GenerationSpec
 from tpuexport.lower.lowering import LoweredProgram
 from tpuexport.lower.registry import register_lowering
 
@@ -32,7 +32,8 @@ def write_prefill_cache(cache, new, layer: int, slots, layout: str):
 
     Args:
       cache: the cache in `layout` (as for write_decode_cache); new: [batch, kv_heads, steps,
-        head_dim]; layer: the layer written; slots: [batch], each row's cache slot.
+        head_dim] (an int8 cache's scales: cache [layers, batch, kv_heads, context], new [batch,
+        kv_heads, steps]); layer: the layer written; slots: [batch], each row's cache slot.
     Returns:
       The cache with the rows written at positions 0..steps-1.
     """
@@ -40,7 +41,7 @@ def write_prefill_cache(cache, new, layer: int, slots, layout: str):
 
     def write_row(row, cache):
         update = jax.lax.dynamic_index_in_dim(rows, row, 0, keepdims=True)[None].astype(cache.dtype)
-        return jax.lax.dynamic_update_slice(cache, update, (layer, slots[row], 0, 0, 0))
+        return jax.lax.dynamic_update_slice(cache, update, (layer, slots[row]) + (0,) * (cache.ndim - 2))
 
     return jax.lax.fori_loop(0, rows.shape[0], write_row, cache)
 
@@ -56,14 +57,16 @@ def write_decode_cache(cache, new, layer: int, positions, layout: str):
     Args:
       cache: [layers, batch, kv_heads, context, head_dim] ("layer_batch_head_pos") or [layers,
         batch, context, kv_heads, head_dim]; new: [batch, kv_heads, head_dim]; layer: the layer
-        written; positions: [batch], each row's position; layout: the cache layout.
+        written; positions: [batch], each row's position; layout: the cache layout. An int8
+        cache's scales: [layers, batch, kv_heads, context] and new [batch, kv_heads].
     Returns:
       The cache with the rows written.
     """
     heads_then_positions = layout == "layer_batch_head_pos"
+    minor = (0,) * (cache.ndim - 4)  # head_dim's start; none for the scales
     for row in range(new.shape[0]):
-        start = (layer, row, 0, positions[row], 0) if heads_then_positions else (layer, row, positions[row], 0, 0)
-        update = new[row][None, None, :, None, :] if heads_then_positions else new[row][None, None, None]
+        start = (layer, row, 0, positions[row], *minor) if heads_then_positions else (layer, row, positions[row], 0, 0)
+        update = new[row][None, None, :, None] if heads_then_positions else new[row][None, None, None]
         cache = jax.lax.dynamic_update_slice(cache, update.astype(cache.dtype), start)
     return cache
 
@@ -91,7 +94,10 @@ class GenerationProgram:
                 raise TpuExportError("the entry points' weights differ (names or shapes); they must share one model's weights")
 
     # The state: inputs every entry point returns as the output of the same name (donated).
-    state_inputs = CACHE_INPUTS
+    @property
+    def state_inputs(self) -> tuple[str, ...]:
+        """The cache tensors every entry point takes and returns (with an int8 cache's scales)."""
+        return self.spec.cache_inputs
 
     @property
     def weights_program(self) -> LoweredProgram:
@@ -100,7 +106,7 @@ class GenerationProgram:
 
     def manifest_section(self) -> dict:
         """The manifest's "generation" section."""
-        return {**self.spec.to_json(), "prefill_batches": list(self.prefill_batches), "cache_inputs": list(CACHE_INPUTS),
+        return {**self.spec.to_json(), "prefill_batches": list(self.prefill_batches), "cache_inputs": list(self.spec.cache_inputs),
                 "cache_bytes": self.spec.cache_bytes}
 
     @classmethod
@@ -140,15 +146,17 @@ class GenerationSession:
 
     Attributes:
       program: the generation program.
-      cache: (keys, values) as numpy arrays in the cache layout (GenerationSpec.cache_shape).
+      cache: the cache's tensors (keys, values[, key scales, value scales]: GenerationSpec.cache_tensors)
+        as numpy arrays (or a runtime's device arrays) in the cache layout.
     """
 
     def __init__(self, program: GenerationProgram, runner: Runner | None = None):
         self.program = program
         self.run = runner or cpu_runner(program)
         spec = program.spec
-        dtype = program.entry_points["decode"].signature.inputs[2].dtype
-        self.cache = (np.zeros(spec.cache_shape, dtype), np.zeros(spec.cache_shape, dtype))
+        # The cache's tensors follow decode's tokens and positions, in spec.cache_inputs order.
+        dtypes = [tensor.dtype for tensor in program.entry_points["decode"].signature.inputs[2:]]
+        self.cache = tuple(np.zeros(shape, dtype) for (shape, _), dtype in zip(spec.cache_tensors().values(), dtypes, strict=True))
 
     def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int], seq: int | None = None) -> np.ndarray:
         """Runs prefill for prompts into cache slots, right-padded to a prefill bucket.
@@ -180,8 +188,8 @@ class GenerationSession:
         for row, prompt in enumerate(prompts):
             tokens[row, :len(prompt)] = prompt
         lengths = np.array([len(prompt) for prompt in prompts], np.int64)
-        logits, keys, values = self.run("prefill", [tokens, lengths, np.asarray(slots, np.int64), *self.cache])
-        self.cache = (keys, values)
+        logits, *cache = self.run("prefill", [tokens, lengths, np.asarray(slots, np.int64), *self.cache])
+        self.cache = tuple(cache)
         return logits
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
@@ -193,8 +201,8 @@ class GenerationSession:
         Returns:
           The next-token logits [max_batch, vocab] (float32).
         """
-        logits, keys, values = self.run("decode", [np.asarray(tokens, np.int64), np.asarray(positions, np.int64), *self.cache])
-        self.cache = (keys, values)
+        logits, *cache = self.run("decode", [np.asarray(tokens, np.int64), np.asarray(positions, np.int64), *self.cache])
+        self.cache = tuple(cache)
         return logits
 
 

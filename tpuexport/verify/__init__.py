@@ -2,6 +2,7 @@
 
 from tpuexport.verify.compare import OutputComparison, Tolerances, compare_output
 from tpuexport.verify.generation import DEFAULT_NEW_TOKENS, GenerationReport, eager_references, verify_generation
+from tpuexport.verify.int8_kv_generation import INT8_KV_AGAINST, verify_int8_kv_generation
 from tpuexport.verify.kernels import KernelCheck, verify_kernels
 from tpuexport.verify.kernels import check_key as kernel_check_key
 from tpuexport.verify.padding import PaddingCheck, verify_padding
@@ -22,6 +23,8 @@ __all__ = [
     "verify_kernels",
     "verify_generation",
     "verify_seq2seq",
+    "verify_int8_kv_generation",
+    "INT8_KV_AGAINST",
     "DEFAULT_BUDGET_FLOPS",
     "OutputComparison",
     "PaddingCheck",

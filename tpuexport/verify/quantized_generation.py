@@ -30,13 +30,13 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
+from tpuexport import arrays
 from tpuexport.lower.generation import GenerationProgram, GenerationSession, Runner
 from tpuexport.verify.compare import sqnr_db
 from tpuexport.verify.conformance import OpConformance, check_ops
 from tpuexport.verify.generation import (GenerationCase, GenerationReport, artifact_raised, compare_run, cpu_runs, plan_prompts,
                                          store_golden_case, teacher_forced_runs)
 from tpuexport.verify.tolerances import VerificationTolerances
-from tpuexport.verify.verification import to_numpy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +79,13 @@ def torch_runner(modules: dict, record: dict | None = None) -> Runner:
     """
 
     def run(name: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        tensors = [torch.from_numpy(np.ascontiguousarray(array)) for array in inputs]
+        # bfloat16 in and out as bfloat16 (an int8 KV cache's scales in a bf16 model are state: an f32
+        # copy would come back as f32 scales); the logits are float32 already.
+        tensors = [arrays.to_torch(np.asarray(array)) for array in inputs]
         if record is not None:
             record.setdefault(name, tensors)
         with torch.no_grad():
-            return [to_numpy(output) for output in pytree.tree_leaves(modules[name](*tensors))]
+            return [arrays.to_numpy(output.detach()) for output in pytree.tree_leaves(modules[name](*tensors))]
 
     return run
 
