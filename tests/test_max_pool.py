@@ -22,14 +22,17 @@ class CeilModeMaxPools(nn.Module):
     straight over `2*k` specializes it), then max pools with ceil_mode over that length: the fuzzer's
     (kernel 2, stride 2), kernel 3 stride 2, and two whose last window torch drops at some lengths:
     kernel 2 stride 2 padding 1 (odd lengths) and kernel 4 stride 3 padding 2 (lengths 3m + 1); and
-    the 2-d form over [length, features]."""
+    the 2-d form over [length, features]; and a dilated one's indices."""
 
     def forward(self, x):
         over_seq = F.avg_pool1d(x.transpose(1, 2), 2, 2)
         pools = [F.max_pool1d(over_seq, 2, 2, ceil_mode=True), F.max_pool1d(over_seq, 3, 2, ceil_mode=True),
                  F.max_pool1d(over_seq, 2, 2, padding=1, ceil_mode=True), F.max_pool1d(over_seq, 4, 3, padding=2, ceil_mode=True),
                  F.max_pool2d(over_seq.transpose(1, 2).unsqueeze(1), 3, 2, padding=1, ceil_mode=True)]
-        return tuple(pools)
+        # indices too, of a dilated 2-d pool over rounded values (ties: torch keeps each window's first maximum)
+        values, indices = F.max_pool2d(over_seq.round().unsqueeze(1), (3, 2), (2, 1), padding=1, dilation=(2, 1), ceil_mode=True,
+                                       return_indices=True)
+        return (*pools, values, indices)
 
 
 def torch_ceil_mode_length(length, kernel, stride, padding):
@@ -39,7 +42,7 @@ def torch_ceil_mode_length(length, kernel, stride, padding):
 
 
 def test_ceil_mode_max_pool_over_a_symbolic_length_matches_eager_at_every_size():
-    model = capture(LoadedSource(CeilModeMaxPools(), (torch.randn(2, 10, 4),), {"x": {0: batch, 1: 2 * k}}, None, SourceInfo("api")))
+    model = capture(LoadedSource(CeilModeMaxPools(), (torch.randn(2, 10, 4) * 2,), {"x": {0: batch, 1: 2 * k}}, None, SourceInfo("api")))
     lowered = lower(model.program, model.signature)
     report = verify(lowered, model.reference, model.example_inputs)
     assert report.passed, report.failure_summary()
