@@ -129,3 +129,63 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
     change gradients.
     """
     return jnp.take(weight, indices, axis=0, mode="clip")
+
+
+@register_lowering(aten.max_pool2d_with_indices.default)
+@register_lowering(aten.max_pool3d_with_indices.default)
+def max_pool_with_indices(inputs, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    """Max pooling with `ceil_mode` over symbolic spatial sizes (max_pool1d(..., ceil_mode=True) over a
+    sequence, which torch exports as a 2-d pool over [batch, channels, 1, seq]).
+
+    torchax computes ceil_mode's right padding from the input size and compares symbolic dims, which
+    is inconclusive. No comparison is needed: torch's ceil_mode output size,
+    ceil((L + 2p - d(k-1) - 1) / s) + 1, less one when that last window would start in the right
+    padding, is min(ceil((L + 2p - d(k-1) - 1) / s) + 1, ceil((L + p) / s)), and floor is monotonic,
+    so it is the window count of the input padded by p on the left and by the static
+    min(p + s - 1, d(k-1)) on the right, for every L. Padding is the lowest value, so windows reaching
+    past the input take the max of what they cover, as torch's do. Indices are the flat spatial
+    positions of each window's first maximum (torch's CPU kernel keeps the first). Other cases go to
+    torchax's lowering.
+
+    Returns:
+      (values, indices) as torch's operator.
+    """
+    dims = len(kernel_size)
+    spatial = inputs.shape[inputs.ndim - dims:]
+    if not (ceil_mode and not all(isinstance(size, int) for size in spatial)):
+        return torchax_lowering(aten.max_pool2d_with_indices.default)(inputs, kernel_size, stride, padding, dilation, ceil_mode)
+    stride = tuple(stride) or tuple(kernel_size)
+    padding, dilation = (_per_dim(value, dims) for value in (padding, dilation))
+    pads = [(p, min(p + s - 1, d * (k - 1))) for k, s, p, d in zip(kernel_size, stride, padding, dilation)]
+    leading = inputs.ndim - dims
+    window = (1,) * leading + tuple(kernel_size)
+    strides = (1,) * leading + stride
+    window_dilation = (1,) * leading + dilation
+    all_pads = [(0, 0)] * leading + pads
+    lowest = jnp.array(-jnp.inf if jnp.issubdtype(inputs.dtype, jnp.floating) else jnp.iinfo(inputs.dtype).min, inputs.dtype)
+    values = jax.lax.reduce_window(inputs, lowest, jax.lax.max, window, strides, all_pads, window_dilation=window_dilation)
+    index_dtype = jax.dtypes.canonicalize_dtype(jnp.int64)  # int32 unless JAX runs with 64-bit types
+    positions = jnp.broadcast_to(jax.lax.iota(index_dtype, _product(spatial)).reshape(spatial), inputs.shape)
+
+    def first_maximum(left, right):
+        (left_value, left_index), (right_value, right_index) = left, right
+        take_right = (right_value > left_value) | ((right_value == left_value) & (right_index < left_index))
+        return jnp.where(take_right, right_value, left_value), jnp.where(take_right, right_index, left_index)
+
+    _, indices = jax.lax.reduce_window((inputs, positions), (lowest, jnp.array(0, positions.dtype)), first_maximum, window, strides,
+                                       all_pads, window_dilation=window_dilation)
+    return values, indices
+
+
+def _per_dim(value, dims: int) -> tuple:
+    """A pooling argument given once or per spatial dim, per spatial dim."""
+    value = [value] if isinstance(value, int) else list(value)
+    return tuple(value * dims if len(value) == 1 else value)
+
+
+def _product(sizes):
+    """The product of sizes, symbolic ones included."""
+    total = 1
+    for size in sizes:
+        total = total * size
+    return total
