@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 import pathlib
+import signal
+import socket
+import subprocess
 import sys
+import time
 
 import pytest
+import requests
 
 import tpuexport
 
@@ -22,6 +29,32 @@ def build_example(name: str) -> dict:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.build()
+
+
+@contextlib.contextmanager
+def served(artifact: pathlib.Path, log_path: pathlib.Path):
+    """`tpuexport serve ARTIFACT` as its own process on a free loopback port (REST only), once it
+    answers /readyz: yields its base URL; stopped with SIGTERM, after which it must exit 0."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with open(log_path, "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "tpuexport.cli", "serve", str(artifact), "--port", str(port), "--grpc-port", "0"],
+                                  stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            try:
+                if requests.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                time.sleep(0.3)
+        yield base
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
 
 
 def convert_example(name: str, out: pathlib.Path, **options) -> tpuexport.Artifact:

@@ -8,8 +8,6 @@ import dataclasses
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +21,7 @@ import torch
 import transformers
 
 import tpuexport
-from conftest import ROOT
+from conftest import ROOT, served
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.export.generation import CACHE_LAYOUTS, Decode, DecodeCache, write_decode_cache, write_prefill_cache
@@ -449,23 +447,8 @@ def test_serve_batches_generate_requests_continuously(llama_serving, tmp_path):
     finds no free slot waits and joins between two steps of the others; each one streams, as JSON
     lines, the tokens it would get alone."""
     artifact = llama_serving
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "tpuexport.cli", "serve", str(artifact.path), "--port", str(port), "--grpc-port", "0"],
-                                  stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}/v1/models/llama:generate"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                time.sleep(0.3)
+    with served(artifact.path, tmp_path / "server.log") as base:
+        url = f"{base}/v1/models/llama:generate"
         requested = [([5, 17, 42, 7], 4), ([99, 3], 12), ([8, 8, 1], 6)]  # three requests, two slots
 
         def generate(prompt, max_new_tokens):
@@ -477,11 +460,11 @@ def test_serve_batches_generate_requests_continuously(llama_serving, tmp_path):
             answers = list(pool.map(lambda request: generate(*request), requested))
         bad = requests.post(url, json={"prompts": [[5, 100000]], "max_new_tokens": 6}, timeout=60)
         two = requests.post(url, json={"prompts": [[5, 17, 42, 7], [99, 3]], "max_new_tokens": 3}, timeout=60)  # one request, two rows
-        metrics = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        metrics = requests.get(f"{base}/metrics", timeout=10).text
         # A client that goes away after its first step frees its slots: its request stops within a few
         # of the 61 decode steps it asked for.
         def decode_steps():
-            text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            text = requests.get(f"{base}/metrics", timeout=10).text
             return float(re.search(r'tpuexport_decode_rows_count\{model="llama",version="1"\} (\S+)', text).group(1))
 
         before = decode_steps()
@@ -505,9 +488,6 @@ def test_serve_batches_generate_requests_continuously(llama_serving, tmp_path):
         steps = float(re.search(r'tpuexport_decode_rows_count\{model="llama",version="1"\} (\S+)', metrics).group(1))
         assert steps < rows < 2 * steps
         assert 'tpuexport_generated_tokens_total{model="llama",version="1"} ' in metrics
-    finally:
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=60) == 0
 
 
 PLAN_WITHOUT_THE_CACHE = """

@@ -243,34 +243,15 @@ def test_plan_on_a_slice_splits_the_scales_with_the_cache(tmp_path):
 def test_serve_generates_over_the_int8_cache(llama_int8_kv, tmp_path):
     """`tpuexport serve` keeps the int8 cache and its scales for concurrent generate requests: each
     streams the tokens it would get alone."""
-    import os
-    import signal
-    import socket
-    import time
     from concurrent.futures import ThreadPoolExecutor
 
     import requests
 
-    from conftest import ROOT
+    from conftest import served
 
     artifact, _ = llama_int8_kv
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "tpuexport.cli", "serve", str(artifact.path), "--port", str(port), "--grpc-port", "0"],
-                                  stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}/v1/models/llama:generate"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                time.sleep(0.3)
+    with served(artifact.path, tmp_path / "server.log") as base:
+        url = f"{base}/v1/models/llama:generate"
         requested = [[5, 17, 42, 7], [99, 3]]
 
         def generate(prompt):
@@ -281,6 +262,3 @@ def test_serve_generates_over_the_int8_cache(llama_int8_kv, tmp_path):
         with ThreadPoolExecutor(len(requested)) as pool:
             answers = list(pool.map(generate, requested))
         assert answers == [artifact.generate([prompt], max_new_tokens=5)[0] for prompt in requested]
-    finally:
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=60) == 0

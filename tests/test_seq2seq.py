@@ -6,12 +6,6 @@ its bad input."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -21,7 +15,7 @@ import transformers
 from click.testing import CliRunner
 
 import tpuexport
-from conftest import ROOT
+from conftest import served
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.cli import main
@@ -194,26 +188,11 @@ def test_serve_generates_from_encoder_decoders(bart_generation, tmp_path):
     encoded into free cache slots, rows decoded from the start token): concurrent requests, more
     than the slots hold, each stream the tokens they generate alone."""
     artifact, _ = bart_generation
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "tpuexport.cli", "serve", str(artifact.path), "--port", str(port), "--grpc-port", "0"],
-                                  stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                time.sleep(0.3)
+    with served(artifact.path, tmp_path / "server.log") as base:
         requested = [([[5, 17, 42]], 5), ([[9, 8, 7, 6], [3, 4]], 4), ([[11, 12]], 6)]
 
         def generate(sources, max_new_tokens):
-            answer = requests.post(f"http://127.0.0.1:{port}/v1/models/bart:generate", json={"prompts": sources, "max_new_tokens": max_new_tokens},
+            answer = requests.post(f"{base}/v1/models/bart:generate", json={"prompts": sources, "max_new_tokens": max_new_tokens},
                                    timeout=120)
             assert answer.status_code == 200, answer.text
             return json.loads(answer.text.splitlines()[-1])["generated"]
@@ -221,6 +200,3 @@ def test_serve_generates_from_encoder_decoders(bart_generation, tmp_path):
         with ThreadPoolExecutor(len(requested)) as pool:
             answers = list(pool.map(lambda request: generate(*request), requested))
         assert answers == [artifact.generate(sources, max_new_tokens=max_new_tokens) for sources, max_new_tokens in requested]
-    finally:
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=60) == 0
