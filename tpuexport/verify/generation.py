@@ -30,7 +30,7 @@ against the float model's over the steps before it, where both saw the same toke
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import jax
 import numpy as np
@@ -436,6 +436,26 @@ def _padded(prompts: list[list[int]], seq: int) -> np.ndarray:
     return tokens
 
 
+def stored_cases(golden: dict[str, np.ndarray], cases: list[dict]) -> Iterator[tuple]:
+    """The stored golden cases of a generation artifact, for a replay.
+
+    Args:
+      golden: the golden arrays ("<case>/prompts", "lengths", "slots", "eager_tokens", "eager_logits").
+      cases: the manifest's verification cases (sizes, golden flag), in order.
+    Returns:
+      Per case with golden data: (manifest case, lengths, prompts without their padding, slots,
+      eager tokens per row, eager logits).
+    """
+    for index, case in enumerate(cases):
+        if not case["golden"]:
+            continue
+        lengths = [int(length) for length in golden[f"{index}/lengths"]]
+        prompts = [list(map(int, row[:length])) for row, length in zip(golden[f"{index}/prompts"], lengths)]
+        slots = [int(slot) for slot in golden[f"{index}/slots"]]
+        eager_tokens = [list(map(int, row)) for row in golden[f"{index}/eager_tokens"]]
+        yield case, lengths, prompts, slots, eager_tokens, golden[f"{index}/eager_logits"]
+
+
 def replay_golden(program: GenerationProgram, golden: dict[str, np.ndarray], cases: list[dict],
                   tolerances: VerificationTolerances) -> GenerationReport:
     """Re-runs the stored golden cases of a text-generation artifact (the CI gate's check): the
@@ -453,14 +473,7 @@ def replay_golden(program: GenerationProgram, golden: dict[str, np.ndarray], cas
     decode = program.entry_points["decode"]
     runs_programs = cpu_runs(program)
     replayed = []
-    for index, case in enumerate(cases):
-        if not case["golden"]:
-            continue
-        lengths = [int(length) for length in golden[f"{index}/lengths"]]
-        prompts = [list(map(int, row[:length])) for row, length in zip(golden[f"{index}/prompts"], lengths)]
-        slots = [int(slot) for slot in golden[f"{index}/slots"]]
-        eager_tokens = [list(map(int, row)) for row in golden[f"{index}/eager_tokens"]]
-        expected = golden[f"{index}/eager_logits"]
+    for case, lengths, prompts, slots, eager_tokens, expected in stored_cases(golden, cases):
         runs, error = {}, None
         try:
             actual = teacher_forced_runs(program, runs_programs, prompts, slots, case["sizes"]["seq"], eager_tokens)

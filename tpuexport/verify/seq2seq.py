@@ -24,7 +24,7 @@ import torch
 from tpuexport.lower.seq2seq import Seq2SeqProgram, Seq2SeqSession
 from tpuexport.lower.generation import cpu_runner
 from tpuexport.verify.generation import (DEFAULT_NEW_TOKENS, GenerationCase, GenerationReport, artifact_raised, compare_run, cpu_runs,
-                                         store_golden_case)
+                                         store_golden_case, stored_cases)
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
 
 
@@ -138,19 +138,13 @@ def replay_golden(program: Seq2SeqProgram, golden: dict[str, np.ndarray], cases:
     decode = program.entry_points["decode"]
     runs_programs = cpu_runs(program)
     replayed = []
-    for index, case in enumerate(cases):
-        if not case["golden"]:
-            continue
-        lengths = [int(length) for length in golden[f"{index}/lengths"]]
-        sources = [list(map(int, row[:length])) for row, length in zip(golden[f"{index}/prompts"], lengths)]
-        slots = [int(slot) for slot in golden[f"{index}/slots"]]
-        eager_tokens = [list(map(int, row)) for row in golden[f"{index}/eager_tokens"]]
+    for case, lengths, sources, slots, eager_tokens, expected in stored_cases(golden, cases):
         runs, error = {}, None
         try:
             for name, programs in runs_programs.items():
                 logits = teacher_forced_logits(Seq2SeqSession(program, cpu_runner(program, programs)), sources, slots, case["sizes"]["seq"],
                                                eager_tokens)
-                runs[name] = compare_run(logits, golden[f"{index}/eager_logits"], eager_tokens, getattr(tolerances, name))
+                runs[name] = compare_run(logits, expected, eager_tokens, getattr(tolerances, name))
         except Exception as exception:  # a damaged artifact can raise anything
             runs, error = {}, artifact_raised(exception)
         replayed.append(Seq2SeqCase(case["sizes"], tuple(lengths), tuple(slots), len(eager_tokens[0]), runs, error, golden=True))
