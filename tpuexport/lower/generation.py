@@ -206,31 +206,45 @@ class GenerationSession:
         return logits
 
 
-def check_prompts(spec: GenerationSpec, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
-    """Refuses prompts the artifact cannot generate from, in one line.
+def check_token_rows(rows: Sequence[Sequence[int]], max_new_tokens: int, noun: str, max_batch: int, longest: int,
+                     too_long: Callable[[int], str], vocab: int) -> None:
+    """Refuses token rows (a decoder's prompts, an encoder-decoder's sources) an artifact cannot
+    generate from, in one line.
 
+    Args:
+      rows: token ids per row; max_new_tokens: tokens asked per row.
+      noun: what a row is called in messages ("prompt", "source").
+      max_batch: the cache's slots; longest: the longest row accepted; too_long: the message for a
+        row of that many tokens beyond it; vocab: token ids are 0..vocab-1.
     Raises:
-      TpuExportError: no prompt, too many prompts for the cache, an empty or too long prompt, a
-        token outside the vocabulary, or max_new_tokens < 1.
+      TpuExportError: no row, more rows than slots, an empty or too long row, a token outside the
+        vocabulary, or max_new_tokens < 1.
     """
-    if not prompts:
-        raise TpuExportError("no prompt given; pass token ids, e.g. --tokens 1,2,3")
-    if len(prompts) > spec.max_batch:
-        raise TpuExportError(f"{len(prompts)} prompts exceed the artifact's max batch {spec.max_batch}; give at most {spec.max_batch} "
+    if not rows:
+        raise TpuExportError(f"no {noun} given; pass token ids, e.g. --tokens 1,2,3")
+    if len(rows) > max_batch:
+        raise TpuExportError(f"{len(rows)} {noun}s exceed the artifact's max batch {max_batch}; give at most {max_batch} "
                              "or convert with a larger --max-batch")
     if max_new_tokens < 1:
         raise TpuExportError(f"--max-new-tokens {max_new_tokens}: give at least 1")
-    for prompt in prompts:
-        if not prompt:
-            raise TpuExportError("an empty prompt: give at least one token per prompt")
-        limit = min(spec.max_context, spec.prefill_buckets[-1])
-        if len(prompt) > limit:
-            raise TpuExportError(f"a prompt of {len(prompt)} tokens is longer than the artifact's max context allows "
-                                 f"(at most {limit} prompt tokens, max context {spec.max_context}); shorten it or convert with a "
-                                 "larger --max-context")
-        bad = [token for token in prompt if not 0 <= token < spec.vocab]
+    for row in rows:
+        if not row:
+            raise TpuExportError(f"an empty {noun}: give at least one token per {noun}")
+        if len(row) > longest:
+            raise TpuExportError(too_long(len(row)))
+        bad = [token for token in row if not 0 <= token < vocab]
         if bad:
-            raise TpuExportError(f"token id {bad[0]} is outside the vocabulary 0..{spec.vocab - 1}")
+            raise TpuExportError(f"token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+
+
+def check_prompts(spec: GenerationSpec, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """Refuses prompts the artifact cannot generate from, in one line (check_token_rows; a prompt
+    must fit the longest prefill bucket and the context)."""
+    limit = min(spec.max_context, spec.prefill_buckets[-1])
+    check_token_rows(prompts, max_new_tokens, "prompt", spec.max_batch, limit,
+                     lambda length: (f"a prompt of {length} tokens is longer than the artifact's max context allows (at most {limit} "
+                                     f"prompt tokens, max context {spec.max_context}); shorten it or convert with a larger --max-context"),
+                     spec.vocab)
 
 
 def stream_greedy(session: GenerationSession, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Iterator[list[int | None]]:

@@ -12,7 +12,7 @@ import numpy as np
 
 from tpuexport.errors import TpuExportError
 from tpuexport.export.seq2seq import ENTRY_POINTS, STATE_INPUTS, Seq2SeqSpec
-from tpuexport.lower.generation import Runner, cpu_runner
+from tpuexport.lower.generation import Runner, check_token_rows, cpu_runner
 from tpuexport.lower.lowering import LoweredProgram
 
 
@@ -120,28 +120,12 @@ class Seq2SeqSession:
 
 
 def check_sources(spec: Seq2SeqSpec, sources: Sequence[Sequence[int]], max_new_tokens: int) -> None:
-    """Refuses sources the artifact cannot generate from, in one line.
-
-    Raises:
-      TpuExportError: no source, more than max batch, an empty or too long source, a token outside
-        the vocabulary, or max_new_tokens < 1.
-    """
-    if not sources:
-        raise TpuExportError("no source given; pass token ids, e.g. --tokens 1,2,3")
-    if len(sources) > spec.max_batch:
-        raise TpuExportError(f"{len(sources)} sources exceed the artifact's max batch {spec.max_batch}; give at most {spec.max_batch} "
-                             "or convert with a larger --max-batch")
-    if max_new_tokens < 1:
-        raise TpuExportError(f"--max-new-tokens {max_new_tokens}: give at least 1")
-    for source in sources:
-        if not source:
-            raise TpuExportError("an empty source: give at least one token per source")
-        if len(source) > spec.max_source:
-            raise TpuExportError(f"a source of {len(source)} tokens is longer than the artifact's longest source bucket ({spec.max_source}); "
-                                 "shorten it or convert with a larger --bucket seq=")
-        bad = [token for token in source if not 0 <= token < spec.vocab]
-        if bad:
-            raise TpuExportError(f"token id {bad[0]} is outside the vocabulary 0..{spec.vocab - 1}")
+    """Refuses sources the artifact cannot generate from, in one line (check_token_rows; a source
+    must fit the longest source bucket)."""
+    check_token_rows(sources, max_new_tokens, "source", spec.max_batch, spec.max_source,
+                     lambda length: (f"a source of {length} tokens is longer than the artifact's longest source bucket ({spec.max_source}); "
+                                     "shorten it or convert with a larger --bucket seq="),
+                     spec.vocab)
 
 
 def stream_greedy(session: Seq2SeqSession, sources: Sequence[Sequence[int]], max_new_tokens: int) -> Iterator[list[int | None]]:
