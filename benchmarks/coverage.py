@@ -20,8 +20,9 @@ for int8 and int4, the lowest output SQNR against the float model, weight bytes 
 PT2E int8, the share of matmul/conv FLOPs that the compiled TPU HLO runs as s8 x s8 -> s32
 (int4-weight-only uses --group-size 32, which divides the tiny families' width).
 
-Modes "generate-f32", "generate-bf16", "generate-int8-weight-only" and "generate-int4-weight-only"
-(--group-size 32) convert the decoder families' directories with `--task text-generation` (max
+Modes "generate-f32", "generate-bf16", "generate-int8-weight-only", "generate-int4-weight-only"
+(--group-size 32) and "generate-int8-kv" (the model's dtypes, --kv-cache-dtype int8; parity against
+the eager int8-cache entry points) convert the decoder families' directories with `--task text-generation` (max
 context 64, max batch 2, prefill bucket batch 2 x seq 16 with rows of different lengths, 32 new
 tokens compared with generate(do_sample=False)). They print after the other modes, in a table of
 their own: greedy parity (a weight-only artifact against generate() with its rounded weights), the
@@ -58,7 +59,8 @@ MODES = ("f32", "bf16", "int8", "int8-dynamic", "int8-weight-only", "int4-weight
 # int4 groups must divide the tiny families' widths (64); 128, the default, does not.
 INT4_GROUP_SIZE = 32
 CHECKPOINT_MODE = "bf16-checkpoint"
-GENERATION_MODES = ("generate-f32", "generate-bf16", "generate-int8-weight-only", "generate-int4-weight-only")
+GENERATION_MODES = ("generate-f32", "generate-bf16", "generate-int8-weight-only", "generate-int4-weight-only", "generate-int8-kv")
+INT8_KV_MODE = "generate-int8-kv"  # the model's dtypes with an int8 KV cache (--kv-cache-dtype int8)
 # Encoder-decoders generate in float only (their entry points are not quantized yet).
 FLOAT_GENERATION_MODES = ("generate-f32", "generate-bf16")
 GENERATION_NEW_TOKENS = 32
@@ -124,7 +126,9 @@ def convert_command(family, source: str, mode: str, task_choice: str, out: pathl
         if not generation:
             command += [option for dim in family.dims for option in ("--dim", dim)]
     numerics = mode.removeprefix("generate-")
-    if numerics.startswith(("int8", "int4")):
+    if mode == INT8_KV_MODE:
+        command += ["--kv-cache-dtype", "int8"]
+    elif numerics.startswith(("int8", "int4")):
         command += ["--quantize", numerics] + (["--random-calibration"] if numerics == "int8" and family.save is not None else [])
         command += ["--group-size", str(INT4_GROUP_SIZE)] if numerics == "int4-weight-only" else []
     elif mode != CHECKPOINT_MODE:  # a bf16 checkpoint converts with default options
