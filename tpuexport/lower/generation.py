@@ -180,13 +180,10 @@ class GenerationSession:
             seq = fitting[0]
         if len(prompts) not in self.program.prefill_batches:
             raise TpuExportError(f"prefill of {len(prompts)} prompts: the compiled prefill batches are {list(self.program.prefill_batches)}")
-        if len(set(slots)) != len(slots) or not all(0 <= slot < spec.max_batch for slot in slots):
-            raise TpuExportError(f"slots {list(slots)} must be distinct and within 0..{spec.max_batch - 1} (--max-batch {spec.max_batch})")
+        check_slots(slots, spec.max_batch)
         if min(len(prompt) for prompt in prompts) < 1:
             raise TpuExportError("an empty prompt: give at least one token per prompt")
-        tokens = np.zeros((len(prompts), seq), np.int64)
-        for row, prompt in enumerate(prompts):
-            tokens[row, :len(prompt)] = prompt
+        tokens = right_padded(prompts, seq)
         lengths = np.array([len(prompt) for prompt in prompts], np.int64)
         logits, *cache = self.run("prefill", [tokens, lengths, np.asarray(slots, np.int64), *self.cache])
         self.cache = tuple(cache)
@@ -204,6 +201,20 @@ class GenerationSession:
         logits, *cache = self.run("decode", [np.asarray(tokens, np.int64), np.asarray(positions, np.int64), *self.cache])
         self.cache = tuple(cache)
         return logits
+
+
+def check_slots(slots: Sequence[int], max_batch: int) -> None:
+    """Refuses cache slots that repeat or fall outside 0..max_batch-1, in one line."""
+    if len(set(slots)) != len(slots) or not all(0 <= slot < max_batch for slot in slots):
+        raise TpuExportError(f"slots {list(slots)} must be distinct and within 0..{max_batch - 1} (--max-batch {max_batch})")
+
+
+def right_padded(rows: Sequence[Sequence[int]], seq: int) -> np.ndarray:
+    """Token rows as one int64 [rows, seq] array, each row right-padded with zeros."""
+    tokens = np.zeros((len(rows), seq), np.int64)
+    for index, row in enumerate(rows):
+        tokens[index, :len(row)] = row
+    return tokens
 
 
 def check_token_rows(rows: Sequence[Sequence[int]], max_new_tokens: int, noun: str, max_batch: int, longest: int,

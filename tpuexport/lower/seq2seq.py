@@ -12,7 +12,7 @@ import numpy as np
 
 from tpuexport.errors import TpuExportError
 from tpuexport.export.seq2seq import ENTRY_POINTS, STATE_INPUTS, Seq2SeqSpec
-from tpuexport.lower.generation import Runner, check_token_rows, cpu_runner
+from tpuexport.lower.generation import Runner, check_slots, check_token_rows, cpu_runner, right_padded
 from tpuexport.lower.lowering import LoweredProgram
 
 
@@ -105,11 +105,8 @@ class Seq2SeqSession:
             seq = fitting[0]
         if len(sources) not in self.program.encode_batches:
             raise TpuExportError(f"encode of {len(sources)} sources: the compiled encode batches are {list(self.program.encode_batches)}")
-        if len(set(slots)) != len(slots) or not all(0 <= slot < spec.max_batch for slot in slots):
-            raise TpuExportError(f"slots {list(slots)} must be distinct and within 0..{spec.max_batch - 1} (--max-batch {spec.max_batch})")
-        tokens = np.zeros((len(sources), seq), np.int64)
-        for row, source in enumerate(sources):
-            tokens[row, :len(source)] = source
+        check_slots(slots, spec.max_batch)
+        tokens = right_padded(sources, seq)
         lengths = np.array([len(source) for source in sources], np.int64)
         self._call("encode", {"source": tokens, "lengths": lengths, "slots": np.asarray(slots, np.int64)})
 
