@@ -142,6 +142,36 @@ def eager_greedy_logits(model, spec, prompts: list[list[int]], steps: int) -> to
     return torch.stack(logits, 1)
 
 
+def tiny_phi3() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, max_position_embeddings=128, sliding_window=WINDOW, pad_token_id=0)
+    return transformers.Phi3ForCausalLM(config).eval()
+
+
+def tiny_mixtral() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=128, sliding_window=WINDOW, num_local_experts=4,
+                                        num_experts_per_tok=2)
+    return transformers.MixtralForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("family", [tiny_phi3, tiny_mixtral], ids=["phi3", "mixtral"])
+def test_ring_entry_points_generate_what_generate_does(family):
+    """Phi-3 and Mixtral (their windows applied to every layer, as Mistral's): the eager ring entry
+    points' greedy tokens and logits are generate()'s, 11 steps from prompts of 21 and 4 tokens."""
+    model = family()
+    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(24,))
+    assert spec.cache_window == WINDOW
+    prompts = [list(range(3, 24)), [5, 9, 11, 2]]
+    logits = eager_greedy_logits(model, spec, prompts, 11)
+    for row, prompt in enumerate(prompts):
+        tokens, expected = eager_generate(model, prompt, 11)
+        assert logits[row].argmax(-1).tolist() == tokens
+        np.testing.assert_allclose(logits[row].numpy(), expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["model", "int8"])
 def test_ring_computes_what_the_full_cache_does(kv_cache_dtype):
     """Eagerly, the ring and the max-context cache give the same logits for 22 steps from prompts of
