@@ -172,10 +172,15 @@ def test_ring_entry_points_generate_what_generate_does(family):
         np.testing.assert_allclose(logits[row].numpy(), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["model", "int8"])
-def test_ring_computes_what_the_full_cache_does(kv_cache_dtype):
-    """Eagerly, the ring and the max-context cache give the same logits for 22 steps from prompts of
-    21 and 4 tokens (an int8 ring rounds each key as the full cache does: scales per position too)."""
+@pytest.mark.parametrize("kv_cache_dtype, prompts", [
+    ("model", [list(range(3, 24)), [5, 9, 11, 2]]),
+    ("int8", [list(range(3, 24)), [5, 9, 11, 2]]),
+    ("model", [[7, 1, 4, 4, 9], [30, 2]]),  # a prefill bucket shorter than the window
+    ("model", [list(range(40, 48)), list(range(50, 59))]),  # prompts of W and W + 1 tokens
+], ids=["model", "int8", "bucket-below-window", "window-edge"])
+def test_ring_computes_what_the_full_cache_does(kv_cache_dtype, prompts):
+    """Eagerly, the ring and the max-context cache give the same logits for 11 steps (an int8 ring
+    rounds each key as the full cache does: scales per position too)."""
     model = tiny_mistral()
     ring = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(24,), kv_cache_dtype=kv_cache_dtype)
     full = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(24,), kv_cache_dtype=kv_cache_dtype,
@@ -183,7 +188,6 @@ def test_ring_computes_what_the_full_cache_does(kv_cache_dtype):
     assert ring.cache_window == WINDOW and ring.cache_shape[3] == WINDOW and full.cache_window is None and full.cache_shape[3] == MAX_CONTEXT
     if kv_cache_dtype == "int8":
         assert ring.scale_shape == (2, MAX_BATCH, 2, WINDOW)
-    prompts = [list(range(3, 24)), [5, 9, 11, 2]]
     torch.testing.assert_close(eager_greedy_logits(model, ring, prompts, 11), eager_greedy_logits(model, full, prompts, 11),
                                atol=1e-5, rtol=1e-5)
 
