@@ -69,8 +69,8 @@ class GenerationCase:
 
 
 @st.composite
-def generation_cases(draw) -> GenerationCase:
-    family = draw(st.sampled_from(FAMILIES))
+def generation_cases(draw, families: tuple[str, ...] = FAMILIES) -> GenerationCase:
+    family = draw(st.sampled_from(families))
     heads = draw(st.sampled_from((1, 2, 4)))
     # GPT-2 has no grouped key/value heads.
     kv_heads = heads if family == "gpt2" else draw(st.sampled_from([k for k in (1, 2, 4) if heads % k == 0]))
@@ -160,6 +160,7 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", type=pathlib.Path, help="append one line per case here as it finishes")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated families to draw from (default: all)")
     parser.add_argument("--summarize", type=pathlib.Path, nargs="+", metavar="LOG", help="print these logs' figures and exit")
     args = parser.parse_args()
     if args.summarize:
@@ -171,7 +172,7 @@ def main() -> None:
     @seed(args.seed)
     @settings(max_examples=args.examples, phases=[Phase.generate], database=None, deadline=None,
               suppress_health_check=list(HealthCheck))
-    @given(generation_cases())
+    @given(generation_cases(tuple(args.families.split(","))))
     def run(case: GenerationCase) -> None:
         outcome = check(case)
         line = "\t".join((f"{time.perf_counter() - started:.0f}", outcome.kind, outcome.reason, case.describe(),

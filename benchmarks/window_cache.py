@@ -1,19 +1,25 @@
-"""The KV cache bounded by the sliding window vs the max-context cache, at Mistral-7B-v0.1's shape.
+"""The KV cache bounded by the sliding window vs the max-context cache, at Mistral-7B-v0.1's or
+Gemma-3-4B's shape.
 
 Mistral-7B-v0.1 (hidden 4096, 32 layers, 32 heads, 8 kv heads, head_dim 128, MLP 14336, vocab 32000,
-untied; every layer attends within a 4096-position sliding window) planned for text generation
-at max context 32768, bf16, on the meta device (`weights=False`: every entry point lowered and
-compiled by libtpu, nothing verified), once with `--sliding-window-cache bounded` (the default: a
-ring of 4096 positions per slot) and once with `full` (32768 positions per slot).
+untied; every layer attends within a 4096-position sliding window) or Gemma 3 4B's text decoder
+(hidden 2560, 34 layers, 8 heads, 4 kv heads, head_dim 256, MLP 10240, vocab 262208, tied; five
+layers in six attend within a 1024-position window, the sixth to every position) planned for text
+generation at max context 32768, bf16, on the meta device (`weights=False`: every entry point
+lowered and compiled by libtpu, nothing verified), once with `--sliding-window-cache bounded` (the
+default: a ring of W positions per slot for the sliding layers) and once with `full` (32768
+positions per slot for every layer).
 
 A 32-layer decode step at 32k context takes minutes per executable to compile on this machine,
-so the plans are made at a few layers (`--layers`, default 2 and 4) and the per-chip figures are
-extrapolated linearly to the model's 32 layers from the two (weights, cache and temporaries all
-grow by a fixed amount per layer; the cache exactly). The largest batch at 32 layers is the
+so the plans are made at a few layers (`--layers`, default 2 and 4 for Mistral, 6 and 12 for Gemma
+3: whole patterns of five sliding layers and a full one) and the per-chip figures are extrapolated
+linearly to the model's layers from the two (weights, cache and temporaries all grow by a fixed
+amount per layer, or per pattern; the cache exactly). The largest batch at 32 layers is the
 manifest's estimate redone with the extrapolated figures: (HBM - weights) // ((cache +
 temporaries) / max batch).
 
-    python benchmarks/window_cache.py [--layers 2,4] [--target v5e,v5e-8] [--max-context 32768] [--max-batch 8] [--json F]
+    python benchmarks/window_cache.py [--shape mistral-7b|gemma-3-4b] [--layers 2,4] [--target v5e,v5e-8] [--max-context 32768]
+                                      [--max-batch 8] [--json F]
 """
 
 from __future__ import annotations
@@ -29,17 +35,25 @@ import torch
 MISTRAL_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                   num_key_value_heads=8, head_dim=128, max_position_embeddings=32768, sliding_window=4096, rope_theta=10000.0,
                   tie_word_embeddings=False)
+GEMMA_3_4B = dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=256, max_position_embeddings=131072, sliding_window=1024, sliding_window_pattern=6,
+                  query_pre_attn_scalar=256, tie_word_embeddings=True)
+# {shape: (model class, config class, config, default layer counts)}
+SHAPES = {"mistral-7b": ("MistralForCausalLM", "MistralConfig", MISTRAL_7B, "2,4"),
+          "gemma-3-4b": ("Gemma3ForCausalLM", "Gemma3TextConfig", GEMMA_3_4B, "6,12")}
 GIB = 2**30
 
 
-def meta_mistral(layers: int):
-    """MistralForCausalLM at Mistral-7B-v0.1's shape with `layers` decoder layers, bf16, on the meta device."""
+def meta_model(shape: str, layers: int):
+    """The shape's causal LM with `layers` decoder layers, bf16, on the meta device."""
     import transformers
 
+    model_class, config_class, config, _ = SHAPES[shape]
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("meta"):
-            return transformers.MistralForCausalLM(transformers.MistralConfig(**{**MISTRAL_7B, "num_hidden_layers": layers})).eval()
+            config = getattr(transformers, config_class)(**{**config, "num_hidden_layers": layers})
+            return getattr(transformers, model_class)(config).eval()
     finally:
         torch.set_default_dtype(torch.float32)
 
@@ -53,7 +67,7 @@ def plan(layers: int, mode: str, options: argparse.Namespace) -> dict:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         try:
-            artifact = tpuexport.convert(meta_mistral(layers), task="text-generation", max_context=options.max_context,
+            artifact = tpuexport.convert(meta_model(options.shape, layers), task="text-generation", max_context=options.max_context,
                                          max_batch=options.max_batch, target=targets,
                                          sharding="tensor-parallel" if any("-" in target for target in targets) else None,
                                          buckets={"seq": [options.prefill_seq], "batch": [1]}, precision="bf16", weights=False,
@@ -75,7 +89,9 @@ def plan(layers: int, mode: str, options: argparse.Namespace) -> dict:
                                 for bucket in entry["buckets"]},
         }
     generation = manifest["generation"]
-    return {"layers": layers, "mode": mode, "cache_shape": generation["cache_shape"], "cache_window": generation.get("cache_window"),
+    shapes = [generation["cache_shape"]] + ([generation["window_cache_shape"]] if "window_cache_shape" in generation else [])
+    return {"layers": layers, "mode": mode, "cache_shape": " + ".join(map(str, shapes)),
+            "cache_window": generation.get("cache_window"),
             "cache_bytes": generation["cache_bytes"], "targets": figures, "seconds": round(time.perf_counter() - start, 1)}
 
 
@@ -92,19 +108,21 @@ def main() -> None:
     import tpuexport.compile as compile_stage
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", default="2,4", help="two layer counts to plan at (extrapolated to 32)")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="mistral-7b")
+    parser.add_argument("--layers", help="two layer counts to plan at (extrapolated to the shape's; default per shape)")
     parser.add_argument("--target", default="v5e,v5e-8")
     parser.add_argument("--max-context", type=int, default=32768)
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--prefill-seq", type=int, default=128)
     parser.add_argument("--json", type=pathlib.Path)
     options = parser.parse_args()
-    counts = [int(count) for count in options.layers.split(",")]
-    print(f"Mistral-7B-v0.1 shape (window {MISTRAL_7B['sliding_window']}), plan on meta weights, bf16, --max-context "
+    config = SHAPES[options.shape][2]
+    counts = [int(count) for count in (options.layers or SHAPES[options.shape][3]).split(",")]
+    print(f"{options.shape} shape (window {config['sliding_window']}), plan on meta weights, bf16, --max-context "
           f"{options.max_context} --max-batch {options.max_batch} --bucket seq={options.prefill_seq} --bucket batch=1, "
           f"--target {options.target} (slices tensor-parallel)\n", flush=True)
     results = []
-    print("| layers | --sliding-window-cache | cache shape (K, V each) | target | weights GiB/chip | cache GiB/chip | decode temps GiB | "
+    print("| layers | --sliding-window-cache | cache shape (K, V each; + the sliding layers' rings) | target | weights GiB/chip | cache GiB/chip | decode temps GiB | "
           "largest batch (manifest) | decode bytes accessed / (weights + cache) | compile s (decode, prefill) |")
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for layers in counts:
@@ -120,7 +138,7 @@ def main() -> None:
                       f"{figures['cache_bytes'] / GIB:.3f} | {figures['temp_bytes'] / GIB:.3f} | {figures['largest_batch_estimate']} | "
                       f"{figures['bytes_accessed_over_must_read']} | {seconds.get('decode/static')}, "
                       f"{seconds.get(f'prefill/batch1_seq{options.prefill_seq}')} |", flush=True)
-    layers = MISTRAL_7B["num_hidden_layers"]
+    layers = config["num_hidden_layers"]
     print(f"\nextrapolated to {layers} layers (linear through layers {counts[0]} and {counts[1]}); largest batch = (HBM - weights) // "
           f"((cache + temporaries) / {options.max_batch})\n")
     print("| --sliding-window-cache | target | weights GiB/chip | cache GiB/chip at batch "

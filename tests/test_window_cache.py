@@ -208,31 +208,86 @@ def test_int8_ring_verifies_and_stays_near_the_float_model():
     assert divergence["sqnr_db"] > 30
 
 
-def test_a_tensor_parallel_plan_splits_the_ring_with_the_heads(tmp_path):
-    with torch.device("meta"):
-        model = tiny_mistral()
-    artifact = tpuexport.convert(model, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, weights=False,
-                                 buckets={"seq": [20], "batch": [MAX_BATCH]}, target="v5e-4", sharding="tensor-parallel",
-                                 mesh="model=2,data=2", kv_cache_dtype="int8", out=tmp_path / "plan.tpu")
-    generation = artifact.manifest["generation"]
-    assert generation["cache_window"] == WINDOW and generation["scale_shape"][3] == WINDOW
-    for bucket in artifact.manifest["targets"]["v5e-4"]["buckets"]:
-        assert bucket["sharding"]["inputs"]["cache_k"] == [None, "data", "model", None, None]
-        assert bucket["sharding"]["inputs"]["cache_k_scale"] == [None, "data", "model", None]
-        if bucket["entry_point"] == "decode":
-            assert bucket["decode_step"]["cache_bytes"] == generation["cache_bytes"] // 4
-
-
 @pytest.mark.parametrize("model, max_context, options, positions", [
     (tiny_mistral, MAX_CONTEXT, {"sliding_window_cache": "full"}, MAX_CONTEXT),
     (tiny_mistral, WINDOW, {}, WINDOW),  # the window is no shorter than the context: nothing to bound
     (lambda: tiny_mistral(sliding_window=None), MAX_CONTEXT, {}, MAX_CONTEXT),
-    (tiny_qwen2, MAX_CONTEXT, {}, MAX_CONTEXT),  # a full layer beside the sliding one: not yet bounded
-], ids=["full", "window-not-shorter", "no-window", "mixed-layer-types"])
+    (tiny_qwen2, MAX_CONTEXT, {"sliding_window_cache": "full"}, MAX_CONTEXT),  # mixed layer types, unbounded
+], ids=["full", "window-not-shorter", "no-window", "mixed-layer-types-full"])
 def test_which_caches_are_bounded(model, max_context, options, positions):
     spec = export_stage.generation_spec(model(), MAX_BATCH, max_context, prefill_buckets=(max_context,), **options)
     assert spec.cache_shape[3] == positions and (spec.cache_window is None) == (positions == max_context)
     assert ("cache_window" in spec.to_json()) == (spec.cache_window is not None)
+
+
+def tiny_gemma2() -> transformers.PreTrainedModel:
+    """Layer 0 attends within the window, layer 1 to every position."""
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=16, max_position_embeddings=128, sliding_window=WINDOW)
+    return transformers.Gemma2ForCausalLM(config).eval()
+
+
+def tiny_gemma3() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                                           sliding_window=WINDOW, sliding_window_pattern=2)
+    return transformers.Gemma3ForCausalLM(config).eval()
+
+
+def test_mixed_layer_types_keep_the_sliding_layers_rings_apart():
+    """Gemma 2 (sliding, full): the full layer keeps 32 positions in cache_k/cache_v, the sliding
+    one a ring of 8 in window_cache_k/window_cache_v; lowered and verified against
+    generate() over prompts of 20 and 5 tokens + 12 new each."""
+    model = tiny_gemma2()
+    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(20,))
+    assert spec.window_layers == (0,) and spec.cache_window == WINDOW
+    assert spec.cache_shape == (1, MAX_BATCH, 2, MAX_CONTEXT, 16) and spec.window_cache_shape == (1, MAX_BATCH, 2, WINDOW, 16)
+    assert spec.cache_inputs == ("cache_k", "cache_v", "window_cache_k", "window_cache_v")
+    assert export_stage.GenerationSpec.from_json(spec.to_json()) == spec
+    modules = export_stage.entry_point_modules(model, spec)
+    entry_points = {name: lowered_entry_point(modules[name], spec, name) for name in ("prefill", "decode")}
+    assert [tensor.name for tensor in entry_points["decode"].signature.inputs] == ["tokens", "positions", *spec.cache_inputs]
+    report = verify_generation(lower_stage.GenerationProgram(spec, entry_points, (MAX_BATCH,)), model, new_tokens=NEW_TOKENS)
+    assert report.passed, report.failure_summary()
+    assert report.tokens_compared() == MAX_BATCH * NEW_TOKENS
+
+
+@pytest.mark.parametrize("family", [tiny_qwen2, tiny_gemma3], ids=["qwen2", "gemma3"])
+def test_mixed_ring_entry_points_generate_what_generate_does(family):
+    model = family()
+    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(24,))
+    assert spec.window_layers and len(spec.window_layers) < spec.layers
+    for prompts in ([list(range(3, 24)), [5, 9, 11, 2]], [[7, 1, 4, 4, 9], [30, 2]]):
+        logits = eager_greedy_logits(model, spec, prompts, 11)
+        for row, prompt in enumerate(prompts):
+            tokens, expected = eager_generate(model, prompt, 11)
+            assert logits[row].argmax(-1).tolist() == tokens
+            np.testing.assert_allclose(logits[row].numpy(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_plan_splits_the_sliding_layers_rings_as_the_cache(tmp_path):
+    with torch.device("meta"):
+        model = tiny_gemma2()
+    artifact = tpuexport.convert(model, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, weights=False,
+                                 buckets={"seq": [20], "batch": [MAX_BATCH]}, target="v5e-4", sharding="tensor-parallel",
+                                 mesh="model=2,data=2", out=tmp_path / "plan.tpu")
+    generation = artifact.manifest["generation"]
+    assert generation["window_layers"] == [0] and generation["window_cache_shape"] == [1, MAX_BATCH, 2, WINDOW, 16]
+    for bucket in artifact.manifest["targets"]["v5e-4"]["buckets"]:
+        for name in generation["cache_inputs"]:
+            assert bucket["sharding"]["inputs"][name] == [None, "data", "model", None, None]
+        if bucket["entry_point"] == "decode":
+            assert bucket["decode_step"]["cache_bytes"] == generation["cache_bytes"] // 4
+
+
+def test_int8_kv_with_mixed_rings_is_refused_in_one_line():
+    with pytest.raises(tpuexport.TpuExportError, match="int8 with the window-bounded cache of Gemma2ForCausalLM .* "
+                                                       "add --sliding-window-cache full"):
+        export_stage.generation_spec(tiny_gemma2(), MAX_BATCH, MAX_CONTEXT, kv_cache_dtype="int8")
+    assert export_stage.generation_spec(tiny_gemma2(), MAX_BATCH, MAX_CONTEXT, kv_cache_dtype="int8",
+                                        sliding_window_cache="full").cache_window is None
 
 
 def test_ring_prefill_keeps_each_rows_last_window_never_padding():

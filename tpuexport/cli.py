@@ -89,6 +89,14 @@ def source_and_target_options(command):
     return command
 
 
+def _describe_window_cache(generation: dict) -> str:
+    """A text-generation manifest's window-bounded cache, for `inspect` ('' for a max-context cache)."""
+    if "window_layers" in generation:
+        return (f"; sliding layers {generation['window_layers']}: rings of {generation['cache_window']} positions "
+                f"{generation['window_cache_shape']} x2")
+    return f"; a ring of {generation['cache_window']} positions (the sliding window)" if generation.get("cache_window") else ""
+
+
 @main.command()
 @click.argument("source")
 @source_and_target_options
@@ -312,7 +320,7 @@ def inspect(artifact_dir, as_json):
                       f"{generation['layout']} {generation['cache_shape']} "
                       f"{'int8 x2 + ' + generation['scale_dtype'] + ' scales ' + str(generation['scale_shape']) + ' x2' if generation.get('kv_cache_dtype') == 'int8' else generation['dtype'] + ' x2'}"
                       f"{cross} ({generation['cache_bytes'] / 2**20:.2f} MiB)"
-                      f"{'; a ring of ' + str(generation['cache_window']) + ' positions (the sliding window)' if generation.get('cache_window') else ''}")
+                      f"{_describe_window_cache(generation)}")
         signatures = {name: ProgramSignature.from_json(entry) for name, entry in data["entry_points"].items()}
     else:
         signatures = {"": artifact.signature}

@@ -874,7 +874,7 @@ def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOpt
                              "(--max-batch)")
     with clock.stage("export", lambda: f"entry points prefill (batch {list(prefill_batches)} x seq {list(spec.prefill_buckets)}) and "
                                        f"decode (batch {spec.max_batch}); cache {spec.layout} {list(spec.cache_shape)} "
-                                       f"{f'(a ring: sliding window {spec.cache_window}) ' if spec.cache_window else ''}"
+                                       f"{_describe_window_cache(spec)}"
                                        f"{f'int8 + {spec.scale_dtype} scales' if spec.quantized else spec.dtype}"):
         modules = export_stage.entry_point_modules(model, spec)
         # With a checkpoint, each entry point is exported on the meta device and its weights are the one
@@ -1090,6 +1090,14 @@ def _generation_int8_report(quantized: dict | None, program: lower_stage.Generat
     return (write,)
 
 
+def _describe_window_cache(spec: export_stage.GenerationSpec) -> str:
+    """The window-bounded cache in the export stage's line ('' for a max-context cache)."""
+    if spec.window_layers:
+        return (f"+ window cache {list(spec.window_cache_shape)} (rings of sliding window {spec.cache_window}, layers "
+                f"{','.join(map(str, spec.window_layers))}) ")
+    return f"(a ring: sliding window {spec.cache_window}) " if spec.cache_window else ""
+
+
 def _plan_generation_slices(request: compile_stage.ShardingRequest, slices: list, spec: export_stage.GenerationSpec,
                             lowered: lower_stage.LoweredProgram, buckets: list, clock: StageClock, entry_point: str) -> dict:
     """Each slice target's plan for one entry point, the KV cache laid out by the preset: its
@@ -1110,8 +1118,10 @@ def _plan_generation_slices(request: compile_stage.ShardingRequest, slices: list
             cache_spec[1] = "data"
         # An int8 cache's scales ([layers, batch, kv_heads, context]) split alike: heads on axis 2, batch on 1.
         scale_spec = [None, cache_spec[1], cache_spec[2 if spec.layout == "layer_batch_head_pos" else 3], None]
-        rules = (tuple((name, tuple(cache_spec)) for name in export_stage.CACHE_INPUTS)
-                 + tuple((name, tuple(scale_spec)) for name in spec.cache_inputs if name not in export_stage.CACHE_INPUTS))
+        # The sliding layers' rings (a model mixing full and sliding layers) split as the cache does.
+        caches = export_stage.CACHE_INPUTS + export_stage.WINDOW_CACHE_INPUTS
+        rules = (tuple((name, tuple(cache_spec)) for name in spec.cache_inputs if name in caches)
+                 + tuple((name, tuple(scale_spec)) for name in spec.cache_inputs if name not in caches))
         entry_request = dataclasses.replace(request, input_rules=rules + request.input_rules)
         with clock.stage(f"plan {target.name} {entry_point}", lambda: _describe_plan(plans[target.name])):
             plans[target.name] = compile_stage.plan_sharding(entry_request, target, lowered.weight_names, lowered.weight_specs,

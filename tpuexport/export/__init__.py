@@ -1,7 +1,7 @@
 """Export stage: load a source, capture it with torch.export, name its signature."""
 
 from tpuexport.export.capture import CapturedModel, capture, describe, on_meta_device, torch_dynamic_shapes, weights_on_meta
-from tpuexport.export.generation import (CACHE_INPUTS, CACHE_LAYOUTS, CACHE_SCALE_INPUTS, DEFAULT_CACHE_LAYOUT, ENTRY_POINTS, KV_CACHE_DTYPES,
+from tpuexport.export.generation import (CACHE_INPUTS, CACHE_LAYOUTS, CACHE_SCALE_INPUTS, WINDOW_CACHE_INPUTS, DEFAULT_CACHE_LAYOUT, ENTRY_POINTS, KV_CACHE_DTYPES,
                                          SLIDING_WINDOW_CACHES, GenerationSpec, check_kv_cache_dtype, check_sliding_window_cache, entry_point_modules, example_arguments, generation_spec)
 from tpuexport.export.seq2seq import Seq2SeqSpec, is_encoder_decoder, seq2seq_spec
 from tpuexport.export.seq2seq import entry_point_modules as seq2seq_entry_point_modules
@@ -14,6 +14,7 @@ __all__ = [
     "CACHE_INPUTS",
     "CACHE_LAYOUTS",
     "CACHE_SCALE_INPUTS",
+    "WINDOW_CACHE_INPUTS",
     "KV_CACHE_DTYPES",
     "check_kv_cache_dtype",
     "SLIDING_WINDOW_CACHES",

@@ -55,6 +55,8 @@ ENTRY_POINTS = ("prefill", "decode")
 CACHE_INPUTS = ("cache_k", "cache_v")
 # An int8 cache's scales, inputs and outputs like the cache (donated too), after it in every signature.
 CACHE_SCALE_INPUTS = ("cache_k_scale", "cache_v_scale")
+# A model mixing full and sliding layers: the sliding layers' rings (GenerationSpec.window_layers), after the rest.
+WINDOW_CACHE_INPUTS = ("window_cache_k", "window_cache_v")
 # --kv-cache-dtype: "model" stores keys and values in the model's dtype; "int8" stores them as
 # symmetric int8 per (layer, slot, kv-head, position), scale = absmax over head_dim / 127 (as
 # MaxText's kv_quant and vLLM store an int8 cache), the scales in the model's dtype.
@@ -93,6 +95,10 @@ class GenerationSpec:
       cache_window: None, or the sliding window W < max_context within which every layer attends:
         each slot then keeps W positions, a ring (position p at index p mod W), since no query
         reads a key W or more positions behind it. None: max_context positions, p at index p.
+      window_layers: with cache_window, the sliding layers when the model mixes them with full
+        attention layers (Gemma 2/3, Qwen2's `layer_types`): those keep the ring in
+        window_cache_k/window_cache_v, the others max_context positions in cache_k/cache_v (each
+        group's layers in model order). Empty: every layer keeps the ring in cache_k/cache_v.
     """
 
     max_batch: int
@@ -106,11 +112,27 @@ class GenerationSpec:
     prefill_buckets: tuple[int, ...]
     kv_cache_dtype: str = "model"
     cache_window: int | None = None
+    window_layers: tuple[int, ...] = ()
 
     @property
     def cache_positions(self) -> int:
-        """Positions each cache slot holds: the window's W for a ring, else max_context."""
-        return self.cache_window or self.max_context
+        """Positions each slot of cache_k/cache_v holds: the window's W when every layer keeps the ring, else max_context."""
+        return self.max_context if self.window_layers else self.cache_window or self.max_context
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """The layers whose keys are in cache_k/cache_v."""
+        return tuple(layer for layer in range(self.layers) if layer not in self.window_layers)
+
+    def _cache_tensor_shape(self, layers: int, positions: int) -> tuple[int, ...]:
+        if self.layout == "layer_batch_head_pos":
+            return (layers, self.max_batch, self.kv_heads, positions, self.head_dim)
+        return (layers, self.max_batch, positions, self.kv_heads, self.head_dim)
+
+    @property
+    def window_cache_shape(self) -> tuple[int, ...]:
+        """window_cache_k/window_cache_v's shape (models mixing full and sliding layers): the sliding layers' rings."""
+        return self._cache_tensor_shape(len(self.window_layers), self.cache_window or 0)
 
     @property
     def quantized(self) -> bool:
@@ -120,12 +142,12 @@ class GenerationSpec:
     @property
     def cache_inputs(self) -> tuple[str, ...]:
         """The cache's tensors, in the entry points' input (and output) order."""
-        return CACHE_INPUTS + (CACHE_SCALE_INPUTS if self.quantized else ())
+        return CACHE_INPUTS + (CACHE_SCALE_INPUTS if self.quantized else ()) + (WINDOW_CACHE_INPUTS if self.window_layers else ())
 
     @property
     def scale_shape(self) -> tuple[int, ...]:
         """An int8 cache's scales: [layers, max_batch, kv_heads, cache positions] (SCALE_LAYOUT)."""
-        return (self.layers, self.max_batch, self.kv_heads, self.cache_positions)
+        return (len(self.full_layers), self.max_batch, self.kv_heads, self.cache_positions)
 
     @property
     def scale_dtype(self) -> str:
@@ -138,13 +160,14 @@ class GenerationSpec:
         tensors = {name: (self.cache_shape, stored) for name in CACHE_INPUTS}
         if self.quantized:
             tensors.update({name: (self.scale_shape, self.scale_dtype) for name in CACHE_SCALE_INPUTS})
+        if self.window_layers:
+            tensors.update({name: (self.window_cache_shape, stored) for name in WINDOW_CACHE_INPUTS})
         return tensors
 
     @property
     def cache_shape(self) -> tuple[int, ...]:
-        if self.layout == "layer_batch_head_pos":
-            return (self.layers, self.max_batch, self.kv_heads, self.cache_positions, self.head_dim)
-        return (self.layers, self.max_batch, self.cache_positions, self.kv_heads, self.head_dim)
+        """cache_k/cache_v's shape (in `layout`)."""
+        return self._cache_tensor_shape(len(self.full_layers), self.cache_positions)
 
     @property
     def cache_bytes(self) -> int:
@@ -161,6 +184,10 @@ class GenerationSpec:
         data = {**dataclasses.asdict(self), "prefill_buckets": list(self.prefill_buckets), "cache_shape": list(self.cache_shape)}
         if self.cache_window is None:  # a cache of max_context positions: the manifest is as it was before rings
             del data["cache_window"]
+        if self.window_layers:
+            data.update(window_layers=list(self.window_layers), window_cache_shape=list(self.window_cache_shape))
+        else:
+            del data["window_layers"]
         if not self.quantized:  # a model-dtype cache's manifest is as it was before the option
             del data["kv_cache_dtype"]
             return data
@@ -170,7 +197,7 @@ class GenerationSpec:
     def from_json(cls, data: dict) -> "GenerationSpec":
         fields = {field.name for field in dataclasses.fields(cls)}
         values = {key: value for key, value in data.items() if key in fields}
-        return cls(**{**values, "prefill_buckets": tuple(values["prefill_buckets"])})
+        return cls(**{**values, "prefill_buckets": tuple(values["prefill_buckets"]), "window_layers": tuple(values.get("window_layers", ()))})
 
 
 def quantize_kv(new: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,7 +403,24 @@ def _(cache, new, layer, positions, layout):
     return torch.empty_like(cache)
 
 
-def _transformers_cache(functional: FunctionalKVCache):
+class GroupedKVCache:
+    """Caches of a model mixing full and sliding layers: [(FunctionalKVCache, its layers in model
+    order)]; a layer's update goes to its group's cache under its index there."""
+
+    def __init__(self, groups: list[tuple[FunctionalKVCache, tuple[int, ...]]]):
+        self.groups = [cache for cache, _ in groups]
+        self.where = {layer: (cache, index) for cache, layers in groups for index, layer in enumerate(layers)}
+
+    def update(self, new_keys: torch.Tensor, new_values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cache, index = self.where[layer]
+        return cache.update(new_keys, new_values, index)
+
+    def written(self) -> tuple[torch.Tensor, ...]:
+        """Every group's cache tensors, groups in order (GenerationSpec.cache_inputs)."""
+        return tuple(tensor for cache in self.groups for tensor in cache.written())
+
+
+def _transformers_cache(functional: FunctionalKVCache | GroupedKVCache):
     """A transformers Cache whose update is `functional.update` (what the attention layers call)."""
     from transformers.cache_utils import Cache
 
@@ -503,6 +547,10 @@ class Prefill(_EntryPoint):
     cache_type = PrefillCache
 
     def forward(self, tokens, lengths, slots, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None):
+        return self.prefill(tokens, lengths, slots, cache_k, cache_v, cache_k_scale, cache_v_scale)
+
+    def prefill(self, tokens, lengths, slots, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None, window_cache_k=None,
+                window_cache_v=None):
         batch, steps = tokens.shape
         # One batch dim for the three inputs (torch.export may otherwise give each its own symbol).
         torch._check(lengths.shape[0] == batch)
@@ -512,10 +560,22 @@ class Prefill(_EntryPoint):
         mask = _causal_masks(self.windows, positions[None, :].expand(batch, steps), positions, dtype)
         window = self.spec.cache_window
         ring_positions = None if window is None else ring_prefill_positions(lengths, window)
-        cache = self.cache_type(cache_k, cache_v, self.spec.layout, slots, cache_k_scale, cache_v_scale, ring_positions)
+        if not self.spec.window_layers:
+            cache = self.cache_type(cache_k, cache_v, self.spec.layout, slots, cache_k_scale, cache_v_scale, ring_positions)
+        else:  # the full layers write every position, the sliding layers their rings
+            cache = GroupedKVCache([(self.cache_type(cache_k, cache_v, self.spec.layout, slots), self.spec.full_layers),
+                                    (self.cache_type(window_cache_k, window_cache_v, self.spec.layout, slots, ring_positions=ring_positions),
+                                     self.spec.window_layers)])
         hidden = self.hidden_states(tokens, mask, positions[None, :].expand(batch, steps), cache)
         last = hidden[torch.arange(batch, device=tokens.device), lengths - 1]
         return {"logits": self.logits(last), **dict(zip(self.spec.cache_inputs, cache.written()))}
+
+
+class MixedPrefill(Prefill):
+    """Prefill of a model whose sliding layers keep their rings apart (GenerationSpec.window_layers)."""
+
+    def forward(self, tokens, lengths, slots, cache_k, cache_v, window_cache_k, window_cache_v):
+        return self.prefill(tokens, lengths, slots, cache_k, cache_v, window_cache_k=window_cache_k, window_cache_v=window_cache_v)
 
 
 class Decode(_EntryPoint):
@@ -526,17 +586,33 @@ class Decode(_EntryPoint):
         return positions % self.spec.cache_window
 
     def forward(self, tokens, positions, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None):
-        window = self.spec.cache_window
+        return self.decode(tokens, positions, cache_k, cache_v, cache_k_scale, cache_v_scale)
+
+    def decode(self, tokens, positions, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None, window_cache_k=None,
+               window_cache_v=None):
+        window, layout = self.spec.cache_window, self.spec.layout
+        keys = torch.arange(self.spec.max_context, device=tokens.device)
         if window is None:
-            keys = torch.arange(self.spec.max_context, device=tokens.device)
             mask = _causal_masks(self.windows, positions[:, None], keys, self.model_dtype)
-            indexes = positions
-        else:  # a ring: the model's mask over its W indexes, the key written at index q mod W
+            cache = self.cache_type(cache_k, cache_v, layout, positions, cache_k_scale, cache_v_scale)
+        elif not self.spec.window_layers:  # a ring: the model's mask over its W indexes, the key written at index q mod W
             mask = ring_mask(positions, window, self.model_dtype)
-            indexes = self.ring_indexes(positions)
-        cache = self.cache_type(cache_k, cache_v, self.spec.layout, indexes, cache_k_scale, cache_v_scale)
+            cache = self.cache_type(cache_k, cache_v, layout, self.ring_indexes(positions), cache_k_scale, cache_v_scale)
+        else:  # full layers over max_context positions, sliding layers over their rings
+            mask = {"full_attention": _causal_masks({"full_attention": None}, positions[:, None], keys, self.model_dtype),
+                    "sliding_attention": ring_mask(positions, window, self.model_dtype)}
+            cache = GroupedKVCache([(self.cache_type(cache_k, cache_v, layout, positions), self.spec.full_layers),
+                                    (self.cache_type(window_cache_k, window_cache_v, layout, self.ring_indexes(positions)),
+                                     self.spec.window_layers)])
         hidden = self.hidden_states(tokens[:, None], mask, positions[:, None], cache)
         return {"logits": self.logits(hidden[:, 0]), **dict(zip(self.spec.cache_inputs, cache.written()))}
+
+
+class MixedDecode(Decode):
+    """Decode of a model whose sliding layers keep their rings apart (GenerationSpec.window_layers)."""
+
+    def forward(self, tokens, positions, cache_k, cache_v, window_cache_k, window_cache_v):
+        return self.decode(tokens, positions, cache_k, cache_v, window_cache_k=window_cache_k, window_cache_v=window_cache_v)
 
 
 def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: str = DEFAULT_CACHE_LAYOUT,
@@ -591,10 +667,16 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
         if not 2 <= size <= max_context:
             raise TpuExportError(f"prefill bucket seq={size} is out of range: prompt lengths are 2..{max_context} (--max-context)")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    (window,) = windows if len(windows) == 1 else (None,)
+    window = max((size for size in windows if size is not None), default=None)
     bounded = sliding_window_cache == "bounded" and window is not None and window < max_context
+    window_layers = ()
+    if bounded and len(windows) > 1:  # full layers beside sliding ones: the sliding layers' rings apart
+        window_layers = tuple(index for index, layer_type in enumerate(text.layer_types) if layer_type == "sliding_attention")
+        if kv_cache_dtype == "int8":
+            raise TpuExportError(f"--kv-cache-dtype int8 with the window-bounded cache of {type(model).__name__} (full and sliding layers) "
+                                 "is not supported yet; add --sliding-window-cache full")
     return GenerationSpec(max_batch, max_context, layers, kv_heads, head_dim, model.get_output_embeddings().weight.shape[0], dtype,
-                          layout, tuple(sorted(set(prefill_buckets))), kv_cache_dtype, window if bounded else None)
+                          layout, tuple(sorted(set(prefill_buckets))), kv_cache_dtype, window if bounded else None, window_layers)
 
 
 def check_sliding_window_cache(sliding_window_cache: str) -> None:
@@ -613,7 +695,11 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
 
 def entry_point_modules(model: nn.Module, spec: GenerationSpec, prefill: type[Prefill] = Prefill,
                         decode: type[Decode] = Decode) -> dict[str, nn.Module]:
-    """The entry points as modules over the one model: {"prefill": ..., "decode": ...}."""
+    """The entry points as modules over the one model: {"prefill": ..., "decode": ...} (their
+    Mixed variants, whose inputs name the sliding layers' rings, for a spec with window_layers)."""
+    if spec.window_layers:
+        prefill = MixedPrefill if prefill is Prefill else prefill
+        decode = MixedDecode if decode is Decode else decode
     return {"prefill": prefill(model.eval(), spec), "decode": decode(model.eval(), spec)}
 
 
