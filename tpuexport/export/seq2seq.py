@@ -306,6 +306,8 @@ class Decode(_EntryPoint):
     """Decode over token sources: cross attention masks each slot's keys at and after its source length."""
 
     cache_type = DecodeCache
+    # The family's position adapter (a context manager over the model and each row's position).
+    row_positions = staticmethod(_row_positions)
 
     def forward(self, tokens, positions, cache_k, cache_v, cross_k, cross_v, source_lengths):
         cross_mask = _source_mask(source_lengths, self.spec.max_source, cache_k.dtype)
@@ -321,7 +323,7 @@ class Decode(_EntryPoint):
         # The layers read the cross cache, never these states; they only tell them to attend across.
         encoder_states = torch.zeros((tokens.shape[0], 1, self.model.config.d_model), dtype=dtype, device=tokens.device)
         past = _encoder_decoder_cache(cache, None, (cross_k, cross_v), self.spec.layers)
-        with _row_positions(self.model, positions):
+        with self.row_positions(self.model, positions):
             output = self.model(encoder_outputs=(encoder_states,), attention_mask=cross_mask, decoder_input_ids=tokens[:, None],
                                 decoder_attention_mask=mask, past_key_values=past, use_cache=True)
         cache_k, cache_v = cache.written()

@@ -111,9 +111,14 @@ class GenerationScheduler:
         Returns:
           Its steps as they come (GenerationStream).
         Raises:
-          TpuExportError: prompts the artifact cannot take (lower/generation.check_prompts).
+          TpuExportError: prompts the artifact cannot take (lower/generation.check_prompts), or an
+            audio encoder-decoder's request (its sources are features, not token ids).
           ShuttingDown: after `close`.
         """
+        if self.encoder_decoder and self.spec.source == "features":
+            raise TpuExportError("tpuexport serve does not generate from audio features yet (a generate request carries token ids; "
+                                 "an audio encoder-decoder's sources are [mel bins, frames] arrays); run it with tpuexport generate "
+                                 "--features FILE.npy or Artifact.generate(features=...)")
         prompts = [list(map(int, prompt)) for prompt in prompts]
         (check_sources if self.encoder_decoder else check_prompts)(self.spec, prompts, max_new_tokens)
         if self._fill_batch(len(prompts), self.spec.max_batch) is None:
