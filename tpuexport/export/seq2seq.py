@@ -57,9 +57,6 @@ LAYOUT = "layer_batch_head_pos"
 # The state: inputs returned as the output of the same name, donated when compiled (token sources;
 # audio features have no source lengths).
 STATE_INPUTS = ("cache_k", "cache_v", "cross_k", "cross_v", "source_lengths")
-# What encode reads: "tokens" (source[batch, seq] ids with lengths, padded to a source bucket) or
-# "features" (input_features[batch, mel_bins, frames], every source max_source positions long).
-SOURCE_KINDS = ("tokens", "features")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +72,9 @@ class Seq2SeqSpec:
       dtype: the caches' dtype (the model's, torch name).
       source_buckets: the source lengths encode is compiled for.
       decoder_start_token_id: the first token decode is fed.
-      source: what encode reads (SOURCE_KINDS): token ids, or audio features filling all
-        max_source positions (no source lengths; decode's cross attention sees every position).
+      source: what encode reads: "tokens" (source[batch, seq] ids with lengths, padded to a source
+        bucket) or "features" (input_features[batch, mel_bins, frames], every source filling all
+        max_source positions: no source lengths, decode's cross attention sees every position).
       features: (mel bins, frames) of an audio source (frames static), else ().
     """
 
