@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from tpuexport.logs import quiet_loggers
 from tpuexport.lower.seq2seq import Seq2SeqProgram, Seq2SeqSession
 from tpuexport.lower.generation import cpu_runner
 from tpuexport.verify.generation import (DEFAULT_NEW_TOKENS, MAX_GOLDEN_BYTES, GenerationCase, GenerationReport, artifact_raised,
@@ -76,7 +77,9 @@ def eager_generate(model: torch.nn.Module, source, new_tokens: int, start: int) 
     own_config = model.generation_config
     model.generation_config = GenerationConfig()
     try:
-        with torch.no_grad():
+        # generate() warns about the settings given here (max_length beside max_new_tokens; Whisper's about
+        # the suppress-token arguments it passes itself): nothing a user converting a model can act on.
+        with torch.no_grad(), quiet_loggers("transformers.generation.utils"):
             if isinstance(source, np.ndarray):
                 output = model.generate(input_features=torch.from_numpy(source[None]).to(model.dtype), generation_config=config)
             else:
