@@ -173,3 +173,15 @@ def test_serve_refuses_whisper_generation_in_one_line(whisper_generation, tmp_pa
     with served(artifact.path, tmp_path / "server.log") as base:
         answer = requests.post(f"{base}/v1/models/whisper:generate", json={"prompts": [[1, 2]], "max_new_tokens": 2}, timeout=60)
     assert answer.status_code == 400 and "does not generate from audio features yet" in answer.text
+
+
+def test_a_whisper_directory_loads_for_generation(tmp_path):
+    """--task text-generation on a Whisper directory reads the speech encoder-decoder (Whisper's model
+    type is in the causal LM table too, as its decoder alone) and defaults max context to the
+    decoder's max_target_positions."""
+    from tpuexport.export import load_source
+    from tpuexport.export.huggingface import generation_context
+
+    tiny_whisper().save_pretrained(tmp_path / "whisper")
+    loaded = load_source(str(tmp_path / "whisper"), task="text-generation")
+    assert type(loaded.model).__name__ == "WhisperForConditionalGeneration" and generation_context(loaded.model) == 32

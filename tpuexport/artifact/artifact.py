@@ -211,9 +211,12 @@ class Artifact:
         source = self.generation_program.spec.source if isinstance(self.generation_program, Seq2SeqProgram) else "tokens"
         if source != "features":
             raise TpuExportError(f"{self.path} takes token ids, not audio features (its encoder is not an audio model); pass --tokens")
-        array = np.asarray(features)
+        mel, frames = self.generation_program.spec.features
+        try:
+            array = np.asarray(features)
+        except ValueError:  # rows of different shapes
+            raise TpuExportError(f"audio features whose rows differ in shape: {FEATURES_USAGE.format(mel, frames)}") from None
         if array.ndim not in (2, 3):
-            mel, frames = self.generation_program.spec.features
             raise TpuExportError(f"audio features of shape {list(array.shape)}: {FEATURES_USAGE.format(mel, frames)}")
         return list(array[None] if array.ndim == 2 else array)
 
