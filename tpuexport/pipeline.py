@@ -829,7 +829,7 @@ def _seq2seq_passes(loaded: export_stage.LoadedSource, options: ConversionOption
                    for name, entry in captured.items()}
     lowered["encode"] = dataclasses.replace(lowered["encode"], weights=lowered["decode"].weights)
     program = lower_stage.Seq2SeqProgram(spec, lowered, encode_batches)
-    # Audio features have no seq dim (their frames are static); batch is one unless max batch is 1.
+    # Audio features have no seq dim (their frames are static); batch is a dim unless max batch is 1.
     encode_dims = {dim.name for dim in lowered["encode"].signature.dims}
     encode_sizes = {name: sizes for name, sizes in (("seq", list(spec.source_buckets)), ("batch", list(encode_batches))) if name in encode_dims}
     buckets = {"encode": compile_stage.make_buckets(lowered["encode"].signature, encode_sizes),

@@ -192,6 +192,8 @@ class Artifact:
             if tokens is not None:
                 raise TpuExportError("give the sources either as tokens or as features, not both")
             prompts = self.feature_sources(features)
+        elif tokens is None:
+            raise TpuExportError("give the prompts (token ids) or, for an audio encoder-decoder, features=[batch, mel bins, frames]")
         else:
             prompts = [tokens] if tokens and not isinstance(tokens[0], (list, tuple)) else tokens
         generated: list[list[int]] = [[] for _ in prompts]

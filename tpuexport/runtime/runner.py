@@ -38,8 +38,8 @@ from tpuexport.compile.aot import compiler_options, cpu_executable_program
 from tpuexport.compile.compile_key import compile_key, key_difference
 from tpuexport.compile.slices import resolve_targets
 from tpuexport.errors import TpuExportError
-from tpuexport.runtime.executables import load_executable
 from tpuexport.lower.seq2seq import source_rows
+from tpuexport.runtime.executables import load_executable
 from tpuexport.runtime.entry_points import DEFAULT_ENTRY_POINT, BucketEntry, EntryPoint, choose_bucket, entry_points
 from tpuexport.verify.padding import pad_rows
 

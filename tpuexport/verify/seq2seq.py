@@ -19,7 +19,6 @@ a tie).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 import numpy as np
 import torch
