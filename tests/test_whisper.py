@@ -1,10 +1,15 @@
 """Whisper text generation: encode over audio features (input_features [batch, mel bins, frames],
 every source the encoder's full length, no source lengths) and decode with Whisper's position
 embedding per row, verified token for token against Hugging Face generate(do_sample=False); planted
-bugs fail that verification; `tpuexport generate --features` and its bad input."""
+bugs fail that verification; `tpuexport generate --features` and its bad input; `tpuexport serve`'s
+generate over REST and gRPC, and its bad requests."""
 
 from __future__ import annotations
 
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
 import numpy as np
 import pytest
 import requests
@@ -13,11 +18,12 @@ import transformers
 from click.testing import CliRunner
 
 import tpuexport
-from conftest import served
+from conftest import free_port, served
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.cli import main
 from tpuexport.export.seq2seq import CrossWrite, FeaturesDecode, FeaturesEncode, _row_positions
+from tpuexport.serve import protos
 from tpuexport.verify import verify_seq2seq
 
 MAX_CONTEXT, MAX_BATCH, NEW_TOKENS = 20, 2, 16
@@ -168,11 +174,102 @@ def test_seq_bucket_of_whisper_is_one_line(tmp_path):
     assert not (tmp_path / "a.tpu").exists()
 
 
-def test_serve_refuses_whisper_generation_in_one_line(whisper_generation, tmp_path):
+@pytest.fixture(scope="module")
+def whisper_server(whisper_generation, tmp_path_factory):
+    """`tpuexport serve` of the Whisper artifact, REST and gRPC: (REST base URL, PredictionService stub)."""
     artifact, _ = whisper_generation
-    with served(artifact.path, tmp_path / "server.log") as base:
-        answer = requests.post(f"{base}/v1/models/whisper:generate", json={"prompts": [[1, 2]], "max_new_tokens": 2}, timeout=60)
-    assert answer.status_code == 400 and "does not generate from audio features yet" in answer.text
+    grpc_port = free_port()
+    with served(artifact.path, tmp_path_factory.mktemp("serve") / "server.log", grpc_port=grpc_port) as base:
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            yield base, protos.prediction_service_pb2_grpc.PredictionServiceStub(channel)
+
+
+def rest_generate(base: str, body) -> requests.Response:
+    return requests.post(f"{base}/v1/models/whisper:generate", data=json.dumps(body), timeout=120)
+
+
+def rest_generated(base: str, sources: np.ndarray, max_new_tokens: int) -> list[list[int]]:
+    answer = rest_generate(base, {"features": sources.tolist(), "max_new_tokens": max_new_tokens})
+    assert answer.status_code == 200, answer.text
+    return json.loads(answer.text.splitlines()[-1])["generated"]
+
+
+def grpc_generate_request(inputs: dict[str, np.ndarray]):
+    request = protos.predict_pb2.PredictRequest()
+    request.model_spec.name, request.model_spec.signature_name = "whisper", "generate"
+    for name, array in inputs.items():
+        request.inputs[name].CopyFrom(protos.to_proto(array))
+    return request
+
+
+def grpc_generated(stub, sources: np.ndarray, max_new_tokens: int) -> list[list[int]]:
+    answer = stub.Predict(grpc_generate_request({"features": sources, "max_new_tokens": np.array(max_new_tokens)}), timeout=120)
+    return protos.to_array(answer.outputs["tokens"], "tokens").tolist()
+
+
+def test_serve_generates_whisper_over_rest_and_grpc(whisper_generation, whisper_server):
+    """Concurrent requests, REST (features as JSON lists) and gRPC (a float32 TensorProto), more rows
+    than the cache's 2 slots hold at once: each gets the tokens Artifact.generate gives its features alone."""
+    artifact, _ = whisper_generation
+    base, stub = whisper_server
+    requested = [(rest_generated, features(1, seed=21), 9), (rest_generated, features(2, seed=22), 6),
+                 (grpc_generated, features(1, seed=23), NEW_TOKENS), (grpc_generated, features(2, seed=24), 5)]
+    with ThreadPoolExecutor(len(requested)) as pool:
+        answers = list(pool.map(lambda request: request[0](base if request[0] is rest_generated else stub, *request[1:]), requested))
+    assert answers == [artifact.generate(features=sources, max_new_tokens=max_new_tokens) for _, sources, max_new_tokens in requested]
+    # The metadata describes the generate signature a gRPC client sends.
+    generate = requests.get(f"{base}/v1/models/whisper/metadata", timeout=30).json()["metadata"]["signature_def"]["signature_def"]["generate"]
+    assert [int(dim["size"]) for dim in generate["inputs"]["features"]["tensor_shape"]["dim"]] == [-1, MEL, 2 * SOURCE]
+    assert generate["inputs"]["features"]["dtype"] == "DT_FLOAT" and generate["outputs"]["tokens"]["dtype"] == "DT_INT64"
+
+
+FRAMES = 2 * SOURCE
+BAD_REST_GENERATE = {
+    "frames": ({"features": np.zeros((1, MEL, 30)).tolist()}, "a source of shape [8, 30]: this artifact's sources are audio features of 8 mel bins x 32 frames"),
+    "no batch dim": ({"features": np.zeros((MEL, FRAMES)).tolist()}, "audio features of shape [8, 32]: send \"features\", a float array [batch, 8, 32]"),
+    "strings": ({"features": np.full((1, MEL, FRAMES), "a").tolist()}, '"features" must hold numbers (floats), not string values'),
+    "booleans": ({"features": np.full((1, MEL, FRAMES), True).tolist()}, '"features" must hold numbers (floats), not true/false values'),
+    "ragged": ({"features": [np.zeros((MEL, FRAMES)).tolist(), [[0.0]]]}, "input 'features' is not a rectangular array"),
+    "NaN": ({"features": np.full((1, MEL, FRAMES), np.nan).tolist()}, "audio features hold NaN or infinite values"),
+    "token ids": ({"prompts": [[1, 2]]}, 'this model generates from audio features, not token ids: send "features"'),
+    "both": ({"prompts": [[1, 2]], "features": []}, 'the request body must be a JSON object {"prompts"'),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_REST_GENERATE)
+def test_bad_rest_generate_request_is_a_400_and_the_server_serves_on(whisper_generation, whisper_server, kind):
+    artifact, _ = whisper_generation
+    base, _ = whisper_server
+    body, expected = BAD_REST_GENERATE[kind]
+    answer = rest_generate(base, body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert expected in error and "\n" not in error, error
+    assert rest_generated(base, features(1, seed=5), 2) == artifact.generate(features=features(1, seed=5), max_new_tokens=2)
+
+
+BAD_GRPC_GENERATE = {
+    "integers": ({"features": np.zeros((1, MEL, FRAMES), np.int64)}, "audio features of dtype int64: give float features"),
+    "mel bins": ({"features": np.zeros((1, 4, FRAMES), np.float32)}, "a source of shape [4, 32]: this artifact's sources are audio features"),
+    "infinite": ({"features": np.full((1, MEL, FRAMES), np.inf, np.float32)}, "audio features hold NaN or infinite values"),
+    "token ids": ({"prompts": np.array([[1, 2]])}, "this model generates from audio features, not token ids"),
+    "too many rows": ({"features": np.zeros((3, MEL, FRAMES), np.float32)}, "3 sources exceed the artifact's max batch 2"),
+    "max_new_tokens": ({"features": np.zeros((1, MEL, FRAMES), np.float32), "max_new_tokens": np.array(0)},
+                       '"max_new_tokens" must be one whole number'),
+    "unknown input": ({"input_features": np.zeros((1, MEL, FRAMES), np.float32)}, "generate takes the input \"prompts\""),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_GRPC_GENERATE)
+def test_bad_grpc_generate_request_is_invalid_argument_and_the_server_serves_on(whisper_generation, whisper_server, kind):
+    artifact, _ = whisper_generation
+    _, stub = whisper_server
+    inputs, expected = BAD_GRPC_GENERATE[kind]
+    with pytest.raises(grpc.RpcError) as failed:
+        stub.Predict(grpc_generate_request(inputs), timeout=60)
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert expected in failed.value.details() and "\n" not in failed.value.details(), failed.value.details()
+    assert grpc_generated(stub, features(1, seed=6), 2) == artifact.generate(features=features(1, seed=6), max_new_tokens=2)
 
 
 def test_a_whisper_directory_loads_for_generation(tmp_path):

@@ -135,11 +135,15 @@ class Seq2SeqSession:
         return outputs["logits"]
 
 
-def check_sources(spec: Seq2SeqSpec, sources: Sequence, max_new_tokens: int) -> None:
+FEATURES_USAGE = "pass --features FILE.npy holding a float array [batch, {0}, {1}] (API: Artifact.generate(features=array))"
+
+
+def check_sources(spec: Seq2SeqSpec, sources: Sequence, max_new_tokens: int, features_usage: str = FEATURES_USAGE) -> None:
     """Refuses sources the artifact cannot generate from, in one line (token sources:
-    check_token_rows, a source must fit the longest source bucket; audio features: check_features)."""
+    check_token_rows, a source must fit the longest source bucket; audio features: check_features,
+    whose messages end with `features_usage`)."""
     if spec.source == "features":
-        check_features(spec, sources, max_new_tokens)
+        check_features(spec, sources, max_new_tokens, features_usage)
         return
     check_token_rows(sources, max_new_tokens, "source", spec.max_batch, spec.max_source,
                      lambda length: (f"a source of {length} tokens is longer than the artifact's longest source bucket ({spec.max_source}); "
@@ -147,14 +151,12 @@ def check_sources(spec: Seq2SeqSpec, sources: Sequence, max_new_tokens: int) -> 
                      spec.vocab)
 
 
-FEATURES_USAGE = "pass --features FILE.npy holding a float array [batch, {0}, {1}] (API: Artifact.generate(features=array))"
-
-
-def check_features(spec: Seq2SeqSpec, sources: Sequence, max_new_tokens: int) -> None:
+def check_features(spec: Seq2SeqSpec, sources: Sequence, max_new_tokens: int, usage: str = FEATURES_USAGE) -> None:
     """Refuses audio sources the artifact cannot take, in one line: no source, more than max batch,
-    max_new_tokens < 1, a source that is not a finite float array [mel bins, frames] of the spec's sizes."""
+    max_new_tokens < 1, a source that is not a finite float array [mel bins, frames] of the spec's
+    sizes. `usage` ends the messages: how to pass features, {0} and {1} the mel bins and frames."""
     mel, frames = spec.features
-    usage = FEATURES_USAGE.format(mel, frames)
+    usage = usage.format(mel, frames)
     if len(sources) == 0:
         raise TpuExportError(f"no source given; this artifact's sources are audio features: {usage}")
     if len(sources) > spec.max_batch:
