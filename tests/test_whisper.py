@@ -282,3 +282,17 @@ def test_a_whisper_directory_loads_for_generation(tmp_path):
     tiny_whisper().save_pretrained(tmp_path / "whisper")
     loaded = load_source(str(tmp_path / "whisper"), task="text-generation")
     assert type(loaded.model).__name__ == "WhisperForConditionalGeneration" and generation_context(loaded.model) == 32
+
+
+def test_more_source_than_target_positions_is_taken():
+    """A real Whisper's encoder has more positions than its decoder (1500 vs 448): its source length
+    is the encoder's own, not bounded by the decoder's (found by benchmarks/fuzz_generation.py)."""
+    from tpuexport.export.seq2seq import seq2seq_spec
+
+    config = transformers.WhisperConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=1,
+                                        decoder_attention_heads=1, encoder_ffn_dim=32, decoder_ffn_dim=32, num_mel_bins=4, max_source_positions=32,
+                                        max_target_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    spec = seq2seq_spec(transformers.WhisperForConditionalGeneration(config), max_batch=1, max_context=16)
+    assert spec.max_source == 32 and spec.features == (4, 64) and spec.max_context == 16
+    with pytest.raises(tpuexport.TpuExportError, match=r"^--max-context 17 exceeds the model's 16 positions \(max_target_positions\)"):
+        seq2seq_spec(transformers.WhisperForConditionalGeneration(config), max_batch=1, max_context=17)

@@ -382,7 +382,8 @@ def seq2seq_spec(model: nn.Module, max_batch: int, max_context: int, source_buck
         source_buckets = (config.max_source_positions,)
     if source_buckets is None:
         source_buckets = tuple(size for size in (128, 512) if size < max_context) + (max_context,)
-    limit = positions or max(source_buckets)
+    # An audio encoder's positions are its own (Whisper: max_source_positions 1500, more than the decoder's 448).
+    limit = max(source_buckets) if source == "features" else positions or max(source_buckets)
     for size in source_buckets:
         if not 2 <= size <= limit:
             raise TpuExportError(f"source bucket seq={size} is out of range: source lengths are 2..{limit}")
