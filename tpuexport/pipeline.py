@@ -792,7 +792,8 @@ def _seq2seq_passes(loaded: export_stage.LoadedSource, options: ConversionOption
     entry points over one set of weights, each exported, lowered, compiled per bucket with its
     caches donated, greedy generation verified against generate() (verify/seq2seq.py), written as a
     text-generation artifact. Sizes: --max-batch, --max-context (decoder positions), --bucket seq=
-    (source lengths; the longest is the cross cache's positions), --bucket batch= (encode batches).
+    (source lengths; the longest is the cross cache's positions; not for audio sources, whose length
+    is the encoder's), --bucket batch= (encode batches).
 
     Raises:
       TpuExportError: what the encoder-decoder entry points do not support yet (quantization, a
@@ -814,7 +815,8 @@ def _seq2seq_passes(loaded: export_stage.LoadedSource, options: ConversionOption
     if not all(1 <= batch <= options.max_batch for batch in encode_batches):
         raise TpuExportError(f"--bucket batch={','.join(map(str, encode_batches))} is out of range: encode batches are 1..{options.max_batch} "
                              "(--max-batch)")
-    with clock.stage("export", lambda: f"entry points encode (batch {list(encode_batches)} x source {list(spec.source_buckets)}) and "
+    sources = f"{spec.features[0]} x {spec.features[1]} features" if spec.source == "features" else f"source {list(spec.source_buckets)}"
+    with clock.stage("export", lambda: f"entry points encode (batch {list(encode_batches)} x {sources}) and "
                                        f"decode (batch {spec.max_batch}); caches {list(spec.cache_shape)} + cross {list(spec.cross_shape)} {spec.dtype}"):
         modules = export_stage.seq2seq_entry_point_modules(model, spec)
         captured = {name: export_stage.capture(export_stage.LoadedSource(modules[name], args, shapes, None, loaded.info))
@@ -827,9 +829,9 @@ def _seq2seq_passes(loaded: export_stage.LoadedSource, options: ConversionOption
                    for name, entry in captured.items()}
     lowered["encode"] = dataclasses.replace(lowered["encode"], weights=lowered["decode"].weights)
     program = lower_stage.Seq2SeqProgram(spec, lowered, encode_batches)
-    encode_sizes = {"seq": list(spec.source_buckets)}
-    if any(dim.name == "batch" for dim in lowered["encode"].signature.dims):
-        encode_sizes["batch"] = list(encode_batches)
+    # Audio features have no seq dim (their frames are static); batch is a dim unless max batch is 1.
+    encode_dims = {dim.name for dim in lowered["encode"].signature.dims}
+    encode_sizes = {name: sizes for name, sizes in (("seq", list(spec.source_buckets)), ("batch", list(encode_batches))) if name in encode_dims}
     buckets = {"encode": compile_stage.make_buckets(lowered["encode"].signature, encode_sizes),
                "decode": compile_stage.make_buckets(lowered["decode"].signature, None)}
     with contextlib.ExitStack() as running:
