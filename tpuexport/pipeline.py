@@ -755,6 +755,8 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
       compile  per target, entry point and bucket, the cache donated (in the background)
       verify   greedy generation vs Hugging Face generate, teacher-forced, both CPU runs (int8:
                vs the PT2E entry points' greedy generation, verify/quantized_generation.py)
+      verify sharded  per slice plan, a verified case's prefill and decode steps partitioned on N
+               CPU devices, the cache carried between calls, vs the same references (verify/sharded_generation.py)
       write    one weights file, each entry point's program files, "entry_points" in the manifest
 
     With a checkpoint, the eager model that generate() runs in verification is a copy of the model whose
