@@ -36,6 +36,7 @@ from tpuexport.compile.sharding import ShardingPlan
 from tpuexport.errors import TpuExportError
 from tpuexport.lower.generation import GenerationProgram, right_padded
 from tpuexport.lower.lowering import CPU_COMPILER_OPTIONS
+from tpuexport.verify.compare import Tolerances, compare_output
 from tpuexport.verify.generation import GenerationCase, GenerationReport, compare_run, cpu_runs, stored_cases
 from tpuexport.verify.report import RUNS
 from tpuexport.verify.sharded import CHILD_SCRIPT, TIMEOUT_SECONDS, read_array, write_array
@@ -57,7 +58,8 @@ class ShardedGenerationVerification:
         than their entry point takes: the runtime copies it on every such call.
       seconds: wall time, child process included.
       error: why no case ran (no stored case, the sharded program raised), else None.
-      worst: {run: {"step", "row"}} of each run's largest logits error.
+      worst: {run: {"step", "row", "first_outside"}}: where each run's largest logits error is, and
+        the first step with logits outside the tolerances (None if none is).
     """
 
     targets: tuple[str, ...]
@@ -92,9 +94,10 @@ class ShardedGenerationVerification:
                                f"{divergence.artifact} where generate() gives {divergence.eager} (eager logit gap {divergence.gap:.3g} > "
                                f"tie margin {divergence.margin:.3g})")
             if not run.logits.passed:
-                worst = self.worst.get(name, {})
-                clauses.append(f"{name} run, output 'logits' {run.logits.describe_failure()}, largest error at "
-                               f"{step_name(worst.get('step', 0))} row {worst.get('row', 0)} [{getattr(self.tolerances, name).describe()}]")
+                worst = self.worst[name]
+                first = "" if worst["first_outside"] is None else f"first outside tolerance at {step_name(worst['first_outside'])}, "
+                clauses.append(f"{name} run, output 'logits' {run.logits.describe_failure()}, {first}largest error at "
+                               f"{step_name(worst['step'])} row {worst['row']} [{getattr(self.tolerances, name).describe()}]")
         return f"{where} do not match eager PyTorch in {self.case.label}: {'; '.join(clauses)}"
 
     def describe(self) -> str:
@@ -164,7 +167,7 @@ def verify_sharded_generation(program: GenerationProgram, plans: dict[str, Shard
             actual = _stacked(logits.get(run, logits["cpu"]), slots, len(calls))
             runs[run] = compare_run(actual, expected, eager_tokens, getattr(report.tolerances, run))
             step, row = _worst(actual, expected)
-            worst[run] = {"step": step, "row": row}
+            worst[run] = {"step": step, "row": row, "first_outside": _first_outside(actual, expected, getattr(report.tolerances, run))}
     case = GenerationCase(manifest_case["sizes"], tuple(lengths), tuple(slots), len(eager_tokens[0]), runs, golden=True)
     return ShardedGenerationVerification(tuple(targets), plans, case, report.tolerances,
                                          {entry: collectives(text) for entry, text in hlo.items()}, tuple(resharded),
@@ -219,6 +222,18 @@ def _worst(actual: np.ndarray, expected: np.ndarray) -> tuple[int, int]:
     difference = np.nan_to_num(np.abs(actual.astype(np.float64) - expected.astype(np.float64)), nan=np.inf)
     row, step, _ = np.unravel_index(int(np.argmax(difference)), difference.shape)
     return int(step), int(row)
+
+
+def _first_outside(actual: np.ndarray, expected: np.ndarray, tolerances: Tolerances) -> int | None:
+    """The first step whose logits have an element outside the tolerances, by compare.py's rule with
+    its scale terms taken over all steps, as compare_run takes them."""
+    finite = expected[np.isfinite(expected)].astype(np.float64)
+    scale = float(np.sqrt(np.mean(np.square(finite)))) if finite.size else 0.0
+    step_size = float(np.abs(finite).max(initial=0.0)) / 127.0
+    elementwise = dataclasses.replace(tolerances, atol=tolerances.atol + tolerances.scale_tol * scale + tolerances.quantization_steps * step_size,
+                                      scale_tol=0.0, quantization_steps=0.0)
+    return next((step for step in range(actual.shape[1])
+                 if compare_output("logits", actual[:, step], expected[:, step], elementwise).mismatched), None)
 
 
 def _run_child(program: GenerationProgram, plans: dict[str, ShardingPlan], calls: list):
