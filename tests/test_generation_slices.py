@@ -51,8 +51,8 @@ def test_each_plan_generates_partitioned_as_generate_does(converted, plan, cache
     assert all(kinds for kinds in run["collectives"].values()), run["collectives"]
     if plan == "tensor-parallel":  # the row-parallel o_proj and down_proj sum their partial products
         assert run["collectives"]["decode"]["all-reduce"]["count"] >= 2 * 2
-    # The cache stays in the layout prefill leaves it for decode: no copy between calls.
-    assert run["resharded_calls"] == []
+    # The cache donated and updated in place (its two tensors aliased), and left by prefill in the layout decode takes.
+    assert run["aliased_outputs"] == {"prefill": 2, "decode": 2} and run["resharded_calls"] == []
     report = json.loads((converted[plan].path / "verification" / "report.json").read_text())
     [full] = report["sharded"]
     assert full["inputs"]["decode"]["cache_k"] == cache_spec and full["inputs"]["prefill"]["cache_v"] == cache_spec

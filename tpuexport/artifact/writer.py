@@ -461,7 +461,7 @@ def write_generation_artifact(
                               verification.golden)
         if sharded_verification:
             manifest["verification"]["sharded"] = [
-                {key: entry[key] for key in ("targets", "passed", "devices", "mesh", "collectives", "resharded_calls")}
+                {key: entry[key] for key in ("targets", "passed", "devices", "mesh", "collectives", "aliased_outputs", "resharded_calls")}
                 | {"case": {key: entry["case"][key] for key in ("label", "sizes", "lengths", "new_tokens", "passed")}}
                 for entry in sharded_verification
             ]

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,8 @@ class ShardedGenerationVerification:
       tolerances: the generation verification's tolerances.
       collectives: {entry point: {kind: {"count", "bytes"}}} in the programs XLA:CPU compiled for
         the N devices.
+      aliased: {entry point: outputs XLA:CPU aliased with donated inputs} (the cache's tensors, updated
+        in place as on the TPU).
       resharded: the calls (0 is prefill, i the i-th decode step) whose cache came in another layout
         than their entry point takes: the runtime copies it on every such call.
       seconds: wall time, child process included.
@@ -67,6 +70,7 @@ class ShardedGenerationVerification:
     case: GenerationCase | None
     tolerances: VerificationTolerances
     collectives: dict[str, dict[str, dict[str, int]]]
+    aliased: dict[str, int]
     resharded: tuple[int, ...]
     seconds: float
     error: str | None = None
@@ -117,6 +121,7 @@ class ShardedGenerationVerification:
             "mesh": self.plans["decode"].to_json()["mesh"],
             "inputs": {entry: plan.to_json()["inputs"] for entry, plan in self.plans.items()},
             "collectives": self.collectives,
+            "aliased_outputs": self.aliased,
             "resharded_calls": list(self.resharded),
             "seconds": round(self.seconds, 3),
             "error": self.error,
@@ -155,7 +160,7 @@ def verify_sharded_generation(program: GenerationProgram, plans: dict[str, Shard
     start = time.perf_counter()
     chosen = choose_case(report)
     if chosen is None:
-        return ShardedGenerationVerification(tuple(targets), plans, None, report.tolerances, {}, (), time.perf_counter() - start,
+        return ShardedGenerationVerification(tuple(targets), plans, None, report.tolerances, {}, {}, (), time.perf_counter() - start,
                                              "no stored generation case to replay")
     manifest_case, lengths, prompts, slots, eager_tokens, expected = chosen
     calls = teacher_forced_calls(program, prompts, slots, manifest_case["sizes"]["seq"], eager_tokens)
@@ -170,7 +175,8 @@ def verify_sharded_generation(program: GenerationProgram, plans: dict[str, Shard
             worst[run] = {"step": step, "row": row, "first_outside": _first_outside(actual, expected, getattr(report.tolerances, run))}
     case = GenerationCase(manifest_case["sizes"], tuple(lengths), tuple(slots), len(eager_tokens[0]), runs, golden=True)
     return ShardedGenerationVerification(tuple(targets), plans, case, report.tolerances,
-                                         {entry: collectives(text) for entry, text in hlo.items()}, tuple(resharded),
+                                         {entry: collectives(text) for entry, text in hlo.items()},
+                                         {entry: _aliased_outputs(text) for entry, text in hlo.items()}, tuple(resharded),
                                          time.perf_counter() - start, error, worst)
 
 
@@ -222,6 +228,12 @@ def _worst(actual: np.ndarray, expected: np.ndarray) -> tuple[int, int]:
     difference = np.nan_to_num(np.abs(actual.astype(np.float64) - expected.astype(np.float64)), nan=np.inf)
     row, step, _ = np.unravel_index(int(np.argmax(difference)), difference.shape)
     return int(step), int(row)
+
+
+def _aliased_outputs(hlo_text: str) -> int:
+    """Outputs a compiled HLO module aliases with its (donated) parameters: its header's input_output_alias entries."""
+    header = hlo_text.split("\n", 1)[0]
+    return len(re.findall(r"\{[\d,\s]*\}: \(\d+, \{[\d,\s]*\}, (?:may|must)-alias\)", header))
 
 
 def _first_outside(actual: np.ndarray, expected: np.ndarray, tolerances: Tolerances) -> int | None:
