@@ -216,10 +216,10 @@ def _run_child(lowered: LoweredProgram, plan: ShardingPlan, cases: list[list[np.
             "devices": plan.devices,
             "mesh": specs["mesh"],
             "programs": program_paths,
-            "weights": [_write(weight, scratch_dir / f"weight{index}.bin") for index, weight in enumerate(lowered.weights)],
+            "weights": [write_array(weight, scratch_dir / f"weight{index}.bin") for index, weight in enumerate(lowered.weights)],
             "weight_specs": list(specs["weights"].values()),
             "input_specs": list(specs["inputs"].values()),
-            "cases": [[_write(np.asarray(array).astype(spec.dtype), scratch_dir / f"case{case}.input{index}.bin")
+            "cases": [[write_array(np.asarray(array).astype(spec.dtype), scratch_dir / f"case{case}.input{index}.bin")
                        for index, (array, spec) in enumerate(zip(inputs, lowered.signature.inputs))]
                       for case, inputs in enumerate(cases)],
             "out_dir": scratch,
@@ -236,7 +236,7 @@ def _run_child(lowered: LoweredProgram, plan: ShardingPlan, cases: list[list[np.
         for line in child.stdout.splitlines():
             event = json.loads(line)
             if event["event"] == "case":
-                outputs[event["case"]] = {run: [_read(entry) for entry in entries] for run, entries in event["outputs"].items()}
+                outputs[event["case"]] = {run: [read_array(entry) for entry in entries] for run, entries in event["outputs"].items()}
             elif event["event"] == "error":
                 errors[event["case"]] = event["message"]
             else:
@@ -244,12 +244,14 @@ def _run_child(lowered: LoweredProgram, plan: ShardingPlan, cases: list[list[np.
         return outputs, errors, hlo_text
 
 
-def _write(array: np.ndarray, path: pathlib.Path) -> dict:
+def write_array(array: np.ndarray, path: pathlib.Path) -> dict:
+    """Writes an array as a raw file for the child; returns its {path, dtype, shape}."""
     array = np.ascontiguousarray(array)
     path.write_bytes(array.tobytes())
     return {"path": str(path), "dtype": str(array.dtype), "shape": list(array.shape)}
 
 
-def _read(entry: dict) -> np.ndarray:
+def read_array(entry: dict) -> np.ndarray:
+    """An array the child wrote (its {path, dtype, shape}), copied out of the file."""
     return np.frombuffer(pathlib.Path(entry["path"]).read_bytes(), dtype=jnp.dtype(entry["dtype"])).reshape(entry["shape"]).copy()
 
