@@ -225,16 +225,8 @@ def _run_child(lowered: LoweredProgram, plan: ShardingPlan, cases: list[list[np.
             "out_dir": scratch,
             "compiler_options": CPU_COMPILER_OPTIONS,
         }
-        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={plan.devices}".strip()
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-        child = subprocess.run([sys.executable, "-I", str(CHILD_SCRIPT)], input=json.dumps(request), capture_output=True,
-                               text=True, env=env, timeout=TIMEOUT_SECONDS)
-        if child.returncode != 0:
-            last = " ".join(child.stderr.strip().splitlines()[-1:])[:300]
-            raise TpuExportError(f"the sharded verification process failed (exit code {child.returncode}: {last})")
         outputs, errors, hlo_text = {}, {}, ""
-        for line in child.stdout.splitlines():
-            event = json.loads(line)
+        for event in run_child(request, "the sharded verification process"):
             if event["event"] == "case":
                 outputs[event["case"]] = {run: [read_array(entry) for entry in entries] for run, entries in event["outputs"].items()}
             elif event["event"] == "error":
@@ -242,6 +234,27 @@ def _run_child(lowered: LoweredProgram, plan: ShardingPlan, cases: list[list[np.
             else:
                 hlo_text = pathlib.Path(event["hlo"]).read_text()
         return outputs, errors, hlo_text
+
+
+def run_child(request: dict, what: str) -> list[dict]:
+    """Runs sharded_child.py on `request["devices"]` CPU devices of XLA's host platform.
+
+    Args:
+      request: the child's JSON request (its "devices" is the device count).
+      what: the process's name in the error.
+    Returns:
+      The events the child printed, one JSON object per line.
+    Raises:
+      TpuExportError: the child failed (its last stderr line).
+    """
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={request['devices']}".strip()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+    child = subprocess.run([sys.executable, "-I", str(CHILD_SCRIPT)], input=json.dumps(request), capture_output=True,
+                           text=True, env=env, timeout=TIMEOUT_SECONDS)
+    if child.returncode != 0:
+        last = " ".join(child.stderr.strip().splitlines()[-1:])[:300]
+        raise TpuExportError(f"{what} failed (exit code {child.returncode}: {last})")
+    return [json.loads(line) for line in child.stdout.splitlines()]
 
 
 def write_array(array: np.ndarray, path: pathlib.Path) -> dict:

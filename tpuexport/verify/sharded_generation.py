@@ -20,12 +20,8 @@ inserted into each entry point are recorded, showing the run really was partitio
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Sequence
@@ -34,13 +30,12 @@ import numpy as np
 
 from tpuexport.compile.hlo import collectives
 from tpuexport.compile.sharding import ShardingPlan
-from tpuexport.errors import TpuExportError
 from tpuexport.lower.generation import GenerationProgram, right_padded
 from tpuexport.lower.lowering import CPU_COMPILER_OPTIONS
 from tpuexport.verify.compare import Tolerances, compare_output
 from tpuexport.verify.generation import GenerationCase, GenerationReport, compare_run, cpu_runs, stored_cases
 from tpuexport.verify.report import RUNS
-from tpuexport.verify.sharded import CHILD_SCRIPT, TIMEOUT_SECONDS, read_array, write_array
+from tpuexport.verify.sharded import read_array, run_child, write_array
 from tpuexport.verify.tolerances import VerificationTolerances
 
 
@@ -284,17 +279,10 @@ def _run_child(program: GenerationProgram, plans: dict[str, ShardingPlan], calls
             "out_dir": scratch,
             "compiler_options": CPU_COMPILER_OPTIONS,
         }
-        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={request['devices']}".strip()
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-        child = subprocess.run([sys.executable, "-I", str(CHILD_SCRIPT)], input=json.dumps(request), capture_output=True,
-                               text=True, env=env, timeout=TIMEOUT_SECONDS)
-        if child.returncode != 0:
-            last = " ".join(child.stderr.strip().splitlines()[-1:])[:300]
-            raise TpuExportError(f"the sharded generation verification process failed (exit code {child.returncode}: {last})")
+        events = run_child(request, "the sharded generation verification process")
         logits_at = {entry: [t.name for t in signature.outputs].index("logits") for entry, signature in signatures.items()}
         logits, errors, hlo, resharded = {run: [] for run in runs}, {}, {}, []
-        for line in child.stdout.splitlines():
-            event = json.loads(line)
+        for event in events:
             if event["event"] == "call":
                 entry = calls[event["call"]][0]
                 logits[event["run"]].append(read_array(event["outputs"][logits_at[entry]]))
