@@ -28,9 +28,10 @@ tokens compared with generate(do_sample=False)). They print after the other mode
 their own: greedy parity (a weight-only artifact against generate() with its rounded weights), the
 tokens compared and the ties; for weight-only, against the float model's generate(): the first step
 where greedy tokens differ ("none": the same 32 tokens) and the logits SQNR up to that step, and the
-weight bytes against f32. The encoder-decoder families (t5, bart) have rows in generate-f32 and
-generate-bf16: encode and decode entry points (source bucket batch 2 x seq 16, sources of different
-lengths, 32 new tokens from the decoder start token). Other kinds have no row in these modes.
+weight bytes against f32. The encoder-decoder families (t5, bart, whisper) have rows in generate-f32
+and generate-bf16: encode and decode entry points (source bucket batch 2 x seq 16, sources of
+different lengths; Whisper: encode batch 2 of different random audio features, its fixed length; 32
+new tokens from the decoder start token). Other kinds have no row in these modes.
 
 Mode "bf16-checkpoint" writes the transformers families' directories in bfloat16 (as most
 checkpoints are published; non-persistent buffers such as rotary `inv_freq` are not in a checkpoint)
@@ -134,7 +135,9 @@ def convert_command(family, source: str, mode: str, task_choice: str, out: pathl
     elif mode != CHECKPOINT_MODE:  # a bf16 checkpoint converts with default options
         command += ["--precision", numerics]
     if generation:
-        return command + ["--max-context", "64", "--max-batch", "2", "--bucket", "batch=2", "--bucket", "seq=16",
+        # A source or prompt bucket where the family's inputs have a seq dim (Whisper's audio features have a fixed length).
+        seq_bucket = ["--bucket", "seq=16"] if any(dim.startswith("seq=") for dim in family.dims) else []
+        return command + ["--max-context", "64", "--max-batch", "2", "--bucket", "batch=2", *seq_bucket,
                           "--verify-new-tokens", str(GENERATION_NEW_TOKENS), "--no-saved-model"]
     return command + ([] if options.saved_model else ["--no-saved-model"])
 

@@ -31,15 +31,21 @@ def build_example(name: str) -> dict:
     return module.build()
 
 
-@contextlib.contextmanager
-def served(artifact: pathlib.Path, log_path: pathlib.Path):
-    """`tpuexport serve ARTIFACT` as its own process on a free loopback port (REST only), once it
-    answers /readyz: yields its base URL; stopped with SIGTERM, after which it must exit 0."""
+def free_port() -> int:
+    """A loopback port free now."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(artifact: pathlib.Path, log_path: pathlib.Path, grpc_port: int = 0):
+    """`tpuexport serve ARTIFACT` as its own process on a free loopback port (REST; gRPC too on
+    `grpc_port` unless 0), once it answers /readyz: yields its base URL; stopped with SIGTERM,
+    after which it must exit 0."""
+    port = free_port()
     with open(log_path, "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "tpuexport.cli", "serve", str(artifact), "--port", str(port), "--grpc-port", "0"],
+        server = subprocess.Popen([sys.executable, "-m", "tpuexport.cli", "serve", str(artifact), "--port", str(port), "--grpc-port", str(grpc_port)],
                                   stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     base = f"http://127.0.0.1:{port}"
     try:

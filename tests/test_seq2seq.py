@@ -1,13 +1,15 @@
 """Encoder-decoder text generation (BART, T5): encode and decode entry points over a decoder
 self-attention cache and a cross-attention cache, verified token for token against Hugging Face
 generate(do_sample=False); planted cache bugs fail that verification; `tpuexport generate` and
-its bad input."""
+its bad input; `tpuexport serve`'s generate over REST and gRPC."""
 
 from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
+import numpy as np
 import pytest
 import requests
 import torch
@@ -15,11 +17,12 @@ import transformers
 from click.testing import CliRunner
 
 import tpuexport
-from conftest import served
+from conftest import free_port, served
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.cli import main
 from tpuexport.export.seq2seq import CrossWrite, Decode, Encode
+from tpuexport.serve import protos
 from tpuexport.verify import verify_seq2seq
 
 MAX_CONTEXT, MAX_BATCH, SOURCE = 12, 2, 12
@@ -186,9 +189,11 @@ def test_gate_replays_the_stored_generation(bart_generation):
 def test_serve_generates_from_encoder_decoders(bart_generation, tmp_path):
     """`tpuexport serve` schedules an encoder-decoder's generate requests like a decoder's (sources
     encoded into free cache slots, rows decoded from the start token): concurrent requests, more
-    than the slots hold, each stream the tokens they generate alone."""
+    than the slots hold, each stream the tokens they generate alone; gRPC's generate (token ids as
+    an int tensor) too; audio features for this text model are a 400 / INVALID_ARGUMENT."""
     artifact, _ = bart_generation
-    with served(artifact.path, tmp_path / "server.log") as base:
+    grpc_port = free_port()
+    with served(artifact.path, tmp_path / "server.log", grpc_port=grpc_port) as base:
         requested = [([[5, 17, 42]], 5), ([[9, 8, 7, 6], [3, 4]], 4), ([[11, 12]], 6)]
 
         def generate(sources, max_new_tokens):
@@ -200,3 +205,21 @@ def test_serve_generates_from_encoder_decoders(bart_generation, tmp_path):
         with ThreadPoolExecutor(len(requested)) as pool:
             answers = list(pool.map(lambda request: generate(*request), requested))
         assert answers == [artifact.generate(sources, max_new_tokens=max_new_tokens) for sources, max_new_tokens in requested]
+
+        answer = requests.post(f"{base}/v1/models/bart:generate", json={"features": [[[0.5, 0.5]]]}, timeout=60)
+        assert answer.status_code == 400 and answer.json()["error"].startswith("this model generates from token ids, not audio features")
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = protos.prediction_service_pb2_grpc.PredictionServiceStub(channel)
+
+            def grpc_generate(**inputs):
+                request = protos.predict_pb2.PredictRequest()
+                request.model_spec.name, request.model_spec.signature_name = "bart", "generate"
+                for name, array in inputs.items():
+                    request.inputs[name].CopyFrom(protos.to_proto(array))
+                return protos.to_array(stub.Predict(request, timeout=120).outputs["tokens"], "tokens").tolist()
+
+            with pytest.raises(grpc.RpcError) as failed:
+                grpc_generate(features=np.zeros((1, 8, 32), np.float32))
+            assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not audio features" in failed.value.details()
+            sources = [[9, 8, 7, 6], [3, 4, 5, 6]]
+            assert grpc_generate(prompts=np.array(sources), max_new_tokens=np.array(3)) == artifact.generate(sources, max_new_tokens=3)

@@ -357,18 +357,25 @@ def inspect(artifact_dir, as_json):
               help="A prompt's token ids (repeat for several prompts, up to the artifact's max batch).")
 @click.option("--prompt", "texts", multiple=True, metavar="TEXT",
               help="A prompt as text, encoded with the tokenizer the artifact carries (a Hugging Face source's); repeat for several.")
+@click.option("--features", "features_file", type=click.Path(path_type=pathlib.Path), metavar="FILE.npy",
+              help="An audio encoder-decoder's (Whisper's) sources: a numpy file of float features [batch, mel bins, frames].")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Tokens to generate per prompt.")
 @handles_errors
-def generate(artifact_dir, token_lists, texts, max_new_tokens):
+def generate(artifact_dir, token_lists, texts, features_file, max_new_tokens):
     """Greedy generation with a text-generation artifact on CPU (prefill, then decode steps over the KV cache), printing
-    each step's tokens as they come (one line per step, one id per prompt); with --prompt, then each prompt's new text."""
+    each step's tokens as they come (one line per step, one id per prompt); with --prompt, then each prompt's new text.
+    An audio encoder-decoder (Whisper) generates from --features FILE.npy."""
     from tpuexport.artifact import load
 
-    if bool(token_lists) == bool(texts):
-        raise TpuExportError("give the prompts either as --tokens ID,ID,... or as --prompt TEXT (one of them, repeatable)")
+    if sum(map(bool, (token_lists, texts, features_file))) != 1:
+        raise TpuExportError("give the prompts either as --tokens ID,ID,... or as --prompt TEXT (one of them, repeatable), "
+                             "or an audio model's sources as --features FILE.npy")
     artifact = load(artifact_dir)
     tokenizer = artifact.tokenizer() if texts else None
-    prompts = [parse_tokens(text) for text in token_lists] or [tokenizer(text)["input_ids"] for text in texts]
+    if features_file:
+        prompts = artifact.feature_sources(read_features(features_file))
+    else:
+        prompts = [parse_tokens(text) for text in token_lists] or [tokenizer(text)["input_ids"] for text in texts]
     generated: list[list[int]] = [[] for _ in prompts]
     for step in artifact.stream(prompts, max_new_tokens):
         click.echo(" ".join("-" if token is None else str(token) for token in step))
@@ -377,6 +384,24 @@ def generate(artifact_dir, token_lists, texts, max_new_tokens):
                 generated[row].append(token)
     for tokens in generated if tokenizer else ():
         click.echo(tokenizer.decode(tokens))
+
+
+def read_features(path: pathlib.Path):
+    """The array a --features file holds (numpy's .npy format, no pickled objects).
+
+    Raises:
+      TpuExportError: a missing or unreadable file.
+    """
+    import numpy as np
+
+    if not path.is_file():
+        raise TpuExportError(f"--features {path}: no such file; give a .npy file of float features [batch, mel bins, frames] "
+                             "(written with numpy.save)")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as error:
+        raise TpuExportError(f"--features {path} is not a numpy .npy array ({' '.join(str(error).split())[:120]}); "
+                             "write the features with numpy.save(FILE, array)") from None
 
 
 def parse_tokens(text: str) -> list[int]:

@@ -29,6 +29,7 @@ from tpuexport.artifact.manifest import sha256_file
 from tpuexport.errors import TpuExportError
 from tpuexport.export.huggingface import ARTIFACT_DIRECTORY as HF_DIRECTORY
 from tpuexport.lower import GenerationProgram, LoweredProgram, Seq2SeqProgram
+from tpuexport.lower.seq2seq import FEATURES_USAGE, source_rows
 from tpuexport.signature import ProgramSignature
 
 
@@ -147,11 +148,12 @@ class Artifact:
 
     def stream(self, prompts, max_new_tokens: int) -> Iterator[list[int | None]]:
         """Greedy generation on CPU, step by step (see `generate`): yields each step's new token per
-        prompt (None for a row that reached max context)."""
+        prompt (None for a row that reached max context). An audio encoder-decoder's prompts are its
+        sources' features (a [batch, mel bins, frames] array)."""
         if self.plan_only:
             raise TpuExportError("this is a plan without weights: it compiles for TPUs but cannot run; convert the model "
                                  "with its weights to run it")
-        return self.generation_program.stream([list(map(int, prompt)) for prompt in prompts], max_new_tokens)
+        return self.generation_program.stream(source_rows(self.generation_program, prompts), max_new_tokens)
 
     def tokenizer(self):
         """The Hugging Face tokenizer a text-generation artifact carries (hf/, copied from a Hugging
@@ -170,26 +172,55 @@ class Artifact:
             self.checked_path(f"{HF_DIRECTORY}/{name}")
         return AutoTokenizer.from_pretrained(str(self.path / HF_DIRECTORY), local_files_only=True, trust_remote_code=False)
 
-    def generate(self, tokens, max_new_tokens: int = 32) -> list[list[int]]:
+    def generate(self, tokens=None, max_new_tokens: int = 32, *, features=None) -> list[list[int]]:
         """Greedy generation by the artifact's prefill and decode entry points on CPU (the lowered
         StableHLO, the KV cache held between steps as on a TPU).
 
         Args:
           tokens: one prompt (a list of token ids) or a list of prompts (at most max batch).
           max_new_tokens: tokens to generate per prompt (fewer where a row reaches max context).
+          features: instead of tokens, for an audio encoder-decoder (Whisper): its sources' audio
+            features, a float array [batch, mel bins, frames] (or [mel bins, frames] for one).
         Returns:
           The new tokens per prompt (a list of lists, one per prompt).
         Raises:
           TpuExportError: not a text-generation artifact, a plan, or prompts it cannot take (too
-            many, too long, empty, a token outside the vocabulary).
+            many, too long, empty, a token outside the vocabulary; features of the wrong shape or
+            dtype, or given to an artifact that takes tokens).
         """
-        prompts = [tokens] if tokens and not isinstance(tokens[0], (list, tuple)) else tokens
+        if features is not None:
+            if tokens is not None:
+                raise TpuExportError("give the sources either as tokens or as features, not both")
+            prompts = self.feature_sources(features)
+        elif tokens is None:
+            raise TpuExportError("give the prompts (token ids) or, for an audio encoder-decoder, features=[batch, mel bins, frames]")
+        else:
+            prompts = [tokens] if tokens and not isinstance(tokens[0], (list, tuple)) else tokens
         generated: list[list[int]] = [[] for _ in prompts]
         for step in self.stream(prompts, max_new_tokens):
             for row, token in enumerate(step):
                 if token is not None:
                     generated[row].append(token)
         return generated
+
+    def feature_sources(self, features) -> list:
+        """An audio encoder-decoder's sources from its features, [batch, mel bins, frames] (or
+        [mel bins, frames] for one): one array per row (checked when generating).
+
+        Raises:
+          TpuExportError: an artifact whose sources are token ids.
+        """
+        source = self.generation_program.spec.source if isinstance(self.generation_program, Seq2SeqProgram) else "tokens"
+        if source != "features":
+            raise TpuExportError(f"{self.path} takes token ids, not audio features (its encoder is not an audio model); pass --tokens")
+        mel, frames = self.generation_program.spec.features
+        try:
+            array = np.asarray(features)
+        except ValueError:  # rows of different shapes
+            raise TpuExportError(f"audio features whose rows differ in shape: {FEATURES_USAGE.format(mel, frames)}") from None
+        if array.ndim not in (2, 3):
+            raise TpuExportError(f"audio features of shape {list(array.shape)}: {FEATURES_USAGE.format(mel, frames)}")
+        return list(array[None] if array.ndim == 2 else array)
 
     def run(self, *inputs):
         """Runs the lowered StableHLO on CPU.

@@ -324,8 +324,9 @@ def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_
                              "--max-context and the --bucket seq=... prompt lengths); drop it")
     encoder_decoder = bool(getattr(resolved.config, "is_encoder_decoder", False))
     # BART's model type is in both tables: its encoder-decoder configs generate as encoder-decoders, read
-    # in memory (their entry points do not stream a checkpoint yet).
-    auto_class = getattr(_import_transformers(), "AutoModelForSeq2SeqLM" if encoder_decoder else resolved.auto_class)
+    # in memory (their entry points do not stream a checkpoint yet). Whisper's is in the causal LM table
+    # (its decoder alone): its encoder-decoder is the speech seq2seq class.
+    auto_class = getattr(_import_transformers(), _encoder_decoder_class(resolved.config) if encoder_decoder else resolved.auto_class)
     weights_in_memory = weights_in_memory or encoder_decoder
     dtype = _config_dtype(resolved.config)
     checkpoint = None
@@ -340,15 +341,26 @@ def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_
     return LoadedSource(model.eval(), None, None, None, _source_info(resolved), checkpoint=checkpoint, huggingface=record)
 
 
+def _encoder_decoder_class(config) -> str:
+    """The auto class of an encoder-decoder LM: the speech one for audio encoders (Whisper), else AutoModelForSeq2SeqLM."""
+    from transformers.models.auto import modeling_auto
+
+    speech = config.model_type in modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+    return "AutoModelForSpeechSeq2Seq" if speech and config.model_type not in modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES \
+        else "AutoModelForSeq2SeqLM"
+
+
 def generation_context(model: torch.nn.Module) -> int:
     """The positions a causal LM's config allows (its `max_position_embeddings`, else GPT-2's
-    `n_positions`): the default --max-context of a Hugging Face text-generation source.
+    `n_positions`, else an encoder-decoder's decoder `max_target_positions`): the default
+    --max-context of a Hugging Face text-generation source.
 
     Raises:
-      TpuExportError: the config records neither.
+      TpuExportError: the config records none.
     """
     config = model.config
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    positions = (getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+                 or getattr(config, "max_target_positions", None))
     if not positions:
         raise TpuExportError(f"{type(model).__name__}'s config records no maximum position; give --max-context N")
     return int(positions)

@@ -1,7 +1,10 @@
 """An encoder-decoder generation program: its encode and decode entry points (each a LoweredProgram)
 over one set of weights, and a session that drives them on CPU (encode, then decode step by step
 from the decoder start token), holding the caches between calls as a serving runtime holds the
-TPU buffers. What `Artifact.generate`, `tpuexport generate` and verification run."""
+TPU buffers. What `Artifact.generate`, `tpuexport generate` and verification run.
+
+A source is what the spec's `source` kind says: token ids (a list of ints, right-padded to an encode
+bucket, with its length) or audio features (a float array [mel bins, frames], always full length)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export.seq2seq import ENTRY_POINTS, STATE_INPUTS, Seq2SeqSpec
+from tpuexport.export.seq2seq import ENTRY_POINTS, Seq2SeqSpec
 from tpuexport.lower.generation import Runner, check_slots, check_token_rows, cpu_runner, right_padded
 from tpuexport.lower.lowering import LoweredProgram
 
@@ -29,7 +32,6 @@ class Seq2SeqProgram:
     spec: Seq2SeqSpec
     entry_points: dict[str, LoweredProgram]
     encode_batches: tuple[int, ...]
-    state_inputs = STATE_INPUTS
 
     def __post_init__(self):
         first, *others = (self.entry_points[name] for name in ENTRY_POINTS)
@@ -38,24 +40,30 @@ class Seq2SeqProgram:
                 raise TpuExportError("the entry points' weights differ (names or shapes); they must share one model's weights")
 
     @property
+    def state_inputs(self) -> tuple[str, ...]:
+        return self.spec.state_inputs
+
+    @property
     def weights_program(self) -> LoweredProgram:
         """The entry point whose weight arrays every entry point uses."""
         return self.entry_points["decode"]
 
     def encode_buckets(self) -> list[dict[str, int]]:
-        """Every compiled encode size, {"batch": b, "seq": s} (s: source length)."""
+        """Every compiled encode size, {"batch": b, "seq": s} (s: source length; audio features: {"batch": b})."""
+        if self.spec.source == "features":
+            return [{"batch": batch} for batch in self.encode_batches]
         return [{"batch": batch, "seq": seq} for batch in self.encode_batches for seq in self.spec.source_buckets]
 
     def manifest_section(self) -> dict:
         """The manifest's "generation" section."""
-        return {**self.spec.to_json(), "encode_batches": list(self.encode_batches), "cache_inputs": list(STATE_INPUTS),
+        return {**self.spec.to_json(), "encode_batches": list(self.encode_batches), "cache_inputs": list(self.state_inputs),
                 "cache_bytes": self.spec.cache_bytes}
 
     @classmethod
     def from_manifest(cls, generation: dict, entry_points: dict[str, LoweredProgram]) -> "Seq2SeqProgram":
         return cls(Seq2SeqSpec.from_json(generation), entry_points, tuple(generation["encode_batches"]))
 
-    def stream(self, sources: Sequence[Sequence[int]], max_new_tokens: int, runner: Runner | None = None) -> Iterator[list[int | None]]:
+    def stream(self, sources: Sequence, max_new_tokens: int, runner: Runner | None = None) -> Iterator[list[int | None]]:
         """Greedy generation in a fresh session (stream_greedy), on CPU or through `runner`."""
         return stream_greedy(Seq2SeqSession(self, runner), sources, max_new_tokens)
 
@@ -74,9 +82,10 @@ class Seq2SeqSession:
         self.run = runner or cpu_runner(program)
         spec = program.spec
         dtype = program.entry_points["decode"].signature.inputs[2].dtype
-        self.state = {"cache_k": np.zeros(spec.cache_shape, dtype), "cache_v": np.zeros(spec.cache_shape, dtype),
-                      "cross_k": np.zeros(spec.cross_shape, dtype), "cross_v": np.zeros(spec.cross_shape, dtype),
-                      "source_lengths": np.ones(spec.max_batch, np.int64)}
+        state = {"cache_k": np.zeros(spec.cache_shape, dtype), "cache_v": np.zeros(spec.cache_shape, dtype),
+                 "cross_k": np.zeros(spec.cross_shape, dtype), "cross_v": np.zeros(spec.cross_shape, dtype),
+                 "source_lengths": np.ones(spec.max_batch, np.int64)}
+        self.state = {name: state[name] for name in spec.state_inputs}
 
     def _call(self, name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         signature = self.program.entry_points[name].signature
@@ -85,17 +94,27 @@ class Seq2SeqSession:
         self.state.update({key: value for key, value in outputs.items() if key in self.state})
         return outputs
 
-    def encode(self, sources: Sequence[Sequence[int]], slots: Sequence[int], seq: int | None = None) -> None:
-        """Encodes sources into cache slots, right-padded to an encode bucket.
+    def encode(self, sources: Sequence, slots: Sequence[int], seq: int | None = None) -> None:
+        """Encodes sources into cache slots, token sources right-padded to an encode bucket.
 
         Args:
-          sources: token ids per row; their count must be a compiled encode batch.
+          sources: token ids per row, or audio features [mel bins, frames] per row (the spec's
+            source kind); their count must be a compiled encode batch.
           slots: the cache slot of each row (distinct).
-          seq: the source bucket to pad to; None for the smallest that holds the longest source.
+          seq: the source bucket to pad token sources to; None for the smallest that holds the
+            longest source.
         Raises:
           TpuExportError: no bucket holds the sources, or a bad slot.
         """
         spec = self.program.spec
+        if spec.source == "features":
+            if len(sources) not in self.program.encode_batches:
+                raise TpuExportError(f"encode of {len(sources)} sources: the compiled encode batches are {list(self.program.encode_batches)}")
+            check_slots(slots, spec.max_batch)
+            dtype = self.program.entry_points["encode"].signature.inputs[0].dtype
+            self._call("encode", {"input_features": np.stack([np.asarray(source, np.float32) for source in sources]).astype(dtype),
+                                  "slots": np.asarray(slots, np.int64)})
+            return
         longest = max(len(source) for source in sources)
         if seq is None:
             fitting = [size for size in spec.source_buckets if size >= longest]
@@ -116,16 +135,60 @@ class Seq2SeqSession:
         return outputs["logits"]
 
 
-def check_sources(spec: Seq2SeqSpec, sources: Sequence[Sequence[int]], max_new_tokens: int) -> None:
-    """Refuses sources the artifact cannot generate from, in one line (check_token_rows; a source
-    must fit the longest source bucket)."""
+FEATURES_USAGE = "pass --features FILE.npy holding a float array [batch, {0}, {1}] (API: Artifact.generate(features=array))"
+
+
+def check_sources(spec: Seq2SeqSpec, sources: Sequence, max_new_tokens: int, features_usage: str = FEATURES_USAGE) -> None:
+    """Refuses sources the artifact cannot generate from, in one line (token sources:
+    check_token_rows, a source must fit the longest source bucket; audio features: check_features,
+    whose messages end with `features_usage`)."""
+    if spec.source == "features":
+        check_features(spec, sources, max_new_tokens, features_usage)
+        return
     check_token_rows(sources, max_new_tokens, "source", spec.max_batch, spec.max_source,
                      lambda length: (f"a source of {length} tokens is longer than the artifact's longest source bucket ({spec.max_source}); "
                                      "shorten it or convert with a larger --bucket seq="),
                      spec.vocab)
 
 
-def stream_greedy(session: Seq2SeqSession, sources: Sequence[Sequence[int]], max_new_tokens: int) -> Iterator[list[int | None]]:
+def check_features(spec: Seq2SeqSpec, sources: Sequence, max_new_tokens: int, usage: str = FEATURES_USAGE) -> None:
+    """Refuses audio sources the artifact cannot take, in one line: no source, more than max batch,
+    max_new_tokens < 1, a source that is not a finite float array [mel bins, frames] of the spec's
+    sizes. `usage` ends the messages: how to pass features, {0} and {1} the mel bins and frames."""
+    mel, frames = spec.features
+    usage = usage.format(mel, frames)
+    if len(sources) == 0:
+        raise TpuExportError(f"no source given; this artifact's sources are audio features: {usage}")
+    if len(sources) > spec.max_batch:
+        raise TpuExportError(f"{len(sources)} sources exceed the artifact's max batch {spec.max_batch}; give at most {spec.max_batch} "
+                             "or convert with a larger --max-batch")
+    if max_new_tokens < 1:
+        raise TpuExportError(f"--max-new-tokens {max_new_tokens}: give at least 1")
+    for source in sources:
+        array = np.asarray(source)
+        if array.shape != (mel, frames):
+            raise TpuExportError(f"a source of shape {list(array.shape)}: this artifact's sources are audio features of {mel} mel bins x "
+                                 f"{frames} frames each (frames padded or trimmed to {frames}, as Whisper's feature extractor does); {usage}")
+        if array.dtype.kind != "f" and array.dtype.name != "bfloat16":
+            raise TpuExportError(f"audio features of dtype {array.dtype}: give float features (float32); {usage}")
+        if not np.isfinite(array.astype(np.float32)).all():
+            raise TpuExportError("audio features hold NaN or infinite values; give finite log-mel features")
+
+
+def padding_source(spec: Seq2SeqSpec):
+    """A source that fills an encode batch's unused row (its slot is free): one token, or silent features."""
+    return np.zeros(spec.features, np.float32) if spec.source == "features" else [0]
+
+
+def source_rows(program, rows) -> list:
+    """Sources as a program's stream takes them: audio features (a [batch, mel, frames] array or a
+    sequence of [mel, frames] arrays) as arrays per row, else token ids as ints per row."""
+    if isinstance(program, Seq2SeqProgram) and program.spec.source == "features":
+        return [np.asarray(row) for row in rows]
+    return [list(map(int, row)) for row in rows]
+
+
+def stream_greedy(session: Seq2SeqSession, sources: Sequence, max_new_tokens: int) -> Iterator[list[int | None]]:
     """Greedy generation: encode the sources at the smallest compiled encode batch that holds them
     (padding rows in free slots; one at a time if none does), then decode steps from the decoder
     start token; yields each step's new token per source (None once a row has reached max context).
@@ -139,7 +202,7 @@ def stream_greedy(session: Seq2SeqSession, sources: Sequence[Sequence[int]], max
     fitting = [batch for batch in session.program.encode_batches if batch >= len(sources)]
     if fitting:
         padding = fitting[0] - len(sources)
-        session.encode([*sources, *[[0]] * padding], slots + list(range(len(sources), len(sources) + padding)))
+        session.encode([*sources, *[padding_source(spec)] * padding], slots + list(range(len(sources), len(sources) + padding)))
     else:
         for source, slot in zip(sources, slots):
             session.encode([source], [slot])

@@ -38,6 +38,7 @@ from tpuexport.compile.aot import compiler_options, cpu_executable_program
 from tpuexport.compile.compile_key import compile_key, key_difference
 from tpuexport.compile.slices import resolve_targets
 from tpuexport.errors import TpuExportError
+from tpuexport.lower.seq2seq import source_rows
 from tpuexport.runtime.executables import load_executable
 from tpuexport.runtime.entry_points import DEFAULT_ENTRY_POINT, BucketEntry, EntryPoint, choose_bucket, entry_points
 from tpuexport.verify.padding import pad_rows
@@ -206,7 +207,8 @@ class Runner:
         def call(name: str, inputs: list) -> list:
             return list(self.run(inputs, name).values())
 
-        return self.artifact.generation_program.stream([list(map(int, prompt)) for prompt in prompts], max_new_tokens, runner=call)
+        program = self.artifact.generation_program
+        return program.stream(source_rows(program, prompts), max_new_tokens, runner=call)
 
     def run(self, inputs: Mapping[str, object] | Sequence[object], entry_point: str | None = None) -> dict[str, np.ndarray]:
         """Checks, pads, runs and slices one request (see `prepare` and `execute`).

@@ -6,7 +6,9 @@ One `GenerationScheduler` thread per served text-generation model loops:
      are prefilled into free slots at the smallest compiled prefill batch that holds them and whose
      padding rows find free slots too (as `Runner.stream` does), else one prompt at a time (batch
      1, compiled by default), and each request gets its first tokens; an encoder-decoder's sources
-     are encoded into the slots alike, and its rows start decoding from the decoder start token;
+     (token ids, or an audio model's features [mel bins, frames]; padding rows: one token, or
+     silent features) are encoded into the slots alike, and its rows start decoding from the
+     decoder start token;
   2. runs one decode step over all slots (idle ones decode token 0 at their own position 0, which
      nothing reads) and hands each request its rows' new tokens;
   3. releases the slots of requests that are done (max_new_tokens, every row at max context, or
@@ -23,25 +25,32 @@ import collections
 import dataclasses
 import queue
 import threading
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
 
 from tpuexport.errors import TpuExportError
 from tpuexport.lower.generation import GenerationSession, check_prompts
-from tpuexport.lower.seq2seq import Seq2SeqProgram, Seq2SeqSession, check_sources
+from tpuexport.lower.seq2seq import Seq2SeqProgram, Seq2SeqSession, check_sources, padding_source
 from tpuexport.runtime import Runner
 from tpuexport.serve.batching import ShuttingDown
 from tpuexport.serve.metrics import Metrics
+from tpuexport.signature import TensorSpec
 
 _DONE = object()
+PROMPTS, FEATURES = "prompts", "features"  # what a generate request's rows are
+GENERATE_SIGNATURE = "generate"  # gRPC Predict's signature_name for generation (serve/grpc_service.py)
+DEFAULT_NEW_TOKENS = 32
+SERVE_FEATURES_USAGE = ('send "features", a float array [batch, {0}, {1}] (REST: a list of {0} x {1} nested lists per source; '
+                        'gRPC, the one for real audio sizes: a float32 TensorProto input "features")')
 
 
 @dataclasses.dataclass(eq=False)
 class _Request:
-    """One generate request: its prompts, its slots once admitted, and where its steps go."""
+    """One generate request: its sources (token ids per row, or an audio model's features per
+    row), its slots once admitted, and where its steps go."""
 
-    prompts: list[list[int]]
+    sources: list
     max_new_tokens: int
     steps: queue.Queue = dataclasses.field(default_factory=queue.Queue)
     slots: list[int] = dataclasses.field(default_factory=list)
@@ -105,27 +114,70 @@ class GenerationScheduler:
         self.thread = threading.Thread(target=self._loop, name=f"generation-{labels['model']}-{labels['version']}", daemon=True)
         self.thread.start()
 
-    def submit(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> "GenerationStream":
+    def submit(self, rows, max_new_tokens: int, kind: str = PROMPTS) -> "GenerationStream":
         """Queues a request.
 
+        Args:
+          rows: token ids per row (kind "prompts": a decoder's prompts, a text encoder-decoder's
+            sources), or an audio encoder-decoder's features (kind "features": a float array
+            [batch, mel bins, frames]).
+          max_new_tokens: tokens to generate per row (fewer where a row reaches max context).
+          kind: "prompts" or "features", as the request named its rows.
         Returns:
           Its steps as they come (GenerationStream).
         Raises:
-          TpuExportError: prompts the artifact cannot take (lower/generation.check_prompts).
+          TpuExportError: rows the artifact cannot take (lower/generation.check_prompts,
+            lower/seq2seq.check_sources), or of the other kind than the model's sources.
           ShuttingDown: after `close`.
         """
-        prompts = [list(map(int, prompt)) for prompt in prompts]
-        (check_sources if self.encoder_decoder else check_prompts)(self.spec, prompts, max_new_tokens)
-        if self._fill_batch(len(prompts), self.spec.max_batch) is None:
-            raise TpuExportError(f"{len(prompts)} prompts fit no compiled batch ({list(self.fill_batches)}) and batch 1 "
+        sources = self._sources(rows, kind)
+        if self.encoder_decoder:
+            check_sources(self.spec, sources, max_new_tokens, SERVE_FEATURES_USAGE)
+        else:
+            check_prompts(self.spec, sources, max_new_tokens)
+        if self._fill_batch(len(sources), self.spec.max_batch) is None:
+            raise TpuExportError(f"{len(sources)} prompts fit no compiled batch ({list(self.fill_batches)}) and batch 1 "
                                  "is not compiled; send as many prompts as a compiled batch, or convert with --bucket batch=1,...")
-        request = _Request(prompts, max_new_tokens)
+        request = _Request(sources, max_new_tokens)
         with self.wake:
             if self.closed:
                 raise ShuttingDown("the server is shutting down; retry on another replica")
             self.waiting.append(request)
             self.wake.notify()
         return GenerationStream(request)
+
+    @property
+    def source_kind(self) -> str:
+        """What a request's rows must be: "features" for an audio encoder-decoder, else "prompts" (token ids)."""
+        return FEATURES if self.encoder_decoder and self.spec.source == "features" else PROMPTS
+
+    def signature(self) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """(inputs, outputs) of gRPC's generate: the rows ("features" [batch, mel bins, frames] float32,
+        or "prompts" [batch, length] token ids) and "max_new_tokens"; "tokens" [batch, steps]."""
+        if self.source_kind == FEATURES:
+            rows = TensorSpec(FEATURES, ("batch", *self.spec.features), "float32", "float32")
+        else:
+            rows = TensorSpec(PROMPTS, ("batch", "length"), "int64", "int64")
+        return [rows, TensorSpec("max_new_tokens", (), "int64", "int64")], [TensorSpec("tokens", ("batch", "steps"), "int64", "int64")]
+
+    def _sources(self, rows, kind: str) -> list:
+        """A request's rows as the sessions take them: token ids as ints per row, features as an array per row.
+
+        Raises:
+          TpuExportError: rows of the other kind than the model's sources, or features that are
+            not a [batch, mel bins, frames] array.
+        """
+        if kind != self.source_kind:
+            if self.source_kind == FEATURES:
+                raise TpuExportError('this model generates from audio features, not token ids: ' + SERVE_FEATURES_USAGE.format(*self.spec.features))
+            raise TpuExportError('this model generates from token ids, not audio features (its encoder is not an audio model): '
+                                 'send "prompts", a list of token id lists')
+        if kind == PROMPTS:
+            return [list(map(int, row)) for row in rows]
+        array = np.asarray(rows)
+        if array.ndim != 3:
+            raise TpuExportError(f"audio features of shape {list(array.shape)}: " + SERVE_FEATURES_USAGE.format(*self.spec.features))
+        return list(array)
 
     def close(self) -> None:
         """Stops taking requests, finishes those admitted or waiting, and ends the thread."""
@@ -169,11 +221,11 @@ class GenerationScheduler:
                 self.waiting.popleft()
                 continue
             free = self._free_slots()
-            batch = self._fill_batch(len(request.prompts), len(free))
+            batch = self._fill_batch(len(request.sources), len(free))
             if batch is None:
                 break
             self.waiting.popleft()
-            request.slots, request.fill_batch = free[:len(request.prompts)], batch
+            request.slots, request.fill_batch = free[:len(request.sources)], batch
             self.active.append(request)
             admitted.append(request)
         return admitted
@@ -192,14 +244,15 @@ class GenerationScheduler:
         return 1 if 1 in self.fill_batches and rows <= free else None
 
     def _fill(self, request: _Request) -> None:
-        """Fills the request's slots from its prompts: prefill, whose logits give the first tokens
+        """Fills the request's slots from its sources: prefill, whose logits give the first tokens
         (handed to the request), or an encoder-decoder's encode, after which its rows decode from
         the decoder start token at position 0."""
-        rows, slots = request.prompts, request.slots
+        rows, slots = request.sources, request.slots
         if request.fill_batch >= len(rows):
-            # Padding rows (one token each) go to free slots, which their occupant's fill overwrites.
+            # Padding rows (one token each, or silent features) go to free slots, which their occupant's fill overwrites.
             padding = [slot for slot in self._free_slots() if slot not in slots][:request.fill_batch - len(rows)]
-            fills = [([*rows, *[[0]] * len(padding)], [*slots, *padding])]
+            filler = padding_source(self.spec) if self.encoder_decoder else [0]
+            fills = [([*rows, *[filler] * len(padding)], [*slots, *padding])]
         else:
             fills = [([row], [slot]) for row, slot in zip(rows, slots)]
         if self.encoder_decoder:

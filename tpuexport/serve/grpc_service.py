@@ -2,6 +2,13 @@
 ModelService (GetModelStatus), from the tensorflow-serving-api protos, so that existing clients
 (`prediction_service_pb2_grpc.PredictionServiceStub`) work unchanged.
 
+A text-generation model also answers Predict with `signature_name` "generate": its input "prompts"
+(int [batch, length], token ids) or, for an audio encoder-decoder, "features" (float32 [batch,
+mel bins, frames]; the efficient way to send real features, 80 x 3000 floats per source, as raw
+bytes), optionally "max_new_tokens" (an int scalar, default 32); it runs through the model's
+continuous batching scheduler (serve/generation.py) and answers "tokens" (int64 [batch, steps], -1
+for the steps after a row reached max context).
+
 A bad request answers INVALID_ARGUMENT naming the problem, an unknown model NOT_FOUND, a request
 during shutdown UNAVAILABLE; the server serves on.
 """
@@ -12,10 +19,12 @@ import time
 from concurrent import futures
 
 import grpc
+import numpy as np
 
 from tpuexport.errors import TpuExportError
 from tpuexport.serve import protos
 from tpuexport.serve.batching import ShuttingDown
+from tpuexport.serve.generation import DEFAULT_NEW_TOKENS, FEATURES, GENERATE_SIGNATURE, PROMPTS
 from tpuexport.serve.metrics import UNKNOWN_MODEL, Metrics
 from tpuexport.serve.models import ModelNotFound, ModelRepository
 
@@ -39,6 +48,8 @@ class PredictionService(protos.prediction_service_pb2_grpc.PredictionServiceServ
             model = self.repository.resolve(request.model_spec.name, version)
             labels = model.labels
             inputs = {name: protos.to_array(tensor, name) for name, tensor in request.inputs.items()}
+            if request.model_spec.signature_name == GENERATE_SIGNATURE and model.generation is not None:
+                return self._generate(model, inputs, context)
             prepared = model.runner.prepare(inputs, request.model_spec.signature_name or None)
             outputs = model.batcher.submit(prepared).result()
             wanted = list(request.output_filter) or list(outputs)
@@ -68,6 +79,24 @@ class PredictionService(protos.prediction_service_pb2_grpc.PredictionServiceServ
             self.metrics.requests.labels(**labels, api="grpc", outcome=outcome).inc()
             self.metrics.latency.labels(**labels, api="grpc").observe(time.perf_counter() - start)
 
+    def _generate(self, model, inputs: dict[str, np.ndarray], context):
+        """A generate request's answer: every step's tokens, once the request is done.
+
+        Raises:
+          TpuExportError: inputs that are not one of "prompts"/"features" (and "max_new_tokens"),
+            or rows the model cannot take.
+        """
+        rows, kind, max_new_tokens = _generate_inputs(inputs)
+        steps = model.generation.submit(rows, max_new_tokens, kind)
+        context.add_callback(steps.cancel)  # a client gone frees the request's slots (a no-op once it is done)
+        tokens = np.array([[-1 if token is None else token for token in step] for step in steps], np.int64).T
+        response = protos.predict_pb2.PredictResponse()
+        response.model_spec.name = model.name
+        response.model_spec.version.value = model.version
+        response.model_spec.signature_name = GENERATE_SIGNATURE
+        response.outputs["tokens"].CopyFrom(protos.to_proto(tokens))
+        return response
+
     def GetModelMetadata(self, request, context):
         try:
             version = request.model_spec.version.value if request.model_spec.HasField("version") else None
@@ -77,6 +106,28 @@ class PredictionService(protos.prediction_service_pb2_grpc.PredictionServiceServ
         if list(request.metadata_field) not in ([], ["signature_def"]):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"metadata_field {list(request.metadata_field)}: only signature_def is served")
         return model.metadata_proto()
+
+
+def _generate_inputs(inputs: dict[str, np.ndarray]) -> tuple[np.ndarray, str, int]:
+    """(rows, their kind, max new tokens) of a gRPC generate request.
+
+    Raises:
+      TpuExportError: other inputs, token ids that are not integers [batch, length], or a
+        max_new_tokens that is not one whole number of at least 1.
+    """
+    unknown = sorted(set(inputs) - {PROMPTS, FEATURES, "max_new_tokens"})
+    if unknown or (PROMPTS in inputs) == (FEATURES in inputs):
+        raise TpuExportError(f'generate takes the input "prompts" (int [batch, length] token ids) or "features" (float32 [batch, mel bins, '
+                             f'frames]) and optionally "max_new_tokens"; got {", ".join(map(repr, sorted(inputs))) or "no inputs"}')
+    max_new_tokens = inputs.get("max_new_tokens", np.array(DEFAULT_NEW_TOKENS))
+    if max_new_tokens.size != 1 or max_new_tokens.dtype.kind not in "iu" or int(max_new_tokens.reshape(())) < 1:
+        raise TpuExportError('"max_new_tokens" must be one whole number (an int tensor of one value) of at least 1')
+    if PROMPTS in inputs:
+        prompts = inputs[PROMPTS]
+        if prompts.dtype.kind not in "iu" or prompts.ndim != 2:
+            raise TpuExportError(f'"prompts" must be token ids, an int tensor [batch, length]; got {prompts.dtype.name} of shape {list(prompts.shape)}')
+        return prompts, PROMPTS, int(max_new_tokens.reshape(()))
+    return inputs[FEATURES], FEATURES, int(max_new_tokens.reshape(()))
 
 
 class ModelService(protos.model_service_pb2_grpc.ModelServiceServicer):

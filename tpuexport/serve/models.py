@@ -9,10 +9,10 @@ from google.protobuf import any_pb2, json_format
 
 from tpuexport.artifact import load
 from tpuexport.errors import TpuExportError
-from tpuexport.runtime import EntryPoint, Runner, open_runner
+from tpuexport.runtime import Runner, open_runner
 from tpuexport.serve import protos
 from tpuexport.serve.batching import Batcher
-from tpuexport.serve.generation import GenerationScheduler
+from tpuexport.serve.generation import GENERATE_SIGNATURE, GenerationScheduler
 from tpuexport.serve.metrics import Metrics
 
 PREDICT_METHOD = "tensorflow/serving/predict"
@@ -45,8 +45,12 @@ class ServedModel:
         return {"model": self.name, "version": str(self.version)}
 
     def signature_defs(self) -> dict:
-        """{entry point name: SignatureDef} as TF Serving's metadata describes a SavedModel's."""
-        return {name: _signature_def(entry) for name, entry in self.runner.entry_points.items()}
+        """{entry point name: SignatureDef} as TF Serving's metadata describes a SavedModel's, and a
+        text-generation model's "generate" (what gRPC Predict takes for generation)."""
+        signatures = {name: _signature_def(entry.signature.inputs, entry.signature.outputs) for name, entry in self.runner.entry_points.items()}
+        if self.generation is not None:
+            signatures[GENERATE_SIGNATURE] = _signature_def(*self.generation.signature())
+        return signatures
 
     def metadata_proto(self):
         """The GetModelMetadataResponse of this version."""
@@ -70,9 +74,10 @@ class ServedModel:
         }
 
 
-def _signature_def(entry: EntryPoint):
+def _signature_def(inputs, outputs):
+    """A SignatureDef of TensorSpecs (name, dtype, shape; a symbolic or None size is -1)."""
     signature = protos.meta_graph_pb2.SignatureDef(method_name=PREDICT_METHOD)
-    for specs, infos in ((entry.signature.inputs, signature.inputs), (entry.signature.outputs, signature.outputs)):
+    for specs, infos in ((inputs, signature.inputs), (outputs, signature.outputs)):
         for spec in specs:
             info = infos[spec.name]
             info.name = spec.name

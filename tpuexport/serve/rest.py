@@ -3,7 +3,9 @@
   POST /v1/models/<name>[/versions/<v>]:predict   {"signature_name"?, "instances": [...]} (row format)
                                                   or {"signature_name"?, "inputs": ...} (columnar)
   POST /v1/models/<name>[/versions/<v>]:generate  {"prompts": [[token ids], ...], "max_new_tokens"?: 32}
-                                                  (text-generation artifacts): a stream of JSON lines,
+                                                  (text-generation artifacts; an audio encoder-decoder's
+                                                  {"features": [[[mel bins] x frames], ...], ...} instead,
+                                                  a [mel bins, frames] array per source): a stream of JSON lines,
                                                   {"step": i, "tokens": [one per prompt, null once a
                                                   row reached max context]}, then {"generated": [...]}
   GET  /v1/models/<name>[/versions/<v>]           version status
@@ -32,12 +34,12 @@ from starlette.routing import Route
 
 from tpuexport.errors import TpuExportError
 from tpuexport.serve.batching import ShuttingDown
-from tpuexport.serve.generation import GenerationStream
+from tpuexport.serve.generation import DEFAULT_NEW_TOKENS, GenerationStream
 from tpuexport.serve.metrics import UNKNOWN_MODEL, Metrics
 from tpuexport.serve.models import ModelNotFound, ModelRepository, ServedModel
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
-DEFAULT_NEW_TOKENS = 32
+_JSON_KINDS = {"b": "true/false", "U": "string"}  # numpy's dtype kind of JSON values that are not numbers
 
 
 class BadRequest(TpuExportError):
@@ -87,11 +89,11 @@ def create_app(repository: ModelRepository, metrics: Metrics, state: dict, max_b
         try:
             model = repository.resolve(request.path_params["name"], request.path_params.get("version"))
             labels = model.labels
-            prompts, max_new_tokens = _parse_generate(await _read_json(request, max_body_bytes))
+            rows, kind, max_new_tokens = _parse_generate(await _read_json(request, max_body_bytes))
             if model.generation is None:
                 raise BadRequest(f"model {model.name} has no decode entry point; generation needs a text-generation "
                                  "artifact (convert with --task text-generation)")
-            steps = model.generation.submit(prompts, max_new_tokens)  # the prompts are checked here: a bad one is a 400
+            steps = model.generation.submit(rows, max_new_tokens, kind)  # the rows are checked here: a bad one is a 400
             first = await run_in_threadpool(next, steps)
         except ModelNotFound as error:
             answer, outcome = _error(404, error), "not_found"
@@ -102,7 +104,7 @@ def create_app(repository: ModelRepository, metrics: Metrics, state: dict, max_b
         except Exception as error:  # a failed step: this request fails, the server serves on
             answer, outcome = _error(500, f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"), "error"
         else:
-            answer, outcome = StreamingResponse(_stream_lines(first, steps, len(prompts)), media_type="application/x-ndjson"), "ok"
+            answer, outcome = StreamingResponse(_stream_lines(first, steps, len(rows)), media_type="application/x-ndjson"), "ok"
         metrics.requests.labels(**labels, api="rest_generate", outcome=outcome).inc()
         return answer
 
@@ -212,22 +214,31 @@ def _parse_predict(body, model: ServedModel) -> tuple[dict, bool, str | None]:
     return {names[0]: _array(instances, names[0])}, True, signature_name
 
 
-def _parse_generate(body) -> tuple[list[list[int]], int]:
-    """(prompts, max new tokens) of a generate request.
+def _parse_generate(body) -> tuple[object, str, int]:
+    """(rows, their kind, max new tokens) of a generate request: token ids per prompt ("prompts"),
+    or an audio encoder-decoder's features ("features", a float array [batch, mel bins, frames]; JSON
+    integers count as floats).
 
     Raises:
-      BadRequest: a body that is not {"prompts": [[int, ...], ...], "max_new_tokens"?: int >= 1}.
+      BadRequest: a body that is not {"prompts": [[int, ...], ...] or "features": [[[number, ...], ...], ...],
+        "max_new_tokens"?: int >= 1}.
     """
-    if not isinstance(body, dict) or "prompts" not in body:
-        raise BadRequest('the request body must be a JSON object {"prompts": [[token ids], ...], "max_new_tokens": N}')
+    if not isinstance(body, dict) or ("prompts" in body) == ("features" in body):
+        raise BadRequest('the request body must be a JSON object {"prompts": [[token ids], ...], "max_new_tokens": N} '
+                         '(an audio model: {"features": [[mel bins x frames], ...], "max_new_tokens": N})')
+    max_new_tokens = body.get("max_new_tokens", DEFAULT_NEW_TOKENS)
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise BadRequest('"max_new_tokens" must be a whole number of at least 1')
+    if "features" in body:
+        features = _array(body["features"], "features")
+        if features.dtype.kind not in "iuf":
+            raise BadRequest(f'"features" must hold numbers (floats), not {_JSON_KINDS.get(features.dtype.kind, features.dtype.name)} values')
+        return features.astype(np.float32), "features", max_new_tokens
     prompts = body["prompts"]
     if not isinstance(prompts, list) or not prompts or not all(
             isinstance(prompt, list) and all(isinstance(token, int) and not isinstance(token, bool) for token in prompt) for prompt in prompts):
         raise BadRequest('"prompts" must be a non-empty list of lists of token ids (integers)')
-    max_new_tokens = body.get("max_new_tokens", DEFAULT_NEW_TOKENS)
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise BadRequest('"max_new_tokens" must be a whole number of at least 1')
-    return prompts, max_new_tokens
+    return prompts, "prompts", max_new_tokens
 
 
 async def _stream_lines(first: list, steps: GenerationStream, rows: int):

@@ -6,6 +6,9 @@ One case per compiled encode bucket (batch b, source length src): b sources of d
 cache slots in reverse order (a slot is not its row), then N decode steps at max_batch from the
 decoder start token, every row at its own position, the other slots idle. The eager reference
 generates from each source alone, unpadded, greedily, and returns its raw logits of every step.
+Audio sources (Whisper) are b different seeded random feature arrays [mel bins, frames], one case
+per encode batch; generate() is given `input_features` (with the model's generation_config swapped
+for the defaults, Whisper's generate applies no forced or suppressed tokens: plain greedy).
 
 The rule is verify/generation.py's: both CPU runs teacher-forced with generate's tokens, every
 step's logits within the run's float tolerances, and the artifact's argmax equal to generate's
@@ -16,15 +19,15 @@ a tie).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 import numpy as np
 import torch
 
+from tpuexport.logs import quiet_loggers
 from tpuexport.lower.seq2seq import Seq2SeqProgram, Seq2SeqSession
 from tpuexport.lower.generation import cpu_runner
-from tpuexport.verify.generation import (DEFAULT_NEW_TOKENS, GenerationCase, GenerationReport, artifact_raised, compare_run, cpu_runs,
-                                         store_golden_case, stored_cases)
+from tpuexport.verify.generation import (DEFAULT_NEW_TOKENS, MAX_GOLDEN_BYTES, GenerationCase, GenerationReport, artifact_raised,
+                                         compare_run, cpu_runs, store_golden_case, stored_cases)
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
 
 
@@ -34,25 +37,38 @@ class Seq2SeqCase(GenerationCase):
 
     @property
     def label(self) -> str:
-        return f"encode batch{self.sizes['batch']}_seq{self.sizes['seq']} + {self.new_tokens} tokens"
+        seq = f"_seq{self.sizes['seq']}" if "seq" in self.sizes else ""
+        return f"encode batch{self.sizes['batch']}{seq} + {self.new_tokens} tokens"
 
 
-def plan_sources(program: Seq2SeqProgram, sizes: dict[str, int], new_tokens: int, seed: int) -> tuple[list[list[int]], list[int], int]:
-    """A case's sources, slots and new-token count (see the module docstring)."""
+def plan_sources(program: Seq2SeqProgram, sizes: dict[str, int], new_tokens: int, seed: int) -> tuple[list, list[int], int]:
+    """A case's sources (token ids, or float32 audio features [mel bins, frames]), slots and
+    new-token count (see the module docstring)."""
     spec = program.spec
-    batch, seq = sizes["batch"], sizes["seq"]
+    batch = sizes["batch"]
     new_tokens = max(1, min(new_tokens, spec.max_context))
-    lengths = [int(round(length)) for length in np.linspace(seq, max(1, seq // 4), batch)]
     generator = np.random.default_rng(seed)
-    sources = [[int(token) for token in generator.integers(0, spec.vocab, length)] for length in lengths]
+    if spec.source == "features":
+        sources = [generator.standard_normal(spec.features).astype(np.float32) for _ in range(batch)]
+    else:
+        seq = sizes["seq"]
+        lengths = [int(round(length)) for length in np.linspace(seq, max(1, seq // 4), batch)]
+        sources = [[int(token) for token in generator.integers(0, spec.vocab, length)] for length in lengths]
     slots = [spec.max_batch - 1 - row for row in range(batch)]
     return sources, slots, new_tokens
 
 
-def eager_generate(model: torch.nn.Module, source: Sequence[int], new_tokens: int, start: int) -> tuple[list[int], np.ndarray]:
-    """generate(do_sample=False) from one unpadded source: (its new tokens, raw logits [steps, vocab]).
-    The model's own generation_config is swapped for the defaults meanwhile (no EOS stop, no forced
-    or suppressed tokens: verify/generation.py's eager_generate says why)."""
+def source_lengths(program: Seq2SeqProgram, sources: list) -> tuple[int, ...]:
+    """Each source's length in source positions (audio features fill all of them)."""
+    return tuple(program.spec.max_source if program.spec.source == "features" else len(source) for source in sources)
+
+
+def eager_generate(model: torch.nn.Module, source, new_tokens: int, start: int) -> tuple[list[int], np.ndarray]:
+    """generate(do_sample=False) from one unpadded source (token ids, or audio features as a numpy
+    array [mel bins, frames], given as `input_features` in the model's dtype): (its new tokens, raw
+    logits [steps, vocab]). The model's own generation_config is swapped for the defaults meanwhile
+    (no EOS stop, no forced or suppressed tokens: verify/generation.py's eager_generate says why;
+    Whisper's generate then adds no logits processor either)."""
     from transformers import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=0, do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=0,
@@ -60,9 +76,14 @@ def eager_generate(model: torch.nn.Module, source: Sequence[int], new_tokens: in
     own_config = model.generation_config
     model.generation_config = GenerationConfig()
     try:
-        with torch.no_grad():
-            output = model.generate(torch.tensor([list(source)]), attention_mask=torch.ones((1, len(source)), dtype=torch.long),
-                                    generation_config=config)
+        # generate() warns about the settings given here (max_length beside max_new_tokens; Whisper's about
+        # the suppress-token arguments it passes itself): nothing a user converting a model can act on.
+        with torch.no_grad(), quiet_loggers("transformers.generation.utils"):
+            if isinstance(source, np.ndarray):
+                output = model.generate(input_features=torch.from_numpy(source[None]).to(model.dtype), generation_config=config)
+            else:
+                output = model.generate(torch.tensor([list(source)]), attention_mask=torch.ones((1, len(source)), dtype=torch.long),
+                                        generation_config=config)
     finally:
         model.generation_config = own_config
     tokens = [int(token) for token in output.sequences[0, 1:]]
@@ -70,7 +91,7 @@ def eager_generate(model: torch.nn.Module, source: Sequence[int], new_tokens: in
     return tokens, logits
 
 
-def teacher_forced_logits(session: Seq2SeqSession, sources, slots, seq: int, eager_tokens: list[list[int]]) -> np.ndarray:
+def teacher_forced_logits(session: Seq2SeqSession, sources, slots, seq: int | None, eager_tokens: list[list[int]]) -> np.ndarray:
     """The artifact's logits of every step, each decode step fed the eager token: [rows, steps, vocab]."""
     spec = session.program.spec
     session.encode(sources, slots, seq=seq)
@@ -105,7 +126,7 @@ def verify_seq2seq(program: Seq2SeqProgram, model: torch.nn.Module, tolerances: 
     cases, golden = [], {}
     for index, sizes in enumerate(program.encode_buckets()):
         sources, slots, steps = plan_sources(program, sizes, new_tokens, seed=index)
-        lengths = tuple(len(source) for source in sources)
+        lengths = source_lengths(program, sources)
         try:
             eager = [eager_generate(model, source, steps, program.spec.decoder_start_token_id) for source in sources]
         except Exception as error:  # the user's model may raise anything
@@ -114,16 +135,47 @@ def verify_seq2seq(program: Seq2SeqProgram, model: torch.nn.Module, tolerances: 
         eager_tokens = [tokens for tokens, _ in eager]
         expected = np.stack([logits for _, logits in eager])
         try:
-            actual = {name: teacher_forced_logits(Seq2SeqSession(program, cpu_runner(program, programs)), sources, slots, sizes["seq"],
+            actual = {name: teacher_forced_logits(Seq2SeqSession(program, cpu_runner(program, programs)), sources, slots, sizes.get("seq"),
                                                   eager_tokens)
                       for name, programs in runs_programs.items()}
         except Exception as error:  # XLA runtime errors, shape assertions
             cases.append(Seq2SeqCase(sizes, lengths, tuple(slots), steps, {}, artifact_raised(error)))
             continue
         runs = {name: compare_run(logits, expected, eager_tokens, getattr(tolerances, name)) for name, logits in actual.items()}
-        stored = store_golden_case(golden, index, sources, slots, sizes["seq"], eager_tokens, expected)
+        stored = store_case(program, golden, index, sources, slots, sizes.get("seq"), eager_tokens, expected)
         cases.append(Seq2SeqCase(sizes, lengths, tuple(slots), steps, runs, golden=stored))
     return GenerationReport(decode.resolved_precision, decode.matmul_precision, tolerances, tuple(cases), golden)
+
+
+def store_case(program: Seq2SeqProgram, golden: dict[str, np.ndarray], index: int, sources: list, slots: list[int], seq: int | None,
+               tokens: list[list[int]], logits: np.ndarray) -> bool:
+    """Adds one verified case's golden arrays (store_golden_case; audio sources as
+    `<case>/features` [rows, mel bins, frames] float32 instead of padded prompts and lengths).
+
+    Returns:
+      Whether the case was stored.
+    """
+    if program.spec.source == "tokens":
+        return store_golden_case(golden, index, sources, slots, seq, tokens, logits)
+    arrays = {f"{index}/features": np.stack(sources).astype(np.float32), f"{index}/slots": np.array(slots, np.int32),
+              f"{index}/eager_tokens": np.array(tokens, np.int32), f"{index}/eager_logits": logits}
+    stored = index == 0 or sum(array.nbytes for array in (*golden.values(), *arrays.values())) <= MAX_GOLDEN_BYTES
+    if stored:
+        golden.update(arrays)
+    return stored
+
+
+def stored_sources(program: Seq2SeqProgram, golden: dict[str, np.ndarray], cases: list[dict]):
+    """The stored cases as verify/generation.py's stored_cases yields them: (manifest case, lengths,
+    sources, slots, eager tokens, eager logits); audio sources as their feature arrays."""
+    if program.spec.source == "tokens":
+        yield from stored_cases(golden, cases)
+        return
+    for index, case in enumerate(cases):
+        if case["golden"]:
+            sources = list(golden[f"{index}/features"])
+            yield (case, source_lengths(program, sources), sources, [int(slot) for slot in golden[f"{index}/slots"]],
+                   [list(map(int, row)) for row in golden[f"{index}/eager_tokens"]], golden[f"{index}/eager_logits"])
 
 
 def replay_golden(program: Seq2SeqProgram, golden: dict[str, np.ndarray], cases: list[dict],
@@ -138,12 +190,12 @@ def replay_golden(program: Seq2SeqProgram, golden: dict[str, np.ndarray], cases:
     decode = program.entry_points["decode"]
     runs_programs = cpu_runs(program)
     replayed = []
-    for case, lengths, sources, slots, eager_tokens, expected in stored_cases(golden, cases):
+    for case, lengths, sources, slots, eager_tokens, expected in stored_sources(program, golden, cases):
         runs, error = {}, None
         try:
             for name, programs in runs_programs.items():
-                logits = teacher_forced_logits(Seq2SeqSession(program, cpu_runner(program, programs)), sources, slots, case["sizes"]["seq"],
-                                               eager_tokens)
+                logits = teacher_forced_logits(Seq2SeqSession(program, cpu_runner(program, programs)), sources, slots,
+                                               case["sizes"].get("seq"), eager_tokens)
                 runs[name] = compare_run(logits, expected, eager_tokens, getattr(tolerances, name))
         except Exception as exception:  # a damaged artifact can raise anything
             runs, error = {}, artifact_raised(exception)
