@@ -18,9 +18,8 @@ from test_generation import lowered_entry_point, tiny_qwen2
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.export.generation import Decode, Prefill, PrefillCache, ring_prefill_positions
-from tpuexport.verify import eager_references, verify_generation, verify_int8_kv_generation
+from tpuexport.verify import verify_generation
 from tpuexport.verify.generation import eager_generate
-from tpuexport.verify.tolerances import default_tolerances
 
 WINDOW, MAX_CONTEXT, MAX_BATCH, NEW_TOKENS = 8, 32, 2, 12
 
@@ -190,22 +189,6 @@ def test_ring_computes_what_the_full_cache_does(kv_cache_dtype, prompts):
         assert ring.scale_shape == (2, MAX_BATCH, 2, WINDOW)
     torch.testing.assert_close(eager_greedy_logits(model, ring, prompts, 11), eager_greedy_logits(model, full, prompts, 11),
                                atol=1e-5, rtol=1e-5)
-
-
-def test_int8_ring_verifies_and_stays_near_the_float_model():
-    """Verified against the eager int8-ring entry points; against the float model's generate() it is
-    measured (46.6 dB logits SQNR here; greedy tokens first differ at step 4 of the 5-token row)."""
-    model = tiny_mistral()
-    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(20,), kv_cache_dtype="int8")
-    modules = export_stage.entry_point_modules(model, spec)
-    program = lower_stage.GenerationProgram(spec, {name: lowered_entry_point(modules[name], spec, name) for name in ("prefill", "decode")},
-                                            (MAX_BATCH,))
-    decode = program.entry_points["decode"]
-    tolerances = default_tolerances(decode.resolved_precision, decode.matmul_precision, quantized=False)
-    report = verify_int8_kv_generation(program, modules, tolerances, eager_references(program, model, NEW_TOKENS), NEW_TOKENS)
-    assert report.passed, report.failure_summary()
-    divergence = report.float_divergence()
-    assert divergence["sqnr_db"] > 30
 
 
 @pytest.mark.parametrize("model, max_context, options, positions", [
