@@ -52,7 +52,7 @@ def main() -> None:
     from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
 
     [target] = compile_stage.resolve_targets([options.target])
-    print(f"| model | setting | XLA flops | XLA optimal µs | float matmul GFLOP (compiled HLO) | bf16 passes | matmul µs at peak |")
+    print("| model | setting | XLA flops | XLA optimal µs | float matmul GFLOP (compiled HLO) | bf16 passes | matmul µs at peak |")
     print("|---|---|---|---|---|---|---|", flush=True)
     for name in options.models:
         built = build(name)

@@ -13,7 +13,6 @@ XLA's bytes accessed, and the program's weight bytes. Each mode runs in its own 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import subprocess
 import sys

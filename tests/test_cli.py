@@ -172,6 +172,29 @@ def build():
     return torch.nn.Linear(4, 4), (torch.randn(8, 4),), {"input": {0: torch.export.Dim("batch", max=4)}}
 '''
 
+# Model code that cannot run at every declared seq: torch.export narrows the range, fixes the size or
+# needs a multiple of 2, and the error names the line and the declaration that would export.
+NARROWING_FACTORY = '''
+import torch
+
+def seq(model):
+    return model, (torch.randn(2, 6),), ({1: torch.export.Dim("seq", min=2, max=16)},)
+
+class Branch(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 if x.shape[1] > 4 else x
+
+class Pool(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.max_pool1d(x[:, None], 2, 2, ceil_mode=True)
+
+class Pairs(torch.nn.Module):
+    def forward(self, x):
+        return x.reshape(x.shape[0], -1, 2)
+
+branch, pool, pairs = (lambda: seq(Branch()), lambda: seq(Pool()), lambda: seq(Pairs()))
+'''
+
 
 def write(directory: pathlib.Path, name: str, text: str) -> pathlib.Path:
     path = directory / name
@@ -198,6 +221,9 @@ BAD_INPUTS = {
     "bucket of unknown dim": (["convert", MLP, "--bucket", "seq=8"], "unknown dim 'seq'"),
     "malformed bucket": (["convert", MLP, "--bucket", "batch:8"], "malformed --bucket"),
     "example outside dim range": (["convert", "bad_dim.py:build"], "torch.export failed"),
+    "dim range the model narrows": (["convert", "narrowing.py:branch"], "needs seq in 5..16, at "),
+    "dim the model fixes": (["convert", "narrowing.py:pool"], "fixes seq at 6, at "),
+    "dim the model needs a multiple of": (["convert", "narrowing.py:pairs"], "needs seq = 2*_seq with _seq in 1..8, at "),
     "does not fit in HBM": (["convert", "too_big.py:build", "--bucket", "batch=2147483646"], "does not fit in HBM"),
     "output exists": (["convert", MLP, "-o", "existing.tpu"], "already exists; pass --force"),
     "inspect a non-artifact": (["inspect", "raising.py"], "is not a tpuexport artifact"),
@@ -213,6 +239,7 @@ def test_bad_input_gets_one_line_and_exit_2(case, tmp_path):
     write(tmp_path, "too_big.py", TOO_BIG_FACTORY)
     write(tmp_path, "raising.py", RAISING_FACTORY)
     write(tmp_path, "bad_dim.py", BAD_DIM_FACTORY)
+    write(tmp_path, "narrowing.py", NARROWING_FACTORY)
     torch.save(torch.nn.Linear(3, 3), tmp_path / "model.pt")
     torch.save(torch.nn.Linear(3, 3).state_dict(), tmp_path / "weights.pt")
     (tmp_path / "model.onnx").write_bytes(b"not a torch file")
@@ -223,6 +250,14 @@ def test_bad_input_gets_one_line_and_exit_2(case, tmp_path):
     run = tpuexport if case in IN_A_SUBPROCESS else tpuexport_in_process
     result = run(*args, cwd=tmp_path)
     assert_clean_bad_input(result, tmp_path, expected, before)
+
+
+def test_a_dim_the_models_code_narrows_names_the_line_and_the_declaration_that_exports(tmp_path):
+    write(tmp_path, "narrowing.py", NARROWING_FACTORY)
+    branch = tpuexport_in_process("convert", "narrowing.py:branch", cwd=tmp_path)
+    assert "narrowing.py:9 (return x * 2 if x.shape[1] > 4 else x); declare seq that range (--dim seq=5:16" in branch.stderr
+    pool = tpuexport_in_process("convert", "narrowing.py:pool", cwd=tmp_path)
+    assert "narrowing.py:13 (return torch.nn.functional.max_pool1d(x[:, None], 2, 2, ceil_mode=True)); declare seq static" in pool.stderr
 
 
 def test_unsupported_operators_name_the_user_source_lines(tmp_path):

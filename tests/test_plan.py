@@ -6,7 +6,6 @@ refusal of a meta model by a conversion that needs weights (real torch, jax and 
 from __future__ import annotations
 
 import json
-import pathlib
 import re
 import subprocess
 import sys

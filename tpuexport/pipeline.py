@@ -755,6 +755,8 @@ def _run_generation(loaded: export_stage.LoadedSource, options: ConversionOption
       compile  per target, entry point and bucket, the cache donated (in the background)
       verify   greedy generation vs Hugging Face generate, teacher-forced, both CPU runs (int8:
                vs the PT2E entry points' greedy generation, verify/quantized_generation.py)
+      verify sharded  per slice plan, a verified case's prefill and decode steps partitioned on N
+               CPU devices, the cache carried between calls, vs the same references (verify/sharded_generation.py)
       write    one weights file, each entry point's program files, "entry_points" in the manifest
 
     With a checkpoint, the eager model that generate() runs in verification is a copy of the model whose
@@ -914,7 +916,7 @@ def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOpt
         jobs = {name: running.enter_context(compile_stage.CompileJob(entry, targets, buckets[name], _compiled_event(clock, entry, name),
                                                                      plans[name], kernels[name]))
                 for name, entry in lowered.items()}
-        report = None
+        report, sharded = None, []
         if not plan_only:
             with clock.stage("verify", lambda: _describe_generation(report)):
                 tolerances = _verification_tolerances(lowered["decode"], options, quantized is not None)
@@ -937,18 +939,49 @@ def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOpt
                         report = verify_stage.verify_generation(program, eager_model, tolerances, options.new_tokens, float_reference)
             if not report.passed:
                 raise VerificationError(report, _write_failed_report(options.out, report.to_json()))
+            sharded = _verify_generation_slices(program, plans, report, options.out, clock)
         compiled = {name: job.result() for name, job in jobs.items()}
         clock.record("compile", max(job.seconds for job in jobs.values()),
                      f"{sum(len(result.results) for result in compiled.values())} executable(s), alongside verify")
     with clock.stage("write", lambda: str(options.out) + (" (plan only: no weights, not verified)" if plan_only else "")):
         artifact_stage.write_generation_artifact(options.out, source=loaded.info, program=program, compiled=compiled,
                                                  verification=report, stage_seconds=clock.seconds, overwrite=options.overwrite,
-                                                 weights_file=weights_file, extra_writers=_source_writers(loaded) + _generation_quantization(lowered["decode"], weight_only)
+                                                 weights_file=weights_file, sharded_verification=[result.to_json() for result in sharded],
+                                                 extra_writers=_source_writers(loaded) + _generation_quantization(lowered["decode"], weight_only)
                                                  + _generation_int8_report(quantized, program, compiled, report, clock) + (artifact_stage.kernels_writer(
                                                      options.kernels, {f"{name}/{bucket}": lowering for name, entry in kernels.items()
                                                                        for bucket, lowering in (entry or {}).items()},
                                                      [check.to_json() for check in kernel_checks.values()]),))
     return artifact_stage.load(options.out)
+
+
+def _verify_generation_slices(program: lower_stage.GenerationProgram, plans: dict, report, out: pathlib.Path,
+                              clock: StageClock) -> list:
+    """The verify sharded pass of a text-generation conversion: per distinct set of entry-point plans
+    (one per slice target; equal sizes share one), a verified case's prefill and decode steps
+    partitioned by them on as many CPU devices (verify/sharded_generation.py).
+
+    Args:
+      program: the generation program (with weights); plans: {entry point: {slice target: ShardingPlan}};
+      report: the passed generation report (its stored cases and tolerances are reused);
+      out: the artifact's path (a failure's report goes beside it); clock: times each plan's run.
+    Returns:
+      The passed ShardedGenerationVerification of each distinct set of plans ([] without slices).
+    Raises:
+      VerificationError: a plan's run does not match (its report written next to `out`).
+    """
+    grouped: dict[tuple, list[str]] = {}
+    for target in plans["decode"]:
+        grouped.setdefault(tuple(plans[name][target] for name in plans), []).append(target)
+    results = []
+    for entry_plans, targets in grouped.items():
+        entry_plans = dict(zip(plans, entry_plans))
+        with clock.stage(f"verify sharded {entry_plans['decode'].mesh_text}", lambda: results[-1].describe()):
+            results.append(verify_stage.verify_sharded_generation(program, entry_plans, targets, report))
+        if not results[-1].passed:
+            failed = {**report.to_json(), "sharded": [result.to_json() for result in results]}
+            raise VerificationError(report, _write_failed_report(out, failed), results[-1].failure_summary())
+    return results
 
 
 # Why decode keeps XLA's attention: its query is one token over the whole cache (flash's blocks are

@@ -392,6 +392,7 @@ def write_generation_artifact(
     overwrite: bool = False,
     extra_writers=(),
     weights_file: pathlib.Path | None = None,
+    sharded_verification: list[dict] | tuple = (),
 ) -> dict:
     """Writes a text-generation artifact: one weights file, each entry point's program files and
     executables, and the manifest's "entry_points" and "generation" sections (README, "Text
@@ -409,6 +410,9 @@ def write_generation_artifact(
         (a Hugging Face source's tokenizer and config files).
       weights_file: the weights already written as safetensors (streamed from a checkpoint), moved
         into the artifact instead of being written again; None to write them here.
+      sharded_verification: each slice plan's generation on virtual CPU devices
+        (ShardedGenerationVerification.to_json()), under "sharded" in the report and, summarized,
+        in the manifest's "verification".
     Returns:
       The manifest written.
     """
@@ -453,7 +457,14 @@ def write_generation_artifact(
             "scanned": list(shared.scanned),
         }
         if verification is not None:
-            _put_verification(put, verification.to_json(), verification.golden)
+            _put_verification(put, verification.to_json() | ({"sharded": list(sharded_verification)} if sharded_verification else {}),
+                              verification.golden)
+        if sharded_verification:
+            manifest["verification"]["sharded"] = [
+                {key: entry[key] for key in ("targets", "passed", "devices", "mesh", "collectives", "aliased_outputs", "resharded_calls")}
+                | {"case": {key: entry["case"][key] for key in ("label", "sizes", "lengths", "new_tokens", "passed")}}
+                for entry in sharded_verification
+            ]
         for name, report in compiled.items():
             for result in report.results:
                 bucket = {"entry_point": name, **_bucket_entry(put, result, program.entry_points[name], name)}

@@ -12,6 +12,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from tpuexport.errors import TpuExportError
+from tpuexport.export import constraints
 from tpuexport.export.checkpoints import with_checkpoint_weights
 from tpuexport.export.sources import LoadedSource, SourceInfo
 from tpuexport.signature import ProgramSignature, SymbolicDim, TensorSpec, artifact_dtype, parse_dim_expression
@@ -188,6 +189,9 @@ def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.Export
         with torch.no_grad():
             return torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
     except Exception as error:  # torch.export raises UserError, ConstraintViolationError, TypeError, ...
+        explained = constraints.explain(model, args, dynamic_shapes, str(error))
+        if explained:
+            raise TpuExportError(explained) from None
         message = " ".join(str(error).split())
         raise TpuExportError(
             f"torch.export failed: {message[:400]}; check the example args and dynamic_shapes / --dim ranges"

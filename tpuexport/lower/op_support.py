@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 
 import torch
 
 from tpuexport.lower.registry import own_lowering
+from tpuexport.source_lines import is_user_code
 from tpuexport.lower.torchax_import import import_torchax
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
-_TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +67,7 @@ def find_unsupported(graph_module: torch.fx.GraphModule) -> list[UnsupportedOper
 def user_source(node: torch.fx.Node) -> str:
     """The innermost frame of the node's stack trace that is the user's code, not torch's."""
     frames = _FRAME.findall(node.meta.get("stack_trace") or "")
-    # Frames of torch itself, and of code it generated while tracing ("<eval_with_key>.5"), are not the user's.
-    user_frames = [frame for frame in frames if not frame[0].startswith("<") and not os.path.abspath(frame[0]).startswith(_TORCH_DIR)]
+    user_frames = [frame for frame in frames if is_user_code(frame[0])]
     if user_frames:
         path, line, code = user_frames[-1]
         return f"{path}:{line} ({code.strip()})"

@@ -10,6 +10,7 @@ from tpuexport.verify.seq2seq import verify_seq2seq
 from tpuexport.verify.quantized_generation import QuantizedGenerationReport, verify_quantized_generation
 from tpuexport.verify.report import VerificationCase, VerificationReport
 from tpuexport.verify.sharded import ShardedVerification, verify_sharded
+from tpuexport.verify.sharded_generation import ShardedGenerationVerification, verify_sharded_generation
 from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS, PlannedCase, plan_cases, resolve_requested_sizes
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances, with_overrides
 from tpuexport.verify.verification import ProgramRuns, make_inputs, verify
@@ -31,6 +32,7 @@ __all__ = [
     "PlannedCase",
     "ProgramRuns",
     "ShardedVerification",
+    "ShardedGenerationVerification",
     "Tolerances",
     "VerificationCase",
     "VerificationReport",
@@ -45,5 +47,6 @@ __all__ = [
     "verify_quantized_generation",
     "QuantizedGenerationReport",
     "verify_sharded",
+    "verify_sharded_generation",
     "with_overrides",
 ]

@@ -216,27 +216,19 @@ def _run_child(lowered: LoweredProgram, plan: ShardingPlan, cases: list[list[np.
             "devices": plan.devices,
             "mesh": specs["mesh"],
             "programs": program_paths,
-            "weights": [_write(weight, scratch_dir / f"weight{index}.bin") for index, weight in enumerate(lowered.weights)],
+            "weights": [write_array(weight, scratch_dir / f"weight{index}.bin") for index, weight in enumerate(lowered.weights)],
             "weight_specs": list(specs["weights"].values()),
             "input_specs": list(specs["inputs"].values()),
-            "cases": [[_write(np.asarray(array).astype(spec.dtype), scratch_dir / f"case{case}.input{index}.bin")
+            "cases": [[write_array(np.asarray(array).astype(spec.dtype), scratch_dir / f"case{case}.input{index}.bin")
                        for index, (array, spec) in enumerate(zip(inputs, lowered.signature.inputs))]
                       for case, inputs in enumerate(cases)],
             "out_dir": scratch,
             "compiler_options": CPU_COMPILER_OPTIONS,
         }
-        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={plan.devices}".strip()
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-        child = subprocess.run([sys.executable, "-I", str(CHILD_SCRIPT)], input=json.dumps(request), capture_output=True,
-                               text=True, env=env, timeout=TIMEOUT_SECONDS)
-        if child.returncode != 0:
-            last = " ".join(child.stderr.strip().splitlines()[-1:])[:300]
-            raise TpuExportError(f"the sharded verification process failed (exit code {child.returncode}: {last})")
         outputs, errors, hlo_text = {}, {}, ""
-        for line in child.stdout.splitlines():
-            event = json.loads(line)
+        for event in run_child(request, "the sharded verification process"):
             if event["event"] == "case":
-                outputs[event["case"]] = {run: [_read(entry) for entry in entries] for run, entries in event["outputs"].items()}
+                outputs[event["case"]] = {run: [read_array(entry) for entry in entries] for run, entries in event["outputs"].items()}
             elif event["event"] == "error":
                 errors[event["case"]] = event["message"]
             else:
@@ -244,12 +236,35 @@ def _run_child(lowered: LoweredProgram, plan: ShardingPlan, cases: list[list[np.
         return outputs, errors, hlo_text
 
 
-def _write(array: np.ndarray, path: pathlib.Path) -> dict:
+def run_child(request: dict, what: str) -> list[dict]:
+    """Runs sharded_child.py on `request["devices"]` CPU devices of XLA's host platform.
+
+    Args:
+      request: the child's JSON request (its "devices" is the device count).
+      what: the process's name in the error.
+    Returns:
+      The events the child printed, one JSON object per line.
+    Raises:
+      TpuExportError: the child failed (its last stderr line).
+    """
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={request['devices']}".strip()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+    child = subprocess.run([sys.executable, "-I", str(CHILD_SCRIPT)], input=json.dumps(request), capture_output=True,
+                           text=True, env=env, timeout=TIMEOUT_SECONDS)
+    if child.returncode != 0:
+        last = " ".join(child.stderr.strip().splitlines()[-1:])[:300]
+        raise TpuExportError(f"{what} failed (exit code {child.returncode}: {last})")
+    return [json.loads(line) for line in child.stdout.splitlines()]
+
+
+def write_array(array: np.ndarray, path: pathlib.Path) -> dict:
+    """Writes an array as a raw file for the child; returns its {path, dtype, shape}."""
     array = np.ascontiguousarray(array)
     path.write_bytes(array.tobytes())
     return {"path": str(path), "dtype": str(array.dtype), "shape": list(array.shape)}
 
 
-def _read(entry: dict) -> np.ndarray:
+def read_array(entry: dict) -> np.ndarray:
+    """An array the child wrote (its {path, dtype, shape}), copied out of the file."""
     return np.frombuffer(pathlib.Path(entry["path"]).read_bytes(), dtype=jnp.dtype(entry["dtype"])).reshape(entry["shape"]).copy()
 

@@ -1,0 +1,108 @@
+"""Text generation on slices: each slice plan's prefill and decode run partitioned on virtual CPU
+devices, the KV cache carried between them, against the generation verification's eager
+references (verify/sharded_generation.py); a plan that changes what generation computes fails the
+conversion (real torch, jax, libtpu and transformers; a tiny GQA Llama, 4 heads over 2 kv heads)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import tpuexport
+
+MAX_CONTEXT, MAX_BATCH = 64, 2
+# A 4-chip v5e slice; prefill compiled at one bucket (2 rows of 16 tokens), decode at max batch.
+COMMON = dict(task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, buckets={"seq": [16], "batch": [MAX_BATCH]},
+              target="v5e-4")
+
+
+def tiny_llama(**options) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128), **options})
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """{plan: artifact} of the tiny Llama, tensor-parallel (heads over model, batch over data) and data-parallel."""
+    out = tmp_path_factory.mktemp("slices")
+    model = tiny_llama()
+    return {
+        "tensor-parallel": tpuexport.convert(model, **COMMON, sharding="tensor-parallel", mesh="model=2,data=2", out=out / "tp.tpu"),
+        "data-parallel": tpuexport.convert(model, **COMMON, sharding="data-parallel", mesh="data=2,replica=2", out=out / "dp.tpu"),
+    }
+
+
+@pytest.mark.parametrize("plan, cache_spec", [("tensor-parallel", [None, "data", "model", None, None]),
+                                              ("data-parallel", [None, "data", None, None, None])])
+def test_each_plan_generates_partitioned_as_generate_does(converted, plan, cache_spec):
+    manifest = converted[plan].manifest
+    [run] = manifest["verification"]["sharded"]
+    assert run["passed"] and run["targets"] == ["v5e-4"] and run["devices"] == 4
+    # The verified case: rows of different lengths, the shorter right-padded in its bucket, then decode steps.
+    case = run["case"]
+    assert case["passed"] and case["sizes"] == {"batch": MAX_BATCH, "seq": 16} and case["lengths"] == [16, 4] and case["new_tokens"] == 8
+    # Partitioned for real: XLA:CPU inserted collectives in both entry points.
+    assert set(run["collectives"]) == {"prefill", "decode"}
+    assert all(kinds for kinds in run["collectives"].values()), run["collectives"]
+    if plan == "tensor-parallel":  # the row-parallel o_proj and down_proj sum their partial products
+        assert run["collectives"]["decode"]["all-reduce"]["count"] >= 2 * 2
+    # The cache donated and updated in place (its two tensors aliased), and left by prefill in the layout decode takes.
+    assert run["aliased_outputs"] == {"prefill": 2, "decode": 2} and run["resharded_calls"] == []
+    report = json.loads((converted[plan].path / "verification" / "report.json").read_text())
+    [full] = report["sharded"]
+    assert full["inputs"]["decode"]["cache_k"] == cache_spec and full["inputs"]["prefill"]["cache_v"] == cache_spec
+    assert all(entry["tokens_compared"] == MAX_BATCH * 8 and not entry["differences"] for entry in full["case"]["runs"].values())
+
+
+def lm_head_that_cancels() -> transformers.PreTrainedModel:
+    """A Llama whose logits XLA:CPU computes bit for bit as PyTorch does, unless lm_head's sum is split.
+
+    The hidden state reaching lm_head is the token's embedding, exactly: entries +-1, attention and
+    MLP outputs zeroed (o_proj, down_proj), RMSNorm without epsilon (mean square 1, rsqrt 1). Each
+    logit is then a sum over 64 products of which three are nonzero: +-32 at features 0 and 32,
+    k * 2**-20 at feature 33. Added in feature order (PyTorch, and XLA:CPU on one device or with the
+    vocabulary split) the two 32s cancel first and the small term survives; split by features over
+    two devices, the second half rounds -32 + k * 2**-20 to -32 before the all-reduce, and it is lost.
+    """
+    model = tiny_llama(rms_norm_eps=0.0)
+    generator = torch.Generator().manual_seed(0)
+
+    def signs(*shape):
+        return torch.randint(0, 2, shape, generator=generator).float() * 2 - 1
+
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(signs(256, 64))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head = torch.zeros(256, 64)
+        head[:, 0], head[:, 32] = 32 * signs(256), 32 * signs(256)
+        head[:, 33] = torch.randint(-3, 4, (256,), generator=generator).float() * 2**-20
+        model.lm_head.weight.copy_(head)
+    return model
+
+
+def test_a_plan_that_changes_the_logits_fails_the_conversion(tmp_path):
+    # Exact tolerances (and f32 matmuls on the TPU too): the unsharded verification passes bit for bit;
+    # the plan splits lm_head's features (not its vocabulary, as tensor-parallel does) over `model`.
+    exact = dict(matmul_precision="highest", tolerances={"atol": 0.0, "rtol": 0.0, "scale_tol": 0.0})
+    expected = (r"the sharded entry points \(v5e-4: mesh model=2,data=2, tensor-parallel, on 4 CPU devices\) do not match eager PyTorch "
+                r"in prefill batch2_seq16 \+ 8 tokens: tpu run, output 'logits' .* first outside tolerance at prefill, "
+                r"largest error at (prefill|decode step \d) row \d")
+    with pytest.raises(tpuexport.VerificationError, match=expected) as failure:
+        tpuexport.convert(lm_head_that_cancels(), **COMMON, sharding="tensor-parallel", mesh="model=2,data=2", rules=["lm_head=None,model"],
+                          out=tmp_path / "lm.tpu", **exact)
+    assert not (tmp_path / "lm.tpu").exists()
+    report = json.loads(failure.value.report_path.read_text())
+    assert report["passed"] and report["tokens_compared"] == MAX_BATCH * 8  # one device: exact
+    [run] = report["sharded"]
+    assert not run["passed"] and run["inputs"]["decode"]["cache_k"] == [None, "data", "model", None, None]
+    assert run["collectives"]["decode"]["all-reduce"]["count"] >= 1
+    logits = run["case"]["runs"]["cpu"]["logits"]
+    # Only the small terms are lost: 2**-20 at most 3 times, on the logits where they survived.
+    assert 0 < logits["max_abs_error"] <= 3 * 2**-20 and 0 < logits["mismatched"] < logits["elements"]
