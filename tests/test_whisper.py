@@ -94,6 +94,22 @@ def test_whisper_artifact_generates_what_generate_does(whisper_generation):
     assert artifact.generate(features=sources[1], max_new_tokens=4) == [generated[1][:4]]
 
 
+def test_verification_to_the_last_target_position(whisper_generation):
+    """Whisper's generate() refuses more than max_target_positions - 1 new tokens (its start token
+    counts), though the cache holds one more step: with a max context of every target position,
+    verification compares max context - 1 tokens per row instead of failing on the reference
+    (benchmarks/fuzz_generation.py's seed 31 found it)."""
+    artifact, model = whisper_generation
+    positions = model.config.max_target_positions
+    model.config.max_target_positions = MAX_CONTEXT  # what generate() checks: as if the cache held every target position
+    try:
+        report = verify_seq2seq(artifact.generation_program, model, new_tokens=MAX_CONTEXT)
+    finally:
+        model.config.max_target_positions = positions
+    assert report.passed, report.failure_summary()
+    assert report.tokens_compared() == MAX_BATCH * (MAX_CONTEXT - 1)
+
+
 class UnwrittenSlotCross(CrossWrite):
     """The first row's slot keeps what a fresh cache holds (zeros) instead of its cross keys and values."""
 

@@ -8,7 +8,9 @@ decoder start token, every row at its own position, the other slots idle. The ea
 generates from each source alone, unpadded, greedily, and returns its raw logits of every step.
 Audio sources (Whisper) are b different seeded random feature arrays [mel bins, frames], one case
 per encode batch; generate() is given `input_features` (with the model's generation_config swapped
-for the defaults, Whisper's generate applies no forced or suppressed tokens: plain greedy).
+for the defaults, Whisper's generate applies no forced or suppressed tokens: plain greedy). Whisper's
+generate() generates at most max_target_positions - 1 tokens, so verification with a max context of
+all target positions compares one step fewer than asked.
 
 The rule is verify/generation.py's: both CPU runs teacher-forced with generate's tokens, every
 step's logits within the run's float tolerances, and the artifact's argmax equal to generate's
@@ -109,7 +111,7 @@ def teacher_forced_logits(session: Seq2SeqSession, sources, slots, seq: int | No
 
 
 def verify_seq2seq(program: Seq2SeqProgram, model: torch.nn.Module, tolerances: VerificationTolerances | None = None,
-                   new_tokens: int = DEFAULT_NEW_TOKENS) -> GenerationReport:
+                   new_tokens: int = DEFAULT_NEW_TOKENS, first_seed: int = 0) -> GenerationReport:
     """Generates with the artifact's encode and decode on CPU and compares with Hugging Face generate.
 
     Args:
@@ -117,15 +119,22 @@ def verify_seq2seq(program: Seq2SeqProgram, model: torch.nn.Module, tolerances: 
       model: the Hugging Face encoder-decoder it was captured from.
       tolerances: None for the defaults of the program's precision settings.
       new_tokens: tokens generated per source (at most max context).
+      first_seed: the seed of the first encode bucket's sources (each next bucket's is one more);
+        0 is what a conversion verifies, others give fresh sources.
     Returns:
       The GenerationReport, passed or not, with golden data (sources, eager tokens and logits).
     """
     decode = program.entry_points["decode"]
     tolerances = tolerances or default_tolerances(decode.resolved_precision, decode.matmul_precision, quantized=False)
     runs_programs = cpu_runs(program)
+    # Whisper's generate() refuses to generate more than max_target_positions minus its start token (though
+    # the last token is never fed back): the reference caps a max-context run one step short of the cache.
+    reference_positions = getattr(model.config, "max_target_positions", None) if program.spec.source == "features" else None
+    if reference_positions:
+        new_tokens = min(new_tokens, reference_positions - 1)
     cases, golden = [], {}
     for index, sizes in enumerate(program.encode_buckets()):
-        sources, slots, steps = plan_sources(program, sizes, new_tokens, seed=index)
+        sources, slots, steps = plan_sources(program, sizes, new_tokens, seed=first_seed + index)
         lengths = source_lengths(program, sources)
         try:
             eager = [eager_generate(model, source, steps, program.spec.decoder_start_token_id) for source in sources]
