@@ -184,6 +184,9 @@ _CONFIGS = [
     ("llama", "decoder", "LlamaForCausalLM", "LlamaConfig", _DECODER, GENERATION, TEXT_DIMS, True),
     ("qwen2", "decoder", "Qwen2ForCausalLM", "Qwen2Config", _DECODER, GENERATION, TEXT_DIMS, False),
     ("mistral", "decoder", "MistralForCausalLM", "MistralConfig", dict(_DECODER, sliding_window=None), GENERATION, TEXT_DIMS, False),
+    # Mistral with its sliding window (8 positions, shorter than the generation rows' 64-position
+    # context): the KV cache is bounded by the window, a ring of 8 positions per slot.
+    ("mistral-window", "decoder", "MistralForCausalLM", "MistralConfig", dict(_DECODER, sliding_window=8), GENERATION, TEXT_DIMS, False),
     ("phi3", "decoder", "Phi3ForCausalLM", "Phi3Config", dict(_DECODER, pad_token_id=0), GENERATION, TEXT_DIMS, False),
     ("gemma", "decoder", "GemmaForCausalLM", "GemmaConfig", dict(_DECODER, head_dim=16), GENERATION, TEXT_DIMS, False),
     ("opt", "decoder", "OPTForCausalLM", "OPTConfig",

@@ -88,6 +88,7 @@ def convert(
     max_batch: int = 1,
     cache_layout: str = DEFAULT_CACHE_LAYOUT,
     kv_cache_dtype: str = "model",
+    sliding_window_cache: str = "bounded",
     verify_new_tokens: int = DEFAULT_NEW_TOKENS,
 ) -> Artifact:
     """Converts a PyTorch model into a verified TPU artifact directory.
@@ -153,6 +154,8 @@ def convert(
       cache_layout: "layer_batch_head_pos" (default) or "layer_batch_pos_head" (text-generation).
       kv_cache_dtype: "model" (default: the model's dtype) or "int8" (int8 keys and values with
         per-(layer, slot, kv-head, position) scales; text-generation).
+      sliding_window_cache: "bounded" (default: W positions per slot, a ring, when every layer
+        attends within one sliding window W < max_context) or "full" (max_context positions).
       verify_new_tokens: tokens each verification prompt generates (text-generation).
     Returns:
       The Artifact written at `out`.
@@ -178,7 +181,7 @@ def convert(
         quantize=quantize, group_size=group_size, keep_float=keep_float, calibration=None if calibration_file else calibration, calibration_file=calibration_file,
         random_calibration=random_calibration, sharding=make_request(mesh, sharding, rules, input_rules), weights=weights,
         task=task, max_batch=max_batch, max_context=max_context, cache_layout=cache_layout, kv_cache_dtype=kv_cache_dtype,
-        new_tokens=verify_new_tokens,
+        sliding_window_cache=sliding_window_cache, new_tokens=verify_new_tokens,
     )
     return run_conversion(loaded, options, progress)
 

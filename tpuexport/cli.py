@@ -89,6 +89,14 @@ def source_and_target_options(command):
     return command
 
 
+def _describe_window_cache(generation: dict) -> str:
+    """A text-generation manifest's window-bounded cache, for `inspect` ('' for a max-context cache)."""
+    if "window_layers" in generation:
+        return (f"; sliding layers {generation['window_layers']}: rings of {generation['cache_window']} positions "
+                f"{generation['window_cache_shape']} x2")
+    return f"; a ring of {generation['cache_window']} positions (the sliding window)" if generation.get("cache_window") else ""
+
+
 @main.command()
 @click.argument("source")
 @source_and_target_options
@@ -128,13 +136,16 @@ def source_and_target_options(command):
 @click.option("--kv-cache-dtype", default="model", show_default=True,
               help="text-generation: 'model' (the cache in the model's dtype) or 'int8' (int8 keys and values with a scale "
                    "per layer, slot, kv-head and position, in the model's dtype).")
+@click.option("--sliding-window-cache", default="bounded", show_default=True,
+              help="text-generation: 'bounded' keeps W positions per slot (a ring) when every layer attends within one "
+                   "sliding window W < max context (Mistral, Mixtral, Phi-3); 'full' keeps max-context positions.")
 @click.option("--verify-new-tokens", type=int, default=8, show_default=True,
               help="text-generation: tokens each verification prompt generates, compared with generate().")
 @handles_errors
 def convert(source, targets, out, buckets, precision, matmul_precision, kernels, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
             shard_inputs, as_json, atol, rtol, scale_tol, verify_budget, verify_sizes, scan, saved_model, model_name, model_version, quantize,
             group_size, keep_float, calibration_file, random_calibration, weights, checkpoint, max_context, max_batch, cache_layout,
-            kv_cache_dtype, verify_new_tokens):
+            kv_cache_dtype, sliding_window_cache, verify_new_tokens):
     """Convert SOURCE (a Hugging Face model directory or hf:ORG/NAME with --task, model.pt2, file.py:factory, or model.pt with
     --trust-pickle) into an artifact."""
     overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
@@ -148,7 +159,7 @@ def convert(source, targets, out, buckets, precision, matmul_precision, kernels,
         scan=scan, saved_model=saved_model and weights, model_name=model_name, model_version=model_version, quantize=quantize,
         group_size=group_size, keep_float=keep_float, calibration_file=calibration_file, random_calibration=random_calibration,
         weights=weights, checkpoint=checkpoint, max_context=max_context, max_batch=max_batch, cache_layout=cache_layout,
-        kv_cache_dtype=kv_cache_dtype, new_tokens=verify_new_tokens,
+        kv_cache_dtype=kv_cache_dtype, sliding_window_cache=sliding_window_cache, new_tokens=verify_new_tokens,
     )
 
 
@@ -308,7 +319,8 @@ def inspect(artifact_dir, as_json):
         console.print(f"  text generation: max batch {generation['max_batch']}, max context {generation['max_context']}, cache "
                       f"{generation['layout']} {generation['cache_shape']} "
                       f"{'int8 x2 + ' + generation['scale_dtype'] + ' scales ' + str(generation['scale_shape']) + ' x2' if generation.get('kv_cache_dtype') == 'int8' else generation['dtype'] + ' x2'}"
-                      f"{cross} ({generation['cache_bytes'] / 2**20:.2f} MiB)")
+                      f"{cross} ({generation['cache_bytes'] / 2**20:.2f} MiB)"
+                      f"{_describe_window_cache(generation)}")
         signatures = {name: ProgramSignature.from_json(entry) for name, entry in data["entry_points"].items()}
     else:
         signatures = {"": artifact.signature}

@@ -110,6 +110,8 @@ class ConversionOptions:
       cache_layout: the KV cache's layout (export.CACHE_LAYOUTS; text-generation).
       kv_cache_dtype: "model" (the cache in the model's dtype) or "int8" (int8 keys and values
         with per-vector scales; export.KV_CACHE_DTYPES; text-generation).
+      sliding_window_cache: "bounded" (a ring of W positions per slot when every layer attends
+        within one window W < max_context) or "full" (export.SLIDING_WINDOW_CACHES; text-generation).
       new_tokens: tokens generated per prompt by the generation verification.
     """
 
@@ -140,6 +142,7 @@ class ConversionOptions:
     max_context: int | None = None
     cache_layout: str = export_stage.DEFAULT_CACHE_LAYOUT
     kv_cache_dtype: str = "model"
+    sliding_window_cache: str = "bounded"
     new_tokens: int = verify_stage.DEFAULT_NEW_TOKENS
 
 
@@ -437,6 +440,7 @@ def _check_options(options: ConversionOptions) -> tuple[list, list]:
     elif options.max_context is not None or options.max_batch != 1:
         raise TpuExportError("--max-context / --max-batch apply to --task text-generation only; add --task text-generation or drop them")
     export_stage.check_kv_cache_dtype(options.kv_cache_dtype)
+    export_stage.check_sliding_window_cache(options.sliding_window_cache)
     if options.kv_cache_dtype != "model" and options.task != "text-generation":
         raise TpuExportError(f"--kv-cache-dtype {options.kv_cache_dtype} applies to --task text-generation only (a forward program has "
                              "no KV cache); add --task text-generation or drop it")
@@ -866,13 +870,15 @@ def _generation_passes(loaded: export_stage.LoadedSource, options: ConversionOpt
     if unknown:
         raise TpuExportError(f"--bucket {unknown[0]} is not a dim of text generation; prefill's dims are batch and seq (prompt length)")
     spec = export_stage.generation_spec(model, options.max_batch, options.max_context, options.cache_layout,
-                                        tuple(requested["seq"]) if "seq" in requested else None, options.kv_cache_dtype)
+                                        tuple(requested["seq"]) if "seq" in requested else None, options.kv_cache_dtype,
+                                        options.sliding_window_cache)
     prefill_batches = tuple(sorted(set(requested.get("batch") or {1, options.max_batch})))
     if not all(1 <= batch <= options.max_batch for batch in prefill_batches):
         raise TpuExportError(f"--bucket batch={','.join(map(str, prefill_batches))} is out of range: prefill batches are 1..{options.max_batch} "
                              "(--max-batch)")
     with clock.stage("export", lambda: f"entry points prefill (batch {list(prefill_batches)} x seq {list(spec.prefill_buckets)}) and "
                                        f"decode (batch {spec.max_batch}); cache {spec.layout} {list(spec.cache_shape)} "
+                                       f"{_describe_window_cache(spec)}"
                                        f"{f'int8 + {spec.scale_dtype} scales' if spec.quantized else spec.dtype}"):
         modules = export_stage.entry_point_modules(model, spec)
         # With a checkpoint, each entry point is exported on the meta device and its weights are the one
@@ -1119,6 +1125,14 @@ def _generation_int8_report(quantized: dict | None, program: lower_stage.Generat
     return (write,)
 
 
+def _describe_window_cache(spec: export_stage.GenerationSpec) -> str:
+    """The window-bounded cache in the export stage's line ('' for a max-context cache)."""
+    if spec.window_layers:
+        return (f"+ window cache {list(spec.window_cache_shape)} (rings of sliding window {spec.cache_window}, layers "
+                f"{','.join(map(str, spec.window_layers))}) ")
+    return f"(a ring: sliding window {spec.cache_window}) " if spec.cache_window else ""
+
+
 def _plan_generation_slices(request: compile_stage.ShardingRequest, slices: list, spec: export_stage.GenerationSpec,
                             lowered: lower_stage.LoweredProgram, buckets: list, clock: StageClock, entry_point: str) -> dict:
     """Each slice target's plan for one entry point, the KV cache laid out by the preset: its
@@ -1139,8 +1153,10 @@ def _plan_generation_slices(request: compile_stage.ShardingRequest, slices: list
             cache_spec[1] = "data"
         # An int8 cache's scales ([layers, batch, kv_heads, context]) split alike: heads on axis 2, batch on 1.
         scale_spec = [None, cache_spec[1], cache_spec[2 if spec.layout == "layer_batch_head_pos" else 3], None]
-        rules = (tuple((name, tuple(cache_spec)) for name in export_stage.CACHE_INPUTS)
-                 + tuple((name, tuple(scale_spec)) for name in spec.cache_inputs if name not in export_stage.CACHE_INPUTS))
+        # The sliding layers' rings (a model mixing full and sliding layers) split as the cache does.
+        caches = export_stage.CACHE_INPUTS + export_stage.WINDOW_CACHE_INPUTS
+        rules = (tuple((name, tuple(cache_spec)) for name in spec.cache_inputs if name in caches)
+                 + tuple((name, tuple(scale_spec)) for name in spec.cache_inputs if name not in caches))
         entry_request = dataclasses.replace(request, input_rules=rules + request.input_rules)
         with clock.stage(f"plan {target.name} {entry_point}", lambda: _describe_plan(plans[target.name])):
             plans[target.name] = compile_stage.plan_sharding(entry_request, target, lowered.weight_names, lowered.weight_specs,

@@ -55,6 +55,8 @@ ENTRY_POINTS = ("prefill", "decode")
 CACHE_INPUTS = ("cache_k", "cache_v")
 # An int8 cache's scales, inputs and outputs like the cache (donated too), after it in every signature.
 CACHE_SCALE_INPUTS = ("cache_k_scale", "cache_v_scale")
+# A model mixing full and sliding layers: the sliding layers' rings (GenerationSpec.window_layers), after the rest.
+WINDOW_CACHE_INPUTS = ("window_cache_k", "window_cache_v")
 # --kv-cache-dtype: "model" stores keys and values in the model's dtype; "int8" stores them as
 # symmetric int8 per (layer, slot, kv-head, position), scale = absmax over head_dim / 127 (as
 # MaxText's kv_quant and vLLM store an int8 cache), the scales in the model's dtype.
@@ -66,6 +68,10 @@ CACHE_SCALE_INPUTS = ("cache_k_scale", "cache_v_scale")
 # (2 vs 4 bytes per 64 int8 values; the TPU pads neither: v5e decode step of 2 Llama-1B layers at
 # 8 x 4096, arguments 0.780 vs 0.782 GiB); in an f32 model, f32 scales 46.63 vs 46.51 dB.
 KV_CACHE_DTYPES = ("model", "int8")
+# --sliding-window-cache: "bounded" gives a model whose every layer attends within one sliding window
+# W < max_context (Mistral, Mixtral, Phi-3) a ring cache of W positions per slot (its keys at
+# 32k context: W / 32768 of the bytes); "full" keeps max_context positions, the windows in the masks.
+SLIDING_WINDOW_CACHES = ("bounded", "full")
 # Scales are [layers, batch, kv_heads, context] whatever the cache's layout: positions, the long
 # axis, minor (the TPU tiles the two minor axes by 8 x 128; measured unpadded with the default
 # layout, results/kv_int8.txt), and one scale layout for the write ops of both cache layouts.
@@ -86,6 +92,13 @@ class GenerationSpec:
       prefill_buckets: the prompt lengths (`seq` sizes) prefill is compiled for.
       kv_cache_dtype: one of KV_CACHE_DTYPES: "model" (keys and values in `dtype`) or "int8"
         (int8 keys and values with scales in `dtype`, see `quantize_kv`).
+      cache_window: None, or the sliding window W < max_context within which every layer attends:
+        each slot then keeps W positions, a ring (position p at index p mod W), since no query
+        reads a key W or more positions behind it. None: max_context positions, p at index p.
+      window_layers: with cache_window, the sliding layers when the model mixes them with full
+        attention layers (Gemma 2/3, Qwen2's `layer_types`): those keep the ring in
+        window_cache_k/window_cache_v, the others max_context positions in cache_k/cache_v (each
+        group's layers in model order). Empty: every layer keeps the ring in cache_k/cache_v.
     """
 
     max_batch: int
@@ -98,6 +111,28 @@ class GenerationSpec:
     layout: str
     prefill_buckets: tuple[int, ...]
     kv_cache_dtype: str = "model"
+    cache_window: int | None = None
+    window_layers: tuple[int, ...] = ()
+
+    @property
+    def cache_positions(self) -> int:
+        """Positions each slot of cache_k/cache_v holds: the window's W when every layer keeps the ring, else max_context."""
+        return self.max_context if self.window_layers else self.cache_window or self.max_context
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """The layers whose keys are in cache_k/cache_v."""
+        return tuple(layer for layer in range(self.layers) if layer not in self.window_layers)
+
+    def _cache_tensor_shape(self, layers: int, positions: int) -> tuple[int, ...]:
+        if self.layout == "layer_batch_head_pos":
+            return (layers, self.max_batch, self.kv_heads, positions, self.head_dim)
+        return (layers, self.max_batch, positions, self.kv_heads, self.head_dim)
+
+    @property
+    def window_cache_shape(self) -> tuple[int, ...]:
+        """window_cache_k/window_cache_v's shape (models mixing full and sliding layers): the sliding layers' rings."""
+        return self._cache_tensor_shape(len(self.window_layers), self.cache_window or 0)
 
     @property
     def quantized(self) -> bool:
@@ -107,12 +142,12 @@ class GenerationSpec:
     @property
     def cache_inputs(self) -> tuple[str, ...]:
         """The cache's tensors, in the entry points' input (and output) order."""
-        return CACHE_INPUTS + (CACHE_SCALE_INPUTS if self.quantized else ())
+        return CACHE_INPUTS + (CACHE_SCALE_INPUTS if self.quantized else ()) + (WINDOW_CACHE_INPUTS if self.window_layers else ())
 
     @property
     def scale_shape(self) -> tuple[int, ...]:
-        """An int8 cache's scales: [layers, max_batch, kv_heads, max_context] (SCALE_LAYOUT)."""
-        return (self.layers, self.max_batch, self.kv_heads, self.max_context)
+        """An int8 cache's scales: [layers, max_batch, kv_heads, cache positions] (SCALE_LAYOUT)."""
+        return (len(self.full_layers), self.max_batch, self.kv_heads, self.cache_positions)
 
     @property
     def scale_dtype(self) -> str:
@@ -125,13 +160,14 @@ class GenerationSpec:
         tensors = {name: (self.cache_shape, stored) for name in CACHE_INPUTS}
         if self.quantized:
             tensors.update({name: (self.scale_shape, self.scale_dtype) for name in CACHE_SCALE_INPUTS})
+        if self.window_layers:
+            tensors.update({name: (self.window_cache_shape, stored) for name in WINDOW_CACHE_INPUTS})
         return tensors
 
     @property
     def cache_shape(self) -> tuple[int, ...]:
-        if self.layout == "layer_batch_head_pos":
-            return (self.layers, self.max_batch, self.kv_heads, self.max_context, self.head_dim)
-        return (self.layers, self.max_batch, self.max_context, self.kv_heads, self.head_dim)
+        """cache_k/cache_v's shape (in `layout`)."""
+        return self._cache_tensor_shape(len(self.full_layers), self.cache_positions)
 
     @property
     def cache_bytes(self) -> int:
@@ -146,6 +182,12 @@ class GenerationSpec:
 
     def to_json(self) -> dict:
         data = {**dataclasses.asdict(self), "prefill_buckets": list(self.prefill_buckets), "cache_shape": list(self.cache_shape)}
+        if self.cache_window is None:  # a cache of max_context positions: the manifest is as it was before rings
+            del data["cache_window"]
+        if self.window_layers:
+            data.update(window_layers=list(self.window_layers), window_cache_shape=list(self.window_cache_shape))
+        else:
+            del data["window_layers"]
         if not self.quantized:  # a model-dtype cache's manifest is as it was before the option
             del data["kv_cache_dtype"]
             return data
@@ -155,7 +197,7 @@ class GenerationSpec:
     def from_json(cls, data: dict) -> "GenerationSpec":
         fields = {field.name for field in dataclasses.fields(cls)}
         values = {key: value for key, value in data.items() if key in fields}
-        return cls(**{**values, "prefill_buckets": tuple(values["prefill_buckets"])})
+        return cls(**{**values, "prefill_buckets": tuple(values["prefill_buckets"]), "window_layers": tuple(values.get("window_layers", ()))})
 
 
 def quantize_kv(new: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,12 +244,16 @@ class FunctionalKVCache:
 
     def update(self, new_keys: torch.Tensor, new_values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes a layer's new keys/values ([batch, heads, steps, head_dim]) and returns what attention reads."""
-        (key_q, key_scale), (value_q, value_scale) = self.stored(new_keys), self.stored(new_values)
+        (key_q, key_scale), (value_q, value_scale) = self.stored(self.kept(new_keys)), self.stored(self.kept(new_values))
         self.keys = self.write(self.keys, key_q, layer)
         self.values = self.write(self.values, value_q, layer)
         if self.scales is not None:
             self.scales = [self.write(self.scales[0], key_scale, layer, SCALE_LAYOUT), self.write(self.scales[1], value_scale, layer, SCALE_LAYOUT)]
         return self.read(self.keys, new_keys, layer), self.read(self.values, new_values, layer)
+
+    def kept(self, new: torch.Tensor) -> torch.Tensor:
+        """The steps of `new` ([batch, heads, steps, head_dim]) the cache keeps, in the order `write` stores them: all."""
+        return new
 
     def written(self) -> tuple[torch.Tensor, ...]:
         """The cache tensors (keys, values[, key scales, value scales]) once every layer has been
@@ -225,11 +271,24 @@ class FunctionalKVCache:
 class PrefillCache(FunctionalKVCache):
     """Prefill: row r's keys for positions 0..seq-1 go to slot slots[r]; attention reads the
     prompt's own keys (a fresh prompt sees nothing older), unrounded in an int8 cache too, as
-    serving engines prefill."""
+    serving engines prefill.
 
-    def __init__(self, keys, values, layout, slots: torch.Tensor, key_scales=None, value_scales=None):
+    A ring cache (`ring_positions` given, see `ring_prefill_positions`) keeps W steps per row
+    instead: index i of the slot gets the prompt position ring_positions[r, i].
+    """
+
+    def __init__(self, keys, values, layout, slots: torch.Tensor, key_scales=None, value_scales=None,
+                 ring_positions: torch.Tensor | None = None):
         super().__init__(keys, values, layout, key_scales, value_scales)
         self.slots = slots
+        self.ring_positions = ring_positions
+
+    def kept(self, new):
+        if self.ring_positions is None:
+            return new
+        batch, heads, _, head_dim = new.shape
+        index = self.ring_positions[:, None, :, None].expand(batch, heads, self.ring_positions.shape[1], head_dim)
+        return new.gather(2, index)
 
     def write(self, cache, new, layer, layout=None):
         return write_prefill_cache(cache, new, layer, self.slots, layout or self.layout)
@@ -344,7 +403,24 @@ def _(cache, new, layer, positions, layout):
     return torch.empty_like(cache)
 
 
-def _transformers_cache(functional: FunctionalKVCache):
+class GroupedKVCache:
+    """Caches of a model mixing full and sliding layers: [(FunctionalKVCache, its layers in model
+    order)]; a layer's update goes to its group's cache under its index there."""
+
+    def __init__(self, groups: list[tuple[FunctionalKVCache, tuple[int, ...]]]):
+        self.groups = [cache for cache, _ in groups]
+        self.where = {layer: (cache, index) for cache, layers in groups for index, layer in enumerate(layers)}
+
+    def update(self, new_keys: torch.Tensor, new_values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cache, index = self.where[layer]
+        return cache.update(new_keys, new_values, index)
+
+    def written(self) -> tuple[torch.Tensor, ...]:
+        """Every group's cache tensors, groups in order (GenerationSpec.cache_inputs)."""
+        return tuple(tensor for cache in self.groups for tensor in cache.written())
+
+
+def _transformers_cache(functional: FunctionalKVCache | GroupedKVCache):
     """A transformers Cache whose update is `functional.update` (what the attention layers call)."""
     from transformers.cache_utils import Cache
 
@@ -401,6 +477,34 @@ def attention_windows(model: nn.Module) -> dict[str, int | None]:
     return {layer_type: window if layer_type == "sliding_attention" else None for layer_type in sorted(set(layer_types))}
 
 
+def ring_prefill_positions(lengths: torch.Tensor, window: int) -> torch.Tensor:
+    """Which prompt position a ring cache of `window` (W) indexes keeps at each index after
+    prefill: [batch, W].
+
+    Row r keeps its last W real positions, max(0, L - W)..L - 1 (L = lengths[r]), position p at
+    index p mod W. A row shorter than W has indexes L..W-1 left over: they get position L - 1
+    again (a copy of a real key, never a padding token's), and decode writes each of them, at
+    position i, before any query may see index i (`ring_mask`)."""
+    start = (lengths - window).clamp(min=0)[:, None]
+    index = torch.arange(window, device=lengths.device)[None, :]
+    positions = start + (index - start) % window
+    return torch.minimum(positions, (lengths - 1)[:, None])
+
+
+def ring_mask(positions: torch.Tensor, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [batch, 1, 1, W] of decode queries at absolute `positions` [batch] over a
+    ring cache of W indexes, the step's own key written at index q mod W.
+
+    Index i holds the latest position p <= q with p = i mod W once the row has been written up
+    to q: p = q - ((q - i) mod W), which is within the window (q - W < p <= q) by construction and
+    a real position (p >= 0) exactly when i <= q. So the mask shows index i iff i <= q: every key
+    the windowed causal query sees, and nothing else (an index above q before the ring first
+    fills holds an earlier occupant's key or a prefill filler)."""
+    index = torch.arange(window, device=positions.device)
+    visible = index[None, :] <= positions[:, None]
+    return torch.where(visible, 0.0, _masked_value(dtype)).to(dtype)[:, None, None]
+
+
 def _causal_masks(windows: dict[str, int | None], queries: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype):
     """The additive masks [batch, 1, queries, keys] of queries at positions `queries` [batch, q] over
     cache positions `keys` [k]: one tensor when every layer attends alike, else {layer type: mask}
@@ -443,6 +547,10 @@ class Prefill(_EntryPoint):
     cache_type = PrefillCache
 
     def forward(self, tokens, lengths, slots, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None):
+        return self.prefill(tokens, lengths, slots, cache_k, cache_v, cache_k_scale, cache_v_scale)
+
+    def prefill(self, tokens, lengths, slots, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None, window_cache_k=None,
+                window_cache_v=None):
         batch, steps = tokens.shape
         # One batch dim for the three inputs (torch.export may otherwise give each its own symbol).
         torch._check(lengths.shape[0] == batch)
@@ -450,25 +558,66 @@ class Prefill(_EntryPoint):
         dtype = self.model_dtype
         positions = torch.arange(steps, device=tokens.device)
         mask = _causal_masks(self.windows, positions[None, :].expand(batch, steps), positions, dtype)
-        cache = self.cache_type(cache_k, cache_v, self.spec.layout, slots, cache_k_scale, cache_v_scale)
+        window = self.spec.cache_window
+        ring_positions = None if window is None else ring_prefill_positions(lengths, window)
+        if not self.spec.window_layers:
+            cache = self.cache_type(cache_k, cache_v, self.spec.layout, slots, cache_k_scale, cache_v_scale, ring_positions)
+        else:  # the full layers write every position, the sliding layers their rings
+            cache = GroupedKVCache([(self.cache_type(cache_k, cache_v, self.spec.layout, slots), self.spec.full_layers),
+                                    (self.cache_type(window_cache_k, window_cache_v, self.spec.layout, slots, ring_positions=ring_positions),
+                                     self.spec.window_layers)])
         hidden = self.hidden_states(tokens, mask, positions[None, :].expand(batch, steps), cache)
         last = hidden[torch.arange(batch, device=tokens.device), lengths - 1]
         return {"logits": self.logits(last), **dict(zip(self.spec.cache_inputs, cache.written()))}
 
 
+class MixedPrefill(Prefill):
+    """Prefill of a model whose sliding layers keep their rings apart (GenerationSpec.window_layers)."""
+
+    def forward(self, tokens, lengths, slots, cache_k, cache_v, window_cache_k, window_cache_v):
+        return self.prefill(tokens, lengths, slots, cache_k, cache_v, window_cache_k=window_cache_k, window_cache_v=window_cache_v)
+
+
 class Decode(_EntryPoint):
     cache_type = DecodeCache
 
+    def ring_indexes(self, positions: torch.Tensor) -> torch.Tensor:
+        """Where a ring cache keeps the keys of absolute `positions`: p mod W."""
+        return positions % self.spec.cache_window
+
     def forward(self, tokens, positions, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None):
+        return self.decode(tokens, positions, cache_k, cache_v, cache_k_scale, cache_v_scale)
+
+    def decode(self, tokens, positions, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None, window_cache_k=None,
+               window_cache_v=None):
+        window, layout = self.spec.cache_window, self.spec.layout
         keys = torch.arange(self.spec.max_context, device=tokens.device)
-        mask = _causal_masks(self.windows, positions[:, None], keys, self.model_dtype)
-        cache = self.cache_type(cache_k, cache_v, self.spec.layout, positions, cache_k_scale, cache_v_scale)
+        if window is None:
+            mask = _causal_masks(self.windows, positions[:, None], keys, self.model_dtype)
+            cache = self.cache_type(cache_k, cache_v, layout, positions, cache_k_scale, cache_v_scale)
+        elif not self.spec.window_layers:  # a ring: the model's mask over its W indexes, the key written at index q mod W
+            mask = ring_mask(positions, window, self.model_dtype)
+            cache = self.cache_type(cache_k, cache_v, layout, self.ring_indexes(positions), cache_k_scale, cache_v_scale)
+        else:  # full layers over max_context positions, sliding layers over their rings
+            mask = {"full_attention": _causal_masks({"full_attention": None}, positions[:, None], keys, self.model_dtype),
+                    "sliding_attention": ring_mask(positions, window, self.model_dtype)}
+            cache = GroupedKVCache([(self.cache_type(cache_k, cache_v, layout, positions), self.spec.full_layers),
+                                    (self.cache_type(window_cache_k, window_cache_v, layout, self.ring_indexes(positions)),
+                                     self.spec.window_layers)])
         hidden = self.hidden_states(tokens[:, None], mask, positions[:, None], cache)
         return {"logits": self.logits(hidden[:, 0]), **dict(zip(self.spec.cache_inputs, cache.written()))}
 
 
+class MixedDecode(Decode):
+    """Decode of a model whose sliding layers keep their rings apart (GenerationSpec.window_layers)."""
+
+    def forward(self, tokens, positions, cache_k, cache_v, window_cache_k, window_cache_v):
+        return self.decode(tokens, positions, cache_k, cache_v, window_cache_k=window_cache_k, window_cache_v=window_cache_v)
+
+
 def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: str = DEFAULT_CACHE_LAYOUT,
-                    prefill_buckets: tuple[int, ...] | None = None, kv_cache_dtype: str = "model") -> GenerationSpec:
+                    prefill_buckets: tuple[int, ...] | None = None, kv_cache_dtype: str = "model",
+                    sliding_window_cache: str = "bounded") -> GenerationSpec:
     """The cache a Hugging Face decoder LM needs at these limits.
 
     Args:
@@ -478,6 +627,9 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
       prefill_buckets: prompt lengths prefill is compiled for; None for the default (128, 512,
         2048 below max_context, and max_context).
       kv_cache_dtype: one of KV_CACHE_DTYPES.
+      sliding_window_cache: one of SLIDING_WINDOW_CACHES: "bounded" keeps W positions per slot (a
+        ring, `GenerationSpec.cache_window`) when every layer attends within one window W <
+        max_context; "full" keeps max_context positions whatever the windows.
     Returns:
       The GenerationSpec.
     Raises:
@@ -490,11 +642,12 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
     if getattr(config, "is_encoder_decoder", False):
         raise TpuExportError(f"--task text-generation supports decoder-only LMs; {type(model).__name__} is an encoder-decoder")
     check_kv_cache_dtype(kv_cache_dtype)
+    check_sliding_window_cache(sliding_window_cache)
     if layout not in CACHE_LAYOUTS:
         raise TpuExportError(f"unknown cache layout {layout!r}; use one of {', '.join(CACHE_LAYOUTS)}")
     if max_batch < 1 or max_context < 2:
         raise TpuExportError(f"--max-batch {max_batch} / --max-context {max_context} out of range; give max batch >= 1 and max context >= 2")
-    attention_windows(model)  # refuses a layer type the entry points cannot mask
+    windows = set(attention_windows(model).values())  # refuses a layer type the entry points cannot mask
     text = _text_config(config)
     rescaled = [field for field in _UNSUPPORTED_LOGIT_FIELDS if getattr(text, field, None) not in (None, 1, 1.0)]
     if rescaled:
@@ -514,8 +667,23 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
         if not 2 <= size <= max_context:
             raise TpuExportError(f"prefill bucket seq={size} is out of range: prompt lengths are 2..{max_context} (--max-context)")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    window = max((size for size in windows if size is not None), default=None)
+    bounded = sliding_window_cache == "bounded" and window is not None and window < max_context
+    window_layers = ()
+    if bounded and len(windows) > 1:  # full layers beside sliding ones: the sliding layers' rings apart
+        window_layers = tuple(index for index, layer_type in enumerate(text.layer_types) if layer_type == "sliding_attention")
+        if kv_cache_dtype == "int8":
+            raise TpuExportError(f"--kv-cache-dtype int8 with the window-bounded cache of {type(model).__name__} (full and sliding layers) "
+                                 "is not supported yet; add --sliding-window-cache full")
     return GenerationSpec(max_batch, max_context, layers, kv_heads, head_dim, model.get_output_embeddings().weight.shape[0], dtype,
-                          layout, tuple(sorted(set(prefill_buckets))), kv_cache_dtype)
+                          layout, tuple(sorted(set(prefill_buckets))), kv_cache_dtype, window if bounded else None, window_layers)
+
+
+def check_sliding_window_cache(sliding_window_cache: str) -> None:
+    """Raises TpuExportError (one line) for a --sliding-window-cache not in SLIDING_WINDOW_CACHES."""
+    if sliding_window_cache not in SLIDING_WINDOW_CACHES:
+        raise TpuExportError(f"unknown --sliding-window-cache {sliding_window_cache!r}; use one of {', '.join(SLIDING_WINDOW_CACHES)} "
+                             "(bounded: W positions per slot when every layer attends within a window W < max context)")
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
@@ -527,7 +695,11 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
 
 def entry_point_modules(model: nn.Module, spec: GenerationSpec, prefill: type[Prefill] = Prefill,
                         decode: type[Decode] = Decode) -> dict[str, nn.Module]:
-    """The entry points as modules over the one model: {"prefill": ..., "decode": ...}."""
+    """The entry points as modules over the one model: {"prefill": ..., "decode": ...} (their
+    Mixed variants, whose inputs name the sliding layers' rings, for a spec with window_layers)."""
+    if spec.window_layers:
+        prefill = MixedPrefill if prefill is Prefill else prefill
+        decode = MixedDecode if decode is Decode else decode
     return {"prefill": prefill(model.eval(), spec), "decode": decode(model.eval(), spec)}
 
 

@@ -139,7 +139,6 @@ def entry_point_samples(modules: dict, spec: GenerationSpec, prompts: list[list[
     Returns:
       {entry point: input tuples in its signature order}.
     """
-    dtype = getattr(torch, spec.dtype)
     samples = {"prefill": [], "decode": []}
     with torch.no_grad():
         for start in range(0, len(prompts), spec.max_batch):
@@ -151,7 +150,7 @@ def entry_point_samples(modules: dict, spec: GenerationSpec, prompts: list[list[
                 tokens[row, :len(prompt)] = torch.tensor(prompt)
             lengths = torch.tensor([len(prompt) for prompt in batch])
             slots = torch.arange(len(batch))
-            cache = (torch.zeros(spec.cache_shape, dtype=dtype), torch.zeros(spec.cache_shape, dtype=dtype))
+            cache = tuple(torch.zeros(shape, dtype=getattr(torch, name)) for shape, name in spec.cache_tensors().values())
             samples["prefill"].append((tokens, lengths, slots, *cache))
             logits, *cache = _outputs(modules["prefill"](tokens, lengths, slots, *cache))
             step_tokens = torch.zeros(spec.max_batch, dtype=torch.long)
