@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 import transformers
 
 import tpuexport
+from tpuexport.verify.sharded import read_array, write_array
 
 MAX_CONTEXT, MAX_BATCH = 64, 2
 # A 4-chip v5e slice; prefill compiled at one bucket (2 rows of 16 tokens), decode at max batch.
@@ -106,3 +108,11 @@ def test_a_plan_that_changes_the_logits_fails_the_conversion(tmp_path):
     logits = run["case"]["runs"]["cpu"]["logits"]
     # Only the small terms are lost: 2**-20 at most 3 times, on the logits where they survived.
     assert 0 < logits["max_abs_error"] <= 3 * 2**-20 and 0 < logits["mismatched"] < logits["elements"]
+
+
+def test_arrays_reach_the_sharded_child_with_their_shapes(tmp_path):
+    """Gemma 2's scalar weights went to the child as shape (1,) and its sharded run raised "Rank
+    mismatch ... expected () and called with (1,)"; strided views must arrive as their values."""
+    for index, array in enumerate((np.asarray(np.float32(2.5)), np.arange(6, dtype=np.int8).reshape(2, 3), np.ones((3, 4))[:, ::2])):
+        back = read_array(write_array(array, tmp_path / f"{index}.bin"))
+        assert back.shape == array.shape and back.dtype == array.dtype and np.array_equal(back, array)

@@ -259,8 +259,8 @@ def run_child(request: dict, what: str) -> list[dict]:
 
 def write_array(array: np.ndarray, path: pathlib.Path) -> dict:
     """Writes an array as a raw file for the child; returns its {path, dtype, shape}."""
-    array = np.ascontiguousarray(array)
-    path.write_bytes(array.tobytes())
+    array = np.asarray(array)  # not ascontiguousarray: it makes a 0-d array (Gemma 2's scalar weights) 1-d
+    path.write_bytes(array.tobytes(order="C"))
     return {"path": str(path), "dtype": str(array.dtype), "shape": list(array.shape)}
 
 
