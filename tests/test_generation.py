@@ -461,8 +461,10 @@ def test_serve_batches_generate_requests_continuously(llama_serving, tmp_path):
         bad = requests.post(url, json={"prompts": [[5, 100000]], "max_new_tokens": 6}, timeout=60)
         two = requests.post(url, json={"prompts": [[5, 17, 42, 7], [99, 3]], "max_new_tokens": 3}, timeout=60)  # one request, two rows
         metrics = requests.get(f"{base}/metrics", timeout=10).text
-        # A client that goes away after its first step frees its slots: its request stops within a few
-        # of the 61 decode steps it asked for.
+        # A client that goes away after its first step frees its slots: its request stops well before
+        # the 61 decode steps it asked for (the server notices the closed connection at its next
+        # write; on a loaded machine that has taken up to 24 steps, and a cancel that does nothing
+        # runs all 61).
         def decode_steps():
             text = requests.get(f"{base}/metrics", timeout=10).text
             return float(re.search(r'tpuexport_decode_rows_count\{model="llama",version="1"\} (\S+)', text).group(1))
@@ -474,7 +476,7 @@ def test_serve_batches_generate_requests_continuously(llama_serving, tmp_path):
         time.sleep(1.0)
         settled = decode_steps()
         time.sleep(1.0)
-        assert decode_steps() == settled < before + 10
+        assert decode_steps() == settled < before + (MAX_CONTEXT - 2) // 2
         assert generate([99, 3], 2)[-1]["generated"] == artifact.generate([[99, 3]], 2)
 
         for (prompt, max_new_tokens), lines in zip(requested, answers):
