@@ -193,6 +193,10 @@ class Pairs(torch.nn.Module):
         return x.reshape(x.shape[0], -1, 2)
 
 branch, pool, pairs = (lambda: seq(Branch()), lambda: seq(Pool()), lambda: seq(Pairs()))
+
+def halved():  # torch.export fixes a derived dim without suggesting a declaration
+    k = torch.export.Dim("k", min=2, max=6)
+    return Pool(), (torch.randn(2, 8),), ({1: 2 * k},)
 '''
 
 
@@ -224,6 +228,7 @@ BAD_INPUTS = {
     "dim range the model narrows": (["convert", "narrowing.py:branch"], "needs seq in 5..16, at "),
     "dim the model fixes": (["convert", "narrowing.py:pool"], "fixes seq at 6, at "),
     "dim the model needs a multiple of": (["convert", "narrowing.py:pairs"], "needs seq = 2*_seq with _seq in 1..8, at "),
+    "derived dim the model fixes": (["convert", "narrowing.py:halved"], "fixes 2*k at 8, at "),
     "does not fit in HBM": (["convert", "too_big.py:build", "--bucket", "batch=2147483646"], "does not fit in HBM"),
     "output exists": (["convert", MLP, "-o", "existing.tpu"], "already exists; pass --force"),
     "inspect a non-artifact": (["inspect", "raising.py"], "is not a tpuexport artifact"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 
 import torch
@@ -22,6 +23,8 @@ from tpuexport.source_lines import is_user_code
 
 # "seq = 6", "seq = Dim('seq', min=5, max=16)", "seq = 2*_seq": one declaration per line.
 _FIX = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.+?)\s*$")
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SPECIALIZED = re.compile(r"You marked (\S+) as dynamic but your code specialized it to be a constant \((\d+)\)")
 _DIM = re.compile(r"Dim\(\s*['\"]([A-Za-z_][A-Za-z0-9_]*)['\"]\s*(?:,\s*min\s*=\s*(\d+))?\s*(?:,\s*max\s*=\s*(\d+))?\s*\)")
 
 
@@ -37,6 +40,10 @@ def suggested_fixes(message: str) -> dict[str, str]:
     """
     _, _, suggestions = message.partition("Suggested fixes:")
     declared: dict[str, str] = {}
+    # A derived dim fixed to a size gets no suggestion, only "You marked 2*k as dynamic but your code
+    # specialized it to be a constant (8)".
+    for expression, size in _SPECIALIZED.findall(message):
+        declared[expression] = f"= {size}"
     for line in suggestions.splitlines():
         match = _FIX.match(line)
         if not match:
@@ -75,7 +82,9 @@ def guard_sources(model: torch.nn.Module, args, dynamic_shapes) -> list[str]:
         filenames = {index: name for name, index in structured.INTERN_TABLE.items()} | report.str_to_filename
         for failure in report.failures:
             files = [filenames.get(frame.get("filename"), "<unknown>") for frame in failure.data.get("user_stack") or ()]
-            frames = [(path, frame) for path, frame in zip(files, failure.data.get("user_stack") or ()) if is_user_code(path)]
+            # The stack of a guard torch adds outside the model's code ends in tpuexport's call: not the user's line.
+            frames = [(path, frame) for path, frame in zip(files, failure.data.get("user_stack") or ())
+                      if is_user_code(path) and not os.path.abspath(path).startswith(_PACKAGE_DIR)]
             if frames:
                 path, frame = frames[-1]
                 source = f"{path}:{frame['line']} ({frame['loc'].strip()})"
@@ -120,6 +129,8 @@ def _declaration(name: str, need: str) -> str:
         low = need.removeprefix("at least ")
         return f"{name} from {low} (--dim {name}={low}:MAX, or torch.export.Dim({name!r}, min={low}))"
     fixed = re.fullmatch(r"= (\d+)", need)
+    if fixed and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):  # a derived dim: no --dim names it
+        return f"{name} static (the int {fixed.group(1)} in dynamic_shapes)"
     if fixed:
         return f"{name} static (--dim {name}={fixed.group(1)}:{fixed.group(1)}, or the int {fixed.group(1)} in dynamic_shapes)"
     return f"{name} as that derived torch.export.Dim in dynamic_shapes"
