@@ -69,6 +69,12 @@ class TokenDifference:
     def tie(self) -> bool:
         return self.gap <= self.margin
 
+    @property
+    def described(self) -> str:
+        """"token A where generate() gives E (eager logit gap ... > tie margin ...)": what a failure says."""
+        return (f"token {self.artifact} where generate() gives {self.eager} (eager logit gap {self.gap:.3g} > "
+                f"tie margin {self.margin:.3g})")
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerationRun:
@@ -187,9 +193,8 @@ class GenerationReport:
             for name, run in case.runs.items():
                 divergence = run.divergence
                 if divergence is not None:
-                    clauses.append(f"{case.label} ({name} run): row {divergence.row} (prompt of {case.lengths[divergence.row]} tokens) "
-                                   f"generates token {divergence.artifact} at step {divergence.step} where generate() gives "
-                                   f"{divergence.eager} (eager logit gap {divergence.gap:.3g} > tie margin {divergence.margin:.3g})")
+                    clauses.append(f"{case.label} ({name} run): row {divergence.row} (prompt of {case.lengths[divergence.row]} tokens), "
+                                   f"step {divergence.step}: {divergence.described}")
                 if not run.logits.passed:
                     clauses.append(f"{case.label} ({name} run): logits {run.logits.describe_failure()} "
                                    f"[{getattr(self.tolerances, name).describe()}]")

@@ -89,9 +89,7 @@ class ShardedGenerationVerification:
         for name, run in self.case.runs.items():
             divergence = run.divergence
             if divergence is not None:
-                clauses.append(f"{name} run, {step_name(divergence.step)}: output 'logits' of row {divergence.row} picks token "
-                               f"{divergence.artifact} where generate() gives {divergence.eager} (eager logit gap {divergence.gap:.3g} > "
-                               f"tie margin {divergence.margin:.3g})")
+                clauses.append(f"{name} run, {step_name(divergence.step)}: output 'logits' of row {divergence.row} picks {divergence.described}")
             if not run.logits.passed:
                 worst = self.worst[name]
                 first = "" if worst["first_outside"] is None else f"first outside tolerance at {step_name(worst['first_outside'])}, "
