@@ -19,10 +19,11 @@ from click.testing import CliRunner
 
 import tpuexport
 from conftest import free_port, served
+from test_seq2seq import UnwrittenSlotCross
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.cli import main
-from tpuexport.export.seq2seq import CrossWrite, FeaturesDecode, FeaturesEncode, _row_positions
+from tpuexport.export.seq2seq import FeaturesDecode, FeaturesEncode, _row_positions
 from tpuexport.serve import protos
 from tpuexport.verify import verify_seq2seq
 
@@ -108,14 +109,6 @@ def test_verification_to_the_last_target_position(whisper_generation):
         model.config.max_target_positions = positions
     assert report.passed, report.failure_summary()
     assert report.tokens_compared() == MAX_BATCH * (MAX_CONTEXT - 1)
-
-
-class UnwrittenSlotCross(CrossWrite):
-    """The first row's slot keeps what a fresh cache holds (zeros) instead of its cross keys and values."""
-
-    def write(self, cache, new, layer):
-        written = torch.arange(new.shape[0], device=new.device)[:, None, None, None] > 0
-        return super().write(cache, torch.where(written, new, torch.zeros_like(new)), layer)
 
 
 class UnwrittenSlotEncode(FeaturesEncode):
