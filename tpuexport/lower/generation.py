@@ -88,10 +88,7 @@ class GenerationProgram:
     prefill_batches: tuple[int, ...]
 
     def __post_init__(self):
-        first, *others = (self.entry_points[name] for name in ENTRY_POINTS)
-        for other in others:
-            if other.weight_names != first.weight_names or other.weight_specs != first.weight_specs:
-                raise TpuExportError("the entry points' weights differ (names or shapes); they must share one model's weights")
+        check_shared_weights(self.entry_points, ENTRY_POINTS)
 
     # The state: inputs every entry point returns as the output of the same name (donated).
     @property
@@ -120,6 +117,15 @@ class GenerationProgram:
     def prefill_buckets(self) -> list[dict[str, int]]:
         """Every compiled prefill size, {"batch": b, "seq": s}."""
         return [{"batch": batch, "seq": seq} for batch in self.prefill_batches for seq in self.spec.prefill_buckets]
+
+
+def check_shared_weights(entry_points: dict[str, LoweredProgram], names: Sequence[str]) -> None:
+    """Raises TpuExportError unless the named entry points take the same weights (names and shapes):
+    an artifact stores one model's weights once, for all of them."""
+    first, *others = (entry_points[name] for name in names)
+    for other in others:
+        if other.weight_names != first.weight_names or other.weight_specs != first.weight_specs:
+            raise TpuExportError("the entry points' weights differ (names or shapes); they must share one model's weights")
 
 
 def cpu_runner(program: GenerationProgram, programs: dict | None = None) -> Runner:

@@ -15,7 +15,7 @@ import numpy as np
 
 from tpuexport.errors import TpuExportError
 from tpuexport.export.seq2seq import ENTRY_POINTS, Seq2SeqSpec
-from tpuexport.lower.generation import Runner, check_slots, check_token_rows, cpu_runner, right_padded
+from tpuexport.lower.generation import Runner, check_shared_weights, check_slots, check_token_rows, cpu_runner, right_padded
 from tpuexport.lower.lowering import LoweredProgram
 
 
@@ -34,10 +34,7 @@ class Seq2SeqProgram:
     encode_batches: tuple[int, ...]
 
     def __post_init__(self):
-        first, *others = (self.entry_points[name] for name in ENTRY_POINTS)
-        for other in others:
-            if other.weight_names != first.weight_names or other.weight_specs != first.weight_specs:
-                raise TpuExportError("the entry points' weights differ (names or shapes); they must share one model's weights")
+        check_shared_weights(self.entry_points, ENTRY_POINTS)
 
     @property
     def state_inputs(self) -> tuple[str, ...]:
