@@ -12,18 +12,23 @@ import torch
 import tpuexport
 from tpuexport.export import LoadedSource, SourceInfo, capture
 from tpuexport.lower import lower
-from tpuexport.lower.torchax_import import REMOVED_NAMED_DIM_OVERLOADS, import_torchax
+from tpuexport.lower.torchax_import import REMOVED_NAMED_DIM_OVERLOADS, REMOVED_OPERATORS, import_torchax
 
 
 def test_shim_tolerates_exactly_the_overloads_torch_removed():
     for packet, overload in REMOVED_NAMED_DIM_OVERLOADS:
         with pytest.raises(AttributeError):
             getattr(getattr(torch.ops.aten, packet), overload)
+    for operator in REMOVED_OPERATORS:
+        with pytest.raises(AttributeError):
+            getattr(torch.ops.aten, operator)
     torchax = import_torchax()
     assert len(torchax.ops.ops_registry.all_aten_ops) > 300
     # the shim is gone once torchax is imported: other missing overloads still raise
     with pytest.raises(AttributeError):
         torch.ops.aten.prod.dim_Dimname
+    with pytest.raises(AttributeError):
+        torch.ops.aten.cholesky
 
 
 def captured(model, args, dynamic_shapes):

@@ -1,13 +1,15 @@
-"""Importing torchax 0.0.13 under torch 2.13, without changing the user's process.
+"""Importing torchax 0.0.13 under torch 2.13 and later, without changing the user's process.
 
 Two problems, each handled only while torchax imports:
 
-1. torchax builds op tables at import time that name 22 named-dimension (Dimname) ATen overloads
-   which torch 2.13 removed, so a plain `import torchax` raises AttributeError. A lookup of exactly
-   one of those overloads returns an inert placeholder instead of raising; every other missing
-   overload still raises. The placeholders end up only in torchax's decomposition list and autocast
-   table, whose consumers skip objects that are not operators, so no lowering changes. Once torchax
-   names none of them, the shim does nothing.
+1. torchax builds op tables at import time that name ATen operators newer torch removed: 22
+   named-dimension (Dimname) overloads (gone in torch 2.13) and the deprecated `aten.cholesky` and
+   `aten.qr` (gone in torch 2.15, replaced by `linalg_cholesky` / `linalg_qr`, which torchax lowers
+   too), so a plain `import torchax` raises AttributeError. A lookup of exactly one of those returns
+   an inert placeholder instead of raising; every other missing operator or overload still raises.
+   The placeholders end up only as keys of torchax's lowering registry, decomposition list and
+   autocast table, which no exported graph can name, so no lowering changes. Once torchax names
+   none of them, the shim does nothing.
 
 2. torchax's import reconfigures torch for its eager tensor mode, which tpuexport does not use (it
    only runs torchax's op lowerings on JAX arrays). It renames torch's PrivateUse1 backend to "jax"
@@ -56,6 +58,9 @@ REMOVED_NAMED_DIM_OVERLOADS = frozenset(
     }
 )
 
+# ATen operators referenced by torchax 0.0.13 and absent from torch 2.15 (every overload with them).
+REMOVED_OPERATORS = frozenset({"cholesky", "qr"})
+
 # Set by torchax's import (os.environ.setdefault); removed again unless the user had set it.
 TELEMETRY_VARIABLE = "ENABLE_RUNTIME_UPTIME_TELEMETRY"
 
@@ -72,10 +77,26 @@ class RemovedOverload:
         return f"<removed overload {self.qualified_name}>"
 
 
+class RemovedOperator:
+    """Stands in for one removed operator (its packet); any overload of it is a RemovedOverload."""
+
+    def __init__(self, name: str):
+        self.qualified_name = f"aten::{name}"
+
+    def __getattr__(self, overload: str) -> RemovedOverload:
+        if overload.startswith("__"):
+            raise AttributeError(overload)
+        return RemovedOverload(self.qualified_name.split("::")[-1], overload)
+
+    def __repr__(self) -> str:
+        return f"<removed operator {self.qualified_name}>"
+
+
 @contextlib.contextmanager
 def _removed_overloads_tolerated():
-    """Lookups of REMOVED_NAMED_DIM_OVERLOADS return placeholders inside the block."""
+    """Lookups of REMOVED_NAMED_DIM_OVERLOADS and REMOVED_OPERATORS return placeholders inside the block."""
     packet_getattr = torch._ops.OpOverloadPacket.__getattr__
+    namespace_getattr = torch._ops._OpNamespace.__getattr__
 
     def tolerant_getattr(packet, key):
         try:
@@ -86,11 +107,21 @@ def _removed_overloads_tolerated():
                 return RemovedOverload(name, key)
             raise
 
+    def tolerant_namespace_getattr(namespace, op_name):
+        try:
+            return namespace_getattr(namespace, op_name)
+        except AttributeError:
+            if namespace.name == "aten" and op_name in REMOVED_OPERATORS:
+                return RemovedOperator(op_name)
+            raise
+
     torch._ops.OpOverloadPacket.__getattr__ = tolerant_getattr
+    torch._ops._OpNamespace.__getattr__ = tolerant_namespace_getattr
     try:
         yield
     finally:
         torch._ops.OpOverloadPacket.__getattr__ = packet_getattr
+        torch._ops._OpNamespace.__getattr__ = namespace_getattr
 
 
 def _skip(*args, **kwargs) -> None:
