@@ -373,6 +373,8 @@ def check_compatibility(artifact: Artifact, today: datetime.date | None = None):
     days = (until - (today or datetime.date.today())).days
     details = {**recorded, "days_left": days}
     what = f"jax.export serialization version {recorded['serialization_version']} (of {recorded['version_date']})"
+    if recorded.get("jax_release_date"):
+        what += f" written by jax {recorded['jax_version']} (released {recorded['jax_release_date']})"
     if days < 0:
         return WARNING, (f"{what}: JAX releases after {until} may refuse to load it ({-days} days ago); convert again with a "
                          "current JAX, or keep this JAX to load it"), details

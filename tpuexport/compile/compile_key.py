@@ -7,11 +7,12 @@ the compile options, and for XLA:CPU the host's instruction set (its code is gen
 build host's CPU features). The manifest records this key per target; the runtime compares it
 with the host before loading and names what differs.
 
-jax.export promises six months of backward compatibility: newer JAX releases may refuse a
-serialization older than that (jax 0.11.1 refused those written before January 15th, 2026, the
-date of serialization version 6). The window counts from the JAX release that wrote the program,
-which is no earlier than the date its serialization version was introduced; so that date plus six
-months is the earliest day a newer JAX may stop loading the artifact's program.
+jax.export promises six months of backward compatibility: JAX releases up to six months newer than
+the one that wrote a serialization load it; later ones may refuse it (jax 0.11.1 refused those
+written before January 15th, 2026, the date of serialization version 6). The window counts from
+the release date of the JAX that wrote the program; for a JAX release missing from
+JAX_RELEASE_DATES, from the date its serialization version was introduced (no later than the
+release), so loadable_until is never later than the day a newer JAX may stop loading the program.
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ SERIALIZATION_VERSION_DATES = {
     9: datetime.date(2026, 3, 17),
     10: datetime.date(2026, 4, 4),
     11: datetime.date(2026, 5, 15),
+    12: datetime.date(2026, 7, 29),
+}
+# Release dates of the JAX versions tpuexport was pinned to or tested with (JAX's changelog; the
+# build date of the PyPI wheel for those the changelog did not yet list).
+JAX_RELEASE_DATES = {
+    "0.10.2": datetime.date(2026, 6, 17),
+    "0.11.0": datetime.date(2026, 7, 16),
+    "0.11.1": datetime.date(2026, 8, 17),
+    "0.11.2": datetime.date(2026, 9, 17),
+    "0.12.0": datetime.date(2026, 10, 16),
+    "0.12.0.1": datetime.date(2026, 10, 20),
 }
 COMPATIBILITY_MONTHS = 6
 # Versions that must match the host for an executable to load.
@@ -50,21 +62,26 @@ def export_compatibility(written_on: datetime.date | None = None) -> dict:
     """The manifest's record of how long newer JAX releases keep loading the program.
 
     Args:
-      written_on: the conversion's date (today by default); the window's start when the
-        serialization version is newer than SERIALIZATION_VERSION_DATES knows.
+      written_on: the conversion's date (today by default); the window's start when neither the
+        installed JAX nor its serialization version has a known date.
     Returns:
-      {"serialization_version", "version_date", "loadable_until" (ISO dates), "window_months",
-      "rule"}.
+      {"serialization_version", "version_date", "jax_version", "jax_release_date" (None when
+      unknown), "loadable_until" (ISO dates), "window_months", "rule"}.
     """
-    version = serialization_version()
-    start = SERIALIZATION_VERSION_DATES.get(version) or written_on or datetime.date.today()
+    version, jax_version = serialization_version(), _version("jax")
+    version_date = SERIALIZATION_VERSION_DATES.get(version)
+    release_date = JAX_RELEASE_DATES.get(jax_version)
+    start = release_date or version_date or written_on or datetime.date.today()
     return {
         "serialization_version": version,
-        "version_date": start.isoformat(),
+        "version_date": (version_date or start).isoformat(),
+        "jax_version": jax_version,
+        "jax_release_date": release_date.isoformat() if release_date else None,
         "loadable_until": _add_months(start, COMPATIBILITY_MONTHS).isoformat(),
         "window_months": COMPATIBILITY_MONTHS,
-        "rule": "JAX loads a jax.export serialization for 6 months after the JAX release that wrote it; that release "
-                "is no earlier than the serialization version's date, so newer JAX may refuse it after loadable_until",
+        "rule": "JAX loads a jax.export serialization for 6 months after the JAX release that wrote it (its release "
+                "date, or when unknown the serialization version's date, which is no later), so newer JAX may refuse "
+                "it after loadable_until",
     }
 
 
