@@ -314,8 +314,10 @@ def _weight_norm_direction(value: torch.fx.Node) -> bool:
     wav2vec2's positional convolution): read by the norm of it and by one product, v x g / norm,
     that only convolutions read as their weight. Quantized per output channel like a convolution
     weight; the program computes the convolution's weight from the dequantized v as the float
-    program does from v (a float weight the size of v each call)."""
-    norms = [user for user in value.users if user.target is _aten.linalg_vector_norm.default and user.args[0] is value]
+    program does from v (a float weight the size of v each call). torch 2.15 decomposes the norm
+    into v ** 2 summed, then ** 0.5; earlier torch into linalg_vector_norm(v)."""
+    norms = [user for user in value.users if user.args[0] is value and (
+        user.target is _aten.linalg_vector_norm.default or (user.target is _aten.pow.Tensor_Scalar and user.args[1] == 2))]
     products = [user for user in value.users if user.target is _aten.mul.Tensor and value in user.args[:2]]
     return (len(value.users) == 2 and len(norms) == 1 and len(products) == 1 and bool(products[0].users)
             and all(_convolution_reads(user, products[0]) for user in products[0].users))
