@@ -263,7 +263,6 @@ def test_cpu_runs_write_a_bf16_cache_in_place():
         assert cpu.bits_inputs == (len(specs) - 2, len(specs) - 1) and cpu.bits_outputs == (1, 2)  # the cache
         state_args = [jax.numpy.asarray(array.view(np.uint16)) if position in cpu.bits_inputs else array for position, array in enumerate(args)]
         compiled = jax.jit(cpu.exported.call).lower(weights, state_args).compile()
-        assert ("", "f32") in cache_updates.findall(as_exported.as_text())
         assert set(cache_updates.findall(compiled.as_text())) == {("ROOT ", "u16")}
 
 
