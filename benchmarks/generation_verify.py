@@ -108,7 +108,7 @@ def main() -> None:
     stats = pstats.Stats(profile)
     spec = program.spec
     print(f"{options.shape} x {options.layers} layers, bf16, cache {spec.max_batch} x {spec.max_context} "
-          f"({spec.cache_bytes / 2**30:.2f} GiB keys+values), prefill {program.prefill_buckets()}; passed {report.passed}, "
+          f"({spec.cache_bytes / 2**30:.2f} GiB keys+values), prefill {program.fill_buckets()}; passed {report.passed}, "
           f"tokens compared {report.tokens_compared()}")
     print(f"verify: wall {wall:.1f} s, process CPU {cpu:.1f} s; RSS before {before_rss / 2**30:.2f} GiB, peak during "
           f"{peak / 2**30:.2f} GiB (+{(peak - before_rss) / 2**30:.2f})")

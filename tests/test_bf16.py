@@ -148,7 +148,7 @@ def test_bf16_inputs_and_outputs_through_run_golden_data_and_the_saved_model(tmp
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).to(torch.bfloat16).eval()
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     artifact = tpuexport.convert(model, (x,), {"input": {0: torch.export.Dim("batch", min=1, max=16)}}, out=tmp_path / "bf16.tpu")
-    assert artifact.manifest["signature"]["inputs"][0]["dtype"] == "bfloat16"
+    assert artifact.manifest["entry_points"]["serving_default"]["signature"]["inputs"][0]["dtype"] == "bfloat16"
     assert artifact.manifest["resolved_precision"] == "bf16"
     y = artifact.run(torch.randn(3, 16, dtype=torch.bfloat16))
     assert y.dtype == torch.bfloat16 and y.shape == (3, 8)
