@@ -23,32 +23,8 @@ traffic. `step` subtracts them with these factors.
 from __future__ import annotations
 
 import argparse
-import re
-import sys
 
-COPY_START_EXTRA, SLICE_START_EXTRA = 4, 3  # measured by `prefetch`
-_ELEMENT_BYTES = {"bf16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1}
-_SHAPE = re.compile(r"\b(bf16|f32|s32|u32|pred|s8)\[([0-9,]*)\]")
-
-
-def prefetched_bytes(hlo_text: str) -> dict[str, int]:
-    """Bytes the ENTRY computation copies into VMEM ahead of use: {"copy-start": ..., "slice-start": ...}."""
-    found = {"copy-start": 0, "slice-start": 0}
-    for line in hlo_text[hlo_text.index("\nENTRY"):].splitlines():
-        match = re.search(r"= (.*?) (copy-start|slice-start)\(", line)
-        if not match:
-            continue
-        shapes = _SHAPE.findall(match.group(1))  # copy-start: (dest, src, context); slice-start: ((src), dest, context)
-        dtype, dims = shapes[0] if match.group(2) == "copy-start" else shapes[1]
-        count = _ELEMENT_BYTES[dtype]
-        for size in filter(None, dims.split(",")):
-            count *= int(size)
-        found[match.group(2)] += count
-    return found
-
-
-def without_prefetch_bookkeeping(bytes_accessed: float, prefetched: dict[str, int]) -> float:
-    return bytes_accessed - COPY_START_EXTRA * prefetched["copy-start"] - SLICE_START_EXTRA * prefetched["slice-start"]
+from hlo_prefetch import COPY_START_EXTRA, SLICE_START_EXTRA, prefetched_bytes, without_prefetch_bookkeeping
 
 
 def step(options: argparse.Namespace) -> None:
@@ -249,7 +225,6 @@ def main() -> None:
     parser.add_argument("--entry", default="decode", choices=["decode", "prefill"])
     parser.add_argument("--context", type=int, default=4096)
     options = parser.parse_args()
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     {"step": lambda: step(options), "writes": writes, "prefetch": prefetch, "attention": attention}[options.what]()
 
 

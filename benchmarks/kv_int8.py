@@ -48,7 +48,7 @@ def decode_step(kv_cache_dtype: str, layers: int | None) -> dict:
     lowered = lower_stage.lower(captured.program, captured.signature, "bf16", weights=False)
     target = compile_stage.resolve_targets(["v5e"])[0]
     (result,) = compile_stage.compile_program(lowered, [target], compile_stage.make_buckets(lowered.signature, None)).results
-    from decode_bytes import prefetched_bytes, without_prefetch_bookkeeping
+    from hlo_prefetch import prefetched_bytes, without_prefetch_bookkeeping
 
     memory, accessed = result.memory, result.cost["bytes_accessed"]
     prefetched = prefetched_bytes(result.hlo_text)
