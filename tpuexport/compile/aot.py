@@ -317,7 +317,7 @@ def cpu_executable_program(lowered: LoweredProgram) -> tuple[jax.export.Exported
     """The program an XLA:CPU executable is compiled from: the lowered one, with its bfloat16 state
     taken and returned as uint16 bit patterns when it has any (lower/cpu_program.py: XLA:CPU then
     updates a bfloat16 KV cache in place; with bfloat16 arguments each decode step passed over the
-    whole cache once per layer and row, benchmarks/cpu_generation.py).
+    whole cache once per layer and row, benchmarks/studies/cpu_generation.py).
 
     Args:
       lowered: the lowering stage's result.

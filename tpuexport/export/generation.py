@@ -61,7 +61,7 @@ WINDOW_CACHE_INPUTS = ("window_cache_k", "window_cache_v")
 # symmetric int8 per (layer, slot, kv-head, position), scale = absmax over head_dim / 127 (as
 # MaxText's kv_quant and vLLM store an int8 cache), the scales in the model's dtype.
 #
-# Scales in the model's dtype, not always float32, measured (benchmarks/kv_int8.py scales,
+# Scales in the model's dtype, not always float32, measured (benchmarks/studies/kv_int8.py scales,
 # results/kv_int8.txt; a tiny Llama's cached keys and values, quantized and dequantized): in a bf16
 # model, bf16 scales 46.20 dB reconstruction SQNR vs 45.78 with f32 scales (attention reads bf16, so
 # an f32 scale is rounded at dequantization but was not when quantizing), and 3% fewer cache bytes

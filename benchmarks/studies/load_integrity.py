@@ -1,7 +1,7 @@
 """Prints what checking an artifact's files on load costs: the first `Artifact.run` hashes the
 program and the weights (once per load), later runs do not.
 
-    python benchmarks/load_integrity.py [--megabytes 256]
+    python benchmarks/studies/load_integrity.py [--megabytes 256]
 
 Converts a one-layer model whose weights take about --megabytes (f32, --no-saved-model, v5e), then
 in this process: `tpuexport.load` (the manifest and path checks), the first run (hashing, XLA:CPU
@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import sys
 import tempfile
 import time
 
 import torch
 
-import tpuexport
-from tpuexport.artifact import layout
-from tpuexport.artifact.manifest import sha256_file
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
+import tpuexport  # noqa: E402
+from tpuexport.artifact import layout  # noqa: E402
+from tpuexport.artifact.manifest import sha256_file  # noqa: E402
 
 
 def main() -> None:

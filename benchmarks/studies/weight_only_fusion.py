@@ -1,6 +1,6 @@
 """Does v5e's compiler convert weight-only weights inside the dot? One projection, compiled for v5e.
 
-    nice -n 10 python benchmarks/weight_only_fusion.py
+    nice -n 10 python benchmarks/studies/weight_only_fusion.py
 
 For Llama-3-8B's MLP shapes (up 14336 x 4096, down 4096 x 14336) and 8 tokens of bf16 activations,
 compiles `x @ w.T` with w bf16, int8 (lower/quantized_weights.py: s8 and a bf16 scale per row) and
@@ -12,12 +12,17 @@ the compiler materialized a dequantized copy.
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
-from tpuexport.lower import quantized_weights
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
+from tpuexport.lower import quantized_weights  # noqa: E402
 from tpuexport.lower.quantized_weights import QuantizedArray, quantized_matmul
 
 TOKENS, GROUP = 8, 128

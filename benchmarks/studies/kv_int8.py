@@ -2,10 +2,10 @@
 model with a bf16 cache vs an int8 cache (XLA's analysis, compile-only), the scales' dtype, and on a
 tiny Llama how far int8 KV moves greedy generation from the float model's generate().
 
-    python benchmarks/kv_int8.py step [--layers N] [--kv model,int8]   # v5e decode step, batch 8 x context 4096
-    python benchmarks/kv_int8.py scales      # tiny Llama, eager: the scales' dtype (f32 vs bf16), reconstruction and logits SQNR
-    python benchmarks/kv_int8.py tiny        # tiny Llama and GPT-2 converted with int8 KV: the report's divergence and SQNR
-    python benchmarks/kv_int8.py attention   # decode attention alone in JAX, 4 layers at 8 x 4096, v5e: where an int8 cache's bytes go
+    python benchmarks/studies/kv_int8.py step [--layers N] [--kv model,int8]   # v5e decode step, batch 8 x context 4096
+    python benchmarks/studies/kv_int8.py scales      # tiny Llama, eager: the scales' dtype (f32 vs bf16), reconstruction and logits SQNR
+    python benchmarks/studies/kv_int8.py tiny        # tiny Llama and GPT-2 converted with int8 KV: the report's divergence and SQNR
+    python benchmarks/studies/kv_int8.py attention   # decode attention alone in JAX, 4 layers at 8 x 4096, v5e: where an int8 cache's bytes go
 
 `step` lowers the decode entry point as the conversion does (meta weights, bf16, cache layout
 layer_batch_head_pos) and prints per chip: weights and cache bytes (the cache with its scales),
@@ -25,7 +25,8 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 
 GIB = 2**30
 

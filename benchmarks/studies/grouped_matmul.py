@@ -1,7 +1,7 @@
 """What v5e's grouped matmul (jax.lax.ragged_dot, mixture-of-experts layers) costs per expert weight
 layout and dtype: one layer's experts, compiled for v5e (compile-only topology).
 
-    PYTHONPATH=. nice -n 10 python benchmarks/grouped_matmul.py
+    PYTHONPATH=. nice -n 10 python benchmarks/studies/grouped_matmul.py
 
 Mixtral-8x7B's gate/up shapes (8 experts, 4096 -> 14336) at 64 rows (a decode step), 2048 and 4096
 (a 2048-token prefill: top-2 routing gives the experts two rows per token). Rows:
@@ -26,12 +26,17 @@ mean the compiler copied it (a relayout or a dequantized copy).
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
-from tpuexport.lower.quantized_weights import QuantizedArray, quantized_grouped_matmul
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
+from tpuexport.lower.quantized_weights import QuantizedArray, quantized_grouped_matmul  # noqa: E402
 
 EXPERTS, INNER, OUTER = 8, 4096, 14336
 LAYERS = 4

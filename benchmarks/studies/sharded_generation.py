@@ -7,7 +7,7 @@ heads (GQA, head_dim 32), MLP 2048, vocabulary 16384, N layers (2 by default), r
 It is converted for text generation on a v5e-8 slice once per plan: tensor-parallel (model=8:
 one kv head per chip), data-parallel (data=8: one cache slot per chip), and both (model=4,data=2).
 
-    python benchmarks/sharded_generation.py [--layers 2] [--max-context 256] [--max-batch 8] [--prefill-seq 64] [--plans tp,dp,tp-dp]
+    python benchmarks/studies/sharded_generation.py [--layers 2] [--max-context 256] [--max-batch 8] [--prefill-seq 64] [--plans tp,dp,tp-dp]
 
 Printed per plan: the conversion's stage seconds (verify = the single-device generation verification
 with generate(); verify sharded = this pass: the child process, its XLA:CPU compiles of both
@@ -23,10 +23,14 @@ import argparse
 import json
 import os
 import pathlib
+import sys
 import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 
 CONFIG = dict(vocab_size=16384, hidden_size=512, intermediate_size=2048, num_attention_heads=16, num_key_value_heads=8, head_dim=32,
               max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=500000.0)

@@ -18,7 +18,7 @@ amount per layer, or per pattern; the cache exactly). The largest batch at 32 la
 manifest's estimate redone with the extrapolated figures: (HBM - weights) // ((cache +
 temporaries) / max batch).
 
-    python benchmarks/window_cache.py [--shape mistral-7b|gemma-3-4b] [--layers 2,4] [--target v5e,v5e-8] [--max-context 32768]
+    python benchmarks/studies/window_cache.py [--shape mistral-7b|gemma-3-4b] [--layers 2,4] [--target v5e,v5e-8] [--max-context 32768]
                                       [--max-batch 8] [--json F]
 """
 
@@ -27,10 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 
 MISTRAL_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                   num_key_value_heads=8, head_dim=128, max_position_embeddings=32768, sliding_window=4096, rope_theta=10000.0,

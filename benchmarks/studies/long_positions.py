@@ -2,7 +2,7 @@
 2..8192) and what they cost: the planned full-model cases with their matmul FLOPs and why they run,
 and the position-table check at every dim's largest size, timed.
 
-    python benchmarks/long_positions.py
+    python benchmarks/studies/long_positions.py
 
 The model is built on the meta device and its parameters become zero-stride CPU views (no 2.5 GB of
 random weights; a program exported on the meta device would compute its tables on the meta device
@@ -15,16 +15,13 @@ rounded to bfloat16), which must fail.
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
 import resource
 import sys
 import time
 
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=500000.0)

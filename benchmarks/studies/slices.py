@@ -1,6 +1,6 @@
 """A ~1B-parameter Llama-style decoder on a TPU slice, tensor-parallel, and on one chip.
 
-    python benchmarks/slices.py [--slice v5e-8] [--chip v5e] [--bucket batch=8,16 --bucket seq=2048]
+    python benchmarks/studies/slices.py [--slice v5e-8] [--chip v5e] [--bucket batch=8,16 --bucket seq=2048]
                                 [--sharding tensor-parallel] [--mesh model=8]
 
 The model is transformers' LlamaForCausalLM with Llama 3.2 1B's shape (2048 wide, 16 layers, 32
@@ -24,8 +24,8 @@ import sys
 import time
 import warnings
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=True)

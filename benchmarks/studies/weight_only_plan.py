@@ -1,6 +1,6 @@
 """Llama-3-8B's shapes planned for one v5e chip with weight-only int4 (and int8, bf16 for comparison).
 
-    nice -n 10 python benchmarks/weight_only_plan.py [--modes int4-weight-only,int8-weight-only,none] [--batches 1,2]
+    nice -n 10 python benchmarks/studies/weight_only_plan.py [--modes int4-weight-only,int8-weight-only,none] [--batches 1,2]
 
 transformers' LlamaForCausalLM with Llama 3 8B's shapes (families.bf16_llama, built on the meta
 device: no weight exists, nothing is downloaded) is planned with `tpuexport.plan` for `v5e` at
@@ -19,8 +19,8 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 
 LLAMA_3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                   num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=False)

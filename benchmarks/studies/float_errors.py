@@ -1,10 +1,10 @@
 """How far a float artifact's outputs are from eager PyTorch, on CPU and as the TPU computes them,
 for correct lowerings and for planted bugs.
 
-    python benchmarks/float_errors.py                          # the tiny coverage families
-    python benchmarks/float_errors.py resnet-50 bert-base      # full-size configs (slow)
-    python benchmarks/float_errors.py mlp cnn transformer      # the examples (examples/*.py)
-    python benchmarks/float_errors.py --bugs none --json errors.json
+    python benchmarks/studies/float_errors.py                          # the tiny coverage families
+    python benchmarks/studies/float_errors.py resnet-50 bert-base      # full-size configs (slow)
+    python benchmarks/studies/float_errors.py mlp cnn transformer      # the examples (examples/*.py)
+    python benchmarks/studies/float_errors.py --bugs none --json errors.json
 
 For every family the program is lowered as tpuexport lowers it, and again under each planted bug
 (benchmarks/planted_bugs.py FLOAT_BUGS), then run at the example sizes and every dim's minimum:
@@ -27,7 +27,8 @@ import pathlib
 import sys
 import warnings
 
-HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 RUNS = ("cpu-f32", "tpu-default", "tpu-high", "bf16", "bf16-mixed")
 
 
@@ -45,17 +46,10 @@ def output_errors(actual, expected) -> tuple[float, float]:
 
 def example_families() -> dict:
     """examples/<name>.py as families (their build() returns the same dict)."""
-    import importlib.util
-
     from families import Family
 
-    def build(path):
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module.build()
-
-    return {path.stem: Family(path.stem, "example", lambda path=path: build(path)) for path in (HERE.parent / "examples").glob("*.py")}
+    return {path.stem: Family(path.stem, "example", lambda name=path.stem: _common.build_example(name))
+            for path in _common.EXAMPLES.glob("*.py")}
 
 
 def main() -> None:
@@ -65,7 +59,6 @@ def main() -> None:
     parser.add_argument("--json", type=pathlib.Path, help="write every row here")
     options = parser.parse_args()
     warnings.filterwarnings("ignore")
-    sys.path.insert(0, str(HERE))
     import numpy as np
     from families import BASE_FAMILIES, FAMILIES
     from planted_bugs import FLOAT_BUGS

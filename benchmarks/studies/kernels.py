@@ -1,9 +1,9 @@
 """TPU kernels: where Pallas flash attention pays, and which chips compile it.
 
-    python benchmarks/kernels.py            # both tables (about a minute)
-    python benchmarks/kernels.py sizes      # XLA's attention vs the kernel on v5e per sequence length
-    python benchmarks/kernels.py targets    # the kernel compiled for every chip tpuexport targets
-    python benchmarks/kernels.py prefill [--layers N]   # text generation's prefill with and without kernels (minutes)
+    python benchmarks/studies/kernels.py            # both tables (about a minute)
+    python benchmarks/studies/kernels.py sizes      # XLA's attention vs the kernel on v5e per sequence length
+    python benchmarks/studies/kernels.py targets    # the kernel compiled for every chip tpuexport targets
+    python benchmarks/studies/kernels.py prefill [--layers N]   # text generation's prefill with and without kernels (minutes)
 
 sizes: attention alone at 8 x seq, 32 query / 8 key-value heads of 64, bfloat16, causal, compiled
 for v5e: tpuexport's portable lowering (lower/attention.py, as the kernel-free program computes it)
@@ -26,7 +26,8 @@ import pathlib
 import sys
 import warnings
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 
 
 def _compiled(function, specs, topology: str):

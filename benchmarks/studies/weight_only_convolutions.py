@@ -1,6 +1,6 @@
 """Weight-only convolutions: one scale per output channel or per group of the contraction?
 
-    nice -n 10 python benchmarks/weight_only_convolutions.py [--resnet-50]
+    nice -n 10 python benchmarks/studies/weight_only_convolutions.py [--resnet-50]
 
 For convolution weights of ResNet-50's and wav2vec2-base's shapes:
   1. SQNR (dB) of the convolution's output against the float one, on random inputs, with the
@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import collections
 import math
+import pathlib
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +39,9 @@ import torch
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
-from tpuexport.lower.aten_lowerings import torchax_lowering
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
+from tpuexport.lower.aten_lowerings import torchax_lowering  # noqa: E402
 from tpuexport.lower.quantized_weights import QuantizedArray, quantized_convolution
 from tpuexport.quantize.weight_only import WeightOnlyScheme, convolution_axes, fake_quantized, scheme_for
 

@@ -1,7 +1,7 @@
 """`tpuexport convert` against the irreducible work done by hand, stage by stage, in one run.
 
-    python benchmarks/conversion_speed.py                 # BERT-base and ResNet-50 (full configs, random weights)
-    python benchmarks/conversion_speed.py bert-base --repeat 2
+    python benchmarks/studies/conversion_speed.py                 # BERT-base and ResNet-50 (full configs, random weights)
+    python benchmarks/studies/conversion_speed.py bert-base --repeat 2
 
 Each model has a dynamic batch (BERT-base: sequence 128; ResNet-50: 224-pixel images) and one v5e
 bucket at batch 8. "By hand" is what any conversion must do at least, with the same libraries:
@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import subprocess
 import sys
 import tempfile
 import time
 
-HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
+
 BATCH = 8
 
 
@@ -140,7 +141,7 @@ def child(kind: str, name: str) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         command = [sys.executable, str(pathlib.Path(__file__)), "--child", kind, name, "--result", str(pathlib.Path(scratch) / "r.json")]
         start = time.perf_counter()
-        subprocess.run(command, check=True, env={**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}, capture_output=True)
+        subprocess.run(command, check=True, env=_common.child_environment(), capture_output=True)
         result = json.loads((pathlib.Path(scratch) / "r.json").read_text())
         result["process"] = round(time.perf_counter() - start, 2)
         return result
@@ -153,7 +154,6 @@ def main() -> None:
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=pathlib.Path, help=argparse.SUPPRESS)
     options = parser.parse_args()
-    sys.path.insert(0, str(HERE))
     if options.child:
         kind, name = options.child
         import warnings

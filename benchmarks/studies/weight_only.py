@@ -1,7 +1,7 @@
 """Weight bytes and SQNR of weight-only int8 / int4 on the coverage families.
 
-    nice -n 10 python benchmarks/weight_only.py [--families bert,llama,...] [--group-size 64] [--base]
-    nice -n 10 python benchmarks/weight_only.py --sizes [--families bert-base,llama-base,...]
+    nice -n 10 python benchmarks/studies/weight_only.py [--families bert,llama,...] [--group-size 64] [--base]
+    nice -n 10 python benchmarks/studies/weight_only.py --sizes [--families bert-base,llama-base,...]
 
 For each family (benchmarks/families.py, tiny random-weight configs: hidden 64, so int4 groups of
 64; --base adds the 12-layer llama-base, hidden 768, with groups of 128) and mode, lowers the model
@@ -23,12 +23,15 @@ lowered from the weights' shapes as a plan is (nothing quantized or run), since 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 import time
 
 import numpy as np
 
-from families import BASE_FAMILIES, FAMILIES
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
+from families import BASE_FAMILIES, FAMILIES  # noqa: E402
 
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage

@@ -2,7 +2,7 @@
 float32 TensorProto), at real feature sizes: bytes per request, the client's encoding seconds and
 the server's decoding seconds (the functions `tpuexport serve` runs on each body), best of --repeats.
 
-    python benchmarks/whisper_request_size.py [--mel 80] [--frames 3000] [--batch 1,4] [--repeats 3]
+    python benchmarks/studies/whisper_request_size.py [--mel 80] [--frames 3000] [--batch 1,4] [--repeats 3]
 
 Features are standard normal float32 (log-mel features after Whisper's normalization lie in about
 [-1, 1.5]; a JSON number's length depends little on that). No model runs: the costs are the request's.
@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
+import sys
 import time
 
 import numpy as np
 
-from tpuexport.serve import protos
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
+from tpuexport.serve import protos  # noqa: E402
 from tpuexport.serve.rest import _parse_generate
 
 

@@ -2,8 +2,8 @@
 Llama-style decoder (transformers LlamaConfig, random weights, hidden 512) at 2, 8, 16 and 32
 layers, scanned and unrolled (--no-scan).
 
-    python benchmarks/scan.py                      # the table (one process per model and mode)
-    python benchmarks/scan.py --layers 2 32 --target v6e
+    python benchmarks/studies/scan.py                      # the table (one process per model and mode)
+    python benchmarks/studies/scan.py --layers 2 32 --target v6e
 
 Per model and mode it prints the seconds of the lower stage and of the TPU compile of one bucket
 (batch 1 x seq 128), and the bytes of the serialized StableHLO module (bytecode) and of its MLIR
@@ -20,7 +20,8 @@ import sys
 import time
 import warnings
 
-HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 HIDDEN, INTERMEDIATE, HEADS, VOCAB = 512, 1376, 8, 1000
 BATCH, SEQ = 1, 128
 
@@ -74,7 +75,6 @@ def main() -> None:
     parser.add_argument("--one", nargs=2, metavar=("LAYERS", "MODE"), help=argparse.SUPPRESS)  # a child's model
     options = parser.parse_args()
     warnings.filterwarnings("ignore")
-    sys.path.insert(0, str(HERE))
     if options.one:
         layers, mode = options.one
         print(json.dumps(measure(int(layers), mode == "scanned", options.target)), flush=True)

@@ -2,7 +2,7 @@
 them ([experts, out, in], transposed in the program before each grouped matmul) or as the TPU's
 grouped matmul reads them ([experts, in, out]; lower/weight_layouts.py).
 
-    nice -n 10 python benchmarks/experts_layout.py [--layers 2] [--buckets 8x8,1x2048] [--quantize int8-weight-only] [--no-scan]
+    nice -n 10 python benchmarks/studies/experts_layout.py [--layers 2] [--buckets 8x8,1x2048] [--quantize int8-weight-only] [--no-scan]
 
 transformers' MixtralForCausalLM with Mixtral-8x7B's layer shapes (hidden 4096, 8 experts of
 14336, top-2, 32 heads, 8 kv heads, vocabulary 32000) and `--layers` layers, bf16, built on the
@@ -25,8 +25,8 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 
 MIXTRAL_8X7B_LAYER = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
                           num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=False)

@@ -1,53 +1,50 @@
 """Weight bytes and SQNR of every example in float and in each int8 mode.
 
-    python benchmarks/quantize_sizes.py [OUT_DIR]
+    python benchmarks/studies/quantize_sizes.py [--out OUT_DIR]
 
 Converts examples/{mlp,cnn,transformer}.py for v5e (no SavedModel) as f32 and with
 --quantize int8 / int8-dynamic / int8-weight-only (static int8 calibrated on the example's
 "calibration" samples), and prints manifest program.weight_bytes, the ratio to the f32 artifact
-and the output SQNR from quantization/report.json.
+and the output SQNR: PT2E modes from quantization/report.json (with the worst layer's), weight-only
+from the manifest's quantization section (it writes no report file).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import argparse
 import json
 import pathlib
 import sys
 import tempfile
 
-import tpuexport
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
+import tpuexport  # noqa: E402
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 MODES = (None, "int8", "int8-dynamic", "int8-weight-only")
-
-
-def build(name: str) -> dict:
-    """examples/<name>.py:build()."""
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build()
 
 
 def measure(name: str, mode: str | None, out_dir: pathlib.Path) -> dict:
     """Converts one example in one mode; returns weight bytes and (quantized) SQNR figures."""
-    built = build(name)
+    built = _common.build_example(name)
     artifact = tpuexport.convert(
         built["model"], built["args"], built["dynamic_shapes"], out=out_dir / f"{name}-{mode or 'f32'}.tpu",
         quantize=mode, calibration=built["calibration"] if mode else None, saved_model=False, overwrite=True,
     )
     row = {"weight_bytes": artifact.manifest["program"]["weight_bytes"]}
     if mode:
-        report = json.loads((artifact.path / artifact.manifest["quantization"]["report"]).read_text())
+        section = artifact.manifest["quantization"]
+        report = json.loads((artifact.path / section["report"]).read_text()) if "report" in section else section
         row["output_sqnr_db"] = {output["name"]: output["sqnr_db"] for output in report["outputs"]}
-        layers = [layer["sqnr_db"] for layer in report["layers"] if layer["sqnr_db"] is not None]
+        layers = [layer["sqnr_db"] for layer in report.get("layers", []) if layer["sqnr_db"] is not None]
         row["worst_layer_sqnr_db"] = min(layers) if layers else None
     return row
 
 
 def main() -> None:
-    out_dir = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else pathlib.Path(tempfile.mkdtemp(prefix="quantize_sizes-"))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, help="where the artifacts are written (default: a new temporary directory)")
+    out_dir = parser.parse_args().out or pathlib.Path(tempfile.mkdtemp(prefix="quantize_sizes-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"{'example':<12} {'mode':<17} {'weight bytes':>12} {'vs f32':>7}  output SQNR (dB)  worst layer (dB)")
     for name in ("mlp", "cnn", "transformer"):

@@ -3,7 +3,7 @@ remove the flips: the coverage Mixtral run eagerly in PyTorch with its matmuls c
 default precision computes them (one bfloat16 pass: operands rounded to bfloat16, products summed
 in f32), matmul by matmul pinned back to f32, against plain f32 eager.
 
-    python benchmarks/routing_flips.py                       # batch 64 x seq 128, as benchmarks/routing.py
+    python benchmarks/studies/routing_flips.py                       # batch 64 x seq 128, as benchmarks/studies/routing.py
 
 Rows: which matmuls keep f32 (the router's alone is tpuexport's default), the tokens whose set of
 top-k experts differs from f32 eager in each MoE layer, and the smallest gap between the k-th and
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 
 
 class OnePassBf16(TorchFunctionMode):

@@ -2,10 +2,10 @@
 decode (or prefill) entry point of a Llama-3.2-1B-shaped model, and small JAX programs that isolate
 one part each.
 
-    python benchmarks/decode_bytes.py step [--layers 2] [--target v5e|v5e-8] [--entry decode|prefill] [--context 4096]
-    python benchmarks/decode_bytes.py writes       # the KV cache write alone: scatter vs dynamic_update_slice
-    python benchmarks/decode_bytes.py prefetch     # how XLA counts weights it prefetches into VMEM
-    python benchmarks/decode_bytes.py attention    # one-query attention alone, 1 and 16 layers
+    python benchmarks/studies/decode_bytes.py step [--layers 2] [--target v5e|v5e-8] [--entry decode|prefill] [--context 4096]
+    python benchmarks/studies/decode_bytes.py writes       # the KV cache write alone: scatter vs dynamic_update_slice
+    python benchmarks/studies/decode_bytes.py prefetch     # how XLA counts weights it prefetches into VMEM
+    python benchmarks/studies/decode_bytes.py attention    # one-query attention alone, 1 and 16 layers
 
 `step` lowers the entry point as the conversion does (meta weights, bf16, batch 8 x context, cache
 layout layer_batch_head_pos; v5e-8 tensor-parallel with the cache split by kv heads), compiles it,
@@ -23,8 +23,12 @@ traffic. `step` subtracts them with these factors.
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 
-from hlo_prefetch import COPY_START_EXTRA, SLICE_START_EXTRA, prefetched_bytes, without_prefetch_bookkeeping
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
+from hlo_prefetch import COPY_START_EXTRA, SLICE_START_EXTRA, prefetched_bytes, without_prefetch_bookkeeping  # noqa: E402
 
 
 def step(options: argparse.Namespace) -> None:

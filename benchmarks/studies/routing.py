@@ -2,8 +2,8 @@
 route every token as eager PyTorch does? Prints, per verified case, the mismatched logits of both
 runs (outliers the 1-in-10^4 allowance would have to absorb) and the matmuls pinned to highest.
 
-    python benchmarks/routing.py                 # the coverage Mixtral, up to batch 64 x seq 128
-    python benchmarks/routing.py --matmul-precision highest     # every matmul pinned, not only the routers' cone
+    python benchmarks/studies/routing.py                 # the coverage Mixtral, up to batch 64 x seq 128
+    python benchmarks/studies/routing.py --matmul-precision highest     # every matmul pinned, not only the routers' cone
 
 The family's dims are widened to batch 1..64 so that batch 64 x seq 128 is a verified size.
 """
@@ -11,15 +11,12 @@ The family's dims are widened to batch 1..64 so that batch 64 x seq 128 is a ver
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
 import time
 
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 
 
 def main() -> None:

@@ -6,13 +6,13 @@ heads, 8 kv heads, vocab 128256, tied embeddings) or Llama-3-8B's (hidden 4096, 
 heads, MLP 14336, untied), bfloat16. Nothing is downloaded. `layouts` and `targets` build it on the
 meta device, so the artifact is a plan (`weights=False`): every entry point and bucket lowered and
 compiled by libtpu, nothing verified. `convert` writes random weights as a bf16 safetensors
-checkpoint (benchmarks/streamed_conversion.py's writer) and runs the whole conversion from it
+checkpoint (benchmarks/studies/streamed_conversion.py's writer) and runs the whole conversion from it
 (weights streamed, greedy generation verified against `generate()` on CPU, every entry point
 compiled), or plans it with --meta.
 
-    python benchmarks/generation.py layouts [--shape S] [--layers N]   # the decode step alone per cache layout, v5e, 8 x 4096
-    python benchmarks/generation.py targets        # v5e and v5e-8 (tensor-parallel), 8 x 4096, a plan
-    python benchmarks/generation.py convert [--shape llama-3.2-1b] [--layers N] [--target v5e,v5e-8] [--sharding tensor-parallel]
+    python benchmarks/studies/generation.py layouts [--shape S] [--layers N]   # the decode step alone per cache layout, v5e, 8 x 4096
+    python benchmarks/studies/generation.py targets        # v5e and v5e-8 (tensor-parallel), 8 x 4096, a plan
+    python benchmarks/studies/generation.py convert [--shape llama-3.2-1b] [--layers N] [--target v5e,v5e-8] [--sharding tensor-parallel]
                                             [--max-context 4096] [--max-batch 8] [--prefill-seq 128] [--quantize MODE] [--meta]
                                             [--kv-cache-dtype int8]
 
@@ -27,10 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                     num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=500000.0)

@@ -1,6 +1,6 @@
 """Plans without weights for Llama-3-sized decoders: peak memory and wall time of `tpuexport.plan`.
 
-    python benchmarks/plan_large.py [CASE ...]        # cases: 8b-v5e-8-tp, 70b-v5p-128-tp, 70b-v5p-128-fsdp
+    python benchmarks/studies/plan_large.py [CASE ...]        # cases: 8b-v5e-8-tp, 70b-v5p-128-tp, 70b-v5p-128-fsdp
 
 Each model is transformers' LlamaForCausalLM built on the meta device (no weight exists anywhere,
 nothing is downloaded) with Llama 3's shapes, bfloat16:
@@ -31,8 +31,8 @@ import tempfile
 import time
 import warnings
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 
 LLAMA_3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                   num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=False)

@@ -1,7 +1,7 @@
 """A ~1B decoder converted with its weights streamed from a sharded safetensors checkpoint: peak
 memory and wall time of `tpuexport convert --checkpoint` (and a Llama-3-8B-shaped one, --shape llama-3-8b).
 
-    python benchmarks/streamed_conversion.py [--shape llama-3.2-1b|llama-3-8b] [--dtype f32|bf16] [--layers N]
+    python benchmarks/studies/streamed_conversion.py [--shape llama-3.2-1b|llama-3-8b] [--dtype f32|bf16] [--layers N]
                                              [--precision bf16] [--no-saved-model] [--keep DIR] [--memory-limit GIB]
                                              [--quantize int4-weight-only [--group-size 128]]
                                              [--task text-generation [--max-context 2048] [--max-batch 1] [--prefill-seq 128]]
@@ -15,7 +15,7 @@ shards of at most 2 GB and `model.safetensors.index.json`, in --dtype: f32, or b
 published; the factory then builds the model in that dtype, so no tensor is cast into memory),
 then runs the CLI on it in a child process:
 
-    tpuexport convert benchmarks/streamed_conversion.py:build --checkpoint DIR --target v5e --precision bf16
+    tpuexport convert benchmarks/studies/streamed_conversion.py:build --checkpoint DIR --target v5e --precision bf16
 
 (the factory builds the model from the config; within --checkpoint its parameters are on the meta
 device). With --task text-generation the factory is `build_lm` (the causal LM itself) and the
@@ -28,7 +28,7 @@ memory pressure). Printed: the peaks of the converting process and of each child
 the TensorFlow process that builds the SavedModel), as GiB and as ratios to the f32 and bf16 model, the
 wall time, and the stages' seconds from the artifact's manifest.
 
-`python benchmarks/streamed_conversion.py --run-generation ARTIFACT` runs a text-generation
+`python benchmarks/studies/streamed_conversion.py --run-generation ARTIFACT` runs a text-generation
 artifact's prefill and one decode step on XLA:CPU (as verification does) and prints each one's peak
 own memory.
 
@@ -51,7 +51,9 @@ import tempfile
 import threading
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
+
 CONFIG_VARIABLE = "TPUEXPORT_STREAMED_CONFIG"
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                     num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=True)
@@ -69,7 +71,6 @@ def llama(config: dict, dtype: str = "float32"):
     import torch
     import transformers
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from families import Outputs
 
     torch.set_default_dtype(getattr(torch, dtype))
@@ -269,7 +270,7 @@ def main() -> None:
             os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(descriptor)
         start = time.perf_counter()
-        process = subprocess.Popen(command, env=environment, cwd=ROOT,
+        process = subprocess.Popen(command, env=environment, cwd=_common.ROOT,
                                    preexec_fn=(lambda: (group / "cgroup.procs").write_text(str(os.getpid()))) if group else None)
         sampler = TreeSampler(process.pid)
         sampler.start()

@@ -1,11 +1,11 @@
 """Where text-generation verification spends its time and memory, at a Llama shape (issue #20).
 
-Builds transformers' LlamaForCausalLM at Llama-3.2-1B's shape (benchmarks/generation.py) with random
+Builds transformers' LlamaForCausalLM at Llama-3.2-1B's shape (benchmarks/studies/generation.py) with random
 bf16 weights and N layers, captures and lowers its prefill and decode entry points as a bf16
 conversion does, then runs `verify_generation` alone (no TPU compile beside it) under cProfile and
 samples the process's resident memory:
 
-    python benchmarks/generation_verify.py [--layers 2] [--max-context 4096] [--max-batch 8] [--prefill-seq 128]
+    python benchmarks/studies/generation_verify.py [--layers 2] [--max-context 4096] [--max-batch 8] [--prefill-seq 128]
 
 Printed: verify's wall and process CPU seconds, and within it the XLA:CPU compiles (count, seconds),
 the entry points' executions (prefill and decode calls, seconds), Hugging Face generate(), the
@@ -26,7 +26,8 @@ import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 from generation import meta_llama, model_config  # noqa: E402
 
 

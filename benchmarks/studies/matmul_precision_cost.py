@@ -1,8 +1,8 @@
 """What each --matmul-precision costs on the TPU: XLA's own cost analysis of the compiled v5e
 executable, and the matrix-unit time the passes imply.
 
-    python benchmarks/matmul_precision_cost.py                       # the examples and bert, llama, resnet
-    python benchmarks/matmul_precision_cost.py bert-base --target v6e
+    python benchmarks/studies/matmul_precision_cost.py                       # the examples and bert, llama, resnet
+    python benchmarks/studies/matmul_precision_cost.py bert-base --target v6e
 
 Per model and setting it prints XLA's flops and `optimal_seconds` for one bucket at the example
 shapes, and the matmul time at the chip's peak bf16 rate: bf16 passes x the program's float dot
@@ -15,23 +15,19 @@ count is the rest.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import pathlib
 import sys
 import warnings
 
-HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 
 
 def build(name: str) -> dict:
     from families import BASE_FAMILIES, FAMILIES
 
-    path = HERE.parent / "examples" / f"{name}.py"
-    if path.is_file():
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module.build()
+    if (_common.EXAMPLES / f"{name}.py").is_file():
+        return _common.build_example(name)
     return {**FAMILIES, **BASE_FAMILIES}[name].build()
 
 
@@ -45,7 +41,6 @@ def main() -> None:
     parser.add_argument("--target", default="v5e")
     options = parser.parse_args()
     warnings.filterwarnings("ignore")
-    sys.path.insert(0, str(HERE))
     from tpuexport import compile as compile_stage
     from tpuexport import export as export_stage
     from tpuexport import lower as lower_stage

@@ -1,8 +1,8 @@
 """How far an int8 artifact's outputs are from the PT2E reference, correct and with planted bugs.
 
-    python benchmarks/int8_errors.py                                 # the tiny coverage families, static int8
-    python benchmarks/int8_errors.py bert-base --modes int8,int8-weight-only
-    python benchmarks/int8_errors.py --bugs none --json int8.json    # correct lowerings only
+    python benchmarks/studies/int8_errors.py                                 # the tiny coverage families, static int8
+    python benchmarks/studies/int8_errors.py bert-base --modes int8,int8-weight-only
+    python benchmarks/studies/int8_errors.py --bugs none --json int8.json    # correct lowerings only
 
 For every family and mode the program is lowered as tpuexport lowers it and again under each
 planted bug (benchmarks/planted_bugs.py INT8_BUGS), run at the verification sizes plainly on
@@ -23,7 +23,8 @@ import pathlib
 import sys
 import warnings
 
-HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 STEPS = (1, 2, 4, 8)
 
 
@@ -35,7 +36,6 @@ def main() -> None:
     parser.add_argument("--json", type=pathlib.Path, help="write every row here")
     options = parser.parse_args()
     warnings.filterwarnings("ignore")
-    sys.path.insert(0, str(HERE))
     import numpy as np
     from families import BASE_FAMILIES, FAMILIES
     from planted_bugs import INT8_BUGS

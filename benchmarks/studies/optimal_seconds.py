@@ -2,7 +2,7 @@
 with XLA's raw estimate, the number of internal ConcatBitcast calls in the compiled HLO, and the
 figure the manifest records (raw + 1 s per call; None = unknown if still negative).
 
-    python benchmarks/optimal_seconds.py bert-base llama-base
+    python benchmarks/studies/optimal_seconds.py bert-base llama-base
 
 Weights are not read (the program is lowered from their shapes), so full-size configs run in
 about a minute each on two cores.
@@ -11,14 +11,11 @@ about a minute each on two cores.
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
 
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 
 
 def main() -> None:

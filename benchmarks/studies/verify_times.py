@@ -1,6 +1,6 @@
 """Prints how long `tpuexport verify` takes on the examples, with and without --recompile.
 
-    python benchmarks/verify_times.py [--target v5e] [--no-saved-model] [EXAMPLE ...]
+    python benchmarks/studies/verify_times.py [--target v5e] [--no-saved-model] [EXAMPLE ...]
 
 Each example is converted once with the CLI; then `tpuexport verify ARTIFACT --json` runs as CI runs
 it, in a fresh process, once plain and once with --recompile. "wall" is the whole process
@@ -18,7 +18,9 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
+
 TPUEXPORT = pathlib.Path(sys.executable).parent / "tpuexport"
 CHECKS = ("integrity", "golden", "saved_model", "recompile")
 
@@ -32,7 +34,7 @@ def convert(example: str, out: pathlib.Path, targets: list[str], saved_model: bo
       targets: TPU target names.
       saved_model: also write the TF Serving SavedModel.
     """
-    command = [str(TPUEXPORT), "convert", f"{ROOT / 'examples' / example}.py:build", "-o", str(out)]
+    command = [str(TPUEXPORT), "convert", f"{_common.EXAMPLES / example}.py:build", "-o", str(out)]
     command += [option for target in targets for option in ("--target", target)]
     command += [] if saved_model else ["--no-saved-model"]
     subprocess.run(command, check=True, capture_output=True)

@@ -4,7 +4,7 @@ Converts a Llama of the given size with random bf16 weights for `--target cpu` (
 as in any conversion), opens it with the runtime (the executables loaded, nothing compiled) and
 generates greedily for a full batch of prompts:
 
-    python benchmarks/cpu_generation.py [--layers 16] [--hidden 256] [--max-context 2048] [--max-batch 8]
+    python benchmarks/studies/cpu_generation.py [--layers 16] [--hidden 256] [--max-context 2048] [--max-batch 8]
 
 Printed: convert seconds, the runner's load seconds, its first token (prefill) and mean decode-step
 seconds, the KV cache's bytes, and whether the executables take the cache as bit patterns
@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import sys
 import tempfile
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402
 
 import torch
 import transformers
