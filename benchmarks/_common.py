@@ -24,7 +24,6 @@ import sys
 BENCHMARKS = pathlib.Path(__file__).resolve().parent
 ROOT = BENCHMARKS.parent
 EXAMPLES = ROOT / "examples"
-RESULTS = BENCHMARKS / "results"
 
 # After the script's own directory (a study's neighbours come first) and PYTHONPATH's entries
 # (PYTHONPATH=OTHER_CHECKOUT measures another checkout's tpuexport, as experts_layout.py does).
