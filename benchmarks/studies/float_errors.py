@@ -15,7 +15,7 @@ Per run it prints the worst output's
   normalized error  max over elements of |actual - expected| / (|expected| + rms(expected))
   relative RMS      rms(actual - expected) / rms(expected)
 
-These distributions set the float verification rule (README, "Verification").
+These distributions set the float verification rule (docs/verification.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where each file lives inside an artifact directory (documented in the README)."""
+"""Where each file lives inside an artifact directory (documented in docs/artifact-format.md)."""
 
 FORMAT = "tpuexport.artifact"
 FORMAT_VERSION = 2

@@ -50,7 +50,7 @@ from tpuexport.lower.kernels import BucketKernels
 from tpuexport.lower.lowering import CPU_COMPILER_OPTIONS
 
 CHILD_SCRIPT = pathlib.Path(__file__).with_name("compile_child.py")
-# The slowest compile measured (Llama-3-70B planned for v5p-128, README) takes 151 s: ten times that,
+# The slowest compile measured (Llama-3-70B planned for v5p-128, docs/checkpoints-and-plans.md) takes 151 s: ten times that,
 # so only a hung compiler reaches it.
 COMPILE_TIMEOUT_SECONDS = 1800.0
 COMPILE_TIMEOUT_VARIABLE = "TPUEXPORT_COMPILE_TIMEOUT"

@@ -9,7 +9,7 @@ Every case runs the lowered program twice on CPU and compares both with eager Py
         sums, so its tight tolerances catch lowering bugs far smaller than bf16 rounding noise.
 
 Both must pass. The figures come from `benchmarks/studies/float_errors.py` and `benchmarks/studies/int8_errors.py`
-over the coverage families and full-size configs (README, "Verification"): each default sits a
+over the coverage families and full-size configs (docs/verification.md): each default sits a
 safety factor above the worst error measured on correct lowerings, and below the smallest error
 any planted bug produced.
 """
