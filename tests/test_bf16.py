@@ -159,7 +159,7 @@ def test_bf16_inputs_and_outputs_through_run_golden_data_and_the_saved_model(tmp
 
 def test_optimal_seconds_adds_back_the_second_each_concat_bitcast_subtracts():
     """XLA's TPU cost model counts each internal ConcatBitcast call as -1 s (BERT-base unrolled: 68
-    calls, -67.997 s; benchmarks/optimal_seconds.py). The manifest records the estimate with them
+    calls, -67.997 s; benchmarks/studies/optimal_seconds.py). The manifest records the estimate with them
     added back, and None (unknown) rather than a negative figure."""
     from tpuexport.compile.compile_child import optimal_seconds
 

@@ -5,7 +5,7 @@ artifact directory (relative, no "..", no symlink out of it), and each file run 
 weights, golden data) must match its sha256 in the manifest before any of its bytes reach XLA's
 parsers or any output is produced. Each file is hashed once per opened Artifact, when it is first
 read: the weights (memory-mapped, not read by loading them) cost one sequential read of the file on
-the first `run` (300 MiB/s here: benchmarks/load_integrity.py; README, "Integrity on load").
+the first `run` (300 MiB/s here: benchmarks/studies/load_integrity.py; docs/robustness.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Loading a model from what the user points at: a .pt2, a `file.py:factory`, or an opt-in pickle.
 
-The factory contract (also in the README): `factory()` takes no arguments and returns either
+The factory contract (also in docs/cli.md): `factory()` takes no arguments and returns either
   - a dict with keys "model" (an nn.Module or ExportedProgram), "args" (a tuple of example inputs)
     and optionally "dynamic_shapes" (torch.export's format) and "calibration" (an iterable of
     argument tuples, used by quantization), or

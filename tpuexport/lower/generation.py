@@ -52,7 +52,7 @@ def write_decode_cache(cache, new, layer: int, positions, layout: str):
     """export/generation.py's `write_decode_cache` as one `dynamic_update_slice` per row, which XLA
     runs in place on the donated cache whatever its TPU layout (a scatter of the same rows copies
     the cache into another layout and back, and so does a read of the cache beside the update:
-    benchmarks/results/generation_decode_write.md). dynamic_update_slice clamps a position outside
+    benchmarks/results/studies/generation_decode_write.md). dynamic_update_slice clamps a position outside
     the context onto it, as the op's eager meaning does.
 
     Args:
