@@ -32,33 +32,16 @@ from hlo_prefetch import COPY_START_EXTRA, SLICE_START_EXTRA, prefetched_bytes, 
 
 
 def step(options: argparse.Namespace) -> None:
-    import dataclasses
-
     import generation
     from tpuexport import compile as compile_stage
-    from tpuexport import export as export_stage
-    from tpuexport import lower as lower_stage
 
     model = generation.meta_llama(generation.model_config("llama-3.2-1b", options.layers))
     prefill_seq = min(128, options.context)
-    spec = export_stage.generation_spec(model, generation.MAX_BATCH, options.context, prefill_buckets=(prefill_seq,))
-    args, dynamic_shapes = export_stage.example_arguments(spec)[options.entry]
-    source = export_stage.LoadedSource(export_stage.entry_point_modules(model, spec)[options.entry], args, dynamic_shapes, None,
-                                       export_stage.SourceInfo("api"))
-    captured = export_stage.capture(export_stage.on_meta_device(source))
-    lowered = lower_stage.lower(captured.program, captured.signature, "bf16", weights=False)
-    targets = compile_stage.resolve_targets([options.target])
-    sizes = {"batch": [generation.MAX_BATCH], "seq": [prefill_seq]} if options.entry == "prefill" else None
-    buckets = compile_stage.make_buckets(lowered.signature, sizes)
-    plans = None
-    if targets[0].is_slice:  # as the pipeline plans a generation slice: the cache split with the kv heads
-        request = compile_stage.ShardingRequest(preset="tensor-parallel")
-        cache_spec = [None] * len(spec.cache_shape)
-        cache_spec[2] = "model"
-        request = dataclasses.replace(request, input_rules=tuple((name, tuple(cache_spec)) for name in export_stage.CACHE_INPUTS))
-        plans = {targets[0].name: compile_stage.plan_sharding(request, targets[0], lowered.weight_names, lowered.weight_specs,
-                                                              lowered.signature, buckets, lowered.stacked)}
-    (result,) = compile_stage.compile_program(lowered, targets, buckets, plans=plans).results
+    # On a slice, as the pipeline plans a generation slice: the cache split with the kv heads.
+    sharding = compile_stage.ShardingRequest(preset="tensor-parallel") if compile_stage.resolve_targets([options.target])[0].is_slice else None
+    _, _, result = generation.compiled_entry_point(model, options.entry, options.target, max_batch=generation.MAX_BATCH,
+                                                   max_context=options.context, buckets={"batch": [generation.MAX_BATCH], "seq": [prefill_seq]},
+                                                   **({"sharding": sharding} if sharding else {}))
     accessed, must_read = result.cost["bytes_accessed"], result.memory["argument_bytes"]
     prefetched = prefetched_bytes(result.hlo_text)
     adjusted = without_prefetch_bookkeeping(accessed, prefetched)

@@ -80,23 +80,30 @@ def plan(targets: list[str], layout: str, buckets: dict, sharding: str | None = 
             "compile_seconds": manifest["build"]["compile_seconds"], "targets": manifest["targets"]}
 
 
-def decode_step(layout: str, config: dict = LLAMA_3_2_1B) -> dict:
-    """The decode entry point alone for one cache layout, lowered from shapes and compiled for v5e:
-    XLA's memory and cost analysis of one step (no prefill, no artifact)."""
-    from tpuexport import compile as compile_stage
-    from tpuexport import export as export_stage
-    from tpuexport import lower as lower_stage
+def compiled_entry_point(model, entry_point: str, target: str = "v5e", **options):
+    """One entry point of the program `tpuexport.plan(model, task="text-generation", precision="bf16",
+    kernels="none", **options)` builds, through the pipeline's passes up to compile (no artifact).
 
+    Returns:
+      (the GenerationSpec, the entry point's LoweredProgram, its first CompiledBucket for `target`).
+    """
+    from tpuexport import export as export_stage
+    from tpuexport import pipeline
+
+    conversion_options = pipeline.ConversionOptions((target,), pathlib.Path(tempfile.mkdtemp()) / "plan.tpu", precision="bf16",
+                                                    kernels="none", task="text-generation", weights=False, **options)
+    source = export_stage.LoadedSource(model, None, None, None, export_stage.SourceInfo("api"))
+    with pipeline.passes(source, conversion_options, "compile") as conversion:
+        result = conversion.compiled()[entry_point].results[0]
+        return conversion.program.spec, conversion.program.entry_points[entry_point], result
+
+
+def decode_step(layout: str, config: dict = LLAMA_3_2_1B) -> dict:
+    """The decode entry point for one cache layout, lowered from shapes and compiled for v5e:
+    XLA's memory and cost analysis of one step (no artifact)."""
     start = time.perf_counter()
-    model = meta_llama(config)
-    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, layout, prefill_buckets=(128,))
-    args, _ = export_stage.example_arguments(spec)["decode"]
-    source = export_stage.LoadedSource(export_stage.entry_point_modules(model, spec)["decode"], args, None, None,
-                                       export_stage.SourceInfo("api"))
-    captured = export_stage.capture(export_stage.on_meta_device(source))
-    lowered = lower_stage.lower(captured.program, captured.signature, "bf16", weights=False)
-    (result,) = compile_stage.compile_program(lowered, compile_stage.resolve_targets(["v5e"]),
-                                              compile_stage.make_buckets(lowered.signature, None)).results
+    spec, lowered, result = compiled_entry_point(meta_llama(config), "decode", max_batch=MAX_BATCH, max_context=MAX_CONTEXT,
+                                                 cache_layout=layout, buckets={"seq": [128]})
     return {"layout": layout, "cache_shape": list(spec.cache_shape), "weight_bytes": lowered.weight_bytes, "cache_bytes": spec.cache_bytes,
             "memory": result.memory, "cost": result.cost, "compile_seconds": round(result.compile_seconds, 1),
             "seconds": round(time.perf_counter() - start, 1)}

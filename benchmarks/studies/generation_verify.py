@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import pathlib
 import pstats
 import resource
@@ -53,19 +52,16 @@ def resident_bytes() -> int:
 
 def generation_program(model: torch.nn.Module, max_batch: int, max_context: int, prefill_seq: tuple[int, ...]):
     """The model's GenerationProgram as `convert(task="text-generation", precision="bf16")` lowers it
-    (prefill batches 1 and max_batch)."""
-    from tpuexport import export as export_stage
-    from tpuexport import lower as lower_stage
+    (prefill batches 1 and max_batch): the pipeline's passes through lower."""
+    import tempfile
 
-    spec = export_stage.generation_spec(model, max_batch, max_context, prefill_buckets=prefill_seq)
-    modules = export_stage.entry_point_modules(model, spec)
-    lowered = {}
-    for name, (args, dynamic_shapes) in export_stage.example_arguments(spec).items():
-        captured = export_stage.capture(export_stage.LoadedSource(modules[name], args, dynamic_shapes, None, export_stage.SourceInfo("api")))
-        lowered[name] = lower_stage.lower(captured.program, captured.signature, "bf16")
-    # Both collected the same weights; the pipeline keeps decode's for both.
-    lowered["prefill"] = dataclasses.replace(lowered["prefill"], weights=lowered["decode"].weights)
-    return lower_stage.GenerationProgram(spec, lowered, tuple(sorted({1, max_batch})))
+    from tpuexport import export as export_stage
+    from tpuexport import pipeline
+
+    options = pipeline.ConversionOptions((), pathlib.Path(tempfile.mkdtemp()) / "program.tpu", buckets={"seq": list(prefill_seq)},
+                                         precision="bf16", task="text-generation", max_batch=max_batch, max_context=max_context)
+    with pipeline.passes(export_stage.LoadedSource(model, None, None, None, export_stage.SourceInfo("api")), options, "lower") as conversion:
+        return conversion.program
 
 
 def seconds_in(stats: pstats.Stats, function: str, filename: str = "") -> tuple[int, float]:

@@ -34,21 +34,12 @@ GIB = 2**30
 def decode_step(kv_cache_dtype: str, layers: int | None) -> dict:
     """The decode entry point of a Llama-3.2-1B-shaped model compiled for v5e at 8 x 4096: XLA's figures."""
     import generation
-    from tpuexport import compile as compile_stage
-    from tpuexport import export as export_stage
-    from tpuexport import lower as lower_stage
 
     start = time.perf_counter()
     model = generation.meta_llama(generation.model_config("llama-3.2-1b", layers))
-    spec = export_stage.generation_spec(model, generation.MAX_BATCH, generation.MAX_CONTEXT, prefill_buckets=(128,),
-                                        kv_cache_dtype=kv_cache_dtype)
-    args, _ = export_stage.example_arguments(spec, "meta")["decode"]
-    source = export_stage.LoadedSource(export_stage.entry_point_modules(model, spec)["decode"], args, None, None,
-                                       export_stage.SourceInfo("api"))
-    captured = export_stage.capture(export_stage.on_meta_device(source))
-    lowered = lower_stage.lower(captured.program, captured.signature, "bf16", weights=False)
-    target = compile_stage.resolve_targets(["v5e"])[0]
-    (result,) = compile_stage.compile_program(lowered, [target], compile_stage.make_buckets(lowered.signature, None)).results
+    spec, lowered, result = generation.compiled_entry_point(model, "decode", max_batch=generation.MAX_BATCH,
+                                                            max_context=generation.MAX_CONTEXT, buckets={"seq": [128]},
+                                                            kv_cache_dtype=kv_cache_dtype)
     from hlo_prefetch import prefetched_bytes, without_prefetch_bookkeeping
 
     memory, accessed = result.memory, result.cost["bytes_accessed"]
@@ -58,7 +49,7 @@ def decode_step(kv_cache_dtype: str, layers: int | None) -> dict:
             "arguments": memory["argument_bytes"], "temp": memory["temp_bytes"], "alias": memory.get("alias_bytes"),
             "accessed": accessed, "ratio": accessed / memory["argument_bytes"],
             "prefetched": prefetched, "adjusted": without_prefetch_bookkeeping(accessed, prefetched),
-            "largest_batch": int(spec.max_batch + (target.hbm_bytes_per_device - memory["total_bytes"]) // per_slot),
+            "largest_batch": int(spec.max_batch + (result.target.hbm_bytes_per_device - memory["total_bytes"]) // per_slot),
             "optimal_ms": 1e3 * result.cost.get("optimal_seconds", float("nan")), "compile_s": result.compile_seconds,
             "s8_in_hlo": "s8[" in result.hlo_text, "seconds": time.perf_counter() - start}
 
