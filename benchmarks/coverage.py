@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -55,7 +54,9 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-HERE = pathlib.Path(__file__).resolve().parent
+import _common
+
+HERE = _common.BENCHMARKS
 MODES = ("f32", "bf16", "int8", "int8-dynamic", "int8-weight-only", "int4-weight-only", "bf16-checkpoint")
 # int4 groups must divide the tiny families' widths (64); 128, the default, does not.
 INT4_GROUP_SIZE = 32
@@ -73,8 +74,6 @@ STATUS_OF_EXIT_CODE = {0: "passed", 1: "mismatch", 2: "error"}
 def save_family(family_name: str, directory: pathlib.Path, dtype_name: str) -> None:
     """Writes a transformers family with save_pretrained in `dtype_name` (run in a child process)."""
     import torch
-
-    sys.path.insert(0, str(HERE))
     from families import FAMILIES
 
     FAMILIES[family_name].save(directory, getattr(torch, dtype_name))
@@ -144,13 +143,12 @@ def convert_command(family, source: str, mode: str, task_choice: str, out: pathl
 
 def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
     """Converts one family in one mode with the command line and returns the table row."""
-    from families import FAMILIES  # benchmarks/ is on sys.path (main)
+    from families import FAMILIES
 
     family = FAMILIES[family_name]
     row = {"family": family_name, "kind": family.kind, "task": family.task or "-", "asked": task_choice if family.save else "factory",
            "mode": mode}
-    environment = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "PYTHONPATH": os.pathsep.join(
-        [str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    environment = _common.child_environment()
     with tempfile.TemporaryDirectory(prefix="tpuexport-coverage-") as scratch:
         scratch = pathlib.Path(scratch)
         out = scratch / f"{family_name}-{mode}.tpu"
@@ -284,7 +282,6 @@ def main() -> None:
         print(json.dumps(bf16_check(options.bf16_check)))
         return
 
-    sys.path.insert(0, str(HERE))
     from families import FAMILIES
 
     names = options.families or [name for name, family in FAMILIES.items() if family.fast or not options.fast]

@@ -20,16 +20,14 @@ import argparse
 import collections
 import pathlib
 import signal
-import sys
 import threading
 import time
 import warnings
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from hypothesis import HealthCheck, Phase, find, given, seed, settings
 
-from hypothesis import HealthCheck, Phase, find, given, seed, settings  # noqa: E402
-
-import fuzz_models  # noqa: E402
+import _common  # noqa: F401  (the checkout first on sys.path)
+import fuzz_models
 
 
 def main() -> None:

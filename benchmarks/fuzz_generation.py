@@ -26,21 +26,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
-import sys
 import tempfile
 import time
 import traceback
 import warnings
 
 import numpy as np
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-
-from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from fuzz_models import Outcome, refusal_reason  # noqa: E402
+import _common  # noqa: F401  (the checkout first on sys.path)
+from fuzz_models import Outcome, refusal_reason
 
 # Prompts per fresh check: the conversion verified seeds 0.. (one per prefill bucket); these are new.
 FRESH_SEED = 1000

@@ -48,14 +48,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import re
 import subprocess
 import sys
 import time
 import warnings
 
-HERE = pathlib.Path(__file__).resolve().parent
+import _common  # noqa: F401  (the checkout first on sys.path)
+
 TOPOLOGY = "v5e:1x1"
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -375,7 +375,7 @@ def compile_v5e(function, argument_specs) -> dict:
     from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
 
-    from decode_bytes import prefetched_bytes, without_prefetch_bookkeeping
+    from hlo_prefetch import prefetched_bytes, without_prefetch_bookkeeping
 
     topology = topologies.get_topology_desc(topology_name=TOPOLOGY, platform="tpu", chips_per_host_bounds=(1, 1, 1))
     device = SingleDeviceSharding(topology.devices[0])
@@ -581,7 +581,6 @@ def main() -> None:
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)  # a child's model
     options = parser.parse_args()
     warnings.filterwarnings("ignore")
-    sys.path.insert(0, str(HERE))
     if options.attention:
         print("\n".join(measure_attention()))
         return

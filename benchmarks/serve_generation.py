@@ -28,8 +28,10 @@ import requests
 import torch
 import transformers
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from serve_load import ENV, free_port  # noqa: E402
+import _common
+from _common import free_port
+
+ENV = _common.child_environment()
 
 
 def main() -> None:

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,18 +33,14 @@ import time
 import numpy as np
 import requests
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+import _common
+from _common import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+ENV = _common.child_environment()
 
 
 def convert(example: str, buckets: list[str], out: pathlib.Path) -> None:
-    command = [sys.executable, "-m", "tpuexport.cli", "convert", f"{ROOT}/examples/{example}.py:build", "--target", "cpu",
+    command = [sys.executable, "-m", "tpuexport.cli", "convert", f"{_common.EXAMPLES / example}.py:build", "--target", "cpu",
                "--no-saved-model", "-o", str(out)] + [arg for bucket in buckets for arg in ("--bucket", bucket)]
     subprocess.run(command, check=True, env=ENV, capture_output=True, timeout=1800)
 

@@ -15,7 +15,7 @@ import tempfile
 import time
 import warnings
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+import _common
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
     for example in options.examples:
         print(f"\n{example} ({', '.join(targets)}, {options.precision})")
         with tempfile.TemporaryDirectory() as scratch:
-            source = load_source(f"{ROOT / 'examples' / example}.py:build")
+            source = load_source(f"{_common.EXAMPLES / example}.py:build")
             conversion = ConversionOptions(targets, pathlib.Path(scratch) / f"{example}.tpu",
                                            parse_bucket_options(options.bucket) or None, options.precision)
             total = time.perf_counter()

@@ -28,11 +28,11 @@ def test_mlp_artifact_runs_at_a_new_batch_size(mlp_artifact):
 
 def test_manifest_records_versions_signature_hashes_and_figures(mlp_artifact):
     manifest = mlp_artifact.manifest
-    assert manifest["format_version"] == 2
+    assert manifest["format_version"] == 3
     assert {"tpuexport", "torch", "jax", "jaxlib", "libtpu", "torchax"} <= set(manifest["versions"])
     assert manifest["versions"]["torch"] == importlib.metadata.version("torch")
-    assert manifest["signature"]["inputs"] == [{"name": "x", "shape": ["batch", 32], "dtype": "float32", "torch_dtype": "float32"}]
-    assert manifest["signature"]["dims"] == [{"name": "batch", "min": 1, "max": 256, "example": 4}]
+    assert manifest["entry_points"]["serving_default"]["signature"]["inputs"] == [{"name": "x", "shape": ["batch", 32], "dtype": "float32", "torch_dtype": "float32"}]
+    assert manifest["entry_points"]["serving_default"]["signature"]["dims"] == [{"name": "batch", "min": 1, "max": 256, "example": 4}]
     files = manifest["files"]
     on_disk = sorted(p.relative_to(mlp_artifact.path).as_posix() for p in mlp_artifact.path.rglob("*") if p.is_file())
     assert sorted([*files, "manifest.json"]) == on_disk
@@ -75,7 +75,7 @@ def test_load_gives_the_same_artifact(mlp_artifact):
 def test_transformer_shares_batch_and_seq_across_tokens_and_mask(transformer_artifact):
     built = build_example("transformer")
     model = built["model"]
-    signature = transformer_artifact.manifest["signature"]
+    signature = transformer_artifact.manifest["entry_points"]["serving_default"]["signature"]
     assert [i["shape"] for i in signature["inputs"]] == [["batch", "seq"], ["batch", "seq"]]
     assert [i["torch_dtype"] for i in signature["inputs"]] == ["int64", "bool"]
     assert set(transformer_artifact.manifest["targets"]) == {"v5e", "v6e"}
@@ -90,7 +90,7 @@ def test_transformer_shares_batch_and_seq_across_tokens_and_mask(transformer_art
 
 
 def test_mlir_text_keeps_dim_names_and_shape_assertions(transformer_artifact):
-    mlir = (transformer_artifact.path / transformer_artifact.manifest["program"]["mlir_text"]).read_text()
+    mlir = (transformer_artifact.path / transformer_artifact.manifest["entry_points"]["serving_default"]["mlir_text"]).read_text()
     assert "shape_assertion" in mlir
     assert "seq" in mlir and "batch" in mlir
     exported = transformer_artifact.program.exported
@@ -138,7 +138,7 @@ def test_exported_program_is_accepted_as_model(tmp_path):
     assert list(artifact.manifest["targets"]) == ["v5e", "v6e"]
     image = torch.randn(5, 3, 32, 32)
     torch.testing.assert_close(artifact.run(image), eager(built["model"], image), atol=1e-4, rtol=1e-4)
-    assert artifact.manifest["signature"]["dims"][0]["name"] == "batch"
+    assert artifact.manifest["entry_points"]["serving_default"]["signature"]["dims"][0]["name"] == "batch"
 
 
 def test_bf16_keeps_weights_in_bfloat16_and_outputs_in_float32(tmp_path):
@@ -147,7 +147,7 @@ def test_bf16_keeps_weights_in_bfloat16_and_outputs_in_float32(tmp_path):
     assert {str(w.dtype) for w in artifact.program.weights if w.ndim > 1} == {"bfloat16"}
     tolerances = artifact.manifest["verification"]["tolerances"]
     assert tolerances["tpu"] == tolerances["cpu"] == default_tolerances("bf16", "default", quantized=False).to_json()["tpu"]
-    mlir = (artifact.path / artifact.manifest["program"]["mlir_text"]).read_text()
+    mlir = (artifact.path / artifact.manifest["entry_points"]["serving_default"]["mlir_text"]).read_text()
     assert "stablehlo.convolution" in mlir and "bf16" in mlir
     image = torch.randn(3, 3, 32, 32)
     result = artifact.run(image)

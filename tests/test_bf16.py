@@ -148,7 +148,7 @@ def test_bf16_inputs_and_outputs_through_run_golden_data_and_the_saved_model(tmp
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).to(torch.bfloat16).eval()
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     artifact = tpuexport.convert(model, (x,), {"input": {0: torch.export.Dim("batch", min=1, max=16)}}, out=tmp_path / "bf16.tpu")
-    assert artifact.manifest["signature"]["inputs"][0]["dtype"] == "bfloat16"
+    assert artifact.manifest["entry_points"]["serving_default"]["signature"]["inputs"][0]["dtype"] == "bfloat16"
     assert artifact.manifest["resolved_precision"] == "bf16"
     y = artifact.run(torch.randn(3, 16, dtype=torch.bfloat16))
     assert y.dtype == torch.bfloat16 and y.shape == (3, 8)
@@ -159,7 +159,7 @@ def test_bf16_inputs_and_outputs_through_run_golden_data_and_the_saved_model(tmp
 
 def test_optimal_seconds_adds_back_the_second_each_concat_bitcast_subtracts():
     """XLA's TPU cost model counts each internal ConcatBitcast call as -1 s (BERT-base unrolled: 68
-    calls, -67.997 s; benchmarks/optimal_seconds.py). The manifest records the estimate with them
+    calls, -67.997 s; benchmarks/studies/optimal_seconds.py). The manifest records the estimate with them
     added back, and None (unknown) rather than a negative figure."""
     from tpuexport.compile.compile_child import optimal_seconds
 

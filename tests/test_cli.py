@@ -104,7 +104,7 @@ def test_convert_pt2_source_keeps_its_dims(tmp_path):
     summary = json.loads(result.stdout)
     assert summary["artifact"] == "encoder.tpu" and (tmp_path / "encoder.tpu/manifest.json").is_file()
     assert summary["source"]["kind"] == "pt2" and len(summary["source"]["sha256"]) == 64
-    dims = {d["name"]: (d["min"], d["max"]) for d in summary["signature"]["dims"]}
+    dims = {d["name"]: (d["min"], d["max"]) for d in summary["entry_points"]["serving_default"]["dims"]}
     assert dims == {"tokens_dim0": (1, 32), "tokens_dim1": (2, 256)}
 
 
@@ -119,7 +119,7 @@ def test_pickle_is_refused_without_opt_in_and_converted_with_it(tmp_path):
     accepted = tpuexport("convert", tmp_path / "mlp.pt", "--trust-pickle", "--input", "features:B,32:float32",
                          "--dim", "B=1:64", "-o", tmp_path / "mlp.tpu", "--json", "--no-saved-model")
     assert accepted.returncode == 0, accepted.stderr
-    signature = json.loads(accepted.stdout)["signature"]
+    signature = json.loads(accepted.stdout)["entry_points"]["serving_default"]
     assert signature["inputs"][0]["name"] == "features" and signature["inputs"][0]["shape"] == ["B", 32]
     assert signature["dims"] == [{"name": "B", "min": 1, "max": 64, "example": 2}]
 

@@ -33,8 +33,8 @@ def test_random_models_convert_and_match_at_fresh_sizes_or_fail_in_one_line(case
     assert_holds(case)
 
 
-# Cases the fuzzer drew that exercise one risky path each, kept as regressions (see the README's
-# "Fuzzing" for the long run they come from).
+# Cases the fuzzer drew that exercise one risky path each, kept as regressions (see docs/verification.md,
+# "Fuzzing", for the long run they come from).
 REGRESSIONS = {
     # torch.cond on a symbolic size and a bool-masked attention over a sequence given as 2*k.
     "cond-seq-masked-attention": FuzzCase(6, Dims(1, 16, 2, "multiple", 2, 6, 3), True, False,

@@ -315,17 +315,24 @@ def test_generate_bad_input_is_one_line(llama_generation, arguments, expected):
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], result.output
 
 
-def test_text_generation_needs_max_context(tmp_path):
+def test_text_generation_needs_max_context_unless_the_config_says(tmp_path):
+    """A model with no Hugging Face config has no maximum position to default to: one line. A causal
+    LM's config gives it, from a factory or the API as from a directory (max_position_embeddings)."""
     from click.testing import CliRunner
 
     from tpuexport.cli import main
 
     factory = tmp_path / "lm.py"
-    factory.write_text("import transformers\n\ndef build():\n    return transformers.GPT2LMHeadModel(transformers.GPT2Config("
-                       "vocab_size=256, n_embd=64, n_layer=1, n_head=4))\n")
+    factory.write_text("import torch\n\ndef build():\n    return torch.nn.Linear(4, 4)\n")
     result = CliRunner().invoke(main, ["convert", f"{factory}:build", "--task", "text-generation", "-o", str(tmp_path / "lm.tpu")])
     assert result.exit_code == 2 and "needs --max-context" in result.output
     assert sorted(path.name for path in tmp_path.iterdir()) == ["lm.py"]
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            max_position_embeddings=24)).eval()
+    plan = tpuexport.convert(model, task="text-generation", weights=False, target="cpu", out=tmp_path / "plan.tpu")
+    assert plan.manifest["generation"]["max_context"] == 24
 
 
 def test_gate_replays_the_stored_generation(llama_generation):
@@ -338,7 +345,7 @@ def test_gate_replays_the_stored_generation(llama_generation):
 
 def test_generation_artifact_refuses_single_program_calls(llama_generation):
     artifact, _ = llama_generation
-    with pytest.raises(tpuexport.TpuExportError, match="text-generation artifact"):
+    with pytest.raises(tpuexport.TpuExportError, match="has no entry point 'serving_default'; it has prefill, decode; use Artifact.generate"):
         artifact.run(np.zeros((1, 4), np.int64))
     assert json.loads(json.dumps(artifact.manifest["generation"]))["layout"] == "layer_batch_head_pos"
     assert dataclasses.asdict(artifact.generation_program.spec)["max_batch"] == MAX_BATCH
@@ -353,10 +360,11 @@ def test_plan_on_a_slice_splits_the_cache_with_the_heads(tmp_path):
                                  buckets={"seq": [16], "batch": [MAX_BATCH]}, target="v5e-4", sharding="tensor-parallel",
                                  mesh="model=2,data=2", out=tmp_path / "plan.tpu")
     assert artifact.plan_only and artifact.manifest["program"]["weights"] is None
-    buckets = {bucket["entry_point"]: bucket for bucket in artifact.manifest["targets"]["v5e-4"]["buckets"]}
+    target = artifact.manifest["targets"]["v5e-4"]
+    buckets = {bucket["entry_point"]: bucket for bucket in target["buckets"]}
     for bucket in buckets.values():
         # [layers, batch, kv_heads, context, head_dim]: batch over data, kv heads over model
-        assert bucket["sharding"]["inputs"]["cache_k"] == [None, "data", "model", None, None]
+        assert target["sharding"][bucket["entry_point"]]["inputs"]["cache_k"] == [None, "data", "model", None, None]
         assert bucket["memory"]["alias_bytes"] > 0
     step = buckets["decode"]["decode_step"]
     assert step["cache_bytes"] == artifact.manifest["generation"]["cache_bytes"] // 4

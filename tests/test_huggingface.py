@@ -75,7 +75,7 @@ def manifest_of(out: pathlib.Path) -> dict:
 
 def signature(manifest: dict) -> tuple[dict, dict, dict]:
     """({input: (dtype, shape)}, {output: dtype}, {dim: (min, max)})."""
-    sig = manifest["signature"]
+    sig = manifest["entry_points"]["serving_default"]["signature"]
     return ({spec["name"]: (spec["dtype"], spec["shape"]) for spec in sig["inputs"]}, {spec["name"]: spec["dtype"] for spec in sig["outputs"]},
             {dim["name"]: (dim["min"], dim["max"]) for dim in sig["dims"]})
 

@@ -16,6 +16,9 @@ import torch
 import tpuexport
 from tpuexport.artifact import layout
 
+# The default entry point's jax.export program.
+PROGRAM = layout.entry_point_program("serving_default", layout.EXPORTED)
+
 from conftest import ROOT
 
 
@@ -54,7 +57,7 @@ def test_an_intact_artifact_runs_and_matches_the_converted_one(plain_mlp_artifac
 
 
 @pytest.mark.parametrize("damage", [flip_byte, truncate], ids=["bit-flipped", "truncated"])
-@pytest.mark.parametrize("relative", [layout.WEIGHTS, layout.EXPORTED], ids=["weights", "program"])
+@pytest.mark.parametrize("relative", [layout.WEIGHTS, PROGRAM], ids=["weights", "program"])
 def test_damaged_weights_or_program_are_refused_before_any_output(artifact_copy, relative, damage):
     damage(artifact_copy / relative)
     artifact = tpuexport.load(artifact_copy)  # the manifest alone is read here
@@ -81,7 +84,7 @@ def test_the_weights_are_hashed_once_per_load(artifact_copy):
     weights = artifact_copy / layout.WEIGHTS
     os.utime(weights)  # touched, not changed: a fresh load hashes and accepts it
     torch.testing.assert_close(tpuexport.load(artifact_copy).run(torch.ones(2, 32)), first, rtol=0, atol=0)
-    truncate(artifact_copy / layout.EXPORTED)
+    truncate(artifact_copy / PROGRAM)
     torch.testing.assert_close(artifact.run(torch.ones(2, 32)), first, rtol=0, atol=0)
     one_line_error(lambda: tpuexport.load(artifact_copy).run(torch.ones(2, 32)))
 
@@ -113,7 +116,7 @@ def test_an_executable_path_leaving_the_artifact_is_refused(artifact_copy):
 
 
 def test_cli_verify_refuses_a_traversal_manifest_with_one_line(artifact_copy):
-    edit_manifest(artifact_copy, lambda m: m["program"].update(exported="../../../etc/hostname"))
+    edit_manifest(artifact_copy, lambda m: m["entry_points"]["serving_default"].update(exported="../../../etc/hostname"))
     result = subprocess.run([sys.executable, "-m", "tpuexport.cli", "verify", str(artifact_copy)], capture_output=True, text=True,
                             timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400"})
     assert result.returncode == 2, result.stderr

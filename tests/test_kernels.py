@@ -103,7 +103,7 @@ def test_kernel_bucket_compiles_for_v5e_with_flash_attention(artifacts):
 
 def test_recompiling_the_artifact_compiles_the_kernel_program_again(artifacts):
     artifact = artifacts["auto"]
-    programs, name = artifact.manifest["kernels"]["programs"], _buckets(artifact)[KERNEL_SEQ]["name"]
+    programs, name = artifact.manifest["kernels"]["programs"], f"serving_default/{_buckets(artifact)[KERNEL_SEQ]['name']}"
     assert list(programs) == [name] and programs[name] in artifact.manifest["files"]
     report = tpuexport.verify_artifact(artifact.path, recompile=True)
     recompile = next(check for check in report.checks if check.name == "recompile")

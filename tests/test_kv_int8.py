@@ -233,8 +233,8 @@ def test_plan_on_a_slice_splits_the_scales_with_the_cache(tmp_path):
             vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=128)).eval()
     artifact = convert_int8_kv(model, tmp_path / "plan.tpu", weights=False, target="v5e-4", sharding="tensor-parallel", mesh="model=2,data=2")
-    for bucket in artifact.manifest["targets"]["v5e-4"]["buckets"]:
-        inputs = bucket["sharding"]["inputs"]
+    for plan in artifact.manifest["targets"]["v5e-4"]["sharding"].values():
+        inputs = plan["inputs"]
         # [layers, batch, kv_heads, context(, head_dim)]: batch over data, kv heads over model, the scales alike
         assert inputs["cache_k"] == [None, "data", "model", None, None]
         assert inputs["cache_k_scale"] == inputs["cache_v_scale"] == [None, "data", "model", None]

@@ -12,32 +12,47 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tpuexport"
 # Bottom to top: each stage may import only those before it.
 STAGES = ("export", "quantize", "lower", "compile", "verify", "artifact")
 # What sits above every stage: nothing in a stage or a shared module may import these.
-ABOVE_STAGES = ("runtime", "serve", "pipeline", "gate", "cli", "__init__")
+ABOVE_STAGES = ("tasks", "runtime", "serve", "pipeline", "gate", "cli", "__init__")
 
 
-def imported_parts(path: pathlib.Path) -> set[str]:
-    """The tpuexport parts a module imports (function-level imports included): the first name under
-    `tpuexport` ("lower", "errors", ...), or "__init__" for the package's own API."""
-    parts = set()
+def imported_modules(path: pathlib.Path, typing_only: bool = True) -> set[str]:
+    """The tpuexport modules a module imports, dotted (function-level imports included):
+    "tpuexport.lower.generation", or a package ("tpuexport.lower") for `from tpuexport import lower`;
+    without `typing_only`, imports under `if TYPE_CHECKING:` (never run) are left out."""
+    modules = set()
     module_parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = set() if typing_only else {id(child) for node in ast.walk(tree)
+                                          if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+                                          for statement in node.body for child in ast.walk(statement)}
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolve against this module's package
                 base = module_parts[: len(module_parts) - node.level]
-                names = [".".join(base + ((node.module,) if node.module else ()))]
+                module = ".".join(base + ((node.module,) if node.module else ()))
             else:
-                names = [node.module]
-            if names == ["tpuexport"]:  # from tpuexport import lower as lower_stage
-                names = [f"tpuexport.{alias.name}" for alias in node.names]
+                module = node.module
+            # from tpuexport.export import huggingface: the module itself where the name is one.
+            names = [f"{module}.{alias.name}" if _is_module(f"{module}.{alias.name}") else module for alias in node.names]
         else:
             continue
-        for name in names:
-            pieces = name.split(".")
-            if pieces[0] == "tpuexport":
-                parts.add(pieces[1] if len(pieces) > 1 else "__init__")
-    return parts
+        modules.update(name for name in names if name and name.split(".")[0] == "tpuexport")
+    return modules
+
+
+def _is_module(dotted: str) -> bool:
+    path = PACKAGE.parent.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imported_parts(path: pathlib.Path) -> set[str]:
+    """The tpuexport parts a module imports (function-level imports included): the first name under
+    `tpuexport` ("lower", "errors", ...), or "__init__" for the package's own API."""
+    return {name.split(".")[1] if "." in name else "__init__" for name in imported_modules(path)}
 
 
 def part_of(path: pathlib.Path) -> str:
@@ -81,3 +96,49 @@ def test_shared_modules_import_no_stage():
     assert {"errors", "arrays", "signature", "inputs"} <= shared
     for name in shared:
         assert not table[name] - shared, f"{name} imports {sorted(table[name] - shared)}"
+
+
+def module_name(path: pathlib.Path) -> str:
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+
+
+def cycles_within_packages() -> list[list[str]]:
+    """Import cycles between the modules of one package (its __init__ aside, which gathers them; type
+    annotations' imports aside, which never run)."""
+    found = []
+    for package in sorted({path.parent for path in PACKAGE.rglob("*.py")}):
+        modules = {module_name(path): path for path in package.glob("*.py") if path.name != "__init__.py"}
+        graph = {name: {other for other in imported_modules(path, typing_only=False) if other in modules and other != name}
+                 for name, path in modules.items()}
+        state: dict[str, str] = {}
+
+        def visit(name: str, stack: list[str]) -> None:
+            state[name] = "open"
+            for other in sorted(graph[name]):
+                if state.get(other) == "open":
+                    found.append(stack[stack.index(other):] + [name, other] if other in stack else [name, other])
+                elif other not in state:
+                    visit(other, stack + [name])
+            state[name] = "done"
+
+        for name in sorted(graph):
+            if name not in state:
+                visit(name, [])
+    return found
+
+
+def test_no_import_cycle_between_modules_of_a_package():
+    """A cycle (export/sources.py and export/huggingface.py imported each other) means two modules
+    are one; the records they share belong in a module both import."""
+    assert cycles_within_packages() == []
+
+
+def test_a_cycle_is_found(tmp_path, monkeypatch):
+    """The cycle check sees one: two modules of a package that import each other."""
+    package = tmp_path / "tpuexport" / "example"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "first.py").write_text("from tpuexport.example import second\n")
+    (package / "second.py").write_text("def f():\n    from tpuexport.example.first import thing\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "tpuexport")
+    assert cycles_within_packages() == [["tpuexport.example.first", "tpuexport.example.second", "tpuexport.example.first"]]

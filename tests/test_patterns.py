@@ -298,7 +298,7 @@ def test_top_k_and_sort_load_in_the_tf_saved_model(tmp_path):
     saved_model = artifact.manifest["verification"]["saved_model"]
     assert saved_model["passed"] and len(saved_model["cases"]) >= 3 and saved_model["out_of_range"]["rejected"]
     # the artifact's own program keeps jax's top_k and erf composites, for the TPU's native kernels
-    assert 'stablehlo.composite "chlo.top_k"' in (artifact.path / "program/stablehlo.mlir").read_text()
+    assert 'stablehlo.composite "chlo.top_k"' in (artifact.path / "program/serving_default/stablehlo.mlir").read_text()
 
 
 def torch_global_state() -> dict:

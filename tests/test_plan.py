@@ -71,16 +71,17 @@ def test_a_plan_is_marked_plan_only_and_has_executables_memory_and_no_weights(de
     assert manifest["program"]["weights"] is None and "tf_serving" not in manifest
     assert manifest["program"]["weight_bytes"] == sum(p.numel() * 4 for p in build_example("decoder")["model"].parameters())
     files = set(manifest["files"])
-    assert {"program/exported.jaxexport", "program/stablehlo.mlir", "executables/v5e/batch8_seq16.pjrt",
-            "executables/v5e-8/batch8_seq16.pjrt"} <= files
+    assert {"program/serving_default/exported.jaxexport", "program/serving_default/stablehlo.mlir",
+            "executables/v5e/serving_default/batch8_seq16.pjrt", "executables/v5e-8/serving_default/batch8_seq16.pjrt"} <= files
     assert not any(name.startswith(("weights/", "verification/", "tf_serving/")) for name in files), files
     for name, target in manifest["targets"].items():
         [bucket] = target["buckets"]
         assert bucket["fits_in_hbm"] and 0 < bucket["memory"]["total_bytes"] < 16 * 2**20, (name, bucket["memory"])
     # On the slice: the tensor-parallel plan from the weights' shapes, per-chip figures and the all-reduces.
     slice_entry = manifest["targets"]["v5e-8"]
-    assert slice_entry["sharding"]["weights"]["layers.0-1.self_attn.q_proj.weight"] == [None, "model"]  # scanned: 2 stacked layers
-    assert slice_entry["sharding"]["weights"]["layers.0-1.mlp.down_proj.weight"] == [None, None, "model"]
+    plan = slice_entry["sharding"]["serving_default"]
+    assert plan["weights"]["layers.0-1.self_attn.q_proj.weight"] == [None, "model"]  # scanned: 2 stacked layers
+    assert plan["weights"]["layers.0-1.mlp.down_proj.weight"] == [None, None, "model"]
     assert slice_entry["buckets"][0]["collectives"]["all-reduce"]["count"] >= 3
     with pytest.raises(tpuexport.TpuExportError, match="plan without weights: it compiles for TPUs but cannot run"):
         decoder_plan.run(torch.randint(0, 256, (2, 8)))
@@ -124,7 +125,7 @@ def test_cli_plan_and_convert_no_weights_write_plans(tmp_path):
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["plan_only"] is True and summary["verification"]["passed"] is None
-    assert summary["sharding"]["v5e-8"]["mesh"] == {"axes": ["model"], "shape": [8]}
+    assert summary["sharding"]["v5e-8"]["serving_default"]["mesh"] == {"axes": ["model"], "shape": [8]}
     assert "per chip of 16 GiB HBM" in result.stderr and "verify" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == f"planned {factory}:build -> {out} (plan only: no weights, not verified)"
 

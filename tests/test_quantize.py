@@ -224,7 +224,7 @@ def test_derived_dims_survive_quantization(tmp_path):
     artifact = tpuexport.convert(PairedLinear().eval(), (torch.randn(2, 4, 3), torch.randn(2, 8, 3)),
                                  {"a": {1: seq}, "b": {1: 2 * seq}}, out=tmp_path / "paired.tpu",
                                  quantize="int8", random_calibration=True, saved_model=False)
-    assert [spec["shape"] for spec in artifact.manifest["signature"]["inputs"]] == [[2, "seq", 3], [2, "2*seq", 3]]
+    assert [spec["shape"] for spec in artifact.manifest["entry_points"]["serving_default"]["signature"]["inputs"]] == [[2, "seq", 3], [2, "2*seq", 3]]
     assert artifact.run(torch.randn(2, 5, 3), torch.randn(2, 10, 3)).shape == (2, 3)
     with pytest.raises(TpuExportError, match=r"expected 2\*seq = 10"):
         artifact.run(torch.randn(2, 5, 3), torch.randn(2, 9, 3))

@@ -31,7 +31,7 @@ def convert_decoder(out: pathlib.Path, **options) -> tpuexport.Artifact:
 
 
 def specs(artifact: tpuexport.Artifact, target: str = "v5e-8") -> tuple[dict, dict]:
-    plan = artifact.manifest["targets"][target]["sharding"]
+    plan = artifact.manifest["targets"][target]["sharding"]["serving_default"]
     return plan["weights"], plan["inputs"]
 
 
@@ -103,7 +103,7 @@ def test_data_parallel_splits_the_batch_and_keeps_weights_whole(tmp_path):
     artifact = convert_decoder(tmp_path / "dp.tpu", target="v5e-8", sharding="data-parallel")
     weights, inputs = specs(artifact)
     assert inputs == {"tokens": ["data"]} and all(spec == [] for spec in weights.values())
-    assert artifact.manifest["targets"]["v5e-8"]["sharding"]["mesh"] == {"axes": ["data"], "shape": [8]}
+    assert artifact.manifest["targets"]["v5e-8"]["sharding"]["serving_default"]["mesh"] == {"axes": ["data"], "shape": [8]}
     bucket = only_bucket(artifact)
     assert bucket["memory"]["argument_bytes"] >= weight_bytes(artifact)
     assert bucket["memory"]["output_bytes"] < LOGITS_BYTES / 4  # each chip returns its eighth of the batch
@@ -173,7 +173,7 @@ def test_fsdp_splits_each_weights_largest_divisible_dim(tmp_path):
     assert weights["layers.0-1.self_attn.q_proj.weight"] == [None, "data"]  # 2 x (64, 64): the first of equal dims
     assert weights["score.weight"] == [None, "data"]  # (3, 64): 3 does not divide, 64 does
     assert weights["score.bias"] == []  # (3,) stays whole
-    assert any("score.bias" in note for note in artifact.manifest["targets"]["v5e-8"]["sharding"]["notes"])
+    assert any("score.bias" in note for note in artifact.manifest["targets"]["v5e-8"]["sharding"]["serving_default"]["notes"])
     assert inputs == {"tokens": ["data"]}
     bucket = only_bucket(artifact)
     assert "all-gather" in bucket["collectives"]  # weights are gathered where they are used
@@ -190,7 +190,7 @@ def test_explicit_rules_apply_after_the_preset_and_later_rules_win(tmp_path):
     assert weights["layers.0-1.self_attn.o_proj.weight"] == [None, None, "model"]  # the later rule won
     assert weights["lm_head.weight"] == ["model", None] and weights["embed_tokens.weight"] == []
     assert inputs == {"tokens": [None, None]}
-    plan = artifact.manifest["targets"]["v5e-8"]["sharding"]
+    plan = artifact.manifest["targets"]["v5e-8"]["sharding"]["serving_default"]
     assert plan["preset"] == "replicated" and plan["rules"][-1] == "input:tokens=None,None"
     assert only_bucket(artifact)["collectives"]["all-reduce"]["count"] >= 2  # o_proj and down_proj in the scan's body
     sharded_run(artifact)
@@ -297,7 +297,7 @@ def test_cli_converts_for_a_slice_inspects_and_recompiles_it(tmp_path):
                            "-o", out, "--json")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
-    plan = summary["sharding"]["v5e-8"]
+    plan = summary["sharding"]["v5e-8"]["serving_default"]
     assert plan["weights"]["lm_head.weight"] == [None] and plan["weights"]["layers.0-1.mlp.up_proj.weight"] == [None, "model"]
     [bucket] = summary["targets"]["v5e-8"]
     assert bucket["collectives"]["all-reduce"]["count"] >= 3 and bucket["fits_in_hbm"]
@@ -362,7 +362,7 @@ def test_tensor_parallel_splits_every_expert_like_a_dense_mlp(tmp_path):
         assert weights[f"model.model.layers.{layer}.mlp.experts.gate_up_proj"] == [None, None, "model"]
         assert weights[f"model.model.layers.{layer}.mlp.experts.down_proj"] == [None, "model"]
         assert weights[f"model.model.layers.{layer}.mlp.gate.weight"] == []  # the router: every chip routes every token
-    assert not [note for note in artifact.manifest["targets"]["v5e-8"]["sharding"]["notes"] if "experts" in note]
+    assert not [note for note in artifact.manifest["targets"]["v5e-8"]["sharding"]["serving_default"]["notes"] if "experts" in note]
     sharded_run(artifact)
     # Each chip multiplies by its slice of every expert: no expert weight is gathered.
     assert "all-gather" not in only_bucket(artifact)["collectives"]

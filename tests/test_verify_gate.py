@@ -25,11 +25,11 @@ from conftest import EXAMPLES, build_example
 MLP_SOURCE = f"{EXAMPLES / 'mlp.py'}:build"
 # One file of every kind an artifact holds; the executable is one of the two mlp buckets.
 FILE_KINDS = {
-    "exported program": layout.EXPORTED,
-    "mlir text": layout.MLIR_TEXT,
-    "stablehlo bytecode": layout.STABLEHLO_BYTECODE,
+    "exported program": layout.entry_point_program("serving_default", layout.EXPORTED),
+    "mlir text": layout.entry_point_program("serving_default", layout.MLIR_TEXT),
+    "stablehlo bytecode": layout.entry_point_program("serving_default", layout.STABLEHLO_BYTECODE),
     "weights": layout.WEIGHTS,
-    "executable": layout.executable_path("v5e", "batch8"),
+    "executable": layout.executable_path("v5e", "batch8", "serving_default"),
     "golden": layout.GOLDEN,
     "report": layout.VERIFICATION_REPORT,
 }
@@ -98,7 +98,7 @@ def test_flipped_byte_fails_naming_the_file(artifact_copy, kind):
     integrity = check(report, "integrity")
     assert integrity.status == "failed" and f"changed {relative}" in integrity.message
     assert integrity.details == {"missing": [], "extra": [], "changed": [relative]}
-    reads_damaged_file = relative in (layout.EXPORTED, layout.WEIGHTS, layout.GOLDEN)
+    reads_damaged_file = relative in (layout.entry_point_program("serving_default", layout.EXPORTED), layout.WEIGHTS, layout.GOLDEN)
     assert check(report, "golden").status == ("skipped" if reads_damaged_file else "passed")
 
 
@@ -178,12 +178,12 @@ def test_manifest_without_file_hashes_is_bad_input(artifact_copy):
 
 
 def test_manifest_without_a_nested_entry_is_bad_input(artifact_copy):
-    edit_manifest(artifact_copy, lambda manifest: manifest["program"].pop("exported"))
+    edit_manifest(artifact_copy, lambda manifest: manifest["entry_points"]["serving_default"].pop("exported"))
 
     result = CliRunner().invoke(main, ["verify", str(artifact_copy)])
 
     assert result.exit_code == EXIT_BAD_INPUT
-    assert "has no valid 'program.exported'" in result.output
+    assert "has no valid 'entry_points.serving_default.exported'" in result.output
 
 
 def test_missing_artifact_is_bad_input(tmp_path):
@@ -215,7 +215,7 @@ def test_recompile_untouched_artifact_reports_no_drift(plain_artifact):
     recompile = check(report, "recompile")
     assert report.passed and recompile.status == "passed"
     assert recompile.details["drifted"] == []
-    assert set(recompile.details["fingerprints"]) == {"v5e/batch1", "v5e/batch8"}
+    assert set(recompile.details["fingerprints"]) == {"v5e/serving_default/batch1", "v5e/serving_default/batch8"}
 
 
 def test_recompile_drift_warns_and_fails_when_strict(artifact_copy):
@@ -225,11 +225,11 @@ def test_recompile_drift_warns_and_fails_when_strict(artifact_copy):
     lenient = check(tpuexport.verify_artifact(artifact_copy, recompile=True), "recompile")
     result = CliRunner().invoke(main, ["verify", str(artifact_copy), "--recompile", "--strict", "--json"])
 
-    assert lenient.status == "warning" and "v5e/batch1" in lenient.message and "libtpu" in lenient.message
+    assert lenient.status == "warning" and "v5e/serving_default/batch1" in lenient.message and "libtpu" in lenient.message
     assert result.exit_code == EXIT_VERIFICATION_FAILED
     strict = json.loads(result.stdout)["checks"][-1]
     assert strict["name"] == "recompile" and strict["status"] == "failed"
-    assert strict["details"]["drifted"] == ["v5e/batch1"]
+    assert strict["details"]["drifted"] == ["v5e/serving_default/batch1"]
 
 
 def test_against_example_source_passes(plain_artifact):

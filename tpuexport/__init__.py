@@ -104,14 +104,14 @@ def convert(
       buckets: {dim name: [sizes]} compiled as a cartesian product; None for the example shapes.
       precision: "auto" (the model's own dtypes tensor by tensor: bf16 parameters stay bf16, f32
         buffers stay f32), "f32", "bf16" (all bfloat16 but for state the model keeps in f32) or
-        "bf16-mixed" (autocast-like); README, "Precision".
+        "bf16-mixed" (autocast-like); docs/precision.md.
       matmul_precision: the TPU arithmetic of dots and convolutions, pinned in the artifact and
         emulated by verification: "default" (one bf16 pass), "high" (bf16x3), "highest" (f32).
       kernels: "auto" (each single-chip TPU executable uses Pallas flash attention where it reads
-        fewer bytes, verified in interpret mode on CPU; README, "TPU kernels") or "none" (the
+        fewer bytes, verified in interpret mode on CPU; docs/kernels.md) or "none" (the
         kernel-free program everywhere).
       tolerances: verification overrides, {"atol": ..., "rtol": ..., "scale_tol": ...} or
-        (atol, rtol); None for the defaults of the numeric settings (README, "Verification").
+        (atol, rtol); None for the defaults of the numeric settings (docs/verification.md).
       verify_budget_flops: matmul FLOPs the optional verification sizes may add.
       verify_sizes: dim sizes that must also be verified, e.g. [{"batch": 64, "seq": 512}].
       overwrite: replace an existing artifact at `out`.
@@ -147,7 +147,7 @@ def convert(
         task "text-generation" too (streamed once for both entry points).
       task: "forward" (the model's forward as one program) or "text-generation": `model` is a
         Hugging Face causal LM (no args), and the artifact holds entry points prefill and decode
-        over a KV cache of max_batch x max_context (README, "Text generation"); `buckets` then
+        over a KV cache of max_batch x max_context (docs/generation.md); `buckets` then
         takes prefill's {"seq": prompt lengths, "batch": batch sizes}; no SavedModel is written.
       max_context: positions per cache slot (text-generation; required there).
       max_batch: cache slots, decode's batch (text-generation).

@@ -261,9 +261,9 @@ def summary(artifact) -> dict:
         "plan_only": artifact.plan_only,
         "precision": manifest["precision"],
         "resolved_precision": manifest.get("resolved_precision", manifest["precision"]),
-        **({"signature": manifest["signature"]} if "signature" in manifest else {}),
-        **({"task": manifest["task"], "entry_points": {name: entry["signature"] for name, entry in manifest["entry_points"].items()},
-            "generation": manifest["generation"]} if "entry_points" in manifest else {}),
+        "task": artifact.task,
+        "entry_points": {name: entry["signature"] for name, entry in manifest["entry_points"].items()},
+        **({"generation": manifest["generation"]} if "generation" in manifest else {}),
         "verification": {key: manifest["verification"][key] for key in ("passed", "status", "cases") if key in manifest["verification"]},
         "targets": {
             name: [
@@ -313,7 +313,7 @@ def inspect(artifact_dir, as_json):
         hf = data["huggingface"]
         console.print(f"  hugging face: task {hf['task']}, {hf['architecture']}, revision {hf['revision'] or 'none (not from the cache)'}; "
                       f"files {', '.join(hf['files'].values()) or 'none'}")
-    if artifact.task == "text-generation":
+    if "generation" in data:
         generation = data["generation"]
         cross = (f" + cross {generation['cross_shape']} x2 (max source {generation['max_source']})" if "cross_shape" in generation else "")
         console.print(f"  text generation: max batch {generation['max_batch']}, max context {generation['max_context']}, cache "
@@ -321,18 +321,18 @@ def inspect(artifact_dir, as_json):
                       f"{'int8 x2 + ' + generation['scale_dtype'] + ' scales ' + str(generation['scale_shape']) + ' x2' if generation.get('kv_cache_dtype') == 'int8' else generation['dtype'] + ' x2'}"
                       f"{cross} ({generation['cache_bytes'] / 2**20:.2f} MiB)"
                       f"{_describe_window_cache(generation)}")
-        signatures = {name: ProgramSignature.from_json(entry) for name, entry in data["entry_points"].items()}
-    else:
-        signatures = {"": artifact.signature}
-    for entry_point, signature in signatures.items():
-        prefix = f"{entry_point} " if entry_point else ""
+    named = len(data["entry_points"]) > 1  # a forward model's one entry point goes without its name
+    for entry_point, signature in data["entry_points"].items():
+        signature = ProgramSignature.from_json(signature)
+        prefix = f"{entry_point} " if named else ""
         for dim in signature.dims:
             console.print(f"  {prefix}dim {dim.name}: {dim.range_text} (example {dim.example})")
         for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
             for spec in specs:
                 # Printed without markup: rich would take "[batch, seq]" for a style tag and drop it.
                 console.print(f"  {prefix}{kind} {spec.name}: {spec.dtype}[{', '.join(map(str, spec.shape))}]", markup=False)
-    for name, plan in data.get("sharding", {}).items():
+    for name, plan in ((f"{target} {entry}" if named else target, plan) for target, plans in data.get("sharding", {}).items()
+                       for entry, plan in plans.items()):
         split = {weight: spec for weight, spec in plan["weights"].items() if any(entry is not None for entry in spec)}
         console.print(f"  {name}: mesh {describe_mesh(plan['mesh'])}, {plan['preset']}, {len(split)}/{len(plan['weights'])} weights split; "
                       f"inputs {', '.join(f'{n} {describe_spec(spec)}' for n, spec in plan['inputs'].items())}")
@@ -344,7 +344,7 @@ def inspect(artifact_dir, as_json):
     for name, buckets in data["targets"].items():
         for bucket in buckets:
             table.add_row(
-                name, f"{bucket['entry_point']} {bucket['name']}" if "entry_point" in bucket else bucket["name"], f"{bucket['memory']['total_bytes'] / 2**20:.2f} MiB", f"{bucket['hbm_utilization']:.4%}",
+                name, f"{bucket['entry_point']} {bucket['name']}" if named else bucket["name"], f"{bucket['memory']['total_bytes'] / 2**20:.2f} MiB", f"{bucket['hbm_utilization']:.4%}",
                 describe_collectives(bucket.get("collectives")), f"{bucket['cost']['flops'] / 1e9:.4f}",
                 describe_microseconds(bucket["cost"]["optimal_seconds"]), describe_kernels(bucket.get("kernels")), bucket["executable"],
             )

@@ -32,23 +32,19 @@ import jax
 
 from tpuexport import compile as compile_stage
 from tpuexport import export as export_stage
+from tpuexport import tasks
 from tpuexport.artifact import Artifact, layout, load
-from tpuexport.arrays import load_arrays
 from tpuexport.artifact.manifest import hash_tree, package_versions
 from tpuexport.artifact.tf_serving import check_saved_model
 from tpuexport.errors import EXIT_OK, EXIT_VERIFICATION_FAILED
-from tpuexport.lower import BucketKernels, Seq2SeqProgram
+from tpuexport.lower import BucketKernels
 from tpuexport.signature import ProgramSignature
 from tpuexport.verify.compare import sqnr_db
-from tpuexport.verify.generation import replay_golden
-from tpuexport.verify.seq2seq import replay_golden as replay_seq2seq_golden
 from tpuexport.verify.report import VerificationCase, VerificationReport, describe_sizes
 from tpuexport.verify.saved_model_check import failure_summary
-from tpuexport.verify.sizes import PlannedCase, plan_cases
+from tpuexport.verify.sizes import plan_cases
 from tpuexport.verify.tolerances import VerificationTolerances
-from tpuexport.verify.verification import (
-    ProgramRuns, compare_case, eager_outputs, make_inputs, run_case, short_error, to_numpy,
-)
+from tpuexport.verify.verification import ProgramRuns, eager_outputs, make_inputs, run_case, short_error, to_numpy
 
 PASSED, FAILED, WARNING, SKIPPED = "passed", "failed", "warning", "skipped"
 COMPILER_PACKAGES = ("jax", "jaxlib", "libtpu")
@@ -169,9 +165,8 @@ def verify_artifact(path, recompile: bool = False, strict: bool = False, against
     loaded = export_stage.load_source(against) if against is not None else None
     integrity = check_integrity(artifact)
     damaged = set(integrity.details.get("changed", ())) | set(integrity.details.get("missing", ()))
-    if artifact.task == "text-generation":
-        return _verify_generation_artifact(artifact, integrity, damaged, recompile, strict, loaded)
-    program_files = [name for name in (artifact.manifest["program"]["exported"], artifact.manifest["program"]["weights"]) if name]
+    records = artifact.records
+    program_files = [entry.exported for entry in records.entry_points.values()] + ([records.program.path] if records.program.path else [])
     if artifact.plan_only:
         checks = [
             integrity,
@@ -181,16 +176,20 @@ def verify_artifact(path, recompile: bool = False, strict: bool = False, against
     else:
         checks = [
             integrity,
-            _skip_if_damaged("golden", program_files + [artifact.manifest["verification"]["golden"]], damaged)
-            or check_golden(artifact),
+            _skip_if_damaged("golden", program_files + [artifact.manifest["verification"]["golden"]], damaged) or check_golden(artifact),
             _skip_if_damaged("saved_model", _saved_model_files(artifact), damaged) or check_saved_model_rerun(artifact),
         ]
     checks.append(check_compatibility(artifact))
     if recompile:
         checks.append(_skip_if_damaged("recompile", program_files, damaged) or check_recompile(artifact, strict))
     if loaded is not None:
-        checks.append(CheckResult("against", SKIPPED, "plan only: no weights to run") if artifact.plan_only
-                      else _skip_if_damaged("against", program_files, damaged) or check_against(artifact, loaded))
+        task = tasks.task_named(artifact.task)
+        if artifact.plan_only:
+            checks.append(CheckResult("against", SKIPPED, "plan only: no weights to run"))
+        elif not task.offers_against:
+            checks.append(CheckResult("against", SKIPPED, f"not offered for {task.name} artifacts yet"))
+        else:
+            checks.append(_skip_if_damaged("against", program_files, damaged) or check_against(artifact, loaded))
     return GateReport(str(artifact.path), tuple(checks), strict, artifact.plan_only)
 
 
@@ -257,83 +256,27 @@ def check_integrity(artifact: Artifact):
 
 @gate_check("golden")
 def check_golden(artifact: Artifact):
-    """Runs the StableHLO on CPU on the stored golden inputs and compares with the eager outputs.
+    """Replays the stored golden cases as the task verified them (a forward program's sizes on CPU
+    against the stored eager outputs; a generator's prefill or encode and decode steps, teacher-forced,
+    against generate()'s tokens and logits).
 
     Args:
       artifact: the opened artifact.
     Returns:
-      (status, message, details); details holds every case's per-output errors.
+      (status, message, details); details holds every case's runs.
     """
-    report = _report(artifact, golden_cases(artifact, _tolerances(artifact)), "stored eager outputs")
+    report = tasks.task_named(artifact.task).replay_golden(artifact, _tolerances(artifact))
     details = {"cases": report.to_json()["cases"]}
     if not report.cases:
         return FAILED, "the artifact stores no golden data; convert again", details
     if not report.passed:
         return FAILED, report.failure_summary(), details
-    sizes = "; ".join(case.describe_sizes() for case in report.cases)
-    return PASSED, f"{len(report.cases)} stored size(s) match ({sizes}) within {_describe(report.tolerances)}", details
-
-
-def golden_cases(artifact: Artifact, tolerances: VerificationTolerances) -> list[VerificationCase]:
-    """Re-runs every stored golden case, TPU-faithfully and in plain f32.
-
-    Args:
-      artifact: the opened artifact.
-      tolerances: the artifact's verification tolerances.
-    Returns:
-      One VerificationCase per stored size; a run that raises becomes that case's error.
-    """
-    labels = [case["label"] for case in artifact.manifest["verification"]["cases"] if case["golden"]]
-    runs = ProgramRuns(artifact.program)
-    cases = []
-    for label, (sizes, inputs, expected) in zip(labels, artifact.golden_cases()):
-        case = compare_case(runs, inputs, expected, PlannedCase(label, sizes, "stored", 0.0), tolerances)
-        cases.append(dataclasses.replace(case, golden=case.error is None))
-    return cases
+    return PASSED, f"{tasks.task_named(artifact.task).describe_golden(report)} within {_describe(report.tolerances)}", details
 
 
 def _report(artifact: Artifact, cases: list[VerificationCase], against: str) -> VerificationReport:
     return VerificationReport(artifact.manifest["precision"], artifact.manifest["matmul_precision"], _tolerances(artifact),
                               tuple(cases), {}, against)
-
-
-def _verify_generation_artifact(artifact: Artifact, integrity: CheckResult, damaged: set[str], recompile: bool, strict: bool,
-                                loaded) -> GateReport:
-    """The gate of a text-generation artifact: integrity, then its stored generation cases replayed
-    (prefill or encode, then decode, teacher-forced); recompiling and --against are not offered for it yet."""
-    manifest = artifact.manifest
-    program_files = [entry["exported"] for entry in manifest["entry_points"].values()] + [manifest["program"]["weights"] or ""]
-    checks = [integrity]
-    if artifact.plan_only:
-        checks.append(CheckResult("golden", FAILED, PLAN_ONLY_MESSAGE))
-    else:
-        checks.append(_skip_if_damaged("golden", program_files + [manifest["verification"]["golden"]], damaged)
-                      or check_generation_golden(artifact))
-    checks.append(CheckResult("saved_model", SKIPPED, "no SavedModel for text generation"))
-    for name, asked in (("recompile", recompile), ("against", loaded is not None)):
-        if asked:
-            checks.append(CheckResult(name, SKIPPED, "not offered for text-generation artifacts yet"))
-    return GateReport(str(artifact.path), tuple(checks), strict, artifact.plan_only)
-
-
-@gate_check("golden")
-def check_generation_golden(artifact: Artifact):
-    """Replays a text-generation artifact's stored cases (verify/generation.py, replay_golden).
-
-    Returns:
-      (status, message, details); details holds every case's runs.
-    """
-    golden = load_arrays(artifact.read_checked(artifact.manifest["verification"]["golden"]))
-    program = artifact.generation_program
-    replay = replay_seq2seq_golden if isinstance(program, Seq2SeqProgram) else replay_golden
-    report = replay(program, golden, artifact.manifest["verification"]["cases"], _tolerances(artifact))
-    details = {"cases": report.to_json()["cases"]}
-    if not report.cases:
-        return FAILED, "the artifact stores no golden data; convert again", details
-    if not report.passed:
-        return FAILED, report.failure_summary(), details
-    return PASSED, (f"{len(report.cases)} stored generation case(s), {report.tokens_compared()} tokens, match generate()'s tokens and "
-                    f"logits within {_describe(report.tolerances)}"), details
 
 
 @gate_check("saved_model")
@@ -366,7 +309,7 @@ def check_compatibility(artifact: Artifact, today: datetime.date | None = None):
       program.serialization.loadable_until or past it, "skipped" for artifacts that predate the
       record, else "passed".
     """
-    recorded = artifact.manifest["program"].get("serialization")
+    recorded = artifact.records.program.serialization
     if not recorded:
         return SKIPPED, "the manifest predates the jax.export compatibility record", {}
     until = datetime.date.fromisoformat(recorded["loadable_until"])
@@ -390,31 +333,33 @@ def _kernel_program(artifact: Artifact, relative: str) -> jax.export.Exported:
 
 @gate_check("recompile")
 def check_recompile(artifact: Artifact, strict: bool = False):
-    """Recompiles every target and bucket and compares the compiled-HLO fingerprints.
+    """Recompiles every target, entry point and bucket and compares the compiled-HLO fingerprints.
 
     Args:
       artifact: the opened artifact.
       strict: report drift as a failure instead of a warning.
     Returns:
-      (status, message, details); details has the drifted executables and the compiler versions
-      at convert time ("then") and installed ("now").
+      (status, message, details); details has the drifted executables ("target/entry point/bucket")
+      and the compiler versions at convert time ("then") and installed ("now").
     """
-    program = artifact.program
+    records = artifact.records
     fingerprints, drifted = {}, []
     kernel_programs = artifact.manifest.get("kernels", {}).get("programs", {})
-    for target_name, entry in artifact.manifest["targets"].items():
-        target = compile_stage.resolve_targets([target_name])[0]
-        buckets = [compile_stage.Bucket(tuple(recorded["sizes"].items())) for recorded in entry["buckets"]]
-        plan = compile_stage.ShardingPlan.from_json(entry["sharding"]) if "sharding" in entry else None
-        # A bucket compiled from its static program with TPU kernels is compiled from that program again.
-        kernels = {bucket.name: BucketKernels(bucket.as_dict(), _kernel_program(artifact, kernel_programs[bucket.name]))
-                   for bucket, recorded in zip(buckets, entry["buckets"])
-                   if recorded.get("kernels", {}).get("program") == "static with kernels" and bucket.name in kernel_programs}
-        for recorded, result in zip(entry["buckets"], compile_stage.compile_target(program, target, buckets, plan=plan, kernels=kernels)):
-            key = f"{target_name}/{result.bucket.name}"
-            fingerprints[key] = {"then": recorded["fingerprint"], "now": result.fingerprint}
-            if fingerprints[key]["then"] != fingerprints[key]["now"]:
-                drifted.append(key)
+    for target_name, target in records.targets.items():
+        resolved = compile_stage.resolve_targets([target_name])[0]
+        for name, lowered in artifact.entry_points.items():
+            recorded = records.buckets(target_name, name)
+            buckets = [compile_stage.Bucket(tuple(bucket.sizes.items())) for bucket in recorded]
+            plan = compile_stage.ShardingPlan.from_json(target.sharding[name]) if name in target.sharding else None
+            # A bucket compiled from its static program with TPU kernels is compiled from that program again.
+            kernels = {bucket.name: BucketKernels(dict(bucket.sizes), _kernel_program(artifact, kernel_programs[f"{name}/{bucket.name}"]))
+                       for bucket in recorded
+                       if bucket.kernels.get("program") == "static with kernels" and f"{name}/{bucket.name}" in kernel_programs}
+            for bucket, result in zip(recorded, compile_stage.compile_target(lowered, resolved, buckets, plan=plan, kernels=kernels) if recorded else ()):
+                key = f"{target_name}/{name}/{bucket.name}"
+                fingerprints[key] = {"then": bucket.fingerprint, "now": result.fingerprint}
+                if fingerprints[key]["then"] != fingerprints[key]["now"]:
+                    drifted.append(key)
     then = {name: artifact.manifest["versions"].get(name) for name in COMPILER_PACKAGES}
     now = {name: package_versions().get(name) for name in COMPILER_PACKAGES}
     details = {"drifted": drifted, "fingerprints": fingerprints, "versions": {"then": then, "now": now}}

@@ -5,7 +5,7 @@ artifact directory (relative, no "..", no symlink out of it), and each file run 
 weights, golden data) must match its sha256 in the manifest before any of its bytes reach XLA's
 parsers or any output is produced. Each file is hashed once per opened Artifact, when it is first
 read: the weights (memory-mapped, not read by loading them) cost one sequential read of the file on
-the first `run` (300 MiB/s here: benchmarks/load_integrity.py; README, "Integrity on load").
+the first `run` (300 MiB/s here: benchmarks/studies/load_integrity.py; docs/robustness.md).
 """
 
 from __future__ import annotations
@@ -26,39 +26,30 @@ from tpuexport.arrays import load_arrays, to_numpy, to_torch
 from tpuexport.artifact.weights import map_weights
 from tpuexport.artifact import layout
 from tpuexport.artifact.manifest import sha256_file
+from tpuexport.artifact.records import Manifest
+from tpuexport.artifact.upgrade import upgraded
 from tpuexport.errors import TpuExportError
 from tpuexport.export.huggingface import ARTIFACT_DIRECTORY as HF_DIRECTORY
-from tpuexport.lower import GenerationProgram, LoweredProgram, Seq2SeqProgram
+from tpuexport.lower import LoweredProgram, generation_program
+from tpuexport.lower.program import DEFAULT_ENTRY_POINT
 from tpuexport.lower.seq2seq import FEATURES_USAGE, source_rows
 from tpuexport.signature import ProgramSignature
 
 
-# What every reader of an artifact (run, inspect, verify) relies on, checked once by `load`.
+# What every reader of an artifact (run, inspect, verify, the runtime) relies on, checked once by `load`.
 REQUIRED_MANIFEST_ENTRIES = {
     "versions": dict,
     "precision": str,
     "matmul_precision": str,
-    "signature": dict,
     "program": dict,
-    "program.exported": str,
     "program.weight_names": list,
-    "program.matmul_flops": str,
+    "entry_points": dict,
     "targets": dict,
     "verification": dict,
     "files": dict,
 }
-# A text-generation artifact has entry points (each with its signature and program files) instead
-# of one signature and program; its "program" holds the weights they share.
-GENERATION_MANIFEST_ENTRIES = {
-    **{name: kind for name, kind in REQUIRED_MANIFEST_ENTRIES.items() if name not in ("signature", "program.exported", "program.matmul_flops")},
-    "entry_points": dict,
-    "entry_points.prefill": dict,
-    "entry_points.decode": dict,
-    "generation": dict,
-}
-# An encoder-decoder's text-generation artifact: encode instead of prefill (export/seq2seq.py).
-SEQ2SEQ_MANIFEST_ENTRIES = {**{name: kind for name, kind in GENERATION_MANIFEST_ENTRIES.items() if name != "entry_points.prefill"},
-                            "entry_points.encode": dict}
+# What each entry point has.
+REQUIRED_ENTRY_POINT_ENTRIES = {"exported": str, "signature": dict, "matmul_flops": str}
 # What a converted (verified) artifact has beyond that; a plan has no weights and no golden data.
 VERIFIED_MANIFEST_ENTRIES = {
     "program.weights": str,
@@ -90,61 +81,69 @@ class Artifact:
 
     @property
     def task(self) -> str:
-        """"forward" (one program) or "text-generation" (entry points prefill and decode)."""
-        return self.manifest.get("task", "forward")
+        """The task that made the entry points ("forward", "text-generation"; tpuexport/tasks)."""
+        return self.records.task
 
     @functools.cached_property
+    def records(self) -> Manifest:
+        """The manifest as typed records (artifact/records.py)."""
+        return Manifest.from_json(self.manifest)
+
+    @functools.cached_property
+    def entry_points(self) -> dict[str, LoweredProgram]:
+        """Every entry point's program over the one set of weights, read back from the artifact (a
+        plan's have no weights: they recompile but do not run)."""
+        records = self.records
+        return {name: LoweredProgram(jax.export.deserialize(bytearray(self.read_checked(entry.exported))), records.program.names,
+                                     self._weights, entry.signature, records.precision, records.matmul_precision, entry.matmul_flops,
+                                     scanned=tuple(self.manifest.get("scanned", ())), tied=records.program.tied,
+                                     weight_layouts=records.program.layouts, decision_matmuls=entry.decision_matmuls)
+                for name, entry in records.entry_points.items()}
+
+    def entry_point(self, name: str = DEFAULT_ENTRY_POINT) -> LoweredProgram:
+        """One entry point's program (the default one, "serving_default", is a forward model's).
+
+        Raises:
+          TpuExportError: the artifact has no entry point of that name.
+        """
+        if name not in self.records.entry_points:
+            raise TpuExportError(f"{self.path} has no entry point {name!r}; it has {', '.join(self.records.entry_points)}"
+                                 + ("; use Artifact.generate or Artifact.generation_program" if "generation" in self.manifest else ""))
+        return self.entry_points[name]
+
+    @property
     def signature(self) -> ProgramSignature:
-        self._require_task("forward", "signature")
-        return ProgramSignature.from_json(self.manifest["signature"])
+        """The default entry point's signature (a forward model's inputs, outputs and dims)."""
+        if DEFAULT_ENTRY_POINT not in self.records.entry_points:
+            self.entry_point()  # raises, naming the entry points there are
+        return self.records.entry_points[DEFAULT_ENTRY_POINT].signature
 
-    @functools.cached_property
+    @property
     def program(self) -> LoweredProgram:
-        """The lowered program and weights, read back from the artifact (a plan's has no weights:
-        it recompiles but does not run)."""
-        self._require_task("forward", "program")
-        program = self.manifest["program"]
-        return self._lowered(program["exported"], ProgramSignature.from_json(self.manifest["signature"]), program["matmul_flops"],
-                             self._weights, program.get("decision_matmuls", ()))
+        """The default entry point's program and weights (a forward model's)."""
+        return self.entry_point()
 
     @functools.cached_property
     def _weights(self) -> tuple | None:
         """The weight arrays (memory-mapped, after the file matched its sha256), or None for a plan."""
         if self.plan_only:
             return None
-        program = self.manifest["program"]
-        arrays = map_weights(self.checked_path(program["weights"]))
-        return tuple(arrays[name] for name in program["weight_names"])
-
-    def _lowered(self, exported_path: str, signature: ProgramSignature, matmul_flops: str, weights, decisions=()) -> LoweredProgram:
-        program = self.manifest["program"]
-        exported = jax.export.deserialize(bytearray(self.read_checked(exported_path)))
-        return LoweredProgram(exported, tuple(program["weight_names"]), weights, signature, self.manifest["precision"],
-                              self.manifest["matmul_precision"], matmul_flops,
-                              scanned=tuple(self.manifest.get("scanned", ())), tied=program.get("tied_weights", {}),
-                              weight_layouts={name: tuple(layout) for name, layout in program.get("weight_layouts", {}).items()},
-                              decision_matmuls=tuple(decisions))
-
-    def _require_task(self, task: str, what: str) -> None:
-        if self.task != task:
-            if self.task == "text-generation":
-                raise TpuExportError(f"{self.path} is a text-generation artifact with entry points prefill and decode and no single "
-                                     f"{what}; use Artifact.generate or Artifact.generation_program")
-            raise TpuExportError(f"{self.path} is a {self.task} artifact; {what} needs a text-generation artifact "
-                                 "(convert with --task text-generation)")
+        weights = self.records.program
+        arrays = map_weights(self.checked_path(weights.path))
+        return tuple(arrays[name] for name in weights.names)
 
     @functools.cached_property
-    def generation_program(self) -> GenerationProgram:
-        """A text-generation artifact's entry points over its one set of weights."""
-        self._require_task("text-generation", "generation")
-        entry_points = {
-            name: self._lowered(entry["exported"], ProgramSignature.from_json(entry["signature"]), entry["matmul_flops"], self._weights,
-                                entry.get("decision_matmuls", ()))
-            for name, entry in self.manifest["entry_points"].items()
-        }
-        generation = self.manifest["generation"]
-        program_type = Seq2SeqProgram if generation.get("kind") == "encoder-decoder" else GenerationProgram
-        return program_type.from_manifest(generation, entry_points)
+    def generation_program(self):
+        """The entry points as the program that drives them (lower.GenerationProgram or Seq2SeqProgram),
+        for an artifact whose manifest has a "generation" section.
+
+        Raises:
+          TpuExportError: the artifact generates nothing (no "generation" section).
+        """
+        if "generation" not in self.manifest:
+            raise TpuExportError(f"{self.path} has entry points {', '.join(self.records.entry_points)} and does not generate; "
+                                 "generation needs a text-generation artifact (convert with --task text-generation)")
+        return generation_program(self.manifest["generation"], self.entry_points)
 
     def stream(self, prompts, max_new_tokens: int) -> Iterator[list[int | None]]:
         """Greedy generation on CPU, step by step (see `generate`): yields each step's new token per
@@ -210,8 +209,7 @@ class Artifact:
         Raises:
           TpuExportError: an artifact whose sources are token ids.
         """
-        source = self.generation_program.spec.source if isinstance(self.generation_program, Seq2SeqProgram) else "tokens"
-        if source != "features":
+        if self.generation_program.source_kind != "features":
             raise TpuExportError(f"{self.path} takes token ids, not audio features (its encoder is not an audio model); pass --tokens")
         mel, frames = self.generation_program.spec.features
         try:
@@ -275,8 +273,8 @@ class Artifact:
                                  "the artifact is damaged, convert again (`tpuexport verify` lists every damaged file)")
 
     def golden_cases(self) -> list[tuple[dict, list[np.ndarray], list[np.ndarray]]]:
-        """The stored golden cases: (sizes, inputs, eager outputs) each, in signature order (none for a plan)."""
-        self._require_task("forward", "golden cases of one program")
+        """The default entry point's stored golden cases: (sizes, inputs, eager outputs) each, in
+        signature order (none for a plan)."""
         if self.plan_only:
             return []
         arrays = load_arrays(self.read_checked(self.manifest["verification"]["golden"]))
@@ -319,24 +317,31 @@ def load(path) -> Artifact:
         raise TpuExportError(f"{manifest_path} is not valid JSON ({error}); the artifact is damaged, convert again") from None
     if not isinstance(manifest, dict) or manifest.get("format") != layout.FORMAT:
         raise TpuExportError(f"{manifest_path} is not a tpuexport manifest; the artifact is damaged, convert again")
-    if manifest.get("format_version") != layout.FORMAT_VERSION:
-        raise TpuExportError(
-            f"{root} has artifact format version {manifest.get('format_version')!r}; this tpuexport reads version "
-            f"{layout.FORMAT_VERSION}, install the tpuexport that wrote it"
-        )
-    base = REQUIRED_MANIFEST_ENTRIES
-    if manifest.get("task") == "text-generation":
-        encoder_decoder = isinstance(manifest.get("generation"), dict) and manifest["generation"].get("kind") == "encoder-decoder"
-        base = SEQ2SEQ_MANIFEST_ENTRIES if encoder_decoder else GENERATION_MANIFEST_ENTRIES
-    required = base if manifest.get("plan_only") else {**base, **VERIFIED_MANIFEST_ENTRIES}
+    try:
+        manifest = upgraded(manifest, layout.FORMAT_VERSION)
+    except (KeyError, TypeError, AttributeError, ValueError):
+        raise TpuExportError(f"{manifest_path} is an incomplete version {manifest.get('format_version')} manifest; the artifact is "
+                             "damaged, convert again") from None
+    required = {**REQUIRED_MANIFEST_ENTRIES, **({} if manifest.get("plan_only") else VERIFIED_MANIFEST_ENTRIES)}
+    entry_points = manifest.get("entry_points")
+    for name in (entry_points if isinstance(entry_points, dict) else ()):
+        required.update({f"entry_points.{name}.{key}": kind for key, kind in REQUIRED_ENTRY_POINT_ENTRIES.items()})
     for path, kind in required.items():
         if not isinstance(_entry(manifest, path), kind):
             raise TpuExportError(f"{manifest_path} has no valid {path!r}; the artifact is damaged, convert again")
+    if not entry_points:
+        raise TpuExportError(f"{manifest_path} has no entry points; the artifact is damaged, convert again")
     for named in manifest_paths(manifest):
         if not _stays_inside(root, named):
             raise TpuExportError(f"{manifest_path} names the path {named!r}, which leaves the artifact directory; "
                                  "refusing to read it: the manifest was edited, convert again")
-    return Artifact(root, manifest)
+    artifact = Artifact(root, manifest)
+    try:
+        artifact.records
+    except (KeyError, TypeError, AttributeError, ValueError):
+        raise TpuExportError(f"{manifest_path} has an entry point, target or bucket record it cannot read; the artifact is damaged, "
+                             "convert again") from None
+    return artifact
 
 
 def _entry(manifest: dict, dotted: str):
@@ -348,7 +353,7 @@ def _entry(manifest: dict, dotted: str):
 
 # Manifest entries that name a path inside the artifact (besides the keys of "files" and the
 # executables of every target's buckets).
-PATH_ENTRIES = ("program.exported", "program.mlir_text", "program.stablehlo_bytecode", "program.weights",
+PATH_ENTRIES = ("program.weights",
                 "verification.report", "verification.golden", "tf_serving.saved_model", "tf_serving.warmup_requests",
                 "tf_serving.models_config", "tf_serving.batching_parameters", "quantization.report", "quantization.chart")
 

@@ -1,15 +1,20 @@
-"""Where each file lives inside an artifact directory (documented in the README)."""
+"""Where each file lives inside an artifact directory (docs/artifact-format.md)."""
+
+from tpuexport.verify.report import GOLDEN_PATH, REPORT_PATH
 
 FORMAT = "tpuexport.artifact"
-FORMAT_VERSION = 2
+# 3: every artifact is entry points (a forward model's is "serving_default"); 2: a forward artifact
+# held one program. Older versions are read through artifact/upgrade.py.
+FORMAT_VERSION = 3
 
 MANIFEST = "manifest.json"
-EXPORTED = "program/exported.jaxexport"  # jax.export serialization (flatbuffer), versioned
-MLIR_TEXT = "program/stablehlo.mlir"  # readable MLIR text
-STABLEHLO_BYTECODE = "program/stablehlo.mlirbc"  # portable StableHLO bytecode, versioned
+# An entry point's program files, under program/<entry point>/.
+EXPORTED = "exported.jaxexport"  # jax.export serialization (flatbuffer), versioned
+MLIR_TEXT = "stablehlo.mlir"  # readable MLIR text
+STABLEHLO_BYTECODE = "stablehlo.mlirbc"  # portable StableHLO bytecode, versioned
 WEIGHTS = "weights/weights.safetensors"
-VERIFICATION_REPORT = "verification/report.json"
-GOLDEN = "verification/golden.safetensors"
+VERIFICATION_REPORT = REPORT_PATH
+GOLDEN = GOLDEN_PATH
 EXECUTABLES_DIR = "executables"
 TF_SERVING_DIR = "tf_serving"  # TF Serving's --model_base_path is tf_serving/<model name>
 BATCHING_PARAMETERS = f"{TF_SERVING_DIR}/batching_parameters.txt"  # --batching_parameters_file
@@ -17,22 +22,20 @@ MODELS_CONFIG = f"{TF_SERVING_DIR}/models.config"  # --model_config_file
 WARMUP_REQUESTS = "assets.extra/tf_serving_warmup_requests"  # inside the SavedModel's version directory
 
 
-def executable_path(target: str, bucket: str, entry_point: str | None = None) -> str:
-    """executables/<target>/<bucket>.pjrt; a text-generation artifact's under
-    executables/<target>/<entry point>/<bucket>.pjrt."""
-    return f"{EXECUTABLES_DIR}/{target}/{entry_point + '/' if entry_point else ''}{bucket}.pjrt"
+def executable_path(target: str, bucket: str, entry_point: str) -> str:
+    """executables/<target>/<entry point>/<bucket>.pjrt."""
+    return f"{EXECUTABLES_DIR}/{target}/{entry_point}/{bucket}.pjrt"
 
 
-def kernel_program_path(bucket: str) -> str:
+def kernel_program_path(entry_point: str, bucket: str) -> str:
     """A bucket's static TPU program with kernels (what its TPU executables were compiled from,
-    lower/kernels.py): program/kernels/<bucket>.jaxexport."""
-    return f"program/kernels/{bucket}.jaxexport"
+    lower/kernels.py): program/<entry point>/kernels/<bucket>.jaxexport."""
+    return f"program/{entry_point}/kernels/{bucket}.jaxexport"
 
 
 def entry_point_program(entry_point: str, program_file: str) -> str:
-    """A text-generation entry point's program file: program/<entry point>/<file name> (one of
-    EXPORTED, MLIR_TEXT, STABLEHLO_BYTECODE's names)."""
-    return f"program/{entry_point}/{program_file.rpartition('/')[2]}"
+    """An entry point's program file: program/<entry point>/<file name> (EXPORTED, MLIR_TEXT or STABLEHLO_BYTECODE)."""
+    return f"program/{entry_point}/{program_file}"
 
 
 def saved_model_path(model_name: str, version: int) -> str:

@@ -50,7 +50,7 @@ from tpuexport.lower.kernels import BucketKernels
 from tpuexport.lower.lowering import CPU_COMPILER_OPTIONS
 
 CHILD_SCRIPT = pathlib.Path(__file__).with_name("compile_child.py")
-# The slowest compile measured (Llama-3-70B planned for v5p-128, README) takes 151 s: ten times that,
+# The slowest compile measured (Llama-3-70B planned for v5p-128, docs/checkpoints-and-plans.md) takes 151 s: ten times that,
 # so only a hung compiler reaches it.
 COMPILE_TIMEOUT_SECONDS = 1800.0
 COMPILE_TIMEOUT_VARIABLE = "TPUEXPORT_COMPILE_TIMEOUT"
@@ -317,7 +317,7 @@ def cpu_executable_program(lowered: LoweredProgram) -> tuple[jax.export.Exported
     """The program an XLA:CPU executable is compiled from: the lowered one, with its bfloat16 state
     taken and returned as uint16 bit patterns when it has any (lower/cpu_program.py: XLA:CPU then
     updates a bfloat16 KV cache in place; with bfloat16 arguments each decode step passed over the
-    whole cache once per layer and row, benchmarks/cpu_generation.py).
+    whole cache once per layer and row, benchmarks/studies/cpu_generation.py).
 
     Args:
       lowered: the lowering stage's result.

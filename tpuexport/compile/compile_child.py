@@ -44,7 +44,7 @@ jax.config.update("jax_platforms", "cpu")
 # XLA's TPU cost model counts each call of this internal custom call (the compiler's own weight
 # concatenation, e.g. of the q/k/v projections of unrolled layers) as -1 second in
 # `optimal_seconds`: BERT-base unrolled holds 68 of them and reports -67.997 s, the same program
-# scanned holds none and reports +0.0017 s (benchmarks/optimal_seconds.py prints such pairs).
+# scanned holds none and reports +0.0017 s (benchmarks/studies/optimal_seconds.py prints such pairs).
 NEGATIVE_SECOND_CALLS = ('custom_call_target="ConcatBitcast"',)
 
 

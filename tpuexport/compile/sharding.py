@@ -74,7 +74,7 @@ _WEIGHT = re.compile(r"\.weight(?:_int8)?$")
 # Mixture-of-experts weights, one [experts, out, in] tensor per projection (transformers' Mixtral, Qwen-MoE,
 # ...): split per expert like their dense counterparts (every chip holds a slice of every expert). Split
 # over the experts axis instead, XLA:TPU gathers the weights for the grouped matmul (Mixtral-8x7B dims, 2
-# layers, v5e-8, 64 tokens: 3251 MiB temporaries per chip against 226; benchmarks/experts_layout.py).
+# layers, v5e-8, 64 tokens: 3251 MiB temporaries per chip against 226; benchmarks/studies/experts_layout.py).
 _EXPERTS_COLUMN_PARALLEL = re.compile(r"(?:^|\.)experts\.(?:gate_up_proj|gate_proj|up_proj)$")
 _EXPERTS_ROW_PARALLEL = re.compile(r"(?:^|\.)experts\.down_proj$")
 # GPT-2's Conv1D layers store their weight as (in, out), transposed from nn.Linear.

@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 from tpuexport.errors import TpuExportError
 from tpuexport.export import constraints
 from tpuexport.export.checkpoints import with_checkpoint_weights
-from tpuexport.export.sources import LoadedSource, SourceInfo
+from tpuexport.export.loaded import LoadedSource, SourceInfo
 from tpuexport.signature import ProgramSignature, SymbolicDim, TensorSpec, artifact_dtype, parse_dim_expression
 
 

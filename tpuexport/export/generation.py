@@ -23,7 +23,7 @@ cache as the step received it, with the step's new key selected at its position:
 update the donated cache in place. A write before a later layer's read of the same tensor made
 XLA copy the whole cache for each layer (XLA's analysis of the Llama-3.2-1B decode step on v5e,
 batch 8 x 4096: 5.2x the bytes of the weights + cache; see
-benchmarks/results/generation_decode_write.md).
+benchmarks/results/studies/generation_decode_write.md).
 
 With --kv-cache-dtype int8 the cache holds int8 keys and values, and two more tensors, their scales
 (cache_k_scale, cache_v_scale), follow cache_k and cache_v in every signature: `FunctionalKVCache`
@@ -61,8 +61,8 @@ WINDOW_CACHE_INPUTS = ("window_cache_k", "window_cache_v")
 # symmetric int8 per (layer, slot, kv-head, position), scale = absmax over head_dim / 127 (as
 # MaxText's kv_quant and vLLM store an int8 cache), the scales in the model's dtype.
 #
-# Scales in the model's dtype, not always float32, measured (benchmarks/kv_int8.py scales,
-# results/kv_int8.txt; a tiny Llama's cached keys and values, quantized and dequantized): in a bf16
+# Scales in the model's dtype, not always float32, measured (benchmarks/studies/kv_int8.py scales,
+# results/studies/kv_int8.txt; a tiny Llama's cached keys and values, quantized and dequantized): in a bf16
 # model, bf16 scales 46.20 dB reconstruction SQNR vs 45.78 with f32 scales (attention reads bf16, so
 # an f32 scale is rounded at dequantization but was not when quantizing), and 3% fewer cache bytes
 # (2 vs 4 bytes per 64 int8 values; the TPU pads neither: v5e decode step of 2 Llama-1B layers at
@@ -74,7 +74,7 @@ KV_CACHE_DTYPES = ("model", "int8")
 SLIDING_WINDOW_CACHES = ("bounded", "full")
 # Scales are [layers, batch, kv_heads, context] whatever the cache's layout: positions, the long
 # axis, minor (the TPU tiles the two minor axes by 8 x 128; measured unpadded with the default
-# layout, results/kv_int8.txt), and one scale layout for the write ops of both cache layouts.
+# layout, results/studies/kv_int8.txt), and one scale layout for the write ops of both cache layouts.
 SCALE_LAYOUT = "layer_batch_head_pos"
 
 
@@ -217,7 +217,7 @@ def quantize_kv(new: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tens
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """What attention reads from an int8 cache: q * scale, computed in `dtype` (the model's, which the
     scales are stored in: one rounding. With f32 scales an f32 product cast to bf16 took 0.065 instead
-    of 0.045 GiB of temporaries in the Llama-1B decode step on v5e, results/kv_int8.txt)."""
+    of 0.045 GiB of temporaries in the Llama-1B decode step on v5e, results/studies/kv_int8.txt)."""
     return q.to(dtype) * scale.to(dtype)[..., None]
 
 

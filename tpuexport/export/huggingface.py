@@ -41,7 +41,7 @@ import torch
 from tpuexport.errors import TpuExportError
 from tpuexport.logs import TORCHAO_LOGGERS, quiet_loggers
 from tpuexport.export.checkpoints import Checkpoint, open_checkpoint, parameters_on_meta, with_checkpoint_weights
-from tpuexport.export.sources import LoadedSource, SourceInfo, file_sha256
+from tpuexport.export.loaded import LoadedSource, SourceInfo, file_sha256
 from tpuexport.export.specs import DimSpec
 
 HF_PREFIX = "hf:"

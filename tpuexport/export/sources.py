@@ -1,6 +1,6 @@
 """Loading a model from what the user points at: a .pt2, a `file.py:factory`, or an opt-in pickle.
 
-The factory contract (also in the README): `factory()` takes no arguments and returns either
+The factory contract (also in docs/cli.md): `factory()` takes no arguments and returns either
   - a dict with keys "model" (an nn.Module or ExportedProgram), "args" (a tuple of example inputs)
     and optionally "dynamic_shapes" (torch.export's format) and "calibration" (an iterable of
     argument tuples, used by quantization), or
@@ -23,71 +23,14 @@ import importlib.util
 import pathlib
 import pickle
 import sys
-from typing import Any
 
 import torch
 
 from tpuexport.errors import TpuExportError
+from tpuexport.export import huggingface
 from tpuexport.export.checkpoints import Checkpoint, open_checkpoint, parameters_on_meta
+from tpuexport.export.loaded import LoadedSource, SourceInfo, file_sha256
 from tpuexport.export.specs import DimSpec, InputSpec, example_args
-
-
-@dataclasses.dataclass(frozen=True)
-class SourceInfo:
-    """Where a model came from, recorded in the manifest.
-
-    Attributes:
-      kind: "pt2", "python", "pickle", or "api" for objects handed to `tpuexport.convert`.
-      path: the name of the file it was read from (None for "api").
-      sha256: hex digest of that file (None for "api").
-      reference: the file's name and, for "python" sources, its factory (e.g. "mlp.py:build").
-      checkpoint: where the weights were streamed from (its file or directory name), or None when
-        the model held them.
-
-    Directories are left out so that converting the same source from another checkout or working
-    directory writes the same manifest; the sha256 identifies the file.
-    """
-
-    kind: str
-    path: str | None = None
-    sha256: str | None = None
-    reference: str | None = None
-    checkpoint: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadedSource:
-    """A model ready for `capture`: what the user's source provided, unexported.
-
-    Attributes:
-      model: an nn.Module or a torch.export.ExportedProgram.
-      args: example positional inputs (None for an ExportedProgram, which carries its own).
-      dynamic_shapes: torch.export dynamic_shapes for `args`, or None.
-      calibration: an iterable of argument tuples for quantization, or None.
-      info: provenance for the manifest.
-      input_names: names for the inputs that replace the forward parameter names (from --input).
-      checkpoint: the weights to stream (export/checkpoints.py), the model's own parameters then
-        typically on the meta device; None when the model holds its weights.
-      huggingface: for a Hugging Face source, its export.huggingface.HuggingFaceInfo (task,
-        config, revision, tokenizer/processor files for the artifact); None otherwise.
-    """
-
-    model: Any
-    args: tuple | None
-    dynamic_shapes: Any
-    calibration: Any
-    info: SourceInfo
-    input_names: tuple[str, ...] | None = None
-    checkpoint: Checkpoint | None = None
-    huggingface: Any = None
-
-
-def file_sha256(path: pathlib.Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def load_source(
@@ -119,8 +62,6 @@ def load_source(
       TpuExportError: missing file, unknown kind, refused pickle, bad factory, misplaced specs,
         a checkpoint for a source that is not a factory, or an unreadable checkpoint.
     """
-    from tpuexport.export import huggingface  # it builds on this module
-
     if huggingface.is_huggingface_source(reference):
         if inputs or checkpoint is not None:
             raise TpuExportError("--input and --checkpoint do not apply to a Hugging Face source (its config names the inputs, "

@@ -1,6 +1,6 @@
 """Command-line dim and input specs: `--dim batch=1:64` and `--input x:batch,3,224,224:float32`.
 
-Grammar (also in the README):
+Grammar (also in docs/cli.md):
   --dim   NAME=MIN:MAX            a symbolic dim with its inclusive range, 1 <= MIN <= MAX
   --input NAME:D0,D1,...[:DTYPE]  one model input; each Di is an integer or a --dim name;
                                   DTYPE is a torch dtype name (float32 by default)

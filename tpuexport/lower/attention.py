@@ -127,7 +127,7 @@ def _grouped_mask(mask, batch_dims: int, kv_heads: int, groups: int):
 # TPU executables of a bucket may compute attention with JAX's Pallas flash-attention kernel
 # (lower/kernels.py re-traces the bucket with `tpuexport::attention_kernel` in place of each
 # scaled_dot_product_attention whose mask it can express). The kernel keeps the [q, k] scores in
-# VMEM, block by block. Measured on v5e (benchmarks/kernels.py sizes, results/kernels.txt: 8 x seq,
+# VMEM, block by block. Measured on v5e (benchmarks/studies/kernels.py sizes, results/studies/kernels.txt: 8 x seq,
 # 32 query / 8 key-value heads of 64, causal, bf16), the portable lowering vs the kernel, bytes
 # accessed / temporaries:
 #   seq  128:   64 MB / 0 MiB    vs   82 MB / 0 MiB   (the kernel reads 1.27x)

@@ -7,7 +7,7 @@ two converts. A `dynamic_update_slice` of a bfloat16 cache becomes convert(whole
 and XLA fuses one decode step's chain of writes (every layer's, every row's) into that loop: each
 element of both caches goes through layers x rows nested updates, a cost that grows with the
 square of the layer count; prefill's row loop passes over the whole cache once per row and layer
-(benchmarks/results/generation_verify_cost.txt). Disabling the normalization is no way out: XLA:CPU
+(benchmarks/results/studies/generation_verify_cost.txt). Disabling the normalization is no way out: XLA:CPU
 then has no bfloat16 dot.
 
 An update moves bits only. Here every bfloat16 dynamic_update_slice is done on the values' 16-bit

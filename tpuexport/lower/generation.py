@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export.generation import ENTRY_POINTS, GenerationSpec
+from tpuexport.export.generation import GenerationSpec
 from tpuexport.lower.lowering import LoweredProgram
+from tpuexport.lower.program import EntryPoints
 from tpuexport.lower.registry import register_lowering
 
 # How a session runs one entry point: (entry point name, inputs in its signature order) -> outputs.
@@ -51,7 +52,7 @@ def write_decode_cache(cache, new, layer: int, positions, layout: str):
     """export/generation.py's `write_decode_cache` as one `dynamic_update_slice` per row, which XLA
     runs in place on the donated cache whatever its TPU layout (a scatter of the same rows copies
     the cache into another layout and back, and so does a read of the cache beside the update:
-    benchmarks/results/generation_decode_write.md). dynamic_update_slice clamps a position outside
+    benchmarks/results/studies/generation_decode_write.md). dynamic_update_slice clamps a position outside
     the context onto it, as the op's eager meaning does.
 
     Args:
@@ -72,8 +73,8 @@ def write_decode_cache(cache, new, layer: int, positions, layout: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerationProgram:
-    """The lowering stage's result for `task="text-generation"`.
+class GenerationProgram(EntryPoints):
+    """The lowering stage's result for a decoder with `task="text-generation"`.
 
     Attributes:
       spec: the cache and its limits (export/generation.py).
@@ -87,19 +88,18 @@ class GenerationProgram:
     entry_points: dict[str, LoweredProgram]
     prefill_batches: tuple[int, ...]
 
-    def __post_init__(self):
-        check_shared_weights(self.entry_points, ENTRY_POINTS)
+    # The entry point that fills cache slots (a decode step advances them), and what a row is.
+    fill_entry_point = "prefill"
+    source_kind = "tokens"
 
-    # The state: inputs every entry point returns as the output of the same name (donated).
+    @property
+    def fill_batches(self) -> tuple[int, ...]:
+        return self.prefill_batches
+
     @property
     def state_inputs(self) -> tuple[str, ...]:
         """The cache tensors every entry point takes and returns (with an int8 cache's scales)."""
         return self.spec.cache_inputs
-
-    @property
-    def weights_program(self) -> LoweredProgram:
-        """The entry point whose weight arrays every entry point uses."""
-        return self.entry_points["decode"]
 
     def manifest_section(self) -> dict:
         """The manifest's "generation" section."""
@@ -114,18 +114,21 @@ class GenerationProgram:
         """Greedy generation in a fresh session (stream_greedy), on CPU or through `runner`."""
         return stream_greedy(GenerationSession(self, runner), prompts, max_new_tokens)
 
-    def prefill_buckets(self) -> list[dict[str, int]]:
+    def fill_buckets(self) -> list[dict[str, int]]:
         """Every compiled prefill size, {"batch": b, "seq": s}."""
         return [{"batch": batch, "seq": seq} for batch in self.prefill_batches for seq in self.spec.prefill_buckets]
 
+    def session(self, runner: Runner | None = None) -> "GenerationSession":
+        """A fresh cache and the calls that fill and advance it (on CPU, or through `runner`)."""
+        return GenerationSession(self, runner)
 
-def check_shared_weights(entry_points: dict[str, LoweredProgram], names: Sequence[str]) -> None:
-    """Raises TpuExportError unless the named entry points take the same weights (names and shapes):
-    an artifact stores one model's weights once, for all of them."""
-    first, *others = (entry_points[name] for name in names)
-    for other in others:
-        if other.weight_names != first.weight_names or other.weight_specs != first.weight_specs:
-            raise TpuExportError("the entry points' weights differ (names or shapes); they must share one model's weights")
+    def check_rows(self, rows: Sequence[Sequence[int]], max_new_tokens: int, features_usage: str = "") -> None:
+        """Refuses prompts the artifact cannot generate from, in one line (check_prompts)."""
+        check_prompts(self.spec, rows, max_new_tokens)
+
+    def padding_row(self) -> list[int]:
+        """What fills a fill batch's unused row (its slot is free): one token."""
+        return [0]
 
 
 def cpu_runner(program: GenerationProgram, programs: dict | None = None) -> Runner:
@@ -145,6 +148,17 @@ def cpu_runner(program: GenerationProgram, programs: dict | None = None) -> Runn
         return entry_points[name].run(inputs, program=(programs or {}).get(name))
 
     return run
+
+
+@dataclasses.dataclass(frozen=True)
+class FilledRows:
+    """What filling cache slots gives each row: the token its next decode step takes and that step's
+    position; `generated` when those tokens are the model's first generated ones (a decoder's
+    prefill), not a start token (an encoder-decoder's)."""
+
+    tokens: list[int]
+    positions: list[int]
+    generated: bool
 
 
 class GenerationSession:
@@ -194,6 +208,11 @@ class GenerationSession:
         logits, *cache = self.run("prefill", [tokens, lengths, np.asarray(slots, np.int64), *self.cache])
         self.cache = tuple(cache)
         return logits
+
+    def fill(self, rows: Sequence[Sequence[int]], slots: Sequence[int]) -> FilledRows:
+        """Prefills rows into slots (see `prefill`): each row's greedy first token, at the position after its prompt."""
+        logits = self.prefill(rows, slots)
+        return FilledRows([int(token) for token in logits.argmax(-1)], [len(row) for row in rows], True)
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """One decode step of every slot.

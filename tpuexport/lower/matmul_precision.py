@@ -24,7 +24,7 @@ cone moves the decision's inputs by ~1e-3, and near-ties flip (a token routed to
 changes that expert's whole output), so the TPU would not compute what the model does. Pinning the
 routers alone is not enough: a Mixtral-shaped model (f32, batch 64 x seq 128) still routed tokens
 of 33 of 8.19M logits differently with its routers pinned, 2 with its layers' attention pinned too,
-none with the whole cone (benchmarks/routing.py). For bf16 operands HIGHEST costs nothing (one
+none with the whole cone (benchmarks/studies/routing.py). For bf16 operands HIGHEST costs nothing (one
 pass computes their products exactly); for f32 ones it is six passes instead of one, on nearly
 every matmul of an f32 mixture of experts (all but the last layer's experts and the head):
 `--precision bf16` is the fast path there. The lowering traces the cone's ops under a named scope

@@ -18,7 +18,7 @@ chose the weights whose every use is one of them) take it as it is:
                             go to the convolution, the scales multiply its result (they commute
                             with the contraction); on v5e the convolution reads the s8 (or s4)
                             weight inside its fusion, no float copy of it exists (a per-group
-                            int4 scale would need one: benchmarks/weight_only_convolutions.py)
+                            int4 scale would need one: benchmarks/studies/weight_only_convolutions.py)
   grouped matmul            an int8 [experts, k, n] weight (per output channel) as ragged_dot's
                             s8 right-hand side, f32 accumulation, each row's product times its
                             expert's scales after the dot (the scale commutes with the
@@ -26,7 +26,7 @@ chose the weights whose every use is one of them) take it as it is:
                             the multiply: on v5e no converted copy of the weight exists (Mixtral's
                             gate/up at 64 rows: 458 MiB accessed, against 2245 MiB when
                             dequantized first; at 4096 rows, a 2048-token top-2 prefill, 1041 MiB
-                            as for bf16 weights; benchmarks/grouped_matmul.py)
+                            as for bf16 weights; benchmarks/studies/grouped_matmul.py)
 
 Any other op gets the dequantized weight (correct, but it materializes: the selection avoids it).
 """
@@ -204,7 +204,7 @@ def quantized_grouped_matmul(rows: jax.Array, weight: QuantizedArray, offsets: j
     # last end, whose product is zeros) times the [experts, n] scales: XLA fuses this small exact product into
     # the multiply. Gathering the scales per row (jnp.take) instead materializes a [rows, n] table and pushes the
     # f32 product out of VMEM: v5e, Mixtral gate/up at 4096 rows, 2290 MiB accessed against 1041
-    # (benchmarks/grouped_matmul.py).
+    # (benchmarks/studies/grouped_matmul.py).
     row = jnp.arange(rows.shape[0], dtype=offsets.dtype)[:, None]
     starts = jnp.concatenate([jnp.zeros((1,), offsets.dtype), offsets[:-1]])
     membership = ((row >= starts[None, :]) & (row < offsets[None, :])).astype(jnp.float32)

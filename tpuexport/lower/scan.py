@@ -136,12 +136,12 @@ def find_runs(program: torch.export.ExportedProgram) -> tuple[ScannedRun, ...]:
         children = [block for _, block in sorted(containers[container].items()) if taken.isdisjoint(block.ops)]
         for run in _runs_of(container, children, weight_names, order):
             if any(op.target is torch.ops.aten.convolution.default for op in run.template):
-                # Measured on ResNet-50 (benchmarks/conversion_speed.py): XLA:CPU runs convolutions
+                # Measured on ResNet-50 (benchmarks/studies/conversion_speed.py): XLA:CPU runs convolutions
                 # inside a while loop at half speed (verify 37.5 s scanned vs 16.5 s unrolled), and
                 # a CNN's short stages (3-6 blocks) gain little compile time; they stay unrolled.
                 continue
             if any(own_lowering(op.target) is grouped_mm for op in run.template):
-                # Measured on a Mixtral-8x7B-shaped model (benchmarks/experts_layout.py, v5e): XLA
+                # Measured on a Mixtral-8x7B-shaped model (benchmarks/studies/experts_layout.py, v5e): XLA
                 # copies each scan step's slice of the stacked experts before its grouped-matmul
                 # kernel reads it (1795 MiB of temporaries at 64 tokens, 3.3 MiB unrolled, where each
                 # layer's experts are an argument read in place); they stay unrolled, at the price of a

@@ -14,13 +14,14 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export.seq2seq import ENTRY_POINTS, Seq2SeqSpec
-from tpuexport.lower.generation import Runner, check_shared_weights, check_slots, check_token_rows, cpu_runner, right_padded
+from tpuexport.export.seq2seq import Seq2SeqSpec
+from tpuexport.lower.generation import FilledRows, Runner, check_slots, check_token_rows, cpu_runner, right_padded
 from tpuexport.lower.lowering import LoweredProgram
+from tpuexport.lower.program import EntryPoints
 
 
 @dataclasses.dataclass(frozen=True)
-class Seq2SeqProgram:
+class Seq2SeqProgram(EntryPoints):
     """The lowering stage's result for an encoder-decoder with `task="text-generation"`.
 
     Attributes:
@@ -33,19 +34,35 @@ class Seq2SeqProgram:
     entry_points: dict[str, LoweredProgram]
     encode_batches: tuple[int, ...]
 
-    def __post_init__(self):
-        check_shared_weights(self.entry_points, ENTRY_POINTS)
+    # The entry point that fills cache slots (a decode step advances them).
+    fill_entry_point = "encode"
+
+    @property
+    def fill_batches(self) -> tuple[int, ...]:
+        return self.encode_batches
+
+    @property
+    def source_kind(self) -> str:
+        """What a row is: "tokens" (ids) or "features" (an audio source's [mel bins, frames])."""
+        return self.spec.source
+
+    def session(self, runner: Runner | None = None) -> "Seq2SeqSession":
+        """Fresh caches and the calls that fill and advance them (on CPU, or through `runner`)."""
+        return Seq2SeqSession(self, runner)
+
+    def check_rows(self, rows: Sequence, max_new_tokens: int, features_usage: str = "") -> None:
+        """Refuses sources the artifact cannot generate from, in one line (check_sources)."""
+        check_sources(self.spec, rows, max_new_tokens, features_usage or FEATURES_USAGE)
+
+    def padding_row(self):
+        """What fills an encode batch's unused row (its slot is free): one token, or silent features."""
+        return padding_source(self.spec)
 
     @property
     def state_inputs(self) -> tuple[str, ...]:
         return self.spec.state_inputs
 
-    @property
-    def weights_program(self) -> LoweredProgram:
-        """The entry point whose weight arrays every entry point uses."""
-        return self.entry_points["decode"]
-
-    def encode_buckets(self) -> list[dict[str, int]]:
+    def fill_buckets(self) -> list[dict[str, int]]:
         """Every compiled encode size, {"batch": b, "seq": s} (s: source length; audio features: {"batch": b})."""
         if self.spec.source == "features":
             return [{"batch": batch} for batch in self.encode_batches]
@@ -126,6 +143,11 @@ class Seq2SeqSession:
         lengths = np.array([len(source) for source in sources], np.int64)
         self._call("encode", {"source": tokens, "lengths": lengths, "slots": np.asarray(slots, np.int64)})
 
+    def fill(self, sources: Sequence, slots: Sequence[int]) -> FilledRows:
+        """Encodes sources into slots (see `encode`): each row decodes from the start token at position 0."""
+        self.encode(sources, slots)
+        return FilledRows([self.program.spec.decoder_start_token_id] * len(sources), [0] * len(sources), False)
+
     def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """One decode step of every slot (max_batch tokens and positions): the logits [max_batch, vocab]."""
         outputs = self._call("decode", {"tokens": np.asarray(tokens, np.int64), "positions": np.asarray(positions, np.int64)})
@@ -180,7 +202,7 @@ def padding_source(spec: Seq2SeqSpec):
 def source_rows(program, rows) -> list:
     """Sources as a program's stream takes them: audio features (a [batch, mel, frames] array or a
     sequence of [mel, frames] arrays) as arrays per row, else token ids as ints per row."""
-    if isinstance(program, Seq2SeqProgram) and program.spec.source == "features":
+    if program.source_kind == "features":
         return [np.asarray(row) for row in rows]
     return [list(map(int, row)) for row in rows]
 

@@ -5,7 +5,7 @@ them with `grouped_mm(x, weight.transpose(-2, -1), offsets)`: a grouped matmul
 (`jax.lax.ragged_dot`) over [experts, in, out]. XLA's TPU compiler copies the whole weight into that
 layout at every call: on v5e, Mixtral-8x7B's gate/up experts (8 x 4096 -> 14336, bf16) need 896 MiB
 of temporaries and 2692 MiB of HBM traffic for 64 tokens, against 0.1 MiB and 898 MiB for a weight
-stored [experts, in, out] (benchmarks/grouped_matmul.py). Dimension numbers that contract the stored
+stored [experts, in, out] (benchmarks/studies/grouped_matmul.py). Dimension numbers that contract the stored
 layout in place (`ragged_dot_general`, rhs contracting dim 2) get the same copy, measured alike. So
 the program stores such a weight with its last two axes swapped, and the transpose the model applies
 reads the stored array as it is (`TransposedWeight`): no transpose is left in the program.

@@ -28,7 +28,7 @@ read: wav2vec2's positional convolution; g stays float; the program computes the
 dequantized v, a float copy as the float program makes from v). A convolution weight has one scale per
 output channel in both modes, so the scale multiplies the convolution's result (an int4 group
 along the contraction would not commute with it: the weight would be dequantized before the
-convolution, which XLA:TPU materializes; benchmarks/weight_only_convolutions.py); one whose
+convolution, which XLA:TPU materializes; benchmarks/studies/weight_only_convolutions.py); one whose
 contraction (in/groups x kernel) has an odd number of elements is stored int8 in an int4
 conversion (INT8_ODD_CONVOLUTION_REASON). `keep_float` (a regex over state_dict names) keeps
 matching weights float. Others (norms, biases, transposed convolutions) stay float.

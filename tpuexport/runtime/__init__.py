@@ -1,7 +1,8 @@
 """Runtime: an artifact's AOT executables loaded on this host without compiling, requests padded to
 buckets (sits above the stages; tpuexport.serve builds on it)."""
 
-from tpuexport.runtime.entry_points import DEFAULT_ENTRY_POINT, BucketEntry, EntryPoint, choose_bucket, entry_points
+from tpuexport.lower.program import DEFAULT_ENTRY_POINT
+from tpuexport.runtime.entry_points import BucketEntry, EntryPoint, choose_bucket, entry_points
 from tpuexport.runtime.runner import Execution, PreparedRequest, Runner, open_runner
 
 __all__ = [

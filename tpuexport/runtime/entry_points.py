@@ -1,21 +1,19 @@
 """What an artifact offers to run: its entry points, each a signature with compiled buckets.
 
-A single-forward artifact holds one program, offered as the entry point "serving_default" (TF
-Serving's signature name, so a server maps a request's signature_name to it). A text-generation
-artifact lists its entry points (prefill, decode) in the manifest's "entry_points", each with its
-signature and state (the KV cache: inputs returned as outputs of the same name, kept on the device
-between calls); its buckets name their entry point. Everything above this module works per entry
-point.
+Every artifact lists its entry points in the manifest (artifact/records.py): a forward model's one
+is "serving_default" (TF Serving's signature name, so a server maps a request's signature_name to
+it); a text-generation artifact's fill and advance a cache, their state (inputs returned as outputs
+of the same name, kept on the device between calls). Each says whether a dim pads to the next
+bucket. Everything above this module works per entry point.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from tpuexport.artifact.records import BucketRecord, Manifest
 from tpuexport.errors import TpuExportError
 from tpuexport.signature import ProgramSignature
-
-DEFAULT_ENTRY_POINT = "serving_default"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,39 +57,22 @@ class EntryPoint:
     state: tuple[str, ...] = ()
 
 
-def entry_points(manifest: dict, target: str) -> dict[str, EntryPoint]:
+def entry_points(manifest: Manifest, target: str) -> dict[str, EntryPoint]:
     """The artifact's entry points with their buckets for one target.
 
     Args:
-      manifest: the artifact's manifest.
-      target: a target name among manifest["targets"].
+      manifest: the artifact's manifest records.
+      target: a target name among its targets.
     Returns:
       {name: EntryPoint}.
     """
-    recorded = manifest["targets"][target]["buckets"]
-    if "entry_points" in manifest:
-        # Exact sizes only: no padded bucket is verified for these entry points.
-        return {
-            name: EntryPoint(name, ProgramSignature.from_json(entry["signature"]), _buckets(b for b in recorded if b.get("entry_point") == name),
-                             None, "generation entry points run at their compiled sizes", tuple(entry.get("state", {})))
-            for name, entry in manifest["entry_points"].items()
-        }
-    signature = ProgramSignature.from_json(manifest["signature"])
-    dim = signature.batch_dim()
-    padding = manifest.get("padding")
-    note = ""
-    if dim is None:
-        note = "the program has no batch dim shared by every input and output"
-    elif padding is None:
-        note = "no padded bucket was verified (the artifact predates padding checks, or no bucket is ever padded)"
-    elif not padding["passed"]:
-        note = "padding the batch dim failed verification (manifest padding)"
-    return {DEFAULT_ENTRY_POINT: EntryPoint(DEFAULT_ENTRY_POINT, signature, _buckets(recorded), None if note else dim, note)}
+    return {name: EntryPoint(name, entry.signature, _buckets(manifest.buckets(target, name)), entry.padded_dim, entry.padding_note,
+                             entry.state)
+            for name, entry in manifest.entry_points.items()}
 
 
-def _buckets(recorded) -> tuple[BucketEntry, ...]:
-    buckets = (BucketEntry(entry["name"], dict(entry["sizes"]), entry["executable"], tuple(entry.get("state_as_bits", ())))
-               for entry in recorded)
+def _buckets(recorded: tuple[BucketRecord, ...]) -> tuple[BucketEntry, ...]:
+    buckets = (BucketEntry(bucket.name, dict(bucket.sizes), bucket.executable, bucket.state_as_bits) for bucket in recorded)
     return tuple(sorted(buckets, key=lambda bucket: tuple(bucket.sizes.values())))
 
 

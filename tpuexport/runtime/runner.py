@@ -40,7 +40,8 @@ from tpuexport.compile.slices import resolve_targets
 from tpuexport.errors import TpuExportError
 from tpuexport.lower.seq2seq import source_rows
 from tpuexport.runtime.executables import load_executable
-from tpuexport.runtime.entry_points import DEFAULT_ENTRY_POINT, BucketEntry, EntryPoint, choose_bucket, entry_points
+from tpuexport.lower.program import DEFAULT_ENTRY_POINT
+from tpuexport.runtime.entry_points import BucketEntry, EntryPoint, choose_bucket, entry_points
 from tpuexport.verify.padding import pad_rows
 
 
@@ -200,10 +201,6 @@ class Runner:
         Raises:
           TpuExportError: not a text-generation artifact, or prompts it cannot take.
         """
-        if "decode" not in self.entry_points:
-            raise TpuExportError(f"{self.artifact.path} has no decode entry point; generation needs a text-generation "
-                                 "artifact (convert with --task text-generation)")
-
         def call(name: str, inputs: list) -> list:
             return list(self.run(inputs, name).values())
 
@@ -241,7 +238,7 @@ def open_runner(path, target: str | None = None, allow_recompile: bool = False) 
     start = time.perf_counter()
     devices = jax.devices()
     chosen, difference = _choose_target(artifact.manifest, target, devices)
-    entries = entry_points(artifact.manifest, chosen)
+    entries = entry_points(artifact.records, chosen)
     if difference and not allow_recompile:
         raise TpuExportError(f"{artifact.path} target {chosen} was compiled for another host: {difference}; convert with --target "
                              f"for this host, or pass --allow-recompile (allow_recompile=True) to compile its StableHLO here")
@@ -251,8 +248,8 @@ def open_runner(path, target: str | None = None, allow_recompile: bool = False) 
         executables = _load_executables(artifact, entries, devices[0].platform)
     # Every bucket takes the weights with the same layout: place them once, as the first expects.
     weight_shardings = next(iter(executables.values()))[2]
-    arrays = map_weights(artifact.path / artifact.manifest["program"]["weights"])
-    weights = [jax.device_put(arrays[name], sharding) for name, sharding in zip(artifact.manifest["program"]["weight_names"], weight_shardings)]
+    arrays = map_weights(artifact.path / artifact.records.program.path)
+    weights = [jax.device_put(arrays[name], sharding) for name, sharding in zip(artifact.records.program.names, weight_shardings)]
     loaded = {key: (executable, input_shardings) for key, (executable, input_shardings, _) in executables.items()}
     return Runner(artifact, chosen, entries, loaded, weights, difference or None, time.perf_counter() - start)
 
@@ -326,7 +323,7 @@ def _load_executables(artifact: Artifact, entries: dict[str, EntryPoint], platfo
     Raises:
       TpuExportError: an executable whose bytes differ from the manifest's sha256.
     """
-    weight_count = len(artifact.manifest["program"]["weight_names"])
+    weight_count = len(artifact.records.program.names)
     loaded = {}
     for entry in entries.values():
         in_tree, out_tree = _trees(entry, weight_count)
@@ -350,12 +347,8 @@ def _compile_here(artifact: Artifact, target: str, entries: dict[str, EntryPoint
     Returns:
       (as `_load_executables`, the entry points with their buckets' state_as_bits as compiled here).
     """
-    if "entry_points" in artifact.manifest:
-        generation = artifact.generation_program
-        shared, lowered = generation.weights_program, generation.entry_points
-    else:
-        shared = artifact.program
-        lowered = {name: shared for name in entries}
+    lowered = artifact.entry_points
+    shared = next(iter(lowered.values()))  # every entry point takes the same weights
     programs, bits = {}, {}
     for name in entries:
         programs[name], bits[name] = (cpu_executable_program(lowered[name]) if devices[0].platform == "cpu"

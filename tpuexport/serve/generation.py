@@ -30,8 +30,6 @@ from typing import Iterator
 import numpy as np
 
 from tpuexport.errors import TpuExportError
-from tpuexport.lower.generation import GenerationSession, check_prompts
-from tpuexport.lower.seq2seq import Seq2SeqProgram, Seq2SeqSession, check_sources, padding_source
 from tpuexport.runtime import Runner
 from tpuexport.serve.batching import ShuttingDown
 from tpuexport.serve.metrics import Metrics
@@ -101,9 +99,8 @@ class GenerationScheduler:
         self.runner = runner
         self.program = runner.artifact.generation_program
         self.spec = self.program.spec
-        self.encoder_decoder = isinstance(self.program, Seq2SeqProgram)
-        # The batches the cache's slots are filled at: encode's for an encoder-decoder, else prefill's.
-        self.fill_batches = self.program.encode_batches if self.encoder_decoder else self.program.prefill_batches
+        # The batches the cache's slots are filled at (prefill's, or an encoder-decoder's encode's).
+        self.fill_batches = self.program.fill_batches
         self.metrics = metrics
         self.labels = labels
         self.waiting: collections.deque[_Request] = collections.deque()
@@ -131,10 +128,7 @@ class GenerationScheduler:
           ShuttingDown: after `close`.
         """
         sources = self._sources(rows, kind)
-        if self.encoder_decoder:
-            check_sources(self.spec, sources, max_new_tokens, SERVE_FEATURES_USAGE)
-        else:
-            check_prompts(self.spec, sources, max_new_tokens)
+        self.program.check_rows(sources, max_new_tokens, SERVE_FEATURES_USAGE)
         if self._fill_batch(len(sources), self.spec.max_batch) is None:
             raise TpuExportError(f"{len(sources)} prompts fit no compiled batch ({list(self.fill_batches)}) and batch 1 "
                                  "is not compiled; send as many prompts as a compiled batch, or convert with --bucket batch=1,...")
@@ -149,7 +143,7 @@ class GenerationScheduler:
     @property
     def source_kind(self) -> str:
         """What a request's rows must be: "features" for an audio encoder-decoder, else "prompts" (token ids)."""
-        return FEATURES if self.encoder_decoder and self.spec.source == "features" else PROMPTS
+        return FEATURES if self.program.source_kind == "features" else PROMPTS
 
     def signature(self) -> tuple[list[TensorSpec], list[TensorSpec]]:
         """(inputs, outputs) of gRPC's generate: the rows ("features" [batch, mel bins, frames] float32,
@@ -186,9 +180,8 @@ class GenerationScheduler:
             self.wake.notify()
         self.thread.join()
 
-    def _new_session(self) -> GenerationSession | Seq2SeqSession:
-        session = Seq2SeqSession if self.encoder_decoder else GenerationSession
-        return session(self.program, runner=lambda name, inputs: list(self.runner.run(inputs, name).values()))
+    def _new_session(self):
+        return self.program.session(runner=lambda name, inputs: list(self.runner.run(inputs, name).values()))
 
     def _loop(self) -> None:
         while True:
@@ -251,20 +244,14 @@ class GenerationScheduler:
         if request.fill_batch >= len(rows):
             # Padding rows (one token each, or silent features) go to free slots, which their occupant's fill overwrites.
             padding = [slot for slot in self._free_slots() if slot not in slots][:request.fill_batch - len(rows)]
-            filler = padding_source(self.spec) if self.encoder_decoder else [0]
-            fills = [([*rows, *[filler] * len(padding)], [*slots, *padding])]
+            fills = [([*rows, *[self.program.padding_row()] * len(padding)], [*slots, *padding])]
         else:
             fills = [([row], [slot]) for row, slot in zip(rows, slots)]
-        if self.encoder_decoder:
-            for batch_rows, batch_slots in fills:
-                self.session.encode(batch_rows, batch_slots)
-            request.tokens = [self.spec.decoder_start_token_id] * len(rows)
-            request.positions = [0] * len(rows)
-            return
-        logits = np.concatenate([self.session.prefill(batch_rows, batch_slots)[:len(batch_rows)] for batch_rows, batch_slots in fills])
-        request.tokens = [int(token) for token in logits[:len(rows)].argmax(-1)]
-        request.positions = [len(prompt) for prompt in rows]
-        self._emit(request, list(request.tokens))
+        filled = [self.session.fill(batch_rows, batch_slots) for batch_rows, batch_slots in fills]
+        request.tokens = [token for fill in filled for token in fill.tokens][:len(rows)]
+        request.positions = [position for fill in filled for position in fill.positions][:len(rows)]
+        if filled[0].generated:
+            self._emit(request, list(request.tokens))
 
     def _decode(self) -> None:
         """One decode step of every slot; each active request gets its rows' tokens."""

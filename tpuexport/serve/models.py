@@ -114,7 +114,7 @@ class ModelRepository:
                                      "converting, or serve one of them")
             runner = open_runner(artifact, target=target, allow_recompile=allow_recompile)
             labels = {"model": name, "version": str(version)}
-            generation = GenerationScheduler(runner, metrics, labels) if "decode" in runner.entry_points else None
+            generation = GenerationScheduler(runner, metrics, labels) if "generation" in runner.artifact.manifest else None
             self.models.setdefault(name, {})[version] = ServedModel(name, version, runner, Batcher(runner, batch_timeout, metrics, labels),
                                                                     generation)
 

@@ -5,7 +5,7 @@ from tpuexport.verify.generation import DEFAULT_NEW_TOKENS, GenerationReport, ea
 from tpuexport.verify.int8_kv_generation import INT8_KV_AGAINST, verify_int8_kv_generation
 from tpuexport.verify.kernels import KernelCheck, verify_kernels
 from tpuexport.verify.kernels import check_key as kernel_check_key
-from tpuexport.verify.padding import PaddingCheck, verify_padding
+from tpuexport.verify.padding import PaddingCheck, padding_policy, verify_padding
 from tpuexport.verify.seq2seq import verify_seq2seq
 from tpuexport.verify.quantized_generation import QuantizedGenerationReport, verify_quantized_generation
 from tpuexport.verify.report import VerificationCase, VerificationReport
@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_BUDGET_FLOPS",
     "OutputComparison",
     "PaddingCheck",
+    "padding_policy",
     "PlannedCase",
     "ProgramRuns",
     "ShardedVerification",

@@ -28,7 +28,7 @@ from tpuexport.verify.compare import Tolerances
 
 # Share of a quantized activation's elements allowed to round the other way (by one step).
 MAX_TIE_FRACTION = 1e-3
-# The rule for float results (benchmarks/int8_errors.py, op-by-op rows, 6 tiny families x 3 modes):
+# The rule for float results (benchmarks/studies/int8_errors.py, op-by-op rows, 6 tiny families x 3 modes):
 # correct lowerings err up to 5.3e-5 normalized (wav2vec2: erf and group norms reassociated), the
 # smallest planted bug (a scale off by one int8 step) 5.8e-3; this sits ten times from each.
 FLOAT_RULE = Tolerances(atol=1e-5, rtol=5e-4, scale_tol=5e-4)

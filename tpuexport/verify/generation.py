@@ -39,7 +39,7 @@ import torch
 from tpuexport.lower.generation import GenerationProgram, GenerationSession, cpu_runner
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
 from tpuexport.verify.compare import OutputComparison, Tolerances, compare_output, sqnr_db
-from tpuexport.verify.report import RUNS
+from tpuexport.verify.report import RUNS, summary_section
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
 from tpuexport.verify.tpu_numerics import tpu_faithful
 
@@ -200,6 +200,16 @@ class GenerationReport:
                                    f"[{getattr(self.tolerances, name).describe()}]")
         return "; ".join(clauses) or "generation matches"
 
+    def manifest_section(self) -> dict:
+        """The manifest's "verification" block of a text-generation artifact."""
+        return {
+            **summary_section(self),
+            "tokens_compared": self.tokens_compared(),
+            "ties": self.ties(),
+            "cases": [{"label": case.label, "sizes": case.sizes, "lengths": list(case.lengths), "slots": list(case.slots),
+                       "new_tokens": case.new_tokens, "golden": case.golden} for case in self.cases],
+        }
+
     def to_json(self) -> dict:
         return {
             "passed": self.passed,
@@ -272,7 +282,7 @@ def eager_references(program: GenerationProgram, model: torch.nn.Module, new_tok
     """generate() of every case's prompts (plan_prompts): per prefill bucket, per row, (new tokens,
     logits [steps, vocab]). Raises what the model raises."""
     references = []
-    for index, sizes in enumerate(program.prefill_buckets()):
+    for index, sizes in enumerate(program.fill_buckets()):
         prompts, _, steps = plan_prompts(program, sizes, new_tokens, seed=index)
         references.append([eager_generate(model, prompt, steps) for prompt in prompts])
     return references
@@ -382,7 +392,7 @@ def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolera
     tolerances = tolerances or default_tolerances(decode.resolved_precision, decode.matmul_precision, quantized=False)
     runs_programs = cpu_runs(program)
     cases, golden = [], {}
-    for index, sizes in enumerate(program.prefill_buckets()):
+    for index, sizes in enumerate(program.fill_buckets()):
         prompts, slots, steps = plan_prompts(program, sizes, new_tokens, seed=first_seed + index)
         lengths = tuple(len(prompt) for prompt in prompts)
         try:

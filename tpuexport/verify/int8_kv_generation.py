@@ -51,7 +51,7 @@ def verify_int8_kv_generation(program: GenerationProgram, modules: dict, toleran
     runs_programs = cpu_runs(program)
     reference_runner = torch_runner(modules)
     cases, golden = [], {}
-    for index, sizes in enumerate(program.prefill_buckets()):
+    for index, sizes in enumerate(program.fill_buckets()):
         prompts, slots, steps = plan_prompts(program, sizes, new_tokens, seed=index)
         lengths = tuple(len(prompt) for prompt in prompts)
         try:

@@ -135,6 +135,24 @@ def verify_padding(lowered: LoweredProgram, reference, example_inputs: Sequence[
     return PaddingCheck(dim, rows, bucket, comparisons)
 
 
+def padding_policy(signature, passed: bool | None) -> tuple[str | None, str]:
+    """(the dim a runtime may pad to the next bucket, or None; why not, or "") for a program whose
+    padded-bucket run `passed` (None: no padded run, no bucket is ever padded).
+
+    Args:
+      signature: the program's signature (a ProgramSignature).
+      passed: PaddingCheck.passed, or None.
+    """
+    dim = signature.batch_dim()
+    if dim is None:
+        return None, "the program has no batch dim shared by every input and output"
+    if passed is None:
+        return None, "no padded bucket was verified (the artifact predates padding checks, or no bucket is ever padded)"
+    if not passed:
+        return None, "padding the batch dim failed verification (manifest padding)"
+    return dim, ""
+
+
 def pad_rows(array: np.ndarray, size: int) -> np.ndarray:
     """`array` with rows of PAD_VALUE appended along axis 0 up to `size` rows."""
     if array.shape[0] == size:

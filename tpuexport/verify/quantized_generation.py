@@ -135,7 +135,7 @@ def verify_quantized_generation(program: GenerationProgram, model: torch.nn.Modu
     reference_runner = torch_runner(references, first_inputs)
     cases, golden = [], {}
     artifact_logits, pt2e_logits, cpu_logits, float_values, divergences = [], [], [], [], []
-    for index, sizes in enumerate(program.prefill_buckets()):
+    for index, sizes in enumerate(program.fill_buckets()):
         prompts, slots, steps = plan_prompts(program, sizes, new_tokens, seed=index)
         lengths = tuple(len(prompt) for prompt in prompts)
         tokens, expected = greedy_logits(GenerationSession(program, reference_runner), prompts, slots, sizes["seq"], steps)

@@ -71,6 +71,17 @@ class VerificationCase:
         return describe_sizes(self.sizes)
 
 
+# Where every artifact keeps its verification report and golden data (artifact/layout.py's names).
+REPORT_PATH, GOLDEN_PATH = "verification/report.json", "verification/golden.safetensors"
+
+
+def summary_section(report) -> dict:
+    """What the manifest's "verification" block says of any report (forward or generation): outcome,
+    reference, arithmetic, tolerances, and where the report and golden data are."""
+    return {"passed": report.passed, "against": report.against, "matmul_precision": report.matmul_precision,
+            "tolerances": report.tolerances.to_json(), "report": REPORT_PATH, "golden": GOLDEN_PATH}
+
+
 @dataclasses.dataclass(frozen=True)
 class VerificationReport:
     """The verify stage's result.
@@ -139,6 +150,14 @@ class VerificationReport:
         return {
             run: max((o.relative_rms_error for case in self.cases for o in case.runs.get(run, ())), default=0.0)
             for run in RUNS
+        }
+
+    def manifest_section(self) -> dict:
+        """The manifest's "verification" block (its details are in verification/report.json)."""
+        return {
+            **summary_section(self),
+            "cases": [{"label": c.label, "sizes": c.sizes, "reason": c.reason, "golden": c.golden} for c in self.cases],
+            "conformance": None if self.conformance is None else self.conformance.to_json(),
         }
 
     def to_json(self) -> dict:

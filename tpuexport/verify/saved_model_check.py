@@ -19,10 +19,14 @@ from tpuexport.verify.report import describe_sizes
 COMPARE_MODULE = pathlib.Path(__file__).with_name("compare.py")
 
 
-def child_request(artifact_dir: pathlib.Path, manifest: dict) -> dict:
-    """What the child needs, with absolute paths and concrete shapes (the child cannot evaluate dims)."""
-    signature = ProgramSignature.from_json(manifest["signature"])
-    verification = manifest["verification"]
+def child_request(artifact_dir: pathlib.Path, signature: ProgramSignature, verification: dict, tf_serving: dict) -> dict:
+    """What the child needs, with absolute paths and concrete shapes (the child cannot evaluate dims).
+
+    Args:
+      artifact_dir: the artifact (or its staging) directory.
+      signature: the served entry point's signature.
+      verification, tf_serving: the manifest's sections of those names.
+    """
     cases = [
         {
             "label": case["label"],
@@ -34,8 +38,8 @@ def child_request(artifact_dir: pathlib.Path, manifest: dict) -> dict:
         if case["golden"]
     ]
     return {
-        "saved_model": str(artifact_dir / manifest["tf_serving"]["saved_model"]),
-        "signature_name": manifest["tf_serving"]["signature"],
+        "saved_model": str(artifact_dir / tf_serving["saved_model"]),
+        "signature_name": tf_serving["signature"],
         "golden": str(artifact_dir / verification["golden"]),
         "compare_module": str(COMPARE_MODULE),
         "inputs": [{"name": spec.name, "dtype": spec.dtype} for spec in signature.inputs],

@@ -133,7 +133,7 @@ def verify_seq2seq(program: Seq2SeqProgram, model: torch.nn.Module, tolerances: 
     if reference_positions:
         new_tokens = min(new_tokens, reference_positions - 1)
     cases, golden = [], {}
-    for index, sizes in enumerate(program.encode_buckets()):
+    for index, sizes in enumerate(program.fill_buckets()):
         sources, slots, steps = plan_sources(program, sizes, new_tokens, seed=first_seed + index)
         lengths = source_lengths(program, sources)
         try:

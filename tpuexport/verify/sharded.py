@@ -91,6 +91,12 @@ class ShardedVerification:
         return (f"{', '.join(self.targets)}: mesh {self.plan.mesh_text} on {self.plan.devices} CPU devices ({exchanged}), "
                 f"{len(self.cases)} size(s), {'passed' if self.passed else 'FAILED'}")
 
+    def manifest_summary(self) -> dict:
+        """This run as the manifest's "verification"["sharded"] lists it (details in report.json)."""
+        entry = self.to_json()
+        return ({key: entry[key] for key in ("targets", "passed", "devices", "mesh", "collectives")}
+                | {"cases": [{key: case[key] for key in ("label", "sizes", "reason", "passed")} for case in entry["cases"]]})
+
     def to_json(self) -> dict:
         return {
             "targets": list(self.targets),

@@ -105,6 +105,12 @@ class ShardedGenerationVerification:
         return (f"{', '.join(self.targets)}: mesh {self.mesh_text} on {self.plans['decode'].devices} CPU devices ({exchanged}); "
                 f"{case}, {done}")
 
+    def manifest_summary(self) -> dict:
+        """This run as the manifest's "verification"["sharded"] lists it (details in report.json)."""
+        entry = self.to_json()
+        return ({key: entry[key] for key in ("targets", "passed", "devices", "mesh", "collectives", "aliased_outputs", "resharded_calls")}
+                | {"case": {key: entry["case"][key] for key in ("label", "sizes", "lengths", "new_tokens", "passed")}})
+
     def to_json(self) -> dict:
         case = self.case
         return {

@@ -8,8 +8,8 @@ Every case runs the lowered program twice on CPU and compares both with eager Py
   cpu   the plain XLA:CPU run, true f32. It differs from eager PyTorch only by the order of float
         sums, so its tight tolerances catch lowering bugs far smaller than bf16 rounding noise.
 
-Both must pass. The figures come from `benchmarks/float_errors.py` and `benchmarks/int8_errors.py`
-over the coverage families and full-size configs (README, "Verification"): each default sits a
+Both must pass. The figures come from `benchmarks/studies/float_errors.py` and `benchmarks/studies/int8_errors.py`
+over the coverage families and full-size configs (docs/verification.md): each default sits a
 safety factor above the worst error measured on correct lowerings, and below the smallest error
 any planted bug produced.
 """
@@ -21,7 +21,7 @@ import dataclasses
 from tpuexport.verify.compare import Tolerances
 
 # Worst errors of correct lowerings, as max |actual - expected| / (|expected| + rms(expected)) over
-# every output (benchmarks/float_errors.py; 27 tiny families, the 3 examples and 6 full-size configs:
+# every output (benchmarks/studies/float_errors.py; 27 tiny families, the 3 examples and 6 full-size configs:
 # BERT-base, ViT-base, Swin-tiny, ResNet-50, wav2vec2-base, a 12-layer Llama):
 #   plain f32 on XLA:CPU   1.1e-5 (llama-base); planted bugs 1.7e-2 and up
 #   TPU, one bf16 pass     6.0e-2 (llama-base logits); 2.7e-2 at most on the tiny families
@@ -47,7 +47,7 @@ TPU_F32 = {
 # A model that holds bfloat16 (or float16) weights itself ("auto" resolved to "bf16"/"f16") gets the
 # same rule: eager PyTorch rounds as the program does, but in another order of operations.
 BF16 = {name: Tolerances(atol=1e-3, rtol=0.25, scale_tol=0.25, min_fraction=1 - ROUNDED_OUTLIERS) for name in ("bf16", "bf16-mixed", "f16")}
-# int8 programs, compared end to end with the PT2E-converted model (benchmarks/int8_errors.py): correct
+# int8 programs, compared end to end with the PT2E-converted model (benchmarks/studies/int8_errors.py): correct
 # lowerings reach down to 25.9 dB SQNR and 1% of elements beyond 8 int8 steps (ViT-base, 12 layers),
 # rounding differences compounding through the layers; the strict check of an int8 program is the
 # op-by-op one (conformance.py), this bound catches what that cannot see (e.g. a wrong program order).

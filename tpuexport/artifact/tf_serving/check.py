@@ -7,6 +7,7 @@ import pathlib
 
 from tpuexport.artifact.tf_serving.tensorflow_process import TensorFlowProcess
 from tpuexport.errors import TpuExportError
+from tpuexport.signature import ProgramSignature
 from tpuexport.verify.saved_model_check import child_request, failed_check
 
 
@@ -15,8 +16,8 @@ def check_saved_model(artifact_dir: pathlib.Path, manifest: dict) -> dict:
 
     Args:
       artifact_dir: an artifact directory, or a conversion's staging directory before its rename.
-      manifest: the artifact's manifest; "signature", "verification" (tolerances, golden, cases)
-        and "tf_serving" (saved_model, signature) are read.
+      manifest: the artifact's manifest; the served entry point's signature, "verification"
+        (tolerances, golden, cases) and "tf_serving" (saved_model, signature) are read.
     Returns:
       JSON-able: "passed"; "cases" (one per golden case: label, sizes, passed, error, outputs
       with their errors, as in verification/report.json); "out_of_range" (sizes, rejected,
@@ -30,7 +31,9 @@ def check_saved_model(artifact_dir: pathlib.Path, manifest: dict) -> dict:
         raise TpuExportError(f"{artifact_dir} has no TF SavedModel (converted with --no-saved-model); convert again without it")
     with TensorFlowProcess() as tensorflow:
         try:
-            reply = tensorflow.request("check", **child_request(pathlib.Path(artifact_dir).resolve(), manifest))
+            signature = ProgramSignature.from_json(manifest["entry_points"][manifest["tf_serving"]["signature"]]["signature"])
+            reply = tensorflow.request("check", **child_request(pathlib.Path(artifact_dir).resolve(), signature, manifest["verification"],
+                                                                manifest["tf_serving"]))
         except TpuExportError as error:
             return failed_check(str(error), tensorflow.elapsed())
         if not reply["ok"]:

@@ -21,7 +21,6 @@ import time
 from typing import Callable, Sequence
 
 from tpuexport.artifact import layout
-from tpuexport.artifact.writer import verification_section
 from tpuexport.compile import Bucket
 from tpuexport.errors import TpuExportError
 from tpuexport.lower import LoweredProgram
@@ -178,7 +177,7 @@ class TfServingExport:
           SavedModelMismatch: the SavedModel does not reproduce the golden outputs, or accepts
             out-of-range sizes.
         """
-        verification = verification_section(self.verification)
+        verification = self.verification.manifest_section()
         tensorflow = self.build.tensorflow
         saved_model = layout.saved_model_path(self.model_name, self.model_version)
         build_seconds = self.build.finish(staging / saved_model)
@@ -187,8 +186,7 @@ class TfServingExport:
                          f"{section['saved_model_bytes'] / 2**20:.2f} MiB, TF Serving model {self.model_name} v{self.model_version}, "
                          "saved by TensorFlow alongside verify")
         started = time.perf_counter()
-        reply = tensorflow.request("check", **child_request(staging, {"signature": self.lowered.signature.to_json(),
-                                                                      "verification": verification, "tf_serving": section}))
+        reply = tensorflow.request("check", **child_request(staging, self.lowered.signature, verification, section))
         result = {**reply, "seconds": round(time.perf_counter() - started, 3)} if reply["ok"] else failed_check(reply["error"], 0.0)
         self.report_step("check saved_model", result["seconds"],
                          f"{len(result['cases'])} size(s) in TensorFlow, {'passed' if result['passed'] else 'FAILED'}")
@@ -200,7 +198,7 @@ class TfServingExport:
                    **{f"tf_{k}": v for k, v in result["tf_seconds"].items()}}
         return {
             "tf_serving": section,
-            "verification": {**verification, "saved_model": manifest_summary(outcome)},
+            "verification": {"saved_model": manifest_summary(outcome)},
             "build": {"tf_serving_seconds": timings},
         }
 

@@ -1,0 +1,389 @@
+"""The text-generation task: a Hugging Face causal LM as prefill and decode entry points over a KV cache
+(export/generation.py), an encoder-decoder as encode and decode over a self-attention and a
+cross-attention cache (export/seq2seq.py); verified by greedy generation against generate().
+
+  verify   greedy generation vs Hugging Face generate, teacher-forced, both CPU runs (PT2E int8:
+           vs the PT2E entry points, verify/quantized_generation.py; an int8 cache: vs the eager
+           int8-cache entry points, verify/int8_kv_generation.py; weight-only: vs the model with its
+           weights rounded as the artifact rounds them, its distance from the float model measured)
+  verify sharded  per slice plan, a verified case's fill and decode steps partitioned on N CPU
+           devices, the cache carried between calls, vs the same references (verify/sharded_generation.py)
+
+With a checkpoint, the eager model generate() runs is a copy of the model whose parameters are the
+checkpoint's memory-mapped tensors (export.with_checkpoint_weights), and the program's are the
+artifact's weights file, memory-mapped: neither is a copy the process owns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import pathlib
+
+import torch
+
+from tpuexport import artifact as artifact_stage
+from tpuexport.arrays import load_arrays
+from tpuexport import export as export_stage
+from tpuexport import lower as lower_stage
+from tpuexport import verify as verify_stage
+from tpuexport.errors import TpuExportError, VerificationError
+from tpuexport.export.huggingface import generation_context
+from tpuexport.tasks.conversion import (META_WEIGHTS_ERROR, PT2E_CHECKPOINT_ERROR, Conversion, describe_precision, verification_tolerances,
+                                        write_failed_report)
+from tpuexport.tasks.spec import EntryPointSpec, ProgramSpec, Task, Verified
+from tpuexport.verify.generation import replay_golden
+from tpuexport.verify.seq2seq import replay_golden as replay_seq2seq_golden
+
+# Why decode keeps XLA's attention: its query is one token over the whole cache (flash's blocks are
+# query-by-key tiles); a ragged/paged decode kernel reads the cache in the layout it pages.
+DECODE_KERNEL_REASON = ("decode: one query per row over the KV cache; the flash kernel tiles queries, and a ragged/paged "
+                        "decode attention kernel is not used yet")
+ENCODER_DECODER_KERNEL_REASON = "encoder-decoder entry points keep XLA's attention (kernels are not lowered for them yet)"
+# Generation entry points run at their compiled sizes: rows go to cache slots, never padded by the runtime.
+EXACT_SIZES = (None, "generation entry points run at their compiled sizes")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationSources:
+    """What quantization and verification need beside the entry points: the cache's spec, the user's
+    model, the eager entry-point modules over it, and with a checkpoint the model holding the
+    checkpoint's tensors."""
+
+    spec: object
+    model: torch.nn.Module
+    modules: dict[str, torch.nn.Module]
+    checkpoint_model: torch.nn.Module | None
+
+
+class TextGenerationTask(Task):
+    name = "text-generation"
+
+    def check(self, conversion: Conversion) -> None:
+        options, model = conversion.options, conversion.loaded.model
+        if not isinstance(model, torch.nn.Module):
+            raise TpuExportError(f"--task text-generation needs the nn.Module of a Hugging Face causal LM, not a {type(model).__name__}")
+        if options.max_context is None:
+            if getattr(model, "config", None) is None:
+                raise TpuExportError("--task text-generation needs --max-context N (positions per cache slot), e.g. --max-context 2048")
+            # A Hugging Face config says how far its positions go, as for a directory source.
+            conversion.options = dataclasses.replace(options, max_context=generation_context(model))
+        streamed = conversion.loaded.checkpoint is not None and not conversion.plan_only
+        if not conversion.plan_only and not streamed and export_stage.weights_on_meta(model):
+            raise TpuExportError(f"{META_WEIGHTS_ERROR} (tpuexport.plan or convert(weights=False) in Python)")
+        if streamed and options.pt2e:
+            raise TpuExportError(PT2E_CHECKPOINT_ERROR)
+        if export_stage.is_encoder_decoder(model):
+            unsupported = [what for what, given in (("--quantize", options.quantize), ("--checkpoint", conversion.loaded.checkpoint is not None),
+                                                     ("--kv-cache-dtype int8", options.kv_cache_dtype == "int8"),
+                                                     ("a slice target", conversion.slices), ("a plan (--no-weights)", conversion.plan_only))
+                           if given]
+            if unsupported:
+                raise TpuExportError(f"--task text-generation of an encoder-decoder ({type(model).__name__}) does not support "
+                                     f"{unsupported[0]} yet; convert it in float on single-chip targets with its weights")
+
+    def specify(self, conversion: Conversion) -> ProgramSpec:
+        options, loaded = conversion.options, conversion.loaded
+        requested = dict(options.buckets or {})
+        unknown = sorted(set(requested) - {"batch", "seq"})
+        encoder_decoder = export_stage.is_encoder_decoder(loaded.model)
+        fill = "encode" if encoder_decoder else "prefill"
+        if unknown:
+            raise TpuExportError(f"--bucket {unknown[0]} is not a dim of {'encoder-decoder generation' if encoder_decoder else 'text generation'}; "
+                                 f"{fill}'s dims are batch and seq ({'source' if encoder_decoder else 'prompt'} length)")
+        batches = tuple(sorted(set(requested.get("batch") or {1, options.max_batch})))
+        if not all(1 <= batch <= options.max_batch for batch in batches):
+            raise TpuExportError(f"--bucket batch={','.join(map(str, batches))} is out of range: {fill} batches are 1..{options.max_batch} "
+                                 "(--max-batch)")
+        seq = tuple(requested["seq"]) if "seq" in requested else None
+        return _seq2seq_spec(conversion, seq, batches) if encoder_decoder else _decoder_spec(conversion, seq, batches)
+
+    def quantize(self, conversion: Conversion) -> dict:
+        from tpuexport.quantize.generation import quantize_entry_points
+
+        options = conversion.options
+        with conversion.clock.stage("quantize", lambda: "; ".join(f"{name} {result.describe()}" for name, result in quantized.items())):
+            quantized = quantize_entry_points(conversion.captured, conversion.spec.state.spec, options.quantize, options.calibration,
+                                              options.calibration_file, options.random_calibration)
+        return quantized
+
+    def input_rules(self, conversion: Conversion, entry_point: str, mesh: dict[str, int]) -> tuple:
+        """The KV cache laid out by the preset: its kv-heads axis on the model axis (tensor-parallel),
+        its batch axis on the data axis (data-parallel, fsdp, or a tensor-parallel mesh with a data axis)."""
+        spec, preset = conversion.program.spec, conversion.options.sharding.preset
+        heads = 2 if spec.layout == "layer_batch_head_pos" else 3
+        cache_spec = [None] * len(spec.cache_shape)
+        if preset == "tensor-parallel" and "model" in mesh:
+            cache_spec[heads] = "model"
+        if "data" in mesh and preset in ("data-parallel", "fsdp", "tensor-parallel"):
+            cache_spec[1] = "data"
+        # An int8 cache's scales ([layers, batch, kv_heads, context]) split alike: heads on axis 2, batch on 1.
+        scale_spec = [None, cache_spec[1], cache_spec[heads], None]
+        # The sliding layers' rings (a model mixing full and sliding layers) split as the cache does.
+        caches = export_stage.CACHE_INPUTS + export_stage.WINDOW_CACHE_INPUTS
+        inputs = [spec.name for spec in conversion.program.entry_points[entry_point].signature.inputs]
+        return (tuple((name, tuple(cache_spec)) for name in spec.cache_inputs if name in caches and name in inputs)
+                + tuple((name, tuple(scale_spec)) for name in spec.cache_inputs if name not in caches and name in inputs))
+
+    def verify(self, conversion: Conversion) -> Verified:
+        program, options, clock = conversion.program, conversion.options, conversion.clock
+        report = None
+        fill = program.fill_entry_point
+        with clock.stage("verify", lambda: describe_generation(report, fill)):
+            report = _verify_generation(conversion)
+        if not report.passed:
+            raise VerificationError(report, write_failed_report(options.out, report.to_json()))
+        sharded = _verify_slices(conversion, report)
+        writers = ()
+        if conversion.weight_only is not None:
+            writers += (_weight_only_section(program.weights_program, conversion.weight_only),)
+        if conversion.quantized:
+            writers += (_int8_report(conversion, report),)
+        return Verified(report, tuple(sharded), {name: EXACT_SIZES for name in program.entry_points}, writers)
+
+    def replay_golden(self, artifact, tolerances):
+        """The stored cases' fill and decode steps, teacher-forced, against generate()'s tokens and logits."""
+        golden = load_arrays(artifact.read_checked(artifact.manifest["verification"]["golden"]))
+        program = artifact.generation_program
+        replay = replay_seq2seq_golden if isinstance(program, lower_stage.Seq2SeqProgram) else replay_golden
+        return replay(program, golden, artifact.manifest["verification"]["cases"], tolerances)
+
+    def describe_golden(self, report) -> str:
+        return f"{len(report.cases)} stored generation case(s), {report.tokens_compared()} tokens, match generate()'s tokens and logits"
+
+    def bucket_figures(self, conversion: Conversion):
+        spec = conversion.program.spec
+        return lambda name, result: {"decode_step": decode_step_figures(result, spec)} if name == "decode" else {}
+
+
+def _decoder_spec(conversion: Conversion, seq: tuple[int, ...] | None, batches: tuple[int, ...]) -> ProgramSpec:
+    """Prefill and decode over one model; with a checkpoint, both exported on the meta device, their
+    weights the one checkpoint copy's tensors (one set of weights, streamed once)."""
+    options, loaded, model = conversion.options, conversion.loaded, conversion.loaded.model
+    spec = export_stage.generation_spec(model, options.max_batch, options.max_context, options.cache_layout, seq, options.kv_cache_dtype,
+                                        options.sliding_window_cache)
+    streamed = loaded.checkpoint is not None and not conversion.plan_only
+    checkpoint_model = export_stage.with_checkpoint_weights(model, loaded.checkpoint) if streamed else None
+    state = None if checkpoint_model is None else export_stage.Checkpoint(
+        {**dict(checkpoint_model.named_parameters(remove_duplicate=False)), **dict(checkpoint_model.named_buffers(remove_duplicate=False))},
+        loaded.checkpoint.description, loaded.checkpoint.name)
+    modules = export_stage.entry_point_modules(model, spec)
+    # A plan of a model built on the CPU exports with its CPU weights, as a forward plan does.
+    on_meta = state is not None or (conversion.plan_only and export_stage.weights_on_meta(model))
+    sizes = {"seq": list(spec.prefill_buckets)}
+    if spec.max_batch > 1:  # one cache slot: prefill's batch is static (no batch dim to bucket)
+        sizes["batch"] = list(batches)
+    entry_points = {}
+    for name, (args, dynamic_shapes) in export_stage.example_arguments(spec, "meta" if on_meta else "cpu").items():
+        source = export_stage.LoadedSource(modules[name], args, dynamic_shapes, None, loaded.info, checkpoint=state)
+        source = export_stage.on_meta_device(source) if conversion.plan_only else source
+        entry_points[name] = EntryPointSpec(source, sizes if name == "prefill" else None, DECODE_KERNEL_REASON if name == "decode" else None)
+    cache = f"{f'int8 + {spec.scale_dtype} scales' if spec.quantized else spec.dtype}"
+    description = (f"entry points prefill (batch {list(batches)} x seq {list(spec.prefill_buckets)}) and decode (batch {spec.max_batch}); "
+                   f"cache {spec.layout} {list(spec.cache_shape)} {_describe_window_cache(spec)}{cache}")
+    return ProgramSpec(entry_points, lambda lowered: lower_stage.GenerationProgram(spec, lowered, batches), True, description,
+                       GenerationSources(spec, model, modules, checkpoint_model))
+
+
+def _seq2seq_spec(conversion: Conversion, seq: tuple[int, ...] | None, batches: tuple[int, ...]) -> ProgramSpec:
+    """Encode and decode over one encoder-decoder. Unscanned: encode would scan the encoder's layers
+    (their weights stacked) while decode, which does not run the encoder, keeps them apart, and the
+    two must take one set of weights. Sizes: --max-batch, --max-context (decoder positions), --bucket
+    seq= (source lengths; the longest is the cross cache's positions; not for audio sources, whose
+    length is the encoder's), --bucket batch= (encode batches)."""
+    options, loaded, model = conversion.options, conversion.loaded, conversion.loaded.model
+    spec = export_stage.seq2seq_spec(model, options.max_batch, options.max_context, seq)
+    modules = export_stage.seq2seq_entry_point_modules(model, spec)
+    # Audio features have no seq dim (their frames are static); batch is a dim unless max batch is 1.
+    sizes = {"batch": list(batches)} if spec.max_batch > 1 else {}
+    if spec.source != "features":
+        sizes["seq"] = list(spec.source_buckets)
+    entry_points = {name: EntryPointSpec(export_stage.LoadedSource(modules[name], args, shapes, None, loaded.info),
+                                         sizes if name == "encode" else None, ENCODER_DECODER_KERNEL_REASON)
+                    for name, (args, shapes) in export_stage.seq2seq_example_arguments(spec).items()}
+    sources = f"{spec.features[0]} x {spec.features[1]} features" if spec.source == "features" else f"source {list(spec.source_buckets)}"
+    description = (f"entry points encode (batch {list(batches)} x {sources}) and decode (batch {spec.max_batch}); "
+                   f"caches {list(spec.cache_shape)} + cross {list(spec.cross_shape)} {spec.dtype}")
+    return ProgramSpec(entry_points, lambda lowered: lower_stage.Seq2SeqProgram(spec, lowered, batches), False, description,
+                       GenerationSources(spec, model, modules, None))
+
+
+def _verify_generation(conversion: Conversion):
+    """The generation report of the program against its reference (module docstring)."""
+    program, options, sources = conversion.program, conversion.options, conversion.spec.state
+    tolerances = verification_tolerances(program.weights_program, options, conversion.quantized is not None)
+    if isinstance(program, lower_stage.Seq2SeqProgram):
+        return verify_stage.verify_seq2seq(program, sources.model, tolerances, options.new_tokens)
+    if conversion.quantized:  # int8: against the PT2E entry points, as forward int8 programs are
+        references = {name: result.captured.reference for name, result in conversion.quantized.items()}
+        return verify_stage.verify_quantized_generation(program, sources.model, references, tolerances, options.new_tokens)
+    float_model = sources.model if sources.checkpoint_model is None else sources.checkpoint_model
+    # A weight-only program is compared with generate() on the model with those weights dequantized;
+    # its distance from the float model's generate() is measured too.
+    weight_only = conversion.weight_only
+    float_reference = verify_stage.eager_references(program, float_model, options.new_tokens) if weight_only or program.spec.quantized else None
+    if sources.checkpoint_model is None:
+        with _dequantized_weights(sources.modules["decode"], program.weights_program, weight_only):
+            if program.spec.quantized:
+                return verify_stage.verify_int8_kv_generation(program, sources.modules, tolerances, float_reference, options.new_tokens)
+            return verify_stage.verify_generation(program, sources.model, tolerances, options.new_tokens, float_reference)
+    eager_model = sources.checkpoint_model if weight_only is None else _dequantized_checkpoint_model(conversion)
+    if program.spec.quantized:
+        return verify_stage.verify_int8_kv_generation(program, export_stage.entry_point_modules(eager_model, program.spec), tolerances,
+                                                      float_reference, options.new_tokens)
+    return verify_stage.verify_generation(program, eager_model, tolerances, options.new_tokens, float_reference)
+
+
+def _verify_slices(conversion: Conversion, report) -> list:
+    """Per distinct set of entry-point plans (one per slice target; equal sizes share one), a verified
+    case's fill and decode steps partitioned by them on as many CPU devices (verify/sharded_generation.py).
+
+    Raises:
+      VerificationError: a plan's run does not match (its report written next to the artifact).
+    """
+    plans = conversion.plans
+    grouped: dict[tuple, list[str]] = {}
+    for target in plans.get("decode", {}):
+        grouped.setdefault(tuple(plans[name][target] for name in plans), []).append(target)
+    results = []
+    for entry_plans, targets in grouped.items():
+        entry_plans = dict(zip(plans, entry_plans))
+        with conversion.clock.stage(f"verify sharded {entry_plans['decode'].mesh_text}", lambda: results[-1].describe()):
+            results.append(verify_stage.verify_sharded_generation(conversion.program, entry_plans, targets, report))
+        if not results[-1].passed:
+            failed = {**report.to_json(), "sharded": [result.to_json() for result in results]}
+            raise VerificationError(report, write_failed_report(conversion.options.out, failed), results[-1].failure_summary())
+    return results
+
+
+def _dequantized_weights(module: torch.nn.Module, lowered: lower_stage.LoweredProgram, scheme):
+    """While open, eager PyTorch computes with `module`'s weight-only weights rounded and dequantized
+    (quantize/weight_only.py); a no-op without a scheme."""
+    if scheme is None:
+        return contextlib.nullcontext()
+    from tpuexport.quantize.weight_only import DequantizedReference, DequantizedWeights
+
+    return DequantizedWeights(DequantizedReference(module, lowered.quantized_state_axes, scheme).weights, scheme)
+
+
+def _dequantized_checkpoint_model(conversion: Conversion) -> torch.nn.Module:
+    """The eager reference of a weight-only generation program streamed from a checkpoint: a copy of
+    the model whose quantized weights are the checkpoint's rounded and dequantized (from its float
+    tensors, not from the artifact's integers) once, written to a scratch file and memory-mapped,
+    and whose other weights are the checkpoint model's (the checkpoint's memory maps).
+
+    Rounding at every use (DequantizedWeights) would round every weight again at each generate()
+    step: for Llama-3.2-1B, minutes per step on two cores. The file is written one weight at a time
+    and its pages are file-backed, so the process owns no rounded copy of the model.
+    """
+    import jax
+
+    from tpuexport.arrays import numpy_dtype
+    from tpuexport.quantize.weight_only import fake_quantized, scheme_for
+
+    sources, scheme, lowered = conversion.spec.state, conversion.weight_only, conversion.program.weights_program
+    # The entry points hold the causal LM as `model` (export/generation.py), so their state names carry that prefix.
+    axes = {part.removeprefix("model."): axis for part, axis in lowered.quantized_state_axes.items()}
+    model = sources.checkpoint_model
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # one name per tensor (tied once)
+    names = [name for name in state if name in axes]
+    path = conversion.scratch / "dequantized.safetensors"
+    with conversion.clock.stage("dequantize", lambda: f"{len(names)} weight(s) rounded and dequantized once for generate(), "
+                                                      f"{written / 2**30:.2f} GiB memory-mapped"):
+        specs = [jax.ShapeDtypeStruct(tuple(state[name].shape), numpy_dtype(str(state[name].dtype).removeprefix("torch."))) for name in names]
+        written = artifact_stage.write_weights(path, names, specs, lambda name: [fake_quantized(state[name], scheme_for(scheme, state[name].shape, axes[name]), axes[name])])
+        dequantized = export_stage.open_checkpoint(path)
+        tensors = {name: dequantized[name] if name in axes else tensor for name, tensor in state.items()}
+        reference = export_stage.with_checkpoint_weights(sources.model, export_stage.Checkpoint(tensors, "the dequantized weights"))
+    return reference
+
+
+def _weight_only_section(lowered: lower_stage.LoweredProgram, scheme):
+    """The writer of a weight-only generation artifact's quantization section (which weights, how,
+    bytes vs f32; its outputs are compared with generate() by verification, not by SQNR)."""
+    from tpuexport.verify.quantization_report import weight_only_section
+
+    return lambda staging: {"quantization": weight_only_section(lowered, scheme)}
+
+
+def _int8_report(conversion: Conversion, report):
+    """The writer of a PT2E int8 generation artifact's quantization report (SQNR per entry point and of
+    the verified logits against the float model, the integer share of each entry point's first TPU
+    executable's matmul FLOPs)."""
+    from tpuexport.verify import quantization_report
+
+    def write(staging: pathlib.Path) -> dict:
+        with conversion.clock.stage("quantization report", lambda: quantization_report.describe_report(content)):
+            matmuls = {name: quantization_report.CompiledMatmuls(result.results[0].target.name, result.results[0].bucket.name,
+                                                                 result.results[0].matmul_flops)
+                       for name, result in conversion.compiled().items()}
+            content = quantization_report.generation_report(conversion.quantized, conversion.program, matmuls, report.float_comparison)
+        return quantization_report.report_writer(content)(staging)
+
+    return write
+
+
+def decode_step_figures(result, spec) -> dict:
+    """What one decode step must read per device (its arguments: weights + the whole cache, the
+    live cache at max batch x max context) next to XLA's bytes accessed, and the largest batch
+    that fits the device, estimated linearly from the compiled max batch (cache and temporaries
+    grow with the batch, weights do not)."""
+    memory = result.memory
+    must_read = memory["argument_bytes"]
+    cache = _cache_bytes_per_device(result, spec)
+    per_slot = (cache + memory["temp_bytes"]) / spec.max_batch
+    headroom = result.target.hbm_bytes_per_device - memory["total_bytes"]
+    accessed = result.cost.get("bytes_accessed") or 0.0
+    return {
+        "must_read_bytes": must_read,
+        # The arguments less the cache: the weights (and the step's few token and position ids).
+        "weight_bytes": must_read - cache,
+        "cache_bytes": cache,
+        "temp_bytes": memory["temp_bytes"],
+        "xla_bytes_accessed": accessed if accessed > 0 else "unknown",
+        "bytes_accessed_over_must_read": round(accessed / must_read, 4) if accessed > 0 and must_read else "unknown",
+        "largest_batch_estimate": max(0, int(spec.max_batch + headroom // per_slot)) if per_slot > 0 else "unknown",
+    }
+
+
+def _cache_bytes_per_device(result, spec) -> int:
+    """The KV cache's bytes on one device: whole on a chip, divided by the mesh axes that split it on a slice."""
+    if result.plan is None:
+        return spec.cache_bytes
+    mesh, inputs = dict(result.plan.mesh), dict(result.plan.inputs)
+    split = 1
+    for entry in inputs.get(export_stage.CACHE_INPUTS[0], ()):
+        for axis in (entry if isinstance(entry, (tuple, list)) else (entry,)):
+            if axis is not None:
+                split *= mesh[axis]
+    return spec.cache_bytes // split
+
+
+def _describe_window_cache(spec) -> str:
+    """The window-bounded cache in the export stage's line ('' for a max-context cache)."""
+    if spec.window_layers:
+        return (f"+ window cache {list(spec.window_cache_shape)} (rings of sliding window {spec.cache_window}, layers "
+                f"{','.join(map(str, spec.window_layers))}) ")
+    return f"(a ring: sliding window {spec.cache_window}) " if spec.cache_window else ""
+
+
+def describe_generation(report, fill: str = "prefill") -> str:
+    worst = report.worst_errors()
+    reference = ("the PT2E entry points" if isinstance(report, verify_stage.QuantizedGenerationReport)
+                 else "the eager int8-KV entry points" if report.against == verify_stage.INT8_KV_AGAINST else "generate()")
+    described = (f"{len(report.cases)} {fill} bucket(s) + decode, {report.tokens_compared()} tokens compared with {reference}, "
+                 f"{'passed' if report.passed else 'FAILED'} ({report.ties()} tie(s)); worst logits relative RMS error {worst['tpu']:.1e} "
+                 f"as the TPU computes, {worst['cpu']:.1e} in f32")
+    if isinstance(report, verify_stage.QuantizedGenerationReport) or report.float_divergence() is None:
+        return described
+    divergence = report.float_divergence()
+    first = divergence["first"]
+    sqnr = "identical" if divergence["sqnr_db"] is None else f"{divergence['sqnr_db']:.1f} dB"
+    return (described + "; vs the float model: " + ("same greedy tokens" if first is None else f"first differs at step {first['step']}")
+            + f", logits SQNR {sqnr}")
+
+
+def describe_lowered(program) -> str:
+    """The lower stage's line of a generation program."""
+    shared = program.weights_program
+    return f"{len(shared.weight_names)} weight arrays shared by {', '.join(program.entry_points)}, precision {describe_precision(shared)}"
