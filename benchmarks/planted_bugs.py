@@ -215,22 +215,20 @@ def _nibble_order_swapped():
 
 
 def _dequantized_with(regroup):
-    """QuantizedArray.dequantized with `regroup(integers, scale, position)` -> (grouped integers,
-    scale broadcast to them) in place of the correct grouping."""
+    """QuantizedArray.scaled_groups of int4 weights (what their products and dequantized copies
+    use) with `regroup(integers, scale, position)` -> (grouped integers, scale broadcast to them) in
+    place of the correct grouping."""
     from tpuexport.lower.quantized_weights import QuantizedArray
 
-    correct = QuantizedArray.dequantized
+    correct = QuantizedArray.scaled_groups
 
-    def dequantized(self):
+    def scaled_groups(self, integers, scale, position):
         if self.bits != 4:
-            return correct(self)
-        integers = jax.lax.bitcast_convert_type(self.values, jnp.int4).reshape(self.stored_shape)
-        position = integers.ndim + self.axis
-        grouped, scale = regroup(integers, self.scale, position)
-        weight = (grouped.astype(self.dtype) * scale.astype(self.dtype)).reshape(integers.shape)
-        return jnp.swapaxes(weight, -1, -2) if self.transposed else weight
+            return correct(self, integers, scale, position)
+        grouped, scale = regroup(integers, scale, position)
+        return (grouped.astype(self.dtype) * scale.astype(self.dtype)).reshape(integers.shape)
 
-    return _patched(QuantizedArray, "dequantized", dequantized)
+    return _patched(QuantizedArray, "scaled_groups", scaled_groups)
 
 
 def _wrong_group_boundary():

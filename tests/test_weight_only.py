@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.torch
@@ -22,6 +23,7 @@ from tpuexport import verify as verify_stage
 from tpuexport.arrays import read_safetensors_header
 from tpuexport.cli import main
 from tpuexport.errors import EXIT_BAD_INPUT, TpuExportError
+from tpuexport.lower.quantized_weights import QuantizedArray, quantized_matmul
 from tpuexport.quantize.weight_only import (INT8_ODD_CONVOLUTION_REASON, DequantizedReference, WeightOnlyScheme, check_scheme,
                                             pack_int4, quantize_tensor)
 from tpuexport.verify.verification import eager_outputs
@@ -131,6 +133,20 @@ def test_quantize_and_pack_round_trip():
     assert torch.equal(torch.where(low > 7, low - 16, low), integers[:, 0::2].to(torch.int16))  # element 2i: low nibble
     error = (integers.float().reshape(4, 2, GROUP) * scale.float()[..., None]).reshape(4, 64) - weight
     assert error.abs().max() <= scale.float().max() / 2 + 1e-6
+
+
+@pytest.mark.parametrize("axis", [-1, -2])
+def test_int4_product_from_pairs_equals_the_product_of_the_weight_torch_packed(axis):
+    """The program's int4 product (the weight read as s4 pairs, never unpacked) equals x @ w for the
+    weight torch quantized and packed, stored (out, in) and read transposed, or stored (in, out)."""
+    weight = torch.randn(24, 64) if axis == -1 else torch.randn(64, 24)
+    integers, scale = quantize_tensor(weight, WeightOnlyScheme("int4-weight-only", 16), axis)
+    values = jnp.asarray(pack_int4(integers).numpy())
+    quantized = QuantizedArray(values, jnp.asarray(scale.float().numpy()), 4, axis, jnp.dtype(jnp.float32), transposed=axis == -1)
+    x = torch.randn(2, 5, 64)
+    dequantized = (integers.float() * scale.float().repeat_interleave(16, dim=axis))
+    expected = x @ (dequantized.T if axis == -1 else dequantized)
+    np.testing.assert_allclose(np.asarray(quantized_matmul(jnp.asarray(x.numpy()), quantized)), expected.numpy(), rtol=1e-5, atol=1e-4)
 
 
 @pytest.fixture(scope="module")

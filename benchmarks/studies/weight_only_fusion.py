@@ -1,8 +1,9 @@
 """Does v5e's compiler convert weight-only weights inside the dot? One projection, compiled for v5e.
 
-    nice -n 10 python benchmarks/studies/weight_only_fusion.py
+    nice -n 10 python benchmarks/studies/weight_only_fusion.py [--tokens 8]
 
-For Llama-3-8B's MLP shapes (up 14336 x 4096, down 4096 x 14336) and 8 tokens of bf16 activations,
+For Llama-3-8B's MLP shapes (up 14336 x 4096, down 4096 x 14336) and 8 (a decode step) or more tokens
+(--tokens 2048: a prefill) of bf16 activations,
 compiles `x @ w.T` with w bf16, int8 (lower/quantized_weights.py: s8 and a bf16 scale per row) and
 int4 (packed u8, bf16 scales per 128), the latter both as tpuexport lowers it (output features in
 chunks of at most CHUNK_ELEMENTS weights) and unchunked, and prints XLA's per-chip argument and
@@ -12,6 +13,7 @@ the compiler materialized a dequantized copy.
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 
@@ -25,7 +27,7 @@ import _common  # noqa: E402
 from tpuexport.lower import quantized_weights  # noqa: E402
 from tpuexport.lower.quantized_weights import QuantizedArray, quantized_matmul
 
-TOKENS, GROUP = 8, 128
+GROUP = 128
 
 
 def compiled_figures(function, specs) -> str:
@@ -39,9 +41,12 @@ def compiled_figures(function, specs) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=8, help="rows of activations (8: a decode step)")
+    tokens = parser.parse_args().tokens
     for out, inner in ((14336, 4096), (4096, 14336)):
-        x = ((TOKENS, inner), jnp.bfloat16)
-        print(f"{out} x {inner} weight (bf16 copy {out * inner * 2 / 2**20:.0f} MiB), {TOKENS} tokens", flush=True)
+        x = ((tokens, inner), jnp.bfloat16)
+        print(f"{out} x {inner} weight (bf16 copy {out * inner * 2 / 2**20:.0f} MiB), {tokens} tokens", flush=True)
         print(f"  {'bf16':<16}" + compiled_figures(lambda x, w: x @ w.T, [x, ((out, inner), jnp.bfloat16)]), flush=True)
 
         def int8(x, values, scale):

@@ -8,10 +8,14 @@ chose the weights whose every use is one of them) take it as it is:
   t / permute / transpose   a lazy transpose (the weight is not moved)
   expand / view             to its own shape with leading dims: the weight broadcast over a batch,
                             which the product below does without a copy
-  mm / bmm / addmm          x @ (convert(w) * scale): per output chunk (CHUNK_ELEMENTS), so that
-                            XLA's TPU compiler fuses the conversion into each dot (measured on
-                            v5e: an s4 weight of more than about 50M elements gets a bf16 copy
-                            otherwise; s8 fuses at every size measured, up to 117M elements)
+  mm / bmm / addmm          x @ (convert(w) * scale), converted inside the dot. An int4 weight
+                            stays as its s4 pairs [.., m, 2] (the two nibbles of a byte), the
+                            pair dim contracted with x's pairs (or kept as output features):
+                            reshaping the pairs into the packed dim first makes v5e's compiler
+                            (libtpu 0.0.50.1) write the whole dequantized bf16 weight to HBM
+                            (Llama-3-8B's MLP at 8 tokens: 58 MB of temporaries, none in pairs).
+                            Per output chunk (CHUNK_ELEMENTS), which bounds the float copy the
+                            compiler makes at prefill sizes, where the weight is read by many rows
   embedding                 the looked-up rows only, converted after the gather
   convolution               a weight stored as its [out, in/groups x kernel] matrix with one scale
                             per output channel: the integers reshaped to the kernel and converted
@@ -43,7 +47,8 @@ from tpuexport.lower.aten_lowerings import group_sizes_of, grouped_mm, torchax_l
 from tpuexport.lower.registry import own_lowering
 from tpuexport.lower.torchax_import import import_torchax
 
-# Largest number of weight elements one dot converts (2**25: 8192 x 4096 fused on v5e; 14336 x 4096 did not).
+# Largest number of weight elements one dot converts: at 2048 tokens v5e copies a dequantized chunk to
+# HBM, so this bounds the copy (benchmarks/studies/weight_only_fusion.py --tokens 2048).
 CHUNK_ELEMENTS = 2 ** 25
 
 _aten = torch.ops.aten
@@ -95,15 +100,28 @@ class QuantizedArray:
         """convert(values) * scale per group, multiplied in the wider of the scale's dtype and
         `dtype`, rounded once to `dtype`; as the op reading it sees it."""
         integers = self.integers()
-        shape = integers.shape
-        position = len(shape) + self.axis
-        groups = self.scale.shape[position]
-        product = jnp.promote_types(self.scale.dtype, self.dtype)
-        grouped = integers.reshape(shape[:position] + (groups, shape[position] // groups) + shape[position + 1:])
-        weight = (grouped.astype(product) * jnp.expand_dims(self.scale.astype(product), position + 1)).reshape(shape).astype(self.dtype)
+        weight = self.scaled_groups(integers, self.scale, integers.ndim + self.axis)
         if self.kernel is not None:
             return weight.reshape(self.shape)
         return jnp.swapaxes(weight, -1, -2) if self.transposed else weight
+
+    def scaled_pairs(self) -> jax.Array:
+        """An int4 weight converted and scaled as s4 pairs [..., a, b / 2, 2] of its stored shape
+        [..., a, b] (pair p of column c is element 2c + p), in `dtype`; static shapes only."""
+        pairs = jax.lax.bitcast_convert_type(self.values, jnp.int4)
+        if self.axis == -1:  # groups along the columns: one scale for both elements of a pair
+            return self.scaled_groups(pairs, self.scale[..., None], pairs.ndim - 2)
+        return self.scaled_groups(pairs, self.scale.reshape(self.scale.shape[:-1] + pairs.shape[-2:]), pairs.ndim - 3)
+
+    def scaled_groups(self, integers: jax.Array, scale: jax.Array, position: int) -> jax.Array:
+        """`integers` converted and times `scale` per group along axis `position` (consecutive
+        runs; `scale` has integers' shape, or 1 where it broadcasts, with that axis divided by
+        the group size), multiplied in the wider of the scale's dtype and `dtype`, in `dtype`."""
+        shape = integers.shape
+        groups = scale.shape[position]
+        product = jnp.promote_types(scale.dtype, self.dtype)
+        grouped = integers.reshape(shape[:position] + (groups, shape[position] // groups) + shape[position + 1:])
+        return (grouped.astype(product) * jnp.expand_dims(scale.astype(product), position + 1)).reshape(shape).astype(self.dtype)
 
     def integers(self) -> jax.Array:
         """The integers (int4 unpacked) in the stored shape, not converted."""
@@ -219,9 +237,22 @@ def quantized_matmul(x: jax.Array, weight: QuantizedArray) -> jax.Array:
     if weight.transposed and k * n > CHUNK_ELEMENTS:
         # Output features are the stored weight's rows: chunk them (a divisor of n, so each dot is alike).
         rows = max((size for size in range(1, n + 1) if n % size == 0 and size * k <= CHUNK_ELEMENTS), default=n)
-        return jnp.concatenate([jnp.matmul(x, weight.rows(start, start + rows).dequantized()) for start in range(0, n, rows)],
-                               axis=-1)
-    return jnp.matmul(x, weight.dequantized())
+        return jnp.concatenate([_matmul(x, weight.rows(start, start + rows)) for start in range(0, n, rows)], axis=-1)
+    return _matmul(x, weight)
+
+
+def _matmul(x: jax.Array, weight: QuantizedArray) -> jax.Array:
+    """x @ weight, an int4 weight read as its s4 pairs (QuantizedArray.scaled_pairs)."""
+    contracts_stored_last = weight.transposed
+    if weight.bits != 4 or weight.kernel is not None or weight.axis != (-1 if contracts_stored_last else -2):
+        return jnp.matmul(x, weight.dequantized())
+    pairs = weight.scaled_pairs()
+    if contracts_stored_last:  # stored (n, k): x's features in pairs meet the weight's pairs
+        paired = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+        return jnp.einsum("...tcp,...ncp->...tn", paired, pairs)
+    # stored (k, n): the pairs are output features, n / 2 of them times 2
+    product = jnp.einsum("...tk,...kcp->...tcp", x, pairs)
+    return product.reshape(*product.shape[:-2], weight.shape[-1])
 
 
 def _embedding(weight: QuantizedArray, indices: jax.Array) -> jax.Array:
