@@ -24,6 +24,7 @@ from tpuexport.artifact import Artifact, load
 from tpuexport.compile import SLICES, TARGETS, make_request
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError, VerificationError
 from tpuexport.export import DEFAULT_CACHE_LAYOUT, LoadedSource, SourceInfo, open_checkpoint, parameters_on_meta
+from tpuexport.lower.sampling import Sampling
 from tpuexport.pipeline import ConversionOptions, run_conversion
 from tpuexport.runtime import Runner
 from tpuexport.runtime import open_runner as runner
@@ -39,6 +40,7 @@ __all__ = [
     "CheckResult",
     "GateReport",
     "Runner",
+    "Sampling",
     "Tolerances",
     "TpuExportError",
     "UnsupportedOperatorsError",
