@@ -82,13 +82,14 @@ def test_llama_artifact_generates_what_generate_does(llama_generation):
     (case,) = verification["cases"]
     assert case["sizes"] == {"batch": MAX_BATCH, "seq": 16} and len(set(case["lengths"])) == MAX_BATCH and max(case["lengths"]) == 16
     assert case["slots"] == [1, 0]
-    # One weights file shared by both entry points; the cache donated and aliased by the compiled executables.
-    assert set(manifest["entry_points"]) == {"prefill", "decode"}
-    assert all(entry["donated_inputs"] == ["cache_k", "cache_v"] for entry in manifest["entry_points"].values())
+    # One weights file shared by the entry points; the cache donated and aliased by the compiled executables
+    # of prefill and decode; sample draws from their logits and holds no state.
+    assert list(manifest["entry_points"]) == ["prefill", "decode", "sample"]
+    assert [entry["donated_inputs"] for entry in manifest["entry_points"].values()] == [["cache_k", "cache_v"]] * 2 + [[]]
     assert manifest["program"]["weights"] == "weights/weights.safetensors"
     buckets = {bucket["entry_point"]: bucket for bucket in manifest["targets"]["v5e"]["buckets"]}
     cache_bytes = manifest["generation"]["cache_bytes"]
-    assert all(bucket["memory"]["alias_bytes"] >= cache_bytes for bucket in buckets.values())
+    assert all(buckets[name]["memory"]["alias_bytes"] >= cache_bytes for name in ("prefill", "decode"))
     assert buckets["decode"]["decode_step"]["xla_bytes_accessed"] > 0
     # Free-running generation through the artifact equals generate() of each prompt alone.
     prompts = [[5, 17, 42, 7], [99, 3]]

@@ -134,6 +134,11 @@ class GenerationProgram(EntryPoints):
         """Refuses prompts the artifact cannot generate from, in one line (check_prompts)."""
         check_prompts(self.spec, rows, max_new_tokens)
 
+    @property
+    def longest_row(self) -> int:
+        """The longest prompt it takes (the longest prefill bucket, within max context)."""
+        return min(self.spec.max_context, self.spec.prefill_buckets[-1])
+
     def padding_row(self) -> list[int]:
         """What fills a fill batch's unused row (its slot is free): one token."""
         return [0]

@@ -55,6 +55,11 @@ class Seq2SeqProgram(EntryPoints):
         """Refuses sources the artifact cannot generate from, in one line (check_sources)."""
         check_sources(self.spec, rows, max_new_tokens, features_usage or FEATURES_USAGE)
 
+    @property
+    def longest_row(self) -> int:
+        """The longest token source it takes (the longest source bucket)."""
+        return self.spec.max_source
+
     def padding_row(self):
         """What fills an encode batch's unused row (its slot is free): one token, or silent features."""
         return padding_source(self.spec)
