@@ -7,7 +7,10 @@ OpenAI's error objects and the server serves on; the LLM metrics are exposed."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import openai
 import pytest
@@ -16,7 +19,8 @@ import torch
 import transformers
 
 from chat_model import GREEDY_PROMPT, save_chat_model
-from conftest import served
+from conftest import ROOT, served
+import tpuexport
 from tpuexport.export import load_source
 from tpuexport.pipeline import ConversionOptions, run_conversion
 
@@ -138,3 +142,20 @@ def test_malformed_json_and_metrics(chat):
         assert float(re.search(rf'{name}{{model="{MODEL}",version="1"}} (\S+)', metrics).group(1)) > 0, name
     for name in ("tpuexport_num_requests_running", "tpuexport_num_requests_waiting", "tpuexport_kv_cache_slots_used"):
         assert float(re.search(rf'{name}{{model="{MODEL}",version="1"}} (\S+)', metrics).group(1)) == 0, name  # all done: slots freed
+
+
+def test_generate_cli_samples_on_the_device_and_stops_at_eos(chat):
+    artifact, _, tokenizer, facts, _, _ = chat
+    prompt = ",".join(map(str, tokenizer.apply_chat_template(GREEDY_PROMPT, add_generation_prompt=True, return_dict=True)["input_ids"]))
+
+    def generate(*options):
+        done = subprocess.run([sys.executable, "-m", "tpuexport.cli", "generate", str(artifact.path), "--tokens", prompt, "--max-new-tokens", "8",
+                               *options], capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert done.returncode == 0, done.stderr
+        return [int(line) for line in done.stdout.split()]
+
+    assert generate() == facts["greedy"]  # greedy, ended by the EOS of generation_config.json
+    sampling = tpuexport.Sampling(temperature=0.9, top_p=0.9, top_k=50, seed=5)
+    ids = [int(token) for token in prompt.split(",")]
+    assert generate("--temperature", "0.9", "--top-p", "0.9", "--top-k", "50", "--seed", "5", "--ignore-eos") == \
+        artifact.generate(ids, 8, sampling=sampling, ignore_eos=True)[0]
