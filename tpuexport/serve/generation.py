@@ -108,7 +108,10 @@ class _Request:
 
     def put(self, item) -> None:
         self.steps.put(item)
-        self.notify()
+        try:
+            self.notify()
+        except RuntimeError:  # the reader's event loop has closed (the server is stopping): nobody awaits the step
+            pass
 
     def draw(self, row: _Row) -> Draw:
         return Draw(self.sampling, self.keys[self.rows.index(row)], row.generated)

@@ -116,7 +116,8 @@ def openai_routes(repository: ModelRepository, metrics: Metrics, max_body_bytes:
             model = _model(repository, body)
             labels = model.labels
             parsed = await run_in_threadpool(_parse, body, model, chat)
-            streams = [_submit(parsed, prompt) for prompt in parsed.prompts]
+            for prompt in parsed.prompts:  # one request per prompt (a choice each); a refused one cancels those before it
+                streams.append(_submit(parsed, prompt))
             answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             if parsed.stream:
                 answer = StreamingResponse(_events(parsed, streams, answer_id, chat), media_type="text/event-stream")
