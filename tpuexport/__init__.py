@@ -148,7 +148,7 @@ def convert(
         tensor read one tensor at a time. No more than a few tensors are in memory at once. With
         task "text-generation" too (streamed once for both entry points).
       task: "forward" (the model's forward as one program) or "text-generation": `model` is a
-        Hugging Face causal LM (no args), and the artifact holds entry points prefill and decode
+        Hugging Face causal LM (no args), and the artifact holds entry points prefill, decode and sample
         over a KV cache of max_batch x max_context (docs/generation.md); `buckets` then
         takes prefill's {"seq": prompt lengths, "batch": batch sizes}; no SavedModel is written.
       max_context: positions per cache slot (text-generation; required there).

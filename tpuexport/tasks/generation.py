@@ -1,11 +1,14 @@
 """The text-generation task: a Hugging Face causal LM as prefill and decode entry points over a KV cache
-(export/generation.py), an encoder-decoder as encode and decode over a self-attention and a
-cross-attention cache (export/seq2seq.py); verified by greedy generation against generate().
+(export/generation.py) and a sample entry point that draws the next tokens from their logits
+(export/sampling.py, weightless), an encoder-decoder as encode and decode over a self-attention and
+a cross-attention cache (export/seq2seq.py); verified by greedy generation against generate().
 
   verify   greedy generation vs Hugging Face generate, teacher-forced, both CPU runs (PT2E int8:
            vs the PT2E entry points, verify/quantized_generation.py; an int8 cache: vs the eager
            int8-cache entry points, verify/int8_kv_generation.py; weight-only: vs the model with its
            weights rounded as the artifact rounds them, its distance from the float model measured)
+  verify sampling  the sample entry point exactly against a NumPy reference of its algorithm, and
+           statistically against Hugging Face's logits processors (verify/sampling.py)
   verify sharded  per slice plan, a verified case's fill and decode steps partitioned on N CPU
            devices, the cache carried between calls, vs the same references (verify/sharded_generation.py)
 
