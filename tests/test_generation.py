@@ -82,13 +82,14 @@ def test_llama_artifact_generates_what_generate_does(llama_generation):
     (case,) = verification["cases"]
     assert case["sizes"] == {"batch": MAX_BATCH, "seq": 16} and len(set(case["lengths"])) == MAX_BATCH and max(case["lengths"]) == 16
     assert case["slots"] == [1, 0]
-    # One weights file shared by both entry points; the cache donated and aliased by the compiled executables.
-    assert set(manifest["entry_points"]) == {"prefill", "decode"}
-    assert all(entry["donated_inputs"] == ["cache_k", "cache_v"] for entry in manifest["entry_points"].values())
+    # One weights file shared by the entry points; the cache donated and aliased by the compiled executables
+    # of prefill and decode; sample draws from their logits and holds no state.
+    assert list(manifest["entry_points"]) == ["prefill", "decode", "sample"]
+    assert [entry["donated_inputs"] for entry in manifest["entry_points"].values()] == [["cache_k", "cache_v"]] * 2 + [[]]
     assert manifest["program"]["weights"] == "weights/weights.safetensors"
     buckets = {bucket["entry_point"]: bucket for bucket in manifest["targets"]["v5e"]["buckets"]}
     cache_bytes = manifest["generation"]["cache_bytes"]
-    assert all(bucket["memory"]["alias_bytes"] >= cache_bytes for bucket in buckets.values())
+    assert all(buckets[name]["memory"]["alias_bytes"] >= cache_bytes for name in ("prefill", "decode"))
     assert buckets["decode"]["decode_step"]["xla_bytes_accessed"] > 0
     # Free-running generation through the artifact equals generate() of each prompt alone.
     prompts = [[5, 17, 42, 7], [99, 3]]
@@ -346,7 +347,7 @@ def test_gate_replays_the_stored_generation(llama_generation):
 
 def test_generation_artifact_refuses_single_program_calls(llama_generation):
     artifact, _ = llama_generation
-    with pytest.raises(tpuexport.TpuExportError, match="has no entry point 'serving_default'; it has prefill, decode; use Artifact.generate"):
+    with pytest.raises(tpuexport.TpuExportError, match="has no entry point 'serving_default'; it has prefill, decode, sample; use Artifact.generate"):
         artifact.run(np.zeros((1, 4), np.int64))
     assert json.loads(json.dumps(artifact.manifest["generation"]))["layout"] == "layer_batch_head_pos"
     assert dataclasses.asdict(artifact.generation_program.spec)["max_batch"] == MAX_BATCH
@@ -363,7 +364,7 @@ def test_plan_on_a_slice_splits_the_cache_with_the_heads(tmp_path):
     assert artifact.plan_only and artifact.manifest["program"]["weights"] is None
     target = artifact.manifest["targets"]["v5e-4"]
     buckets = {bucket["entry_point"]: bucket for bucket in target["buckets"]}
-    for bucket in buckets.values():
+    for bucket in (buckets["prefill"], buckets["decode"]):  # (sample holds no cache)
         # [layers, batch, kv_heads, context, head_dim]: batch over data, kv heads over model
         assert target["sharding"][bucket["entry_point"]]["inputs"]["cache_k"] == [None, "data", "model", None, None]
         assert bucket["memory"]["alias_bytes"] > 0
@@ -406,7 +407,7 @@ def test_runtime_generates_from_the_cpu_executables_with_the_cache_on_the_device
         for row, token in enumerate(step):
             generated[row].append(token)
 
-    assert runner.target == "cpu" and runner.compiled_here is None and set(runner.entry_points) == {"prefill", "decode"}
+    assert runner.target == "cpu" and runner.compiled_here is None and set(runner.entry_points) == {"prefill", "decode", "sample"}
     assert generated == artifact.generate(prompts, max_new_tokens=8)
     # The cache comes back as device arrays and goes in again without a copy to the host.
     spec = artifact.generation_program.spec
@@ -425,7 +426,7 @@ def test_cpu_executables_update_a_bf16_cache_as_bit_patterns(tmp_path):
     artifact = tpuexport.convert(model, task="text-generation", max_context=32, max_batch=MAX_BATCH, buckets={"seq": [8], "batch": [MAX_BATCH]},
                                  target="cpu", out=tmp_path / "llama.tpu", saved_model=False, verify_new_tokens=4)
     buckets = artifact.manifest["targets"]["cpu"]["buckets"]
-    assert all(bucket["state_as_bits"] == ["cache_k", "cache_v"] for bucket in buckets)
+    assert all(bucket["state_as_bits"] == ["cache_k", "cache_v"] for bucket in buckets if bucket["entry_point"] != "sample")
 
     runner = tpuexport.runner(artifact.path)
     prompts = [[5, 17, 42, 7], [99, 3]]
@@ -498,6 +499,12 @@ def test_serve_batches_generate_requests_continuously(llama_serving, tmp_path):
         steps = float(re.search(r'tpuexport_decode_rows_count\{model="llama",version="1"\} (\S+)', metrics).group(1))
         assert steps < rows < 2 * steps
         assert 'tpuexport_generated_tokens_total{model="llama",version="1"} ' in metrics
+        # OpenAI's API on the same port, for a model converted from Python (no tokenizer): token prompts, no chat.
+        completion = requests.post(f"{base}/v1/completions", json={"model": "llama", "prompt": [99, 3], "max_tokens": 3, "temperature": 0},
+                                   timeout=60).json()
+        assert completion["choices"][0]["token_ids"] == artifact.generate([[99, 3]], 3)[0]
+        chat = requests.post(f"{base}/v1/chat/completions", json={"model": "llama", "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+        assert chat.status_code == 400 and chat.json()["error"]["code"] == "chat_template_missing"
 
 
 PLAN_WITHOUT_THE_CACHE = """

@@ -114,7 +114,7 @@ def test_decoder_lm_with_task_auto_is_a_generation_artifact(models, tmp_path):
     assert result.returncode == 0, result.stderr
     manifest = manifest_of(out)
     assert manifest["huggingface"]["task"] == "text-generation" and "generation_config.json" in manifest["huggingface"]["files"]
-    assert set(manifest["entry_points"]) == {"prefill", "decode"}
+    assert set(manifest["entry_points"]) == {"prefill", "decode", "sample"}
     assert manifest["generation"]["max_batch"] == 2 and manifest["generation"]["max_context"] == 32
     assert manifest["verification"]["passed"]
     # The weights streamed from the directory's checkpoint, once for both entry points.
