@@ -10,7 +10,8 @@ Inputs are named as the family names them (input_ids, attention_mask, token_type
 pixel_values, input_values, input_features, decoder_input_ids) with dims whose ranges come from the
 config and that `--dim NAME=MIN:MAX` overrides (MIN == MAX makes a dim static):
   batch             1..64
-  seq               2..max_position_embeddings (512 when the config has none)
+  seq               2..max_position_embeddings (512 when the config has none), less the rows a
+                    position table numbered from its padding index leaves unused (longest_positions)
   decoder_seq       2..the decoder's max positions
   height, width     the config's image_size (static), samples 16000 (static), frames (static)
 Outputs are the tensors of the model's output (logits, last_hidden_state, pooler_output, ...).
@@ -363,7 +364,21 @@ def generation_context(model: torch.nn.Module) -> int:
                  or getattr(config, "max_target_positions", None))
     if not positions:
         raise TpuExportError(f"{type(model).__name__}'s config records no maximum position; give --max-context N")
-    return int(positions)
+    return min(int(positions), longest_positions(model, int(positions)))
+
+
+def longest_positions(model: torch.nn.Module, recorded: int) -> int:
+    """The longest sequence a model's position tables take, given the length its config records.
+
+    A learned position table with a padding index numbers positions from padding_idx + 1 (RoBERTa,
+    XLM-RoBERTa, CamemBERT, MPNet, Longformer, ESM, ...): of its rows, padding_idx + 1 hold no
+    position, so the model takes that many fewer than `max_position_embeddings` says.
+    """
+    longest = recorded
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and "position" in name.rpartition(".")[2] and module.padding_idx is not None:
+            longest = min(longest, module.num_embeddings - module.padding_idx - 1)
+    return longest
 
 
 def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[torch.nn.Module, tuple, dict]:
@@ -381,7 +396,8 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     config = model.config
     config.use_cache = False
     inputs = model_inputs(model, config)
-    args, dynamic_shapes = _example_inputs(inputs, _dims(inputs, config, list(dims)), _config_dtype(config))
+    text_max = longest_positions(model, int(getattr(config, "max_position_embeddings", 0) or DEFAULT_MAX_SEQUENCE))
+    args, dynamic_shapes = _example_inputs(inputs, _dims(inputs, config, list(dims), text_max), _config_dtype(config))
     return named_forward(model, tuple(spec.name for spec in inputs)), args, dynamic_shapes
 
 
@@ -443,14 +459,14 @@ def _size(value) -> int:
     return int(value[0] if isinstance(value, (list, tuple)) else value)
 
 
-def _dims(inputs: list[ModelInput], config, overrides: list[DimSpec]) -> dict[str, DimSpec]:
-    """The named dims the inputs use, with ranges from the config, then the --dim overrides.
+def _dims(inputs: list[ModelInput], config, overrides: list[DimSpec], text_max: int) -> dict[str, DimSpec]:
+    """The named dims the inputs use, with ranges from the config (`text_max`: the longest token
+    sequence the model takes), then the --dim overrides.
 
     Raises:
       TpuExportError: a --dim names a dim the inputs do not use.
     """
     used = [axis for spec in inputs for axis in spec.axes if isinstance(axis, str)]
-    text_max = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_MAX_SEQUENCE)
     decoder_max = int(getattr(config, "max_target_positions", 0) or text_max)
     image = _size(getattr(config, "image_size", DEFAULT_IMAGE_SIZE) or DEFAULT_IMAGE_SIZE)
     frames = 2 * int(getattr(config, "max_source_positions", 0)) or DEFAULT_MEL_FRAMES
