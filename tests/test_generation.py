@@ -25,6 +25,7 @@ from conftest import ROOT, served
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.export.generation import CACHE_LAYOUTS, Decode, DecodeCache, write_decode_cache, write_prefill_cache
+from tpuexport.export.huggingface import generation_context
 from tpuexport.lower import generation as lowered_generation
 from tpuexport.lower.cpu_program import cpu_program, state_positions
 from tpuexport.verify import verify_generation
@@ -97,6 +98,31 @@ def test_llama_artifact_generates_what_generate_does(llama_generation):
         expected = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                   max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert tokens == expected[0, len(prompt):].tolist()
+
+
+def test_generate_takes_token_ids_as_a_tensor_as_generate_does(llama_generation):
+    """input_ids as transformers' generate() takes them, a tensor [batch, length] (or [length] for one
+    prompt), generate what the same ids as lists do; a float tensor is one line."""
+    artifact, _ = llama_generation
+    prompts = [[5, 17, 42, 7], [99, 3, 8, 1]]
+    expected = artifact.generate(prompts, max_new_tokens=4)
+    assert artifact.generate(torch.tensor(prompts), max_new_tokens=4) == expected
+    assert artifact.generate(torch.tensor(prompts[1]), max_new_tokens=4) == expected[1:]
+    with pytest.raises(tpuexport.TpuExportError, match=r"must be integers of shape \[batch, length\] or \[length\]; got float32 \[2, 4\]"):
+        artifact.generate(torch.tensor(prompts, dtype=torch.float32))
+
+
+def test_an_in_memory_model_takes_its_max_context_from_its_config(tmp_path):
+    """convert(model, task="text-generation") without max_context defaults it as the command line
+    does for a directory: the positions the model's config allows (a plan: no verification needed to
+    see the cache's size), less a padding offset where positions are numbered past it (RoBERTa)."""
+    artifact = tpuexport.convert(tiny_gpt2(), task="text-generation", weights=False, buckets={"seq": [16], "batch": [1]}, target="v5e",
+                                 out=tmp_path / "gpt2.tpu")
+    assert artifact.manifest["generation"]["max_context"] == 128
+    roberta = transformers.RobertaForCausalLM(transformers.RobertaConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, max_position_embeddings=66,
+        is_decoder=True))
+    assert generation_context(roberta) == 64
 
 
 @pytest.mark.parametrize("family", [tiny_gpt2, tiny_qwen2], ids=["gpt2", "qwen2-sliding-window"])

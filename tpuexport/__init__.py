@@ -24,6 +24,7 @@ from tpuexport.artifact import Artifact, load
 from tpuexport.compile import SLICES, TARGETS, make_request
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError, VerificationError
 from tpuexport.export import DEFAULT_CACHE_LAYOUT, LoadedSource, SourceInfo, open_checkpoint, parameters_on_meta
+from tpuexport.export.huggingface import generation_context
 from tpuexport.pipeline import ConversionOptions, run_conversion
 from tpuexport.runtime import Runner
 from tpuexport.runtime import open_runner as runner
@@ -149,7 +150,8 @@ def convert(
         Hugging Face causal LM (no args), and the artifact holds entry points prefill and decode
         over a KV cache of max_batch x max_context (README, "Text generation"); `buckets` then
         takes prefill's {"seq": prompt lengths, "batch": batch sizes}; no SavedModel is written.
-      max_context: positions per cache slot (text-generation; required there).
+      max_context: positions per cache slot (text-generation); None: what the model's config
+        allows (its max_position_embeddings, as the command line defaults it for a directory).
       max_batch: cache slots, decode's batch (text-generation).
       cache_layout: "layer_batch_head_pos" (default) or "layer_batch_pos_head" (text-generation).
       kv_cache_dtype: "model" (default: the model's dtype) or "int8" (int8 keys and values with
@@ -169,6 +171,8 @@ def convert(
         tolerances = dict(zip(("atol", "rtol"), tolerances))
     if task != "text-generation" and not isinstance(model, torch.export.ExportedProgram) and args is None:
         raise TpuExportError("convert(model) needs args=(example inputs,) for an nn.Module")
+    if task == "text-generation" and max_context is None and hasattr(model, "config"):
+        max_context = generation_context(model)  # a Hugging Face model's config says how far its positions go
     opened = open_checkpoint(checkpoint) if checkpoint is not None else None
     loaded = LoadedSource(model, tuple(args) if args is not None else None, dynamic_shapes, None,
                           SourceInfo("api", checkpoint=opened.name if opened else None), checkpoint=opened)
