@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import re
 from typing import Any, Callable
 
@@ -15,6 +16,7 @@ from tpuexport.errors import TpuExportError
 from tpuexport.export import constraints
 from tpuexport.export.checkpoints import with_checkpoint_weights
 from tpuexport.export.sources import LoadedSource, SourceInfo
+from tpuexport.logs import FAKE_TENSOR_LOGGER, quiet_loggers
 from tpuexport.signature import ProgramSignature, SymbolicDim, TensorSpec, artifact_dtype, parse_dim_expression
 
 
@@ -186,16 +188,27 @@ def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.ExportedProgram:
     try:
-        with torch.no_grad():
+        with torch.no_grad(), quiet_loggers(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
             return torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
     except Exception as error:  # torch.export raises UserError, ConstraintViolationError, TypeError, ...
-        explained = constraints.explain(model, args, dynamic_shapes, str(error))
+        with quiet_loggers(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
+            explained = constraints.explain(model, args, dynamic_shapes, str(error))
         if explained:
             raise TpuExportError(explained) from None
         message = " ".join(str(error).split())
         raise TpuExportError(
-            f"torch.export failed: {message[:400]}; check the example args and dynamic_shapes / --dim ranges"
+            f"torch.export failed{_described(model)}: {message[:400]}; check the example args and dynamic_shapes / --dim ranges"
         ) from None
+
+
+def _described(model: torch.nn.Module) -> str:
+    """" on Class (model_type)" for the outermost Hugging Face model within `model` (a task's forward or
+    an entry point wraps it), so that the line names the architecture; "" for other models."""
+    for module in model.modules():
+        model_type = getattr(getattr(module, "config", None), "model_type", None)
+        if isinstance(model_type, str):
+            return f" on {type(module).__name__} ({model_type})"
+    return ""
 
 
 def _program_example_args(program: torch.export.ExportedProgram):

@@ -477,6 +477,14 @@ def attention_windows(model: nn.Module) -> dict[str, int | None]:
     return {layer_type: window if layer_type == "sliding_attention" else None for layer_type in sorted(set(layer_types))}
 
 
+def _attends_bidirectionally(model: nn.Module) -> bool:
+    """Whether every attention module of a transformers model that says whether it is causal says
+    it is not (a BERT-style decoder built with is_decoder false): its generate() recomputes the
+    whole sequence at every step."""
+    causal = [module.is_causal for module in model.modules() if isinstance(getattr(module, "is_causal", None), bool)]
+    return bool(causal) and not any(causal)
+
+
 def ring_prefill_positions(lengths: torch.Tensor, window: int) -> torch.Tensor:
     """Which prompt position a ring cache of `window` (W) indexes keeps at each index after
     prefill: [batch, W].
@@ -648,6 +656,10 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
     if max_batch < 1 or max_context < 2:
         raise TpuExportError(f"--max-batch {max_batch} / --max-context {max_context} out of range; give max batch >= 1 and max context >= 2")
     windows = set(attention_windows(model).values())  # refuses a layer type the entry points cannot mask
+    if _attends_bidirectionally(model):
+        raise TpuExportError(f"--task text-generation: {type(model).__name__} attends bidirectionally (its config's is_decoder is false), "
+                             "so earlier tokens' keys change as tokens are added and no KV cache can hold them; set is_decoder true "
+                             "in config.json if it was trained as a decoder, or convert --task feature-extraction")
     text = _text_config(config)
     rescaled = [field for field in _UNSUPPORTED_LOGIT_FIELDS if getattr(text, field, None) not in (None, 1, 1.0)]
     if rescaled:

@@ -1,0 +1,58 @@
+"""Classes of architectures found by the breadth sweep (benchmarks/architectures.py): one tiny model
+per class that tpuexport converts, or refuses in one line, where it once crashed or mismatched."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import tpuexport
+from tpuexport import TpuExportError
+
+transformers = pytest.importorskip("transformers")
+
+# Bounded dims and no optional verification sizes: each conversion takes seconds.
+QUICK = ("--target", "v5e", "--no-saved-model", "--verify-budget", "0")
+
+
+def convert_directory(directory: pathlib.Path, out: pathlib.Path, *options: str) -> subprocess.CompletedProcess:
+    """`tpuexport convert DIR --task auto` as a user runs it."""
+    environment = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    return subprocess.run([sys.executable, "-m", "tpuexport.cli", "convert", str(directory), "-o", str(out), *options],
+                          capture_output=True, text=True, timeout=900, env=environment)
+
+
+def error_lines(stderr: str) -> list[str]:
+    """What tpuexport printed after its progress lines (libraries' import-time lines left out)."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.lstrip().startswith("✓")
+            and not line.startswith(("Failed to load", "W1"))]
+
+
+def test_a_bidirectional_decoder_is_refused_for_text_generation(tmp_path):
+    """A BERT-style causal LM head built with is_decoder false attends both ways: generate()
+    recomputes every position at each step, which a KV cache cannot do. It verified within 1 of
+    4096 logits of passing (a near-silent mismatch); now it is refused before any work."""
+    config = transformers.BertGenerationConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                               intermediate_size=64, is_decoder=False)
+    model = transformers.BertGenerationDecoder(config).eval()
+    with pytest.raises(TpuExportError, match="BertGenerationDecoder attends bidirectionally .* set is_decoder true"):
+        tpuexport.convert(model, task="text-generation", max_context=16, out=tmp_path / "lm.tpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_forward_torch_export_cannot_trace_is_one_line_naming_the_architecture(tmp_path):
+    """torch's fake tensors log the traceback of an operator that fails on them before torch.export
+    raises; the user sees only tpuexport's line, which names the architecture."""
+    config = transformers.Ernie4_5_MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, moe_num_experts=4,
+                                            moe_k=6, max_position_embeddings=32)  # more experts per token than experts
+    transformers.Ernie4_5_MoeForCausalLM(config).save_pretrained(tmp_path / "moe")
+    result = convert_directory(tmp_path / "moe", tmp_path / "moe.tpu", *QUICK)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert error_lines(result.stderr) == ["error: torch.export failed on Ernie4_5_MoeForCausalLM (ernie4_5_moe): k not in range for "
+                                          "dimension; check the example args and dynamic_shapes / --dim ranges"]
+    assert not (tmp_path / "moe.tpu").exists()
