@@ -122,8 +122,16 @@ STAGE_HEADS = ("num_heads", "num_attention_heads", "num_attention_heads_per_stag
 STAGE_DEPTHS = ("depths", "stage_num_blocks", "blocks_per_stage", "num_block_repeats", "stage_numb_of_layers")
 LEVELS = ("everything", "image size kept", "layers and vocabulary only")
 
+GLM_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
 # Per-type overrides, applied after the generic shrink (only where it cannot build): {type: {key: value}}.
 OVERRIDES: dict[str, dict] = {
+    "fun_asr_nano": {"adaptor_config": {"intermediate_size": WIDTH // 4}},  # the text width / 4, checked by its config
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},  # its defaults leave them unset
+    "chameleon": {"vocabulary_map": {"<image>": 500}},  # the image token's id in its (absent) tokenizer
+    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},  # no default
+    # GLM-4V's rotary sections default to [8, 12, 12] in its code, not its config: they sum to half the tiny head dim.
+    **{name: {"rope_parameters": GLM_ROPE} for name in ("glm4v_text", "glm4v_moe_text", "glm_image_text", "glm_ocr_text")},
+    **{name: {"text_config": {"rope_parameters": GLM_ROPE}} for name in ("glm4v", "glm4v_moe", "glm_image", "glm_ocr")},
 }
 
 
@@ -180,10 +188,12 @@ def shrink(config: dict, level: int) -> dict:
         if key in ("out_features", "out_indices") and layers_before and not staged:
             config[key] = None  # a transformer backbone's stages are its layers: the default (the last) after the cut
             continue
-        if _is_config(value):
+        if _is_config(value) and value["model_type"] == "timm_backbone":
+            config[key] = _tiny_resnet(value)
+        elif _is_config(value):
             shrink(value, level)
-        elif isinstance(value, dict) and key.startswith("rope"):
-            _shrink_rope(value, config)
+        elif isinstance(value, dict) and value and all(str(index).isdigit() for index in value) and layers_before:
+            config[key] = {str(int(index) * LAYERS // layers_before): item for index, item in value.items()}  # per-layer settings
         elif isinstance(value, bool) or value is None:
             continue
         elif isinstance(value, int) and key in SHRUNK and (level < 2 or key in COUNTS):
@@ -201,6 +211,10 @@ def shrink(config: dict, level: int) -> dict:
             patch = config.get("patch_size") if isinstance(config.get("patch_size"), int) else 8
             config[key] = min(value, max(64, 4 * patch))
     _keep_equal_sizes(before, config)
+    for key, value in config.items():  # after the head dims they follow
+        if isinstance(value, dict) and key.startswith("rope"):
+            _shrink_rope(value, config)
+    _state_space_heads(config)
     if "qk_head_dim" in config and "qk_nope_head_dim" in config:
         config["qk_head_dim"] = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
     vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else SIZES["vocab"][0]
@@ -220,6 +234,23 @@ def _keep_equal_sizes(before: dict, after: dict) -> None:
             after[other] = smallest
 
 
+def _tiny_resnet(timm: dict) -> dict:
+    """A transformers ResNet in place of a timm backbone (timm needs torchvision, which does not load
+    with the CPU torch here), its stages the ones the timm config takes features from."""
+    stages = [f"stage{index}" for index in timm.get("out_indices") or (1, 2, 3, 4)]
+    return {"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [16, 32, 64, 128], "depths": [1, 1, 1, 1],
+            "layer_type": "basic", "out_features": stages, "num_channels": timm.get("num_channels", 3)}
+
+
+def _state_space_heads(config: dict) -> None:
+    """A Mamba-2 mixer's heads times head dim is its inner width (expand x hidden size)."""
+    for expand, heads, head_dim in (("expand", "num_heads", "head_dim"), ("mamba_expand", "mamba_n_heads", "mamba_d_head"),
+                                    ("mamba_expand", "mamba_num_heads", "mamba_head_dim")):
+        values = [config.get(key) for key in (expand, heads, head_dim, "hidden_size")]
+        if all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in values):
+            config[heads] = int(values[0] * values[3]) // values[2]
+
+
 def _shrink_rope(rope: dict, config: dict) -> None:
     """Rotary parameters follow the shrunk positions and head dims: the original context of a scaled
     rotary (YaRN, LongRoPE, Llama-3) becomes half the shrunk one; per-frequency factor lists keep
@@ -230,9 +261,11 @@ def _shrink_rope(rope: dict, config: dict) -> None:
         elif key == "original_max_position_embeddings" and isinstance(value, int):
             rope[key] = min(value, POSITIONS // 2)
         elif key in ("short_factor", "long_factor") and isinstance(value, list):
-            rope[key] = value[: max(1, config.get("head_dim", WIDTH // ATTENTION_HEADS) * int(rope.get("partial_rotary_factor", 1)) // 2)]
+            rotary = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0
+            rope[key] = value[: max(1, int(config.get("head_dim", WIDTH // ATTENTION_HEADS) * rotary) // 2)]
         elif key == "mrope_section" and isinstance(value, list):
-            half = config.get("head_dim", WIDTH // ATTENTION_HEADS) // 2
+            rotary = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0
+            half = int(config.get("head_dim", WIDTH // ATTENTION_HEADS) * rotary) // 2
             rope[key] = [half - 2 * (half // 4), half // 4, half // 4][: len(value)]
 
 
@@ -405,11 +438,18 @@ def run_row(model_type: str, options) -> dict:
         return row
 
 
+def format_row(row: dict) -> str:
+    """One table line; `eager` says whether the tiny model ran one eager forward on tpuexport's inputs
+    (no: the inputs or the tiny config do not suit it, whatever tpuexport does)."""
+    eager = {"ok": "yes", None: "-"}.get(row.get("eager"), "no")
+    return f"{row['type']:<34} {row['task']:<28} {row['outcome']:<9} {eager:<5} {row['seconds']:>7.1f}  {row['message']}"
+
+
 def print_table(rows: list[dict], title: str) -> None:
     print(f"# {title}")
-    print(f"{'type':<34} {'task':<28} {'outcome':<9} {'seconds':>7}  first line of any failure")
+    print(f"{'type':<34} {'task':<28} {'outcome':<9} {'eager':<5} {'seconds':>7}  first line of any failure")
     for row in sorted(rows, key=lambda row: row["type"]):
-        print(f"{row['type']:<34} {row['task']:<28} {row['outcome']:<9} {row['seconds']:>7.1f}  {row['message']}", flush=True)
+        print(format_row(row), flush=True)
     counts = {name: sum(row["outcome"] == name for row in rows) for name in OUTCOMES}
     print(f"architectures: {counts['passed']} passed, {counts['refused']} refused, {counts['failed']} failed, {counts['crashed']} crashed "
           f"of {len(rows)} ({counts['not built']} not built tiny)")
@@ -453,7 +493,7 @@ def main() -> None:
         rows = []
         for row in pool.map(lambda name: run_row(name, options), names):
             rows.append(row)
-            print(f"{row['type']:<34} {row['task']:<28} {row['outcome']:<9} {row['seconds']:>7.1f}  {row['message']}", flush=True)
+            print(format_row(row), flush=True)
     mode = "bf16 checkpoint" if options.bf16_checkpoint else "f32"
     print_table(rows, f"{started}, {mode}, shard {options.shard}, jobs {options.jobs}, transformers {_transformers_version()}")
     if options.json:

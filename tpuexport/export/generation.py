@@ -477,6 +477,24 @@ def attention_windows(model: nn.Module) -> dict[str, int | None]:
     return {layer_type: window if layer_type == "sliding_attention" else None for layer_type in sorted(set(layer_types))}
 
 
+def check_decoder(model: nn.Module) -> None:
+    """Refuses, in one line, a causal LM whose state between steps is not a KV cache.
+
+    Raises:
+      TpuExportError: a model that keeps a recurrent state (transformers' `_is_stateful`: Mamba,
+        RWKV, Jamba, Zamba, Qwen3-Next, ...), or one that attends bidirectionally.
+    """
+    name = type(model).__name__
+    if getattr(model, "_is_stateful", False):
+        raise TpuExportError(f"--task text-generation: {name} keeps a recurrent state (state-space or linear-attention layers) besides or "
+                             "instead of a KV cache, which the prefill/decode entry points do not hold yet; its full-sequence forward "
+                             "may convert at a fixed length (--task feature-extraction --dim seq=N:N)")
+    if _attends_bidirectionally(model):
+        raise TpuExportError(f"--task text-generation: {name} attends bidirectionally (its config's is_decoder is false), "
+                             "so earlier tokens' keys change as tokens are added and no KV cache can hold them; set is_decoder true "
+                             "in config.json if it was trained as a decoder, or convert --task feature-extraction")
+
+
 def _attends_bidirectionally(model: nn.Module) -> bool:
     """Whether every attention module of a transformers model that says whether it is causal says
     it is not (a BERT-style decoder built with is_decoder false): its generate() recomputes the
@@ -655,11 +673,8 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
         raise TpuExportError(f"unknown cache layout {layout!r}; use one of {', '.join(CACHE_LAYOUTS)}")
     if max_batch < 1 or max_context < 2:
         raise TpuExportError(f"--max-batch {max_batch} / --max-context {max_context} out of range; give max batch >= 1 and max context >= 2")
+    check_decoder(model)
     windows = set(attention_windows(model).values())  # refuses a layer type the entry points cannot mask
-    if _attends_bidirectionally(model):
-        raise TpuExportError(f"--task text-generation: {type(model).__name__} attends bidirectionally (its config's is_decoder is false), "
-                             "so earlier tokens' keys change as tokens are added and no KV cache can hold them; set is_decoder true "
-                             "in config.json if it was trained as a decoder, or convert --task feature-extraction")
     text = _text_config(config)
     rescaled = [field for field in _UNSUPPORTED_LOGIT_FIELDS if getattr(text, field, None) not in (None, 1, 1.0)]
     if rescaled:

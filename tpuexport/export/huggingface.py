@@ -42,6 +42,7 @@ import torch
 from tpuexport.errors import TpuExportError
 from tpuexport.logs import TORCHAO_LOGGERS, quiet_loggers
 from tpuexport.export.checkpoints import Checkpoint, open_checkpoint, parameters_on_meta, with_checkpoint_weights
+from tpuexport.export.generation import check_decoder
 from tpuexport.export.sources import LoadedSource, SourceInfo, file_sha256
 from tpuexport.export.specs import DimSpec
 
@@ -353,15 +354,19 @@ def _encoder_decoder_class(config) -> str:
 
 def generation_context(model: torch.nn.Module) -> int:
     """The positions a causal LM's config allows (its `max_position_embeddings`, else GPT-2's
-    `n_positions`, else an encoder-decoder's decoder `max_target_positions`): the default
-    --max-context of a Hugging Face text-generation source.
+    `n_positions`, else an encoder-decoder's decoder `max_target_positions`; a multimodal model's
+    from its text config): the default --max-context of a Hugging Face text-generation source.
 
     Raises:
-      TpuExportError: the config records none.
+      TpuExportError: the config records none, or the entry points cannot generate with the model
+        (export.generation.check_decoder).
     """
+    check_decoder(model)  # a model the entry points cannot generate with is refused for that, not for its positions
     config = model.config
-    positions = (getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-                 or getattr(config, "max_target_positions", None))
+    # A multimodal model's language model (Gemma 3's) records its positions in its text config.
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    positions = next((value for source in (config, text) for name in ("max_position_embeddings", "n_positions", "max_target_positions")
+                      if (value := getattr(source, name, None))), None)
     if not positions:
         raise TpuExportError(f"{type(model).__name__}'s config records no maximum position; give --max-context N")
     return min(int(positions), longest_positions(model, int(positions)))
