@@ -489,15 +489,25 @@ def main() -> None:
     index, count = map(int, options.shard.split("/"))
     names = names[index - 1::count]
     started = time.strftime("%Y-%m-%d %H:%M")
+    commit = _commit()
     with ThreadPoolExecutor(options.jobs) as pool:
         rows = []
         for row in pool.map(lambda name: run_row(name, options), names):
             rows.append(row)
             print(format_row(row), flush=True)
     mode = "bf16 checkpoint" if options.bf16_checkpoint else "f32"
-    print_table(rows, f"{started}, {mode}, shard {options.shard}, jobs {options.jobs}, transformers {_transformers_version()}")
+    print_table(rows, f"{started}, {mode}, shard {options.shard}, jobs {options.jobs}, tpuexport {commit}, transformers {_transformers_version()}")
     if options.json:
-        options.json.write_text(json.dumps({"started": started, "mode": mode, "shard": options.shard, "rows": rows}, indent=1))
+        options.json.write_text(json.dumps({"started": started, "mode": mode, "shard": options.shard, "commit": commit, "rows": rows},
+                                           indent=1))
+
+
+def _commit() -> str:
+    """The tpuexport commit converted with ("+" when the work tree has changes)."""
+    def git(*arguments):
+        return subprocess.run(["git", "-C", str(ROOT), *arguments], capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def _transformers_version() -> str:

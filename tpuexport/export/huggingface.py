@@ -436,7 +436,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
         "token_type_ids": ModelInput("token_type_ids", ("batch", "seq"), torch.long, int(getattr(config, "type_vocab_size", 0) or 0)),
         "pixel_values": ModelInput("pixel_values", ("batch", _channels(config), "height", "width"), torch.float32),
         "input_values": ModelInput("input_values", ("batch", "samples"), torch.float32),
-        "input_features": ModelInput("input_features", ("batch", int(getattr(config, "num_mel_bins", 80)), "frames"), torch.float32),
+        "input_features": ModelInput("input_features", ("batch", int(_setting(config, "num_mel_bins", "audio_config") or 80), "frames"),
+                                     torch.float32),
         "decoder_input_ids": ModelInput("decoder_input_ids", ("batch", "decoder_seq"), torch.long, decoder_vocab),
     }
     chosen = []
@@ -453,11 +454,24 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
     if not any(spec.name in ("input_ids", "pixel_values", "input_values", "input_features") for spec in chosen):
         raise TpuExportError(f"{type(model).__name__} takes none of input_ids, pixel_values, input_values, input_features; "
                              "write a file.py:factory for it")
+    names = {spec.name for spec in chosen}
+    placeholders = [key for key in config.to_dict() if re.fullmatch(r"(image|video|audio|vision)_token_(id|index)", key)]
+    if "input_ids" in names and names & {"pixel_values", "input_values", "input_features"} and placeholders:
+        raise TpuExportError(f"{type(model).__name__} ({config.model_type}) is a multimodal model that puts image or audio features into its "
+                             f"text at placeholder tokens ({placeholders[0]}), which tpuexport does not convert yet; convert its language "
+                             "model alone (--task text-generation where the architecture has one) or one tower from a file.py:factory")
     return chosen
 
 
+def _setting(config, name: str, tower: str):
+    """A config field, or the field of the named sub-config (a dual encoder's vision_config or
+    audio_config) when the model's own config has none."""
+    value = getattr(config, name, None)
+    return value if value is not None else getattr(getattr(config, tower, None), name, None)
+
+
 def _channels(config) -> int:
-    return int(getattr(config, "num_channels", 3) or 3)
+    return int(_setting(config, "num_channels", "vision_config") or 3)
 
 
 def _size(value) -> int:
@@ -473,7 +487,7 @@ def _dims(inputs: list[ModelInput], config, overrides: list[DimSpec], text_max: 
     """
     used = [axis for spec in inputs for axis in spec.axes if isinstance(axis, str)]
     decoder_max = int(getattr(config, "max_target_positions", 0) or text_max)
-    image = _size(getattr(config, "image_size", DEFAULT_IMAGE_SIZE) or DEFAULT_IMAGE_SIZE)
+    image = _size(_setting(config, "image_size", "vision_config") or DEFAULT_IMAGE_SIZE)
     frames = 2 * int(getattr(config, "max_source_positions", 0)) or DEFAULT_MEL_FRAMES
     defaults = {
         "batch": DEFAULT_BATCH,
