@@ -125,10 +125,26 @@ def test_an_in_memory_model_takes_its_max_context_from_its_config(tmp_path):
     assert generation_context(roberta) == 64
 
 
-@pytest.mark.parametrize("family", [tiny_gpt2, tiny_qwen2], ids=["gpt2", "qwen2-sliding-window"])
+def tiny_cohere() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.CohereConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=128, logit_scale=0.5)
+    return transformers.CohereForCausalLM(config).eval()
+
+
+def tiny_granite() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.GraniteConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=128, logits_scaling=4.0)
+    return transformers.GraniteForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("family", [tiny_gpt2, tiny_qwen2, tiny_cohere, tiny_granite],
+                         ids=["gpt2", "qwen2-sliding-window", "cohere-logit-scale", "granite-logits-scaling"])
 def test_entry_points_match_generate(family):
     """GPT-2: learned absolute positions. Qwen2: a sliding-window layer beside a full one, the window
-    (6) shorter than the 16-token prompt, so prefill and decode both drop keys."""
+    (6) shorter than the 16-token prompt, so prefill and decode both drop keys. Cohere multiplies its
+    logits by logit_scale, Granite divides them by logits_scaling (once refused)."""
     model = family()
     spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
     modules = export_stage.entry_point_modules(model, spec)
@@ -139,17 +155,10 @@ def test_entry_points_match_generate(family):
     assert len(set(report.cases[0].lengths)) == MAX_BATCH  # rows of different lengths in one prefill batch
 
 
-def tiny_cohere() -> transformers.PreTrainedModel:
-    config = transformers.CohereConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                                       num_key_value_heads=2, max_position_embeddings=128, logit_scale=0.5)
-    return transformers.CohereForCausalLM(config).eval()
-
-
 @pytest.mark.parametrize("model, expected", [
     (lambda: tiny_qwen2(layer_types=["full_attention", "chunked_attention"]),
      "has chunked_attention layers, which the KV-cache entry points do not support yet"),
-    (tiny_cohere, "rescales its logits by logit_scale, which the prefill/decode entry points do not support yet"),
-], ids=["chunked-attention", "logit-scale"])
+], ids=["chunked-attention"])
 def test_what_the_entry_points_do_not_model_is_refused(tmp_path, model, expected):
     with pytest.raises(tpuexport.TpuExportError, match=expected):
         tpuexport.convert(model(), task="text-generation", max_context=32, max_batch=2, target="v5e", out=tmp_path / "lm.tpu")

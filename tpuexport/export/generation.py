@@ -441,11 +441,6 @@ def _masked_value(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
-# Config fields of causal LMs that rescale the LM head's logits in ways the entry points do not model
-# (Cohere's logit_scale, Granite's logits_scaling): refused rather than verified into a mismatch.
-_UNSUPPORTED_LOGIT_FIELDS = ("logit_scale", "logits_scaling")
-
-
 def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
@@ -561,9 +556,15 @@ class _EntryPoint(nn.Module):
         return output.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head of the rows wanted, as the causal LM's forward computes it (Gemma 2/3 soft-cap its logits)."""
+        """The LM head of the rows wanted, as the causal LM's forward computes it: Cohere multiplies its
+        logits by logit_scale, Granite divides them by logits_scaling, Gemma 2/3 soft-cap them."""
         logits = self.model.get_output_embeddings()(hidden)
-        cap = getattr(_text_config(self.model.config), "final_logit_softcapping", None)
+        text = _text_config(self.model.config)
+        if getattr(text, "logit_scale", None) is not None:
+            logits = logits * text.logit_scale
+        if getattr(text, "logits_scaling", None) is not None:
+            logits = logits / text.logits_scaling
+        cap = getattr(text, "final_logit_softcapping", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
@@ -676,10 +677,6 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
     check_decoder(model)
     windows = set(attention_windows(model).values())  # refuses a layer type the entry points cannot mask
     text = _text_config(config)
-    rescaled = [field for field in _UNSUPPORTED_LOGIT_FIELDS if getattr(text, field, None) not in (None, 1, 1.0)]
-    if rescaled:
-        raise TpuExportError(f"--task text-generation: {type(model).__name__} rescales its logits by {rescaled[0]}, which the "
-                             "prefill/decode entry points do not support yet")
     layers = text.num_hidden_layers
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
