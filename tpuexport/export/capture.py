@@ -203,11 +203,13 @@ def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.Export
 
 def _described(model: torch.nn.Module) -> str:
     """" on Class (model_type)" for the outermost Hugging Face model within `model` (a task's forward or
-    an entry point wraps it), so that the line names the architecture; "" for other models."""
+    an entry point wraps it), so that the line names the architecture, and the inputs a Hugging Face
+    task's forward gave it (a model may need others); "" for other models."""
+    given = getattr(model, "input_names", None)
     for module in model.modules():
         model_type = getattr(getattr(module, "config", None), "model_type", None)
         if isinstance(model_type, str):
-            return f" on {type(module).__name__} ({model_type})"
+            return f" on {type(module).__name__} ({model_type}{', given ' + ', '.join(given) if given else ''})"
     return ""
 
 
