@@ -9,6 +9,8 @@ import subprocess
 import sys
 
 import pytest
+import safetensors.torch
+import torch
 
 import tpuexport
 from tpuexport import TpuExportError
@@ -56,3 +58,31 @@ def test_a_forward_torch_export_cannot_trace_is_one_line_naming_the_architecture
     assert error_lines(result.stderr) == ["error: torch.export failed on Ernie4_5_MoeForCausalLM (ernie4_5_moe): k not in range for "
                                           "dimension; check the example args and dynamic_shapes / --dim ranges"]
     assert not (tmp_path / "moe.tpu").exists()
+
+
+class ConstantOnTheWeightsDevice(torch.nn.Module):
+    """Makes a tensor constant in its forward on its weights' device, as Mask2Former's deformable
+    attention does (its offset normalizer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        scale = torch.tensor([2.0, 0.5] * 4, device=self.linear.weight.device)
+        return self.linear(x) * scale
+
+
+def test_constants_made_on_the_weights_device_get_values_when_weights_stream(tmp_path):
+    """Exported on the meta device (weights streamed from a checkpoint), such a constant had no value
+    and the conversion was refused; it is exported again with the checkpoint's tensors."""
+    torch.manual_seed(0)
+    model = ConstantOnTheWeightsDevice().eval()
+    safetensors.torch.save_file(model.state_dict(), str(tmp_path / "weights.safetensors"))
+    with tpuexport.parameters_on_meta():
+        on_meta = ConstantOnTheWeightsDevice().eval()
+    x = torch.randn(3, 8)
+    artifact = tpuexport.convert(on_meta, (x,), {"x": {0: torch.export.Dim("batch", min=1, max=8)}}, checkpoint=tmp_path / "weights.safetensors",
+                                 saved_model=False, out=tmp_path / "model.tpu")
+    assert artifact.manifest["verification"]["passed"]
+    torch.testing.assert_close(artifact.run(x), model(x), rtol=1e-2, atol=1e-3)

@@ -80,11 +80,12 @@ def capture(source: LoadedSource) -> CapturedModel:
 
 def _capture_with_checkpoint(source: LoadedSource) -> CapturedModel:
     """Exports a copy of the model on the meta device (no weight is read) and makes the eager
-    reference from the checkpoint's memory-mapped tensors.
+    reference from the checkpoint's memory-mapped tensors; a model whose forward makes tensor
+    constants on its weights' device is exported again with the checkpoint's tensors.
 
     Raises:
       TpuExportError: an ExportedProgram source, a checkpoint that does not match the model, or a
-        lifted constant on the meta device (its value is nowhere).
+        lifted constant still on the meta device (its value is nowhere).
     """
     if isinstance(source.model, torch.export.ExportedProgram):
         raise TpuExportError("a checkpoint needs an nn.Module source (an ExportedProgram carries its own weights); "
@@ -92,19 +93,28 @@ def _capture_with_checkpoint(source: LoadedSource) -> CapturedModel:
     reference = with_checkpoint_weights(source.model, source.checkpoint)
     on_meta = on_meta_device(dataclasses.replace(source, model=source.model.eval(), checkpoint=None))
     program = _export(on_meta.model, on_meta.args, on_meta.dynamic_shapes)
+    weights = _program_weights(program, reference)
+    if any(isinstance(tensor, torch.Tensor) and tensor.is_meta for tensor in weights.values()):
+        # The forward makes tensor constants on its weights' device (Mask2Former's offset normalizer, ...):
+        # exported with the checkpoint's tensors (memory-mapped, not copied), they have values.
+        program = _export(reference.eval(), source.args, source.dynamic_shapes)
+        weights = _program_weights(program, reference)
     example_inputs = tuple(pytree.tree_leaves(source.args))
     signature = describe(program, example_inputs, source.input_names)
-    state = {**dict(reference.named_parameters(remove_duplicate=False)), **dict(reference.named_buffers(remove_duplicate=False))}
-    weights = {}
-    for spec in program.graph_signature.input_specs:
-        if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT:
-            weights[spec.target] = state[spec.target] if spec.target in state else program.constants[spec.target]
     unknown = [name for name, tensor in weights.items() if isinstance(tensor, torch.Tensor) and tensor.is_meta]
     if unknown:
         raise TpuExportError(f"the model's tensor constant(s) {', '.join(unknown)} are on the meta device, so their values are "
                              "nowhere; register them as buffers (model.register_buffer) so the checkpoint can hold them")
     return CapturedModel(program, reference, signature, example_inputs, source.info, source.calibration, weights,
                          kept_in_f32(reference))
+
+
+def _program_weights(program: torch.export.ExportedProgram, reference: torch.nn.Module) -> dict:
+    """The program's non-input arguments by name: the reference's parameters and buffers, or the
+    program's lifted constants."""
+    state = {**dict(reference.named_parameters(remove_duplicate=False)), **dict(reference.named_buffers(remove_duplicate=False))}
+    return {spec.target: state[spec.target] if spec.target in state else program.constants[spec.target]
+            for spec in program.graph_signature.input_specs if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT}
 
 
 def kept_in_f32(model) -> frozenset[str]:

@@ -10,8 +10,9 @@ Inputs are named as the family names them (input_ids, attention_mask, token_type
 pixel_values, input_values, input_features, decoder_input_ids) with dims whose ranges come from the
 config and that `--dim NAME=MIN:MAX` overrides (MIN == MAX makes a dim static):
   batch             1..64
-  seq               2..max_position_embeddings (512 when the config has none), less the rows a
-                    position table numbered from its padding index leaves unused (longest_positions)
+  seq               2..the positions the config records (max_position_embeddings, n_positions, ...; 512
+                    when it records none), less the rows a position table numbered from its padding
+                    index leaves unused (longest_positions)
   decoder_seq       2..the decoder's max positions
   height, width     the config's image_size (static), samples 16000 (static), frames (static)
 Outputs are the tensors of the model's output (logits, last_hidden_state, pooler_output, ...).
@@ -363,13 +364,22 @@ def generation_context(model: torch.nn.Module) -> int:
     """
     check_decoder(model)  # a model the entry points cannot generate with is refused for that, not for its positions
     config = model.config
-    # A multimodal model's language model (Gemma 3's) records its positions in its text config.
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    positions = next((value for source in (config, text) for name in ("max_position_embeddings", "n_positions", "max_target_positions")
-                      if (value := getattr(source, name, None))), None)
+    positions = recorded_positions(config) or getattr(config, "max_target_positions", None)
     if not positions:
         raise TpuExportError(f"{type(model).__name__}'s config records no maximum position; give --max-context N")
     return min(int(positions), longest_positions(model, int(positions)))
+
+
+# Config fields that record how many positions a model has, by family (BERT/Llama, GPT-2, ...).
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
+
+
+def recorded_positions(config) -> int | None:
+    """The positions a config records (POSITION_FIELDS, in the model's own config or in its text
+    config: a multimodal model's language model, a dual encoder's text tower), or None."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return next((int(value) for source in (config, text) for name in POSITION_FIELDS if isinstance(value := getattr(source, name, None), int)
+                 and value > 0), None)
 
 
 def longest_positions(model: torch.nn.Module, recorded: int) -> int:
@@ -401,7 +411,7 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     config = model.config
     config.use_cache = False
     inputs = model_inputs(model, config)
-    text_max = longest_positions(model, int(getattr(config, "max_position_embeddings", 0) or DEFAULT_MAX_SEQUENCE))
+    text_max = longest_positions(model, recorded_positions(config) or DEFAULT_MAX_SEQUENCE)
     args, dynamic_shapes = _example_inputs(inputs, _dims(inputs, config, list(dims), text_max), _config_dtype(config))
     return named_forward(model, tuple(spec.name for spec in inputs)), args, dynamic_shapes
 
