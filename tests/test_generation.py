@@ -139,12 +139,30 @@ def tiny_granite() -> transformers.PreTrainedModel:
     return transformers.GraniteForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("family", [tiny_gpt2, tiny_qwen2, tiny_cohere, tiny_granite],
-                         ids=["gpt2", "qwen2-sliding-window", "cohere-logit-scale", "granite-logits-scaling"])
+def tiny_deepseek_v3() -> transformers.PreTrainedModel:
+    """Multi-head latent attention (its cache: one latent "head" of kv_lora_rank for keys, the rotary
+    part's width for values) and grouped top-k expert routing behind a dense first layer."""
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=8,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+        max_position_embeddings=128)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():  # transformers zeroes the router's gate: every expert would tie
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.weight.normal_(0.0, 0.02)
+    return model
+
+
+@pytest.mark.parametrize("family", [tiny_gpt2, tiny_qwen2, tiny_cohere, tiny_granite, tiny_deepseek_v3],
+                         ids=["gpt2", "qwen2-sliding-window", "cohere-logit-scale", "granite-logits-scaling", "deepseek-v3-latent-cache"])
 def test_entry_points_match_generate(family):
     """GPT-2: learned absolute positions. Qwen2: a sliding-window layer beside a full one, the window
     (6) shorter than the 16-token prompt, so prefill and decode both drop keys. Cohere multiplies its
-    logits by logit_scale, Granite divides them by logits_scaling (once refused)."""
+    logits by logit_scale, Granite divides them by logits_scaling (once refused). DeepSeek-V3 caches
+    keys and values of different widths (the cache is as wide as the wider; it once took the
+    config's heads x head_dim and failed to export)."""
     model = family()
     spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
     modules = export_stage.entry_point_modules(model, spec)

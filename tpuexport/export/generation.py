@@ -85,7 +85,9 @@ class GenerationSpec:
     Attributes:
       max_batch: cache slots (decode's batch; prefill's largest batch).
       max_context: positions per slot (longest prompt + generated tokens).
-      layers, kv_heads, head_dim: the cache's model-given sizes.
+      layers, kv_heads, head_dim: the cache's model-given sizes: the heads and the larger of the
+        widths of what the attention layers cache as keys and as values (`cached_shapes`; with
+        multi-head latent attention the two differ, and the narrower is stored zero-padded).
       vocab: logits per row.
       dtype: the cache's dtype (the model's, torch name, e.g. "float32", "bfloat16").
       layout: one of CACHE_LAYOUTS.
@@ -237,10 +239,14 @@ class FunctionalKVCache:
         self.scales = None if key_scales is None else [key_scales, value_scales]
 
     def stored(self, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """New keys or values as the cache stores them: (int8, scales) for an int8 cache, else (new in the cache's dtype, None)."""
+        """New keys or values as the cache stores them: (int8, scales) for an int8 cache, else (new in
+        the cache's dtype, None); zero-padded to the cache's head_dim when narrower (MLA's values)."""
         if self.scales is None:
-            return new.to(self.keys.dtype), None
-        return quantize_kv(new, self.scales[0].dtype)
+            stored, scale = new.to(self.keys.dtype), None
+        else:
+            stored, scale = quantize_kv(new, self.scales[0].dtype)
+        width = self.keys.shape[-1]
+        return (stored if stored.shape[-1] == width else nn.functional.pad(stored, (0, width - stored.shape[-1]))), scale
 
     def update(self, new_keys: torch.Tensor, new_values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes a layer's new keys/values ([batch, heads, steps, head_dim]) and returns what attention reads."""
@@ -316,8 +322,8 @@ class DecodeCache(FunctionalKVCache):
     def update(self, new_keys, new_values, layer):
         stored = [self.stored(new_keys[:, :, 0]), self.stored(new_values[:, :, 0])]
         self.pending.append((layer, stored))
-        return (self.read(self.keys, stored[0], layer, 0, new_keys.dtype),
-                self.read(self.values, stored[1], layer, 1, new_values.dtype))
+        return (self.read(self.keys, stored[0], layer, 0, new_keys.dtype)[..., :new_keys.shape[-1]],
+                self.read(self.values, stored[1], layer, 1, new_values.dtype)[..., :new_values.shape[-1]])
 
     def written(self):
         keys, values, scales = self.keys, self.values, list(self.scales or ())
@@ -435,6 +441,50 @@ def _transformers_cache(functional: FunctionalKVCache | GroupedKVCache):
             return 0
 
     return KVCache()
+
+
+class _Cached(Exception):
+    """Raised by the probe's cache at the first write: what the first attention layer caches."""
+
+    def __init__(self, keys: torch.Size, values: torch.Size):
+        super().__init__()
+        self.keys, self.values = keys, values
+
+
+class _ProbeCache:
+    def update(self, new_keys, new_values, layer):
+        raise _Cached(new_keys.shape, new_values.shape)
+
+
+def cached_shapes(model: nn.Module) -> tuple[int, int]:
+    """(kv heads, head_dim) of what a decoder's attention layers write to their cache, as the first
+    layer writes it for a 2-token prompt (on the model's device, the meta device too; the forward
+    stops there): a model's own (Llama's num_key_value_heads x head_dim, DeepSeek's heads x
+    qk_nope + qk_rope for keys and heads x v_head_dim for values, MiniCPM3's one latent "head").
+
+    Raises:
+      TpuExportError: keys and values with different head counts.
+    """
+    parameter = next(model.parameters())
+    positions = torch.arange(2, device=parameter.device)
+    mask = _causal_masks(attention_windows(model), positions[None, :], positions, parameter.dtype)
+    try:
+        with torch.no_grad():  # as the entry points call it (Prefill.hidden_states)
+            model.base_model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=parameter.device), attention_mask=mask,
+                             position_ids=positions[None, :], past_key_values=_transformers_cache(_ProbeCache()), use_cache=True)
+    except _Cached as cached:
+        keys, values = cached.keys, cached.values
+    except Exception:  # the forward fails before any layer writes (so will its export, which says why): the config's sizes
+        text = _text_config(model.config)
+        heads = text.num_attention_heads
+        return getattr(text, "num_key_value_heads", None) or heads, getattr(text, "head_dim", None) or text.hidden_size // heads
+    else:
+        raise TpuExportError(f"--task text-generation: {type(model).__name__}'s layers write no KV cache; it is not a decoder the "
+                             "prefill/decode entry points can run")
+    if keys[1] != values[1]:
+        raise TpuExportError(f"--task text-generation: {type(model).__name__} caches keys of {keys[1]} heads and values of {values[1]}, "
+                             "which the KV cache (one head count) does not hold yet")
+    return int(keys[1]), int(max(keys[-1], values[-1]))
 
 
 def _masked_value(dtype: torch.dtype) -> float:
@@ -678,9 +728,7 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
     windows = set(attention_windows(model).values())  # refuses a layer type the entry points cannot mask
     text = _text_config(config)
     layers = text.num_hidden_layers
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads, head_dim = cached_shapes(model)
     positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     if positions is not None and max_context > positions:
         raise TpuExportError(f"--max-context {max_context} exceeds the model's {positions} positions (max_position_embeddings); "
