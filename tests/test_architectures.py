@@ -86,3 +86,29 @@ def test_constants_made_on_the_weights_device_get_values_when_weights_stream(tmp
                                  saved_model=False, out=tmp_path / "model.tpu")
     assert artifact.manifest["verification"]["passed"]
     torch.testing.assert_close(artifact.run(x), model(x), rtol=1e-2, atol=1e-3)
+
+
+def test_a_decoder_with_a_recurrent_state_is_refused_for_text_generation(tmp_path):
+    """Mamba's state between steps is a recurrent state, not a KV cache: one line saying so, before
+    the missing max_position_embeddings (which it has none of) is asked for."""
+    model = transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=8)).eval()
+    with pytest.raises(TpuExportError, match="MambaForCausalLM keeps a recurrent state .*--task feature-extraction --dim seq=N:N"):
+        tpuexport.convert(model, task="text-generation", out=tmp_path / "lm.tpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_multimodal_forward_with_placeholder_tokens_is_refused_in_one_line(tmp_path):
+    """A vision-language model's forward puts image features into its text at image tokens: refused
+    naming the architecture (its text and vision sizes once produced a bare eager error)."""
+    config = transformers.LlavaConfig(
+        text_config={"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                     "num_attention_heads": 4, "max_position_embeddings": 32},
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                       "num_attention_heads": 4, "image_size": 32, "patch_size": 8, "projection_dim": 32},
+        image_token_index=63)
+    transformers.LlavaModel(config).save_pretrained(tmp_path / "llava")
+    result = convert_directory(tmp_path / "llava", tmp_path / "llava.tpu", *QUICK)
+    assert result.returncode == 2 and error_lines(result.stderr) == [
+        "error: LlavaModel (llava) is a multimodal model that puts image or audio features into its text at placeholder tokens "
+        "(image_token_index), which tpuexport does not convert yet; convert its language model alone (--task text-generation where "
+        "the architecture has one) or one tower from a file.py:factory"], result.stderr[-2000:]
