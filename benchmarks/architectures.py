@@ -463,7 +463,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=CHILD_TIMEOUT_SECONDS, help="seconds per conversion")
     parser.add_argument("--bf16-checkpoint", action="store_true", help="the text-generation types only, written in bfloat16")
     parser.add_argument("--json", type=pathlib.Path, help="also write the rows here")
-    parser.add_argument("--table", nargs="+", type=pathlib.Path, help="print one table from rows written with --json")
+    parser.add_argument("--table", nargs="+", type=pathlib.Path,
+                        help="print one table from rows written with --json (a later file's row of a type replaces an earlier one)")
     parser.add_argument("--build", nargs=3, metavar=("TYPE", "DIR", "DTYPE"), help=argparse.SUPPRESS)
     options = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -475,9 +476,11 @@ def main() -> None:
             sys.exit(3)
         print(json.dumps(record))
         return
-    if options.table:
-        rows = [row for path in options.table for row in json.loads(path.read_text())["rows"]]
-        print_table(rows, f"{len(options.table)} file(s)")
+    if options.table:  # a type's row in a later file replaces its row in an earlier one (a re-run after a fix)
+        runs = [json.loads(path.read_text()) for path in options.table]
+        rows = {row["type"]: row for run in runs for row in run["rows"]}
+        print_table(list(rows.values()), "; ".join(f"{run['started']} {run['mode']} shard {run['shard']} at {run.get('commit', '?')}"
+                                                  for run in runs))
         return
     types = model_types()
     names = [name.strip() for name in options.only.split(",")] if options.only else list(types)
