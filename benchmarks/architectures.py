@@ -86,7 +86,8 @@ SIZES = {  # group: (size, keys)
         "shared_expert_intermediate_size", "mlp_dim", "dim_feedforward", "decoder_intermediate_size", "ffn_hidden_size",
         "dense_intermediate_size", "moe_hidden_size", "shared_intermediate_size", "moe_shared_expert_intermediate_size",
         "intermediate_size_mlp", "encoder_feedforward_dim", "d_inner", "linear_units", "projection_intermediate_size",
-        "shared_experts_intermediate_size", "dim_ff", "dff", "encoder_linear_units", "decoder_linear_units", "expert_intermediate_size")),
+        "shared_experts_intermediate_size", "dim_ff", "dff", "encoder_linear_units", "decoder_linear_units", "expert_intermediate_size",
+        "expert_ffn_hidden_size")),
     "layers": (LAYERS, (
         "num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers", "n_layers", "num_decoder_layers",
         "num_encoder_layers", "speech_encoder_layers", "text_encoder_layers", "num_text_layers", "max_window_layers")),
@@ -103,7 +104,7 @@ SIZES = {  # group: (size, keys)
     "positions": (POSITIONS, (
         "max_position_embeddings", "n_positions", "n_ctx", "max_target_positions", "max_source_positions", "max_seq_len",
         "max_2d_position_embeddings")),
-    "experts": (4, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")),
+    "experts": (4, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "zero_expert_num")),
     "top_k": (2, ("num_experts_per_tok", "moe_topk", "n_group", "moe_k", "moe_top_k", "num_experts_per_token", "experts_per_token")),
     "window": (32, ("sliding_window", "attention_chunk_size", "sliding_window_size", "kv_lora_rank", "q_lora_rank", "o_lora_rank")),
     "small": (8, ("qk_rope_head_dim", "time_step_rank", "block_size", "attention_window", "num_conv_pos_embeddings", "mamba_chunk_size")),

@@ -112,3 +112,40 @@ def test_a_multimodal_forward_with_placeholder_tokens_is_refused_in_one_line(tmp
         "error: LlavaModel (llava) is a multimodal model that puts image or audio features into its text at placeholder tokens "
         "(image_token_index), which tpuexport does not convert yet; convert its language model alone (--task text-generation where "
         "the architecture has one) or one tower from a file.py:factory"], result.stderr[-2000:]
+
+
+class LoopOverChosenRows(torch.nn.Module):
+    """A Python loop over the rows a comparison picks (as transformers' eager experts loop over the
+    experts tokens chose): torch.export cannot trace it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        out = torch.zeros_like(x)
+        for row in (x.sum(-1) > 0).nonzero():
+            out = out + self.linear(x[row])
+        return out
+
+
+def test_data_dependent_control_flow_is_one_line_without_torchs_graph_dump(tmp_path, capfd):
+    """torch.export prints the partial graph of such a trace to stderr (hundreds of lines for a real
+    model) before raising; only tpuexport's line remains, saying what the model does."""
+    with pytest.raises(TpuExportError, match="its forward branches on tensor values .* needs tensor ops or torch.cond"):
+        tpuexport.convert(LoopOverChosenRows(), (torch.randn(3, 4),), out=tmp_path / "m.tpu")
+    assert "def forward" not in capfd.readouterr().err
+
+
+def test_a_mixture_of_experts_that_defaults_to_eager_experts_exports_with_grouped_ones(tmp_path):
+    """The OpenAI privacy filter defaults to transformers' eager experts (a loop over the experts
+    tokens chose, refused as above); its directory converts with the grouped-matmul experts."""
+    from tpuexport.export import capture, load_source
+
+    config = transformers.OpenAIPrivacyFilterConfig(vocab_size=64, pad_token_id=0, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                                    num_experts_per_tok=2, max_position_embeddings=32, num_labels=3)
+    transformers.OpenAIPrivacyFilterForTokenClassification(config).save_pretrained(tmp_path / "filter")
+    captured = capture(load_source(str(tmp_path / "filter")))
+    assert captured.reference.model.config._experts_implementation == "grouped_mm"
+    assert [spec.name for spec in captured.signature.outputs] == ["logits"]

@@ -6,9 +6,10 @@ import logging
 # Importing torchao (PT2E quantization; transformers imports it too when building a model) on a
 # CPU-only machine logs warnings about its optional CUDA kernels and an Enum registration.
 TORCHAO_LOGGERS = ("torchao", "torch.utils._pytree")
-# torch.export's fake tensors log the traceback of an operator that fails on them at ERROR level
-# before the failure reaches tpuexport, which reports it in one line.
-FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+# torch.export's fake tensors log the traceback of an operator that fails on them, and torch.export
+# logs a classified failure, at ERROR level before the failure reaches tpuexport, which reports it in
+# one line.
+EXPORT_LOGGERS = ("torch._subclasses.fake_tensor", "torch.export._trace")
 
 
 @contextlib.contextmanager

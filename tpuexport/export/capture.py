@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import io
 import logging
 import re
 from typing import Any, Callable
 
 import sympy
 import torch
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from tpuexport.errors import TpuExportError
 from tpuexport.export import constraints
 from tpuexport.export.checkpoints import with_checkpoint_weights
 from tpuexport.export.sources import LoadedSource, SourceInfo
-from tpuexport.logs import FAKE_TENSOR_LOGGER, quiet_loggers
+from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
 from tpuexport.signature import ProgramSignature, SymbolicDim, TensorSpec, artifact_dtype, parse_dim_expression
 
 
@@ -196,16 +199,29 @@ def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def _quiet_export():
+    """torch.export prints the partial graph of a failed trace to stderr, and logs the traceback of a
+    failing fake-tensor operator: the error tpuexport reports says it in one line."""
+    with quiet_loggers(*EXPORT_LOGGERS, level=logging.CRITICAL), contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
 def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.ExportedProgram:
     try:
-        with torch.no_grad(), quiet_loggers(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
+        with torch.no_grad(), _quiet_export():
             return torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
     except Exception as error:  # torch.export raises UserError, ConstraintViolationError, TypeError, ...
-        with quiet_loggers(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
+        with _quiet_export():
             explained = constraints.explain(model, args, dynamic_shapes, str(error))
         if explained:
             raise TpuExportError(explained) from None
         message = " ".join(str(error).split())
+        if isinstance(error, GuardOnDataDependentSymNode):
+            raise TpuExportError(
+                f"torch.export failed{_described(model)}: its forward branches on tensor values ({message[:300]}), which torch.export "
+                "cannot trace (e.g. a Python loop over the experts that tokens chose); that code needs tensor ops or torch.cond"
+            ) from None
         raise TpuExportError(
             f"torch.export failed{_described(model)}: {message[:400]}; check the example args and dynamic_shapes / --dim ranges"
         ) from None

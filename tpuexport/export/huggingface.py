@@ -307,6 +307,7 @@ def _forward_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_mem
     if checkpoint is None:  # tensors transformers converts when loading (not only renames): its own loading reads them
         loaded = _from_pretrained(auto_class, resolved.directory, dtype)
         loaded.config.use_cache = False
+        traceable_experts(loaded)
         wrapped = named_forward(loaded, wrapped.input_names)
     elif weights_in_memory:
         wrapped, checkpoint = with_checkpoint_weights(wrapped, checkpoint), None
@@ -339,6 +340,7 @@ def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_
         checkpoint = _checkpoint(resolved.directory, model)
     if checkpoint is None:
         model = _from_pretrained(auto_class, resolved.directory, dtype)
+    traceable_experts(model)
     record = HuggingFaceInfo(resolved.task, type(model).__name__, resolved.config.model_type, resolved.revision, resolved.config_json,
                              {name: resolved.directory / name for name in SERVING_FILES if (resolved.directory / name).is_file()})
     return LoadedSource(model.eval(), None, None, None, _source_info(resolved), checkpoint=checkpoint, huggingface=record)
@@ -410,10 +412,20 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     """
     config = model.config
     config.use_cache = False
+    traceable_experts(model)
     inputs = model_inputs(model, config)
     text_max = longest_positions(model, recorded_positions(config) or DEFAULT_MAX_SEQUENCE)
     args, dynamic_shapes = _example_inputs(inputs, _dims(inputs, config, list(dims), text_max), _config_dtype(config))
     return named_forward(model, tuple(spec.name for spec in inputs)), args, dynamic_shapes
+
+
+def traceable_experts(model: torch.nn.Module) -> None:
+    """Switches a mixture-of-experts model that defaults to transformers' "eager" experts (a Python
+    loop over the experts some token chose: data-dependent, so torch.export cannot trace it; the
+    OpenAI privacy filter's) to the same experts as one grouped matmul, which it can."""
+    can_set = getattr(type(model), "_can_set_experts_implementation", None)
+    if can_set is not None and can_set() and getattr(model.config, "_experts_implementation", None) == "eager":
+        model.set_experts_implementation("grouped_mm")
 
 
 def _config_dtype(config) -> torch.dtype:
