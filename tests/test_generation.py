@@ -25,6 +25,7 @@ from conftest import ROOT, served
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.export.generation import CACHE_LAYOUTS, Decode, DecodeCache, write_decode_cache, write_prefill_cache
+from tpuexport.export.huggingface import generation_context
 from tpuexport.lower import generation as lowered_generation
 from tpuexport.lower.cpu_program import cpu_program, state_positions
 from tpuexport.verify import verify_generation
@@ -100,10 +101,69 @@ def test_llama_artifact_generates_what_generate_does(llama_generation):
         assert tokens == expected[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", [tiny_gpt2, tiny_qwen2], ids=["gpt2", "qwen2-sliding-window"])
+def test_generate_takes_token_ids_as_a_tensor_as_generate_does(llama_generation):
+    """input_ids as transformers' generate() takes them, a tensor [batch, length] (or [length] for one
+    prompt), generate what the same ids as lists do; a float tensor is one line."""
+    artifact, _ = llama_generation
+    prompts = [[5, 17, 42, 7], [99, 3, 8, 1]]
+    expected = artifact.generate(prompts, max_new_tokens=4)
+    assert artifact.generate(torch.tensor(prompts), max_new_tokens=4) == expected
+    assert artifact.generate(torch.tensor(prompts[1]), max_new_tokens=4) == expected[1:]
+    with pytest.raises(tpuexport.TpuExportError, match=r"must be integers of shape \[batch, length\] or \[length\]; got float32 \[2, 4\]"):
+        artifact.generate(torch.tensor(prompts, dtype=torch.float32))
+
+
+def test_an_in_memory_model_takes_its_max_context_from_its_config(tmp_path):
+    """convert(model, task="text-generation") without max_context defaults it as the command line
+    does for a directory: the positions the model's config allows (a plan: no verification needed to
+    see the cache's size), less a padding offset where positions are numbered past it (RoBERTa)."""
+    artifact = tpuexport.convert(tiny_gpt2(), task="text-generation", weights=False, buckets={"seq": [16], "batch": [1]}, target="v5e",
+                                 out=tmp_path / "gpt2.tpu")
+    assert artifact.manifest["generation"]["max_context"] == 128
+    roberta = transformers.RobertaForCausalLM(transformers.RobertaConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, max_position_embeddings=66,
+        is_decoder=True))
+    assert generation_context(roberta) == 64
+
+
+def tiny_cohere() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.CohereConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=128, logit_scale=0.5)
+    return transformers.CohereForCausalLM(config).eval()
+
+
+def tiny_granite() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.GraniteConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=128, logits_scaling=4.0)
+    return transformers.GraniteForCausalLM(config).eval()
+
+
+def tiny_deepseek_v3() -> transformers.PreTrainedModel:
+    """Multi-head latent attention (its cache: one latent "head" of kv_lora_rank for keys, the rotary
+    part's width for values) and grouped top-k expert routing behind a dense first layer."""
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=8,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+        max_position_embeddings=128)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():  # transformers zeroes the router's gate: every expert would tie
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.weight.normal_(0.0, 0.02)
+    return model
+
+
+@pytest.mark.parametrize("family", [tiny_gpt2, tiny_qwen2, tiny_cohere, tiny_granite, tiny_deepseek_v3],
+                         ids=["gpt2", "qwen2-sliding-window", "cohere-logit-scale", "granite-logits-scaling", "deepseek-v3-latent-cache"])
 def test_entry_points_match_generate(family):
     """GPT-2: learned absolute positions. Qwen2: a sliding-window layer beside a full one, the window
-    (6) shorter than the 16-token prompt, so prefill and decode both drop keys."""
+    (6) shorter than the 16-token prompt, so prefill and decode both drop keys. Cohere multiplies its
+    logits by logit_scale, Granite divides them by logits_scaling (once refused). DeepSeek-V3 caches
+    keys and values of different widths (the cache is as wide as the wider; it once took the
+    config's heads x head_dim and failed to export)."""
     model = family()
     spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
     modules = export_stage.entry_point_modules(model, spec)
@@ -114,17 +174,10 @@ def test_entry_points_match_generate(family):
     assert len(set(report.cases[0].lengths)) == MAX_BATCH  # rows of different lengths in one prefill batch
 
 
-def tiny_cohere() -> transformers.PreTrainedModel:
-    config = transformers.CohereConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                                       num_key_value_heads=2, max_position_embeddings=128, logit_scale=0.5)
-    return transformers.CohereForCausalLM(config).eval()
-
-
 @pytest.mark.parametrize("model, expected", [
     (lambda: tiny_qwen2(layer_types=["full_attention", "chunked_attention"]),
      "has chunked_attention layers, which the KV-cache entry points do not support yet"),
-    (tiny_cohere, "rescales its logits by logit_scale, which the prefill/decode entry points do not support yet"),
-], ids=["chunked-attention", "logit-scale"])
+], ids=["chunked-attention"])
 def test_what_the_entry_points_do_not_model_is_refused(tmp_path, model, expected):
     with pytest.raises(tpuexport.TpuExportError, match=expected):
         tpuexport.convert(model(), task="text-generation", max_context=32, max_batch=2, target="v5e", out=tmp_path / "lm.tpu")

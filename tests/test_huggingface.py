@@ -145,6 +145,22 @@ def test_audio_classifier_with_a_static_sample_count(models, tmp_path):
     assert manifest["verification"]["passed"]
 
 
+def test_a_roberta_directory_converts_with_default_dims(tmp_path):
+    """RoBERTa numbers positions from padding_idx + 1, so its longest input is max_position_embeddings
+    - padding_idx - 1 (512 for roberta-base's 514): the default seq range stops there, where it was
+    taken from max_position_embeddings literally and verification failed at its max case with an
+    IndexError in eager PyTorch."""
+    config = transformers.RobertaConfig(**{**TEXT, "max_position_embeddings": 66}, architectures=["RobertaForMaskedLM"])
+    directory = save(transformers.RobertaForMaskedLM(config), tmp_path / "roberta")
+    out = tmp_path / "roberta.tpu"
+    result = tpuexport("convert", directory, "-o", out, "--target", "v5e", "--no-saved-model")
+    assert result.returncode == 0, result.stderr
+    manifest = manifest_of(out)
+    assert signature(manifest)[2] == {"batch": (1, 64), "seq": (2, 64)} and manifest["huggingface"]["task"] == "fill-mask"
+    assert manifest["verification"]["passed"]
+    assert {"batch": 64, "seq": 64} in [case["sizes"] for case in manifest["verification"]["cases"]]
+
+
 def test_a_model_missing_from_the_cache_is_one_line_exit_2(hf_home, tmp_path):
     missing = tpuexport("convert", "hf:tiny-org/absent", "-o", tmp_path / "x.tpu", env={"HF_HOME": str(hf_home)})
     lines = missing.stderr.strip().splitlines()

@@ -151,7 +151,8 @@ def convert(
         Hugging Face causal LM (no args), and the artifact holds entry points prefill, decode and sample
         over a KV cache of max_batch x max_context (docs/generation.md); `buckets` then
         takes prefill's {"seq": prompt lengths, "batch": batch sizes}; no SavedModel is written.
-      max_context: positions per cache slot (text-generation; required there).
+      max_context: positions per cache slot (text-generation); None: what the model's config
+        allows (its max_position_embeddings, as the command line defaults it for a directory).
       max_batch: cache slots, decode's batch (text-generation).
       cache_layout: "layer_batch_head_pos" (default) or "layer_batch_pos_head" (text-generation).
       kv_cache_dtype: "model" (default: the model's dtype) or "int8" (int8 keys and values with

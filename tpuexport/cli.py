@@ -33,7 +33,7 @@ def handles_errors(command):
             stderr.print(f"[bold red]error:[/] {error}", soft_wrap=True)
             sys.exit(EXIT_BAD_INPUT)
         except VerificationError as error:
-            stderr.print(f"[bold red]verification failed:[/] {error}", soft_wrap=True)
+            stderr.print(f"[bold red]verification failed:[/] {str(error).removeprefix('verification failed: ')}", soft_wrap=True)
             sys.exit(EXIT_VERIFICATION_FAILED)
 
     return wrapper

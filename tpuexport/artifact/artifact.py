@@ -194,7 +194,9 @@ class Artifact:
         with do_sample=False; stops a prompt at an end-of-sequence token (`eos_token_ids`).
 
         Args:
-          tokens: one prompt (a list of token ids) or a list of prompts (at most max batch).
+          tokens: one prompt (a list of token ids) or a list of prompts (at most max batch), or,
+            as transformers' generate() takes input_ids, an integer torch tensor or numpy array
+            [batch, length] (or [length] for one prompt).
           max_new_tokens: tokens to generate per prompt (fewer where a row reaches max context or
             draws an end-of-sequence token).
           features: instead of tokens, for an audio encoder-decoder (Whisper): its sources' audio
@@ -216,6 +218,7 @@ class Artifact:
         elif tokens is None:
             raise TpuExportError("give the prompts (token ids) or, for an audio encoder-decoder, features=[batch, mel bins, frames]")
         else:
+            tokens = _token_lists(tokens)
             prompts = [tokens] if tokens and not isinstance(tokens[0], (list, tuple)) else tokens
         generated: list[list[int]] = [[] for _ in prompts]
         for step in self.stream(prompts, max_new_tokens, sampling, ignore_eos):
@@ -404,3 +407,19 @@ def _stays_inside(root: pathlib.Path, named) -> bool:
         return False
     resolved_root = root.resolve()
     return (root / named).resolve().is_relative_to(resolved_root)
+
+
+def _token_lists(tokens):
+    """Token ids given as a torch tensor or numpy array ([batch, length], or [length] for one prompt)
+    as lists; lists as they are.
+
+    Raises:
+      TpuExportError: an array of floats or of more than 2 dims.
+    """
+    if not isinstance(tokens, (torch.Tensor, np.ndarray)):
+        return tokens
+    array = tokens.detach().cpu().numpy() if isinstance(tokens, torch.Tensor) else tokens
+    if array.ndim not in (1, 2) or not np.issubdtype(array.dtype, np.integer):
+        raise TpuExportError(f"token ids as an array must be integers of shape [batch, length] or [length]; got {array.dtype} "
+                             f"{list(array.shape)}")
+    return array.tolist()
