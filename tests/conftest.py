@@ -19,7 +19,7 @@ import tpuexport
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-# benchmarks/families.py (real architectures) and benchmarks/planted_bugs.py are shared with the tests.
+# benchmarks/families.py (real architectures), planted_bugs.py and chat_model.py are shared with the tests.
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 

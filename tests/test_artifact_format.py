@@ -47,6 +47,10 @@ def test_a_version_2_generation_artifact_generates_its_golden_tokens():
     assert artifact.records.entry_points["decode"].state == ("cache_k", "cache_v")
     checks = {check.name: check for check in tpuexport.verify_artifact(FIXTURES / "tiny_llama.tpu").checks}
     assert checks["golden"].status == "passed", checks["golden"].message
+    # Converted before artifacts had a sample entry point: it samples on the host, with the same sampler.
+    sampling = tpuexport.Sampling(temperature=0.8, top_p=0.9, seed=3)
+    sampled = artifact.generate([[5, 17, 42]], 6, sampling=sampling)
+    assert sampled == artifact.generate([[5, 17, 42]], 6, sampling=sampling) != artifact.generate([[5, 17, 42]], 6)
 
 
 def test_the_runtime_loads_version_2_executables_where_they_were_built_for():

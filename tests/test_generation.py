@@ -25,6 +25,7 @@ from conftest import ROOT, served
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.export.generation import CACHE_LAYOUTS, Decode, DecodeCache, write_decode_cache, write_prefill_cache
+from tpuexport.export.huggingface import generation_context
 from tpuexport.lower import generation as lowered_generation
 from tpuexport.lower.cpu_program import cpu_program, state_positions
 from tpuexport.verify import verify_generation
@@ -82,13 +83,14 @@ def test_llama_artifact_generates_what_generate_does(llama_generation):
     (case,) = verification["cases"]
     assert case["sizes"] == {"batch": MAX_BATCH, "seq": 16} and len(set(case["lengths"])) == MAX_BATCH and max(case["lengths"]) == 16
     assert case["slots"] == [1, 0]
-    # One weights file shared by both entry points; the cache donated and aliased by the compiled executables.
-    assert set(manifest["entry_points"]) == {"prefill", "decode"}
-    assert all(entry["donated_inputs"] == ["cache_k", "cache_v"] for entry in manifest["entry_points"].values())
+    # One weights file shared by the entry points; the cache donated and aliased by the compiled executables
+    # of prefill and decode; sample draws from their logits and holds no state.
+    assert list(manifest["entry_points"]) == ["prefill", "decode", "sample"]
+    assert [entry["donated_inputs"] for entry in manifest["entry_points"].values()] == [["cache_k", "cache_v"]] * 2 + [[]]
     assert manifest["program"]["weights"] == "weights/weights.safetensors"
     buckets = {bucket["entry_point"]: bucket for bucket in manifest["targets"]["v5e"]["buckets"]}
     cache_bytes = manifest["generation"]["cache_bytes"]
-    assert all(bucket["memory"]["alias_bytes"] >= cache_bytes for bucket in buckets.values())
+    assert all(buckets[name]["memory"]["alias_bytes"] >= cache_bytes for name in ("prefill", "decode"))
     assert buckets["decode"]["decode_step"]["xla_bytes_accessed"] > 0
     # Free-running generation through the artifact equals generate() of each prompt alone.
     prompts = [[5, 17, 42, 7], [99, 3]]
@@ -99,10 +101,69 @@ def test_llama_artifact_generates_what_generate_does(llama_generation):
         assert tokens == expected[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", [tiny_gpt2, tiny_qwen2], ids=["gpt2", "qwen2-sliding-window"])
+def test_generate_takes_token_ids_as_a_tensor_as_generate_does(llama_generation):
+    """input_ids as transformers' generate() takes them, a tensor [batch, length] (or [length] for one
+    prompt), generate what the same ids as lists do; a float tensor is one line."""
+    artifact, _ = llama_generation
+    prompts = [[5, 17, 42, 7], [99, 3, 8, 1]]
+    expected = artifact.generate(prompts, max_new_tokens=4)
+    assert artifact.generate(torch.tensor(prompts), max_new_tokens=4) == expected
+    assert artifact.generate(torch.tensor(prompts[1]), max_new_tokens=4) == expected[1:]
+    with pytest.raises(tpuexport.TpuExportError, match=r"must be integers of shape \[batch, length\] or \[length\]; got float32 \[2, 4\]"):
+        artifact.generate(torch.tensor(prompts, dtype=torch.float32))
+
+
+def test_an_in_memory_model_takes_its_max_context_from_its_config(tmp_path):
+    """convert(model, task="text-generation") without max_context defaults it as the command line
+    does for a directory: the positions the model's config allows (a plan: no verification needed to
+    see the cache's size), less a padding offset where positions are numbered past it (RoBERTa)."""
+    artifact = tpuexport.convert(tiny_gpt2(), task="text-generation", weights=False, buckets={"seq": [16], "batch": [1]}, target="v5e",
+                                 out=tmp_path / "gpt2.tpu")
+    assert artifact.manifest["generation"]["max_context"] == 128
+    roberta = transformers.RobertaForCausalLM(transformers.RobertaConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, max_position_embeddings=66,
+        is_decoder=True))
+    assert generation_context(roberta) == 64
+
+
+def tiny_cohere() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.CohereConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=128, logit_scale=0.5)
+    return transformers.CohereForCausalLM(config).eval()
+
+
+def tiny_granite() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.GraniteConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=128, logits_scaling=4.0)
+    return transformers.GraniteForCausalLM(config).eval()
+
+
+def tiny_deepseek_v3() -> transformers.PreTrainedModel:
+    """Multi-head latent attention (its cache: one latent "head" of kv_lora_rank for keys, the rotary
+    part's width for values) and grouped top-k expert routing behind a dense first layer."""
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=8,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+        max_position_embeddings=128)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():  # transformers zeroes the router's gate: every expert would tie
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.weight.normal_(0.0, 0.02)
+    return model
+
+
+@pytest.mark.parametrize("family", [tiny_gpt2, tiny_qwen2, tiny_cohere, tiny_granite, tiny_deepseek_v3],
+                         ids=["gpt2", "qwen2-sliding-window", "cohere-logit-scale", "granite-logits-scaling", "deepseek-v3-latent-cache"])
 def test_entry_points_match_generate(family):
     """GPT-2: learned absolute positions. Qwen2: a sliding-window layer beside a full one, the window
-    (6) shorter than the 16-token prompt, so prefill and decode both drop keys."""
+    (6) shorter than the 16-token prompt, so prefill and decode both drop keys. Cohere multiplies its
+    logits by logit_scale, Granite divides them by logits_scaling (once refused). DeepSeek-V3 caches
+    keys and values of different widths (the cache is as wide as the wider; it once took the
+    config's heads x head_dim and failed to export)."""
     model = family()
     spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
     modules = export_stage.entry_point_modules(model, spec)
@@ -113,17 +174,10 @@ def test_entry_points_match_generate(family):
     assert len(set(report.cases[0].lengths)) == MAX_BATCH  # rows of different lengths in one prefill batch
 
 
-def tiny_cohere() -> transformers.PreTrainedModel:
-    config = transformers.CohereConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                                       num_key_value_heads=2, max_position_embeddings=128, logit_scale=0.5)
-    return transformers.CohereForCausalLM(config).eval()
-
-
 @pytest.mark.parametrize("model, expected", [
     (lambda: tiny_qwen2(layer_types=["full_attention", "chunked_attention"]),
      "has chunked_attention layers, which the KV-cache entry points do not support yet"),
-    (tiny_cohere, "rescales its logits by logit_scale, which the prefill/decode entry points do not support yet"),
-], ids=["chunked-attention", "logit-scale"])
+], ids=["chunked-attention"])
 def test_what_the_entry_points_do_not_model_is_refused(tmp_path, model, expected):
     with pytest.raises(tpuexport.TpuExportError, match=expected):
         tpuexport.convert(model(), task="text-generation", max_context=32, max_batch=2, target="v5e", out=tmp_path / "lm.tpu")
@@ -345,7 +399,7 @@ def test_gate_replays_the_stored_generation(llama_generation):
 
 def test_generation_artifact_refuses_single_program_calls(llama_generation):
     artifact, _ = llama_generation
-    with pytest.raises(tpuexport.TpuExportError, match="has no entry point 'serving_default'; it has prefill, decode; use Artifact.generate"):
+    with pytest.raises(tpuexport.TpuExportError, match="has no entry point 'serving_default'; it has prefill, decode, sample; use Artifact.generate"):
         artifact.run(np.zeros((1, 4), np.int64))
     assert json.loads(json.dumps(artifact.manifest["generation"]))["layout"] == "layer_batch_head_pos"
     assert dataclasses.asdict(artifact.generation_program.spec)["max_batch"] == MAX_BATCH
@@ -362,7 +416,7 @@ def test_plan_on_a_slice_splits_the_cache_with_the_heads(tmp_path):
     assert artifact.plan_only and artifact.manifest["program"]["weights"] is None
     target = artifact.manifest["targets"]["v5e-4"]
     buckets = {bucket["entry_point"]: bucket for bucket in target["buckets"]}
-    for bucket in buckets.values():
+    for bucket in (buckets["prefill"], buckets["decode"]):  # (sample holds no cache)
         # [layers, batch, kv_heads, context, head_dim]: batch over data, kv heads over model
         assert target["sharding"][bucket["entry_point"]]["inputs"]["cache_k"] == [None, "data", "model", None, None]
         assert bucket["memory"]["alias_bytes"] > 0
@@ -405,7 +459,7 @@ def test_runtime_generates_from_the_cpu_executables_with_the_cache_on_the_device
         for row, token in enumerate(step):
             generated[row].append(token)
 
-    assert runner.target == "cpu" and runner.compiled_here is None and set(runner.entry_points) == {"prefill", "decode"}
+    assert runner.target == "cpu" and runner.compiled_here is None and set(runner.entry_points) == {"prefill", "decode", "sample"}
     assert generated == artifact.generate(prompts, max_new_tokens=8)
     # The cache comes back as device arrays and goes in again without a copy to the host.
     spec = artifact.generation_program.spec
@@ -424,7 +478,7 @@ def test_cpu_executables_update_a_bf16_cache_as_bit_patterns(tmp_path):
     artifact = tpuexport.convert(model, task="text-generation", max_context=32, max_batch=MAX_BATCH, buckets={"seq": [8], "batch": [MAX_BATCH]},
                                  target="cpu", out=tmp_path / "llama.tpu", saved_model=False, verify_new_tokens=4)
     buckets = artifact.manifest["targets"]["cpu"]["buckets"]
-    assert all(bucket["state_as_bits"] == ["cache_k", "cache_v"] for bucket in buckets)
+    assert all(bucket["state_as_bits"] == ["cache_k", "cache_v"] for bucket in buckets if bucket["entry_point"] != "sample")
 
     runner = tpuexport.runner(artifact.path)
     prompts = [[5, 17, 42, 7], [99, 3]]
@@ -497,6 +551,12 @@ def test_serve_batches_generate_requests_continuously(llama_serving, tmp_path):
         steps = float(re.search(r'tpuexport_decode_rows_count\{model="llama",version="1"\} (\S+)', metrics).group(1))
         assert steps < rows < 2 * steps
         assert 'tpuexport_generated_tokens_total{model="llama",version="1"} ' in metrics
+        # OpenAI's API on the same port, for a model converted from Python (no tokenizer): token prompts, no chat.
+        completion = requests.post(f"{base}/v1/completions", json={"model": "llama", "prompt": [99, 3], "max_tokens": 3, "temperature": 0},
+                                   timeout=60).json()
+        assert completion["choices"][0]["token_ids"] == artifact.generate([[99, 3]], 3)[0]
+        chat = requests.post(f"{base}/v1/chat/completions", json={"model": "llama", "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+        assert chat.status_code == 400 and chat.json()["error"]["code"] == "chat_template_missing"
 
 
 PLAN_WITHOUT_THE_CACHE = """

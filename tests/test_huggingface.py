@@ -114,7 +114,7 @@ def test_decoder_lm_with_task_auto_is_a_generation_artifact(models, tmp_path):
     assert result.returncode == 0, result.stderr
     manifest = manifest_of(out)
     assert manifest["huggingface"]["task"] == "text-generation" and "generation_config.json" in manifest["huggingface"]["files"]
-    assert set(manifest["entry_points"]) == {"prefill", "decode"}
+    assert set(manifest["entry_points"]) == {"prefill", "decode", "sample"}
     assert manifest["generation"]["max_batch"] == 2 and manifest["generation"]["max_context"] == 32
     assert manifest["verification"]["passed"]
     # The weights streamed from the directory's checkpoint, once for both entry points.
@@ -143,6 +143,22 @@ def test_audio_classifier_with_a_static_sample_count(models, tmp_path):
     inputs, outputs, _ = signature(manifest)
     assert inputs == {"input_values": ("float32", ["batch", 400])} and outputs == {"logits": "float32"}
     assert manifest["verification"]["passed"]
+
+
+def test_a_roberta_directory_converts_with_default_dims(tmp_path):
+    """RoBERTa numbers positions from padding_idx + 1, so its longest input is max_position_embeddings
+    - padding_idx - 1 (512 for roberta-base's 514): the default seq range stops there, where it was
+    taken from max_position_embeddings literally and verification failed at its max case with an
+    IndexError in eager PyTorch."""
+    config = transformers.RobertaConfig(**{**TEXT, "max_position_embeddings": 66}, architectures=["RobertaForMaskedLM"])
+    directory = save(transformers.RobertaForMaskedLM(config), tmp_path / "roberta")
+    out = tmp_path / "roberta.tpu"
+    result = tpuexport("convert", directory, "-o", out, "--target", "v5e", "--no-saved-model")
+    assert result.returncode == 0, result.stderr
+    manifest = manifest_of(out)
+    assert signature(manifest)[2] == {"batch": (1, 64), "seq": (2, 64)} and manifest["huggingface"]["task"] == "fill-mask"
+    assert manifest["verification"]["passed"]
+    assert {"batch": 64, "seq": 64} in [case["sizes"] for case in manifest["verification"]["cases"]]
 
 
 def test_a_model_missing_from_the_cache_is_one_line_exit_2(hf_home, tmp_path):

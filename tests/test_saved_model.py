@@ -19,6 +19,7 @@ from tpuexport.artifact import write_artifact
 from tpuexport.cli import main
 from tpuexport.compile import Bucket, CompileReport
 from tpuexport.export import SourceInfo
+from tpuexport.lower.program import DEFAULT_ENTRY_POINT, Program
 from tpuexport.artifact.tf_serving import SavedModelBuild, SavedModelMismatch, TensorFlowProcess, TfServingExport
 from tpuexport.verify import verify
 from tpuexport.artifact.tf_serving import check_saved_model
@@ -185,7 +186,8 @@ def test_a_saved_model_mismatch_stops_the_write_and_leaves_nothing(mlp_artifact,
         build = SavedModelBuild(mlp_artifact.program, tensorflow, scratch)
         writer = TfServingExport(mlp_artifact.program, shifted, [Bucket((("batch", 4),))], "mlp", 1, out, build, scratch)
         with pytest.raises(SavedModelMismatch) as caught:
-            write_artifact(out, source=SourceInfo("api"), lowered=mlp_artifact.program, compiled=lambda: CompileReport(()),
+            write_artifact(out, source=SourceInfo("api"), task="feature-extraction", program=Program.forward(mlp_artifact.program),
+                           compiled=lambda: {DEFAULT_ENTRY_POINT: CompileReport(())},
                            verification=shifted, stage_seconds={}, extra_writers=(writer,))
     assert "TF SavedModel output 'output_0' at batch=4: max abs error 1" in caught.value.summary
     assert caught.value.report["passed"] is False and caught.value.report["saved_model"]["out_of_range"]["rejected"]

@@ -24,6 +24,7 @@ from tpuexport.artifact import Artifact, load
 from tpuexport.compile import SLICES, TARGETS, make_request
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError, VerificationError
 from tpuexport.export import DEFAULT_CACHE_LAYOUT, LoadedSource, SourceInfo, open_checkpoint, parameters_on_meta
+from tpuexport.lower.sampling import Sampling
 from tpuexport.pipeline import ConversionOptions, run_conversion
 from tpuexport.runtime import Runner
 from tpuexport.runtime import open_runner as runner
@@ -39,6 +40,7 @@ __all__ = [
     "CheckResult",
     "GateReport",
     "Runner",
+    "Sampling",
     "Tolerances",
     "TpuExportError",
     "UnsupportedOperatorsError",
@@ -146,10 +148,11 @@ def convert(
         tensor read one tensor at a time. No more than a few tensors are in memory at once. With
         task "text-generation" too (streamed once for both entry points).
       task: "forward" (the model's forward as one program) or "text-generation": `model` is a
-        Hugging Face causal LM (no args), and the artifact holds entry points prefill and decode
+        Hugging Face causal LM (no args), and the artifact holds entry points prefill, decode and sample
         over a KV cache of max_batch x max_context (docs/generation.md); `buckets` then
         takes prefill's {"seq": prompt lengths, "batch": batch sizes}; no SavedModel is written.
-      max_context: positions per cache slot (text-generation; required there).
+      max_context: positions per cache slot (text-generation); None: what the model's config
+        allows (its max_position_embeddings, as the command line defaults it for a directory).
       max_batch: cache slots, decode's batch (text-generation).
       cache_layout: "layer_batch_head_pos" (default) or "layer_batch_pos_head" (text-generation).
       kv_cache_dtype: "model" (default: the model's dtype) or "int8" (int8 keys and values with

@@ -33,7 +33,7 @@ def handles_errors(command):
             stderr.print(f"[bold red]error:[/] {error}", soft_wrap=True)
             sys.exit(EXIT_BAD_INPUT)
         except VerificationError as error:
-            stderr.print(f"[bold red]verification failed:[/] {error}", soft_wrap=True)
+            stderr.print(f"[bold red]verification failed:[/] {str(error).removeprefix('verification failed: ')}", soft_wrap=True)
             sys.exit(EXIT_VERIFICATION_FAILED)
 
     return wrapper
@@ -360,16 +360,24 @@ def inspect(artifact_dir, as_json):
 @click.option("--features", "features_file", type=click.Path(path_type=pathlib.Path), metavar="FILE.npy",
               help="An audio encoder-decoder's (Whisper's) sources: a numpy file of float features [batch, mel bins, frames].")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Tokens to generate per prompt.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0: the greedy token; above 0, sampled (on the device).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Sample from the smallest set of likeliest tokens whose probability reaches it.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Sample from the K likeliest tokens (0: all).")
+@click.option("--seed", type=int, help="Seed of the draws (the same seed, prompt and options give the same tokens) [default: random].")
+@click.option("--ignore-eos", is_flag=True, help="Run on past the model's end-of-sequence tokens (its generation_config.json's).")
 @handles_errors
-def generate(artifact_dir, token_lists, texts, features_file, max_new_tokens):
-    """Greedy generation with a text-generation artifact on CPU (prefill, then decode steps over the KV cache), printing
-    each step's tokens as they come (one line per step, one id per prompt); with --prompt, then each prompt's new text.
-    An audio encoder-decoder (Whisper) generates from --features FILE.npy."""
+def generate(artifact_dir, token_lists, texts, features_file, max_new_tokens, temperature, top_p, top_k, seed, ignore_eos):
+    """Generation with a text-generation artifact on CPU (prefill, then decode steps over the KV cache, each token drawn
+    by the sample entry point: greedy unless --temperature), printing each step's tokens as they come (one line per
+    step, one id per prompt, "-" once a prompt has stopped); with --prompt, then each prompt's new text. A prompt stops
+    at an end-of-sequence token unless --ignore-eos. An audio encoder-decoder (Whisper) generates from --features FILE.npy."""
     from tpuexport.artifact import load
+    from tpuexport.lower.sampling import Sampling
 
     if sum(map(bool, (token_lists, texts, features_file))) != 1:
         raise TpuExportError("give the prompts either as --tokens ID,ID,... or as --prompt TEXT (one of them, repeatable), "
                              "or an audio model's sources as --features FILE.npy")
+    sampling = Sampling(temperature, top_p, top_k, seed)
     artifact = load(artifact_dir)
     tokenizer = artifact.tokenizer() if texts else None
     if features_file:
@@ -377,13 +385,14 @@ def generate(artifact_dir, token_lists, texts, features_file, max_new_tokens):
     else:
         prompts = [parse_tokens(text) for text in token_lists] or [tokenizer(text)["input_ids"] for text in texts]
     generated: list[list[int]] = [[] for _ in prompts]
-    for step in artifact.stream(prompts, max_new_tokens):
+    for step in artifact.stream(prompts, max_new_tokens, sampling, ignore_eos):
         click.echo(" ".join("-" if token is None else str(token) for token in step))
         for row, token in enumerate(step):
             if token is not None:
                 generated[row].append(token)
+    stops = () if ignore_eos else artifact.eos_token_ids
     for tokens in generated if tokenizer else ():
-        click.echo(tokenizer.decode(tokens))
+        click.echo(tokenizer.decode(tokens[:-1] if tokens and tokens[-1] in stops else tokens))
 
 
 def read_features(path: pathlib.Path):

@@ -146,20 +146,26 @@ def export(conversion: Conversion) -> None:
 
 
 def quantize(conversion: Conversion) -> None:
-    """PT2E: the task's entry points quantized and calibrated; verification compares with the PT2E models."""
+    """PT2E: the task's entry points that read weights quantized and calibrated; verification compares with the PT2E models."""
     if conversion.options.pt2e and not conversion.plan_only:
         conversion.quantized = conversion.task.quantize(conversion)
-        conversion.captured = {name: result.captured for name, result in conversion.quantized.items()}
+        conversion.captured = {**conversion.captured, **{name: result.captured for name, result in conversion.quantized.items()}}
 
 
 def lower(conversion: Conversion) -> None:
-    """Each entry point lowered; every one keeps the last one's weight arrays (they are the same weights)."""
-    options, plan_only = conversion.options, conversion.plan_only
+    """Each entry point lowered; every one keeps the last weight reader's weight arrays (they are the same
+    weights), and one that reads none takes them as unused arguments."""
+    options, plan_only, entry_points = conversion.options, conversion.plan_only, conversion.spec.entry_points
     with conversion.clock.stage("lower", lambda: _describe_lowered(conversion.program, options, plan_only)):
-        lowered = {name: lower_entry_point(captured, options, conversion.weight_only, conversion.spec.scan, weights=not plan_only)
+        lowered = {name: lower_entry_point(captured, options if entry_points[name].precision is None
+                                           else dataclasses.replace(options, precision=entry_points[name].precision),
+                                           conversion.weight_only if entry_points[name].reads_weights else None, conversion.spec.scan,
+                                           weights=not plan_only)
                    for name, captured in conversion.captured.items()}
-        weights = list(lowered.values())[-1].weights
-        conversion.program = conversion.spec.program({name: dataclasses.replace(entry, weights=weights) for name, entry in lowered.items()})
+        shared = lowered[weight_readers(conversion)[-1]]
+        conversion.program = conversion.spec.program({
+            name: dataclasses.replace(entry, weights=shared.weights) if entry_points[name].reads_weights else lower_stage.taking_weights(entry, shared)
+            for name, entry in lowered.items()})
     if not plan_only:  # seconds, not a verification and a compile, to say a bucket cannot fit
         for name, entry in conversion.program.entry_points.items():
             for target in conversion.targets:
@@ -171,7 +177,7 @@ def weights(conversion: Conversion) -> None:
     """A checkpoint's tensors copied into the artifact's weights file one at a time (in their stored
     layouts, cast to the program's dtypes, scanned blocks stacked, weight-only ones quantized) and
     mapped back for every entry point."""
-    captured = list(conversion.captured.values())[-1]
+    captured = conversion.captured[weight_readers(conversion)[-1]]
     if conversion.plan_only or captured.checkpoint_state is None:
         return
     shared = conversion.program.weights_program
@@ -295,6 +301,11 @@ def write(conversion: Conversion) -> None:
                 bucket_figures=conversion.task.bucket_figures(conversion))
         except serving_stage.SavedModelMismatch as mismatch:
             raise VerificationError(verified.report, write_failed_report(options.out, mismatch.report), mismatch.summary) from None
+
+
+def weight_readers(conversion: Conversion) -> list[str]:
+    """The entry points that read the model's weights, in call order (the others take them unused)."""
+    return [name for name, entry in conversion.spec.entry_points.items() if entry.reads_weights]
 
 
 # Every conversion runs these, in this order.

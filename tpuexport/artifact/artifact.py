@@ -32,6 +32,7 @@ from tpuexport.errors import TpuExportError
 from tpuexport.export.huggingface import ARTIFACT_DIRECTORY as HF_DIRECTORY
 from tpuexport.lower import LoweredProgram, generation_program
 from tpuexport.lower.program import DEFAULT_ENTRY_POINT
+from tpuexport.lower.sampling import GREEDY, Sampling
 from tpuexport.lower.seq2seq import FEATURES_USAGE, source_rows
 from tpuexport.signature import ProgramSignature
 
@@ -145,14 +146,29 @@ class Artifact:
                                  "generation needs a text-generation artifact (convert with --task text-generation)")
         return generation_program(self.manifest["generation"], self.entry_points)
 
-    def stream(self, prompts, max_new_tokens: int) -> Iterator[list[int | None]]:
-        """Greedy generation on CPU, step by step (see `generate`): yields each step's new token per
-        prompt (None for a row that reached max context). An audio encoder-decoder's prompts are its
-        sources' features (a [batch, mel bins, frames] array)."""
+    def stream(self, prompts, max_new_tokens: int, sampling: Sampling = GREEDY, ignore_eos: bool = False) -> Iterator[list[int | None]]:
+        """Generation on CPU, step by step (see `generate`): yields each step's new token per prompt
+        (None for a row that has finished: it reached max context, or drew an end-of-sequence token,
+        which is yielded). An audio encoder-decoder's prompts are its sources' features (a [batch,
+        mel bins, frames] array)."""
         if self.plan_only:
             raise TpuExportError("this is a plan without weights: it compiles for TPUs but cannot run; convert the model "
                                  "with its weights to run it")
-        return self.generation_program.stream(source_rows(self.generation_program, prompts), max_new_tokens)
+        return self.generation_program.stream(source_rows(self.generation_program, prompts), max_new_tokens, sampling=sampling,
+                                              stop_ids=() if ignore_eos else self.eos_token_ids)
+
+    @functools.cached_property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The end-of-sequence ids generation stops at, as generate() takes them: a Hugging Face source's
+        generation_config.json's eos_token_id (one or several) from hf/, else its config.json's; ()
+        for an artifact without them (a model converted from Python: generation runs to the end)."""
+        huggingface = self.manifest.get("huggingface") or {}
+        if "generation_config.json" in huggingface.get("files", {}):
+            value = json.loads(self.read_checked(f"{HF_DIRECTORY}/generation_config.json")).get("eos_token_id")
+        else:
+            config = huggingface.get("config") or {}
+            value = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
+        return () if value is None else (int(value),) if isinstance(value, int) else tuple(int(token) for token in value)
 
     def tokenizer(self):
         """The Hugging Face tokenizer a text-generation artifact carries (hf/, copied from a Hugging
@@ -171,17 +187,25 @@ class Artifact:
             self.checked_path(f"{HF_DIRECTORY}/{name}")
         return AutoTokenizer.from_pretrained(str(self.path / HF_DIRECTORY), local_files_only=True, trust_remote_code=False)
 
-    def generate(self, tokens=None, max_new_tokens: int = 32, *, features=None) -> list[list[int]]:
-        """Greedy generation by the artifact's prefill and decode entry points on CPU (the lowered
-        StableHLO, the KV cache held between steps as on a TPU).
+    def generate(self, tokens=None, max_new_tokens: int = 32, *, features=None, sampling: Sampling = GREEDY,
+                 ignore_eos: bool = False) -> list[list[int]]:
+        """Generation by the artifact's prefill, decode and sample entry points on CPU (the lowered
+        StableHLO, the KV cache held between steps as on a TPU): greedy by default, as generate()
+        with do_sample=False; stops a prompt at an end-of-sequence token (`eos_token_ids`).
 
         Args:
-          tokens: one prompt (a list of token ids) or a list of prompts (at most max batch).
-          max_new_tokens: tokens to generate per prompt (fewer where a row reaches max context).
+          tokens: one prompt (a list of token ids) or a list of prompts (at most max batch), or,
+            as transformers' generate() takes input_ids, an integer torch tensor or numpy array
+            [batch, length] (or [length] for one prompt).
+          max_new_tokens: tokens to generate per prompt (fewer where a row reaches max context or
+            draws an end-of-sequence token).
           features: instead of tokens, for an audio encoder-decoder (Whisper): its sources' audio
             features, a float array [batch, mel bins, frames] (or [mel bins, frames] for one).
+          sampling: temperature, top_p, top_k and seed (tpuexport.Sampling); greedy by default.
+          ignore_eos: generate max_new_tokens whatever the end-of-sequence tokens.
         Returns:
-          The new tokens per prompt (a list of lists, one per prompt).
+          The new tokens per prompt (a list of lists, one per prompt; an end-of-sequence token that
+          stopped a prompt is its last).
         Raises:
           TpuExportError: not a text-generation artifact, a plan, or prompts it cannot take (too
             many, too long, empty, a token outside the vocabulary; features of the wrong shape or
@@ -194,9 +218,10 @@ class Artifact:
         elif tokens is None:
             raise TpuExportError("give the prompts (token ids) or, for an audio encoder-decoder, features=[batch, mel bins, frames]")
         else:
+            tokens = _token_lists(tokens)
             prompts = [tokens] if tokens and not isinstance(tokens[0], (list, tuple)) else tokens
         generated: list[list[int]] = [[] for _ in prompts]
-        for step in self.stream(prompts, max_new_tokens):
+        for step in self.stream(prompts, max_new_tokens, sampling, ignore_eos):
             for row, token in enumerate(step):
                 if token is not None:
                     generated[row].append(token)
@@ -382,3 +407,19 @@ def _stays_inside(root: pathlib.Path, named) -> bool:
         return False
     resolved_root = root.resolve()
     return (root / named).resolve().is_relative_to(resolved_root)
+
+
+def _token_lists(tokens):
+    """Token ids given as a torch tensor or numpy array ([batch, length], or [length] for one prompt)
+    as lists; lists as they are.
+
+    Raises:
+      TpuExportError: an array of floats or of more than 2 dims.
+    """
+    if not isinstance(tokens, (torch.Tensor, np.ndarray)):
+        return tokens
+    array = tokens.detach().cpu().numpy() if isinstance(tokens, torch.Tensor) else tokens
+    if array.ndim not in (1, 2) or not np.issubdtype(array.dtype, np.integer):
+        raise TpuExportError(f"token ids as an array must be integers of shape [batch, length] or [length]; got {array.dtype} "
+                             f"{list(array.shape)}")
+    return array.tolist()

@@ -3,6 +3,7 @@
 from tpuexport.export.capture import CapturedModel, capture, describe, on_meta_device, torch_dynamic_shapes, weights_on_meta
 from tpuexport.export.generation import (CACHE_INPUTS, CACHE_LAYOUTS, CACHE_SCALE_INPUTS, WINDOW_CACHE_INPUTS, DEFAULT_CACHE_LAYOUT, ENTRY_POINTS, KV_CACHE_DTYPES,
                                          SLIDING_WINDOW_CACHES, GenerationSpec, check_kv_cache_dtype, check_sliding_window_cache, entry_point_modules, example_arguments, generation_spec)
+from tpuexport.export.sampling import Sample, sample_example_arguments
 from tpuexport.export.seq2seq import Seq2SeqSpec, is_encoder_decoder, seq2seq_spec
 from tpuexport.export.seq2seq import entry_point_modules as seq2seq_entry_point_modules
 from tpuexport.export.seq2seq import example_arguments as seq2seq_example_arguments
@@ -12,6 +13,8 @@ from tpuexport.export.sources import load_source
 from tpuexport.export.specs import DimSpec, InputSpec, example_args, parse_dim, parse_input
 
 __all__ = [
+    "Sample",
+    "sample_example_arguments",
     "CACHE_INPUTS",
     "CACHE_LAYOUTS",
     "CACHE_SCALE_INPUTS",

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import io
+import logging
 import re
 from typing import Any, Callable
 
 import sympy
 import torch
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from tpuexport.errors import TpuExportError
 from tpuexport.export import constraints
 from tpuexport.export.checkpoints import with_checkpoint_weights
 from tpuexport.export.loaded import LoadedSource, SourceInfo
+from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
 from tpuexport.signature import ProgramSignature, SymbolicDim, TensorSpec, artifact_dtype, parse_dim_expression
 
 
@@ -78,11 +83,12 @@ def capture(source: LoadedSource) -> CapturedModel:
 
 def _capture_with_checkpoint(source: LoadedSource) -> CapturedModel:
     """Exports a copy of the model on the meta device (no weight is read) and makes the eager
-    reference from the checkpoint's memory-mapped tensors.
+    reference from the checkpoint's memory-mapped tensors; a model whose forward makes tensor
+    constants on its weights' device is exported again with the checkpoint's tensors.
 
     Raises:
       TpuExportError: an ExportedProgram source, a checkpoint that does not match the model, or a
-        lifted constant on the meta device (its value is nowhere).
+        lifted constant still on the meta device (its value is nowhere).
     """
     if isinstance(source.model, torch.export.ExportedProgram):
         raise TpuExportError("a checkpoint needs an nn.Module source (an ExportedProgram carries its own weights); "
@@ -90,19 +96,28 @@ def _capture_with_checkpoint(source: LoadedSource) -> CapturedModel:
     reference = with_checkpoint_weights(source.model, source.checkpoint)
     on_meta = on_meta_device(dataclasses.replace(source, model=source.model.eval(), checkpoint=None))
     program = _export(on_meta.model, on_meta.args, on_meta.dynamic_shapes)
+    weights = _program_weights(program, reference)
+    if any(isinstance(tensor, torch.Tensor) and tensor.is_meta for tensor in weights.values()):
+        # The forward makes tensor constants on its weights' device (Mask2Former's offset normalizer, ...):
+        # exported with the checkpoint's tensors (memory-mapped, not copied), they have values.
+        program = _export(reference.eval(), source.args, source.dynamic_shapes)
+        weights = _program_weights(program, reference)
     example_inputs = tuple(pytree.tree_leaves(source.args))
     signature = describe(program, example_inputs, source.input_names)
-    state = {**dict(reference.named_parameters(remove_duplicate=False)), **dict(reference.named_buffers(remove_duplicate=False))}
-    weights = {}
-    for spec in program.graph_signature.input_specs:
-        if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT:
-            weights[spec.target] = state[spec.target] if spec.target in state else program.constants[spec.target]
     unknown = [name for name, tensor in weights.items() if isinstance(tensor, torch.Tensor) and tensor.is_meta]
     if unknown:
         raise TpuExportError(f"the model's tensor constant(s) {', '.join(unknown)} are on the meta device, so their values are "
                              "nowhere; register them as buffers (model.register_buffer) so the checkpoint can hold them")
     return CapturedModel(program, reference, signature, example_inputs, source.info, source.calibration, weights,
                          kept_in_f32(reference))
+
+
+def _program_weights(program: torch.export.ExportedProgram, reference: torch.nn.Module) -> dict:
+    """The program's non-input arguments by name: the reference's parameters and buffers, or the
+    program's lifted constants."""
+    state = {**dict(reference.named_parameters(remove_duplicate=False)), **dict(reference.named_buffers(remove_duplicate=False))}
+    return {spec.target: state[spec.target] if spec.target in state else program.constants[spec.target]
+            for spec in program.graph_signature.input_specs if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT}
 
 
 def kept_in_f32(model) -> frozenset[str]:
@@ -184,18 +199,44 @@ def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def _quiet_export():
+    """torch.export prints the partial graph of a failed trace to stderr, and logs the traceback of a
+    failing fake-tensor operator: the error tpuexport reports says it in one line."""
+    with quiet_loggers(*EXPORT_LOGGERS, level=logging.CRITICAL), contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
 def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.ExportedProgram:
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _quiet_export():
             return torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
     except Exception as error:  # torch.export raises UserError, ConstraintViolationError, TypeError, ...
-        explained = constraints.explain(model, args, dynamic_shapes, str(error))
+        with _quiet_export():
+            explained = constraints.explain(model, args, dynamic_shapes, str(error))
         if explained:
             raise TpuExportError(explained) from None
         message = " ".join(str(error).split())
+        if isinstance(error, GuardOnDataDependentSymNode):
+            raise TpuExportError(
+                f"torch.export failed{_described(model)}: its forward branches on tensor values ({message[:300]}), which torch.export "
+                "cannot trace (e.g. a Python loop over the experts that tokens chose); that code needs tensor ops or torch.cond"
+            ) from None
         raise TpuExportError(
-            f"torch.export failed: {message[:400]}; check the example args and dynamic_shapes / --dim ranges"
+            f"torch.export failed{_described(model)}: {message[:400]}; check the example args and dynamic_shapes / --dim ranges"
         ) from None
+
+
+def _described(model: torch.nn.Module) -> str:
+    """" on Class (model_type)" for the outermost Hugging Face model within `model` (a task's forward or
+    an entry point wraps it), so that the line names the architecture, and the inputs a Hugging Face
+    task's forward gave it (a model may need others); "" for other models."""
+    given = getattr(model, "input_names", None)
+    for module in model.modules():
+        model_type = getattr(getattr(module, "config", None), "model_type", None)
+        if isinstance(model_type, str):
+            return f" on {type(module).__name__} ({model_type}{', given ' + ', '.join(given) if given else ''})"
+    return ""
 
 
 def _program_example_args(program: torch.export.ExportedProgram):

@@ -85,7 +85,9 @@ class GenerationSpec:
     Attributes:
       max_batch: cache slots (decode's batch; prefill's largest batch).
       max_context: positions per slot (longest prompt + generated tokens).
-      layers, kv_heads, head_dim: the cache's model-given sizes.
+      layers, kv_heads, head_dim: the cache's model-given sizes: the heads and the larger of the
+        widths of what the attention layers cache as keys and as values (`cached_shapes`; with
+        multi-head latent attention the two differ, and the narrower is stored zero-padded).
       vocab: logits per row.
       dtype: the cache's dtype (the model's, torch name, e.g. "float32", "bfloat16").
       layout: one of CACHE_LAYOUTS.
@@ -237,10 +239,14 @@ class FunctionalKVCache:
         self.scales = None if key_scales is None else [key_scales, value_scales]
 
     def stored(self, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """New keys or values as the cache stores them: (int8, scales) for an int8 cache, else (new in the cache's dtype, None)."""
+        """New keys or values as the cache stores them: (int8, scales) for an int8 cache, else (new in
+        the cache's dtype, None); zero-padded to the cache's head_dim when narrower (MLA's values)."""
         if self.scales is None:
-            return new.to(self.keys.dtype), None
-        return quantize_kv(new, self.scales[0].dtype)
+            stored, scale = new.to(self.keys.dtype), None
+        else:
+            stored, scale = quantize_kv(new, self.scales[0].dtype)
+        width = self.keys.shape[-1]
+        return (stored if stored.shape[-1] == width else nn.functional.pad(stored, (0, width - stored.shape[-1]))), scale
 
     def update(self, new_keys: torch.Tensor, new_values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes a layer's new keys/values ([batch, heads, steps, head_dim]) and returns what attention reads."""
@@ -316,8 +322,8 @@ class DecodeCache(FunctionalKVCache):
     def update(self, new_keys, new_values, layer):
         stored = [self.stored(new_keys[:, :, 0]), self.stored(new_values[:, :, 0])]
         self.pending.append((layer, stored))
-        return (self.read(self.keys, stored[0], layer, 0, new_keys.dtype),
-                self.read(self.values, stored[1], layer, 1, new_values.dtype))
+        return (self.read(self.keys, stored[0], layer, 0, new_keys.dtype)[..., :new_keys.shape[-1]],
+                self.read(self.values, stored[1], layer, 1, new_values.dtype)[..., :new_values.shape[-1]])
 
     def written(self):
         keys, values, scales = self.keys, self.values, list(self.scales or ())
@@ -437,13 +443,52 @@ def _transformers_cache(functional: FunctionalKVCache | GroupedKVCache):
     return KVCache()
 
 
+class _Cached(Exception):
+    """Raised by the probe's cache at the first write: what the first attention layer caches."""
+
+    def __init__(self, keys: torch.Size, values: torch.Size):
+        super().__init__()
+        self.keys, self.values = keys, values
+
+
+class _ProbeCache:
+    def update(self, new_keys, new_values, layer):
+        raise _Cached(new_keys.shape, new_values.shape)
+
+
+def cached_shapes(model: nn.Module) -> tuple[int, int]:
+    """(kv heads, head_dim) of what a decoder's attention layers write to their cache, as the first
+    layer writes it for a 2-token prompt (on the model's device, the meta device too; the forward
+    stops there): a model's own (Llama's num_key_value_heads x head_dim, DeepSeek's heads x
+    qk_nope + qk_rope for keys and heads x v_head_dim for values, MiniCPM3's one latent "head").
+
+    Raises:
+      TpuExportError: keys and values with different head counts.
+    """
+    parameter = next(model.parameters())
+    positions = torch.arange(2, device=parameter.device)
+    mask = _causal_masks(attention_windows(model), positions[None, :], positions, parameter.dtype)
+    try:
+        with torch.no_grad():  # as the entry points call it (Prefill.hidden_states)
+            model.base_model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=parameter.device), attention_mask=mask,
+                             position_ids=positions[None, :], past_key_values=_transformers_cache(_ProbeCache()), use_cache=True)
+    except _Cached as cached:
+        keys, values = cached.keys, cached.values
+    except Exception:  # the forward fails before any layer writes (so will its export, which says why): the config's sizes
+        text = _text_config(model.config)
+        heads = text.num_attention_heads
+        return getattr(text, "num_key_value_heads", None) or heads, getattr(text, "head_dim", None) or text.hidden_size // heads
+    else:
+        raise TpuExportError(f"--task text-generation: {type(model).__name__}'s layers write no KV cache; it is not a decoder the "
+                             "prefill/decode entry points can run")
+    if keys[1] != values[1]:
+        raise TpuExportError(f"--task text-generation: {type(model).__name__} caches keys of {keys[1]} heads and values of {values[1]}, "
+                             "which the KV cache (one head count) does not hold yet")
+    return int(keys[1]), int(max(keys[-1], values[-1]))
+
+
 def _masked_value(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
-
-
-# Config fields of causal LMs that rescale the LM head's logits in ways the entry points do not model
-# (Cohere's logit_scale, Granite's logits_scaling): refused rather than verified into a mismatch.
-_UNSUPPORTED_LOGIT_FIELDS = ("logit_scale", "logits_scaling")
 
 
 def _text_config(config):
@@ -475,6 +520,32 @@ def attention_windows(model: nn.Module) -> dict[str, int | None]:
         raise TpuExportError(f"--task text-generation: {type(model).__name__} has {unknown[0]} layers, which the KV-cache entry points "
                              f"do not support yet (only {' and '.join(_MASKED_LAYER_TYPES)})")
     return {layer_type: window if layer_type == "sliding_attention" else None for layer_type in sorted(set(layer_types))}
+
+
+def check_decoder(model: nn.Module) -> None:
+    """Refuses, in one line, a causal LM whose state between steps is not a KV cache.
+
+    Raises:
+      TpuExportError: a model that keeps a recurrent state (transformers' `_is_stateful`: Mamba,
+        RWKV, Jamba, Zamba, Qwen3-Next, ...), or one that attends bidirectionally.
+    """
+    name = type(model).__name__
+    if getattr(model, "_is_stateful", False):
+        raise TpuExportError(f"--task text-generation: {name} keeps a recurrent state (state-space or linear-attention layers) besides or "
+                             "instead of a KV cache, which the prefill/decode entry points do not hold yet; its full-sequence forward "
+                             "may convert at a fixed length (--task feature-extraction --dim seq=N:N)")
+    if _attends_bidirectionally(model):
+        raise TpuExportError(f"--task text-generation: {name} attends bidirectionally (its config's is_decoder is false), "
+                             "so earlier tokens' keys change as tokens are added and no KV cache can hold them; set is_decoder true "
+                             "in config.json if it was trained as a decoder, or convert --task feature-extraction")
+
+
+def _attends_bidirectionally(model: nn.Module) -> bool:
+    """Whether every attention module of a transformers model that says whether it is causal says
+    it is not (a BERT-style decoder built with is_decoder false): its generate() recomputes the
+    whole sequence at every step."""
+    causal = [module.is_causal for module in model.modules() if isinstance(getattr(module, "is_causal", None), bool)]
+    return bool(causal) and not any(causal)
 
 
 def ring_prefill_positions(lengths: torch.Tensor, window: int) -> torch.Tensor:
@@ -535,9 +606,15 @@ class _EntryPoint(nn.Module):
         return output.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head of the rows wanted, as the causal LM's forward computes it (Gemma 2/3 soft-cap its logits)."""
+        """The LM head of the rows wanted, as the causal LM's forward computes it: Cohere multiplies its
+        logits by logit_scale, Granite divides them by logits_scaling, Gemma 2/3 soft-cap them."""
         logits = self.model.get_output_embeddings()(hidden)
-        cap = getattr(_text_config(self.model.config), "final_logit_softcapping", None)
+        text = _text_config(self.model.config)
+        if getattr(text, "logit_scale", None) is not None:
+            logits = logits * text.logit_scale
+        if getattr(text, "logits_scaling", None) is not None:
+            logits = logits / text.logits_scaling
+        cap = getattr(text, "final_logit_softcapping", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
@@ -647,16 +724,11 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
         raise TpuExportError(f"unknown cache layout {layout!r}; use one of {', '.join(CACHE_LAYOUTS)}")
     if max_batch < 1 or max_context < 2:
         raise TpuExportError(f"--max-batch {max_batch} / --max-context {max_context} out of range; give max batch >= 1 and max context >= 2")
+    check_decoder(model)
     windows = set(attention_windows(model).values())  # refuses a layer type the entry points cannot mask
     text = _text_config(config)
-    rescaled = [field for field in _UNSUPPORTED_LOGIT_FIELDS if getattr(text, field, None) not in (None, 1, 1.0)]
-    if rescaled:
-        raise TpuExportError(f"--task text-generation: {type(model).__name__} rescales its logits by {rescaled[0]}, which the "
-                             "prefill/decode entry points do not support yet")
     layers = text.num_hidden_layers
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads, head_dim = cached_shapes(model)
     positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     if positions is not None and max_context > positions:
         raise TpuExportError(f"--max-context {max_context} exceeds the model's {positions} positions (max_position_embeddings); "

@@ -10,7 +10,9 @@ Inputs are named as the family names them (input_ids, attention_mask, token_type
 pixel_values, input_values, input_features, decoder_input_ids) with dims whose ranges come from the
 config and that `--dim NAME=MIN:MAX` overrides (MIN == MAX makes a dim static):
   batch             1..64
-  seq               2..max_position_embeddings (512 when the config has none)
+  seq               2..the positions the config records (max_position_embeddings, n_positions, ...; 512
+                    when it records none), less the rows a position table numbered from its padding
+                    index leaves unused (longest_positions)
   decoder_seq       2..the decoder's max positions
   height, width     the config's image_size (static), samples 16000 (static), frames (static)
 Outputs are the tensors of the model's output (logits, last_hidden_state, pooler_output, ...).
@@ -41,6 +43,7 @@ import torch
 from tpuexport.errors import TpuExportError
 from tpuexport.logs import TORCHAO_LOGGERS, quiet_loggers
 from tpuexport.export.checkpoints import Checkpoint, open_checkpoint, parameters_on_meta, with_checkpoint_weights
+from tpuexport.export.generation import check_decoder
 from tpuexport.export.loaded import LoadedSource, SourceInfo, file_sha256
 from tpuexport.export.specs import DimSpec
 
@@ -304,6 +307,7 @@ def _forward_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_mem
     if checkpoint is None:  # tensors transformers converts when loading (not only renames): its own loading reads them
         loaded = _from_pretrained(auto_class, resolved.directory, dtype)
         loaded.config.use_cache = False
+        traceable_experts(loaded)
         wrapped = named_forward(loaded, wrapped.input_names)
     elif weights_in_memory:
         wrapped, checkpoint = with_checkpoint_weights(wrapped, checkpoint), None
@@ -336,6 +340,7 @@ def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_
         checkpoint = _checkpoint(resolved.directory, model)
     if checkpoint is None:
         model = _from_pretrained(auto_class, resolved.directory, dtype)
+    traceable_experts(model)
     record = HuggingFaceInfo(resolved.task, type(model).__name__, resolved.config.model_type, resolved.revision, resolved.config_json,
                              {name: resolved.directory / name for name in SERVING_FILES if (resolved.directory / name).is_file()})
     return LoadedSource(model.eval(), None, None, None, _source_info(resolved), checkpoint=checkpoint, huggingface=record)
@@ -352,18 +357,45 @@ def _encoder_decoder_class(config) -> str:
 
 def generation_context(model: torch.nn.Module) -> int:
     """The positions a causal LM's config allows (its `max_position_embeddings`, else GPT-2's
-    `n_positions`, else an encoder-decoder's decoder `max_target_positions`): the default
-    --max-context of a Hugging Face text-generation source.
+    `n_positions`, else an encoder-decoder's decoder `max_target_positions`; a multimodal model's
+    from its text config): the default --max-context of a Hugging Face text-generation source.
 
     Raises:
-      TpuExportError: the config records none.
+      TpuExportError: the config records none, or the entry points cannot generate with the model
+        (export.generation.check_decoder).
     """
+    check_decoder(model)  # a model the entry points cannot generate with is refused for that, not for its positions
     config = model.config
-    positions = (getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-                 or getattr(config, "max_target_positions", None))
+    positions = recorded_positions(config) or getattr(config, "max_target_positions", None)
     if not positions:
         raise TpuExportError(f"{type(model).__name__}'s config records no maximum position; give --max-context N")
-    return int(positions)
+    return min(int(positions), longest_positions(model, int(positions)))
+
+
+# Config fields that record how many positions a model has, by family (BERT/Llama, GPT-2, ...).
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
+
+
+def recorded_positions(config) -> int | None:
+    """The positions a config records (POSITION_FIELDS, in the model's own config or in its text
+    config: a multimodal model's language model, a dual encoder's text tower), or None."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return next((int(value) for source in (config, text) for name in POSITION_FIELDS if isinstance(value := getattr(source, name, None), int)
+                 and value > 0), None)
+
+
+def longest_positions(model: torch.nn.Module, recorded: int) -> int:
+    """The longest sequence a model's position tables take, given the length its config records.
+
+    A learned position table with a padding index numbers positions from padding_idx + 1 (RoBERTa,
+    XLM-RoBERTa, CamemBERT, MPNet, Longformer, ESM, ...): of its rows, padding_idx + 1 hold no
+    position, so the model takes that many fewer than `max_position_embeddings` says.
+    """
+    longest = recorded
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and "position" in name.rpartition(".")[2] and module.padding_idx is not None:
+            longest = min(longest, module.num_embeddings - module.padding_idx - 1)
+    return longest
 
 
 def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[torch.nn.Module, tuple, dict]:
@@ -380,9 +412,20 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     """
     config = model.config
     config.use_cache = False
+    traceable_experts(model)
     inputs = model_inputs(model, config)
-    args, dynamic_shapes = _example_inputs(inputs, _dims(inputs, config, list(dims)), _config_dtype(config))
+    text_max = longest_positions(model, recorded_positions(config) or DEFAULT_MAX_SEQUENCE)
+    args, dynamic_shapes = _example_inputs(inputs, _dims(inputs, config, list(dims), text_max), _config_dtype(config))
     return named_forward(model, tuple(spec.name for spec in inputs)), args, dynamic_shapes
+
+
+def traceable_experts(model: torch.nn.Module) -> None:
+    """Switches a mixture-of-experts model that defaults to transformers' "eager" experts (a Python
+    loop over the experts some token chose: data-dependent, so torch.export cannot trace it; the
+    OpenAI privacy filter's) to the same experts as one grouped matmul, which it can."""
+    can_set = getattr(type(model), "_can_set_experts_implementation", None)
+    if can_set is not None and can_set() and getattr(model.config, "_experts_implementation", None) == "eager":
+        model.set_experts_implementation("grouped_mm")
 
 
 def _config_dtype(config) -> torch.dtype:
@@ -415,7 +458,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
         "token_type_ids": ModelInput("token_type_ids", ("batch", "seq"), torch.long, int(getattr(config, "type_vocab_size", 0) or 0)),
         "pixel_values": ModelInput("pixel_values", ("batch", _channels(config), "height", "width"), torch.float32),
         "input_values": ModelInput("input_values", ("batch", "samples"), torch.float32),
-        "input_features": ModelInput("input_features", ("batch", int(getattr(config, "num_mel_bins", 80)), "frames"), torch.float32),
+        "input_features": ModelInput("input_features", ("batch", int(_setting(config, "num_mel_bins", "audio_config") or 80), "frames"),
+                                     torch.float32),
         "decoder_input_ids": ModelInput("decoder_input_ids", ("batch", "decoder_seq"), torch.long, decoder_vocab),
     }
     chosen = []
@@ -432,27 +476,40 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
     if not any(spec.name in ("input_ids", "pixel_values", "input_values", "input_features") for spec in chosen):
         raise TpuExportError(f"{type(model).__name__} takes none of input_ids, pixel_values, input_values, input_features; "
                              "write a file.py:factory for it")
+    names = {spec.name for spec in chosen}
+    placeholders = [key for key in config.to_dict() if re.fullmatch(r"(image|video|audio|vision)_token_(id|index)", key)]
+    if "input_ids" in names and names & {"pixel_values", "input_values", "input_features"} and placeholders:
+        raise TpuExportError(f"{type(model).__name__} ({config.model_type}) is a multimodal model that puts image or audio features into its "
+                             f"text at placeholder tokens ({placeholders[0]}), which tpuexport does not convert yet; convert its language "
+                             "model alone (--task text-generation where the architecture has one) or one tower from a file.py:factory")
     return chosen
 
 
+def _setting(config, name: str, tower: str):
+    """A config field, or the field of the named sub-config (a dual encoder's vision_config or
+    audio_config) when the model's own config has none."""
+    value = getattr(config, name, None)
+    return value if value is not None else getattr(getattr(config, tower, None), name, None)
+
+
 def _channels(config) -> int:
-    return int(getattr(config, "num_channels", 3) or 3)
+    return int(_setting(config, "num_channels", "vision_config") or 3)
 
 
 def _size(value) -> int:
     return int(value[0] if isinstance(value, (list, tuple)) else value)
 
 
-def _dims(inputs: list[ModelInput], config, overrides: list[DimSpec]) -> dict[str, DimSpec]:
-    """The named dims the inputs use, with ranges from the config, then the --dim overrides.
+def _dims(inputs: list[ModelInput], config, overrides: list[DimSpec], text_max: int) -> dict[str, DimSpec]:
+    """The named dims the inputs use, with ranges from the config (`text_max`: the longest token
+    sequence the model takes), then the --dim overrides.
 
     Raises:
       TpuExportError: a --dim names a dim the inputs do not use.
     """
     used = [axis for spec in inputs for axis in spec.axes if isinstance(axis, str)]
-    text_max = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_MAX_SEQUENCE)
     decoder_max = int(getattr(config, "max_target_positions", 0) or text_max)
-    image = _size(getattr(config, "image_size", DEFAULT_IMAGE_SIZE) or DEFAULT_IMAGE_SIZE)
+    image = _size(_setting(config, "image_size", "vision_config") or DEFAULT_IMAGE_SIZE)
     frames = 2 * int(getattr(config, "max_source_positions", 0)) or DEFAULT_MEL_FRAMES
     defaults = {
         "batch": DEFAULT_BATCH,

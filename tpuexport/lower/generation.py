@@ -8,7 +8,7 @@ each holds the cache between calls exactly as a serving runtime would hold the T
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,7 @@ from tpuexport.export.generation import GenerationSpec
 from tpuexport.lower.lowering import LoweredProgram
 from tpuexport.lower.program import EntryPoints
 from tpuexport.lower.registry import register_lowering
+from tpuexport.lower.sampling import GREEDY, Draw, SampledTokens, Sampling, draw_tokens
 
 # How a session runs one entry point: (entry point name, inputs in its signature order) -> outputs.
 Runner = Callable[[str, list[np.ndarray]], list[np.ndarray]]
@@ -78,8 +79,9 @@ class GenerationProgram(EntryPoints):
 
     Attributes:
       spec: the cache and its limits (export/generation.py).
-      entry_points: {"prefill": LoweredProgram, "decode": LoweredProgram}; both take the same
-        weights (same names, shapes and arrays: the artifact stores them once).
+      entry_points: {"prefill": LoweredProgram, "decode": LoweredProgram, "sample": LoweredProgram}
+        (an artifact converted before sampling on the device: no "sample"); all take the same
+        weights (same names, shapes and arrays: the artifact stores them once; sample reads none).
       prefill_batches: the prefill batch sizes compiled (a serving engine prefills one prompt at
         a time while other slots decode, or a full batch).
     """
@@ -91,6 +93,11 @@ class GenerationProgram(EntryPoints):
     # The entry point that fills cache slots (a decode step advances them), and what a row is.
     fill_entry_point = "prefill"
     source_kind = "tokens"
+
+    @property
+    def weights_program(self) -> LoweredProgram:
+        """Decode's: its weights stand for all the entry points' (sample takes them unused)."""
+        return self.entry_points["decode"]
 
     @property
     def fill_batches(self) -> tuple[int, ...]:
@@ -110,9 +117,10 @@ class GenerationProgram(EntryPoints):
     def from_manifest(cls, generation: dict, entry_points: dict[str, LoweredProgram]) -> "GenerationProgram":
         return cls(GenerationSpec.from_json(generation), entry_points, tuple(generation["prefill_batches"]))
 
-    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, runner: Runner | None = None) -> Iterator[list[int | None]]:
-        """Greedy generation in a fresh session (stream_greedy), on CPU or through `runner`."""
-        return stream_greedy(GenerationSession(self, runner), prompts, max_new_tokens)
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, runner: Runner | None = None, sampling: Sampling = GREEDY,
+               stop_ids: Collection[int] = ()) -> Iterator[list[int | None]]:
+        """Generation in a fresh session (stream_tokens), on CPU or through `runner`."""
+        return stream_tokens(GenerationSession(self, runner), prompts, max_new_tokens, sampling, stop_ids)
 
     def fill_buckets(self) -> list[dict[str, int]]:
         """Every compiled prefill size, {"batch": b, "seq": s}."""
@@ -125,6 +133,11 @@ class GenerationProgram(EntryPoints):
     def check_rows(self, rows: Sequence[Sequence[int]], max_new_tokens: int, features_usage: str = "") -> None:
         """Refuses prompts the artifact cannot generate from, in one line (check_prompts)."""
         check_prompts(self.spec, rows, max_new_tokens)
+
+    @property
+    def longest_row(self) -> int:
+        """The longest prompt it takes (the longest prefill bucket, within max context)."""
+        return min(self.spec.max_context, self.spec.prefill_buckets[-1])
 
     def padding_row(self) -> list[int]:
         """What fills a fill batch's unused row (its slot is free): one token."""
@@ -153,12 +166,16 @@ def cpu_runner(program: GenerationProgram, programs: dict | None = None) -> Runn
 @dataclasses.dataclass(frozen=True)
 class FilledRows:
     """What filling cache slots gives each row: the token its next decode step takes and that step's
-    position; `generated` when those tokens are the model's first generated ones (a decoder's
-    prefill), not a start token (an encoder-decoder's)."""
+    position; `sampled` when those tokens are the model's first generated ones, drawn from the fill's
+    logits (a decoder's prefill), None when they are a start token (an encoder-decoder's)."""
 
     tokens: list[int]
     positions: list[int]
-    generated: bool
+    sampled: SampledTokens | None
+
+    @property
+    def generated(self) -> bool:
+        return self.sampled is not None
 
 
 class GenerationSession:
@@ -209,10 +226,16 @@ class GenerationSession:
         self.cache = tuple(cache)
         return logits
 
-    def fill(self, rows: Sequence[Sequence[int]], slots: Sequence[int]) -> FilledRows:
-        """Prefills rows into slots (see `prefill`): each row's greedy first token, at the position after its prompt."""
-        logits = self.prefill(rows, slots)
-        return FilledRows([int(token) for token in logits.argmax(-1)], [len(row) for row in rows], True)
+    def fill(self, rows: Sequence[Sequence[int]], slots: Sequence[int], draws: Sequence[Draw | None] = (), top: bool = False) -> FilledRows:
+        """Prefills rows into slots (see `prefill`): each row's first token drawn from the logits as
+        `draws` say (greedy where None or missing; see `sample`), at the position after its prompt."""
+        sampled = self.sample(self.prefill(rows, slots), [*draws, *[None] * (len(rows) - len(draws))], top)
+        return FilledRows([int(token) for token in sampled.tokens], [len(row) for row in rows], sampled)
+
+    def sample(self, logits, draws: Sequence[Draw | None], top: bool = False) -> SampledTokens:
+        """The next token of the first len(draws) rows of `logits`, drawn by the sample entry point
+        (lower/sampling.draw_tokens); with `top`, the top logprobs too."""
+        return draw_tokens(self.run, self.program.entry_points, logits, draws, top)
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """One decode step of every slot.
@@ -283,42 +306,54 @@ def check_prompts(spec: GenerationSpec, prompts: Sequence[Sequence[int]], max_ne
                      spec.vocab)
 
 
-def stream_greedy(session: GenerationSession, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Iterator[list[int | None]]:
-    """Greedy generation: prefill the prompts at the smallest compiled prefill batch that holds them
-    (padding rows in free slots; one at a time if none does, batch 1 being compiled by default),
-    then decode steps; yields each step's new token per prompt (None once a row has
-    reached max context).
+def stream_tokens(session, rows: Sequence, max_new_tokens: int, sampling: Sampling = GREEDY,
+                  stop_ids: Collection[int] = ()) -> Iterator[list[int | None]]:
+    """Generation in a session (a decoder's or an encoder-decoder's): fill the rows' slots at the
+    smallest compiled fill batch that holds them (padding rows in free slots; one at a time if none
+    does, batch 1 being compiled by default), then decode steps, each row's tokens drawn as
+    `sampling` says (greedy by default); yields each step's new token per row, None for a row that
+    has finished: it reached max context, or drew one of `stop_ids` (an EOS; yielded, then no more).
 
     Raises:
-      TpuExportError: prompts the artifact cannot take (check_prompts).
+      TpuExportError: rows the artifact cannot take (the program's check_rows).
     """
-    spec = session.program.spec
-    check_prompts(spec, prompts, max_new_tokens)
-    slots = list(range(len(prompts)))
-    batches = session.program.prefill_batches
-    fitting = [batch for batch in batches if batch >= len(prompts)]
+    program = session.program
+    program.check_rows(rows, max_new_tokens)
+    max_batch, max_context = program.spec.max_batch, program.spec.max_context
+    keys = sampling.row_keys(len(rows))
+    slots = list(range(len(rows)))
+    fitting = [batch for batch in program.fill_batches if batch >= len(rows)]
     if fitting:
-        # The session's other slots are free: padding rows (one token each) go there.
-        padding = fitting[0] - len(prompts)
-        logits = session.prefill([*prompts, *[[0]] * padding], slots + list(range(len(prompts), len(prompts) + padding)))
-        logits = logits[:len(prompts)]
+        # The session's other slots are free: padding rows go there.
+        padding = fitting[0] - len(rows)
+        fills = [([*rows, *[program.padding_row()] * padding], slots + list(range(len(rows), len(rows) + padding)), slots)]
     else:
-        logits = np.concatenate([session.prefill([prompt], [slot]) for prompt, slot in zip(prompts, slots)])
-    tokens = [int(token) for token in logits.argmax(-1)]
-    positions = [len(prompt) for prompt in prompts]
-    yield list(tokens)
-    for _ in range(max_new_tokens - 1):
-        live = [position < spec.max_context for position in positions]
+        fills = [([row], [slot], [slot]) for row, slot in zip(rows, slots)]
+    filled = [(session.fill(batch_rows, batch_slots, [Draw(sampling, keys[slot], 0) for slot in real]), real)
+              for batch_rows, batch_slots, real in fills]
+    tokens = [token for fill, real in filled for token in fill.tokens[:len(real)]]
+    positions = [position for fill, real in filled for position in fill.positions[:len(real)]]
+    stopped = [False] * len(rows)
+    generated = 0
+    if filled[0][0].generated:
+        yield list(tokens)
+        stopped = [token in stop_ids for token in tokens]
+        generated = 1
+    while generated < max_new_tokens:
+        live = [not done and position < max_context for done, position in zip(stopped, positions)]
         if not any(live):
             return
-        step_tokens = np.zeros(spec.max_batch, np.int64)
-        step_positions = np.zeros(spec.max_batch, np.int64)
+        step_tokens = np.zeros(max_batch, np.int64)
+        step_positions = np.zeros(max_batch, np.int64)
         # Idle slots decode token 0 at position 0 of their own slot, which nothing reads.
         for row, (token, position) in enumerate(zip(tokens, positions)):
             if live[row]:
                 step_tokens[row], step_positions[row] = token, position
         logits = session.decode(step_tokens, step_positions)
-        new = [int(token) for token in logits[:len(prompts)].argmax(-1)]
-        yield [new[row] if live[row] else None for row in range(len(prompts))]
-        tokens = [new[row] if live[row] else tokens[row] for row in range(len(prompts))]
-        positions = [position + 1 for position in positions]
+        sampled = session.sample(logits, [Draw(sampling, keys[row], generated) if live[row] else None for row in range(len(rows))])
+        new = [int(token) for token in sampled.tokens]
+        yield [new[row] if live[row] else None for row in range(len(rows))]
+        for row in range(len(rows)):
+            if live[row]:
+                tokens[row], positions[row], stopped[row] = new[row], positions[row] + 1, new[row] in stop_ids
+        generated += 1

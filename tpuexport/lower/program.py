@@ -9,6 +9,9 @@ records of its cache ("generation").
 from __future__ import annotations
 
 import dataclasses
+
+import jax
+
 from tpuexport.errors import TpuExportError
 from tpuexport.lower.lowering import LoweredProgram
 
@@ -22,6 +25,20 @@ def check_shared_weights(entry_points: dict[str, LoweredProgram]) -> None:
     for other in others:
         if other.weight_names != first.weight_names or other.weight_specs != first.weight_specs:
             raise TpuExportError("the entry points' weights differ (names or shapes); they must share one model's weights")
+
+
+def taking_weights(lowered: LoweredProgram, shared: LoweredProgram) -> LoweredProgram:
+    """An entry point lowered without weights (it reads none) as one taking `shared`'s weights as
+    unused arguments: every entry point is called as exported.call(weights, inputs), and the weights
+    are described (names, layouts, stacks, quantization) as `shared` describes them."""
+    program = lowered.exported
+
+    def call(weights, inputs):
+        return program.call([], inputs)
+
+    exported = jax.export.export(jax.jit(call), platforms=program.platforms)(list(shared.weight_specs), list(program.in_avals))
+    return dataclasses.replace(lowered, exported=exported, weight_names=shared.weight_names, weights=shared.weights, tied=dict(shared.tied),
+                               quantized=dict(shared.quantized), weight_layouts=dict(shared.weight_layouts), scanned=shared.scanned)
 
 
 class EntryPoints:

@@ -9,13 +9,14 @@ bucket, with its length) or audio features (a float array [mel bins, frames], al
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence
+from typing import Collection, Iterator, Sequence
 
 import numpy as np
 
 from tpuexport.errors import TpuExportError
 from tpuexport.export.seq2seq import Seq2SeqSpec
-from tpuexport.lower.generation import FilledRows, Runner, check_slots, check_token_rows, cpu_runner, right_padded
+from tpuexport.lower.generation import FilledRows, Runner, check_slots, check_token_rows, cpu_runner, right_padded, stream_tokens
+from tpuexport.lower.sampling import GREEDY, Draw, SampledTokens, Sampling, draw_tokens
 from tpuexport.lower.lowering import LoweredProgram
 from tpuexport.lower.program import EntryPoints
 
@@ -54,6 +55,11 @@ class Seq2SeqProgram(EntryPoints):
         """Refuses sources the artifact cannot generate from, in one line (check_sources)."""
         check_sources(self.spec, rows, max_new_tokens, features_usage or FEATURES_USAGE)
 
+    @property
+    def longest_row(self) -> int:
+        """The longest token source it takes (the longest source bucket)."""
+        return self.spec.max_source
+
     def padding_row(self):
         """What fills an encode batch's unused row (its slot is free): one token, or silent features."""
         return padding_source(self.spec)
@@ -77,9 +83,10 @@ class Seq2SeqProgram(EntryPoints):
     def from_manifest(cls, generation: dict, entry_points: dict[str, LoweredProgram]) -> "Seq2SeqProgram":
         return cls(Seq2SeqSpec.from_json(generation), entry_points, tuple(generation["encode_batches"]))
 
-    def stream(self, sources: Sequence, max_new_tokens: int, runner: Runner | None = None) -> Iterator[list[int | None]]:
-        """Greedy generation in a fresh session (stream_greedy), on CPU or through `runner`."""
-        return stream_greedy(Seq2SeqSession(self, runner), sources, max_new_tokens)
+    def stream(self, sources: Sequence, max_new_tokens: int, runner: Runner | None = None, sampling: Sampling = GREEDY,
+               stop_ids: Collection[int] = ()) -> Iterator[list[int | None]]:
+        """Generation in a fresh session (lower/generation.stream_tokens), on CPU or through `runner`."""
+        return stream_tokens(Seq2SeqSession(self, runner), sources, max_new_tokens, sampling, stop_ids)
 
 
 class Seq2SeqSession:
@@ -143,10 +150,16 @@ class Seq2SeqSession:
         lengths = np.array([len(source) for source in sources], np.int64)
         self._call("encode", {"source": tokens, "lengths": lengths, "slots": np.asarray(slots, np.int64)})
 
-    def fill(self, sources: Sequence, slots: Sequence[int]) -> FilledRows:
-        """Encodes sources into slots (see `encode`): each row decodes from the start token at position 0."""
+    def fill(self, sources: Sequence, slots: Sequence[int], draws: Sequence[Draw | None] = (), top: bool = False) -> FilledRows:
+        """Encodes sources into slots (see `encode`): each row decodes from the start token at position 0
+        (nothing is drawn yet: `draws` and `top` are for the first decode step's `sample`)."""
         self.encode(sources, slots)
-        return FilledRows([self.program.spec.decoder_start_token_id] * len(sources), [0] * len(sources), False)
+        return FilledRows([self.program.spec.decoder_start_token_id] * len(sources), [0] * len(sources), None)
+
+    def sample(self, logits, draws: Sequence[Draw | None], top: bool = False) -> SampledTokens:
+        """The next token of the first len(draws) rows of `logits` (lower/sampling.draw_tokens: the NumPy
+        sampler, an encoder-decoder having no sample entry point)."""
+        return draw_tokens(self.run, self.program.entry_points, logits, draws, top)
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """One decode step of every slot (max_batch tokens and positions): the logits [max_batch, vocab]."""
@@ -205,31 +218,3 @@ def source_rows(program, rows) -> list:
     if program.source_kind == "features":
         return [np.asarray(row) for row in rows]
     return [list(map(int, row)) for row in rows]
-
-
-def stream_greedy(session: Seq2SeqSession, sources: Sequence, max_new_tokens: int) -> Iterator[list[int | None]]:
-    """Greedy generation: encode the sources at the smallest compiled encode batch that holds them
-    (padding rows in free slots; one at a time if none does), then decode steps from the decoder
-    start token; yields each step's new token per source (None once a row has reached max context).
-
-    Raises:
-      TpuExportError: sources the artifact cannot take (check_sources).
-    """
-    spec = session.program.spec
-    check_sources(spec, sources, max_new_tokens)
-    slots = list(range(len(sources)))
-    fitting = [batch for batch in session.program.encode_batches if batch >= len(sources)]
-    if fitting:
-        padding = fitting[0] - len(sources)
-        session.encode([*sources, *[padding_source(spec)] * padding], slots + list(range(len(sources), len(sources) + padding)))
-    else:
-        for source, slot in zip(sources, slots):
-            session.encode([source], [slot])
-    tokens = [spec.decoder_start_token_id] * len(sources)
-    for position in range(min(max_new_tokens, spec.max_context)):
-        step_tokens = np.zeros(spec.max_batch, np.int64)
-        step_positions = np.zeros(spec.max_batch, np.int64)
-        step_tokens[:len(sources)], step_positions[:len(sources)] = tokens, position
-        logits = session.decode(step_tokens, step_positions)
-        tokens = [int(token) for token in logits[:len(sources)].argmax(-1)]
-        yield list(tokens)

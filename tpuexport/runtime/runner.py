@@ -38,6 +38,7 @@ from tpuexport.compile.aot import compiler_options, cpu_executable_program
 from tpuexport.compile.compile_key import compile_key, key_difference
 from tpuexport.compile.slices import resolve_targets
 from tpuexport.errors import TpuExportError
+from tpuexport.lower.sampling import GREEDY, Sampling
 from tpuexport.lower.seq2seq import source_rows
 from tpuexport.runtime.executables import load_executable
 from tpuexport.lower.program import DEFAULT_ENTRY_POINT
@@ -167,11 +168,14 @@ class Runner:
             raise TpuExportError(f"input shapes do not fit the model: {error}") from None
         return PreparedRequest(entry, arrays, sizes, choose_bucket(entry, sizes))
 
-    def execute(self, request: PreparedRequest) -> Execution:
+    def execute(self, request: PreparedRequest, on_device: bool = False) -> Execution:
         """Runs a prepared request: pads the batch dim to its bucket, runs, slices the outputs back.
 
         Args:
           request: from `prepare`.
+          on_device: keep every output on the device (jax arrays; the caller copies what it reads,
+            e.g. a generator's sampled tokens but not the logits they were drawn from), not only
+            the state.
         Returns:
           The Execution.
         """
@@ -189,23 +193,31 @@ class Runner:
             if spec.name in entry.state:  # the next call's input: stays on the device
                 outputs[spec.name] = result
                 continue
-            array = np.asarray(result)
+            array = result if on_device else np.asarray(result)
             outputs[spec.name] = array[:request.rows] if entry.batch_dim else array
         return Execution(outputs, bucket, request.rows, padded_to)
 
-    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Iterator[list[int | None]]:
-        """Greedy generation through a text-generation artifact's prefill and decode executables, the
-        KV cache kept on the device between steps: yields each step's new token per prompt (None
-        for a row that reached max context), as `Artifact.stream` does on CPU.
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = GREEDY,
+               ignore_eos: bool = False) -> Iterator[list[int | None]]:
+        """Generation through a text-generation artifact's prefill, decode and sample executables, the
+        KV cache and the logits kept on the device (only the drawn tokens come to the host): yields
+        each step's new token per prompt (None for a row that has finished), as `Artifact.stream`
+        does on CPU.
 
         Raises:
           TpuExportError: not a text-generation artifact, or prompts it cannot take.
         """
-        def call(name: str, inputs: list) -> list:
-            return list(self.run(inputs, name).values())
-
         program = self.artifact.generation_program
-        return program.stream(source_rows(program, prompts), max_new_tokens, runner=call)
+        return program.stream(source_rows(program, prompts), max_new_tokens, runner=self.device_runner(), sampling=sampling,
+                              stop_ids=() if ignore_eos else self.artifact.eos_token_ids)
+
+    def device_runner(self):
+        """A generation session's runner over these executables: (entry point, inputs) -> outputs in
+        signature order, every output left on the device."""
+        def call(name: str, inputs: list) -> list:
+            return list(self.execute(self.prepare(inputs, name), on_device=True).outputs.values())
+
+        return call
 
     def run(self, inputs: Mapping[str, object] | Sequence[object], entry_point: str | None = None) -> dict[str, np.ndarray]:
         """Checks, pads, runs and slices one request (see `prepare` and `execute`).

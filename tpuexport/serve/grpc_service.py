@@ -89,7 +89,7 @@ class PredictionService(protos.prediction_service_pb2_grpc.PredictionServiceServ
         rows, kind, max_new_tokens = _generate_inputs(inputs)
         steps = model.generation.submit(rows, max_new_tokens, kind)
         context.add_callback(steps.cancel)  # a client gone frees the request's slots (a no-op once it is done)
-        tokens = np.array([[-1 if token is None else token for token in step] for step in steps], np.int64).T
+        tokens = np.array([[-1 if token is None else token for token in step.tokens] for step in steps], np.int64).T
         response = protos.predict_pb2.PredictResponse()
         response.model_spec.name = model.name
         response.model_spec.version.value = model.version

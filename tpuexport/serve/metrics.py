@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Request latencies from a fraction of a millisecond (a small model on CPU) to tens of seconds.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -27,6 +27,14 @@ class Metrics:
       decode_rows: rows generating in each decode step of a text-generation model (continuous
         batching: the requests sharing the step).
       generated_tokens: tokens generated, by model and version.
+      prompt_tokens: prompt tokens prefilled (admitted requests' prompts).
+      time_to_first_token: seconds from a generate request's arrival to its first token.
+      inter_token_latency: seconds between a request's consecutive steps.
+      e2e_latency: seconds from a generate request's arrival to its end.
+      queue_time: seconds a generate request waited for cache slots.
+      requests_running, requests_waiting: generate requests holding cache slots, and waiting for them.
+      cache_slots_used: KV cache slots holding a generating row.
+    The generation ones are vLLM's (vllm:time_to_first_token_seconds, ...) under tpuexport_ names.
     """
 
     def __init__(self):
@@ -45,6 +53,22 @@ class Metrics:
         self.decode_rows = Histogram("tpuexport_decode_rows", "Rows generating per decode step (continuous batching).",
                                      ["model", "version"], buckets=BATCH_BUCKETS, registry=self.registry)
         self.generated_tokens = Counter("tpuexport_generated_tokens", "Tokens generated.", ["model", "version"], registry=self.registry)
+        self.prompt_tokens = Counter("tpuexport_prompt_tokens", "Prompt tokens prefilled.", ["model", "version"], registry=self.registry)
+        labels = ["model", "version"]
+        self.time_to_first_token = Histogram("tpuexport_time_to_first_token_seconds", "Time from a generate request's arrival to its first "
+                                             "token.", labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.inter_token_latency = Histogram("tpuexport_inter_token_latency_seconds", "Time between a generate request's consecutive "
+                                             "tokens.", labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e_latency = Histogram("tpuexport_e2e_request_latency_seconds", "Time from a generate request's arrival to its end.", labels,
+                                     buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram("tpuexport_request_queue_time_seconds", "Time a generate request waited for KV cache slots.", labels,
+                                    buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests_running = Gauge("tpuexport_num_requests_running", "Generate requests holding KV cache slots.", labels,
+                                      registry=self.registry)
+        self.requests_waiting = Gauge("tpuexport_num_requests_waiting", "Generate requests waiting for KV cache slots.", labels,
+                                      registry=self.registry)
+        self.cache_slots_used = Gauge("tpuexport_kv_cache_slots_used", "KV cache slots holding a generating row.", labels,
+                                      registry=self.registry)
 
     def exposition(self) -> bytes:
         """The metrics in Prometheus' text format."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import threading
 
 from google.protobuf import any_pb2, json_format
 
@@ -32,6 +33,9 @@ class ServedModel:
       runner: the runtime holding its executables.
       batcher: where its predict requests queue.
       generation: where its generate requests queue (a text-generation artifact), else None.
+      tokenizer: the Hugging Face tokenizer a text-generation artifact carries (hf/), else None.
+      tokenizer_lock: held while the tokenizer runs (a fast tokenizer is not safe to call from
+        several threads at once: request handlers encode, the scheduler decodes).
     """
 
     name: str
@@ -39,6 +43,8 @@ class ServedModel:
     runner: Runner
     batcher: Batcher
     generation: GenerationScheduler | None = None
+    tokenizer: object = None
+    tokenizer_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @property
     def labels(self) -> dict[str, str]:
@@ -87,6 +93,14 @@ def _signature_def(inputs, outputs):
     return signature
 
 
+def _tokenizer(artifact):
+    """The artifact's tokenizer (hf/), or None when it carries none."""
+    try:
+        return artifact.tokenizer()
+    except TpuExportError:
+        return None
+
+
 class ModelRepository:
     """Every served model version, with their batchers.
 
@@ -116,7 +130,7 @@ class ModelRepository:
             labels = {"model": name, "version": str(version)}
             generation = GenerationScheduler(runner, metrics, labels) if "generation" in runner.artifact.manifest else None
             self.models.setdefault(name, {})[version] = ServedModel(name, version, runner, Batcher(runner, batch_timeout, metrics, labels),
-                                                                    generation)
+                                                                    generation, _tokenizer(artifact) if generation is not None else None)
 
     def __iter__(self):
         return (model for versions in self.models.values() for model in versions.values())

@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from tpuexport.errors import TpuExportError
 from tpuexport.serve.batching import ShuttingDown
-from tpuexport.serve.generation import DEFAULT_NEW_TOKENS, GenerationStream
+from tpuexport.serve.generation import DEFAULT_NEW_TOKENS, GenerationStream, Step
 from tpuexport.serve.metrics import UNKNOWN_MODEL, Metrics
 from tpuexport.serve.models import ModelNotFound, ModelRepository, ServedModel
 
@@ -46,7 +46,8 @@ class BadRequest(TpuExportError):
     """A request the server cannot take (HTTP 400)."""
 
 
-def create_app(repository: ModelRepository, metrics: Metrics, state: dict, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+def create_app(repository: ModelRepository, metrics: Metrics, state: dict, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               routes: tuple[Route, ...] = ()) -> Starlette:
     """The REST app.
 
     Args:
@@ -54,6 +55,7 @@ def create_app(repository: ModelRepository, metrics: Metrics, state: dict, max_b
       metrics: the server's metrics.
       state: shared with the server: {"ready": bool}, False once shutdown has begun.
       max_body_bytes: larger request bodies are refused (400) without being read whole.
+      routes: more routes on the same port (OpenAI's API, serve/openai.py).
     Returns:
       The Starlette app.
     """
@@ -65,7 +67,7 @@ def create_app(repository: ModelRepository, metrics: Metrics, state: dict, max_b
         try:
             model = repository.resolve(name, version)
             labels = model.labels
-            body = await _read_json(request, max_body_bytes)
+            body = await read_json(request, max_body_bytes)
             inputs, row_format, signature_name = _parse_predict(body, model)
             prepared = model.runner.prepare(inputs, signature_name)
             outputs = await asyncio.wrap_future(model.batcher.submit(prepared))
@@ -89,7 +91,7 @@ def create_app(repository: ModelRepository, metrics: Metrics, state: dict, max_b
         try:
             model = repository.resolve(request.path_params["name"], request.path_params.get("version"))
             labels = model.labels
-            rows, kind, max_new_tokens = _parse_generate(await _read_json(request, max_body_bytes))
+            rows, kind, max_new_tokens = _parse_generate(await read_json(request, max_body_bytes))
             if model.generation is None:
                 raise BadRequest(f"model {model.name} has no decode entry point; generation needs a text-generation "
                                  "artifact (convert with --task text-generation)")
@@ -149,6 +151,7 @@ def create_app(repository: ModelRepository, metrics: Metrics, state: dict, max_b
         Route("/readyz", readyz, methods=["GET"]),
         Route("/monitoring/prometheus/metrics", prometheus, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
+        *routes,
     ])
 
 
@@ -156,7 +159,7 @@ def _error(status: int, error) -> JSONResponse:
     return JSONResponse({"error": str(error)}, status_code=status)
 
 
-async def _read_json(request: Request, limit: int):
+async def read_json(request: Request, limit: int):
     """The request body parsed as JSON, refused past `limit` bytes (read no further than that).
 
     Raises:
@@ -241,18 +244,18 @@ def _parse_generate(body) -> tuple[object, str, int]:
     return prompts, "prompts", max_new_tokens
 
 
-async def _stream_lines(first: list, steps: GenerationStream, rows: int):
+async def _stream_lines(first: Step, steps: GenerationStream, rows: int):
     """The generate answer's JSON lines: each step's tokens, then every prompt's generated tokens.
     A client that goes away cancels the request (Starlette cancels this generator), freeing its slots."""
     generated: list[list[int]] = [[] for _ in range(rows)]
-    tokens, index = first, 0
+    step, index = first, 0
     try:
-        while tokens is not None:
-            for row, token in enumerate(tokens):
+        while step is not None:
+            for row, token in enumerate(step.tokens):
                 if token is not None:
                     generated[row].append(token)
-            yield json.dumps({"step": index, "tokens": tokens}) + "\n"
-            tokens, index = await run_in_threadpool(next, steps, None), index + 1
+            yield json.dumps({"step": index, "tokens": step.tokens}) + "\n"
+            step, index = await run_in_threadpool(next, steps, None), index + 1
         yield json.dumps({"generated": generated}) + "\n"
     finally:
         steps.cancel()

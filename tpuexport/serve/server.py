@@ -1,4 +1,5 @@
-"""`tpuexport serve`: the REST and gRPC servers over the models' runtimes, started and stopped together.
+"""`tpuexport serve`: the REST and gRPC servers over the models' runtimes, started and stopped together;
+the REST port answers TF Serving's REST API and OpenAI's (serve/openai.py).
 
 Start-up: every artifact is opened (executables loaded without compiling, weights placed), then
 the gRPC server and the REST server start; /readyz answers 200 from then on. On SIGINT or SIGTERM
@@ -22,6 +23,7 @@ from tpuexport.errors import TpuExportError
 from tpuexport.serve.grpc_service import start_grpc_server
 from tpuexport.serve.metrics import Metrics
 from tpuexport.serve.models import ModelRepository
+from tpuexport.serve.openai import openai_routes
 from tpuexport.serve.rest import DEFAULT_MAX_BODY_BYTES, create_app
 
 # Seconds in-flight requests get to finish at shutdown.
@@ -73,7 +75,8 @@ def serve(
             listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         except OSError as error:
             raise TpuExportError(f"cannot listen for REST on {host}:{port} ({error.strerror}); choose another --port") from None
-        config = uvicorn.Config(create_app(repository, metrics, state, max_body_bytes), host=host, port=listener.getsockname()[1],
+        app = create_app(repository, metrics, state, max_body_bytes, tuple(openai_routes(repository, metrics, max_body_bytes)))
+        config = uvicorn.Config(app, host=host, port=listener.getsockname()[1],
                                 log_level="warning", access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS, lifespan="off")
         _Server(config, state, announce).run(sockets=[listener])
     finally:

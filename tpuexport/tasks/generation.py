@@ -1,11 +1,14 @@
 """The text-generation task: a Hugging Face causal LM as prefill and decode entry points over a KV cache
-(export/generation.py), an encoder-decoder as encode and decode over a self-attention and a
-cross-attention cache (export/seq2seq.py); verified by greedy generation against generate().
+(export/generation.py) and a sample entry point that draws the next tokens from their logits
+(export/sampling.py, weightless), an encoder-decoder as encode and decode over a self-attention and
+a cross-attention cache (export/seq2seq.py); verified by greedy generation against generate().
 
   verify   greedy generation vs Hugging Face generate, teacher-forced, both CPU runs (PT2E int8:
            vs the PT2E entry points, verify/quantized_generation.py; an int8 cache: vs the eager
            int8-cache entry points, verify/int8_kv_generation.py; weight-only: vs the model with its
            weights rounded as the artifact rounds them, its distance from the float model measured)
+  verify sampling  the sample entry point exactly against a NumPy reference of its algorithm, and
+           statistically against Hugging Face's logits processors (verify/sampling.py)
   verify sharded  per slice plan, a verified case's fill and decode steps partitioned on N CPU
            devices, the cache carried between calls, vs the same references (verify/sharded_generation.py)
 
@@ -39,6 +42,7 @@ from tpuexport.verify.seq2seq import replay_golden as replay_seq2seq_golden
 # query-by-key tiles); a ragged/paged decode kernel reads the cache in the layout it pages.
 DECODE_KERNEL_REASON = ("decode: one query per row over the KV cache; the flash kernel tiles queries, and a ragged/paged "
                         "decode attention kernel is not used yet")
+SAMPLE_KERNEL_REASON = "sample: no attention (it draws tokens from logits)"
 ENCODER_DECODER_KERNEL_REASON = "encoder-decoder entry points keep XLA's attention (kernels are not lowered for them yet)"
 # Generation entry points run at their compiled sizes: rows go to cache slots, never padded by the runtime.
 EXACT_SIZES = (None, "generation entry points run at their compiled sizes")
@@ -103,7 +107,8 @@ class TextGenerationTask(Task):
 
         options = conversion.options
         with conversion.clock.stage("quantize", lambda: "; ".join(f"{name} {result.describe()}" for name, result in quantized.items())):
-            quantized = quantize_entry_points(conversion.captured, conversion.spec.state.spec, options.quantize, options.calibration,
+            readers = {name: captured for name, captured in conversion.captured.items() if conversion.spec.entry_points[name].reads_weights}
+            quantized = quantize_entry_points(readers, conversion.spec.state.spec, options.quantize, options.calibration,
                                               options.calibration_file, options.random_calibration)
         return quantized
 
@@ -133,8 +138,8 @@ class TextGenerationTask(Task):
             report = _verify_generation(conversion)
         if not report.passed:
             raise VerificationError(report, write_failed_report(options.out, report.to_json()))
+        writers = _verify_sampling(conversion, report)
         sharded = _verify_slices(conversion, report)
-        writers = ()
         if conversion.weight_only is not None:
             writers += (_weight_only_section(program.weights_program, conversion.weight_only),)
         if conversion.quantized:
@@ -178,9 +183,14 @@ def _decoder_spec(conversion: Conversion, seq: tuple[int, ...] | None, batches: 
         source = export_stage.LoadedSource(modules[name], args, dynamic_shapes, None, loaded.info, checkpoint=state)
         source = export_stage.on_meta_device(source) if conversion.plan_only else source
         entry_points[name] = EntryPointSpec(source, sizes if name == "prefill" else None, DECODE_KERNEL_REASON if name == "decode" else None)
+    # Draws the next tokens from prefill's logits (a prefill batch's rows) or decode's (max batch).
+    sample_rows = sorted({*batches, spec.max_batch})
+    sample_args, sample_shapes = export_stage.sample_example_arguments(spec.vocab)
+    entry_points["sample"] = EntryPointSpec(export_stage.LoadedSource(export_stage.Sample(spec.vocab), sample_args, sample_shapes, None, loaded.info),
+                                            {"rows": sample_rows}, SAMPLE_KERNEL_REASON, reads_weights=False, precision="f32")
     cache = f"{f'int8 + {spec.scale_dtype} scales' if spec.quantized else spec.dtype}"
-    description = (f"entry points prefill (batch {list(batches)} x seq {list(spec.prefill_buckets)}) and decode (batch {spec.max_batch}); "
-                   f"cache {spec.layout} {list(spec.cache_shape)} {_describe_window_cache(spec)}{cache}")
+    description = (f"entry points prefill (batch {list(batches)} x seq {list(spec.prefill_buckets)}), decode (batch {spec.max_batch}) and "
+                   f"sample (rows {sample_rows}); cache {spec.layout} {list(spec.cache_shape)} {_describe_window_cache(spec)}{cache}")
     return ProgramSpec(entry_points, lambda lowered: lower_stage.GenerationProgram(spec, lowered, batches), True, description,
                        GenerationSources(spec, model, modules, checkpoint_model))
 
@@ -232,6 +242,24 @@ def _verify_generation(conversion: Conversion):
         return verify_stage.verify_int8_kv_generation(program, export_stage.entry_point_modules(eager_model, program.spec), tolerances,
                                                       float_reference, options.new_tokens)
     return verify_stage.verify_generation(program, eager_model, tolerances, options.new_tokens, float_reference)
+
+
+def _verify_sampling(conversion: Conversion, report) -> tuple:
+    """The sample entry point against the NumPy reference and Hugging Face's distributions
+    (verify/sampling.py); its result extends the manifest's verification section.
+
+    Raises:
+      VerificationError: a check failed (its report written next to the artifact).
+    """
+    program = conversion.program
+    if "sample" not in program.entry_points:  # an encoder-decoder samples on the host, with the reference itself
+        return ()
+    with conversion.clock.stage("verify sampling", lambda: sampling.describe()):
+        sampling = verify_stage.verify_sampling(program.entry_points["sample"].run, program.spec.vocab)
+    if not sampling.passed:
+        failed = {**report.to_json(), "sampling": sampling.to_json()}
+        raise VerificationError(report, write_failed_report(conversion.options.out, failed), sampling.failure_summary())
+    return (lambda staging: {"verification": {"sampling": sampling.to_json()}},)
 
 
 def _verify_slices(conversion: Conversion, report) -> list:

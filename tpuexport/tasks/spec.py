@@ -26,11 +26,18 @@ class EntryPointSpec:
       bucket_sizes: {dim: sizes} compiled as a cartesian product, or None for the example shapes.
       kernels: None when Pallas kernels may replace XLA's attention in its buckets where they pay
         (lower/kernels.py), else why its buckets keep XLA's.
+      reads_weights: False for an entry point that reads none of the model's weights (a text
+        generator's sample): it takes them as unused arguments (every entry point is called with
+        the weights), and is not quantized.
+      precision: the precision its program is lowered at whatever the conversion's (sampling
+        computes in float32), or None for the conversion's.
     """
 
     source: export_stage.LoadedSource
     bucket_sizes: dict[str, list[int]] | None = None
     kernels: str | None = None
+    reads_weights: bool = True
+    precision: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

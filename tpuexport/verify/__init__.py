@@ -6,6 +6,7 @@ from tpuexport.verify.int8_kv_generation import INT8_KV_AGAINST, verify_int8_kv_
 from tpuexport.verify.kernels import KernelCheck, verify_kernels
 from tpuexport.verify.kernels import check_key as kernel_check_key
 from tpuexport.verify.padding import PaddingCheck, padding_policy, verify_padding
+from tpuexport.verify.sampling import SamplingVerification, verify_sampling
 from tpuexport.verify.seq2seq import verify_seq2seq
 from tpuexport.verify.quantized_generation import QuantizedGenerationReport, verify_quantized_generation
 from tpuexport.verify.report import VerificationCase, VerificationReport
@@ -24,6 +25,8 @@ __all__ = [
     "verify_kernels",
     "verify_generation",
     "verify_seq2seq",
+    "verify_sampling",
+    "SamplingVerification",
     "verify_int8_kv_generation",
     "INT8_KV_AGAINST",
     "DEFAULT_BUDGET_FLOPS",

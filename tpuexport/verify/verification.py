@@ -121,7 +121,8 @@ def run_case(runs: ProgramRuns, reference, inputs, planned: PlannedCase, toleran
     try:
         expected = eager_outputs(reference, inputs)
     except Exception as error:  # the user's model may raise anything
-        case = VerificationCase(planned.label, planned.sizes, {}, f"eager PyTorch raised {type(error).__name__}: {short_error(error)}",
+        case = VerificationCase(planned.label, planned.sizes, {}, f"eager PyTorch raised {type(error).__name__}: {short_error(error)} "
+                                "(the model itself fails at these sizes: narrow its dims, --dim NAME=MIN:MAX)",
                                 reason=planned.reason, flops=planned.flops)
         return case, None
     case = compare_case(runs, [to_numpy(t) for t in inputs], expected, planned, tolerances)

@@ -1,0 +1,524 @@
+"""Breadth of `tpuexport convert DIR --task auto` over every model type transformers ships.
+
+For each model type in transformers' auto mappings of the tasks tpuexport supports, a tiny random
+config is derived from its config class (widths, layers, heads, vocabulary, positions, experts,
+image and audio sizes shrunk generically; per-type overrides only where the generic shrink cannot
+build, in OVERRIDES), the model of its main head is written with save_pretrained and converted with
+
+    tpuexport convert DIR --task auto --target v5e --no-saved-model
+
+in its own process with a time limit, as a user would. One row per model type: the task --task auto
+chose, the outcome, seconds, the first line of any failure; the last line
+
+    architectures: N passed, R refused, F failed, C crashed of M
+
+Outcomes: passed (exit 0); refused (exit 2 with one line `error: ...`); failed (exit 1 with one line
+`verification failed: ...`); crashed (anything else: a traceback, a multi-line failure, a signal, the
+time limit); not built (no tiny config of the type builds, or it stays above MAX_PARAMETERS).
+
+The head built for a type is the first mapping in HEADS that lists it (a seq2seq LM before its
+decoder-only causal LM, a masked LM before an encoder's causal LM head), AutoModel otherwise.
+
+    pip install -c constraints.txt -e ".[bench]"
+    nice -n 10 python benchmarks/architectures.py --shard 1/8 --jobs 1 --json shard1.json
+    python benchmarks/architectures.py --only roberta,llama,vit
+    python benchmarks/architectures.py --bf16-checkpoint      # the text-generation types, written in bfloat16
+    python benchmarks/architectures.py --table a.json b.json  # one table from the shards' JSON
+
+Each row's build runs in a child (`--build TYPE DIR DTYPE`), which tries the shrink levels in
+order (LEVELS) and keeps the first whose model builds and runs one eager forward on tpuexport's own
+example inputs; when none runs eagerly, the first that builds is converted anyway (tpuexport must
+then refuse it in one line or convert it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = pathlib.Path(__file__).resolve().parent
+# The repository root (this file is in benchmarks/ or benchmarks/<group>/): the tpuexport package beside it.
+ROOT = next(parent for parent in HERE.parents if (parent / "tpuexport").is_dir())
+
+# (task as tpuexport names it, transformers' mapping) in the order a type's head is chosen.
+HEADS = (
+    ("text2text-generation", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    ("automatic-speech-recognition", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES"),
+    ("fill-mask", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    ("text-generation", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    ("automatic-speech-recognition", "MODEL_FOR_CTC_MAPPING_NAMES"),
+    ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+    ("audio-classification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),
+    ("text-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+    ("token-classification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
+    ("question-answering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),
+    ("semantic-segmentation", "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES"),
+    ("object-detection", "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES"),
+    ("depth-estimation", "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES"),
+    ("audio-frame-classification", "MODEL_FOR_AUDIO_FRAME_CLASSIFICATION_MAPPING_NAMES"),
+    ("feature-extraction", "MODEL_MAPPING_NAMES"),
+)
+OUTCOMES = ("passed", "refused", "failed", "crashed", "not built")
+CHILD_TIMEOUT_SECONDS = 900
+BUILD_TIMEOUT_SECONDS = 300
+MAX_PARAMETERS = 40_000_000
+
+# The generic shrink: config keys by what they size, and the size they shrink to (never grown).
+LAYERS, ATTENTION_HEADS, POSITIONS, WIDTH = 2, 4, 64, 64
+SIZES = {  # group: (size, keys)
+    "width": (WIDTH, (
+        "hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "dim", "hidden_dim", "embedding_size", "encoder_hidden_size",
+        "decoder_hidden_size", "text_hidden_size", "projection_dim", "word_embed_proj_dim", "out_hidden_size", "output_hidden_size",
+        "projector_hidden_size", "audio_hidden_size", "cross_hidden_size", "attention_hidden_size", "pooler_output_size",
+        "pooler_hidden_size", "fusion_hidden_size", "backbone_hidden_size", "classifier_proj_size", "vision_output_dim",
+        "encoder_hidden_dim", "hidden_size_global", "mask_feature_size", "fpn_hidden_size", "conv_output_size", "output_dim",
+        "latent_dim", "xvector_output_dim", "codevector_dim", "proj_codevector_dim", "vision_feature_dim", "text_embed_dim")),
+    "ffn": (128, (
+        "intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim", "moe_intermediate_size",
+        "shared_expert_intermediate_size", "mlp_dim", "dim_feedforward", "decoder_intermediate_size", "ffn_hidden_size",
+        "dense_intermediate_size", "moe_hidden_size", "shared_intermediate_size", "moe_shared_expert_intermediate_size",
+        "intermediate_size_mlp", "encoder_feedforward_dim", "d_inner", "linear_units", "projection_intermediate_size",
+        "shared_experts_intermediate_size", "dim_ff", "dff", "encoder_linear_units", "decoder_linear_units", "expert_intermediate_size",
+        "expert_ffn_hidden_size")),
+    "layers": (LAYERS, (
+        "num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers", "n_layers", "num_decoder_layers",
+        "num_encoder_layers", "speech_encoder_layers", "text_encoder_layers", "num_text_layers", "max_window_layers")),
+    "heads": (ATTENTION_HEADS, (
+        "num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads", "attention_heads",
+        "cross_num_attention_heads", "decoder_cross_attention_heads", "index_n_heads", "swa_num_attention_heads", "num_heads")),
+    "head_dim": (16, (
+        "head_dim", "d_kv", "attention_head_dim", "dim_head", "kv_channels", "d_head", "swa_head_dim", "cross_head_dim", "index_head_dim",
+        "qk_nope_head_dim", "v_head_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_head_dim", "state_size",
+        "ssm_state_size", "mamba_d_state")),
+    "vocab": (512, (
+        "vocab_size", "text_vocab_size", "input_vocab_size", "output_vocab_size", "vocab_size_per_layer_input", "unpadded_vocab_size",
+        "vision_vocab_size", "codebook_size")),
+    "positions": (POSITIONS, (
+        "max_position_embeddings", "n_positions", "n_ctx", "max_target_positions", "max_source_positions", "max_seq_len",
+        "max_2d_position_embeddings")),
+    "experts": (4, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "zero_expert_num")),
+    "top_k": (2, ("num_experts_per_tok", "moe_topk", "n_group", "moe_k", "moe_top_k", "num_experts_per_token", "experts_per_token")),
+    "window": (32, ("sliding_window", "attention_chunk_size", "sliding_window_size", "kv_lora_rank", "q_lora_rank", "o_lora_rank")),
+    "small": (8, ("qk_rope_head_dim", "time_step_rank", "block_size", "attention_window", "num_conv_pos_embeddings", "mamba_chunk_size")),
+    "one": (1, ("n_shared_experts", "topk_group", "first_k_dense_replace", "num_shared_experts", "moe_num_shared_experts",
+                "moe_layer_start_index", "moe_layer_end_index")),
+}
+SHRUNK = {key: size for size, keys in SIZES.values() for key in keys}
+# What the last shrink level still shrinks (widths stay).
+COUNTS = SIZES["layers"][1] + SIZES["vocab"][1] + SIZES["experts"][1] + SIZES["top_k"][1] + SIZES["positions"][1]
+KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num", "cross_num_key_value_heads",
+            "swa_num_key_value_heads", "linear_num_key_heads")
+# Per-stage lists of vision backbones: widths scaled down together, heads divided by the first stage's.
+STAGE_WIDTHS = ("hidden_sizes", "embed_dims", "embed_dim_per_stage", "neck_hidden_sizes", "stage_out_channels", "stage_in_channels",
+                "stage_mid_channels", "encoder_hidden_sizes", "conv_dim", "tdnn_dim", "stem_channels", "backbone_channel_list")
+STAGE_HEADS = ("num_heads", "num_attention_heads", "num_attention_heads_per_stage", "attention_heads")
+STAGE_DEPTHS = ("depths", "stage_num_blocks", "blocks_per_stage", "num_block_repeats", "stage_numb_of_layers")
+LEVELS = ("everything", "image size kept", "layers and vocabulary only")
+
+GLM_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+# Per-type overrides, applied after the generic shrink (only where it cannot build): {type: {key: value}}.
+OVERRIDES: dict[str, dict] = {
+    "fun_asr_nano": {"adaptor_config": {"intermediate_size": WIDTH // 4}},  # the text width / 4, checked by its config
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},  # its defaults leave them unset
+    "chameleon": {"vocabulary_map": {"<image>": 500}},  # the image token's id in its (absent) tokenizer
+    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},  # no default
+    # GLM-4V's rotary sections default to [8, 12, 12] in its code, not its config: they sum to half the tiny head dim.
+    **{name: {"rope_parameters": GLM_ROPE} for name in ("glm4v_text", "glm4v_moe_text", "glm_image_text", "glm_ocr_text")},
+    **{name: {"text_config": {"rope_parameters": GLM_ROPE}} for name in ("glm4v", "glm4v_moe", "glm_image", "glm_ocr")},
+}
+
+
+def model_types() -> dict[str, tuple[str, str]]:
+    """{model type: (task, model class name)} over the HEADS mappings."""
+    from transformers.models.auto import modeling_auto
+
+    chosen: dict[str, tuple[str, str]] = {}
+    for task, table in HEADS:
+        for model_type, names in getattr(modeling_auto, table).items():
+            name = names if isinstance(names, str) else names[0]
+            chosen.setdefault(model_type, (task, name))
+    return dict(sorted(chosen.items()))
+
+
+def _is_config(value) -> bool:
+    return isinstance(value, dict) and "model_type" in value
+
+
+def _token_ids(config: dict, vocab: int) -> None:
+    """Special token ids past the shrunk vocabulary become distinct ids at its end."""
+    spare = iter(range(vocab - 1, vocab // 2, -1))
+    remap: dict[int, int] = {}
+
+    def clamp(value):
+        if isinstance(value, int) and not isinstance(value, bool) and value >= vocab:
+            return remap.setdefault(value, next(spare))
+        return value
+
+    for key, value in config.items():
+        if key.endswith(("_token_id", "_token_index", "token_id", "_token_ids")) or key in ("image_token_id", "boi_token_id"):
+            config[key] = [clamp(item) for item in value] if isinstance(value, list) else clamp(value)
+
+
+def _per_layer(values: list, layers: int) -> list:
+    """A per-layer list cut to `layers`, keeping one layer of each kind it has (sliding and full
+    attention, linear and full, ...) where it can."""
+    cut = list(values[:layers])
+    missing = [value for value in dict.fromkeys(map(json.dumps, values)) if value not in map(json.dumps, cut)]
+    for position, value in zip(range(layers - 1, -1, -1), missing):
+        cut[position] = json.loads(value)
+    return cut
+
+
+def shrink(config: dict, level: int) -> dict:
+    """One config dict (and its sub-configs) shrunk in place at `level` (an index of LEVELS)."""
+    staged = any(isinstance(config.get(key), list) for key in STAGE_DEPTHS)  # a backbone's num_layers counts its stages
+    layers_before = None if staged else next((config[key] for key in SIZES["layers"][1] if isinstance(config.get(key), int)), None)
+    heads_before = next((config[key] for key in SIZES["heads"][1] if isinstance(config.get(key), int)), None)
+    before = dict(config)
+    for key, value in list(config.items()):
+        if staged and key == "num_layers":
+            continue
+        if key in ("out_features", "out_indices") and layers_before and not staged:
+            config[key] = None  # a transformer backbone's stages are its layers: the default (the last) after the cut
+            continue
+        if _is_config(value) and value["model_type"] == "timm_backbone":
+            config[key] = _tiny_resnet(value)
+        elif _is_config(value):
+            shrink(value, level)
+        elif isinstance(value, dict) and value and all(str(index).isdigit() for index in value) and layers_before:
+            config[key] = {str(int(index) * LAYERS // layers_before): item for index, item in value.items()}  # per-layer settings
+        elif isinstance(value, bool) or value is None:
+            continue
+        elif isinstance(value, int) and key in SHRUNK and (level < 2 or key in COUNTS):
+            config[key] = min(value, SHRUNK[key])
+        elif isinstance(value, int) and ("vocab_size" in key or key.endswith("_vocab")):
+            config[key] = min(value, SIZES["vocab"][0])
+        elif isinstance(value, int) and key in KV_HEADS and heads_before:
+            heads = min(heads_before, ATTENTION_HEADS) if level < 2 else heads_before
+            config[key] = heads if value >= heads_before else 1 if value == 1 else min(2, heads)
+        elif isinstance(value, list) and layers_before and len(value) == layers_before and layers_before > LAYERS:
+            config[key] = _per_layer(value, LAYERS)
+        elif level < 2 and isinstance(value, list) and value and all(isinstance(item, int) for item in value):
+            _shrink_stages(config, key, value)
+        elif level == 0 and key == "image_size" and isinstance(value, int):
+            patch = config.get("patch_size") if isinstance(config.get("patch_size"), int) else 8
+            config[key] = min(value, max(64, 4 * patch))
+    _keep_equal_sizes(before, config)
+    for key, value in config.items():  # after the head dims they follow
+        if isinstance(value, dict) and key.startswith("rope"):
+            _shrink_rope(value, config)
+    _state_space_heads(config)
+    if "qk_head_dim" in config and "qk_nope_head_dim" in config:
+        config["qk_head_dim"] = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+    vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else SIZES["vocab"][0]
+    _token_ids(config, vocab)
+    return config
+
+
+def _keep_equal_sizes(before: dict, after: dict) -> None:
+    """Sizes of one kind (widths, head dims, ...) that were equal stay equal, at the smaller shrunk
+    value: MLA's rotary head_dim is its qk_rope_head_dim, a projection width is the hidden size."""
+    dimensions = {key for group in ("width", "ffn", "head_dim", "window", "small") for key in SIZES[group][1]}
+    shrunk = [key for key in dimensions if isinstance(before.get(key), int) and not isinstance(before[key], bool) and key in after]
+    for key in shrunk:
+        equal = [other for other in shrunk if before[other] == before[key]]
+        smallest = min(after[other] for other in equal)
+        for other in equal:
+            after[other] = smallest
+
+
+def _tiny_resnet(timm: dict) -> dict:
+    """A transformers ResNet in place of a timm backbone (timm needs torchvision, which does not load
+    with the CPU torch here), its stages the ones the timm config takes features from."""
+    stages = [f"stage{index}" for index in timm.get("out_indices") or (1, 2, 3, 4)]
+    return {"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [16, 32, 64, 128], "depths": [1, 1, 1, 1],
+            "layer_type": "basic", "out_features": stages, "num_channels": timm.get("num_channels", 3)}
+
+
+def _state_space_heads(config: dict) -> None:
+    """A Mamba-2 mixer's heads times head dim is its inner width (expand x hidden size)."""
+    for expand, heads, head_dim in (("expand", "num_heads", "head_dim"), ("mamba_expand", "mamba_n_heads", "mamba_d_head"),
+                                    ("mamba_expand", "mamba_num_heads", "mamba_head_dim")):
+        values = [config.get(key) for key in (expand, heads, head_dim, "hidden_size")]
+        if all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in values):
+            config[heads] = int(values[0] * values[3]) // values[2]
+
+
+def _shrink_rope(rope: dict, config: dict) -> None:
+    """Rotary parameters follow the shrunk positions and head dims: the original context of a scaled
+    rotary (YaRN, LongRoPE, Llama-3) becomes half the shrunk one; per-frequency factor lists keep
+    head_dim / 2 entries; multimodal sections are cut to fit."""
+    for key, value in list(rope.items()):
+        if isinstance(value, dict):
+            _shrink_rope(value, config)
+        elif key == "original_max_position_embeddings" and isinstance(value, int):
+            rope[key] = min(value, POSITIONS // 2)
+        elif key in ("short_factor", "long_factor") and isinstance(value, list):
+            rotary = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0
+            rope[key] = value[: max(1, int(config.get("head_dim", WIDTH // ATTENTION_HEADS) * rotary) // 2)]
+        elif key == "mrope_section" and isinstance(value, list):
+            rotary = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0
+            half = int(config.get("head_dim", WIDTH // ATTENTION_HEADS) * rotary) // 2
+            rope[key] = [half - 2 * (half // 4), half // 4, half // 4][: len(value)]
+
+
+def _shrink_stages(config: dict, key: str, value: list) -> None:
+    if key in STAGE_WIDTHS:
+        factor = max(1, value[0] // 16)
+        config[key] = [max(8, item // factor) for item in value]
+    elif key in STAGE_HEADS and len(value) > 1:
+        config[key] = [max(1, item // value[0]) for item in value]
+    elif key in STAGE_DEPTHS:
+        config[key] = [min(item, 2) for item in value]
+
+
+def tiny_config(model_type: str, level: int):
+    """The model type's default config shrunk at `level`, with its OVERRIDES."""
+    from transformers import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    values = shrink(config_class().to_dict(), level)
+    for key, value in OVERRIDES.get(model_type, {}).items():
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            values[key].update(value)
+        else:
+            values[key] = value
+    return config_class.from_dict(values)
+
+
+def _eager_check(model, task: str) -> None:
+    """One eager forward on the inputs tpuexport gives the model (a causal LM: a short prompt)."""
+    import torch
+
+    from tpuexport.export.huggingface import forward_program
+
+    with torch.no_grad():
+        if task == "text-generation":
+            vocab = model.config.get_text_config().vocab_size
+            model(input_ids=torch.randint(1, vocab, (1, 8)), use_cache=False)
+        else:
+            wrapped, args, _ = forward_program(model)
+            wrapped(*args)
+
+
+def tiny_model(model_type: str):
+    """The tiny model of a type, at the first shrink level that builds and runs eagerly.
+
+    Returns:
+      (model, {"task", "class", "level", "parameters", "eager"}): the shrink level kept and, when no
+      level ran eagerly, the first line of the eager error at the first level that built.
+    Raises:
+      RuntimeError: no level builds under MAX_PARAMETERS (the message says why).
+    """
+    import torch
+    import transformers
+
+    task, class_name = model_types()[model_type]
+    model_class = getattr(transformers, class_name)
+    first, reasons = None, []
+    for level in range(len(LEVELS)):
+        torch.manual_seed(0)
+        try:
+            config = tiny_config(model_type, level)
+            with torch.device("meta"):  # counted before any memory is taken
+                parameters = sum(parameter.numel() for parameter in model_class(config).parameters())
+            if parameters > MAX_PARAMETERS:
+                reasons.append(f"{LEVELS[level]}: {parameters / 1e6:.0f}M parameters")
+                continue
+            model = model_class(config).eval()
+        except Exception as error:  # a config the class cannot build: try the next level
+            reasons.append(f"{LEVELS[level]}: {type(error).__name__}: {_first_line(error)}")
+            continue
+        _untie_zero_weights(model)
+        try:
+            _eager_check(model, task)
+            eager = "ok"
+        except Exception as error:
+            eager = f"{type(error).__name__}: {_first_line(error)}"
+        candidate = (model, {"task": task, "class": class_name, "level": LEVELS[level], "parameters": parameters, "eager": eager})
+        if eager == "ok":
+            first = candidate
+            break
+        first = first or candidate
+    if first is None:
+        raise RuntimeError("; ".join(reasons)[:300])
+    return first
+
+
+def _untie_zero_weights(model) -> None:
+    """Weight matrices transformers initializes to zeros (MoE routers' gates, some projections) get
+    small random values: a router of zeros ties every expert on every token, which no trained
+    checkpoint does, and which top-k then breaks one way in PyTorch and another in XLA."""
+    import torch
+
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2 and parameter.is_floating_point() and not parameter.any():
+                parameter.normal_(0.0, 0.02)
+
+
+def build(model_type: str, directory: pathlib.Path, dtype_name: str) -> dict:
+    """Writes the tiny model of a type with save_pretrained in `dtype_name` (run in a child process);
+    returns tiny_model's record."""
+    import torch
+
+    model, record = tiny_model(model_type)
+    model.to(getattr(torch, dtype_name)).save_pretrained(directory)
+    return record
+
+
+def _first_line(error) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
+def _noise(line: str) -> bool:
+    """Lines third-party libraries print on import that are no part of tpuexport's output."""
+    return line.startswith(("Failed to load", "W1", "I1", "E1", "WARNING: All log messages")) or "torch/utils/_pytree.py" in line
+
+
+def outcome(returncode: int, stderr: str) -> tuple[str, str]:
+    """(outcome, first line of any failure) of one `tpuexport convert`."""
+    lines = [line for line in stderr.strip().splitlines() if line.strip() and not _noise(line)]
+    if returncode == 0:
+        return "passed", ""
+    message = next((line for line in lines if line.startswith(("error:", "verification failed:"))), None)
+    one_line = message is not None and lines[-1] == message and "Traceback" not in stderr
+    if returncode == 2 and one_line and message.startswith("error:"):
+        return "refused", message
+    if returncode == 1 and one_line and message.startswith("verification failed:"):
+        return "failed", message
+    first = next((line for line in lines if line.startswith(("Traceback", "error:", "verification failed:"))), None)
+    tail = lines[-1] if lines else f"exit code {returncode}"
+    signal = f"killed by signal {-returncode}; " if returncode < 0 else ""
+    return "crashed", f"{signal}{tail}" + (f" (first: {first})" if first and first != tail and not first.startswith("Traceback") else "")
+
+
+def run_row(model_type: str, options) -> dict:
+    """Builds one type's tiny directory and converts it; returns its row."""
+    task, class_name = model_types()[model_type]
+    row = {"type": model_type, "class": class_name, "task": task, "seconds": 0.0, "message": ""}
+    environment = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    dtype = "bfloat16" if options.bf16_checkpoint else "float32"
+    with tempfile.TemporaryDirectory(prefix="tpuexport-architectures-") as scratch:
+        scratch = pathlib.Path(scratch)
+        directory = scratch / model_type
+        try:
+            built = subprocess.run([sys.executable, __file__, "--build", model_type, str(directory), dtype], capture_output=True,
+                                   text=True, timeout=BUILD_TIMEOUT_SECONDS, env=environment, cwd=scratch)
+        except subprocess.TimeoutExpired:
+            return {**row, "outcome": "not built", "message": f"building took over {BUILD_TIMEOUT_SECONDS} s"}
+        if built.returncode != 0:
+            lines = [line for line in built.stderr.strip().splitlines() if not _noise(line)]
+            return {**row, "outcome": "not built", "message": (lines or ["?"])[-1][:300]}
+        row.update(json.loads(built.stdout.strip().splitlines()[-1]))
+        command = [sys.executable, "-m", "tpuexport.cli", "convert", str(directory), "--task", "auto", "--target", "v5e",
+                   "--no-saved-model", "-o", str(scratch / "out.tpu")]
+        start = time.perf_counter()
+        try:
+            completed = subprocess.run(command, capture_output=True, text=True, timeout=options.timeout, env=environment, cwd=scratch)
+        except subprocess.TimeoutExpired:
+            return {**row, "outcome": "crashed", "seconds": round(time.perf_counter() - start, 1),
+                    "message": f"timed out after {options.timeout} s"}
+        row["seconds"] = round(time.perf_counter() - start, 1)
+        row["outcome"], row["message"] = outcome(completed.returncode, completed.stderr)
+        if row["outcome"] == "crashed":  # kept in the JSON for diagnosis
+            row["stderr_tail"] = [line for line in completed.stderr.splitlines() if not _noise(line)][-40:]
+        if row["outcome"] == "passed":
+            manifest = json.loads((scratch / "out.tpu" / "manifest.json").read_text())
+            row["task"] = manifest.get("huggingface", {}).get("task", row["task"])
+        return row
+
+
+def format_row(row: dict) -> str:
+    """One table line; `eager` says whether the tiny model ran one eager forward on tpuexport's inputs
+    (no: the inputs or the tiny config do not suit it, whatever tpuexport does)."""
+    eager = {"ok": "yes", None: "-"}.get(row.get("eager"), "no")
+    return f"{row['type']:<34} {row['task']:<28} {row['outcome']:<9} {eager:<5} {row['seconds']:>7.1f}  {row['message']}"
+
+
+def print_table(rows: list[dict], title: str) -> None:
+    print(f"# {title}")
+    print(f"{'type':<34} {'task':<28} {'outcome':<9} {'eager':<5} {'seconds':>7}  first line of any failure")
+    for row in sorted(rows, key=lambda row: row["type"]):
+        print(format_row(row), flush=True)
+    counts = {name: sum(row["outcome"] == name for row in rows) for name in OUTCOMES}
+    print(f"architectures: {counts['passed']} passed, {counts['refused']} refused, {counts['failed']} failed, {counts['crashed']} crashed "
+          f"of {len(rows)} ({counts['not built']} not built tiny)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", help="comma-separated model types (default: every one)")
+    parser.add_argument("--shard", default="1/1", help="i/n: the i-th of n interleaved shards of the types")
+    parser.add_argument("--jobs", type=int, default=1, help="conversions at once")
+    parser.add_argument("--timeout", type=int, default=CHILD_TIMEOUT_SECONDS, help="seconds per conversion")
+    parser.add_argument("--bf16-checkpoint", action="store_true", help="the text-generation types only, written in bfloat16")
+    parser.add_argument("--json", type=pathlib.Path, help="also write the rows here")
+    parser.add_argument("--table", nargs="+", type=pathlib.Path,
+                        help="print one table from rows written with --json (a later file's row of a type replaces an earlier one)")
+    parser.add_argument("--build", nargs=3, metavar=("TYPE", "DIR", "DTYPE"), help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    if options.build:
+        try:
+            record = build(options.build[0], pathlib.Path(options.build[1]), options.build[2])
+        except Exception as error:
+            print(f"could not be built tiny: {type(error).__name__}: {_first_line(error)}", file=sys.stderr)
+            sys.exit(3)
+        print(json.dumps(record))
+        return
+    if options.table:  # a type's row in a later file replaces its row in an earlier one (a re-run after a fix)
+        runs = [json.loads(path.read_text()) for path in options.table]
+        rows = {row["type"]: row for run in runs for row in run["rows"]}
+        print_table(list(rows.values()), "; ".join(f"{run['started']} {run['mode']} shard {run['shard']} at {run.get('commit', '?')}"
+                                                  for run in runs))
+        return
+    types = model_types()
+    names = [name.strip() for name in options.only.split(",")] if options.only else list(types)
+    unknown = [name for name in names if name not in types]
+    if unknown:
+        sys.exit(f"not a model type of the supported tasks' mappings: {', '.join(unknown)}")
+    if options.bf16_checkpoint:
+        names = [name for name in names if types[name][0] == "text-generation"]
+    index, count = map(int, options.shard.split("/"))
+    names = names[index - 1::count]
+    started = time.strftime("%Y-%m-%d %H:%M")
+    commit = _commit()
+    with ThreadPoolExecutor(options.jobs) as pool:
+        rows = []
+        for row in pool.map(lambda name: run_row(name, options), names):
+            rows.append(row)
+            print(format_row(row), flush=True)
+    mode = "bf16 checkpoint" if options.bf16_checkpoint else "f32"
+    print_table(rows, f"{started}, {mode}, shard {options.shard}, jobs {options.jobs}, tpuexport {commit}, transformers {_transformers_version()}")
+    if options.json:
+        options.json.write_text(json.dumps({"started": started, "mode": mode, "shard": options.shard, "commit": commit, "rows": rows},
+                                           indent=1))
+
+
+def _commit() -> str:
+    """The tpuexport commit converted with ("+" when the work tree has changes)."""
+    def git(*arguments):
+        return subprocess.run(["git", "-C", str(ROOT), *arguments], capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def _transformers_version() -> str:
+    from importlib.metadata import version
+
+    return version("transformers")
+
+
+if __name__ == "__main__":
+    main()

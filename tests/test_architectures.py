@@ -1,0 +1,151 @@
+"""Classes of architectures found by the breadth sweep (benchmarks/architectures.py): one tiny model
+per class that tpuexport converts, or refuses in one line, where it once crashed or mismatched."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+
+import tpuexport
+from tpuexport import TpuExportError
+
+transformers = pytest.importorskip("transformers")
+
+# Bounded dims and no optional verification sizes: each conversion takes seconds.
+QUICK = ("--target", "v5e", "--no-saved-model", "--verify-budget", "0")
+
+
+def convert_directory(directory: pathlib.Path, out: pathlib.Path, *options: str) -> subprocess.CompletedProcess:
+    """`tpuexport convert DIR --task auto` as a user runs it."""
+    environment = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    return subprocess.run([sys.executable, "-m", "tpuexport.cli", "convert", str(directory), "-o", str(out), *options],
+                          capture_output=True, text=True, timeout=900, env=environment)
+
+
+def error_lines(stderr: str) -> list[str]:
+    """What tpuexport printed after its progress lines (libraries' import-time lines left out)."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.lstrip().startswith("✓")
+            and not line.startswith(("Failed to load", "W1"))]
+
+
+def test_a_bidirectional_decoder_is_refused_for_text_generation(tmp_path):
+    """A BERT-style causal LM head built with is_decoder false attends both ways: generate()
+    recomputes every position at each step, which a KV cache cannot do. It verified within 1 of
+    4096 logits of passing (a near-silent mismatch); now it is refused before any work."""
+    config = transformers.BertGenerationConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                               intermediate_size=64, is_decoder=False)
+    model = transformers.BertGenerationDecoder(config).eval()
+    with pytest.raises(TpuExportError, match="BertGenerationDecoder attends bidirectionally .* set is_decoder true"):
+        tpuexport.convert(model, task="text-generation", max_context=16, out=tmp_path / "lm.tpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_forward_torch_export_cannot_trace_is_one_line_naming_the_architecture(tmp_path):
+    """torch's fake tensors log the traceback of an operator that fails on them before torch.export
+    raises; the user sees only tpuexport's line, which names the architecture."""
+    config = transformers.Ernie4_5_MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, moe_num_experts=4,
+                                            moe_k=6, max_position_embeddings=32)  # more experts per token than experts
+    transformers.Ernie4_5_MoeForCausalLM(config).save_pretrained(tmp_path / "moe")
+    result = convert_directory(tmp_path / "moe", tmp_path / "moe.tpu", *QUICK)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert error_lines(result.stderr) == ["error: torch.export failed on Ernie4_5_MoeForCausalLM (ernie4_5_moe): k not in range for "
+                                          "dimension; check the example args and dynamic_shapes / --dim ranges"]
+    assert not (tmp_path / "moe.tpu").exists()
+
+
+class ConstantOnTheWeightsDevice(torch.nn.Module):
+    """Makes a tensor constant in its forward on its weights' device, as Mask2Former's deformable
+    attention does (its offset normalizer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        scale = torch.tensor([2.0, 0.5] * 4, device=self.linear.weight.device)
+        return self.linear(x) * scale
+
+
+def test_constants_made_on_the_weights_device_get_values_when_weights_stream(tmp_path):
+    """Exported on the meta device (weights streamed from a checkpoint), such a constant had no value
+    and the conversion was refused; it is exported again with the checkpoint's tensors."""
+    torch.manual_seed(0)
+    model = ConstantOnTheWeightsDevice().eval()
+    safetensors.torch.save_file(model.state_dict(), str(tmp_path / "weights.safetensors"))
+    with tpuexport.parameters_on_meta():
+        on_meta = ConstantOnTheWeightsDevice().eval()
+    x = torch.randn(3, 8)
+    artifact = tpuexport.convert(on_meta, (x,), {"x": {0: torch.export.Dim("batch", min=1, max=8)}}, checkpoint=tmp_path / "weights.safetensors",
+                                 saved_model=False, out=tmp_path / "model.tpu")
+    assert artifact.manifest["verification"]["passed"]
+    torch.testing.assert_close(artifact.run(x), model(x), rtol=1e-2, atol=1e-3)
+
+
+def test_a_decoder_with_a_recurrent_state_is_refused_for_text_generation(tmp_path):
+    """Mamba's state between steps is a recurrent state, not a KV cache: one line saying so, before
+    the missing max_position_embeddings (which it has none of) is asked for."""
+    model = transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=8)).eval()
+    with pytest.raises(TpuExportError, match="MambaForCausalLM keeps a recurrent state .*--task feature-extraction --dim seq=N:N"):
+        tpuexport.convert(model, task="text-generation", out=tmp_path / "lm.tpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_multimodal_forward_with_placeholder_tokens_is_refused_in_one_line(tmp_path):
+    """A vision-language model's forward puts image features into its text at image tokens: refused
+    naming the architecture (its text and vision sizes once produced a bare eager error)."""
+    config = transformers.LlavaConfig(
+        text_config={"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                     "num_attention_heads": 4, "max_position_embeddings": 32},
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                       "num_attention_heads": 4, "image_size": 32, "patch_size": 8, "projection_dim": 32},
+        image_token_index=63)
+    transformers.LlavaModel(config).save_pretrained(tmp_path / "llava")
+    result = convert_directory(tmp_path / "llava", tmp_path / "llava.tpu", *QUICK)
+    assert result.returncode == 2 and error_lines(result.stderr) == [
+        "error: LlavaModel (llava) is a multimodal model that puts image or audio features into its text at placeholder tokens "
+        "(image_token_index), which tpuexport does not convert yet; convert its language model alone (--task text-generation where "
+        "the architecture has one) or one tower from a file.py:factory"], result.stderr[-2000:]
+
+
+class LoopOverChosenRows(torch.nn.Module):
+    """A Python loop over the rows a comparison picks (as transformers' eager experts loop over the
+    experts tokens chose): torch.export cannot trace it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        out = torch.zeros_like(x)
+        for row in (x.sum(-1) > 0).nonzero():
+            out = out + self.linear(x[row])
+        return out
+
+
+def test_data_dependent_control_flow_is_one_line_without_torchs_graph_dump(tmp_path, capfd):
+    """torch.export prints the partial graph of such a trace to stderr (hundreds of lines for a real
+    model) before raising; only tpuexport's line remains, saying what the model does."""
+    with pytest.raises(TpuExportError, match="its forward branches on tensor values .* needs tensor ops or torch.cond"):
+        tpuexport.convert(LoopOverChosenRows(), (torch.randn(3, 4),), out=tmp_path / "m.tpu")
+    assert "def forward" not in capfd.readouterr().err
+
+
+def test_a_mixture_of_experts_that_defaults_to_eager_experts_exports_with_grouped_ones(tmp_path):
+    """The OpenAI privacy filter defaults to transformers' eager experts (a loop over the experts
+    tokens chose, refused as above); its directory converts with the grouped-matmul experts."""
+    from tpuexport.export import capture, load_source
+
+    config = transformers.OpenAIPrivacyFilterConfig(vocab_size=64, pad_token_id=0, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                                    num_experts_per_tok=2, max_position_embeddings=32, num_labels=3)
+    transformers.OpenAIPrivacyFilterForTokenClassification(config).save_pretrained(tmp_path / "filter")
+    captured = capture(load_source(str(tmp_path / "filter")))
+    assert captured.reference.model.config._experts_implementation == "grouped_mm"
+    assert [spec.name for spec in captured.signature.outputs] == ["logits"]
