@@ -253,6 +253,10 @@ def _run_child(program: GenerationProgram, plans: dict[str, ShardingPlan], calls
     runs = cpu_runs(program)
     if all(runs["tpu"][entry] is runs["cpu"][entry] for entry in runs["cpu"]):
         runs = {"cpu": runs["cpu"]}  # a bfloat16 program has no f32 matmul to round: one run computes both
+    # Only the entry points the calls use (prefill, decode): the state passes through them, not `sample`'s.
+    called = list(dict.fromkeys(entry for entry, _ in calls))
+    runs = {run: {entry: programs[entry] for entry in called} for run, programs in runs.items()}
+    plans = {entry: plans[entry] for entry in called}
     weights = program.weights_program.weights
     with tempfile.TemporaryDirectory(prefix="tpuexport-sharded-generation-") as scratch:
         scratch_dir = pathlib.Path(scratch)
@@ -262,7 +266,7 @@ def _run_child(program: GenerationProgram, plans: dict[str, ShardingPlan], calls
                 paths[run][entry] = str(scratch_dir / f"{run}.{entry}.jaxexport")
                 pathlib.Path(paths[run][entry]).write_bytes(bytes(exported.serialize()))
         state = list(program.state_inputs)
-        signatures = {entry: lowered.signature for entry, lowered in program.entry_points.items()}
+        signatures = {entry: program.entry_points[entry].signature for entry in called}
         decode_inputs = {tensor.name: tensor for tensor in signatures["decode"].inputs}
         mesh = plans["decode"].to_json()["mesh"]
         request = {
