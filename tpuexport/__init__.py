@@ -19,7 +19,6 @@ import pathlib
 
 import torch
 
-from tpuexport import _runtime  # noqa: F401  (pins JAX to CPU before anything starts a backend)
 from tpuexport.artifact import Artifact, load
 from tpuexport.compile import SLICES, TARGETS, make_request
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError, VerificationError

@@ -39,10 +39,21 @@ def handles_errors(command):
     return wrapper
 
 
+# Commands whose work is the host CPU's (converting, verifying, reading manifests): their process starts
+# JAX's CPU backend only, whatever JAX_PLATFORMS says, so a conversion on a TPU VM leaves the chips to
+# the server. serve and generate run on the devices JAX sees (tpuexport/devices.py).
+HOST_CPU_COMMANDS = ("convert", "plan", "verify", "inspect", "targets")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="tpuexport")
-def main():
+@click.pass_context
+def main(context):
     """Convert PyTorch models into verified TPU artifacts, on a CPU-only machine."""
+    if context.invoked_subcommand in HOST_CPU_COMMANDS:
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
 
 
 # Options `convert` and `plan` share: the model, what to compile it for, and where to write.
@@ -367,10 +378,12 @@ def inspect(artifact_dir, as_json):
 @click.option("--ignore-eos", is_flag=True, help="Run on past the model's end-of-sequence tokens (its generation_config.json's).")
 @handles_errors
 def generate(artifact_dir, token_lists, texts, features_file, max_new_tokens, temperature, top_p, top_k, seed, ignore_eos):
-    """Generation with a text-generation artifact on CPU (prefill, then decode steps over the KV cache, each token drawn
-    by the sample entry point: greedy unless --temperature), printing each step's tokens as they come (one line per
-    step, one id per prompt, "-" once a prompt has stopped); with --prompt, then each prompt's new text. A prompt stops
-    at an end-of-sequence token unless --ignore-eos. An audio encoder-decoder (Whisper) generates from --features FILE.npy."""
+    """Generation with a text-generation artifact (prefill, then decode steps over the KV cache, each token drawn by the
+    sample entry point: greedy unless --temperature), printing each step's tokens as they come (one line per step, one
+    id per prompt, "-" once a prompt has stopped); with --prompt, then each prompt's new text. A prompt stops at an
+    end-of-sequence token unless --ignore-eos. An audio encoder-decoder (Whisper) generates from --features FILE.npy.
+    Runs the executables of the target matching the devices JAX sees (JAX_PLATFORMS); on a CPU host without one, the
+    lowered program on CPU."""
     from tpuexport.artifact import load
     from tpuexport.lower.sampling import Sampling
 
@@ -385,7 +398,7 @@ def generate(artifact_dir, token_lists, texts, features_file, max_new_tokens, te
     else:
         prompts = [parse_tokens(text) for text in token_lists] or [tokenizer(text)["input_ids"] for text in texts]
     generated: list[list[int]] = [[] for _ in prompts]
-    for step in artifact.stream(prompts, max_new_tokens, sampling, ignore_eos):
+    for step in (_generation_runner(artifact) or artifact).stream(prompts, max_new_tokens, sampling, ignore_eos):
         click.echo(" ".join("-" if token is None else str(token) for token in step))
         for row, token in enumerate(step):
             if token is not None:
@@ -393,6 +406,24 @@ def generate(artifact_dir, token_lists, texts, features_file, max_new_tokens, te
     stops = () if ignore_eos else artifact.eos_token_ids
     for tokens in generated if tokenizer else ():
         click.echo(tokenizer.decode(tokens[:-1] if tokens and tokens[-1] in stops else tokens))
+
+
+def _generation_runner(artifact):
+    """The runner of the artifact's target matching the devices JAX sees, or None where those are CPUs
+    that no target's executables match (generation then runs the lowered program on CPU, as verified).
+
+    Raises:
+      TpuExportError: accelerators that no target matches (naming what differs).
+    """
+    from tpuexport.devices import runtime_devices
+    from tpuexport.runtime import open_runner
+
+    try:
+        return open_runner(artifact)
+    except TpuExportError:
+        if runtime_devices()[0].platform == "cpu":
+            return None
+        raise
 
 
 def read_features(path: pathlib.Path):

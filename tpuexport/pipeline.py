@@ -51,6 +51,7 @@ from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
 from tpuexport.artifact import tf_serving as serving_stage
+from tpuexport.devices import on_host_cpu
 from tpuexport.errors import TpuExportError, VerificationError
 from tpuexport.lower.program import DEFAULT_ENTRY_POINT
 from tpuexport.tasks import Conversion, ConversionOptions, StageClock, task_named
@@ -117,6 +118,7 @@ def passes(loaded: export_stage.LoadedSource, options: ConversionOptions, throug
         raise TpuExportError(f"unknown pass {through!r}; the passes are {', '.join(dict(PASSES))}")
     targets, slices = _check_options(options)
     with contextlib.ExitStack() as running:
+        running.enter_context(on_host_cpu())  # whatever platform the process chose (devices.py)
         conversion = Conversion(loaded, options, task_named(options.task), targets, slices, StageClock(progress), running)
         conversion.task.check(conversion)
         conversion.weight_only = weight_only_scheme(options)

@@ -79,13 +79,15 @@ def _allowed(module: str, name: str) -> bool:
     return isinstance(value, type) or name.startswith("_unpickle")
 
 
-def load_executable(data: bytes, in_tree, out_tree, platform: str, where: str):
+def load_executable(data: bytes, in_tree, out_tree, devices: list, where: str):
     """Deserializes an executable onto the local devices after checking what its pickle loads.
 
     Args:
       data: the serialized executable (serialize_executable.serialize).
       in_tree, out_tree: the pytrees of its arguments and results.
-      platform: "cpu" or "tpu".
+      devices: the devices it runs on, as many as it was compiled for (deserialize_and_load
+        otherwise loads it on every device of the backend, and a one-device executable then
+        expects its arguments on all of them).
       where: the file's path in the artifact, for messages.
     Returns:
       The loaded jax.stages.Compiled.
@@ -96,4 +98,4 @@ def load_executable(data: bytes, in_tree, out_tree, platform: str, where: str):
     if refused:
         raise TpuExportError(f"{where} asks to load {', '.join(refused)}, which a serialized executable never does; "
                              "refusing to load it: the artifact is damaged or not from tpuexport")
-    return serialize_executable.deserialize_and_load(data, in_tree, out_tree, backend=jax.devices(platform)[0].client)
+    return serialize_executable.deserialize_and_load(data, in_tree, out_tree, backend=devices[0].client, execution_devices=devices)

@@ -37,9 +37,11 @@ from tpuexport.artifact.manifest import sha256_file
 from tpuexport.compile.aot import compiler_options, cpu_executable_program
 from tpuexport.compile.compile_key import compile_key, key_difference
 from tpuexport.compile.slices import resolve_targets
+from tpuexport.devices import runtime_devices
 from tpuexport.errors import TpuExportError
 from tpuexport.lower.sampling import GREEDY, Sampling
 from tpuexport.lower.seq2seq import source_rows
+from tpuexport.runtime.compilations import CompilationCounter
 from tpuexport.runtime.executables import load_executable
 from tpuexport.lower.program import DEFAULT_ENTRY_POINT
 from tpuexport.runtime.entry_points import BucketEntry, EntryPoint, choose_bucket, entry_points
@@ -97,10 +99,13 @@ class Runner:
       compiled_here: why the StableHLO was compiled on this host instead of loading the
         executables (allow_recompile with a differing compile key), or None when they were loaded.
       load_seconds: wall time to load (or compile) the executables and place the weights.
+      devices: the devices the executables run on (JAX's ids, in order).
+      compilations_at_start: XLA compilations the process ran while the runner opened
+        (compilations.py): 0 when the executables were loaded, one per bucket when compiled here.
     """
 
     def __init__(self, artifact: Artifact, target: str, entry: dict[str, EntryPoint], executables: dict, weights: list,
-                 compiled_here: str | None, load_seconds: float):
+                 compiled_here: str | None, load_seconds: float, devices: tuple, compilations_at_start: int):
         self.artifact = artifact
         self.target = target
         self.entry_points = entry
@@ -108,20 +113,24 @@ class Runner:
         self._weights = weights
         self.compiled_here = compiled_here
         self.load_seconds = load_seconds
+        self.devices = devices
+        self.compilations_at_start = compilations_at_start
 
     def __repr__(self) -> str:
         how = f"compiled here: {self.compiled_here}" if self.compiled_here else "loaded without compiling"
         return f"Runner({str(self.artifact.path)!r}, target={self.target!r}, {how})"
 
     def describe(self) -> str:
-        """One line: target, buckets, padding, and how the executables got here."""
+        """One line: target, buckets, padding, how the executables got here and the compilations that took."""
         parts = []
         for entry in self.entry_points.values():
             buckets = ", ".join(bucket.name for bucket in entry.buckets)
             padding = f"{entry.batch_dim} padded to the next bucket" if entry.batch_dim else f"exact sizes only ({entry.padding_note})"
             parts.append(f"{entry.name}: buckets {buckets}, {padding}")
         how = f"compiled the StableHLO here ({self.compiled_here})" if self.compiled_here else "loaded without compiling"
-        return f"target {self.target}, {how} in {self.load_seconds:.2f} s; {'; '.join(parts)}"
+        kind = self.devices[0].device_kind
+        return (f"target {self.target} on {len(self.devices)} {kind} device{'s' if len(self.devices) > 1 else ''}, {how} in {self.load_seconds:.2f} s, "
+                f"compilations_at_start: {self.compilations_at_start}; {'; '.join(parts)}")
 
     def entry_point(self, name: str | None = None) -> EntryPoint:
         """The entry point called `name` (the default one for None or "").
@@ -247,8 +256,13 @@ def open_runner(path, target: str | None = None, allow_recompile: bool = False) 
     artifact = path if isinstance(path, Artifact) else load(path)
     if artifact.plan_only:
         raise TpuExportError(f"{artifact.path} is a plan without weights: it cannot run; convert the model with its weights")
+    with CompilationCounter() as compilations:
+        return _open(artifact, target, allow_recompile, runtime_devices(), compilations)
+
+
+def _open(artifact: Artifact, target: str | None, allow_recompile: bool, devices: list, compilations: CompilationCounter) -> Runner:
+    """open_runner's work on the given devices, `compilations` counting what it compiles."""
     start = time.perf_counter()
-    devices = jax.devices()
     chosen, difference = _choose_target(artifact.manifest, target, devices)
     entries = entry_points(artifact.records, chosen)
     if difference and not allow_recompile:
@@ -257,13 +271,15 @@ def open_runner(path, target: str | None = None, allow_recompile: bool = False) 
     if difference:
         executables, entries = _compile_here(artifact, chosen, entries, devices)
     else:
-        executables = _load_executables(artifact, entries, devices[0].platform)
+        executables = _load_executables(artifact, entries, devices[:artifact.manifest["targets"][chosen]["compile_key"]["devices"]])
     # Every bucket takes the weights with the same layout: place them once, as the first expects.
-    weight_shardings = next(iter(executables.values()))[2]
+    _, input_shardings, weight_shardings = next(iter(executables.values()))
     arrays = map_weights(artifact.path / artifact.records.program.path)
     weights = [jax.device_put(arrays[name], sharding) for name, sharding in zip(artifact.records.program.names, weight_shardings)]
     loaded = {key: (executable, input_shardings) for key, (executable, input_shardings, _) in executables.items()}
-    return Runner(artifact, chosen, entries, loaded, weights, difference or None, time.perf_counter() - start)
+    used = tuple(sorted({device for sharding in [*weight_shardings, *input_shardings] for device in sharding.device_set},
+                        key=lambda device: device.id))
+    return Runner(artifact, chosen, entries, loaded, weights, difference or None, time.perf_counter() - start, used, compilations.count)
 
 
 def host_key(recorded: dict, devices: list) -> dict:
@@ -329,8 +345,8 @@ def _trees(entry: EntryPoint, weight_count: int):
     return arguments, jax.tree_util.tree_structure(list(range(len(entry.signature.outputs))))
 
 
-def _load_executables(artifact: Artifact, entries: dict[str, EntryPoint], platform: str) -> dict:
-    """{(entry point, bucket): (executable, input shardings, weight shardings)}, deserialized.
+def _load_executables(artifact: Artifact, entries: dict[str, EntryPoint], devices: list) -> dict:
+    """{(entry point, bucket): (executable, input shardings, weight shardings)}, deserialized onto `devices`.
 
     Raises:
       TpuExportError: an executable whose bytes differ from the manifest's sha256.
@@ -346,7 +362,7 @@ def _load_executables(artifact: Artifact, entries: dict[str, EntryPoint], platfo
             if not path.is_file() or recorded != sha256_file(path):
                 raise TpuExportError(f"{bucket.executable} is missing or differs from its sha256 in the manifest; the artifact is "
                                      "damaged, convert again")
-            executable = load_executable(path.read_bytes(), in_tree, out_tree, platform, bucket.executable)
+            executable = load_executable(path.read_bytes(), in_tree, out_tree, devices, bucket.executable)
             (weight_shardings, input_shardings), _ = executable.input_shardings
             loaded[(entry.name, bucket.name)] = (executable, list(input_shardings), list(weight_shardings))
     return loaded

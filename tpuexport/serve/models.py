@@ -128,6 +128,7 @@ class ModelRepository:
                                      "converting, or serve one of them")
             runner = open_runner(artifact, target=target, allow_recompile=allow_recompile)
             labels = {"model": name, "version": str(version)}
+            metrics.compilations_at_start.labels(**labels).set(runner.compilations_at_start)
             generation = GenerationScheduler(runner, metrics, labels) if "generation" in runner.artifact.manifest else None
             self.models.setdefault(name, {})[version] = ServedModel(name, version, runner, Batcher(runner, batch_timeout, metrics, labels),
                                                                     generation, _tokenizer(artifact) if generation is not None else None)
