@@ -364,13 +364,22 @@ def compiler_options(target: Target) -> dict:
     return dict(CPU_COMPILER_OPTIONS) if target.platform == "cpu" else {}
 
 
+def compiler_environment(target: Target, environment=None) -> dict:
+    """The compiler process's environment: JAX on its CPU backend, libtpu loadable beside other processes,
+    and for a CPU twin (cpu-N) XLA:CPU forced to N devices."""
+    environment = dict(os.environ if environment is None else environment)
+    if target.platform == "cpu" and target.devices > 1:
+        environment["XLA_FLAGS"] = f"{environment.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={target.devices}".strip()
+    return {**environment, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
 def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan, kernel_records, state_as_bits):
     timeout = compile_timeout()
     # libtpu's start-up warnings go to the child's stderr, kept in a file for crash reports only.
     with open(scratch_dir / "stderr.txt", "w+b") as stderr:
         child = subprocess.Popen(
             [sys.executable, "-I", str(CHILD_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=stderr, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"},
+            stderr=stderr, text=True, env=compiler_environment(target),
         )
         if job is not None:
             job.started(child)

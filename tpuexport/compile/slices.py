@@ -14,6 +14,12 @@ The number in a Cloud TPU accelerator type counts different things per generatio
 Every topology listed builds with libtpu's compile-only `get_topology_desc` on this CPU-only
 machine with the device count given here (tests/test_slices.py checks each one).
 
+`cpu-N` (N >= 2) is a slice's CPU twin: the same program compiled with the same mesh and sharding
+plan for N XLA:CPU devices of the build host (`XLA_FLAGS=--xla_force_host_platform_device_count=N`
+in the compiler's process and in the process that runs it), so that a sharded executable is
+loaded, placed and run on a machine without a TPU. `--target v5e-8 --target cpu-8` give both the
+same plan; each device's "memory" is the host's, divided by N.
+
 v4 slices are refused: libtpu's compile-only v4 topology has one device per TensorCore, while v4
 slices run in megacore mode, one device per chip (JAX's own mesh_utils refuses per-core v4
 devices), so an executable compiled for it would not load on a v4 slice. The single-chip `v4`
@@ -40,6 +46,14 @@ _SLICE_SHAPES = {
 # Other spellings Cloud TPU uses for the same slices.
 _ALIASES = {"v5litepod": "v5e"}
 _SLICE_NAME = re.compile(r"([a-z0-9]+)-(\d+)")
+# The largest cpu-N: as many devices as the largest slice (v5e-256, v6e-256).
+MAX_CPU_DEVICES = 256
+
+
+def cpu_twin(devices: int) -> Target:
+    """The `cpu-N` target: XLA:CPU over `devices` host devices (see the module docstring)."""
+    return dataclasses.replace(CPU_TARGET, name=f"cpu-{devices}", generation=f"XLA:CPU x{devices} (the build host's, forced)",
+                               hbm_bytes=CPU_TARGET.hbm_bytes // devices, chips=devices, devices=devices, name_counts="devices")
 
 
 def _slice(chip: Target, number: int, grid: str, name_counts: str, devices_per_chip: int) -> Target:
@@ -60,7 +74,8 @@ SLICES: dict[str, Target] = {
 
 def resolve_targets(names) -> list[Target]:
     """Looks up target names (a string or a list): single chips ("v5e"), slices ("v5e-8",
-    "v5litepod-8", "tpu7x-8") and "cpu" (XLA:CPU, targets.CPU_TARGET), keeping order and dropping repeats.
+    "v5litepod-8", "tpu7x-8"), "cpu" (XLA:CPU, targets.CPU_TARGET) and CPU twins of slices ("cpu-8"),
+    keeping order and dropping repeats.
 
     Raises:
       TpuExportError: an unknown name (naming the sizes its generation has), a v4 slice (see the
@@ -81,6 +96,11 @@ def resolve_targets(names) -> list[Target]:
 def _lookup(name: str) -> Target:
     if name.lower() == CPU_TARGET.name:
         return CPU_TARGET
+    twin = re.fullmatch(r"cpu-(\d+)", name.lower())
+    if twin:
+        if not 2 <= int(twin.group(1)) <= MAX_CPU_DEVICES:
+            raise TpuExportError(f"{name}: a CPU twin spans 2 to {MAX_CPU_DEVICES} devices (cpu-8 for v5e-8); for one device use cpu")
+        return cpu_twin(int(twin.group(1)))
     key = name.lower().removeprefix("tpu")
     match = _SLICE_NAME.fullmatch(key)
     if match:

@@ -4,8 +4,10 @@
 bytes plus jax's own descriptions of its arguments (avals, shardings, layouts). Unpickling may
 call any importable function the pickle names, so before the bytes reach `deserialize_and_load`
 every global they name is checked: only jax's own classes (and its `_unpickle_*` helpers), numpy's
-`dtype` and ml_dtypes' scalar types (bfloat16, int4, the float8s: the dtypes of a bf16 model's
-arguments) may appear, as jax writes them. Anything else (`os.system`, `builtins.eval`,
+`dtype`, ml_dtypes' scalar types (bfloat16, int4, the float8s: the dtypes of a bf16 model's
+arguments) and numpy's array reconstruction (a sharded executable's mesh holds its devices in an
+array; the devices themselves are persistent ids, the array's items pass the same check) may
+appear, as jax writes them. Anything else (`os.system`, `builtins.eval`,
 copyreg extension codes) refuses the file, naming what it asked for.
 """
 
@@ -62,10 +64,15 @@ def pickle_globals(data: bytes) -> list[tuple[str, str]]:
     return found
 
 
+# numpy's own way of pickling an array (ndarray.__reduce__), under numpy 2's and numpy 1's module names.
+NUMPY_ARRAY_GLOBALS = {("numpy", "dtype"), ("numpy", "ndarray"), ("numpy._core.multiarray", "_reconstruct"),
+                       ("numpy.core.multiarray", "_reconstruct")}
+
+
 def _allowed(module: str, name: str) -> bool:
-    """jax's classes and `_unpickle_*` helpers, numpy.dtype and ml_dtypes' scalar types: what
-    serialize_executable writes."""
-    if (module, name) == ("numpy", "dtype"):
+    """jax's classes and `_unpickle_*` helpers, numpy's dtype and array reconstruction and ml_dtypes'
+    scalar types: what serialize_executable writes."""
+    if (module, name) in NUMPY_ARRAY_GLOBALS:
         return True
     if module == "ml_dtypes":
         value = getattr(ml_dtypes, name, None)

@@ -3,9 +3,11 @@
     runner = tpuexport.runner("mlp.tpu")              # picks the target matching the local devices
     runner.run({"x": rows})                          # {"output_0": ...}, padded to a bucket and back
 
-Opening a runner:
+Opening a runner (on the devices JAX sees, tpuexport/devices.py; the compilations it runs counted,
+compilations.py):
   1. picks the target whose executables match the local devices (the TPU kind and device count,
-     or `cpu` on a host without accelerators), or the one asked for;
+     `cpu-N` on N forced CPU devices, or `cpu`), trying first those spanning every local device,
+     or the one asked for;
   2. compares the target's compile key (compile/compile_key.py) with the host: any difference is
      refused in one line naming it, unless `allow_recompile`, which compiles the artifact's
      StableHLO for the local devices instead (and says why in `compiled_here`);
@@ -13,7 +15,7 @@ Opening a runner:
      (executables.py), and deserializes it (jax.experimental.serialize_executable): nothing is
      compiled;
   4. places the weights on the devices once, from the memory-mapped weights file, laid out as the
-     executables expect (one device, or a slice's sharding).
+     executables expect: on one device the mapping itself, with a slice's sharding shard by shard.
 
 A request runs on the smallest bucket that holds it: the batch dim is padded with zero rows up to
 the bucket (only when the artifact's padded-bucket verification passed, see verify/padding.py)
@@ -115,6 +117,11 @@ class Runner:
         self.load_seconds = load_seconds
         self.devices = devices
         self.compilations_at_start = compilations_at_start
+
+    @property
+    def weights(self) -> list:
+        """The weights on the devices, in the program's order, laid out as the executables take them."""
+        return self._weights
 
     def __repr__(self) -> str:
         how = f"compiled here: {self.compiled_here}" if self.compiled_here else "loaded without compiling"
@@ -266,16 +273,19 @@ def _open(artifact: Artifact, target: str | None, allow_recompile: bool, devices
     chosen, difference = _choose_target(artifact.manifest, target, devices)
     entries = entry_points(artifact.records, chosen)
     if difference and not allow_recompile:
-        raise TpuExportError(f"{artifact.path} target {chosen} was compiled for another host: {difference}; convert with --target "
-                             f"for this host, or pass --allow-recompile (allow_recompile=True) to compile its StableHLO here")
+        recorded = artifact.manifest["targets"][chosen].get("compile_key") or {}
+        forced = (f"run it with XLA_FLAGS=--xla_force_host_platform_device_count={recorded['devices']} (a CPU twin's devices), "
+                  if recorded.get("platform") == "cpu" and recorded.get("devices", 1) > len(devices) else "")
+        raise TpuExportError(f"{artifact.path} target {chosen} was compiled for another host: {difference}; {forced}convert with "
+                             f"--target for this host, or pass --allow-recompile (allow_recompile=True) to compile its StableHLO here")
     if difference:
         executables, entries = _compile_here(artifact, chosen, entries, devices)
     else:
-        executables = _load_executables(artifact, entries, devices[:artifact.manifest["targets"][chosen]["compile_key"]["devices"]])
+        executables = _load_executables(artifact, entries, _target_devices(artifact, chosen, devices))
     # Every bucket takes the weights with the same layout: place them once, as the first expects.
     _, input_shardings, weight_shardings = next(iter(executables.values()))
     arrays = map_weights(artifact.path / artifact.records.program.path)
-    weights = [jax.device_put(arrays[name], sharding) for name, sharding in zip(artifact.records.program.names, weight_shardings)]
+    weights = [_place(arrays[name], sharding) for name, sharding in zip(artifact.records.program.names, weight_shardings)]
     loaded = {key: (executable, input_shardings) for key, (executable, input_shardings, _) in executables.items()}
     used = tuple(sorted({device for sharding in [*weight_shardings, *input_shardings] for device in sharding.device_set},
                         key=lambda device: device.id))
@@ -319,8 +329,10 @@ def _choose_target(manifest: dict, requested: str | None, devices: list) -> tupl
             return name, "the artifact records no compile key (converted before tpuexport recorded one)"
         return name, key_difference(recorded, host_key(recorded, devices))
     differences = {}
-    for name, entry in targets.items():
-        recorded = entry.get("compile_key")
+    # A target spanning every local device first (cpu-8 before cpu on eight CPU devices), then the others.
+    spans_all = sorted(targets, key=lambda name: (targets[name].get("compile_key") or {}).get("devices") != len(devices))
+    for name in spans_all:
+        recorded = targets[name].get("compile_key")
         if recorded is None:
             differences[name] = "no compile key recorded"
             continue
@@ -337,6 +349,33 @@ def _choose_target(manifest: dict, requested: str | None, devices: list) -> tupl
         return name, (f"no target matches this host's {len(devices)} {kind} device(s) (the artifact has {', '.join(targets)}); "
                       f"{name}: {differences[name]}")
     return name, differences[name]
+
+
+def _target_devices(artifact: Artifact, target: str, devices: list) -> list:
+    """The local devices a target's executables run on: its first N, or for a slice the devices its
+    mesh was compiled over (manifest device_ids), in that order.
+
+    Raises:
+      TpuExportError: a slice's device ids that this host does not have.
+    """
+    entry = artifact.manifest["targets"][target]
+    count, compiled_on = entry["compile_key"]["devices"], entry.get("device_ids")
+    if count == 1 or not compiled_on:
+        return devices[:count]
+    local = {device.id: device for device in devices}
+    if any(device_id not in local for device_id in compiled_on):
+        raise TpuExportError(f"{artifact.path} target {target} was compiled over devices {compiled_on} (mesh order); this host's "
+                             f"devices are {sorted(local)}: run it on the slice it was built for, or convert for this host")
+    return [local[device_id] for device_id in compiled_on]
+
+
+def _place(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A weight from the memory-mapped weights file on the devices, as `sharding` lays it out: each
+    device copies only its own shard out of the mapping (make_array_from_callback), so no more than
+    one shard is read at a time; on one device, the mapping itself (XLA:CPU runs an aligned array in place)."""
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return jax.device_put(array, sharding)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: np.ascontiguousarray(array[index]))
 
 
 def _trees(entry: EntryPoint, weight_count: int):

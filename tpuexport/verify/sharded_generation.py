@@ -262,7 +262,8 @@ def _run_child(program: GenerationProgram, plans: dict[str, ShardingPlan], calls
                 paths[run][entry] = str(scratch_dir / f"{run}.{entry}.jaxexport")
                 pathlib.Path(paths[run][entry]).write_bytes(bytes(exported.serialize()))
         state = list(program.state_inputs)
-        signatures = {entry: lowered.signature for entry, lowered in program.entry_points.items()}
+        # The entry points the calls run (prefill and decode; not sample, which takes no cache).
+        signatures = {entry: program.entry_points[entry].signature for entry in dict(calls)}
         decode_inputs = {tensor.name: tensor for tensor in signatures["decode"].inputs}
         mesh = plans["decode"].to_json()["mesh"]
         request = {
