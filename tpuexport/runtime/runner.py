@@ -371,11 +371,12 @@ def _target_devices(artifact: Artifact, target: str, devices: list) -> list:
 
 def _place(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     """A weight from the memory-mapped weights file on the devices, as `sharding` lays it out: each
-    device copies only its own shard out of the mapping (make_array_from_callback), so no more than
-    one shard is read at a time; on one device, the mapping itself (XLA:CPU runs an aligned array in place)."""
+    local device's slice of the mapping, read for that device alone (make_array_from_callback asks
+    only for the shards of this process's devices); on one device, the mapping itself (XLA:CPU runs an
+    aligned array in place). benchmarks/studies/sharded_placement.py measures the host memory."""
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         return jax.device_put(array, sharding)
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: np.ascontiguousarray(array[index]))
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
 def _trees(entry: EntryPoint, weight_count: int):
