@@ -119,7 +119,7 @@ def test_the_cpu_twin_generates_sharded_the_tokens_of_one_device(converted):
     assert [list(row) for row in zip(*sharded)] == artifact.generate(prompts, 8, ignore_eos=True)  # steps -> prompts
     # The cache stays on the devices as the plan lays it out: slots over data, kv heads over model.
     assert state["cache_spec"][:3] == ["None", "data", "model"]
-    # `tpuexport generate` in the same four-device setting runs the twin too, with the same tokens.
+    # `tpuexport generate` in the same four-device setting (the runner picks cpu-4 there) prints the same tokens.
     printed = subprocess.run([sys.executable, "-m", "tpuexport.cli", "generate", str(artifact.path), "--tokens", "5,17,42,7,9",
                               "--tokens", "3,1", "--max-new-tokens", "8", "--ignore-eos"], capture_output=True, text=True, timeout=300, env=forced)
     assert printed.returncode == 0, printed.stderr[-3000:]

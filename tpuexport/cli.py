@@ -60,7 +60,8 @@ def main(context):
 SOURCE_AND_TARGET_OPTIONS = (
     click.option("--target", "targets", multiple=True, default=("v5e",), show_default=True,
                  help="TPU target (repeat for several): a chip (v4, v5e, v5p, v6e, 7x) or a slice (v5e-8, v5p-8, v6e-8, 7x-8, ...); "
-                      "cpu for XLA:CPU executables of this host (tpuexport serve runs them); cpu-N, a slice's CPU twin (same plan, N forced CPU devices)."),
+                      "cpu for XLA:CPU executables of this host (tpuexport serve runs them); cpu-N, a slice's CPU twin "
+                      "(same plan, N forced CPU devices)."),
     click.option("-o", "--out", type=click.Path(path_type=pathlib.Path), help="Artifact directory [default: SOURCE stem + .tpu]."),
     click.option("--bucket", "buckets", multiple=True, metavar="DIM=S1,S2,...",
                  help="Sizes to compile for a dim (repeat per dim; cartesian product). Default: the example shapes."),

@@ -101,7 +101,7 @@ class Runner:
       compiled_here: why the StableHLO was compiled on this host instead of loading the
         executables (allow_recompile with a differing compile key), or None when they were loaded.
       load_seconds: wall time to load (or compile) the executables and place the weights.
-      devices: the devices the executables run on (JAX's ids, in order).
+      devices: the devices the executables run on, ordered by id.
       compilations_at_start: XLA compilations the process ran while the runner opened
         (compilations.py): 0 when the executables were loaded, one per bucket when compiled here.
     """
@@ -135,9 +135,9 @@ class Runner:
             padding = f"{entry.batch_dim} padded to the next bucket" if entry.batch_dim else f"exact sizes only ({entry.padding_note})"
             parts.append(f"{entry.name}: buckets {buckets}, {padding}")
         how = f"compiled the StableHLO here ({self.compiled_here})" if self.compiled_here else "loaded without compiling"
-        kind = self.devices[0].device_kind
-        return (f"target {self.target} on {len(self.devices)} {kind} device{'s' if len(self.devices) > 1 else ''}, {how} in {self.load_seconds:.2f} s, "
-                f"compilations_at_start: {self.compilations_at_start}; {'; '.join(parts)}")
+        devices = f"{len(self.devices)} {self.devices[0].device_kind} device{'s' if len(self.devices) > 1 else ''}"
+        return (f"target {self.target} on {devices}, {how} in {self.load_seconds:.2f} s, compilations_at_start: "
+                f"{self.compilations_at_start}; {'; '.join(parts)}")
 
     def entry_point(self, name: str | None = None) -> EntryPoint:
         """The entry point called `name` (the default one for None or "").
