@@ -115,3 +115,12 @@ def test_a_target_whose_devices_do_not_match_is_refused_in_one_line_with_exit_2(
 
         assert result.exit_code == 2, result.output
         assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+def test_a_platform_chosen_that_does_not_start_is_refused_in_one_line(mlp_cpu_artifact):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "nosuch"}
+    result = subprocess.run([sys.executable, "-m", "tpuexport.cli", "serve", str(mlp_cpu_artifact.path), "--port", "0", "--grpc-port", "0"],
+                            capture_output=True, text=True, env=env, timeout=300)
+
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "JAX could not start the platform this process chose (JAX_PLATFORMS=nosuch): Unable to initialize backend 'nosuch'" in result.stderr

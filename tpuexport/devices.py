@@ -45,10 +45,19 @@ def tpu_chips_on_this_machine() -> int:
 
 def start_backends() -> None:
     """Starts JAX's backends, choosing the CPU only where JAX would end up there anyway (see the
-    module docstring): nothing chose a platform and no TPU chip is attached."""
+    module docstring): nothing chose a platform and no TPU chip is attached.
+
+    Raises:
+      TpuExportError: the platform the process chose does not start here (JAX_PLATFORMS=tpu on a
+        machine without a TPU), in one line.
+    """
     if not xla_bridge.backends_are_initialized() and platform_chosen() is None and tpu_chips_on_this_machine() == 0:
         jax.config.update("jax_platforms", "cpu")
-    jax.devices()
+    try:
+        jax.devices()
+    except RuntimeError as error:
+        raise TpuExportError(f"JAX could not start the platform this process chose (JAX_PLATFORMS={platform_chosen()}): "
+                             f"{' '.join(str(error).split())}") from None
 
 
 def host_cpu_device() -> jax.Device:
