@@ -113,19 +113,6 @@ def test_generate_takes_token_ids_as_a_tensor_as_generate_does(llama_generation)
         artifact.generate(torch.tensor(prompts, dtype=torch.float32))
 
 
-def test_an_in_memory_model_takes_its_max_context_from_its_config(tmp_path):
-    """convert(model, task="text-generation") without max_context defaults it as the command line
-    does for a directory: the positions the model's config allows (a plan: no verification needed to
-    see the cache's size), less a padding offset where positions are numbered past it (RoBERTa)."""
-    artifact = tpuexport.convert(tiny_gpt2(), task="text-generation", weights=False, buckets={"seq": [16], "batch": [1]}, target="v5e",
-                                 out=tmp_path / "gpt2.tpu")
-    assert artifact.manifest["generation"]["max_context"] == 128
-    roberta = transformers.RobertaForCausalLM(transformers.RobertaConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, max_position_embeddings=66,
-        is_decoder=True))
-    assert generation_context(roberta) == 64
-
-
 def tiny_cohere() -> transformers.PreTrainedModel:
     torch.manual_seed(0)
     config = transformers.CohereConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -388,6 +375,11 @@ def test_text_generation_needs_max_context_unless_the_config_says(tmp_path):
             max_position_embeddings=24)).eval()
     plan = tpuexport.convert(model, task="text-generation", weights=False, target="cpu", out=tmp_path / "plan.tpu")
     assert plan.manifest["generation"]["max_context"] == 24
+    # Less a padding offset where positions are numbered past it (RoBERTa).
+    roberta = transformers.RobertaForCausalLM(transformers.RobertaConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, max_position_embeddings=66,
+        is_decoder=True))
+    assert generation_context(roberta) == 64
 
 
 def test_gate_replays_the_stored_generation(llama_generation):
@@ -425,29 +417,6 @@ def test_plan_on_a_slice_splits_the_cache_with_the_heads(tmp_path):
     assert step["cache_bytes"] == artifact.manifest["generation"]["cache_bytes"] // 4
     with pytest.raises(tpuexport.TpuExportError, match="plan without weights"):
         artifact.generate([1, 2], max_new_tokens=2)
-
-
-def test_generate_from_text_with_the_tokenizer_the_artifact_carries(tmp_path):
-    """A Hugging Face directory with a tokenizer: `generate --prompt` encodes with the copied
-    tokenizer and prints the new tokens, then their text; --tokens gives the same tokens."""
-    source = tmp_path / "lm"
-    model = tiny_gpt2()
-    model.save_pretrained(source)
-    vocab = tmp_path / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world", *[f"w{i}" for i in range(249)]]) + "\n")
-    tokenizer = transformers.BertTokenizer(str(vocab))
-    tokenizer.save_pretrained(source)
-    out = tmp_path / "lm.tpu"
-    converted = cli("convert", source, "--task", "text-generation", "--max-context", 32, "--max-batch", 1, "--bucket", "seq=8",
-                    "--verify-new-tokens", 4, "-o", out)
-    assert converted.returncode == 0, converted.stderr
-    from_text = cli("generate", out, "--prompt", "hello world", "--max-new-tokens", 3)
-    assert from_text.returncode == 0, from_text.stderr
-    *steps, text = from_text.stdout.strip().splitlines()
-    ids = tokenizer("hello world")["input_ids"]
-    from_ids = cli("generate", out, "--tokens", ",".join(map(str, ids)), "--max-new-tokens", 3)
-    assert from_ids.stdout.strip().splitlines() == steps and len(steps) == 3
-    assert text == tokenizer.decode([int(step) for step in steps])
 
 
 def test_runtime_generates_from_the_cpu_executables_with_the_cache_on_the_device(llama_generation):

@@ -110,7 +110,7 @@ def test_decoder_lm_with_task_auto_is_a_generation_artifact(models, tmp_path):
     verified against generate(), with the directory's generation config copied."""
     out = tmp_path / "llama.tpu"
     result = tpuexport("convert", models["llama"], "--max-batch", "2", "--max-context", "32", "--bucket", "seq=8",
-                       "--verify-new-tokens", "4", "-o", out, "--target", "v5e")
+                       "--verify-new-tokens", "4", "-o", out, "--target", "cpu")
     assert result.returncode == 0, result.stderr
     manifest = manifest_of(out)
     assert manifest["huggingface"]["task"] == "text-generation" and "generation_config.json" in manifest["huggingface"]["files"]
@@ -153,7 +153,7 @@ def test_a_roberta_directory_converts_with_default_dims(tmp_path):
     config = transformers.RobertaConfig(**{**TEXT, "max_position_embeddings": 66}, architectures=["RobertaForMaskedLM"])
     directory = save(transformers.RobertaForMaskedLM(config), tmp_path / "roberta")
     out = tmp_path / "roberta.tpu"
-    result = tpuexport("convert", directory, "-o", out, "--target", "v5e", "--no-saved-model")
+    result = tpuexport("convert", directory, "-o", out, "--target", "cpu", "--no-saved-model")
     assert result.returncode == 0, result.stderr
     manifest = manifest_of(out)
     assert signature(manifest)[2] == {"batch": (1, 64), "seq": (2, 64)} and manifest["huggingface"]["task"] == "fill-mask"
