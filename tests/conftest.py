@@ -97,7 +97,7 @@ def mlp_cpu_artifact(tmp_path_factory) -> tpuexport.Artifact:
 # The test files that take longest (per-test durations of a full run, 2026-11-27), heaviest first.
 # pytest-xdist's --dist=loadfile hands files out in collection order: run alphabetically, one of
 # these started last would keep one worker busy alone for minutes at the end of the run.
-LONGEST_FILES = ("test_generation.py", "test_families.py", "test_slices.py", "test_kv_int8.py", "test_huggingface.py",
+LONGEST_FILES = ("test_generation.py", "test_generation_slices.py", "test_families.py", "test_slices.py", "test_kv_int8.py", "test_huggingface.py",
                  "test_quantized_generation.py", "test_window_cache.py", "test_cli.py", "test_checkpoint.py",
                  "test_generation_checkpoint.py", "test_whisper.py", "test_seq2seq.py", "test_experts.py", "test_scan.py",
                  "test_openai.py")
