@@ -27,9 +27,6 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
 import _common  # noqa: E402
 
-import torch
-import transformers
-
 import tpuexport
 
 CHILD = textwrap.dedent("""
@@ -60,11 +57,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=17)
     options = parser.parse_args()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=options.hidden, intermediate_size=2 * options.hidden,
-                                      num_hidden_layers=options.layers, num_attention_heads=8, num_key_value_heads=4,
-                                      max_position_embeddings=options.max_context)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = _common.random_llama(options.layers, options.hidden, options.max_context)
     twin = f"cpu-{options.devices}"
     env = {**_common.child_environment(), "XLA_FLAGS": f"--xla_force_host_platform_device_count={options.devices}"}
     with tempfile.TemporaryDirectory() as scratch:
