@@ -16,6 +16,7 @@ import torch
 
 from tpuexport import TpuExportError
 from tpuexport.export import load_source
+from tpuexport.export.huggingface import longest_positions
 
 transformers = pytest.importorskip("transformers")
 
@@ -159,6 +160,19 @@ def test_a_roberta_directory_converts_with_default_dims(tmp_path):
     assert signature(manifest)[2] == {"batch": (1, 64), "seq": (2, 64)} and manifest["huggingface"]["task"] == "fill-mask"
     assert manifest["verification"]["passed"]
     assert {"batch": 64, "seq": 64} in [case["sizes"] for case in manifest["verification"]["cases"]]
+
+
+def test_a_position_table_of_the_models_own_class_bounds_the_seq_range_too():
+    """I-BERT keeps RoBERTa's offset positions in its own QuantEmbedding (not a torch.nn.Embedding):
+    its longest input is found the same way, and it is exact (eager runs there, and fails one past)."""
+    config = transformers.IBertConfig(**{**TEXT, "max_position_embeddings": 66})
+    model = transformers.IBertForMaskedLM(config).eval()
+    longest = longest_positions(model, config.max_position_embeddings)
+    assert longest == 66 - config.pad_token_id - 1
+    with torch.no_grad():
+        model(torch.full((1, longest), 5))
+        with pytest.raises(IndexError):
+            model(torch.full((1, longest + 1), 5))
 
 
 def test_a_model_missing_from_the_cache_is_one_line_exit_2(hf_home, tmp_path):
