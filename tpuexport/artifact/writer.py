@@ -30,6 +30,7 @@ from tpuexport.export import SourceInfo
 from tpuexport.lower import LoweredProgram
 from tpuexport.lower.cost import flops_at
 from tpuexport.lower.program import EntryPoints
+from tpuexport.memory import PeakMemory
 
 
 def check_destination(out: pathlib.Path, overwrite: bool) -> None:
@@ -120,6 +121,7 @@ def write_artifact(
     compiled: Callable[[], dict[str, CompileReport]],
     verification=None,
     stage_seconds: dict[str, float],
+    stage_memory: Callable[[], dict[str, PeakMemory]] = dict,
     overwrite: bool = False,
     extra_writers=(),
     sharded_verification=(),
@@ -140,6 +142,8 @@ def write_artifact(
       verification: the passed report (verify.VerificationReport or GenerationReport: its
         `manifest_section()`, `to_json()` and `golden`), or None for a plan.
       stage_seconds: wall time per stage (under "build"; read after `compiled` returned).
+      stage_memory: returns {stage: PeakMemory} (under "build"; called after `compiled` returned, a
+        stage still running, such as the writer's own, so far).
       overwrite: replace an existing artifact.
       extra_writers: callables (staging_dir) -> {section: JSON}, run in order after the program
         files, report and golden data (e.g. the TF Serving SavedModel). A section that exists
@@ -187,7 +191,7 @@ def write_artifact(
                  "compile_seconds": {key: round(seconds, 3) for key, seconds in compile_seconds.items()}}
         manifest = Manifest(task, shared.plan_only, package_versions(), dataclasses.asdict(source), shared.precision,
                             shared.resolved_precision, shared.matmul_precision, weights, entry_points, targets, sections, build,
-                            hash_tree(staging)).to_json()
+                            hash_tree(staging), stage_memory()).to_json()
         put(layout.MANIFEST, dumps(manifest))
     return manifest
 

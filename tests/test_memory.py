@@ -1,0 +1,60 @@
+"""Peak memory per stage (tpuexport/memory.py) read from this process's real /proc: a window sees
+memory touched while it is open and not before, a child process's memory is its own figure, and
+where the status file cannot be read every figure is "unknown", never 0. The conversion's
+figures in the manifest and the convert summary line are tested in test_cli.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from tpuexport.cli import describe_peak_memory
+from tpuexport.memory import UNKNOWN_PEAK, MemoryMonitor, PeakMemory
+
+MIB = 2**20
+
+
+def test_a_window_sees_the_memory_touched_while_it_is_open():
+    with MemoryMonitor() as monitor:
+        quiet = monitor.open()
+        before = monitor.close(quiet)
+        window = monitor.open()
+        block = np.ones(256 * MIB, dtype=np.uint8)  # 256 MiB of anonymous memory, touched
+        del block
+        during = monitor.close(window)
+        after = monitor.close(monitor.open())
+    assert during.anonymous_bytes - before.anonymous_bytes >= 250 * MIB
+    assert during.process_bytes >= during.anonymous_bytes + during.mapped_bytes - 1 * MIB
+    assert during.mapped_bytes > 0  # the interpreter's and numpy's shared libraries
+    assert after.anonymous_bytes < during.anonymous_bytes - 200 * MIB  # freed: a later window does not carry it
+    assert during.child_bytes == 0
+
+
+def test_a_child_process_is_measured_on_its_own():
+    with MemoryMonitor() as monitor:
+        baseline = monitor.close(monitor.open())
+        window = monitor.open()
+        subprocess.run([sys.executable, "-c", "import time; block = bytearray(128 * 2**20); block[::4096] = b'x' * (len(block) // 4096); "
+                                              "time.sleep(1.0)"], check=True)
+        peak = monitor.close(window)
+    assert peak.child_bytes >= 128 * MIB
+    assert peak.anonymous_bytes < baseline.anonymous_bytes + 64 * MIB  # the child's block is not this process's
+
+
+def test_unreadable_figures_are_unknown_never_zero(tmp_path):
+    with MemoryMonitor(status=tmp_path / "no-such-status") as monitor:
+        peak = monitor.close(monitor.open())
+    assert peak == UNKNOWN_PEAK
+    assert set(json.loads(json.dumps(peak.to_json())).values()) == {"unknown"}
+    assert PeakMemory.from_json(peak.to_json()) == UNKNOWN_PEAK
+    assert describe_peak_memory({"export": peak, "write": peak}) == "peak memory unknown"
+
+
+def test_the_summary_line_names_the_largest_stage_and_child():
+    peaks = {"export": PeakMemory(1 * 2**30, 2**29, 3 * 2**29, 0), "verify": PeakMemory(3 * 2**30, 2**29, 7 * 2**29, 0),
+             "compile": PeakMemory(2**30, 2**29, 2 * 2**30, 5 * 2**28)}
+    assert describe_peak_memory(peaks) == ("peak memory 3.50 GiB in verify (anonymous 3.00 GiB, mapped 0.50 GiB); "
+                                           "largest child process 1.25 GiB in compile")
