@@ -1,7 +1,8 @@
 """Peak memory per stage (tpuexport/memory.py) read from this process's real /proc: a window sees
 memory touched while it is open and not before, a child process's memory is its own figure, and
-where the status file cannot be read every figure is "unknown", never 0. The conversion's
-figures in the manifest and the convert summary line are tested in test_cli.py."""
+where the status file cannot be read every figure is "unknown", never 0; verification's optional
+runs stay within their memory bound. The conversion's figures in the manifest and the convert
+summary line are tested in test_cli.py."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import subprocess
 import sys
 
 import numpy as np
+import torch
 
+import tpuexport
 from tpuexport.cli import describe_peak_memory
 from tpuexport.memory import UNKNOWN_PEAK, MemoryMonitor, PeakMemory
+from tpuexport.verify.sizes import output_bytes, plan_cases
 
 MIB = 2**20
 
@@ -58,3 +62,36 @@ def test_the_summary_line_names_the_largest_stage_and_child():
              "compile": PeakMemory(2**30, 2**29, 2 * 2**30, 5 * 2**28)}
     assert describe_peak_memory(peaks) == ("peak memory 3.50 GiB in verify (anonymous 3.00 GiB, mapped 0.50 GiB); "
                                            "largest child process 1.25 GiB in compile")
+
+
+class LanguageModelHead(torch.nn.Module):
+    """Token ids -> logits over a 20000-token vocabulary: outputs far larger than its weights or FLOPs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(20000, 8)
+        self.head = torch.nn.Linear(8, 20000)
+
+    def forward(self, input_ids):
+        return self.head(self.embed(input_ids))
+
+
+def test_verification_runs_stay_within_the_memory_bound(tmp_path):
+    """The padded bucket 8 x 2048's logits would be 1.2 GiB per run (three runs held at once): the
+    padding check runs 8 rows at the example's seq instead, and says so; the "max" size, within the
+    FLOPs budget, is not planned either."""
+    torch.manual_seed(0)
+    batch, seq = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("seq", min=2, max=2048)
+    input_ids = torch.randint(0, 20000, (2, 16))
+    artifact = tpuexport.convert(LanguageModelHead().eval(), (input_ids,), {"input_ids": {0: batch, 1: seq}}, target="v5e",
+                                 out=tmp_path / "head.tpu", buckets={"batch": [8], "seq": [2048]}, saved_model=False, verify_budget_flops=1)
+    padding = artifact.manifest["padding"]
+    assert padding["passed"] and padding["bucket"] == {"batch": 8, "seq": 2048} and padding["sizes"] == {"batch": 8, "seq": 16}
+    assert padding["note"].startswith("seq 16 at the example's size: the bucket's outputs, 1.2 GiB, are beyond the 1 GiB")
+    memory = artifact.records.stage_memory
+    assert memory["verify padding"].anonymous_bytes < memory["verify"].anonymous_bytes + 256 * MIB
+
+    entry = artifact.records.entry_points["serving_default"]
+    assert output_bytes(entry.signature, {"batch": 8, "seq": 2048}) == 8 * 2048 * 20000 * 4
+    planned = {case.label for case in plan_cases(entry.signature, entry.matmul_flops)}
+    assert "mid" in planned and "max" not in planned  # max: 5e9 FLOPs, within the budget, but 1.2 GiB of logits
