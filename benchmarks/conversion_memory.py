@@ -127,10 +127,11 @@ def convert_case(request: dict) -> None:
 
 
 def measure_verification_cases(write) -> None:
-    """Each forward verification case (verification.run_case) and the position check measured on its
+    """Each forward verification case (verification.run_case), the position check and each
+    generation run (a fill bucket's teacher-forced logits in a session of its own) measured on its
     own, reported as "case" events: which case of the verify stage holds the memory."""
     from tpuexport.memory import MemoryMonitor
-    from tpuexport.verify import verification
+    from tpuexport.verify import generation, verification
 
     monitor = MemoryMonitor().__enter__()  # sampled for the child's life
     run_case, verify_positions = verification.run_case, verification.verify_positions
@@ -145,6 +146,10 @@ def measure_verification_cases(write) -> None:
     verification.run_case = lambda runs, reference, inputs, planned, tolerances: measured(
         planned.label, planned.sizes, lambda: run_case(runs, reference, inputs, planned, tolerances))
     verification.verify_positions = lambda *args: measured("positions", None, lambda: verify_positions(*args))
+    teacher_forced_logits = generation.teacher_forced_logits
+    generation.teacher_forced_logits = lambda session, prompts, slots, seq, eager_tokens: measured(
+        "generation run", {"seq": seq, "prompts": len(prompts), "steps": len(eager_tokens[0])},
+        lambda: teacher_forced_logits(session, prompts, slots, seq, eager_tokens))
 
 
 def largest_arrays(count: int = 4) -> list[str]:
