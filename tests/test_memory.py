@@ -95,3 +95,16 @@ def test_verification_runs_stay_within_the_memory_bound(tmp_path):
     assert output_bytes(entry.signature, {"batch": 8, "seq": 2048}) == 8 * 2048 * 20000 * 4
     planned = {case.label for case in plan_cases(entry.signature, entry.matmul_flops)}
     assert "mid" in planned and "max" not in planned  # max: 5e9 FLOPs, within the budget, but 1.2 GiB of logits
+
+
+def test_the_writer_streams_in_memory_weights_without_copying_them(tmp_path):
+    """A model's 128 MiB of f32 weights are written one array at a time from their own memory: the
+    write stage holds no copy of them (safetensors' save built the file in memory: +256 MiB)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 8192), torch.nn.Linear(8192, 2048)).eval()
+    artifact = tpuexport.convert(model, (torch.randn(2, 2048),), {"input": {0: torch.export.Dim("batch", min=1, max=4)}}, target="v5e",
+                                 out=tmp_path / "wide.tpu", saved_model=False)
+    memory = artifact.records.stage_memory
+    before = max(peak.anonymous_bytes for stage, peak in memory.items() if stage not in ("write", "compile"))
+    assert memory["write"].anonymous_bytes < before + 64 * MIB, {stage: peak.anonymous_bytes // MIB for stage, peak in memory.items()}
+    torch.testing.assert_close(artifact.run(torch.ones(3, 2048)), model(torch.ones(3, 2048)), atol=1e-4, rtol=1e-4)

@@ -22,6 +22,7 @@ from typing import Callable
 from tpuexport.artifact import layout
 from tpuexport.artifact.manifest import build_section, dumps, hash_tree, package_versions
 from tpuexport.artifact.records import BucketRecord, EntryPointRecord, Manifest, TargetRecord, WeightsRecord
+from tpuexport.artifact.weights import write_arrays
 from tpuexport.arrays import save_arrays
 from tpuexport.compile import CompiledBucket, CompileReport
 from tpuexport.compile.compile_key import export_compatibility
@@ -167,7 +168,7 @@ def write_artifact(
                                    *(padding or {}).get(name, EXACT_SIZES))
             for name, lowered in program.entry_points.items()
         }
-        weights = WeightsRecord(_weights_file(shared, weights_file, put, move), tuple(shared.weight_names), dict(shared.tied),
+        weights = WeightsRecord(_weights_file(shared, weights_file, staging, move), tuple(shared.weight_names), dict(shared.tied),
                                 dict(shared.weight_layouts), shared.weight_bytes, shared.exported.calling_convention_version,
                                 tuple(shared.exported.platforms), export_compatibility())
         sections = {"generation": program.manifest_section()} if program.manifest_section() is not None else {}
@@ -310,8 +311,9 @@ def kernels_writer(mode: str, kernels: dict[str, dict] | None, checks: list[dict
     return write
 
 
-def _weights_file(lowered: LoweredProgram, weights_file: pathlib.Path | None, put, move) -> str | None:
-    """Puts the weights into the artifact: moves the file already written, else writes them.
+def _weights_file(lowered: LoweredProgram, weights_file: pathlib.Path | None, staging: pathlib.Path, move) -> str | None:
+    """Puts the weights into the artifact: moves the file already written, else writes them one
+    array at a time (write_arrays: no in-memory copy of the model).
 
     Returns:
       The weights file's path in the artifact, or None for a plan (no weights).
@@ -320,4 +322,6 @@ def _weights_file(lowered: LoweredProgram, weights_file: pathlib.Path | None, pu
         return None
     if weights_file:
         return move(weights_file, layout.WEIGHTS)
-    return put(layout.WEIGHTS, save_arrays(dict(zip(lowered.weight_names, lowered.weights))))
+    (staging / layout.WEIGHTS).parent.mkdir(parents=True, exist_ok=True)
+    write_arrays(staging / layout.WEIGHTS, lowered.weight_names, lowered.weights)
+    return layout.WEIGHTS
