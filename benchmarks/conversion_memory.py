@@ -261,6 +261,9 @@ def print_case(result: dict) -> None:
     print(f"  {'stage':<28}{'seconds':>9}{'process GiB':>13}{'anon':>8}{'mapped':>8}{'largest child':>15}")
     for stage, ended in result["stages"].items():
         peak = ended["memory"]
+        if not peak:  # an event, not a stage (one executable compiled): timed, its memory is the compile stage's
+            print(f"  {stage:<28}{ended['seconds']:>9.1f}{'-':>13}")
+            continue
         print(f"  {stage:<28}{ended['seconds']:>9.1f}{gib(peak.get('process_bytes')):>13}{gib(peak.get('anonymous_bytes')):>8}"
               f"{gib(peak.get('mapped_bytes')):>8}{gib(peak.get('child_bytes')):>15}")
         for line in ended["arrays"]:
