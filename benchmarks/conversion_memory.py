@@ -269,16 +269,25 @@ def print_case(result: dict) -> None:
         for line in ended["arrays"]:
             print(f"      {line}")
         if stage == "verify":
-            for case in result["cases"]:
-                peak = case["memory"]
-                print(f"    {'case ' + case['label'] + (' ' + str(case['sizes']) if case['sizes'] else ''):<26}{case['seconds']:>9.1f}"
-                      f"{gib(peak.get('process_bytes')):>13}{gib(peak.get('anonymous_bytes')):>8}{gib(peak.get('mapped_bytes')):>8}")
+            print_verification_cases(result["cases"])
+    if "verify" not in result["stages"] and result["cases"]:
+        print("  verify (not ended)")
+        print_verification_cases(result["cases"])
+
+
+def print_verification_cases(cases: list[dict]) -> None:
+    for case in cases:
+        peak = case["memory"]
+        print(f"    {'case ' + case['label'] + (' ' + str(case['sizes']) if case['sizes'] else ''):<26}{case['seconds']:>9.1f}"
+              f"{gib(peak.get('process_bytes')):>13}{gib(peak.get('anonymous_bytes')):>8}{gib(peak.get('mapped_bytes')):>8}")
 
 
 def summary_row(result: dict) -> str:
     """| case | layers | weights | process peak (stage) | anon / mapped peaks | largest child | peak / weights | seconds |"""
     peaks = {stage: ended["memory"] for stage, ended in result["stages"].items()
              if ended["memory"].get("process_bytes") not in (None, "unknown")}
+    if "verify" not in peaks:  # stopped within verify: its cases so far
+        peaks.update({f"verify ({case['label']} {case['sizes']})": {**case["memory"], "child_bytes": 0} for case in result["cases"]})
     head = f"| {result['case']} | {result['layers']} | {gib(result.get('weight_bytes'))} |"
     if not peaks:
         return f"{head} {result.get('failed', 'unknown')} | | | | |"
