@@ -3,6 +3,7 @@ resident memory per stage (the manifest's build.stage_memory, tpuexport/memory.p
 
     nice -n 10 python benchmarks/conversion_memory.py [CASE ...] [--layers N] [--max-batch B] [--max-seq S]
                                                       [--max-context C] [--cap GB] [--arrays] [--work DIR]
+    python benchmarks/conversion_memory.py --cpu-plan [--layers N] [--max-context C]
 
 The cases (issue #36), Llama models with random weights (studies/streamed_conversion.py's shapes and
 checkpoint writer; nothing is downloaded), target v5e, no SavedModel, verification on:
@@ -23,6 +24,8 @@ Per stage the table gives the converting process's peak (its total, and its anon
 memory-mapped parts: they may peak at different moments) and the largest child process (the TPU
 compiler); per case the overall peak, peak / weights and wall seconds. --arrays also lists, at the
 end of each stage, the largest live JAX arrays (jax.live_arrays()) and torch tensors (by storage).
+--cpu-plan prints, instead, the text-generation case's executables' XLA:CPU memory analysis (a plan for
+the cpu target: nothing runs), what each fill bucket's verification run will need.
 """
 
 from __future__ import annotations
@@ -195,6 +198,31 @@ def tree_rss(pid: int) -> int:
     return total + sum(tree_rss(child) for child in children)
 
 
+def print_cpu_plan(options) -> None:
+    """--cpu-plan: the text-generation case planned for the cpu target (no weights, nothing run), each
+    executable's XLA:CPU memory analysis: what generation verification's CPU runs of each fill bucket need
+    before any of them runs. A bucket beyond the machine's memory is refused (the error says by how much)."""
+    import tpuexport
+
+    config = dict(streamed_conversion.SHAPES["llama-3.2-1b"], num_hidden_layers=options.layers or 16)
+    with tpuexport.parameters_on_meta():
+        model, _ = streamed_conversion.llama(config, "bfloat16")
+    with tempfile.TemporaryDirectory() as directory:
+        try:
+            artifact = tpuexport.convert(model.model, task="text-generation", max_context=options.max_context, max_batch=8, target="cpu",
+                                         weights=False, out=pathlib.Path(directory) / "plan.tpu")
+        except tpuexport.TpuExportError as error:
+            print(f"\ntext-generation on XLA:CPU, {config['num_hidden_layers']} layers, max context {options.max_context}: {error}")
+            return
+        print(f"\ntext-generation on XLA:CPU, {config['num_hidden_layers']} layers, max context {options.max_context}, batch 8 "
+              "(XLA's memory analysis per executable, GiB):")
+        print(f"  {'entry point':<12}{'bucket':<22}{'arguments':>10}{'temporaries':>13}{'outputs':>9}")
+        for bucket in artifact.manifest["targets"]["cpu"]["buckets"]:
+            memory = bucket["memory"]
+            print(f"  {bucket['entry_point']:<12}{bucket['name']:<22}{gib(memory['argument_bytes']):>10}{gib(memory['temp_bytes']):>13}"
+                  f"{gib(memory['output_bytes']):>9}")
+
+
 def read_progress(progress: pathlib.Path) -> dict:
     """What the child reported: weight_bytes, stages {name: end event}, running (stages started and
     not ended), and once done its seconds and verified sizes."""
@@ -303,7 +331,7 @@ def summary_row(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("cases", nargs="*", choices=[[], *CASES], default=list(CASES), metavar="CASE", help=", ".join(CASES))
+    parser.add_argument("cases", nargs="*", choices=[[], *CASES], default=[], metavar="CASE", help=f"{', '.join(CASES)} (default: all)")
     parser.add_argument("--layers", type=int, help="layers of each model (default: the shape's: 16 for 1B, 32 for 8B)")
     parser.add_argument("--max-batch", type=int, default=64, help="forward: the batch dim's largest size")
     parser.add_argument("--max-seq", type=int, default=8192, help="forward: the seq dim's largest size")
@@ -311,7 +339,12 @@ def main() -> None:
     parser.add_argument("--cap", type=float, default=20.0, help="GB a case's processes may hold before it is killed")
     parser.add_argument("--arrays", action="store_true", help="list the largest live arrays at the end of each stage")
     parser.add_argument("--work", type=pathlib.Path, help="keep checkpoints here (default: a temporary directory)")
+    parser.add_argument("--cpu-plan", action="store_true", help="only print the text-generation case's XLA:CPU memory analysis per "
+                                                               "executable (planned from shapes: nothing runs)")
     options = parser.parse_args()
+    if options.cpu_plan:
+        print_cpu_plan(options)
+        return
     work = options.work or pathlib.Path(tempfile.mkdtemp(prefix="conversion-memory-"))
     work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
@@ -320,7 +353,7 @@ def main() -> None:
           f"generation max context {options.max_context}, batch 8; cap {options.cap:g} GB", flush=True)
     results = []
     try:
-        for name in options.cases:
+        for name in options.cases or list(CASES):
             results.append(measure(name, options, work))
             print_case(results[-1])
             sys.stdout.flush()
