@@ -120,8 +120,8 @@ def passes(loaded: export_stage.LoadedSource, options: ConversionOptions, throug
     targets, slices = _check_options(options)
     with contextlib.ExitStack() as running:
         running.enter_context(on_host_cpu())  # whatever platform the process chose (devices.py)
-        conversion = Conversion(loaded, options, task_named(options.task), targets, slices, StageClock(progress, running.enter_context(MemoryMonitor())),
-                                running)
+        clock = StageClock(progress, running.enter_context(MemoryMonitor()))  # each stage's seconds and peak memory
+        conversion = Conversion(loaded, options, task_named(options.task), targets, slices, clock, running)
         conversion.task.check(conversion)
         conversion.weight_only = weight_only_scheme(options)
         if not conversion.plan_only:
