@@ -14,6 +14,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from tpuexport import memory
 from tpuexport.errors import EXIT_BAD_INPUT, EXIT_VERIFICATION_FAILED, TpuExportError, VerificationError
 from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS
 
@@ -238,6 +239,7 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
         stderr.print(f"[bold green]planned[/] {source} -> {artifact.path} (plan only: no weights, not verified)", soft_wrap=True)
     else:
         stderr.print(f"[bold green]converted[/] {source} -> {artifact.path}", soft_wrap=True)
+    stderr.print(describe_peak_memory(artifact.records.stage_memory), soft_wrap=True)
     for warning in artifact.manifest.get("quantization", {}).get("warnings", []):
         stderr.print(f"[bold yellow]WARNING:[/] {warning}", soft_wrap=True)
     if as_json:
@@ -261,6 +263,19 @@ def parse_sizes(text: str, option: str) -> dict[str, int]:
 
 def _print_stage(stage: str, seconds: float, detail: str) -> None:
     stderr.print(f"  [green]✓[/] {stage:<28} {seconds:7.2f} s  [dim]{detail}[/]", soft_wrap=True)
+
+
+def describe_peak_memory(stage_memory: dict[str, memory.PeakMemory]) -> str:
+    """The convert summary's memory line: "peak memory 4.21 GiB in verify (anonymous 3.90 GiB, mapped
+    0.31 GiB); largest child process 1.02 GiB in compile", or "peak memory unknown" (not Linux)."""
+    process = memory.largest(stage_memory, "process_bytes")
+    if process is None:
+        return "peak memory unknown"
+    name, peak = process
+    text = (f"peak memory {memory.gib(peak.process_bytes)} in {name} (anonymous {memory.gib(peak.anonymous_bytes)}, "
+            f"mapped {memory.gib(peak.mapped_bytes)})")
+    child = memory.largest(stage_memory, "child_bytes")
+    return text + (f"; largest child process {memory.gib(child[1].child_bytes)} in {child[0]}" if child and child[1].child_bytes else "")
 
 
 def summary(artifact) -> dict:

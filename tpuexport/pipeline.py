@@ -54,6 +54,7 @@ from tpuexport.artifact import tf_serving as serving_stage
 from tpuexport.devices import on_host_cpu
 from tpuexport.errors import TpuExportError, VerificationError
 from tpuexport.lower.program import DEFAULT_ENTRY_POINT
+from tpuexport.memory import MemoryMonitor
 from tpuexport.tasks import Conversion, ConversionOptions, StageClock, task_named
 from tpuexport.tasks.conversion import (describe_dims, describe_precision, describe_scans, lower_entry_point, weight_only_scheme,
                                         write_failed_report)
@@ -119,7 +120,8 @@ def passes(loaded: export_stage.LoadedSource, options: ConversionOptions, throug
     targets, slices = _check_options(options)
     with contextlib.ExitStack() as running:
         running.enter_context(on_host_cpu())  # whatever platform the process chose (devices.py)
-        conversion = Conversion(loaded, options, task_named(options.task), targets, slices, StageClock(progress), running)
+        clock = StageClock(progress, running.enter_context(MemoryMonitor()))  # each stage's seconds and peak memory
+        conversion = Conversion(loaded, options, task_named(options.task), targets, slices, clock, running)
         conversion.task.check(conversion)
         conversion.weight_only = weight_only_scheme(options)
         if not conversion.plan_only:
@@ -275,6 +277,7 @@ def compile_executables(conversion: Conversion) -> None:
     """Every (target, entry point, bucket) compiled in child processes, in the background from here on
     (executables donate their inputs: a state's buffers become its outputs, compile_child.py)."""
     named = len(conversion.program.entry_points) > 1
+    conversion.clock.start("compile")  # ends when the executables are waited for (Conversion.compiled)
     for name, lowered in conversion.program.entry_points.items():
         conversion.jobs[name] = conversion.running.enter_context(compile_stage.CompileJob(
             lowered, conversion.targets, conversion.buckets[name], _compiled_event(conversion.clock, lowered, name if named else None),
@@ -298,6 +301,7 @@ def write(conversion: Conversion) -> None:
             artifact_stage.write_artifact(
                 options.out, source=conversion.loaded.info, task=conversion.task.name, program=conversion.program,
                 compiled=conversion.compiled, verification=verified.report if verified else None, stage_seconds=conversion.clock.seconds,
+                stage_memory=conversion.clock.peaks,
                 overwrite=options.overwrite, extra_writers=writers, sharded_verification=verified.sharded if verified else (),
                 weights_file=conversion.weights_file, padding=verified.padding if verified else None,
                 bucket_figures=conversion.task.bucket_figures(conversion))
