@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 
-import numpy as np
 from click.testing import CliRunner
 
 import tpuexport

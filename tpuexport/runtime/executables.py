@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import pickletools
 
-import jax
 import ml_dtypes
 import numpy as np
 from jax.experimental import serialize_executable

@@ -19,7 +19,6 @@ value the tokens take.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 import numpy as np
