@@ -1,0 +1,276 @@
+"""Capture of a decoder LM over a paged KV cache (`--kv-cache paged`): one `step` entry point that
+appends each row's new tokens (a prefill chunk or one decode token) into its pages and gives each
+row's next-token logits.
+
+  step(tokens[T], positions[T], token_rows[T], page_indices[rows, pages_per_row], kv_lens[rows], cache_kv)
+      -> {logits[rows, vocab], cache_kv}
+      Token t belongs to row token_rows[t] (-1: a padding token, which writes nothing and whose
+      output nobody reads) at position positions[t]; a row's tokens are consecutive positions.
+      Position p of row r lives at page page_indices[r, p // page_size], offset p % page_size.
+      kv_lens[r] is row r's length once the step has appended its tokens. Token t attends to the
+      keys of its own row at positions <= positions[t] (and < kv_lens[r]). logits[r] are those of
+      row r's last token in the step (rows without a token give a row of values nobody reads).
+
+The cache is one tensor, `cache_kv` [layers, num_pages, page_size, 2 * kv_heads, head_dim], keys
+and values interleaved per head (key head h at 2h, its values at 2h + 1): the layout of JAX's Pallas
+`ragged_paged_attention`, so that a kernel reads the cache as stored.
+
+Attention here is the reference: each row's pages are gathered by its page table (read from the
+cache as the step received it, this step's keys selected in), and the model's own attention runs over
+every row's keys with a mask that lets a token see its own row's positions only. The writes wait
+until the last layer has read (as export/generation.py's DecodeCache does: no read of the cache
+follows a write into it), one `write_pages` per layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from tpuexport.errors import TpuExportError
+from tpuexport.export.generation import (_EntryPoint, _masked_value, _text_config, _transformers_cache, attention_windows, cached_shapes,
+                                         check_decoder)
+
+# --kv-cache: "static" is [layers, max_batch, kv_heads, max_context, head_dim] (export/generation.py);
+# "paged" is pages a row takes as it grows (this module).
+KV_CACHES = ("static", "paged")
+PAGED_CACHE_INPUTS = ("cache_kv",)
+# vLLM's default block size; JAX's tuned kernel table starts at 16 too.
+DEFAULT_PAGE_SIZE = 16
+STEP_INPUTS = ("tokens", "positions", "token_rows", "page_indices", "kv_lens")
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedSpec:
+    """What a paged text-generation artifact's step shares with its runtime: the pages and their limits.
+
+    Attributes:
+      max_batch: rows a step can hold (page_indices' largest row count).
+      max_context: positions a row can reach.
+      layers, kv_heads, head_dim, vocab: the model's sizes (head_dim: the cached width).
+      dtype: the cache's dtype (the model's, torch name).
+      page_size: positions per page.
+      num_pages: pages in the cache (shared by all rows).
+      token_buckets: the step's token budgets (T) compiled.
+      row_buckets: the step's row counts compiled (max_batch among them).
+    """
+
+    max_batch: int
+    max_context: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype: str
+    page_size: int
+    num_pages: int
+    token_buckets: tuple[int, ...]
+    row_buckets: tuple[int, ...]
+
+    kv_cache_dtype = "model"
+    quantized = False
+    window_layers = ()
+    cache_inputs = PAGED_CACHE_INPUTS
+
+    @property
+    def pages_per_row(self) -> int:
+        """Page-table entries per row: the pages max_context positions take."""
+        return math.ceil(self.max_context / self.page_size)
+
+    @property
+    def cache_shape(self) -> tuple[int, ...]:
+        return (self.layers, self.num_pages, self.page_size, 2 * self.kv_heads, self.head_dim)
+
+    def cache_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {PAGED_CACHE_INPUTS[0]: (self.cache_shape, self.dtype)}
+
+    @property
+    def cache_bytes(self) -> int:
+        return math.prod(self.cache_shape) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Positions the cache holds over all rows."""
+        return self.num_pages * self.page_size
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "kind": "paged", "token_buckets": list(self.token_buckets), "row_buckets": list(self.row_buckets),
+                "cache_shape": list(self.cache_shape), "pages_per_row": self.pages_per_row, "capacity_tokens": self.capacity_tokens,
+                "cache_layout": "layer_page_offset_kvhead_dim (keys at even kv heads, values at odd: ragged_paged_attention's)"}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "PagedSpec":
+        fields = {field.name for field in dataclasses.fields(cls)}
+        values = {key: value for key, value in data.items() if key in fields}
+        return cls(**{**values, "token_buckets": tuple(values["token_buckets"]), "row_buckets": tuple(values["row_buckets"])})
+
+
+def check_kv_cache(kv_cache: str) -> None:
+    """Raises TpuExportError (one line) for a --kv-cache not in KV_CACHES."""
+    if kv_cache not in KV_CACHES:
+        raise TpuExportError(f"unknown --kv-cache {kv_cache!r}; use one of {', '.join(KV_CACHES)} "
+                             "(static: max context per slot; paged: pages taken as rows grow)")
+
+
+def check_page_options(page_size: int | None, num_pages: int | None, kv_cache: str, max_context: int | None = None) -> None:
+    """Refuses --page-size / --num-pages that cannot hold a row, or given without --kv-cache paged, in one line."""
+    if kv_cache != "paged":
+        given = "--page-size" if page_size is not None else "--num-pages" if num_pages is not None else None
+        if given:
+            raise TpuExportError(f"{given} applies to the paged KV cache; add --kv-cache paged (or drop {given})")
+        return
+    if page_size is not None and not (isinstance(page_size, int) and page_size >= 1):
+        raise TpuExportError(f"--page-size {page_size}: give a positive number of positions per page, e.g. --page-size {DEFAULT_PAGE_SIZE}")
+    if max_context is not None and page_size is not None and page_size > max_context:
+        raise TpuExportError(f"--page-size {page_size} exceeds --max-context {max_context}; give a page size <= {max_context}")
+    if num_pages is not None:
+        needed = math.ceil(max_context / (page_size or DEFAULT_PAGE_SIZE)) if max_context else 1
+        if not (isinstance(num_pages, int) and num_pages >= needed):
+            raise TpuExportError(f"--num-pages {num_pages}: the cache must hold at least one row of max context ({needed} pages of "
+                                 f"{page_size or DEFAULT_PAGE_SIZE} positions); give --num-pages >= {needed}")
+
+
+def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_size: int | None, num_pages: int | None,
+               token_buckets: tuple[int, ...] | None, row_buckets: tuple[int, ...] | None) -> PagedSpec:
+    """The paged cache a Hugging Face decoder LM needs at these limits.
+
+    Args:
+      model: a transformers causal LM.
+      max_batch: rows per step; max_context: positions per row.
+      page_size: positions per page (None: DEFAULT_PAGE_SIZE, or max context if smaller).
+      num_pages: pages in the cache (None: max_batch rows of max context).
+      token_buckets: token budgets T (None: 16, 128, 512, 2048 up to max_batch x max_context, and max_batch).
+      row_buckets: row counts (max_batch is always one: a session's rows are its slots 0..max_batch-1).
+    Raises:
+      TpuExportError: a model or option the paged step does not take (sliding windows), or sizes out of range.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "base_model") or model.get_output_embeddings() is None:
+        raise TpuExportError(f"--kv-cache paged needs a Hugging Face causal LM (e.g. LlamaForCausalLM); got {type(model).__name__}")
+    if max_batch < 1 or max_context < 2:
+        raise TpuExportError(f"--max-batch {max_batch} / --max-context {max_context} out of range; give max batch >= 1 and max context >= 2")
+    check_decoder(model)
+    if any(window is not None for window in attention_windows(model).values()):
+        raise TpuExportError(f"--kv-cache paged: {type(model).__name__} has sliding-window layers, which the paged step does not mask yet; "
+                             "use --kv-cache static")
+    text = _text_config(config)
+    positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    if positions is not None and max_context > positions:
+        raise TpuExportError(f"--max-context {max_context} exceeds the model's {positions} positions (max_position_embeddings); "
+                             f"give --max-context <= {positions}")
+    page_size = page_size or min(DEFAULT_PAGE_SIZE, max_context)
+    check_page_options(page_size, num_pages, "paged", max_context)
+    pages_per_row = math.ceil(max_context / page_size)
+    num_pages = num_pages or max_batch * pages_per_row
+    row_buckets = tuple(sorted(set(row_buckets or ()) | {max_batch}))
+    if not all(1 <= rows <= max_batch for rows in row_buckets):
+        raise TpuExportError(f"--bucket rows={','.join(map(str, row_buckets))} is out of range: a step's rows are 1..{max_batch} (--max-batch)")
+    most = max_batch * max_context
+    if token_buckets is None:
+        token_buckets = tuple(size for size in (16, 128, 512, 2048) if size < most) + (max_batch,)
+    token_buckets = tuple(sorted(set(token_buckets)))
+    if not all(1 <= tokens <= most for tokens in token_buckets):
+        raise TpuExportError(f"--bucket tokens={','.join(map(str, token_buckets))} is out of range: a step's token budget is 1..{most} "
+                             "(max batch x max context)")
+    kv_heads, head_dim = cached_shapes(model)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return PagedSpec(max_batch, max_context, text.num_hidden_layers, kv_heads, head_dim, model.get_output_embeddings().weight.shape[0],
+                     dtype, page_size, num_pages, token_buckets, row_buckets)
+
+
+@torch.library.custom_op("tpuexport::write_pages", mutates_args=())
+def write_pages(cache: torch.Tensor, new: torch.Tensor, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """The cache with token t's keys and values ([tokens, 2 * kv_heads, head_dim], interleaved) at
+    flat slot slots[t] (page * page_size + offset) of one layer; a slot < 0 (a padding token) writes
+    nothing. One op so that its lowering (lower/paged.py) is one scatter that drops the padding
+    tokens' updates; this is its eager meaning."""
+    page_size = cache.shape[2]
+    keep = slots >= 0
+    written = cache.clone()
+    written[layer, slots[keep] // page_size, slots[keep] % page_size] = new[keep].to(cache.dtype)
+    return written
+
+
+@write_pages.register_fake
+def _(cache, new, layer, slots):
+    return torch.empty_like(cache)
+
+
+class PagedKVCache:
+    """How the step reads and writes the pages; `KVCache` (export/generation.py) calls `update` per layer.
+
+    Attention reads, per row, the layer's pages in page-table order (row r's keys at positions
+    0..pages_per_row * page_size - 1) as the step received them, with this step's keys selected in at
+    (row, position); the step's keys are written to their slots after the last layer (`written`).
+    """
+
+    def __init__(self, cache: torch.Tensor, page_indices: torch.Tensor, token_rows: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor):
+        self.cache = cache
+        self.page_indices = page_indices
+        # Padding tokens select into a spare row past the last (dropped after), so every index is in range.
+        self.select_rows = torch.where(token_rows >= 0, token_rows, page_indices.shape[0])
+        self.positions = positions
+        self.slots = slots
+        self.pending: list[tuple[int, torch.Tensor]] = []
+
+    def update(self, new_keys: torch.Tensor, new_values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's new keys/values [1, kv_heads, tokens, head_dim] -> attention's keys/values [1, kv_heads, rows * row positions, head_dim]."""
+        stored = torch.stack([new_keys[0].transpose(0, 1), new_values[0].transpose(0, 1)], dim=2)  # [tokens, kv_heads, 2, head_dim]
+        stored = stored.reshape(stored.shape[0], -1, stored.shape[-1]).to(self.cache.dtype)
+        self.pending.append((layer, stored))
+        rows, pages_per_row = self.page_indices.shape
+        _, _, page_size, combined, head_dim = self.cache.shape
+        gathered = self.cache[layer][self.page_indices].reshape(rows, pages_per_row * page_size, combined, head_dim)
+        spare = torch.zeros((1, *gathered.shape[1:]), dtype=gathered.dtype, device=gathered.device)
+        gathered = torch.cat([gathered, spare]).index_put((self.select_rows, self.positions), stored)[:rows]
+        gathered = gathered.reshape(-1, combined, head_dim).transpose(0, 1)[None]  # [1, 2 * kv_heads, keys, head_dim]
+        return gathered[:, 0::2].to(new_keys.dtype), gathered[:, 1::2].to(new_values.dtype)
+
+    def written(self) -> torch.Tensor:
+        cache = self.cache
+        for layer, stored in self.pending:
+            cache = write_pages(cache, stored, layer, self.slots)
+        return cache
+
+
+class Step(_EntryPoint):
+    """The paged step (module docstring) over the model, registered as `model` like the static entry points."""
+
+    def forward(self, tokens, positions, token_rows, page_indices, kv_lens, cache_kv):
+        count, rows = tokens.shape[0], page_indices.shape[0]
+        torch._check(positions.shape[0] == count)
+        torch._check(token_rows.shape[0] == count)
+        torch._check(kv_lens.shape[0] == rows)
+        spec = self.spec
+        row_positions = spec.pages_per_row * spec.page_size
+        key_rows = torch.arange(rows * row_positions, device=tokens.device) // row_positions
+        key_positions = torch.arange(rows * row_positions, device=tokens.device) % row_positions
+        visible = ((key_rows[None, :] == token_rows[:, None]) & (key_positions[None, :] <= positions[:, None])
+                   & (key_positions < kv_lens[key_rows])[None, :])
+        mask = torch.where(visible, 0.0, _masked_value(self.model_dtype)).to(self.model_dtype)[None, None]
+        padding = token_rows < 0
+        safe_rows, safe_positions = token_rows.clamp(min=0), positions.clamp(0, row_positions - 1)
+        pages = page_indices[safe_rows, safe_positions // spec.page_size]
+        slots = torch.where(padding, -1, pages * spec.page_size + safe_positions % spec.page_size)
+        cache = PagedKVCache(cache_kv, page_indices, token_rows, safe_positions, slots)
+        hidden = self.model.base_model(input_ids=tokens[None], attention_mask=mask, position_ids=safe_positions[None],
+                                       past_key_values=_transformers_cache(cache), use_cache=True).last_hidden_state[0]
+        index = torch.arange(count, device=tokens.device)
+        last = torch.where(token_rows[None, :] == torch.arange(rows, device=tokens.device)[:, None], index[None, :], -1).amax(1).clamp(min=0)
+        return {"logits": self.logits(hidden[last]), "cache_kv": cache.written()}
+
+
+def step_example_arguments(spec: PagedSpec, device: str = "cpu") -> tuple[tuple, tuple]:
+    """The step's example inputs and torch.export dynamic_shapes: tokens (1..largest budget) and rows
+    (1..max_batch; static with one row) are dims."""
+    rows = spec.max_batch
+    count = max(2, min(spec.token_buckets))
+    cache = torch.zeros(spec.cache_shape, dtype=getattr(torch, spec.dtype), device=device)
+    args = (torch.ones(count, dtype=torch.long), torch.arange(count, dtype=torch.long), torch.zeros(count, dtype=torch.long),
+            torch.zeros((rows, spec.pages_per_row), dtype=torch.long), torch.full((rows,), count, dtype=torch.long), cache)
+    tokens = torch.export.Dim("tokens", min=1, max=max(max(spec.token_buckets), 2))
+    row_dim = {0: torch.export.Dim("rows", min=1, max=spec.max_batch)} if spec.max_batch > 1 else None
+    return args, ({0: tokens}, {0: tokens}, {0: tokens}, row_dim, row_dim, None)
