@@ -236,6 +236,18 @@ class PagedKVCache:
         return cache
 
 
+def paged_mask(token_rows: torch.Tensor, positions: torch.Tensor, kv_lens: torch.Tensor, row_positions: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [1, 1, tokens, rows * row_positions] of the step's tokens over every row's
+    gathered keys (row r's position p at r * row_positions + p): token t sees its own row's keys at
+    positions <= positions[t] and < kv_lens[row]; a padding token (row -1) sees none."""
+    keys = torch.arange(kv_lens.shape[0] * row_positions, device=positions.device)
+    key_rows, key_positions = keys // row_positions, keys % row_positions
+    visible = ((key_rows[None, :] == token_rows[:, None]) & (key_positions[None, :] <= positions[:, None])
+               & (key_positions < kv_lens[key_rows])[None, :])
+    return torch.where(visible, 0.0, _masked_value(dtype)).to(dtype)[None, None]
+
+
 class Step(_EntryPoint):
     """The paged step (module docstring) over the model, registered as `model` like the static entry points."""
 
@@ -246,11 +258,7 @@ class Step(_EntryPoint):
         torch._check(kv_lens.shape[0] == rows)
         spec = self.spec
         row_positions = spec.pages_per_row * spec.page_size
-        key_rows = torch.arange(rows * row_positions, device=tokens.device) // row_positions
-        key_positions = torch.arange(rows * row_positions, device=tokens.device) % row_positions
-        visible = ((key_rows[None, :] == token_rows[:, None]) & (key_positions[None, :] <= positions[:, None])
-                   & (key_positions < kv_lens[key_rows])[None, :])
-        mask = torch.where(visible, 0.0, _masked_value(self.model_dtype)).to(self.model_dtype)[None, None]
+        mask = paged_mask(token_rows, positions, kv_lens, row_positions, self.model_dtype)
         padding = token_rows < 0
         safe_rows, safe_positions = token_rows.clamp(min=0), positions.clamp(0, row_positions - 1)
         pages = page_indices[safe_rows, safe_positions // spec.page_size]

@@ -446,7 +446,8 @@ def describe_generation(report, fill: str = "prefill") -> str:
     worst = report.worst_errors()
     reference = ("the PT2E entry points" if isinstance(report, verify_stage.QuantizedGenerationReport)
                  else "the eager int8-KV entry points" if report.against == verify_stage.INT8_KV_AGAINST else "generate()")
-    described = (f"{len(report.cases)} {fill} bucket(s) + decode, {report.tokens_compared()} tokens compared with {reference}, "
+    buckets = f"{len(report.cases)} step bucket(s), prompts in chunks beside decode rows" if fill == "step" else f"{len(report.cases)} {fill} bucket(s) + decode"
+    described = (f"{buckets}, {report.tokens_compared()} tokens compared with {reference}, "
                  f"{'passed' if report.passed else 'FAILED'} ({report.ties()} tie(s)); worst logits relative RMS error {worst['tpu']:.1e} "
                  f"as the TPU computes, {worst['cpu']:.1e} in f32")
     if isinstance(report, verify_stage.QuantizedGenerationReport) or report.float_divergence() is None:
