@@ -42,7 +42,7 @@ def test_paged_step_generates_what_generate_does(paged):
     assert verification["passed"] and verification["tokens_compared"] == 16
     (case,) = verification["cases"]
     assert case["sizes"] == {"tokens": TOKENS, "rows": MAX_BATCH} and case["lengths"] == [11, 3] and "chunks of 4" in case["label"]
-    assert generation["kind"] == "paged" and generation["cache_shape"] == [2, MAX_BATCH * MAX_CONTEXT // PAGE_SIZE, PAGE_SIZE, 4, 16]
+    assert generation["kind"] == "paged" and generation["cache_shape"] == [2, MAX_BATCH * MAX_CONTEXT // PAGE_SIZE, PAGE_SIZE, 2 * 2 * 16]
     assert sorted(artifact.records.entry_points) == ["sample", "step"]
     prompts = [[int(token) for token in np.random.default_rng(3).integers(0, 256, 13)], [5, 6]]
     expected = [model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
@@ -82,33 +82,36 @@ def test_planted_page_table_bugs_fail_the_comparison(paged):
 
 
 def test_reference_attention_is_ragged_paged_attention():
-    """What the step's attention computes over the pages (keys gathered by page table, this step's keys
-    selected in, the row mask) equals JAX's reference of its Pallas kernel, ref_ragged_paged_attention,
-    on the pages the step writes: the same interleaved k/v layout, kv_lens and causal positions. Rows:
-    a chunk of 5 after 2 cached positions, one decode token, an idle row; then a padding token."""
+    """What the step's attention computes (each row's pages gathered by page table, the step's own keys
+    appended, the row mask) equals JAX's reference of its Pallas kernel, ref_ragged_paged_attention, on
+    the pages the step writes (put in the kernel's interleaved layout): the same kv_lens and causal
+    positions. Rows: a chunk of 5 after 2 cached positions, one decode token, an idle row; then a
+    padding token. The step's keys land at their page and offset."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
     generator = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim, pages, page_size = 4, 2, 8, 9, 4
-    cache = torch.randn((1, pages, page_size, 2 * kv_heads, head_dim), generator=generator)
+    cache = torch.randn((1, pages, page_size, 2 * kv_heads * head_dim), generator=generator)
     page_indices = torch.tensor([[6, 2, 0], [4, 0, 0], [0, 0, 0]])
     token_rows = torch.tensor([0, 0, 0, 0, 0, 1, -1])
     positions = torch.tensor([2, 3, 4, 5, 6, 1, 0])  # row 1 decodes its position 1
     kv_lens = torch.tensor([7, 2, 0])
     row_positions = page_indices.shape[1] * page_size
     slots = torch.where(token_rows < 0, -1, page_indices[token_rows.clamp(min=0), positions // page_size] * page_size + positions % page_size)
-    paged = PagedKVCache(cache, page_indices, token_rows, positions, slots)
+    paged = PagedKVCache(cache, page_indices, slots)
     new_keys, new_values = (torch.randn((1, kv_heads, 7, head_dim), generator=generator) for _ in range(2))
     keys, values = paged.update(new_keys, new_values, 0)
     query = torch.randn((1, heads, 7, head_dim), generator=generator)
     mask = paged_mask(token_rows, positions, kv_lens, row_positions, torch.float32)
     attended = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.3, enable_gqa=True)
     written = paged.written()[0]
-    expected = ref_ragged_paged_attention(jnp.asarray(query[0].transpose(0, 1).numpy()), jnp.asarray(written.numpy()),
+    # The kernel's layout: keys and values interleaved per head, [pages, page_size, 2 * kv_heads, head_dim].
+    interleaved = written.reshape(pages, page_size, 2, kv_heads, head_dim).transpose(2, 3).reshape(pages, page_size, -1, head_dim)
+    expected = ref_ragged_paged_attention(jnp.asarray(query[0].transpose(0, 1).numpy()), jnp.asarray(interleaved.numpy()),
                                           jnp.asarray(kv_lens.numpy(), jnp.int32), jnp.asarray(page_indices.numpy(), jnp.int32),
                                           jnp.array([0, 5, 6, 6], jnp.int32), jnp.array([2], jnp.int32), sm_scale=0.3)
     np.testing.assert_allclose(attended[0].transpose(0, 1)[:6].numpy(), np.asarray(expected), rtol=1e-5, atol=1e-5)
-    assert torch.equal(written[page_indices[0, 1], 1], torch.stack([new_keys[0, :, 3], new_values[0, :, 3]], 1).reshape(-1, head_dim))
+    assert torch.equal(written[page_indices[0, 1], 1], torch.cat([new_keys[0, :, 3].flatten(), new_values[0, :, 3].flatten()]))
 
 
 @pytest.mark.parametrize("options, expected", [

@@ -11,15 +11,23 @@ row's next-token logits.
       keys of its own row at positions <= positions[t] (and < kv_lens[r]). logits[r] are those of
       row r's last token in the step (rows without a token give a row of values nobody reads).
 
-The cache is one tensor, `cache_kv` [layers, num_pages, page_size, 2 * kv_heads, head_dim], keys
-and values interleaved per head (key head h at 2h, its values at 2h + 1): the layout of JAX's Pallas
-`ragged_paged_attention`, so that a kernel reads the cache as stored.
+The cache is one tensor, `cache_kv` [layers, num_pages, page_size, 2 * kv_heads * head_dim]: per
+position, its keys (kv_heads x head_dim) then its values. Measured on v5e (Llama-3.2-1B's 8 kv heads
+of 64, bf16, 2 layers x 2048 pages of 16, 8 tokens into 8 rows; benchmarks/studies/paged_cache.py
+layouts): with a position's 1024 lanes minor, the step's write is in place (0 temporaries, 0.5 MiB
+accessed) and a layer's gather + attention takes 64 MiB of temporaries (the gathered pages) and
+673 MiB accessed; in JAX's Pallas `ragged_paged_attention` layout, [pages, page_size, 2 * kv_heads,
+head_dim] with keys and values interleaved per head, XLA copies the whole 128 MiB cache into
+another layout for the write (256 MiB of temporaries, 768 MiB accessed) and the gather + attention
+takes 256 MiB and 993 MiB. A kernel wanting the interleaved layout would need its own write.
 
-Attention here is the reference: each row's pages are gathered by its page table (read from the
-cache as the step received it, this step's keys selected in), and the model's own attention runs over
-every row's keys with a mask that lets a token see its own row's positions only. The writes wait
-until the last layer has read (as export/generation.py's DecodeCache does: no read of the cache
-follows a write into it), one `write_pages` per layer.
+Attention here is the reference: each row's pages are gathered by its page table from the cache as
+the step received it, the step's own keys are appended, and the model's own attention runs over them
+with a mask that lets a token see its own row's earlier positions only (`paged_mask`). The writes
+wait until the last layer has read (as export/generation.py's DecodeCache does: no read of the cache
+follows a write into it), one `write_pages` per layer. Appending the step's keys rather than
+selecting them into the gathered pages saved a copy of the gathered pages per layer (Llama-3.2-1B
+shape, v5e, 8 tokens x 8 rows at context 4096; benchmarks/studies/paged_cache.py).
 """
 
 from __future__ import annotations
@@ -81,7 +89,7 @@ class PagedSpec:
 
     @property
     def cache_shape(self) -> tuple[int, ...]:
-        return (self.layers, self.num_pages, self.page_size, 2 * self.kv_heads, self.head_dim)
+        return (self.layers, self.num_pages, self.page_size, 2 * self.kv_heads * self.head_dim)
 
     def cache_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return {PAGED_CACHE_INPUTS[0]: (self.cache_shape, self.dtype)}
@@ -98,7 +106,7 @@ class PagedSpec:
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "kind": "paged", "token_buckets": list(self.token_buckets), "row_buckets": list(self.row_buckets),
                 "cache_shape": list(self.cache_shape), "pages_per_row": self.pages_per_row, "capacity_tokens": self.capacity_tokens,
-                "cache_layout": "layer_page_offset_kvhead_dim (keys at even kv heads, values at odd: ragged_paged_attention's)"}
+                "cache_layout": "layer_page_offset_kv (per position: keys [kv_heads, head_dim], then values)"}
 
     @classmethod
     def from_json(cls, data: dict) -> "PagedSpec":
@@ -182,7 +190,7 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
 
 @torch.library.custom_op("tpuexport::write_pages", mutates_args=())
 def write_pages(cache: torch.Tensor, new: torch.Tensor, layer: int, slots: torch.Tensor) -> torch.Tensor:
-    """The cache with token t's keys and values ([tokens, 2 * kv_heads, head_dim], interleaved) at
+    """The cache with token t's keys and values ([tokens, 2 * kv_heads * head_dim]: keys, then values) at
     flat slot slots[t] (page * page_size + offset) of one layer; a slot < 0 (a padding token) writes
     nothing. One op so that its lowering (lower/paged.py) is one scatter that drops the padding
     tokens' updates; this is its eager meaning."""
@@ -201,33 +209,28 @@ def _(cache, new, layer, slots):
 class PagedKVCache:
     """How the step reads and writes the pages; `KVCache` (export/generation.py) calls `update` per layer.
 
-    Attention reads, per row, the layer's pages in page-table order (row r's keys at positions
-    0..pages_per_row * page_size - 1) as the step received them, with this step's keys selected in at
-    (row, position); the step's keys are written to their slots after the last layer (`written`).
+    Attention reads every row's pages in page-table order (row r's position p at r * row_positions
+    + p) as the step received them, followed by the step's own keys: a concatenation, so that nothing
+    is written into what attention reads (`paged_mask` says which of them each token sees). The
+    step's keys are written to their slots after the last layer (`written`).
     """
 
-    def __init__(self, cache: torch.Tensor, page_indices: torch.Tensor, token_rows: torch.Tensor, positions: torch.Tensor,
-                 slots: torch.Tensor):
+    def __init__(self, cache: torch.Tensor, page_indices: torch.Tensor, slots: torch.Tensor):
         self.cache = cache
         self.page_indices = page_indices
-        # Padding tokens select into a spare row past the last (dropped after), so every index is in range.
-        self.select_rows = torch.where(token_rows >= 0, token_rows, page_indices.shape[0])
-        self.positions = positions
         self.slots = slots
         self.pending: list[tuple[int, torch.Tensor]] = []
 
     def update(self, new_keys: torch.Tensor, new_values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's new keys/values [1, kv_heads, tokens, head_dim] -> attention's keys/values [1, kv_heads, rows * row positions, head_dim]."""
-        stored = torch.stack([new_keys[0].transpose(0, 1), new_values[0].transpose(0, 1)], dim=2)  # [tokens, kv_heads, 2, head_dim]
-        stored = stored.reshape(stored.shape[0], -1, stored.shape[-1]).to(self.cache.dtype)
-        self.pending.append((layer, stored))
-        rows, pages_per_row = self.page_indices.shape
-        _, _, page_size, combined, head_dim = self.cache.shape
-        gathered = self.cache[layer][self.page_indices].reshape(rows, pages_per_row * page_size, combined, head_dim)
-        spare = torch.zeros((1, *gathered.shape[1:]), dtype=gathered.dtype, device=gathered.device)
-        gathered = torch.cat([gathered, spare]).index_put((self.select_rows, self.positions), stored)[:rows]
-        gathered = gathered.reshape(-1, combined, head_dim).transpose(0, 1)[None]  # [1, 2 * kv_heads, keys, head_dim]
-        return gathered[:, 0::2].to(new_keys.dtype), gathered[:, 1::2].to(new_values.dtype)
+        """A layer's new keys/values [1, kv_heads, tokens, head_dim] -> attention's [1, kv_heads, rows * row positions + tokens, head_dim]."""
+        _, kv_heads, count, head_dim = new_keys.shape
+        stored = torch.cat([new_keys[0].transpose(0, 1).reshape(count, -1), new_values[0].transpose(0, 1).reshape(count, -1)], dim=1)
+        self.pending.append((layer, stored.to(self.cache.dtype)))
+        # [rows * row positions, lanes]: the keys' half of the lanes, then the values', each split into heads
+        # (splitting [2, kv_heads, head_dim] first made XLA relayout the gathered pages: 3x the temporaries on v5e).
+        gathered = self.cache[layer][self.page_indices].reshape(-1, stored.shape[1])
+        keys, values = (part.reshape(-1, kv_heads, head_dim).transpose(0, 1)[None] for part in gathered.split(kv_heads * head_dim, dim=1))
+        return torch.cat([keys.to(new_keys.dtype), new_keys], dim=2), torch.cat([values.to(new_values.dtype), new_values], dim=2)
 
     def written(self) -> torch.Tensor:
         cache = self.cache
@@ -238,13 +241,17 @@ class PagedKVCache:
 
 def paged_mask(token_rows: torch.Tensor, positions: torch.Tensor, kv_lens: torch.Tensor, row_positions: int,
                dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask [1, 1, tokens, rows * row_positions] of the step's tokens over every row's
-    gathered keys (row r's position p at r * row_positions + p): token t sees its own row's keys at
-    positions <= positions[t] and < kv_lens[row]; a padding token (row -1) sees none."""
-    keys = torch.arange(kv_lens.shape[0] * row_positions, device=positions.device)
+    """The additive mask [1, 1, tokens, rows * row_positions + tokens] of the step's tokens over the
+    keys PagedKVCache gives attention: token t of row r sees the cached positions of row r before the
+    step's (< kv_lens[r] - its tokens in the step) and the step's tokens of row r at positions <=
+    positions[t]. A padding token (row -1) sees no cached key."""
+    rows = kv_lens.shape[0]
+    keys = torch.arange(rows * row_positions, device=positions.device)
     key_rows, key_positions = keys // row_positions, keys % row_positions
-    visible = ((key_rows[None, :] == token_rows[:, None]) & (key_positions[None, :] <= positions[:, None])
-               & (key_positions < kv_lens[key_rows])[None, :])
+    in_step = (token_rows[None, :] == torch.arange(rows, device=positions.device)[:, None]).sum(1)  # [rows]
+    cached = (key_rows[None, :] == token_rows[:, None]) & (key_positions < kv_lens[key_rows] - in_step[key_rows])[None, :]
+    own = (token_rows[None, :] == token_rows[:, None]) & (positions[None, :] <= positions[:, None])
+    visible = torch.cat([cached, own], dim=1)
     return torch.where(visible, 0.0, _masked_value(dtype)).to(dtype)[None, None]
 
 
@@ -263,7 +270,7 @@ class Step(_EntryPoint):
         safe_rows, safe_positions = token_rows.clamp(min=0), positions.clamp(0, row_positions - 1)
         pages = page_indices[safe_rows, safe_positions // spec.page_size]
         slots = torch.where(padding, -1, pages * spec.page_size + safe_positions % spec.page_size)
-        cache = PagedKVCache(cache_kv, page_indices, token_rows, safe_positions, slots)
+        cache = PagedKVCache(cache_kv, page_indices, slots)
         hidden = self.model.base_model(input_ids=tokens[None], attention_mask=mask, position_ids=safe_positions[None],
                                        past_key_values=_transformers_cache(cache), use_cache=True).last_hidden_state[0]
         index = torch.arange(count, device=tokens.device)

@@ -27,9 +27,9 @@ from tpuexport.lower.sampling import GREEDY, Draw, SampledTokens, Sampling, draw
 
 @register_lowering("tpuexport::write_pages")
 def write_pages(cache, new, layer: int, slots):
-    """export/paged.py's `write_pages` as one scatter of the step's [tokens, 2 * kv_heads, head_dim]
-    into the layer's pages; a padding token's slot (< 0) is sent past the last page, whose update
-    the scatter drops."""
+    """export/paged.py's `write_pages` as one scatter of the step's [tokens, 2 * kv_heads * head_dim]
+    into the layer's pages, in place on the donated cache; a padding token's slot (< 0) is sent past
+    the last page, whose update the scatter drops."""
     pages, page_size = cache.shape[1], cache.shape[2]
     flat = jnp.where(slots >= 0, slots, pages * page_size)
     return cache.at[layer, flat // page_size, flat % page_size].set(new.astype(cache.dtype), mode="drop")
