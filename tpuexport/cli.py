@@ -346,7 +346,12 @@ def inspect(artifact_dir, as_json):
         hf = data["huggingface"]
         console.print(f"  hugging face: task {hf['task']}, {hf['architecture']}, revision {hf['revision'] or 'none (not from the cache)'}; "
                       f"files {', '.join(hf['files'].values()) or 'none'}")
-    if "generation" in data:
+    if data.get("generation", {}).get("kind") == "paged":
+        generation = data["generation"]
+        console.print(f"  text generation over pages: max batch {generation['max_batch']}, max context {generation['max_context']}, "
+                      f"{generation['num_pages']} pages of {generation['page_size']} ({generation['capacity_tokens']} positions), cache "
+                      f"{generation['cache_shape']} {generation['dtype']} ({generation['cache_bytes'] / 2**20:.2f} MiB)")
+    elif "generation" in data:
         generation = data["generation"]
         cross = (f" + cross {generation['cross_shape']} x2 (max source {generation['max_source']})" if "cross_shape" in generation else "")
         console.print(f"  text generation: max batch {generation['max_batch']}, max context {generation['max_context']}, cache "

@@ -195,9 +195,10 @@ def plan_step(prompts_left: dict[int, list[int]], decoding: dict[int, int], budg
 def stream_paged(session: PagedSession, rows: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = GREEDY,
                  stop_ids: Collection[int] = (), chunk: int | None = None) -> Iterator[list[int | None]]:
     """Generation over pages: each step fills the largest token budget with the running rows' decode
-    tokens and the next chunks of the prompts still prefilling (plan_step); yields, per step, each
-    row's new token, None for a row without one in that step (still prefilling, or finished: it
-    reached max context, or drew one of `stop_ids`, yielded then no more). Row i is prompt i.
+    tokens and the next chunks of the prompts still prefilling (plan_step); yields, per step that
+    generates a token, each row's new token, None for a row without one (still prefilling, or
+    finished: it reached max context, or drew one of `stop_ids`, yielded then no more). Row i is
+    prompt i.
     """
     program = session.program
     program.check_rows(rows, max_new_tokens)
@@ -218,7 +219,8 @@ def stream_paged(session: PagedSession, rows: Sequence[Sequence[int]], max_new_t
             stacked[index] = logits[row]
         sampled = session.sample(stacked, [Draw(sampling, keys[row], generated[row]) for row in ready])
         new = dict(zip(ready, (int(token) for token in sampled.tokens)))
-        yield [new.get(row) for row in range(len(rows))]
+        if new:  # a step of prefill chunks alone generates nothing
+            yield [new.get(row) for row in range(len(rows))]
         for row, token in new.items():
             generated[row] += 1
             if token in stop_ids or generated[row] >= max_new_tokens or session.lengths[row] >= spec.max_context:
