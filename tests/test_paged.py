@@ -44,6 +44,10 @@ def test_paged_step_generates_what_generate_does(paged):
     assert case["sizes"] == {"tokens": TOKENS, "rows": MAX_BATCH} and case["lengths"] == [11, 3] and "chunks of 4" in case["label"]
     assert generation["kind"] == "paged" and generation["cache_shape"] == [2, MAX_BATCH * MAX_CONTEXT // PAGE_SIZE, PAGE_SIZE, 2 * 2 * 16]
     assert sorted(artifact.records.entry_points) == ["sample", "step"]
+    (bucket,) = [bucket for bucket in artifact.manifest["targets"]["cpu"]["buckets"] if bucket["entry_point"] == "step"]
+    figures = bucket["paged_step"]
+    assert figures["page_bytes"] * generation["num_pages"] == generation["cache_bytes"] == figures["cache_bytes"]
+    assert figures["tokens_fit"] == figures["pages_fit"] * PAGE_SIZE and figures["sequences_fit_at_mean_length"] == figures["pages_fit"] // 128
     prompts = [[int(token) for token in np.random.default_rng(3).integers(0, 256, 13)], [5, 6]]
     expected = [model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
                 for prompt in prompts]

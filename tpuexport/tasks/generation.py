@@ -167,6 +167,8 @@ class TextGenerationTask(Task):
 
     def bucket_figures(self, conversion: Conversion):
         spec = conversion.program.spec
+        if isinstance(conversion.program, lower_stage.PagedGenerationProgram):
+            return lambda name, result: {"paged_step": paged_step_figures(result, spec)} if name == "step" else {}
         return lambda name, result: {"decode_step": decode_step_figures(result, spec)} if name == "decode" else {}
 
 
@@ -419,6 +421,19 @@ def decode_step_figures(result, spec) -> dict:
         "bytes_accessed_over_must_read": round(accessed / must_read, 4) if accessed > 0 and must_read else "unknown",
         "largest_batch_estimate": max(0, int(spec.max_batch + headroom // per_slot)) if per_slot > 0 else "unknown",
     }
+
+
+def paged_step_figures(result, spec, mean_length: int = 512) -> dict:
+    """What a paged step's executable leaves for pages on its chip: the weights (its arguments less the
+    cache) and its temporaries stay, the rest of HBM holds pages; with the sequences of `mean_length`
+    positions those pages hold (each row's last page partly filled)."""
+    memory = result.memory
+    page_bytes = spec.cache_bytes // spec.num_pages
+    weights = memory["argument_bytes"] - spec.cache_bytes
+    pages = max(0, (result.target.hbm_bytes_per_device - weights - memory["temp_bytes"]) // page_bytes)
+    return {"cache_bytes": spec.cache_bytes, "page_bytes": page_bytes, "weight_bytes": weights, "temp_bytes": memory["temp_bytes"],
+            "pages_fit": int(pages), "tokens_fit": int(pages * spec.page_size), "mean_length": mean_length,
+            "sequences_fit_at_mean_length": int(pages // -(-mean_length // spec.page_size))}
 
 
 def _cache_bytes_per_device(result, spec) -> int:
