@@ -131,6 +131,7 @@ def test_reference_attention_is_ragged_paged_attention():
     (["--page-size", "8"], "--page-size applies to the paged KV cache; add --kv-cache paged"),
     (["--kv-cache", "pages"], "unknown --kv-cache 'pages'"),
     (["--kv-cache", "paged", "--kv-cache-dtype", "int8"], "--kv-cache paged does not support --kv-cache-dtype int8 yet"),
+    (["--kv-cache", "paged", "--max-batch", "1"], "give max batch >= 2 (rows of a step)"),
 ])
 def test_bad_page_options_are_refused_in_one_line(tmp_path, options, expected):
     factory = tmp_path / "lm.py"
@@ -138,8 +139,8 @@ def test_bad_page_options_are_refused_in_one_line(tmp_path, options, expected):
                        "hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, "
                        "max_position_embeddings=64)).eval()\n")
     before = {path.name for path in tmp_path.iterdir()}
-    result = tpuexport_in_process("convert", f"{factory}:build", "--task", "text-generation", "--max-context", "64", "--target", "cpu",
-                                  *options, "-o", tmp_path / "lm.tpu", cwd=tmp_path)
+    result = tpuexport_in_process("convert", f"{factory}:build", "--task", "text-generation", "--max-context", "64", "--max-batch", "2",
+                                  "--target", "cpu", *options, "-o", tmp_path / "lm.tpu", cwd=tmp_path)
     assert_clean_bad_input(result, tmp_path, expected, before)
 
 
@@ -147,5 +148,5 @@ def test_sliding_window_layers_are_refused_with_pages(tmp_path):
     from test_generation import tiny_qwen2
 
     with pytest.raises(tpuexport.TpuExportError, match="sliding-window layers, which the paged step does not mask yet"):
-        tpuexport.convert(tiny_qwen2(), task="text-generation", max_context=32, kv_cache="paged", target="cpu", out=tmp_path / "q.tpu")
+        tpuexport.convert(tiny_qwen2(), task="text-generation", max_context=32, max_batch=2, kv_cache="paged", target="cpu", out=tmp_path / "q.tpu")
     assert not (tmp_path / "q.tpu").exists()

@@ -47,7 +47,6 @@ KV_CACHES = ("static", "paged")
 PAGED_CACHE_INPUTS = ("cache_kv",)
 # vLLM's default block size; JAX's tuned kernel table starts at 16 too.
 DEFAULT_PAGE_SIZE = 16
-STEP_INPUTS = ("tokens", "positions", "token_rows", "page_indices", "kv_lens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +76,6 @@ class PagedSpec:
     token_buckets: tuple[int, ...]
     row_buckets: tuple[int, ...]
 
-    kv_cache_dtype = "model"
-    quantized = False
-    window_layers = ()
     cache_inputs = PAGED_CACHE_INPUTS
 
     @property
@@ -157,8 +153,11 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "base_model") or model.get_output_embeddings() is None:
         raise TpuExportError(f"--kv-cache paged needs a Hugging Face causal LM (e.g. LlamaForCausalLM); got {type(model).__name__}")
-    if max_batch < 1 or max_context < 2:
-        raise TpuExportError(f"--max-batch {max_batch} / --max-context {max_context} out of range; give max batch >= 1 and max context >= 2")
+    if max_batch < 2 or max_context < 2:
+        # One row makes the rows static, and torch.export then cannot prove its own stride guard on the
+        # keys (min(16 T + 512, 32 T + 1024) == 16 T + 512 for a tiny Llama at context 32): refused.
+        raise TpuExportError(f"--max-batch {max_batch} / --max-context {max_context} out of range for --kv-cache paged; give max batch >= 2 "
+                             "(rows of a step) and max context >= 2, or --kv-cache static for one row")
     check_decoder(model)
     if any(window is not None for window in attention_windows(model).values()):
         raise TpuExportError(f"--kv-cache paged: {type(model).__name__} has sliding-window layers, which the paged step does not mask yet; "
@@ -280,12 +279,12 @@ class Step(_EntryPoint):
 
 def step_example_arguments(spec: PagedSpec, device: str = "cpu") -> tuple[tuple, tuple]:
     """The step's example inputs and torch.export dynamic_shapes: tokens (1..largest budget) and rows
-    (1..max_batch; static with one row) are dims."""
+    (1..max_batch) are dims."""
     rows = spec.max_batch
     count = max(2, min(spec.token_buckets))
     cache = torch.zeros(spec.cache_shape, dtype=getattr(torch, spec.dtype), device=device)
     args = (torch.ones(count, dtype=torch.long), torch.arange(count, dtype=torch.long), torch.zeros(count, dtype=torch.long),
             torch.zeros((rows, spec.pages_per_row), dtype=torch.long), torch.full((rows,), count, dtype=torch.long), cache)
     tokens = torch.export.Dim("tokens", min=1, max=max(max(spec.token_buckets), 2))
-    row_dim = {0: torch.export.Dim("rows", min=1, max=spec.max_batch)} if spec.max_batch > 1 else None
+    row_dim = {0: torch.export.Dim("rows", min=1, max=spec.max_batch)}
     return args, ({0: tokens}, {0: tokens}, {0: tokens}, row_dim, row_dim, None)

@@ -100,7 +100,7 @@ class PagedSession:
         self.run = runner or cpu_runner(program)
         spec = program.spec
         inputs = program.entry_points["step"].signature.inputs
-        self.index_dtypes = [spec_.dtype for spec_ in inputs[:5]]
+        self.index_dtypes = [tensor.dtype for tensor in inputs[:5]]
         self.cache = tuple(np.zeros(shape, tensor.dtype) for (shape, _), tensor in zip(spec.cache_tensors().values(), inputs[5:], strict=True))
         # Handed out from the end: a row's pages are not in order, and rows' pages interleave.
         self.free = list(range(spec.num_pages))

@@ -230,7 +230,7 @@ def _paged_spec(conversion: Conversion, requested: dict[str, list[int]]) -> Prog
     args, shapes = export_stage.step_example_arguments(spec, "meta" if conversion.plan_only and export_stage.weights_on_meta(model) else "cpu")
     source = export_stage.LoadedSource(module, args, shapes, None, loaded.info)
     source = export_stage.on_meta_device(source) if conversion.plan_only else source
-    sizes = {"tokens": list(spec.token_buckets)} | ({"rows": list(spec.row_buckets)} if spec.max_batch > 1 else {})
+    sizes = {"tokens": list(spec.token_buckets), "rows": list(spec.row_buckets)}
     sample_args, sample_shapes = export_stage.sample_example_arguments(spec.vocab)
     entry_points = {"step": EntryPointSpec(source, sizes, PAGED_KERNEL_REASON),
                     "sample": EntryPointSpec(export_stage.LoadedSource(export_stage.Sample(spec.vocab), sample_args, sample_shapes, None, loaded.info),
