@@ -69,7 +69,8 @@ def plan(layers: int, kv_cache: str, tokens: list[int], target: str) -> dict:
         memory, cost = bucket["memory"], bucket.get("cost") or {}
         executables[name] = {"argument_bytes": memory["argument_bytes"], "alias_bytes": memory.get("alias_bytes"),
                              "temp_bytes": memory["temp_bytes"], "bytes_accessed": cost.get("bytes_accessed"),
-                             "compile_seconds": round(manifest["build"]["compile_seconds"][f"{target}/{name}"], 1)}
+                             "compile_seconds": round(manifest["build"]["compile_seconds"][f"{target}/{name}"], 1),
+                             "paged_step": bucket.get("paged_step")}
     return {"kv_cache": kv_cache, "layers": layers, "cache_bytes": manifest["generation"]["cache_bytes"],
             "cache_shape": manifest["generation"]["cache_shape"], "executables": executables, "seconds": round(time.perf_counter() - start, 1)}
 
@@ -164,6 +165,13 @@ def main() -> None:
             print(f"| {kv_cache} {result['cache_shape']} | {name} | {figures['argument_bytes'] / GIB:.3f} | "
                   f"{(figures['alias_bytes'] or 0) / GIB:.3f} | {figures['temp_bytes'] / GIB:.3f} | "
                   f"{accessed / GIB if accessed else float('nan'):.3f} | {figures['compile_seconds']} |", flush=True)
+    for result in results:
+        for name, figures in result["executables"].items():
+            if figures["paged_step"]:
+                held = figures["paged_step"]
+                print(f"\n{name} at {result['layers']} layers: the rest of the chip's HBM holds {held['pages_fit']} pages = "
+                      f"{held['tokens_fit']} positions = {held['sequences_fit_at_mean_length']} sequences of mean length "
+                      f"{held['mean_length']} (weights {held['weight_bytes'] / GIB:.2f} GiB, temporaries {held['temp_bytes'] / GIB:.2f} GiB)")
     if options.json:
         options.json.write_text(json.dumps({"capacity": held, "plans": results}, indent=2) + "\n")
 

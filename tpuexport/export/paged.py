@@ -7,9 +7,12 @@ row's next-token logits.
       Token t belongs to row token_rows[t] (-1: a padding token, which writes nothing and whose
       output nobody reads) at position positions[t]; a row's tokens are consecutive positions.
       Position p of row r lives at page page_indices[r, p // page_size], offset p % page_size.
-      kv_lens[r] is row r's length once the step has appended its tokens. Token t attends to the
-      keys of its own row at positions <= positions[t] (and < kv_lens[r]). logits[r] are those of
-      row r's last token in the step (rows without a token give a row of values nobody reads).
+      kv_lens[r] is row r's length once the step has appended its tokens. Token t of row r attends
+      to row r's cached positions before the step's (< kv_lens[r] less its tokens in the step) and
+      to the step's own tokens of row r at positions <= positions[t], as ragged paged attention
+      does. logits[r] are those of row r's last token in the step (rows without a token give a row
+      of values nobody reads). Keys and values must have one width (multi-head latent attention's
+      do not: its export fails).
 
 The cache is one tensor, `cache_kv` [layers, num_pages, page_size, 2 * kv_heads * head_dim]: per
 position, its keys (kv_heads x head_dim) then its values. Measured on v5e (Llama-3.2-1B's 8 kv heads
