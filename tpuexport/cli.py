@@ -152,13 +152,18 @@ def _describe_window_cache(generation: dict) -> str:
 @click.option("--sliding-window-cache", default="bounded", show_default=True,
               help="text-generation: 'bounded' keeps W positions per slot (a ring) when every layer attends within one "
                    "sliding window W < max context (Mistral, Mixtral, Phi-3); 'full' keeps max-context positions.")
+@click.option("--kv-cache", default="static", show_default=True,
+              help="text-generation: 'static' (prefill and decode over max batch x max context) or 'paged' (one step entry "
+                   "point over pages taken as rows grow; --bucket tokens=...,rows=...).")
+@click.option("--page-size", type=int, help="--kv-cache paged: positions per page [default: 16].")
+@click.option("--num-pages", type=int, help="--kv-cache paged: pages in the cache [default: max batch rows of max context].")
 @click.option("--verify-new-tokens", type=int, default=8, show_default=True,
               help="text-generation: tokens each verification prompt generates, compared with generate().")
 @handles_errors
 def convert(source, targets, out, buckets, precision, matmul_precision, kernels, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
             shard_inputs, as_json, atol, rtol, scale_tol, verify_budget, verify_sizes, scan, saved_model, model_name, model_version, quantize,
             group_size, keep_float, calibration_file, random_calibration, weights, checkpoint, max_context, max_batch, cache_layout,
-            kv_cache_dtype, sliding_window_cache, verify_new_tokens):
+            kv_cache_dtype, sliding_window_cache, kv_cache, page_size, num_pages, verify_new_tokens):
     """Convert SOURCE (a Hugging Face model directory or hf:ORG/NAME with --task, model.pt2, file.py:factory, or model.pt with
     --trust-pickle) into an artifact."""
     overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
@@ -172,7 +177,8 @@ def convert(source, targets, out, buckets, precision, matmul_precision, kernels,
         scan=scan, saved_model=saved_model and weights, model_name=model_name, model_version=model_version, quantize=quantize,
         group_size=group_size, keep_float=keep_float, calibration_file=calibration_file, random_calibration=random_calibration,
         weights=weights, checkpoint=checkpoint, max_context=max_context, max_batch=max_batch, cache_layout=cache_layout,
-        kv_cache_dtype=kv_cache_dtype, sliding_window_cache=sliding_window_cache, new_tokens=verify_new_tokens,
+        kv_cache_dtype=kv_cache_dtype, sliding_window_cache=sliding_window_cache, kv_cache=kv_cache, page_size=page_size,
+        num_pages=num_pages, new_tokens=verify_new_tokens,
     )
 
 
@@ -340,7 +346,12 @@ def inspect(artifact_dir, as_json):
         hf = data["huggingface"]
         console.print(f"  hugging face: task {hf['task']}, {hf['architecture']}, revision {hf['revision'] or 'none (not from the cache)'}; "
                       f"files {', '.join(hf['files'].values()) or 'none'}")
-    if "generation" in data:
+    if data.get("generation", {}).get("kind") == "paged":
+        generation = data["generation"]
+        console.print(f"  text generation over pages: max batch {generation['max_batch']}, max context {generation['max_context']}, "
+                      f"{generation['num_pages']} pages of {generation['page_size']} ({generation['capacity_tokens']} positions), cache "
+                      f"{generation['cache_shape']} {generation['dtype']} ({generation['cache_bytes'] / 2**20:.2f} MiB)")
+    elif "generation" in data:
         generation = data["generation"]
         cross = (f" + cross {generation['cross_shape']} x2 (max source {generation['max_source']})" if "cross_shape" in generation else "")
         console.print(f"  text generation: max batch {generation['max_batch']}, max context {generation['max_context']}, cache "

@@ -346,6 +346,8 @@ def _check_options(options: ConversionOptions) -> tuple[list, list]:
     lower_stage.check_kernel_mode(options.kernels)
     export_stage.check_kv_cache_dtype(options.kv_cache_dtype)
     export_stage.check_sliding_window_cache(options.sliding_window_cache)
+    export_stage.check_kv_cache(options.kv_cache)
+    export_stage.check_page_options(options.page_size, options.num_pages, options.kv_cache, options.max_context)
     if options.kv_cache_dtype == "int8" and options.pt2e:
         raise TpuExportError(f"--kv-cache-dtype int8 with --quantize {options.quantize} is not supported yet (PT2E would quantize "
                              "around the cache's own int8 rounding); use it with a weight-only mode or without --quantize")

@@ -72,6 +72,9 @@ class ConversionOptions:
         with per-vector scales; export.KV_CACHE_DTYPES; text-generation).
       sliding_window_cache: "bounded" (a ring of W positions per slot when every layer attends
         within one window W < max_context) or "full" (export.SLIDING_WINDOW_CACHES; text-generation).
+      kv_cache: "static" (max context per slot: prefill and decode) or "paged" (pages taken as rows
+        grow: one step entry point; export/paged.py; text-generation).
+      page_size, num_pages: the paged cache's positions per page and pages (None: the defaults).
       new_tokens: tokens generated per prompt by the generation verification.
     """
 
@@ -103,6 +106,9 @@ class ConversionOptions:
     cache_layout: str = export_stage.DEFAULT_CACHE_LAYOUT
     kv_cache_dtype: str = "model"
     sliding_window_cache: str = "bounded"
+    kv_cache: str = "static"
+    page_size: int | None = None
+    num_pages: int | None = None
     new_tokens: int = verify_stage.DEFAULT_NEW_TOKENS
 
     @property
