@@ -74,35 +74,52 @@ def random_llama(layers: int, hidden: int, max_context: int):
 
 
 @contextlib.contextmanager
-def served(arguments: list[str], ready_path: str, timeout: float = 600):
+def served(arguments: list[str], ready_path: str, timeout: float = 600, log_path: pathlib.Path | None = None,
+           clean_exit: bool = False):
     """A server started as `python -m ARGUMENTS... --port PORT` on a free loopback port, yielded as its
     base URL once GET ready_path answers 200; stopped with SIGTERM (killed after 60 s) on leaving.
 
+    Args:
+      arguments: the module and its arguments, without --port.
+      ready_path: the path that answers 200 once the server is ready.
+      timeout: seconds to wait for that.
+      log_path: where its stdout and stderr go (a temporary file if None).
+      clean_exit: whether a server that does not exit 0 on SIGTERM is an error (the tests' promise).
     Raises:
       SystemExit: the server exited or was not ready within `timeout` seconds (with its log's end).
+      AssertionError: with clean_exit, the server did not exit 0 after SIGTERM.
     """
     import requests
 
     port = free_port()
-    log = tempfile.TemporaryFile(mode="w+")
+    log = open(log_path, "w+") if log_path else tempfile.TemporaryFile(mode="w+")
+
+    def log_end() -> str:
+        log.flush()
+        log.seek(0)
+        return log.read()[-3000:]
+
     server = subprocess.Popen([sys.executable, "-m", *arguments, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
                               env=child_environment())
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise SystemExit(f"{arguments[0]} did not start: {log.read()[-3000:]}")
-            try:
-                if requests.get(f"{base}{ready_path}", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                time.sleep(0.2)
-        yield base
-    finally:
-        server.send_signal(signal.SIGTERM)
+    with log:
         try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+            deadline = time.monotonic() + timeout
+            while True:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"{arguments[0]} did not start: {log_end()}")
+                try:
+                    if requests.get(f"{base}{ready_path}", timeout=2).status_code == 200:
+                        break
+                except requests.ConnectionError:
+                    time.sleep(0.2)
+            yield base
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+        if clean_exit:
+            assert server.returncode == 0, f"the server exited {server.returncode} on SIGTERM: {log_end()}"

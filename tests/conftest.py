@@ -2,65 +2,28 @@
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import os
 import pathlib
-import signal
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
-import requests
 
 import tpuexport
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-# benchmarks/families.py (real architectures), planted_bugs.py and chat_model.py are shared with the tests.
+# benchmarks/families.py (real architectures), planted_bugs.py and chat_model.py are shared with the tests,
+# and _common's example builder, free port and server.
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import _common  # noqa: E402
+from _common import build_example, free_port  # noqa: E402,F401  (re-exported to the tests)
 
 
-def build_example(name: str) -> dict:
-    """Calls examples/<name>.py:build() and returns its dict (model, args, dynamic_shapes)."""
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build()
-
-
-def free_port() -> int:
-    """A loopback port free now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextlib.contextmanager
 def served(artifact: pathlib.Path, log_path: pathlib.Path, grpc_port: int = 0):
     """`tpuexport serve ARTIFACT` as its own process on a free loopback port (REST; gRPC too on
     `grpc_port` unless 0), once it answers /readyz: yields its base URL; stopped with SIGTERM,
     after which it must exit 0."""
-    port = free_port()
-    with open(log_path, "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "tpuexport.cli", "serve", str(artifact), "--port", str(port), "--grpc-port", str(grpc_port)],
-                                  stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            try:
-                if requests.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                time.sleep(0.3)
-        yield base
-    finally:
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=60) == 0
+    return _common.served(["tpuexport.cli", "serve", str(artifact), "--grpc-port", str(grpc_port)], "/readyz", timeout=180,
+                          log_path=log_path, clean_exit=True)
 
 
 def convert_example(name: str, out: pathlib.Path, **options) -> tpuexport.Artifact:

@@ -66,10 +66,12 @@ def lowered_entry_point(module: torch.nn.Module, spec: export_stage.GenerationSp
 
 @pytest.fixture(scope="session")
 def llama_generation(tmp_path_factory):
-    """A tiny Llama converted for text generation, for v5e and the cpu target (the runtime's executables): (artifact, model)."""
+    """A tiny Llama converted for text generation, for v5e and the cpu target (the runtime's executables),
+    with prefill batches 1 and 2 (the default: a request of one prompt can join a running decode
+    batch): (artifact, model)."""
     model = tiny_llama()
     artifact = tpuexport.convert(model, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH,
-                                 buckets={"seq": [16], "batch": [MAX_BATCH]}, target=["v5e", "cpu"],
+                                 buckets={"seq": [16]}, target=["v5e", "cpu"],
                                  out=tmp_path_factory.mktemp("llama") / "llama.tpu")
     return artifact, model
 
@@ -79,8 +81,9 @@ def test_llama_artifact_generates_what_generate_does(llama_generation):
     manifest = artifact.manifest
     verification = manifest["verification"]
     assert verification["passed"] and verification["tokens_compared"] >= MAX_BATCH * 8
-    # Rows of different lengths, right-padded in one prefill bucket, written to slots that are not their rows.
-    (case,) = verification["cases"]
+    # Every prefill bucket verified; rows of different lengths, right-padded in one prefill bucket, written to slots that are not their rows.
+    assert [case["sizes"] for case in verification["cases"]] == [{"batch": 1, "seq": 16}, {"batch": MAX_BATCH, "seq": 16}]
+    case = verification["cases"][-1]
     assert case["sizes"] == {"batch": MAX_BATCH, "seq": 16} and len(set(case["lengths"])) == MAX_BATCH and max(case["lengths"]) == 16
     assert case["slots"] == [1, 0]
     # One weights file shared by the entry points; the cache donated and aliased by the compiled executables
@@ -465,19 +468,11 @@ def test_cpu_executables_update_a_bf16_cache_as_bit_patterns(tmp_path):
     assert prefill["cache_k"].is_deleted()  # donated, updated in place
 
 
-@pytest.fixture(scope="module")
-def llama_serving(tmp_path_factory):
-    """The tiny Llama for the cpu target with prefill batches 1 and 2 (the default): requests of one
-    prompt each can join a running decode batch."""
-    return tpuexport.convert(tiny_llama(), task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, buckets={"seq": [16]},
-                             target="cpu", saved_model=False, out=tmp_path_factory.mktemp("llama_serving") / "llama.tpu")
-
-
-def test_serve_batches_generate_requests_continuously(llama_serving, tmp_path):
+def test_serve_batches_generate_requests_continuously(llama_generation, tmp_path):
     """Concurrent generate requests share the KV cache's slots and its decode steps; a request that
     finds no free slot waits and joins between two steps of the others; each one streams, as JSON
     lines, the tokens it would get alone."""
-    artifact = llama_serving
+    artifact, _ = llama_generation
     with served(artifact.path, tmp_path / "server.log") as base:
         url = f"{base}/v1/models/llama:generate"
         requested = [([5, 17, 42, 7], 4), ([99, 3], 12), ([8, 8, 1], 6)]  # three requests, two slots

@@ -35,7 +35,7 @@ def chat(tmp_path_factory):
     source = directory / MODEL
     source.mkdir()
     facts = save_chat_model(source)
-    options = ConversionOptions(("cpu",), directory / f"{MODEL}.tpu", buckets={"seq": [16, 32]}, task="text-generation", max_context=64,
+    options = ConversionOptions(("cpu",), directory / f"{MODEL}.tpu", buckets={"seq": [32]}, task="text-generation", max_context=64,
                                 max_batch=4, new_tokens=6)
     artifact = run_conversion(load_source(str(source), task="text-generation"), options)
     model = transformers.AutoModelForCausalLM.from_pretrained(source).eval()

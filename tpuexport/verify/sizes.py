@@ -23,6 +23,7 @@ import dataclasses
 
 import numpy as np
 
+from tpuexport.arrays import numpy_dtype
 from tpuexport.errors import TpuExportError
 from tpuexport.lower.cost import flops_at
 from tpuexport.signature import ProgramSignature
@@ -124,11 +125,7 @@ def within_memory_bound(signature: ProgramSignature, sizes: dict[str, int]) -> b
 
 def output_bytes(signature: ProgramSignature, sizes: dict[str, int]) -> int:
     """The outputs' bytes at `sizes`, at 4 bytes an element or more (compared in f32)."""
-    return sum(int(np.prod(spec.concrete_shape(sizes))) * max(4, _itemsize(spec.dtype)) for spec in signature.outputs)
-
-
-def _itemsize(dtype: str) -> int:
-    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+    return sum(int(np.prod(spec.concrete_shape(sizes))) * max(4, numpy_dtype(spec.dtype).itemsize) for spec in signature.outputs)
 
 
 def _input_elements(signature: ProgramSignature, sizes: dict[str, int]) -> int:
