@@ -37,6 +37,9 @@ class Target:
         device standing for the whole chip.
       name_counts: what the number in a slice's name counts, "chips" or "TensorCores".
       platform: the XLA platform compiled for, "tpu" or "cpu" (CPU_TARGET).
+      processes: the processes (hosts) a CPU twin runs as under jax.distributed, `devices //
+        processes` devices each (`cpu-PxK`, slices.py); 1 otherwise. A TPU slice's hosts are
+        libtpu's topology's, recorded per target in the manifest when it compiles.
     """
 
     name: str
@@ -51,6 +54,7 @@ class Target:
     devices: int = 1
     name_counts: str = "chips"
     platform: str = "tpu"
+    processes: int = 1
 
     @property
     def is_slice(self) -> bool:
