@@ -445,13 +445,15 @@ def generate(artifact_dir, token_lists, texts, features_file, max_new_tokens, te
     else:
         prompts = [parse_tokens(text) for text in token_lists] or [tokenizer(text)["input_ids"] for text in texts]
     generated: list[list[int]] = [[] for _ in prompts]
-    runner = _generation_runner(artifact, _cluster(coordinator, num_processes, process_id, process_timeout, [artifact_dir]))
+    cluster = _cluster(coordinator, num_processes, process_id, process_timeout, [artifact_dir])
+    out = _stdout_kept_for_tokens() if cluster is not None else sys.stdout
+    runner = _generation_runner(artifact, cluster)
     if runner is not None and runner.mirror is not None and not runner.mirror.leader:
         runner.follow()
         return
     try:
         for step in (runner or artifact).stream(prompts, max_new_tokens, sampling, ignore_eos):
-            click.echo(" ".join("-" if token is None else str(token) for token in step))
+            click.echo(" ".join("-" if token is None else str(token) for token in step), file=out)
             for row, token in enumerate(step):
                 if token is not None:
                     generated[row].append(token)
@@ -460,7 +462,19 @@ def generate(artifact_dir, token_lists, texts, features_file, max_new_tokens, te
             runner.close()
     stops = () if ignore_eos else artifact.eos_token_ids
     for tokens in generated if tokenizer else ():
-        click.echo(tokenizer.decode(tokens[:-1] if tokens and tokens[-1] in stops else tokens))
+        click.echo(tokenizer.decode(tokens[:-1] if tokens and tokens[-1] in stops else tokens), file=out)
+
+
+def _stdout_kept_for_tokens():
+    """A file on the process's stdout, file descriptor 1 then pointing at stderr: gloo (the CPU
+    collectives of a multi-process run) prints its connection lines on descriptor 1 from C++, which
+    would mix them into the tokens."""
+    import os
+
+    sys.stdout.flush()
+    tokens = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    return tokens
 
 
 def _generation_runner(artifact, cluster=None):

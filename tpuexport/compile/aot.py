@@ -300,6 +300,7 @@ def compile_target(
             "exported": str(exported_path),
             "platform": target.platform,
             "processes": target.processes,
+            "host_bounds": list(target.host_bounds) if target.host_bounds else None,
             # State outputs (the KV cache) stay laid out as the next call takes them; on a multi-host
             # slice the others are replicated, so that every host can read them whole.
             "state_outputs": [spec.name in input_names for spec in lowered.signature.outputs],

@@ -161,8 +161,10 @@ def main() -> None:
     elif request["platform"] == "cpu":
         devices_available = jax.devices("cpu")
     else:
-        # A single chip is a one-chip host; a slice keeps libtpu's default hosts for its topology.
-        bounds = {"chips_per_host_bounds": (1, 1, 1)} if request["mesh"] is None else {}
+        # A single chip is a one-chip host; a slice has Cloud TPU's hosts ("host_bounds" where they
+        # differ from libtpu's default for the topology).
+        bounds = ({"chips_per_host_bounds": (1, 1, 1)} if request["mesh"] is None
+                  else {"chips_per_host_bounds": tuple(request["host_bounds"])} if request.get("host_bounds") else {})
         devices_available = topologies.get_topology_desc(topology_name=request["topology"], platform="tpu", **bounds).devices
     weight_shardings, input_shardings, device_ids = shardings(request, devices_available)
     weights = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)

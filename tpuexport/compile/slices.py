@@ -50,6 +50,10 @@ _SLICE_SHAPES = {
     "v5p": ("TensorCores", 1, {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4", 256: "4x4x8"}),
     "7x": ("TensorCores", 2, {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4"}),
 }
+# Slices whose Cloud TPU machine holds more chips than libtpu's compile-only topology puts on a host:
+# v5litepod-8 and v6e-8 are one VM of 8 chips (ct5lp-hightpu-8t, ct6e-standard-8t), while libtpu
+# splits a 2x4 grid into two hosts of 2x2 (whose processes the manifest records, device_processes).
+_ONE_HOST_OF_EIGHT = {("v5e", 8): (2, 4, 1), ("v6e", 8): (2, 4, 1)}
 # Other spellings Cloud TPU uses for the same slices.
 _ALIASES = {"v5litepod": "v5e"}
 _SLICE_NAME = re.compile(r"([a-z0-9]+)-(\d+)")
@@ -72,7 +76,7 @@ def _slice(chip: Target, number: int, grid: str, name_counts: str, devices_per_c
     chips = math.prod(int(side) for side in grid.split("x"))
     return dataclasses.replace(
         chip, name=f"{chip.name}-{number}", topology=f"{chip.topology.split(':')[0]}:{grid}",
-        chips=chips, devices=chips * devices_per_chip, name_counts=name_counts,
+        chips=chips, devices=chips * devices_per_chip, name_counts=name_counts, host_bounds=_ONE_HOST_OF_EIGHT.get((chip.name, number)),
     )
 
 

@@ -40,6 +40,8 @@ class Target:
       processes: the processes (hosts) a CPU twin runs as under jax.distributed, `devices //
         processes` devices each (`cpu-PxK`, slices.py); 1 otherwise. A TPU slice's hosts are
         libtpu's topology's, recorded per target in the manifest when it compiles.
+      host_bounds: the chips of one host as libtpu's `chips_per_host_bounds`, where Cloud TPU's
+        hosts differ from libtpu's default for the topology (slices.py); None for the default.
     """
 
     name: str
@@ -55,6 +57,7 @@ class Target:
     name_counts: str = "chips"
     platform: str = "tpu"
     processes: int = 1
+    host_bounds: tuple[int, int, int] | None = None
 
     @property
     def is_slice(self) -> bool:

@@ -17,10 +17,15 @@ does not abort the leader (without it, the coordination service terminates every
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import itertools
 import json
+import os
+import sys
 import threading
+import time
 import weakref
 
 import jax
@@ -30,12 +35,16 @@ from jax._src import distributed as jax_distributed  # the KV store of jax.distr
 from jax._src import xla_bridge
 
 from tpuexport.devices import platform_chosen, tpu_chips_on_this_machine
-from tpuexport.errors import TpuExportError
+from tpuexport.errors import EXIT_BAD_INPUT, TpuExportError
 
 DEFAULT_TIMEOUT_SECONDS = 60.0
+# What a follower's disconnection from the coordinator takes at most, measured in ms on loopback.
+LEAVE_GRACE_SECONDS = 0.5
 # Followers wait this long for the next step before asking again (the leader may be idle for hours).
 _IDLE_POLL_MS = 60_000
 _runner_numbers = itertools.count()
+# Set once a follower is lost: the leader then leaves without waiting for the followers.
+_lost_followers = False
 
 
 class ProcessLost(TpuExportError):
@@ -94,7 +103,40 @@ def join(cluster: Cluster) -> None:
         where = f"the coordinator at {cluster.coordinator}" if cluster.coordinator else "the Cloud TPU coordinator"
         raise TpuExportError(f"could not join {where} within {timeout} s ({' '.join(str(error).split())[:200]}); start process 0 "
                              "first and give every process the same --coordinator and --num-processes") from None
+    # Runs before jax's own shutdown at exit (registered when jax was imported, atexit runs the last first).
+    atexit.register(leave, cluster.timeout)
     _check_counts(jax.process_index(), jax_distributed.global_state.num_processes, cluster.timeout)
+
+
+def leave(timeout: float) -> None:
+    """Leaves jax.distributed in order. The leader's coordinator goes with the leader, and a follower
+    whose disconnection finds no coordinator is aborted by jax (a stack trace instead of its one
+    line): so a follower says it is leaving and disconnects, and the leader waits (up to `timeout`
+    seconds, not at all once a follower was lost) for every follower's word, plus LEAVE_GRACE_SECONDS
+    for the disconnections themselves, before it leaves."""
+    state = jax_distributed.global_state
+    if state.client is None:
+        return
+    if state.process_id == 0:
+        deadline = time.monotonic() + (0 if _lost_followers else timeout)
+        for follower in range(1, state.num_processes):
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                break
+            with contextlib.suppress(RuntimeError):  # it did not say: it is gone or hangs
+                state.client.blocking_key_value_get(f"tpuexport/leaving/{follower}", remaining_ms)
+        if not _lost_followers:
+            time.sleep(LEAVE_GRACE_SECONDS)
+    else:
+        try:
+            state.client.key_value_set(f"tpuexport/leaving/{state.process_id}", "1")
+        except RuntimeError:
+            # The leader and its coordinator are gone: disconnecting would abort this process, which
+            # is failing anyway (its error line is printed), so it exits at once.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_BAD_INPUT)
+    jax.distributed.shutdown()
 
 
 def _check_counts(index: int, processes: int, timeout: float) -> None:
@@ -261,6 +303,8 @@ class Mirror:
 
     def lose(self, why: str) -> ProcessLost:
         """Marks the run lost; returns the error to raise."""
+        global _lost_followers
+        _lost_followers = _lost_followers or self.leader
         self.lost = (f"the multi-process run is lost: {why}; restart every process (the leader with --process-id 0 first)"
                      if not self.lost else self.lost)
         return ProcessLost(self.lost)
@@ -280,9 +324,10 @@ class Mirror:
                 if "DEADLINE_EXCEEDED" not in str(error):
                     raise self.lose(f"the leader (process 0) is gone ({' '.join(str(error).split())[:160]})") from None
         self.step += 1
-        self.client.key_value_set(f"{self.prefix}/took/{self.step}/{self.index}", "1")
         if data == b"stop":
+            leave(self.timeout_ms / 1000)
             return None
+        self.client.key_value_set(f"{self.prefix}/took/{self.step}/{self.index}", "1")
         step = Step.decode(data)
         for ref in step.released:
             self._arrays.pop(ref, None)
@@ -299,15 +344,11 @@ class Mirror:
                 self._arrays[(self.step, name)] = value
 
     def stop(self) -> None:
-        """Leader: tells the followers to exit (when the leader closes), waiting up to the timeout."""
+        """Leader: tells the followers to stop and leaves jax.distributed after them (`leave`)."""
         with self.lock:
             if self.lost or not self.leader:
                 return
             self.step += 1
             self.client.key_value_set_bytes(f"{self.prefix}/step/{self.step}", b"stop")
-            for follower in range(1, self.processes):
-                try:
-                    self.client.blocking_key_value_get(f"{self.prefix}/took/{self.step}/{follower}", self.timeout_ms)
-                except RuntimeError:
-                    pass  # it is gone already
             self.lost = "the leader stopped"
+        leave(self.timeout_ms / 1000)
