@@ -177,6 +177,20 @@ def served_by_two(artifact, log_dir):
             process.kill()
 
 
+def test_two_processes_serve_generation_with_the_tokens_of_one_device_and_stop_together(llama, tmp_path):
+    with served_by_two(llama.path, tmp_path) as (base, leader, follower):
+        answer = requests.post(f"{base}/v1/models/tp:generate", json={"prompts": PROMPTS, "max_new_tokens": 6}, timeout=60)
+        completion = requests.post(f"{base}/v1/completions", json={"model": "tp", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0},
+                                   timeout=60)
+        leader.send_signal(signal.SIGTERM)
+
+        assert leader.wait(timeout=60) == 0 and follower.wait(timeout=60) == 0  # the follower stops with the leader
+    expected = llama.generate(PROMPTS, 6, ignore_eos=True)
+    assert answer.status_code == 200 and json.loads(answer.text.splitlines()[-1]) == {"generated": expected}
+    assert completion.json()["choices"][0]["token_ids"] == expected[0]
+    assert "stopped after" in (tmp_path / "process1.log").read_text()
+
+
 def test_the_leader_serves_and_a_killed_follower_turns_it_unavailable(mlp, tmp_path):
     x = np.random.default_rng(1).standard_normal((2, 32)).astype(np.float32)
     expected = tpuexport.runner(mlp.path, target="cpu").run({"x": x})["output_0"]

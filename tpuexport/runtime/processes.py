@@ -86,7 +86,7 @@ def join(cluster: Cluster) -> None:
     if cluster.processes is not None and not 0 <= cluster.process_id < cluster.processes:
         raise TpuExportError(f"--process-id {cluster.process_id} is out of range for --num-processes {cluster.processes}; "
                              f"give 0 (the leader) to {cluster.processes - 1}")
-    if cluster.coordinator is not None and cluster.coordinator.rpartition(":")[2].isdigit() is False:
+    if cluster.coordinator is not None and not cluster.coordinator.rpartition(":")[2].isdigit():
         raise TpuExportError(f"--coordinator {cluster.coordinator!r} is not HOST:PORT; give process 0's address, e.g. 10.0.0.2:8476")
     if xla_bridge.backends_are_initialized():
         raise TpuExportError("JAX's devices were started before joining the other processes; open the runner (with its "
