@@ -238,7 +238,7 @@ class Runner:
     def _call(self, entry: EntryPoint, bucket: BucketEntry, arrays: list) -> list:
         executable, input_shardings = self._executables[(entry.name, bucket.name)]
         # Fresh buffers, donated to the executable (it may reuse them for outputs).
-        inputs = [jax.device_put(array, sharding) for array, sharding in zip(arrays, input_shardings)]
+        inputs = [_put(array, sharding) for array, sharding in zip(arrays, input_shardings)]
         return executable(self._weights, inputs)
 
     def _call_mirrored(self, request: PreparedRequest, arrays: list, on_device: bool) -> list:
@@ -461,6 +461,16 @@ def _place(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     only for the shards of this process's devices); on one device, the mapping itself (XLA:CPU runs an
     aligned array in place). benchmarks/studies/sharded_placement.py measures the host memory."""
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return jax.device_put(array, sharding)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def _put(array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """An input on the devices as `sharding` lays it out. A host array under a sharding that spans
+    other processes' devices is placed shard by shard from this process's copy: jax.device_put would
+    first check that every process's copy is equal (a collective, and a compilation per shape, at
+    every call), which the step protocol (processes.py) already makes so."""
+    if isinstance(array, jax.Array) or sharding.is_fully_addressable:
         return jax.device_put(array, sharding)
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
