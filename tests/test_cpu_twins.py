@@ -71,7 +71,8 @@ def test_the_runner_runs_the_twin_sharded_on_forced_cpu_devices_as_one_device_do
     # layers.0.weight [64, 32] and its bias [64] split in two along the model axis: each device holds its half.
     assert state["split"] == [[64 // DEVICES, 32], [64 // DEVICES]]
     assert state["difference"] < 1e-5
-    assert "was compiled over devices [0, 7] (mesh order); this host's devices are [0, 1]" in state["refused"]
+    assert "was compiled over devices [0, 7] (mesh order), and mesh position 1 is device 7, which this run lacks (its devices are [0, 1])" \
+        in state["refused"]
     assert "\n" not in state["refused"]
 
 

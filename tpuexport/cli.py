@@ -389,6 +389,34 @@ def inspect(artifact_dir, as_json):
     console.print(table)
 
 
+def cluster_options(command):
+    """The options of a multi-process run (one process per host of a multi-host slice, docs/multihost.md)."""
+    options = [
+        click.option("--coordinator", metavar="HOST:PORT", help="Process 0's address for jax.distributed (multi-host slices; every "
+                     "process gives the same). Without it on a Cloud TPU VM of a multi-host slice, JAX reads the TPU metadata."),
+        click.option("--num-processes", type=int, help="Processes (hosts) of the run, with --coordinator."),
+        click.option("--process-id", type=int, help="This process's index, 0 (the leader: it serves and prints) to N-1 (followers)."),
+        click.option("--process-timeout", type=float, default=60.0, show_default=True,
+                     help="Seconds to wait for the coordinator at start, and for every follower at each step."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _cluster(coordinator, num_processes, process_id, timeout, artifacts):
+    """The Cluster of a multi-process run, or None for one process: the flags' (checked when joining),
+    or on a machine with TPU chips serving a target of several hosts, the Cloud TPU metadata's."""
+    from tpuexport.artifact import load
+    from tpuexport.devices import tpu_chips_on_this_machine
+    from tpuexport.runtime.processes import Cluster
+
+    if coordinator is not None or num_processes is not None or process_id is not None:
+        return Cluster(coordinator, num_processes, process_id, timeout)
+    multi_host = any(target.get("processes", 1) > 1 for path in artifacts for target in load(path).manifest["targets"].values())
+    return Cluster(None, None, None, timeout) if multi_host and tpu_chips_on_this_machine() else None
+
+
 @main.command()
 @click.argument("artifact_dir", metavar="ARTIFACT", type=click.Path(path_type=pathlib.Path))
 @click.option("--tokens", "token_lists", multiple=True, metavar="ID,ID,...",
@@ -403,14 +431,17 @@ def inspect(artifact_dir, as_json):
 @click.option("--top-k", type=int, default=0, show_default=True, help="Sample from the K likeliest tokens (0: all).")
 @click.option("--seed", type=int, help="Seed of the draws (the same seed, prompt and options give the same tokens) [default: random].")
 @click.option("--ignore-eos", is_flag=True, help="Run on past the model's end-of-sequence tokens (its generation_config.json's).")
+@cluster_options
 @handles_errors
-def generate(artifact_dir, token_lists, texts, features_file, max_new_tokens, temperature, top_p, top_k, seed, ignore_eos):
+def generate(artifact_dir, token_lists, texts, features_file, max_new_tokens, temperature, top_p, top_k, seed, ignore_eos,
+             coordinator, num_processes, process_id, process_timeout):
     """Generation with a text-generation artifact (prefill, then decode steps over the KV cache, each token drawn by the
     sample entry point: greedy unless --temperature), printing each step's tokens as they come (one line per step, one
     id per prompt, "-" once a prompt has stopped); with --prompt, then each prompt's new text. A prompt stops at an
     end-of-sequence token unless --ignore-eos. An audio encoder-decoder (Whisper) generates from --features FILE.npy.
     Runs the executables of the target matching the devices JAX sees (JAX_PLATFORMS); on a CPU host without one, the
-    lowered program on CPU."""
+    lowered program on CPU. On a multi-host slice every host runs the same command with its --process-id; process 0
+    prints, the others run its steps."""
     from tpuexport.artifact import load
     from tpuexport.lower.sampling import Sampling
 
@@ -425,30 +456,54 @@ def generate(artifact_dir, token_lists, texts, features_file, max_new_tokens, te
     else:
         prompts = [parse_tokens(text) for text in token_lists] or [tokenizer(text)["input_ids"] for text in texts]
     generated: list[list[int]] = [[] for _ in prompts]
-    for step in (_generation_runner(artifact) or artifact).stream(prompts, max_new_tokens, sampling, ignore_eos):
-        click.echo(" ".join("-" if token is None else str(token) for token in step))
-        for row, token in enumerate(step):
-            if token is not None:
-                generated[row].append(token)
+    cluster = _cluster(coordinator, num_processes, process_id, process_timeout, [artifact_dir])
+    out = _stdout_kept_for_tokens() if cluster is not None else sys.stdout
+    runner = _generation_runner(artifact, cluster)
+    if runner is not None and runner.mirror is not None and not runner.mirror.leader:
+        runner.follow()
+        return
+    try:
+        for step in (runner or artifact).stream(prompts, max_new_tokens, sampling, ignore_eos):
+            click.echo(" ".join("-" if token is None else str(token) for token in step), file=out)
+            for row, token in enumerate(step):
+                if token is not None:
+                    generated[row].append(token)
+    finally:
+        if runner is not None:
+            runner.close()
     stops = () if ignore_eos else artifact.eos_token_ids
     for tokens in generated if tokenizer else ():
-        click.echo(tokenizer.decode(tokens[:-1] if tokens and tokens[-1] in stops else tokens))
+        click.echo(tokenizer.decode(tokens[:-1] if tokens and tokens[-1] in stops else tokens), file=out)
 
 
-def _generation_runner(artifact):
+def _stdout_kept_for_tokens():
+    """A file on the process's stdout, file descriptor 1 then pointing at stderr: gloo (the CPU
+    collectives of a multi-process run) prints its connection lines on descriptor 1 from C++, which
+    would mix them into the tokens."""
+    import os
+
+    sys.stdout.flush()
+    tokens = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    return tokens
+
+
+def _generation_runner(artifact, cluster=None):
     """The runner of the artifact's target matching the devices JAX sees, or None where those are CPUs
-    that no target's executables match (generation then runs the lowered program on CPU, as verified).
+    that no target's executables match (generation then runs the lowered program on CPU, as verified)
+    in a single process.
 
     Raises:
-      TpuExportError: accelerators that no target matches (naming what differs).
+      TpuExportError: accelerators that no target matches (naming what differs), or a multi-process
+        run that cannot load a target's executables.
     """
     from tpuexport.devices import runtime_devices
     from tpuexport.runtime import open_runner
 
     try:
-        return open_runner(artifact)
+        return open_runner(artifact, cluster=cluster)
     except TpuExportError:
-        if runtime_devices()[0].platform == "cpu":
+        if runtime_devices()[0].platform == "cpu" and cluster is None:
             return None
         raise
 
@@ -571,13 +626,17 @@ def _print_gate_table(report) -> None:
 @click.option("--target", help="Target whose executables to serve [default: the one matching this host's devices].")
 @click.option("--allow-recompile", is_flag=True, help="Compile the StableHLO when an artifact's compile key differs from this host.")
 @click.option("--max-body-mb", default=64.0, show_default=True, type=float, help="Largest REST request body.")
+@cluster_options
 @handles_errors
-def serve(artifacts, host, port, grpc_port, batch_timeout_ms, target, allow_recompile, max_body_mb):
-    """Serve artifacts with TF Serving's REST and gRPC APIs, from their AOT executables (no compiling)."""
+def serve(artifacts, host, port, grpc_port, batch_timeout_ms, target, allow_recompile, max_body_mb, coordinator, num_processes, process_id,
+          process_timeout):
+    """Serve artifacts with TF Serving's REST and gRPC APIs, from their AOT executables (no compiling). On a multi-host
+    slice every host runs the same command with its --process-id: process 0 serves, the others run its steps."""
     from tpuexport.serve import serve as run_server
 
     run_server(list(artifacts), host=host, port=port, grpc_port=grpc_port or None, batch_timeout_ms=batch_timeout_ms,
-               allow_recompile=allow_recompile, target=target, max_body_bytes=int(max_body_mb * 2**20))
+               allow_recompile=allow_recompile, target=target, max_body_bytes=int(max_body_mb * 2**20),
+               cluster=_cluster(coordinator, num_processes, process_id, process_timeout, artifacts))
 
 
 @main.command()

@@ -262,12 +262,14 @@ def _target_records(put, program: EntryPoints, reports: dict[str, CompileReport]
 
 
 def _target_facts(result: CompiledBucket) -> dict:
-    """A target's chip facts in its manifest record (a slice's devices and their ids too)."""
+    """A target's chip facts in its manifest record (a slice's devices, their ids and their processes too:
+    `processes` hosts, `device_processes` the process of each of device_ids, in mesh order)."""
     target = result.target
     facts = {"generation": target.generation, "topology": target.topology, "hbm_bytes": target.hbm_bytes, "platform": target.platform}
     if target.is_slice:
         facts.update({"chips": target.chips, "devices": target.devices, "hbm_bytes_per_device": target.hbm_bytes_per_device,
-                      "device_ids": list(result.device_ids)})
+                      "device_ids": list(result.device_ids), "processes": len(set(result.device_processes)) or 1,
+                      "device_processes": list(result.device_processes)})
     return facts
 
 
