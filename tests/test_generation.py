@@ -239,6 +239,25 @@ def test_eager_generation_ignores_the_models_own_eos_token():
     assert model.generation_config.eos_token_id == first[0]  # the model's own config is back
 
 
+def test_a_fill_over_the_memory_bound_is_verified_with_fewer_rows(llama_generation):
+    """A prefill bucket whose CPU fill needs more temporaries than the bound (XLA:CPU's memory
+    analysis, before anything runs) is verified with fewer rows, and says so; the bucket is still
+    compiled for the TPU as it is."""
+    artifact, model = llama_generation
+    program = artifact.generation_program
+    prefill = program.entry_points["prefill"]
+    one_row, two_rows = (prefill.run_temporary_bytes({"batch": batch, "seq": 16}) for batch in (1, 2))
+    assert 0 < one_row < two_rows
+    only_two_rows = lower_stage.GenerationProgram(program.spec, program.entry_points, (MAX_BATCH,))
+    report = verify_generation(only_two_rows, model, new_tokens=4, fill_bytes=one_row)
+    [case] = report.cases
+    assert report.passed and case.sizes == {"batch": 1, "seq": 16} and len(case.lengths) == 1
+    assert case.note.startswith("prefill bucket batch 2 x seq 16 verified at batch 1 x seq 16: its fill needs more than")
+    assert report.manifest_section()["cases"][0]["note"] == case.note
+    # Within the bound, every bucket runs as compiled.
+    assert [case.sizes for case in verify_generation(only_two_rows, model, new_tokens=4, fill_bytes=two_rows).cases] == [{"batch": 2, "seq": 16}]
+
+
 @pytest.mark.parametrize("buggy_decode", [OffByOneDecode, UnwrittenDecode, ShiftedRotaryDecode], ids=lambda cls: cls.__name__)
 def test_planted_cache_bugs_fail_verification(llama_generation, buggy_decode):
     artifact, model = llama_generation

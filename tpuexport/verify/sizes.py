@@ -34,6 +34,10 @@ DEFAULT_BUDGET_FLOPS = 5e10
 MAX_OPTIONAL_INPUT_ELEMENTS = 1 << 24
 # ... and below this many bytes of outputs per run (eager's and both program runs' are held at once).
 MAX_OPTIONAL_OUTPUT_BYTES = 1 << 30
+# A text-generation fill case's XLA:CPU temporaries (its prefill's attention scores over the cache
+# grow with batch x seq x max context: a Llama-3.2-1B-shaped fill of 8 x 2048 in a 4096 context, 11.3 GiB).
+# Larger fills are verified with fewer rows, then shorter prompts (verify/generation.py).
+MAX_FILL_TEMPORARY_BYTES = 2 << 30
 
 
 @dataclasses.dataclass(frozen=True)
