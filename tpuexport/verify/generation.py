@@ -38,6 +38,7 @@ import torch
 
 from tpuexport.lower.generation import GenerationProgram, GenerationSession, cpu_runner
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
+from tpuexport.lower.program import EntryPoints
 from tpuexport.verify.compare import OutputComparison, Tolerances, compare_output, sqnr_db
 from tpuexport.verify.report import RUNS, summary_section
 from tpuexport.verify.sizes import MAX_FILL_TEMPORARY_BYTES
@@ -359,9 +360,10 @@ def teacher_forced_logits(session: GenerationSession, prompts, slots, seq: int, 
     return np.stack([np.stack(row) for row in logits]).astype(np.float32)
 
 
-def cpu_runs(program: GenerationProgram) -> dict[str, dict[str, jax.export.Exported]]:
-    """The entry points' programs of each CPU run (RUNS): "tpu" their TPU-faithful rewrites, "cpu" the programs as lowered."""
-    precision = MATMUL_PRECISIONS[program.entry_points["decode"].matmul_precision]
+def cpu_runs(program: EntryPoints) -> dict[str, dict[str, jax.export.Exported]]:
+    """The entry points' programs of each CPU run (RUNS): "tpu" their TPU-faithful rewrites, "cpu" the programs as lowered
+    (a static or paged generation program's)."""
+    precision = MATMUL_PRECISIONS[program.weights_program.matmul_precision]
     return {"tpu": {name: tpu_faithful(lowered.exported, precision) for name, lowered in program.entry_points.items()},
             "cpu": {name: lowered.exported for name, lowered in program.entry_points.items()}}
 

@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 import torch
 
 from tpuexport.lower.generation import cpu_runner
-from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
 from tpuexport.lower.paged import PagedGenerationProgram, PagedSession, plan_step
-from tpuexport.verify.generation import (DEFAULT_NEW_TOKENS, GenerationCase, GenerationReport, artifact_raised, compare_run, eager_generate,
-                                         store_golden_case, stored_cases)
+from tpuexport.verify.generation import (DEFAULT_NEW_TOKENS, GenerationCase, GenerationReport, artifact_raised, compare_run, cpu_runs,
+                                         eager_generate, store_golden_case, stored_cases)
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
-from tpuexport.verify.tpu_numerics import tpu_faithful
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,13 +79,6 @@ def teacher_forced_logits(session: PagedSession, prompts: list[list[int]], rows:
                 decoding.pop(row, None)
                 session.release(row)
     return np.stack([np.stack(collected[row]) for row in rows])
-
-
-def cpu_runs(program: PagedGenerationProgram) -> dict[str, dict[str, jax.export.Exported]]:
-    """The entry points' programs of each CPU run: "tpu" their TPU-faithful rewrites, "cpu" the programs as lowered."""
-    precision = MATMUL_PRECISIONS[program.weights_program.matmul_precision]
-    return {"tpu": {name: tpu_faithful(lowered.exported, precision) for name, lowered in program.entry_points.items()},
-            "cpu": {name: lowered.exported for name, lowered in program.entry_points.items()}}
 
 
 def teacher_forced_runs(program: PagedGenerationProgram, runs: dict, prompts, rows, chunk: int, sizes: dict[str, int],
