@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
 import tempfile

@@ -16,22 +16,14 @@ import argparse
 import json
 import pathlib
 import re
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 
 import numpy as np
 import requests
-import torch
-import transformers
 
 import _common
-from _common import free_port
-
-ENV = _common.child_environment()
 
 
 def main() -> None:
@@ -46,29 +38,12 @@ def main() -> None:
     options = parser.parse_args()
     import tpuexport
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=options.hidden, intermediate_size=2 * options.hidden,
-                                      num_hidden_layers=options.layers, num_attention_heads=8, num_key_value_heads=4,
-                                      max_position_embeddings=options.max_context)
     with tempfile.TemporaryDirectory() as scratch:
         out = pathlib.Path(scratch) / "llama.tpu"
-        tpuexport.convert(transformers.LlamaForCausalLM(config).eval(), task="text-generation", target="cpu", max_context=options.max_context,
-                          max_batch=options.max_batch, buckets={"seq": [32]}, saved_model=False, out=out, verify_new_tokens=4)
-        port = free_port()
-        log = tempfile.TemporaryFile(mode="w+")
-        server = subprocess.Popen([sys.executable, "-m", "tpuexport.cli", "serve", str(out), "--port", str(port), "--grpc-port", "0"],
-                                  stdout=log, stderr=subprocess.STDOUT, env=ENV)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            while True:
-                if server.poll() is not None:
-                    log.seek(0)
-                    raise SystemExit(f"the server exited: {log.read()[-2000:]}")
-                try:
-                    if requests.get(f"{base}/readyz", timeout=2).status_code == 200:
-                        break
-                except requests.ConnectionError:
-                    time.sleep(0.1)
+        tpuexport.convert(_common.random_llama(options.layers, options.hidden, options.max_context), task="text-generation", target="cpu",
+                          max_context=options.max_context, max_batch=options.max_batch, buckets={"seq": [32]}, saved_model=False, out=out,
+                          verify_new_tokens=4)
+        with _common.served(["tpuexport.cli", "serve", str(out), "--grpc-port", "0"], "/readyz") as base:
             latencies, tokens, lock = [], [0], threading.Lock()
 
             def client(index: int) -> None:
@@ -93,9 +68,6 @@ def main() -> None:
                 thread.join()
             seconds = time.perf_counter() - start
             metrics = requests.get(f"{base}/metrics", timeout=10).text
-        finally:
-            server.send_signal(signal.SIGTERM)
-            server.wait(timeout=60)
     rows = re.search(r'tpuexport_decode_rows_sum\{[^}]*\} (\S+)', metrics)
     steps = re.search(r'tpuexport_decode_rows_count\{[^}]*\} (\S+)', metrics)
     mean_rows = f"{float(rows.group(1)) / float(steps.group(1)):.2f}" if rows and steps and float(steps.group(1)) else "unknown"

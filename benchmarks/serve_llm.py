@@ -26,7 +26,6 @@ import asyncio
 import dataclasses
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -34,12 +33,10 @@ import tempfile
 import time
 
 import numpy as np
-import requests
 import torch
 import transformers
 
 import _common
-from _common import free_port
 from chat_model import llama_config, tokenizer
 
 ENV = _common.child_environment()
@@ -77,11 +74,11 @@ def main() -> None:
         artifact = convert(source, pathlib.Path(scratch) / "llama.tpu", options, max(concurrencies))
         load = os.getloadavg()[0]
         results = {"tpuexport serve": run_server(["tpuexport.cli", "serve", str(artifact), "--grpc-port", "0"], "llama", workloads, chat,
-                                                 options, "--port", "/readyz")}
+                                                 options, "/readyz")}
         results["transformers serve --continuous-batching"] = run_server(
             ["transformers.cli.transformers", "serve", str(source), "--continuous-batching", "--device", "cpu", "--dtype", "float32",
              "--host", "127.0.0.1", "--cb-block-size", "32", "--cb-num-blocks", str(cache_blocks(options, max(concurrencies)))],
-            str(source), workloads, chat, options, "--port", "/health")
+            str(source), workloads, chat, options, "/health")
     print(f"llama {options.layers} layers, hidden {options.hidden}, vocab {len(chat)}, f32, cpu; {options.requests} requests per concurrency, "
           f"input {options.input_len} +-50% tokens, output {options.output_len} +-50% tokens, temperature {options.temperature:g}; "
           f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, {os.cpu_count()} cores")
@@ -145,36 +142,16 @@ def convert(source: pathlib.Path, out: pathlib.Path, options, max_batch: int) ->
     return out
 
 
-def run_server(command: list[str], model: str, workloads: dict, chat, options, port_option: str, ready_path: str) -> dict:
-    """Starts a server (`python -m COMMAND ... PORT_OPTION port`), runs every workload against it, stops it.
+def run_server(command: list[str], model: str, workloads: dict, chat, options, ready_path: str) -> dict:
+    """Starts a server (`python -m COMMAND ... --port PORT`), runs every workload against it, stops it.
 
     Returns:
       {concurrency: (seconds, [Result])}.
     """
-    port = free_port()
-    log = tempfile.TemporaryFile(mode="w+")
-    server = subprocess.Popen([sys.executable, "-m", *command, port_option, str(port)], stdout=log, stderr=subprocess.STDOUT, env=ENV)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise SystemExit(f"{command[0]} did not start: {log.read()[-3000:]}")
-            try:
-                if requests.get(f"{base}{ready_path}", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                time.sleep(0.5)
+    with _common.served(command, ready_path) as base:
         asyncio.run(measure(base, model, [workloads[next(iter(workloads))][0]], 1, chat, options))  # warm-up (a first load or compile)
         return {concurrency: asyncio.run(measure(base, model, workload, concurrency, chat, options))
                 for concurrency, workload in workloads.items()}
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 async def measure(base: str, model: str, workload: list[tuple[str, int]], concurrency: int, chat, options) -> tuple[float, list[Result]]:

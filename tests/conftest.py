@@ -2,65 +2,28 @@
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import os
 import pathlib
-import signal
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
-import requests
 
 import tpuexport
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-# benchmarks/families.py (real architectures), planted_bugs.py and chat_model.py are shared with the tests.
+# benchmarks/families.py (real architectures), planted_bugs.py and chat_model.py are shared with the tests,
+# and _common's example builder, free port and server.
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import _common  # noqa: E402
+from _common import build_example, free_port  # noqa: E402,F401  (re-exported to the tests)
 
 
-def build_example(name: str) -> dict:
-    """Calls examples/<name>.py:build() and returns its dict (model, args, dynamic_shapes)."""
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build()
-
-
-def free_port() -> int:
-    """A loopback port free now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextlib.contextmanager
 def served(artifact: pathlib.Path, log_path: pathlib.Path, grpc_port: int = 0):
     """`tpuexport serve ARTIFACT` as its own process on a free loopback port (REST; gRPC too on
     `grpc_port` unless 0), once it answers /readyz: yields its base URL; stopped with SIGTERM,
     after which it must exit 0."""
-    port = free_port()
-    with open(log_path, "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "tpuexport.cli", "serve", str(artifact), "--port", str(port), "--grpc-port", str(grpc_port)],
-                                  stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            try:
-                if requests.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                time.sleep(0.3)
-        yield base
-    finally:
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=60) == 0
+    return _common.served(["tpuexport.cli", "serve", str(artifact), "--grpc-port", str(grpc_port)], "/readyz", timeout=180,
+                          log_path=log_path, clean_exit=True)
 
 
 def convert_example(name: str, out: pathlib.Path, **options) -> tpuexport.Artifact:
@@ -92,3 +55,18 @@ def mlp_cpu_artifact(tmp_path_factory) -> tpuexport.Artifact:
     """examples/mlp.py for the cpu target (XLA:CPU executables the runtime loads), buckets batch=1,4,8,
     with its SavedModel; shared by the runtime and server tests."""
     return convert_example("mlp", tmp_path_factory.mktemp("mlp_cpu") / "mlp.tpu", target="cpu", buckets={"batch": [1, 4, 8]})
+
+
+# The test files that take longest (per-test durations of a full run, 2026-11-27), heaviest first.
+# pytest-xdist's --dist=loadfile hands files out in collection order: run alphabetically, one of
+# these started last would keep one worker busy alone for minutes at the end of the run.
+LONGEST_FILES = ("test_generation.py", "test_generation_slices.py", "test_families.py", "test_slices.py", "test_kv_int8.py", "test_huggingface.py",
+                 "test_quantized_generation.py", "test_window_cache.py", "test_cli.py", "test_checkpoint.py",
+                 "test_generation_checkpoint.py", "test_whisper.py", "test_seq2seq.py", "test_experts.py", "test_scan.py",
+                 "test_openai.py")
+
+
+def pytest_collection_modifyitems(items):
+    """Longest files first (a stable sort: the order within a file is kept)."""
+    rank = {name: index for index, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -35,6 +35,7 @@ def test_a_version_2_forward_artifact_loads_runs_and_verifies():
     entry = artifact.records.entry_points["serving_default"]
     assert entry.exported == "program/exported.jaxexport" and entry.padded_dim == "batch"
     assert [bucket.entry_point for bucket in artifact.records.targets["cpu"].buckets] == ["serving_default"] * 2
+    assert artifact.records.stage_memory == {}  # built before peak memory was recorded
     sizes, inputs, expected = artifact.golden_cases()[0]
     np.testing.assert_allclose(artifact.run(*inputs).numpy(), expected[0], rtol=1e-5, atol=1e-5)
     report = tpuexport.verify_artifact(FIXTURES / "mlp.tpu")

@@ -63,6 +63,17 @@ def test_convert_factory_source_with_buckets_and_json(tmp_path):
         assert stage in result.stderr
     # libtpu's start-up warnings never reach the user
     assert "TPU_ACCELERATOR_TYPE" not in result.stderr and "TPU_WORKER_HOSTNAMES" not in result.stderr
+    # Every stage run has its peak memory in the manifest (the writer's own up to the manifest), and the summary prints the largest.
+    build = summary["build"]
+    assert set(build["stage_seconds"]) | {"write"} == set(build["stage_memory"])
+    for stage, peak in build["stage_memory"].items():
+        assert peak["process_bytes"] >= peak["anonymous_bytes"] > 0 and peak["mapped_bytes"] > 0, stage
+    assert build["stage_memory"]["compile"]["child_bytes"] > 50 * 2**20  # the TPU compiler's own process
+    stage, peak = max(build["stage_memory"].items(), key=lambda item: item[1]["process_bytes"])
+    child = build["stage_memory"]["compile"]["child_bytes"]
+    assert (f"peak memory {peak['process_bytes'] / 2**30:.2f} GiB in {stage} (anonymous {peak['anonymous_bytes'] / 2**30:.2f} GiB, "
+            f"mapped {peak['mapped_bytes'] / 2**30:.2f} GiB); largest child process") in result.stderr
+    assert max(peak["child_bytes"] for peak in build["stage_memory"].values()) >= child
 
     inspected = tpuexport("inspect", out)
     assert inspected.returncode == 0 and "batch: 1..256" in inspected.stdout and "batch16" in inspected.stdout

@@ -66,10 +66,12 @@ def lowered_entry_point(module: torch.nn.Module, spec: export_stage.GenerationSp
 
 @pytest.fixture(scope="session")
 def llama_generation(tmp_path_factory):
-    """A tiny Llama converted for text generation, for v5e and the cpu target (the runtime's executables): (artifact, model)."""
+    """A tiny Llama converted for text generation, for v5e and the cpu target (the runtime's executables),
+    with prefill batches 1 and 2 (the default: a request of one prompt can join a running decode
+    batch): (artifact, model)."""
     model = tiny_llama()
     artifact = tpuexport.convert(model, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH,
-                                 buckets={"seq": [16], "batch": [MAX_BATCH]}, target=["v5e", "cpu"],
+                                 buckets={"seq": [16]}, target=["v5e", "cpu"],
                                  out=tmp_path_factory.mktemp("llama") / "llama.tpu")
     return artifact, model
 
@@ -79,8 +81,9 @@ def test_llama_artifact_generates_what_generate_does(llama_generation):
     manifest = artifact.manifest
     verification = manifest["verification"]
     assert verification["passed"] and verification["tokens_compared"] >= MAX_BATCH * 8
-    # Rows of different lengths, right-padded in one prefill bucket, written to slots that are not their rows.
-    (case,) = verification["cases"]
+    # Every prefill bucket verified; rows of different lengths, right-padded in one prefill bucket, written to slots that are not their rows.
+    assert [case["sizes"] for case in verification["cases"]] == [{"batch": 1, "seq": 16}, {"batch": MAX_BATCH, "seq": 16}]
+    case = verification["cases"][-1]
     assert case["sizes"] == {"batch": MAX_BATCH, "seq": 16} and len(set(case["lengths"])) == MAX_BATCH and max(case["lengths"]) == 16
     assert case["slots"] == [1, 0]
     # One weights file shared by the entry points; the cache donated and aliased by the compiled executables
@@ -111,19 +114,6 @@ def test_generate_takes_token_ids_as_a_tensor_as_generate_does(llama_generation)
     assert artifact.generate(torch.tensor(prompts[1]), max_new_tokens=4) == expected[1:]
     with pytest.raises(tpuexport.TpuExportError, match=r"must be integers of shape \[batch, length\] or \[length\]; got float32 \[2, 4\]"):
         artifact.generate(torch.tensor(prompts, dtype=torch.float32))
-
-
-def test_an_in_memory_model_takes_its_max_context_from_its_config(tmp_path):
-    """convert(model, task="text-generation") without max_context defaults it as the command line
-    does for a directory: the positions the model's config allows (a plan: no verification needed to
-    see the cache's size), less a padding offset where positions are numbered past it (RoBERTa)."""
-    artifact = tpuexport.convert(tiny_gpt2(), task="text-generation", weights=False, buckets={"seq": [16], "batch": [1]}, target="v5e",
-                                 out=tmp_path / "gpt2.tpu")
-    assert artifact.manifest["generation"]["max_context"] == 128
-    roberta = transformers.RobertaForCausalLM(transformers.RobertaConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, max_position_embeddings=66,
-        is_decoder=True))
-    assert generation_context(roberta) == 64
 
 
 def tiny_cohere() -> transformers.PreTrainedModel:
@@ -247,6 +237,25 @@ def test_eager_generation_ignores_the_models_own_eos_token():
     tokens, logits = eager_generate(model, [5, 17, 42], 6)
     assert len(tokens) == 6 and logits.shape == (6, model.config.vocab_size) and tokens[0] == first[0]
     assert model.generation_config.eos_token_id == first[0]  # the model's own config is back
+
+
+def test_a_fill_over_the_memory_bound_is_verified_with_fewer_rows(llama_generation):
+    """A prefill bucket whose CPU fill needs more temporaries than the bound (XLA:CPU's memory
+    analysis, before anything runs) is verified with fewer rows, and says so; the bucket is still
+    compiled for the TPU as it is."""
+    artifact, model = llama_generation
+    program = artifact.generation_program
+    prefill = program.entry_points["prefill"]
+    one_row, two_rows = (prefill.run_temporary_bytes({"batch": batch, "seq": 16}) for batch in (1, 2))
+    assert 0 < one_row < two_rows
+    only_two_rows = lower_stage.GenerationProgram(program.spec, program.entry_points, (MAX_BATCH,))
+    report = verify_generation(only_two_rows, model, new_tokens=4, fill_bytes=one_row)
+    [case] = report.cases
+    assert report.passed and case.sizes == {"batch": 1, "seq": 16} and len(case.lengths) == 1
+    assert case.note.startswith("prefill bucket batch 2 x seq 16 verified at batch 1 x seq 16: its fill needs more than")
+    assert report.manifest_section()["cases"][0]["note"] == case.note
+    # Within the bound, every bucket runs as compiled.
+    assert [case.sizes for case in verify_generation(only_two_rows, model, new_tokens=4, fill_bytes=two_rows).cases] == [{"batch": 2, "seq": 16}]
 
 
 @pytest.mark.parametrize("buggy_decode", [OffByOneDecode, UnwrittenDecode, ShiftedRotaryDecode], ids=lambda cls: cls.__name__)
@@ -387,6 +396,11 @@ def test_text_generation_needs_max_context_unless_the_config_says(tmp_path):
             max_position_embeddings=24)).eval()
     plan = tpuexport.convert(model, task="text-generation", weights=False, target="cpu", out=tmp_path / "plan.tpu")
     assert plan.manifest["generation"]["max_context"] == 24
+    # Less a padding offset where positions are numbered past it (RoBERTa).
+    roberta = transformers.RobertaForCausalLM(transformers.RobertaConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, max_position_embeddings=66,
+        is_decoder=True))
+    assert generation_context(roberta) == 64
 
 
 def test_gate_replays_the_stored_generation(llama_generation):
@@ -424,29 +438,6 @@ def test_plan_on_a_slice_splits_the_cache_with_the_heads(tmp_path):
     assert step["cache_bytes"] == artifact.manifest["generation"]["cache_bytes"] // 4
     with pytest.raises(tpuexport.TpuExportError, match="plan without weights"):
         artifact.generate([1, 2], max_new_tokens=2)
-
-
-def test_generate_from_text_with_the_tokenizer_the_artifact_carries(tmp_path):
-    """A Hugging Face directory with a tokenizer: `generate --prompt` encodes with the copied
-    tokenizer and prints the new tokens, then their text; --tokens gives the same tokens."""
-    source = tmp_path / "lm"
-    model = tiny_gpt2()
-    model.save_pretrained(source)
-    vocab = tmp_path / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world", *[f"w{i}" for i in range(249)]]) + "\n")
-    tokenizer = transformers.BertTokenizer(str(vocab))
-    tokenizer.save_pretrained(source)
-    out = tmp_path / "lm.tpu"
-    converted = cli("convert", source, "--task", "text-generation", "--max-context", 32, "--max-batch", 1, "--bucket", "seq=8",
-                    "--verify-new-tokens", 4, "-o", out)
-    assert converted.returncode == 0, converted.stderr
-    from_text = cli("generate", out, "--prompt", "hello world", "--max-new-tokens", 3)
-    assert from_text.returncode == 0, from_text.stderr
-    *steps, text = from_text.stdout.strip().splitlines()
-    ids = tokenizer("hello world")["input_ids"]
-    from_ids = cli("generate", out, "--tokens", ",".join(map(str, ids)), "--max-new-tokens", 3)
-    assert from_ids.stdout.strip().splitlines() == steps and len(steps) == 3
-    assert text == tokenizer.decode([int(step) for step in steps])
 
 
 def test_runtime_generates_from_the_cpu_executables_with_the_cache_on_the_device(llama_generation):
@@ -495,19 +486,11 @@ def test_cpu_executables_update_a_bf16_cache_as_bit_patterns(tmp_path):
     assert prefill["cache_k"].is_deleted()  # donated, updated in place
 
 
-@pytest.fixture(scope="module")
-def llama_serving(tmp_path_factory):
-    """The tiny Llama for the cpu target with prefill batches 1 and 2 (the default): requests of one
-    prompt each can join a running decode batch."""
-    return tpuexport.convert(tiny_llama(), task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, buckets={"seq": [16]},
-                             target="cpu", saved_model=False, out=tmp_path_factory.mktemp("llama_serving") / "llama.tpu")
-
-
-def test_serve_batches_generate_requests_continuously(llama_serving, tmp_path):
+def test_serve_batches_generate_requests_continuously(llama_generation, tmp_path):
     """Concurrent generate requests share the KV cache's slots and its decode steps; a request that
     finds no free slot waits and joins between two steps of the others; each one streams, as JSON
     lines, the tokens it would get alone."""
-    artifact = llama_serving
+    artifact, _ = llama_generation
     with served(artifact.path, tmp_path / "server.log") as base:
         url = f"{base}/v1/models/llama:generate"
         requested = [([5, 17, 42, 7], 4), ([99, 3], 12), ([8, 8, 1], 6)]  # three requests, two slots

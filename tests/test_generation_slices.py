@@ -6,6 +6,9 @@ conversion (real torch, jax, libtpu and transformers; a tiny GQA Llama, 4 heads 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +16,7 @@ import torch
 import transformers
 
 import tpuexport
+from conftest import ROOT
 from tpuexport.verify.sharded import read_array, write_array
 
 MAX_CONTEXT, MAX_BATCH = 64, 2
@@ -30,11 +34,13 @@ def tiny_llama(**options) -> transformers.PreTrainedModel:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """{plan: artifact} of the tiny Llama, tensor-parallel (heads over model, batch over data) and data-parallel."""
+    """{plan: artifact} of the tiny Llama, tensor-parallel (heads over model, batch over data; also for the slice's CPU
+    twin cpu-4 and one CPU device) and data-parallel."""
     out = tmp_path_factory.mktemp("slices")
     model = tiny_llama()
     return {
-        "tensor-parallel": tpuexport.convert(model, **COMMON, sharding="tensor-parallel", mesh="model=2,data=2", out=out / "tp.tpu"),
+        "tensor-parallel": tpuexport.convert(model, **{**COMMON, "target": ["v5e-4", "cpu-4", "cpu"]}, sharding="tensor-parallel",
+                                             mesh="model=2,data=2", out=out / "tp.tpu"),
         "data-parallel": tpuexport.convert(model, **COMMON, sharding="data-parallel", mesh="data=2,replica=2", out=out / "dp.tpu"),
     }
 
@@ -44,7 +50,8 @@ def converted(tmp_path_factory):
 def test_each_plan_generates_partitioned_as_generate_does(converted, plan, cache_spec):
     manifest = converted[plan].manifest
     [run] = manifest["verification"]["sharded"]
-    assert run["passed"] and run["targets"] == ["v5e-4"] and run["devices"] == 4
+    # One plan, verified once, for the slice and its CPU twin.
+    assert run["passed"] and run["targets"] == (["v5e-4", "cpu-4"] if plan == "tensor-parallel" else ["v5e-4"]) and run["devices"] == 4
     # The verified case: rows of different lengths, the shorter right-padded in its bucket, then decode steps.
     case = run["case"]
     assert case["passed"] and case["sizes"] == {"batch": MAX_BATCH, "seq": 16} and case["lengths"] == [16, 4] and case["new_tokens"] == 8
@@ -87,6 +94,36 @@ def lm_head_that_cancels() -> transformers.PreTrainedModel:
         head[:, 33] = torch.randint(-3, 4, (256,), generator=generator).float() * 2**-20
         model.lm_head.weight.copy_(head)
     return model
+
+
+def test_the_cpu_twin_generates_sharded_the_tokens_of_one_device(converted):
+    artifact = converted["tensor-parallel"]
+    assert artifact.manifest["targets"]["cpu-4"]["sharding"] == artifact.manifest["targets"]["v5e-4"]["sharding"]
+    prompts = [[5, 17, 42, 7, 9], [3, 1]]
+    script = (
+        "import json, numpy as np, tpuexport\n"
+        f"sharded, single = tpuexport.runner({str(artifact.path)!r}), tpuexport.runner({str(artifact.path)!r}, target='cpu')\n"
+        f"tokens = [list(sharded.stream({prompts}, 8, ignore_eos=True)), list(single.stream({prompts}, 8, ignore_eos=True))]\n"
+        "empty = np.zeros(sharded.entry_point('prefill').signature.inputs[3].shape, np.float32)\n"
+        "cache = sharded.execute(sharded.prepare([[[1] * 16, [2] * 16], [16, 1], [0, 1], empty, empty], 'prefill'), on_device=True)\n"
+        "print(json.dumps({'target': sharded.target, 'devices': len(sharded.devices), 'compilations': sharded.compilations_at_start,\n"
+        "                  'tokens': tokens, 'cache_spec': [str(part) for part in cache.outputs['cache_k'].sharding.spec]}))\n")
+    forced = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=forced)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = json.loads(result.stdout.splitlines()[-1])
+
+    assert state["target"] == "cpu-4" and state["devices"] == 4 and state["compilations"] == 0
+    sharded, single = state["tokens"]
+    assert sharded == single and len(sharded) == 8
+    assert [list(row) for row in zip(*sharded)] == artifact.generate(prompts, 8, ignore_eos=True)  # steps -> prompts
+    # The cache stays on the devices as the plan lays it out: slots over data, kv heads over model.
+    assert state["cache_spec"][:3] == ["None", "data", "model"]
+    # `tpuexport generate` in the same four-device setting (the runner picks cpu-4 there) prints the same tokens.
+    printed = subprocess.run([sys.executable, "-m", "tpuexport.cli", "generate", str(artifact.path), "--tokens", "5,17,42,7,9",
+                              "--tokens", "3,1", "--max-new-tokens", "8", "--ignore-eos"], capture_output=True, text=True, timeout=300, env=forced)
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    assert [[int(token) for token in line.split()] for line in printed.stdout.splitlines()[:8]] == sharded
 
 
 def test_a_plan_that_changes_the_logits_fails_the_conversion(tmp_path):

@@ -16,6 +16,7 @@ import torch
 
 from tpuexport import TpuExportError
 from tpuexport.export import load_source
+from tpuexport.export.huggingface import longest_positions
 
 transformers = pytest.importorskip("transformers")
 
@@ -110,7 +111,7 @@ def test_decoder_lm_with_task_auto_is_a_generation_artifact(models, tmp_path):
     verified against generate(), with the directory's generation config copied."""
     out = tmp_path / "llama.tpu"
     result = tpuexport("convert", models["llama"], "--max-batch", "2", "--max-context", "32", "--bucket", "seq=8",
-                       "--verify-new-tokens", "4", "-o", out, "--target", "v5e")
+                       "--verify-new-tokens", "4", "-o", out, "--target", "cpu")
     assert result.returncode == 0, result.stderr
     manifest = manifest_of(out)
     assert manifest["huggingface"]["task"] == "text-generation" and "generation_config.json" in manifest["huggingface"]["files"]
@@ -153,12 +154,25 @@ def test_a_roberta_directory_converts_with_default_dims(tmp_path):
     config = transformers.RobertaConfig(**{**TEXT, "max_position_embeddings": 66}, architectures=["RobertaForMaskedLM"])
     directory = save(transformers.RobertaForMaskedLM(config), tmp_path / "roberta")
     out = tmp_path / "roberta.tpu"
-    result = tpuexport("convert", directory, "-o", out, "--target", "v5e", "--no-saved-model")
+    result = tpuexport("convert", directory, "-o", out, "--target", "cpu", "--no-saved-model")
     assert result.returncode == 0, result.stderr
     manifest = manifest_of(out)
     assert signature(manifest)[2] == {"batch": (1, 64), "seq": (2, 64)} and manifest["huggingface"]["task"] == "fill-mask"
     assert manifest["verification"]["passed"]
     assert {"batch": 64, "seq": 64} in [case["sizes"] for case in manifest["verification"]["cases"]]
+
+
+def test_a_position_table_of_the_models_own_class_bounds_the_seq_range_too():
+    """I-BERT keeps RoBERTa's offset positions in its own QuantEmbedding (not a torch.nn.Embedding):
+    its longest input is found the same way, and it is exact (eager runs there, and fails one past)."""
+    config = transformers.IBertConfig(**{**TEXT, "max_position_embeddings": 66})
+    model = transformers.IBertForMaskedLM(config).eval()
+    longest = longest_positions(model, config.max_position_embeddings)
+    assert longest == 66 - config.pad_token_id - 1
+    with torch.no_grad():
+        model(torch.full((1, longest), 5))
+        with pytest.raises(IndexError):
+            model(torch.full((1, longest + 1), 5))
 
 
 def test_a_model_missing_from_the_cache_is_one_line_exit_2(hf_home, tmp_path):

@@ -47,7 +47,7 @@ def test_manifest_records_the_int8_cache_and_its_scales(llama_int8_kv):
     assert generation["cache_inputs"] == ["cache_k", "cache_v", "cache_k_scale", "cache_v_scale"]
     values = layers * MAX_BATCH * kv_heads * MAX_CONTEXT
     assert generation["cache_bytes"] == 2 * values * head_dim + 2 * values * 4  # int8 keys and values + f32 scales
-    for entry in (manifest["entry_points"][name] for name in ("prefill", "decode")):  # `sample` takes logits, no cache
+    for entry in (manifest["entry_points"][name] for name in ("prefill", "decode")):  # sample takes logits, no cache
         assert entry["donated_inputs"] == generation["cache_inputs"] and set(entry["state"]) == set(generation["cache_inputs"])
         inputs = {spec["name"]: spec["dtype"] for spec in entry["signature"]["inputs"]}
         assert inputs["cache_k"] == "int8" and inputs["cache_v_scale"] == "float32"
@@ -233,7 +233,7 @@ def test_plan_on_a_slice_splits_the_scales_with_the_cache(tmp_path):
             vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=128)).eval()
     artifact = convert_int8_kv(model, tmp_path / "plan.tpu", weights=False, target="v5e-4", sharding="tensor-parallel", mesh="model=2,data=2")
-    for name in ("prefill", "decode"):  # the entry points that take the cache (`sample` takes logits)
+    for name in ("prefill", "decode"):  # sample takes logits, no cache
         inputs = artifact.manifest["targets"]["v5e-4"]["sharding"][name]["inputs"]
         # [layers, batch, kv_heads, context(, head_dim)]: batch over data, kv heads over model, the scales alike
         assert inputs["cache_k"] == [None, "data", "model", None, None]

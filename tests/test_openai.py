@@ -35,7 +35,7 @@ def chat(tmp_path_factory):
     source = directory / MODEL
     source.mkdir()
     facts = save_chat_model(source)
-    options = ConversionOptions(("cpu",), directory / f"{MODEL}.tpu", buckets={"seq": [16, 32]}, task="text-generation", max_context=64,
+    options = ConversionOptions(("cpu",), directory / f"{MODEL}.tpu", buckets={"seq": [32]}, task="text-generation", max_context=64,
                                 max_batch=4, new_tokens=6)
     artifact = run_conversion(load_source(str(source), task="text-generation"), options)
     model = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
@@ -155,6 +155,15 @@ def test_generate_cli_samples_on_the_device_and_stops_at_eos(chat):
         return [int(line) for line in done.stdout.split()]
 
     assert generate() == facts["greedy"]  # greedy, ended by the EOS of generation_config.json
+    # --prompt encodes with the tokenizer the artifact carries and prints the new tokens, then their text.
+    from_text = subprocess.run([sys.executable, "-m", "tpuexport.cli", "generate", str(artifact.path), "--prompt", "hello world",
+                                "--max-new-tokens", "3", "--ignore-eos"], capture_output=True, text=True, timeout=300,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert from_text.returncode == 0, from_text.stderr
+    *steps, text = from_text.stdout.split("\n", 3)  # a line per step, then the text (which may hold newlines itself)
+    hello = tokenizer("hello world")["input_ids"]
+    assert [int(step) for step in steps] == artifact.generate(hello, 3, ignore_eos=True)[0]
+    assert text == tokenizer.decode([int(step) for step in steps]) + "\n"
     sampling = tpuexport.Sampling(temperature=0.9, top_p=0.9, top_k=50, seed=5)
     ids = [int(token) for token in prompt.split(",")]
     assert generate("--temperature", "0.9", "--top-p", "0.9", "--top-k", "50", "--seed", "5", "--ignore-eos") == \

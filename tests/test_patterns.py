@@ -337,7 +337,8 @@ def test_a_conversion_failed_or_not_leaves_torch_as_it_found_it(tmp_path):
     with pytest.raises(tpuexport.UnsupportedOperatorsError):
         tpuexport.convert(Unsupported(), (torch.randn(2, 3),), out=tmp_path / "failed.tpu", saved_model=False)
     assert torch_global_state() == before
-    tpuexport.convert(EarlyExit(), (torch.randn(2, 8),), {"x": {0: batch}}, out=tmp_path / "passed.tpu", saved_model=False)
+    # A branch on a symbolic size (EarlyExit's branch on a mean near 0 may flip under the TPU's rounding with random weights).
+    tpuexport.convert(ShapeGate(), (torch.randn(2, 8),), {"x": {0: batch}}, out=tmp_path / "passed.tpu", saved_model=False)
     assert torch_global_state() == before
     # torchax's import used to rename torch's PrivateUse1 backend to "jax", which torch.compile (and
     # so eager torch.cond) then took for an accelerator without a device: absolute, whatever ran before

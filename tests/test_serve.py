@@ -234,6 +234,17 @@ def metric(text: str, name: str) -> float:
     return sum(float(value) for value in re.findall(rf'^{name}\{{[^}}]*model="mlp"[^}}]*\}} (\S+)$', text, re.MULTILINE))
 
 
+def test_the_server_runs_on_the_cpu_it_sees_and_compiled_nothing_at_start(server):
+    metrics = requests.get(f"{server.rest}/metrics", timeout=10).text
+
+    for version in ("1", "2"):
+        assert f'tpuexport_compilations_at_start{{model="mlp",version="{version}"}} 0.0' in metrics
+        assert f"model mlp version {version}: target cpu on 1 cpu device, loaded without compiling" in server.log()
+    assert server.log().count("compilations_at_start: 0") == 2
+    # No platform was chosen and the machine has no TPU: no libtpu probe and its warnings (tpuexport/devices.py).
+    assert "TPU_ACCELERATOR_TYPE" not in server.log()
+
+
 def test_concurrent_requests_are_batched_up_to_the_largest_bucket(server, mlp_cpu_artifact):
     before = requests.get(f"{server.rest}/metrics", timeout=10).text
     rows = np.random.default_rng(0).standard_normal((16, 32)).astype(np.float32)

@@ -259,7 +259,7 @@ def test_a_plan_splits_the_sliding_layers_rings_as_the_cache(tmp_path):
     generation = artifact.manifest["generation"]
     assert generation["window_layers"] == [0] and generation["window_cache_shape"] == [1, MAX_BATCH, 2, WINDOW, 16]
     target = artifact.manifest["targets"]["v5e-4"]
-    for bucket in (bucket for bucket in target["buckets"] if bucket["entry_point"] != "sample"):  # `sample` takes logits, no cache
+    for bucket in (bucket for bucket in target["buckets"] if bucket["entry_point"] != "sample"):  # sample takes no cache
         for name in generation["cache_inputs"]:
             assert target["sharding"][bucket["entry_point"]]["inputs"][name] == [None, "data", "model", None, None]
         if bucket["entry_point"] == "decode":

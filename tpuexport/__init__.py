@@ -19,7 +19,6 @@ import pathlib
 
 import torch
 
-from tpuexport import _runtime  # noqa: F401  (pins JAX to CPU before anything starts a backend)
 from tpuexport.artifact import Artifact, load
 from tpuexport.compile import SLICES, TARGETS, make_request
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError, VerificationError
@@ -91,6 +90,9 @@ def convert(
     cache_layout: str = DEFAULT_CACHE_LAYOUT,
     kv_cache_dtype: str = "model",
     sliding_window_cache: str = "bounded",
+    kv_cache: str = "static",
+    page_size: int | None = None,
+    num_pages: int | None = None,
     verify_new_tokens: int = DEFAULT_NEW_TOKENS,
 ) -> Artifact:
     """Converts a PyTorch model into a verified TPU artifact directory.
@@ -159,6 +161,11 @@ def convert(
         per-(layer, slot, kv-head, position) scales; text-generation).
       sliding_window_cache: "bounded" (default: W positions per slot, a ring, when every layer
         attends within one sliding window W < max_context) or "full" (max_context positions).
+      kv_cache: "static" (default: prefill and decode over max_batch x max_context) or "paged" (one
+        step entry point over pages; `buckets` then takes {"tokens": budgets, "rows": row counts};
+        docs/generation.md#a-paged-kv-cache).
+      page_size, num_pages: the paged cache's positions per page (default 16) and pages (default:
+        max_batch rows of max_context).
       verify_new_tokens: tokens each verification prompt generates (text-generation).
     Returns:
       The Artifact written at `out`.
@@ -184,7 +191,8 @@ def convert(
         quantize=quantize, group_size=group_size, keep_float=keep_float, calibration=None if calibration_file else calibration, calibration_file=calibration_file,
         random_calibration=random_calibration, sharding=make_request(mesh, sharding, rules, input_rules), weights=weights,
         task=task, max_batch=max_batch, max_context=max_context, cache_layout=cache_layout, kv_cache_dtype=kv_cache_dtype,
-        sliding_window_cache=sliding_window_cache, new_tokens=verify_new_tokens,
+        sliding_window_cache=sliding_window_cache, kv_cache=kv_cache, page_size=page_size, num_pages=num_pages,
+        new_tokens=verify_new_tokens,
     )
     return run_conversion(loaded, options, progress)
 

@@ -14,6 +14,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from tpuexport import memory
 from tpuexport.errors import EXIT_BAD_INPUT, EXIT_VERIFICATION_FAILED, TpuExportError, VerificationError
 from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS
 
@@ -39,17 +40,29 @@ def handles_errors(command):
     return wrapper
 
 
+# Commands whose work is the host CPU's (converting, verifying, reading manifests): their process starts
+# JAX's CPU backend only, whatever JAX_PLATFORMS says, so a conversion on a TPU VM leaves the chips to
+# the server. serve and generate run on the devices JAX sees (tpuexport/devices.py).
+HOST_CPU_COMMANDS = ("convert", "plan", "verify", "inspect", "targets")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="tpuexport")
-def main():
+@click.pass_context
+def main(context):
     """Convert PyTorch models into verified TPU artifacts, on a CPU-only machine."""
+    if context.invoked_subcommand in HOST_CPU_COMMANDS:
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
 
 
 # Options `convert` and `plan` share: the model, what to compile it for, and where to write.
 SOURCE_AND_TARGET_OPTIONS = (
     click.option("--target", "targets", multiple=True, default=("v5e",), show_default=True,
                  help="TPU target (repeat for several): a chip (v4, v5e, v5p, v6e, 7x) or a slice (v5e-8, v5p-8, v6e-8, 7x-8, ...); "
-                      "cpu for XLA:CPU executables of this host (tpuexport serve runs them)."),
+                      "cpu for XLA:CPU executables of this host (tpuexport serve runs them); cpu-N, a slice's CPU twin "
+                      "(same plan, N forced CPU devices)."),
     click.option("-o", "--out", type=click.Path(path_type=pathlib.Path), help="Artifact directory [default: SOURCE stem + .tpu]."),
     click.option("--bucket", "buckets", multiple=True, metavar="DIM=S1,S2,...",
                  help="Sizes to compile for a dim (repeat per dim; cartesian product). Default: the example shapes."),
@@ -139,13 +152,18 @@ def _describe_window_cache(generation: dict) -> str:
 @click.option("--sliding-window-cache", default="bounded", show_default=True,
               help="text-generation: 'bounded' keeps W positions per slot (a ring) when every layer attends within one "
                    "sliding window W < max context (Mistral, Mixtral, Phi-3); 'full' keeps max-context positions.")
+@click.option("--kv-cache", default="static", show_default=True,
+              help="text-generation: 'static' (prefill and decode over max batch x max context) or 'paged' (one step entry "
+                   "point over pages taken as rows grow; --bucket tokens=...,rows=...).")
+@click.option("--page-size", type=int, help="--kv-cache paged: positions per page [default: 16].")
+@click.option("--num-pages", type=int, help="--kv-cache paged: pages in the cache [default: max batch rows of max context].")
 @click.option("--verify-new-tokens", type=int, default=8, show_default=True,
               help="text-generation: tokens each verification prompt generates, compared with generate().")
 @handles_errors
 def convert(source, targets, out, buckets, precision, matmul_precision, kernels, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
             shard_inputs, as_json, atol, rtol, scale_tol, verify_budget, verify_sizes, scan, saved_model, model_name, model_version, quantize,
             group_size, keep_float, calibration_file, random_calibration, weights, checkpoint, max_context, max_batch, cache_layout,
-            kv_cache_dtype, sliding_window_cache, verify_new_tokens):
+            kv_cache_dtype, sliding_window_cache, kv_cache, page_size, num_pages, verify_new_tokens):
     """Convert SOURCE (a Hugging Face model directory or hf:ORG/NAME with --task, model.pt2, file.py:factory, or model.pt with
     --trust-pickle) into an artifact."""
     overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
@@ -159,7 +177,8 @@ def convert(source, targets, out, buckets, precision, matmul_precision, kernels,
         scan=scan, saved_model=saved_model and weights, model_name=model_name, model_version=model_version, quantize=quantize,
         group_size=group_size, keep_float=keep_float, calibration_file=calibration_file, random_calibration=random_calibration,
         weights=weights, checkpoint=checkpoint, max_context=max_context, max_batch=max_batch, cache_layout=cache_layout,
-        kv_cache_dtype=kv_cache_dtype, sliding_window_cache=sliding_window_cache, new_tokens=verify_new_tokens,
+        kv_cache_dtype=kv_cache_dtype, sliding_window_cache=sliding_window_cache, kv_cache=kv_cache, page_size=page_size,
+        num_pages=num_pages, new_tokens=verify_new_tokens,
     )
 
 
@@ -226,6 +245,7 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
         stderr.print(f"[bold green]planned[/] {source} -> {artifact.path} (plan only: no weights, not verified)", soft_wrap=True)
     else:
         stderr.print(f"[bold green]converted[/] {source} -> {artifact.path}", soft_wrap=True)
+    stderr.print(describe_peak_memory(artifact.records.stage_memory), soft_wrap=True)
     for warning in artifact.manifest.get("quantization", {}).get("warnings", []):
         stderr.print(f"[bold yellow]WARNING:[/] {warning}", soft_wrap=True)
     if as_json:
@@ -249,6 +269,19 @@ def parse_sizes(text: str, option: str) -> dict[str, int]:
 
 def _print_stage(stage: str, seconds: float, detail: str) -> None:
     stderr.print(f"  [green]✓[/] {stage:<28} {seconds:7.2f} s  [dim]{detail}[/]", soft_wrap=True)
+
+
+def describe_peak_memory(stage_memory: dict[str, memory.PeakMemory]) -> str:
+    """The convert summary's memory line: "peak memory 4.21 GiB in verify (anonymous 3.90 GiB, mapped
+    0.31 GiB); largest child process 1.02 GiB in compile", or "peak memory unknown" (not Linux)."""
+    process = memory.largest(stage_memory, "process_bytes")
+    if process is None:
+        return "peak memory unknown"
+    name, peak = process
+    text = (f"peak memory {memory.gib(peak.process_bytes)} in {name} (anonymous {memory.gib(peak.anonymous_bytes)}, "
+            f"mapped {memory.gib(peak.mapped_bytes)})")
+    child = memory.largest(stage_memory, "child_bytes")
+    return text + (f"; largest child process {memory.gib(child[1].child_bytes)} in {child[0]}" if child and child[1].child_bytes else "")
 
 
 def summary(artifact) -> dict:
@@ -313,7 +346,12 @@ def inspect(artifact_dir, as_json):
         hf = data["huggingface"]
         console.print(f"  hugging face: task {hf['task']}, {hf['architecture']}, revision {hf['revision'] or 'none (not from the cache)'}; "
                       f"files {', '.join(hf['files'].values()) or 'none'}")
-    if "generation" in data:
+    if data.get("generation", {}).get("kind") == "paged":
+        generation = data["generation"]
+        console.print(f"  text generation over pages: max batch {generation['max_batch']}, max context {generation['max_context']}, "
+                      f"{generation['num_pages']} pages of {generation['page_size']} ({generation['capacity_tokens']} positions), cache "
+                      f"{generation['cache_shape']} {generation['dtype']} ({generation['cache_bytes'] / 2**20:.2f} MiB)")
+    elif "generation" in data:
         generation = data["generation"]
         cross = (f" + cross {generation['cross_shape']} x2 (max source {generation['max_source']})" if "cross_shape" in generation else "")
         console.print(f"  text generation: max batch {generation['max_batch']}, max context {generation['max_context']}, cache "
@@ -351,6 +389,34 @@ def inspect(artifact_dir, as_json):
     console.print(table)
 
 
+def cluster_options(command):
+    """The options of a multi-process run (one process per host of a multi-host slice, docs/multihost.md)."""
+    options = [
+        click.option("--coordinator", metavar="HOST:PORT", help="Process 0's address for jax.distributed (multi-host slices; every "
+                     "process gives the same). Without it on a Cloud TPU VM of a multi-host slice, JAX reads the TPU metadata."),
+        click.option("--num-processes", type=int, help="Processes (hosts) of the run, with --coordinator."),
+        click.option("--process-id", type=int, help="This process's index, 0 (the leader: it serves and prints) to N-1 (followers)."),
+        click.option("--process-timeout", type=float, default=60.0, show_default=True,
+                     help="Seconds to wait for the coordinator at start, and for every follower at each step."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _cluster(coordinator, num_processes, process_id, timeout, artifacts):
+    """The Cluster of a multi-process run, or None for one process: the flags' (checked when joining),
+    or on a machine with TPU chips serving a target of several hosts, the Cloud TPU metadata's."""
+    from tpuexport.artifact import load
+    from tpuexport.devices import tpu_chips_on_this_machine
+    from tpuexport.runtime.processes import Cluster
+
+    if coordinator is not None or num_processes is not None or process_id is not None:
+        return Cluster(coordinator, num_processes, process_id, timeout)
+    multi_host = any(target.get("processes", 1) > 1 for path in artifacts for target in load(path).manifest["targets"].values())
+    return Cluster(None, None, None, timeout) if multi_host and tpu_chips_on_this_machine() else None
+
+
 @main.command()
 @click.argument("artifact_dir", metavar="ARTIFACT", type=click.Path(path_type=pathlib.Path))
 @click.option("--tokens", "token_lists", multiple=True, metavar="ID,ID,...",
@@ -365,12 +431,17 @@ def inspect(artifact_dir, as_json):
 @click.option("--top-k", type=int, default=0, show_default=True, help="Sample from the K likeliest tokens (0: all).")
 @click.option("--seed", type=int, help="Seed of the draws (the same seed, prompt and options give the same tokens) [default: random].")
 @click.option("--ignore-eos", is_flag=True, help="Run on past the model's end-of-sequence tokens (its generation_config.json's).")
+@cluster_options
 @handles_errors
-def generate(artifact_dir, token_lists, texts, features_file, max_new_tokens, temperature, top_p, top_k, seed, ignore_eos):
-    """Generation with a text-generation artifact on CPU (prefill, then decode steps over the KV cache, each token drawn
-    by the sample entry point: greedy unless --temperature), printing each step's tokens as they come (one line per
-    step, one id per prompt, "-" once a prompt has stopped); with --prompt, then each prompt's new text. A prompt stops
-    at an end-of-sequence token unless --ignore-eos. An audio encoder-decoder (Whisper) generates from --features FILE.npy."""
+def generate(artifact_dir, token_lists, texts, features_file, max_new_tokens, temperature, top_p, top_k, seed, ignore_eos,
+             coordinator, num_processes, process_id, process_timeout):
+    """Generation with a text-generation artifact (prefill, then decode steps over the KV cache, each token drawn by the
+    sample entry point: greedy unless --temperature), printing each step's tokens as they come (one line per step, one
+    id per prompt, "-" once a prompt has stopped); with --prompt, then each prompt's new text. A prompt stops at an
+    end-of-sequence token unless --ignore-eos. An audio encoder-decoder (Whisper) generates from --features FILE.npy.
+    Runs the executables of the target matching the devices JAX sees (JAX_PLATFORMS); on a CPU host without one, the
+    lowered program on CPU. On a multi-host slice every host runs the same command with its --process-id; process 0
+    prints, the others run its steps."""
     from tpuexport.artifact import load
     from tpuexport.lower.sampling import Sampling
 
@@ -385,14 +456,56 @@ def generate(artifact_dir, token_lists, texts, features_file, max_new_tokens, te
     else:
         prompts = [parse_tokens(text) for text in token_lists] or [tokenizer(text)["input_ids"] for text in texts]
     generated: list[list[int]] = [[] for _ in prompts]
-    for step in artifact.stream(prompts, max_new_tokens, sampling, ignore_eos):
-        click.echo(" ".join("-" if token is None else str(token) for token in step))
-        for row, token in enumerate(step):
-            if token is not None:
-                generated[row].append(token)
+    cluster = _cluster(coordinator, num_processes, process_id, process_timeout, [artifact_dir])
+    out = _stdout_kept_for_tokens() if cluster is not None else sys.stdout
+    runner = _generation_runner(artifact, cluster)
+    if runner is not None and runner.mirror is not None and not runner.mirror.leader:
+        runner.follow()
+        return
+    try:
+        for step in (runner or artifact).stream(prompts, max_new_tokens, sampling, ignore_eos):
+            click.echo(" ".join("-" if token is None else str(token) for token in step), file=out)
+            for row, token in enumerate(step):
+                if token is not None:
+                    generated[row].append(token)
+    finally:
+        if runner is not None:
+            runner.close()
     stops = () if ignore_eos else artifact.eos_token_ids
     for tokens in generated if tokenizer else ():
-        click.echo(tokenizer.decode(tokens[:-1] if tokens and tokens[-1] in stops else tokens))
+        click.echo(tokenizer.decode(tokens[:-1] if tokens and tokens[-1] in stops else tokens), file=out)
+
+
+def _stdout_kept_for_tokens():
+    """A file on the process's stdout, file descriptor 1 then pointing at stderr: gloo (the CPU
+    collectives of a multi-process run) prints its connection lines on descriptor 1 from C++, which
+    would mix them into the tokens."""
+    import os
+
+    sys.stdout.flush()
+    tokens = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    return tokens
+
+
+def _generation_runner(artifact, cluster=None):
+    """The runner of the artifact's target matching the devices JAX sees, or None where those are CPUs
+    that no target's executables match (generation then runs the lowered program on CPU, as verified)
+    in a single process.
+
+    Raises:
+      TpuExportError: accelerators that no target matches (naming what differs), or a multi-process
+        run that cannot load a target's executables.
+    """
+    from tpuexport.devices import runtime_devices
+    from tpuexport.runtime import open_runner
+
+    try:
+        return open_runner(artifact, cluster=cluster)
+    except TpuExportError:
+        if runtime_devices()[0].platform == "cpu" and cluster is None:
+            return None
+        raise
 
 
 def read_features(path: pathlib.Path):
@@ -513,13 +626,17 @@ def _print_gate_table(report) -> None:
 @click.option("--target", help="Target whose executables to serve [default: the one matching this host's devices].")
 @click.option("--allow-recompile", is_flag=True, help="Compile the StableHLO when an artifact's compile key differs from this host.")
 @click.option("--max-body-mb", default=64.0, show_default=True, type=float, help="Largest REST request body.")
+@cluster_options
 @handles_errors
-def serve(artifacts, host, port, grpc_port, batch_timeout_ms, target, allow_recompile, max_body_mb):
-    """Serve artifacts with TF Serving's REST and gRPC APIs, from their AOT executables (no compiling)."""
+def serve(artifacts, host, port, grpc_port, batch_timeout_ms, target, allow_recompile, max_body_mb, coordinator, num_processes, process_id,
+          process_timeout):
+    """Serve artifacts with TF Serving's REST and gRPC APIs, from their AOT executables (no compiling). On a multi-host
+    slice every host runs the same command with its --process-id: process 0 serves, the others run its steps."""
     from tpuexport.serve import serve as run_server
 
     run_server(list(artifacts), host=host, port=port, grpc_port=grpc_port or None, batch_timeout_ms=batch_timeout_ms,
-               allow_recompile=allow_recompile, target=target, max_body_bytes=int(max_body_mb * 2**20))
+               allow_recompile=allow_recompile, target=target, max_body_bytes=int(max_body_mb * 2**20),
+               cluster=_cluster(coordinator, num_processes, process_id, process_timeout, artifacts))
 
 
 @main.command()

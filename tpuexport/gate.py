@@ -36,6 +36,7 @@ from tpuexport import tasks
 from tpuexport.artifact import Artifact, layout, load
 from tpuexport.artifact.manifest import hash_tree, package_versions
 from tpuexport.artifact.tf_serving import check_saved_model
+from tpuexport.devices import runs_on_host_cpu
 from tpuexport.errors import EXIT_OK, EXIT_VERIFICATION_FAILED
 from tpuexport.lower import BucketKernels
 from tpuexport.signature import ProgramSignature
@@ -147,6 +148,7 @@ class GateReport:
         return '<?xml version="1.0" encoding="utf-8"?>\n' + ElementTree.tostring(suites, encoding="unicode") + "\n"
 
 
+@runs_on_host_cpu
 def verify_artifact(path, recompile: bool = False, strict: bool = False, against: str | None = None) -> GateReport:
     """Runs the gate checks on an artifact directory.
 

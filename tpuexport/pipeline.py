@@ -51,8 +51,10 @@ from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
 from tpuexport.artifact import tf_serving as serving_stage
+from tpuexport.devices import on_host_cpu
 from tpuexport.errors import TpuExportError, VerificationError
 from tpuexport.lower.program import DEFAULT_ENTRY_POINT
+from tpuexport.memory import MemoryMonitor
 from tpuexport.tasks import Conversion, ConversionOptions, StageClock, task_named
 from tpuexport.tasks.conversion import (describe_dims, describe_precision, describe_scans, lower_entry_point, weight_only_scheme,
                                         write_failed_report)
@@ -117,7 +119,9 @@ def passes(loaded: export_stage.LoadedSource, options: ConversionOptions, throug
         raise TpuExportError(f"unknown pass {through!r}; the passes are {', '.join(dict(PASSES))}")
     targets, slices = _check_options(options)
     with contextlib.ExitStack() as running:
-        conversion = Conversion(loaded, options, task_named(options.task), targets, slices, StageClock(progress), running)
+        running.enter_context(on_host_cpu())  # whatever platform the process chose (devices.py)
+        clock = StageClock(progress, running.enter_context(MemoryMonitor()))  # each stage's seconds and peak memory
+        conversion = Conversion(loaded, options, task_named(options.task), targets, slices, clock, running)
         conversion.task.check(conversion)
         conversion.weight_only = weight_only_scheme(options)
         if not conversion.plan_only:
@@ -273,6 +277,7 @@ def compile_executables(conversion: Conversion) -> None:
     """Every (target, entry point, bucket) compiled in child processes, in the background from here on
     (executables donate their inputs: a state's buffers become its outputs, compile_child.py)."""
     named = len(conversion.program.entry_points) > 1
+    conversion.clock.start("compile")  # ends when the executables are waited for (Conversion.compiled)
     for name, lowered in conversion.program.entry_points.items():
         conversion.jobs[name] = conversion.running.enter_context(compile_stage.CompileJob(
             lowered, conversion.targets, conversion.buckets[name], _compiled_event(conversion.clock, lowered, name if named else None),
@@ -296,6 +301,7 @@ def write(conversion: Conversion) -> None:
             artifact_stage.write_artifact(
                 options.out, source=conversion.loaded.info, task=conversion.task.name, program=conversion.program,
                 compiled=conversion.compiled, verification=verified.report if verified else None, stage_seconds=conversion.clock.seconds,
+                stage_memory=conversion.clock.peaks,
                 overwrite=options.overwrite, extra_writers=writers, sharded_verification=verified.sharded if verified else (),
                 weights_file=conversion.weights_file, padding=verified.padding if verified else None,
                 bucket_figures=conversion.task.bucket_figures(conversion))
@@ -340,6 +346,8 @@ def _check_options(options: ConversionOptions) -> tuple[list, list]:
     lower_stage.check_kernel_mode(options.kernels)
     export_stage.check_kv_cache_dtype(options.kv_cache_dtype)
     export_stage.check_sliding_window_cache(options.sliding_window_cache)
+    export_stage.check_kv_cache(options.kv_cache)
+    export_stage.check_page_options(options.page_size, options.num_pages, options.kv_cache, options.max_context)
     if options.kv_cache_dtype == "int8" and options.pt2e:
         raise TpuExportError(f"--kv-cache-dtype int8 with --quantize {options.quantize} is not supported yet (PT2E would quantize "
                              "around the cache's own int8 rounding); use it with a weight-only mode or without --quantize")

@@ -24,7 +24,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmar
 import _common  # noqa: E402
 
 import torch
-import transformers
 
 import tpuexport
 
@@ -38,11 +37,7 @@ def main() -> None:
     parser.add_argument("--prefill-seq", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=9)
     options = parser.parse_args()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=options.hidden, intermediate_size=2 * options.hidden,
-                                      num_hidden_layers=options.layers, num_attention_heads=8, num_key_value_heads=4,
-                                      max_position_embeddings=options.max_context)
-    model = transformers.LlamaForCausalLM(config).eval().to(torch.bfloat16)
+    model = _common.random_llama(options.layers, options.hidden, options.max_context).to(torch.bfloat16)
     with tempfile.TemporaryDirectory() as scratch:
         start = time.perf_counter()
         artifact = tpuexport.convert(model, task="text-generation", target="cpu", max_context=options.max_context,

@@ -28,6 +28,7 @@ from tpuexport.artifact import layout
 from tpuexport.artifact.manifest import sha256_file
 from tpuexport.artifact.records import Manifest
 from tpuexport.artifact.upgrade import upgraded
+from tpuexport.devices import on_host_cpu, runs_on_host_cpu, steps_on_host_cpu
 from tpuexport.errors import TpuExportError
 from tpuexport.export.huggingface import ARTIFACT_DIRECTORY as HF_DIRECTORY
 from tpuexport.lower import LoweredProgram, generation_program
@@ -154,8 +155,10 @@ class Artifact:
         if self.plan_only:
             raise TpuExportError("this is a plan without weights: it compiles for TPUs but cannot run; convert the model "
                                  "with its weights to run it")
-        return self.generation_program.stream(source_rows(self.generation_program, prompts), max_new_tokens, sampling=sampling,
-                                              stop_ids=() if ignore_eos else self.eos_token_ids)
+        with on_host_cpu():
+            steps = self.generation_program.stream(source_rows(self.generation_program, prompts), max_new_tokens, sampling=sampling,
+                                                   stop_ids=() if ignore_eos else self.eos_token_ids)
+        return steps_on_host_cpu(steps)
 
     @functools.cached_property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -245,6 +248,7 @@ class Artifact:
             raise TpuExportError(f"audio features of shape {list(array.shape)}: {FEATURES_USAGE.format(mel, frames)}")
         return list(array[None] if array.ndim == 2 else array)
 
+    @runs_on_host_cpu
     def run(self, *inputs):
         """Runs the lowered StableHLO on CPU.
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from tpuexport.artifact import layout
+from tpuexport.memory import PeakMemory
 from tpuexport.signature import ProgramSignature
 
 # How every entry point is called, the same for all of them.
@@ -196,6 +197,8 @@ class Manifest:
         tf_serving, quantization, huggingface, ...), as JSON.
       build: run-dependent figures (creation time, stage and compile seconds, ...).
       files: {relative path: sha256} of every other file.
+      stage_memory: {stage: PeakMemory}, the peak resident memory of each stage run (written under
+        build "stage_memory", next to "stage_seconds"; empty for an artifact built before it was recorded).
     """
 
     task: str
@@ -211,6 +214,7 @@ class Manifest:
     sections: dict[str, object]
     build: dict = dataclasses.field(default_factory=dict)
     files: dict[str, str] = dataclasses.field(default_factory=dict)
+    stage_memory: dict[str, PeakMemory] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         head = {"format": layout.FORMAT, "format_version": layout.FORMAT_VERSION, "task": self.task, "plan_only": self.plan_only,
@@ -221,7 +225,16 @@ class Manifest:
         generation = {"generation": sections.pop("generation")} if "generation" in sections else {}
         ordered = sorted(sections, key=lambda name: SECTION_ORDER.index(name) if name in SECTION_ORDER else len(SECTION_ORDER))
         return {**head, **generation, "targets": {name: target.to_json() for name, target in self.targets.items()},
-                **{name: sections[name] for name in ordered}, "build": self.build, "files": self.files}
+                **{name: sections[name] for name in ordered}, "build": self._build_json(), "files": self.files}
+
+    def _build_json(self) -> dict:
+        """"build", "stage_memory" right after "stage_seconds" when recorded."""
+        if not self.stage_memory:
+            return self.build
+        memory = {"stage_memory": {name: peak.to_json() for name, peak in self.stage_memory.items()}}
+        names = list(self.build)
+        at = names.index("stage_seconds") + 1 if "stage_seconds" in names else len(names)
+        return {**{name: self.build[name] for name in names[:at]}, **memory, **{name: self.build[name] for name in names[at:]}}
 
     @classmethod
     def from_json(cls, data: dict) -> "Manifest":
@@ -233,7 +246,9 @@ class Manifest:
                    WeightsRecord.from_json(data["program"]),
                    {name: EntryPointRecord.from_json(entry) for name, entry in data["entry_points"].items()},
                    {name: TargetRecord.from_json(target) for name, target in data["targets"].items()},
-                   {key: value for key, value in data.items() if key not in named}, data.get("build", {}), data.get("files", {}))
+                   {key: value for key, value in data.items() if key not in named},
+                   {key: value for key, value in data.get("build", {}).items() if key != "stage_memory"}, data.get("files", {}),
+                   {name: PeakMemory.from_json(peak) for name, peak in data.get("build", {}).get("stage_memory", {}).items()})
 
     @property
     def verification(self) -> dict:

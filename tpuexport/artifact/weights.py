@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import pathlib
 import struct
+import warnings
 from typing import Callable, Iterable, Sequence
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -64,6 +66,28 @@ def write_weights(path: pathlib.Path, names: Sequence[str], specs: Sequence, par
                 raise TpuExportError(f"weight {names[index]!r} got {written} bytes from its tensors, its shape "
                                      f"{tuple(specs[index].shape)} needs {sizes[index]}; give the checkpoint of this model")
     return offset
+
+
+def write_arrays(path: pathlib.Path, names: Sequence[str], arrays: Sequence[np.ndarray]) -> int:
+    """Writes in-memory weights (numpy arrays, bfloat16 included) as `write_weights` does, one array
+    at a time through a torch view of its memory: no copy of the model is built (safetensors' own
+    save builds the whole file in memory, and converting each array copies it again).
+
+    Returns:
+      The bytes of tensor data written.
+    """
+    by_name = dict(zip(names, arrays))
+    return write_weights(path, names, arrays, lambda name: (_torch_view(by_name[name]),))
+
+
+def _torch_view(array: np.ndarray) -> torch.Tensor:
+    """A torch tensor over the array's memory (a copy only if it is not contiguous), read only here."""
+    array = np.ascontiguousarray(array)
+    with warnings.catch_warnings():  # a memory-mapped array is read-only; the view is only read
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        if array.dtype == np.dtype(ml_dtypes.bfloat16):
+            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(array)
 
 
 def map_weights(path: pathlib.Path) -> dict[str, np.ndarray]:

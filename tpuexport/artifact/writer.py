@@ -22,6 +22,7 @@ from typing import Callable
 from tpuexport.artifact import layout
 from tpuexport.artifact.manifest import build_section, dumps, hash_tree, package_versions
 from tpuexport.artifact.records import BucketRecord, EntryPointRecord, Manifest, TargetRecord, WeightsRecord
+from tpuexport.artifact.weights import write_arrays
 from tpuexport.arrays import save_arrays
 from tpuexport.compile import CompiledBucket, CompileReport
 from tpuexport.compile.compile_key import export_compatibility
@@ -30,6 +31,7 @@ from tpuexport.export import SourceInfo
 from tpuexport.lower import LoweredProgram
 from tpuexport.lower.cost import flops_at
 from tpuexport.lower.program import EntryPoints
+from tpuexport.memory import PeakMemory
 
 
 def check_destination(out: pathlib.Path, overwrite: bool) -> None:
@@ -120,6 +122,7 @@ def write_artifact(
     compiled: Callable[[], dict[str, CompileReport]],
     verification=None,
     stage_seconds: dict[str, float],
+    stage_memory: Callable[[], dict[str, PeakMemory]] = dict,
     overwrite: bool = False,
     extra_writers=(),
     sharded_verification=(),
@@ -140,6 +143,8 @@ def write_artifact(
       verification: the passed report (verify.VerificationReport or GenerationReport: its
         `manifest_section()`, `to_json()` and `golden`), or None for a plan.
       stage_seconds: wall time per stage (under "build"; read after `compiled` returned).
+      stage_memory: returns {stage: PeakMemory} (under "build"; called after `compiled` returned, a
+        stage still running, such as the writer's own, so far).
       overwrite: replace an existing artifact.
       extra_writers: callables (staging_dir) -> {section: JSON}, run in order after the program
         files, report and golden data (e.g. the TF Serving SavedModel). A section that exists
@@ -163,7 +168,7 @@ def write_artifact(
                                    *(padding or {}).get(name, EXACT_SIZES))
             for name, lowered in program.entry_points.items()
         }
-        weights = WeightsRecord(_weights_file(shared, weights_file, put, move), tuple(shared.weight_names), dict(shared.tied),
+        weights = WeightsRecord(_weights_file(shared, weights_file, staging, move), tuple(shared.weight_names), dict(shared.tied),
                                 dict(shared.weight_layouts), shared.weight_bytes, shared.exported.calling_convention_version,
                                 tuple(shared.exported.platforms), export_compatibility())
         sections = {"generation": program.manifest_section()} if program.manifest_section() is not None else {}
@@ -187,7 +192,7 @@ def write_artifact(
                  "compile_seconds": {key: round(seconds, 3) for key, seconds in compile_seconds.items()}}
         manifest = Manifest(task, shared.plan_only, package_versions(), dataclasses.asdict(source), shared.precision,
                             shared.resolved_precision, shared.matmul_precision, weights, entry_points, targets, sections, build,
-                            hash_tree(staging)).to_json()
+                            hash_tree(staging), stage_memory()).to_json()
         put(layout.MANIFEST, dumps(manifest))
     return manifest
 
@@ -257,12 +262,14 @@ def _target_records(put, program: EntryPoints, reports: dict[str, CompileReport]
 
 
 def _target_facts(result: CompiledBucket) -> dict:
-    """A target's chip facts in its manifest record (a slice's devices and their ids too)."""
+    """A target's chip facts in its manifest record (a slice's devices, their ids and their processes too:
+    `processes` hosts, `device_processes` the process of each of device_ids, in mesh order)."""
     target = result.target
     facts = {"generation": target.generation, "topology": target.topology, "hbm_bytes": target.hbm_bytes, "platform": target.platform}
     if target.is_slice:
         facts.update({"chips": target.chips, "devices": target.devices, "hbm_bytes_per_device": target.hbm_bytes_per_device,
-                      "device_ids": list(result.device_ids)})
+                      "device_ids": list(result.device_ids), "processes": len(set(result.device_processes)) or 1,
+                      "device_processes": list(result.device_processes)})
     return facts
 
 
@@ -306,8 +313,9 @@ def kernels_writer(mode: str, kernels: dict[str, dict] | None, checks: list[dict
     return write
 
 
-def _weights_file(lowered: LoweredProgram, weights_file: pathlib.Path | None, put, move) -> str | None:
-    """Puts the weights into the artifact: moves the file already written, else writes them.
+def _weights_file(lowered: LoweredProgram, weights_file: pathlib.Path | None, staging: pathlib.Path, move) -> str | None:
+    """Puts the weights into the artifact: moves the file already written, else writes them one
+    array at a time (write_arrays: no in-memory copy of the model).
 
     Returns:
       The weights file's path in the artifact, or None for a plan (no weights).
@@ -316,4 +324,6 @@ def _weights_file(lowered: LoweredProgram, weights_file: pathlib.Path | None, pu
         return None
     if weights_file:
         return move(weights_file, layout.WEIGHTS)
-    return put(layout.WEIGHTS, save_arrays(dict(zip(lowered.weight_names, lowered.weights))))
+    (staging / layout.WEIGHTS).parent.mkdir(parents=True, exist_ok=True)
+    write_arrays(staging / layout.WEIGHTS, lowered.weight_names, lowered.weights)
+    return layout.WEIGHTS

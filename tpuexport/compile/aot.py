@@ -95,6 +95,8 @@ class CompiledBucket:
       collectives: {kind: {"count", "bytes"}} of the compiled HLO (hlo.collectives; empty for a
         single chip).
       device_ids: the topology's device ids in mesh order (one id for a single chip).
+      device_processes: the process (host) of each of device_ids, as the topology (or a `cpu-PxK`
+        twin's processes) assigns them; more than one process means a multi-host slice.
       compile_key: what the executable loads on (compile_key.compile_key): versions, platform,
         device kind and count, compiler options, jax.export versions.
       kernels: which program it was compiled from: the bucket's static program with TPU kernels
@@ -116,6 +118,7 @@ class CompiledBucket:
     plan: ShardingPlan | None = None
     collectives: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     device_ids: tuple[int, ...] = ()
+    device_processes: tuple[int, ...] = ()
     compile_key: dict = dataclasses.field(default_factory=dict)
     kernels: dict = dataclasses.field(default_factory=dict)
     state_as_bits: tuple[str, ...] = ()
@@ -291,10 +294,16 @@ def compile_target(
                                 tuple((name, ()) for name in lowered.weight_names),
                                 tuple((spec.name, ()) for spec in lowered.signature.inputs))
         records, kernel_programs = _kernel_programs(target, buckets, kernels, scratch_dir)
+        input_names = {spec.name for spec in lowered.signature.inputs}
         request = {
             "parent_pid": os.getpid(),
             "exported": str(exported_path),
             "platform": target.platform,
+            "processes": target.processes,
+            "host_bounds": list(target.host_bounds) if target.host_bounds else None,
+            # State outputs (the KV cache) stay laid out as the next call takes them; on a multi-host
+            # slice the others are replicated, so that every host can read them whole.
+            "state_outputs": [spec.name in input_names for spec in lowered.signature.outputs],
             "topology": target.topology,
             "compiler_options": compiler_options(target),
             "out_dir": scratch,
@@ -364,13 +373,23 @@ def compiler_options(target: Target) -> dict:
     return dict(CPU_COMPILER_OPTIONS) if target.platform == "cpu" else {}
 
 
+def compiler_environment(target: Target, environment=None) -> dict:
+    """The compiler process's environment: JAX on its CPU backend, libtpu loadable beside other processes,
+    and for a CPU twin XLA:CPU forced to its devices per process (N for cpu-N, K for cpu-PxK)."""
+    environment = dict(os.environ if environment is None else environment)
+    if target.platform == "cpu" and target.devices > 1:
+        per_process = target.devices // target.processes
+        environment["XLA_FLAGS"] = f"{environment.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={per_process}".strip()
+    return {**environment, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
 def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan, kernel_records, state_as_bits):
     timeout = compile_timeout()
     # libtpu's start-up warnings go to the child's stderr, kept in a file for crash reports only.
     with open(scratch_dir / "stderr.txt", "w+b") as stderr:
         child = subprocess.Popen(
             [sys.executable, "-I", str(CHILD_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=stderr, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"},
+            stderr=stderr, text=True, env=compiler_environment(target),
         )
         if job is not None:
             job.started(child)
@@ -454,9 +473,9 @@ def _compiled_bucket(target: Target, bucket: Bucket, event: dict, scratch_dir: p
     return CompiledBucket(
         target, bucket, (scratch_dir / f"{index}.executable").read_bytes(), event["seconds"], memory, event["cost"],
         hashlib.sha256(hlo_text.encode()).hexdigest(), hlo_text, matmul_flops_by_types(hlo_text),
-        plan, collectives(hlo_text) if target.is_slice else {}, tuple(event["device_ids"]),
+        plan, collectives(hlo_text) if target.is_slice else {}, tuple(event["device_ids"]), tuple(event["device_processes"]),
         compile_key(target.platform, event["device_kind"], target.devices, None if target.platform == "cpu" else target.topology,
-                    compiler_options(target), lowered.exported.calling_convention_version),
+                    compiler_options(target), lowered.exported.calling_convention_version, target.processes),
     )
 
 

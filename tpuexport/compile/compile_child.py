@@ -6,13 +6,17 @@ process alone and the parent can name the bucket that was compiling. A single ch
 one device; a slice ("mesh" in the request) for a Mesh over the topology's devices, each weight
 and input a NamedSharding with its PartitionSpec (JSON lists: null, an axis, or a list of axes).
 The `cpu` target ("platform": "cpu") compiles for this process's own CPU device instead of a
-topology. The inputs are donated (the program may reuse their buffers for outputs of the same
+topology; a multi-process CPU twin ("processes": P > 1, `cpu-PxK`) for the devices of P CPU clients
+made in this process and joined by a loopback coordinator, as P processes under jax.distributed
+would see them (`multi_process_cpu_devices`). When the devices span several processes (hosts), the
+outputs that are not state ("state_outputs") are compiled replicated, so every process reads them whole. The inputs are donated (the program may reuse their buffers for outputs of the same
 shape), so the runtime must pass buffers it owns.
 Protocol, one JSON object per stdout line, flushed as it happens:
   {"event": "start", "bucket": i}                          before compiling bucket i
-  {"event": "done", "bucket": i, "seconds", "memory", "cost", "device_ids", "device_kind", "kernel_error"}
-                                                           files <i>.executable, <i>.hlo.txt written;
-                                                           memory is per device; device_ids in mesh order;
+  {"event": "done", "bucket": i, "seconds", "memory", "cost", "device_ids", "device_processes", "device_kind",
+   "kernel_error"}                                         files <i>.executable, <i>.hlo.txt written;
+                                                           memory is per device; device_ids in mesh order,
+                                                           device_processes the process of each;
                                                            kernel_error: why the bucket's program with
                                                            kernels ("exported" in its request) did not
                                                            compile (the portable one was), or null
@@ -28,7 +32,9 @@ import json
 import os
 import pathlib
 import signal
+import socket
 import sys
+import threading
 import time
 
 # libtpu's lock file would stop a second process (parallel conversions, tests) from loading it.
@@ -40,6 +46,10 @@ from jax.experimental import mesh_utils, serialize_executable, topologies  # noq
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
+# Private to jax: the pieces jax.distributed.initialize and the CPU backend are made of, to hold all
+# of a multi-process twin's processes' CPU clients in this one process.
+from jax._src.lib import _jax  # noqa: E402
+from jaxlib import xla_client  # noqa: E402
 
 # XLA's TPU cost model counts each call of this internal custom call (the compiler's own weight
 # concatenation, e.g. of the q/k/v projections of unrolled layers) as -1 second in
@@ -78,6 +88,40 @@ def emit(**event) -> None:
     print(json.dumps(event), flush=True)
 
 
+def multi_process_cpu_devices(processes: int):
+    """The global CPU devices of `processes` processes under jax.distributed, as process 0 sees them.
+
+    Makes one XLA:CPU client per process in this process (each with this process's forced device
+    count), joined by a distributed runtime service on a free loopback port and with gloo
+    collectives (XLA:CPU refuses to compile a multi-process program without a collectives
+    implementation). Device ids and process indices are then those of P real processes: an
+    executable compiled for them loads in each (deserialize_and_load), while one compiled in a
+    single process of P*K devices names ids 0..P*K-1 that no process of P has.
+    """
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    service = _jax.get_distributed_runtime_service(address, processes)
+    clients = [None] * processes
+
+    def join(index: int) -> None:
+        distributed = _jax.get_distributed_runtime_client(address, index, init_timeout=60)
+        distributed.connect()
+        clients[index] = (distributed, xla_client.make_cpu_client(
+            distributed_client=distributed, node_id=index, num_nodes=processes,
+            collectives=_jax.make_gloo_tcp_collectives(distributed_client=distributed)))
+
+    threads = [threading.Thread(target=join, args=(index,)) for index in range(processes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if any(client is None for client in clients):
+        raise RuntimeError(f"the {processes} in-process CPU clients of a multi-process twin did not all start")
+    multi_process_cpu_devices.keep = (service, clients)  # alive until the process exits
+    return clients[0][1].devices()
+
+
 def partition_spec(entries) -> PartitionSpec:
     return PartitionSpec(*(tuple(entry) if isinstance(entry, list) else entry for entry in entries))
 
@@ -100,9 +144,10 @@ def shardings(request, devices_available):
     return weights, inputs, [int(device.id) for device in devices.flat]
 
 
-def compile_program(exported, weights, inputs, request):
-    """The executable of `exported` for these weights and inputs (the inputs donated)."""
-    return (jax.jit(exported.call, donate_argnums=1).trace(weights, inputs).lower()
+def compile_program(exported, weights, inputs, request, outputs=None):
+    """The executable of `exported` for these weights and inputs (the inputs donated), its outputs laid
+    out as `outputs` says (a sharding per output, None where the compiler chooses; None for all)."""
+    return (jax.jit(exported.call, donate_argnums=1, out_shardings=outputs).trace(weights, inputs).lower()
             .compile(compiler_options=request["compiler_options"] or None))
 
 
@@ -111,15 +156,25 @@ def main() -> None:
     die_with_parent(request["parent_pid"])
     out_dir = pathlib.Path(request["out_dir"])
     exported = jax.export.deserialize(bytearray(pathlib.Path(request["exported"]).read_bytes()))
-    if request["platform"] == "cpu":
+    if request["platform"] == "cpu" and request.get("processes", 1) > 1:
+        devices_available = multi_process_cpu_devices(request["processes"])
+    elif request["platform"] == "cpu":
         devices_available = jax.devices("cpu")
     else:
-        # A single chip is a one-chip host; a slice keeps libtpu's default hosts for its topology.
-        bounds = {"chips_per_host_bounds": (1, 1, 1)} if request["mesh"] is None else {}
+        # A single chip is a one-chip host; a slice has Cloud TPU's hosts ("host_bounds" where they
+        # differ from libtpu's default for the topology).
+        bounds = ({"chips_per_host_bounds": (1, 1, 1)} if request["mesh"] is None
+                  else {"chips_per_host_bounds": tuple(request["host_bounds"])} if request.get("host_bounds") else {})
         devices_available = topologies.get_topology_desc(topology_name=request["topology"], platform="tpu", **bounds).devices
     weight_shardings, input_shardings, device_ids = shardings(request, devices_available)
     weights = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
                for (shape, dtype), sharding in zip(request["weights"], weight_shardings)]
+    by_id = {device.id: device for device in devices_available}
+    device_processes = [int(by_id[device_id].process_index) for device_id in device_ids]
+    outputs = None
+    if len(set(device_processes)) > 1:
+        replicated = NamedSharding([*weight_shardings, *input_shardings][0].mesh, PartitionSpec())
+        outputs = [None if state else replicated for state in request["state_outputs"]]
     for index, bucket in enumerate(request["buckets"]):
         emit(event="start", bucket=index)
         inputs = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
@@ -129,12 +184,12 @@ def main() -> None:
         if bucket.get("exported"):  # the bucket's static program with TPU kernels; the portable one if it does not compile
             try:
                 kernel_program = jax.export.deserialize(bytearray(pathlib.Path(bucket["exported"]).read_bytes()))
-                compiled = compile_program(kernel_program, weights, inputs, request)
+                compiled = compile_program(kernel_program, weights, inputs, request, outputs)
             except Exception as error:  # XLA and Mosaic raise many kinds; the parent records it
                 kernel_error = " ".join(str(error).split())
         try:
             if compiled is None:
-                compiled = compile_program(exported, weights, inputs, request)
+                compiled = compile_program(exported, weights, inputs, request, outputs)
         except Exception as error:  # XLA raises XlaRuntimeError and others; the parent words it
             emit(event="error", bucket=index, message=" ".join(str(error).split()))
             return
@@ -152,7 +207,7 @@ def main() -> None:
         if isinstance(analysis, list):  # older jax returned one dict per computation
             analysis = analysis[0] if analysis else {}
         emit(
-            event="done", bucket=index, seconds=seconds, device_ids=device_ids, device_kind=devices_available[0].device_kind,
+            event="done", bucket=index, seconds=seconds, device_ids=device_ids, device_processes=device_processes, device_kind=devices_available[0].device_kind,
             kernel_error=kernel_error,
             memory={
                 "argument_bytes": int(stats.argument_size_in_bytes),
@@ -171,3 +226,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if getattr(multi_process_cpu_devices, "keep", None):
+        # Tearing down the in-process coordinator and its clients at interpreter exit aborts (each
+        # client reports the others gone); every event is flushed, so leave without it.
+        os._exit(0)

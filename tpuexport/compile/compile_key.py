@@ -119,7 +119,7 @@ def host_cpu() -> dict:
 
 
 def compile_key(platform_name: str, device_kind: str, devices: int, topology: str | None, compiler_options: dict,
-                calling_convention_version: int) -> dict:
+                calling_convention_version: int, processes: int = 1) -> dict:
     """The key of executables compiled here for one target.
 
     Args:
@@ -129,6 +129,8 @@ def compile_key(platform_name: str, device_kind: str, devices: int, topology: st
       topology: the TPU topology name, or None for XLA:CPU.
       compiler_options: the XLA options the executables were compiled with.
       calling_convention_version: the jax.export calling convention of the program.
+      processes: the processes a CPU twin's executables span (`cpu-PxK`); recorded only when more
+        than one, since XLA:CPU names a device by its process (a TPU slice's hosts are target facts).
     Returns:
       The key, JSON-ready.
     """
@@ -142,6 +144,8 @@ def compile_key(platform_name: str, device_kind: str, devices: int, topology: st
         "serialization_version": serialization_version(),
         "calling_convention_version": calling_convention_version,
     }
+    if processes > 1:
+        key["processes"] = processes
     if platform_name == "cpu":
         key["cpu"] = host_cpu()
     return key
@@ -161,6 +165,8 @@ def key_difference(recorded: dict, host: dict) -> str:
     for field in ("platform", "device_kind", "devices", "serialization_version", "calling_convention_version"):
         if recorded.get(field) != host.get(field):
             clauses.append(f"{field.replace('_', ' ')} {recorded.get(field)} (artifact) vs {host.get(field)} (host)")
+    if recorded.get("processes", 1) != host.get("processes", 1):
+        clauses.append(f"processes {recorded.get('processes', 1)} (artifact) vs {host.get('processes', 1)} (host)")
     for package, version in recorded.get("versions", {}).items():
         if version != host.get("versions", {}).get(package):
             clauses.append(f"{package} {version} (artifact) vs {host.get('versions', {}).get(package)} (host)")

@@ -37,6 +37,11 @@ class Target:
         device standing for the whole chip.
       name_counts: what the number in a slice's name counts, "chips" or "TensorCores".
       platform: the XLA platform compiled for, "tpu" or "cpu" (CPU_TARGET).
+      processes: the processes (hosts) a CPU twin runs as under jax.distributed, `devices //
+        processes` devices each (`cpu-PxK`, slices.py); 1 otherwise. A TPU slice's hosts are
+        libtpu's topology's, recorded per target in the manifest when it compiles.
+      host_bounds: the chips of one host as libtpu's `chips_per_host_bounds`, where Cloud TPU's
+        hosts differ from libtpu's default for the topology (slices.py); None for the default.
     """
 
     name: str
@@ -51,6 +56,8 @@ class Target:
     devices: int = 1
     name_counts: str = "chips"
     platform: str = "tpu"
+    processes: int = 1
+    host_bounds: tuple[int, int, int] | None = None
 
     @property
     def is_slice(self) -> bool:

@@ -3,6 +3,7 @@
 from tpuexport.export.capture import CapturedModel, capture, describe, on_meta_device, torch_dynamic_shapes, weights_on_meta
 from tpuexport.export.generation import (CACHE_INPUTS, CACHE_LAYOUTS, CACHE_SCALE_INPUTS, WINDOW_CACHE_INPUTS, DEFAULT_CACHE_LAYOUT, ENTRY_POINTS, KV_CACHE_DTYPES,
                                          SLIDING_WINDOW_CACHES, GenerationSpec, check_kv_cache_dtype, check_sliding_window_cache, entry_point_modules, example_arguments, generation_spec)
+from tpuexport.export.paged import KV_CACHES, PagedSpec, Step, check_kv_cache, check_page_options, paged_spec, step_example_arguments
 from tpuexport.export.sampling import Sample, sample_example_arguments
 from tpuexport.export.seq2seq import Seq2SeqSpec, is_encoder_decoder, seq2seq_spec
 from tpuexport.export.seq2seq import entry_point_modules as seq2seq_entry_point_modules
@@ -13,6 +14,13 @@ from tpuexport.export.sources import load_source
 from tpuexport.export.specs import DimSpec, InputSpec, example_args, parse_dim, parse_input
 
 __all__ = [
+    "KV_CACHES",
+    "PagedSpec",
+    "Step",
+    "check_kv_cache",
+    "check_page_options",
+    "paged_spec",
+    "step_example_arguments",
     "Sample",
     "sample_example_arguments",
     "CACHE_INPUTS",

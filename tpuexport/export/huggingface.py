@@ -389,12 +389,15 @@ def longest_positions(model: torch.nn.Module, recorded: int) -> int:
 
     A learned position table with a padding index numbers positions from padding_idx + 1 (RoBERTa,
     XLM-RoBERTa, CamemBERT, MPNet, Longformer, ESM, ...): of its rows, padding_idx + 1 hold no
-    position, so the model takes that many fewer than `max_position_embeddings` says.
+    position, so the model takes that many fewer than `max_position_embeddings` says. Such a table is
+    any module named for positions with a padding index and a 2-D weight: `torch.nn.Embedding`, or
+    a model's own embedding class (I-BERT's QuantEmbedding).
     """
     longest = recorded
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Embedding) and "position" in name.rpartition(".")[2] and module.padding_idx is not None:
-            longest = min(longest, module.num_embeddings - module.padding_idx - 1)
+        padding_idx, weight = getattr(module, "padding_idx", None), getattr(module, "weight", None)
+        if "position" in name.rpartition(".")[2] and isinstance(padding_idx, int) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            longest = min(longest, weight.shape[0] - padding_idx - 1)
     return longest
 
 

@@ -226,6 +226,13 @@ class LoweredProgram:
         return [np.asarray(output).view(ml_dtypes.bfloat16) if position in cpu.bits_outputs else np.asarray(output)
                 for position, output in enumerate(outputs)]
 
+    def run_temporary_bytes(self, sizes: dict[str, int], program: jax.export.Exported | None = None) -> int:
+        """The temporaries XLA:CPU's executable of a `run` at these dim sizes needs (its memory
+        analysis; the executable is compiled here once and kept for the run)."""
+        input_types = tuple((tuple(spec.concrete_shape(sizes)), np.empty(0).astype(spec.dtype).dtype) for spec in self.signature.inputs)
+        executable, _ = self._compiled(program or self.exported, input_types)
+        return int(executable.memory_analysis().temp_size_in_bytes)
+
     @functools.cached_property
     def _executables(self) -> dict:
         return {}

@@ -242,6 +242,8 @@ def draw_tokens(run, entry_points, logits, draws: Sequence[Draw | None], top: bo
     else:
         reference = sample_reference(np.asarray(logits), *inputs)
         tokens, logprobs, top_ids, top_logprobs = (reference[name] for name in ("tokens", "logprobs", "top_ids", "top_logprobs"))
+    # Copied whole, then cut on the host: slicing a device array would compile and run a gather on the
+    # devices (on every device of a multi-host slice, from this process alone).
     rows = len(draws)
-    return SampledTokens(np.asarray(tokens[:rows]), np.asarray(logprobs[:rows]), np.asarray(top_ids[:rows]) if top else None,
-                         np.asarray(top_logprobs[:rows]) if top else None)
+    return SampledTokens(np.asarray(tokens)[:rows], np.asarray(logprobs)[:rows], np.asarray(top_ids)[:rows] if top else None,
+                         np.asarray(top_logprobs)[:rows] if top else None)

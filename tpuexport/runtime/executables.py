@@ -4,8 +4,10 @@
 bytes plus jax's own descriptions of its arguments (avals, shardings, layouts). Unpickling may
 call any importable function the pickle names, so before the bytes reach `deserialize_and_load`
 every global they name is checked: only jax's own classes (and its `_unpickle_*` helpers), numpy's
-`dtype` and ml_dtypes' scalar types (bfloat16, int4, the float8s: the dtypes of a bf16 model's
-arguments) may appear, as jax writes them. Anything else (`os.system`, `builtins.eval`,
+`dtype`, ml_dtypes' scalar types (bfloat16, int4, the float8s: the dtypes of a bf16 model's
+arguments) and numpy's array reconstruction (a sharded executable's mesh holds its devices in an
+array; the devices themselves are persistent ids, the array's items pass the same check) may
+appear, as jax writes them. Anything else (`os.system`, `builtins.eval`,
 copyreg extension codes) refuses the file, naming what it asked for.
 """
 
@@ -14,7 +16,6 @@ from __future__ import annotations
 import importlib
 import pickletools
 
-import jax
 import ml_dtypes
 import numpy as np
 from jax.experimental import serialize_executable
@@ -62,10 +63,15 @@ def pickle_globals(data: bytes) -> list[tuple[str, str]]:
     return found
 
 
+# numpy's own way of pickling an array (ndarray.__reduce__), under numpy 2's and numpy 1's module names.
+NUMPY_ARRAY_GLOBALS = {("numpy", "dtype"), ("numpy", "ndarray"), ("numpy._core.multiarray", "_reconstruct"),
+                       ("numpy.core.multiarray", "_reconstruct")}
+
+
 def _allowed(module: str, name: str) -> bool:
-    """jax's classes and `_unpickle_*` helpers, numpy.dtype and ml_dtypes' scalar types: what
-    serialize_executable writes."""
-    if (module, name) == ("numpy", "dtype"):
+    """jax's classes and `_unpickle_*` helpers, numpy's dtype and array reconstruction and ml_dtypes'
+    scalar types: what serialize_executable writes."""
+    if (module, name) in NUMPY_ARRAY_GLOBALS:
         return True
     if module == "ml_dtypes":
         value = getattr(ml_dtypes, name, None)
@@ -79,13 +85,15 @@ def _allowed(module: str, name: str) -> bool:
     return isinstance(value, type) or name.startswith("_unpickle")
 
 
-def load_executable(data: bytes, in_tree, out_tree, platform: str, where: str):
+def load_executable(data: bytes, in_tree, out_tree, devices: list, where: str):
     """Deserializes an executable onto the local devices after checking what its pickle loads.
 
     Args:
       data: the serialized executable (serialize_executable.serialize).
       in_tree, out_tree: the pytrees of its arguments and results.
-      platform: "cpu" or "tpu".
+      devices: the devices it runs on, as many as it was compiled for (deserialize_and_load
+        otherwise loads it on every device of the backend, and a one-device executable then
+        expects its arguments on all of them).
       where: the file's path in the artifact, for messages.
     Returns:
       The loaded jax.stages.Compiled.
@@ -96,4 +104,4 @@ def load_executable(data: bytes, in_tree, out_tree, platform: str, where: str):
     if refused:
         raise TpuExportError(f"{where} asks to load {', '.join(refused)}, which a serialized executable never does; "
                              "refusing to load it: the artifact is damaged or not from tpuexport")
-    return serialize_executable.deserialize_and_load(data, in_tree, out_tree, backend=jax.devices(platform)[0].client)
+    return serialize_executable.deserialize_and_load(data, in_tree, out_tree, backend=devices[0].client, execution_devices=devices)

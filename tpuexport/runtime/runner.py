@@ -3,9 +3,11 @@
     runner = tpuexport.runner("mlp.tpu")              # picks the target matching the local devices
     runner.run({"x": rows})                          # {"output_0": ...}, padded to a bucket and back
 
-Opening a runner:
+Opening a runner (on the devices JAX sees, tpuexport/devices.py; the compilations it runs counted,
+compilations.py):
   1. picks the target whose executables match the local devices (the TPU kind and device count,
-     or `cpu` on a host without accelerators), or the one asked for;
+     `cpu-N` on N forced CPU devices, or `cpu`), trying first those spanning every local device,
+     or the one asked for;
   2. compares the target's compile key (compile/compile_key.py) with the host: any difference is
      refused in one line naming it, unless `allow_recompile`, which compiles the artifact's
      StableHLO for the local devices instead (and says why in `compiled_here`);
@@ -13,7 +15,12 @@ Opening a runner:
      (executables.py), and deserializes it (jax.experimental.serialize_executable): nothing is
      compiled;
   4. places the weights on the devices once, from the memory-mapped weights file, laid out as the
-     executables expect (one device, or a slice's sharding).
+     executables expect: on one device the mapping itself, with a slice's sharding shard by shard.
+
+Several processes (the hosts of a multi-host slice, or a `cpu-PxK` twin's processes) open a runner
+each with the same `Cluster` (processes.py): they join jax.distributed first, each loads the same
+executables and places only its own devices' weight shards; the leader's executable calls are
+published to the followers, which run them too (`Runner.follow`).
 
 A request runs on the smallest bucket that holds it: the batch dim is padded with zero rows up to
 the bucket (only when the artifact's padded-bucket verification passed, see verify/padding.py)
@@ -37,10 +44,13 @@ from tpuexport.artifact.manifest import sha256_file
 from tpuexport.compile.aot import compiler_options, cpu_executable_program
 from tpuexport.compile.compile_key import compile_key, key_difference
 from tpuexport.compile.slices import resolve_targets
+from tpuexport.devices import runtime_devices
 from tpuexport.errors import TpuExportError
 from tpuexport.lower.sampling import GREEDY, Sampling
 from tpuexport.lower.seq2seq import source_rows
+from tpuexport.runtime.compilations import CompilationCounter
 from tpuexport.runtime.executables import load_executable
+from tpuexport.runtime.processes import DEFAULT_TIMEOUT_SECONDS, Cluster, Mirror, Step, device_order_difference, join
 from tpuexport.lower.program import DEFAULT_ENTRY_POINT
 from tpuexport.runtime.entry_points import BucketEntry, EntryPoint, choose_bucket, entry_points
 from tpuexport.verify.padding import pad_rows
@@ -97,10 +107,15 @@ class Runner:
       compiled_here: why the StableHLO was compiled on this host instead of loading the
         executables (allow_recompile with a differing compile key), or None when they were loaded.
       load_seconds: wall time to load (or compile) the executables and place the weights.
+      devices: the devices the executables run on, ordered by id.
+      compilations_at_start: XLA compilations the process ran while the runner opened
+        (compilations.py): 0 when the executables were loaded, one per bucket when compiled here.
+      mirror: in a multi-process run, this process's side of the step protocol (processes.py);
+        None in a single process.
     """
 
     def __init__(self, artifact: Artifact, target: str, entry: dict[str, EntryPoint], executables: dict, weights: list,
-                 compiled_here: str | None, load_seconds: float):
+                 compiled_here: str | None, load_seconds: float, devices: tuple, compilations_at_start: int):
         self.artifact = artifact
         self.target = target
         self.entry_points = entry
@@ -108,20 +123,33 @@ class Runner:
         self._weights = weights
         self.compiled_here = compiled_here
         self.load_seconds = load_seconds
+        self.devices = devices
+        self.compilations_at_start = compilations_at_start
+        self.mirror: Mirror | None = None
+        self._mirrored_step = 0  # the leader's step number of the call being executed
+
+    @property
+    def weights(self) -> list:
+        """The weights on the devices, in the program's order, laid out as the executables take them."""
+        return self._weights
 
     def __repr__(self) -> str:
         how = f"compiled here: {self.compiled_here}" if self.compiled_here else "loaded without compiling"
         return f"Runner({str(self.artifact.path)!r}, target={self.target!r}, {how})"
 
     def describe(self) -> str:
-        """One line: target, buckets, padding, and how the executables got here."""
+        """One line: target, buckets, padding, how the executables got here and the compilations that took."""
         parts = []
         for entry in self.entry_points.values():
             buckets = ", ".join(bucket.name for bucket in entry.buckets)
             padding = f"{entry.batch_dim} padded to the next bucket" if entry.batch_dim else f"exact sizes only ({entry.padding_note})"
             parts.append(f"{entry.name}: buckets {buckets}, {padding}")
         how = f"compiled the StableHLO here ({self.compiled_here})" if self.compiled_here else "loaded without compiling"
-        return f"target {self.target}, {how} in {self.load_seconds:.2f} s; {'; '.join(parts)}"
+        devices = f"{len(self.devices)} {self.devices[0].device_kind} device{'s' if len(self.devices) > 1 else ''}"
+        if self.mirror is not None:
+            devices += f" in {self.mirror.processes} processes (this is process {self.mirror.index})"
+        return (f"target {self.target} on {devices}, {how} in {self.load_seconds:.2f} s, compilations_at_start: "
+                f"{self.compilations_at_start}; {'; '.join(parts)}")
 
     def entry_point(self, name: str | None = None) -> EntryPoint:
         """The entry point called `name` (the default one for None or "").
@@ -178,16 +206,24 @@ class Runner:
             the state.
         Returns:
           The Execution.
+        Raises:
+          ProcessLost: in a multi-process run, another process stopped or a collective failed.
         """
+        if self.mirror is None:
+            return self._execute(request, on_device)
+        with self.mirror.lock:  # one order of calls in every process
+            return self._execute(request, on_device)
+
+    def _execute(self, request: PreparedRequest, on_device: bool) -> Execution:
         entry, bucket = request.entry, request.bucket
         padded_to = bucket.sizes[entry.batch_dim] if entry.batch_dim else 1
         arrays = [pad_rows(array, padded_to) for array in request.arrays] if entry.batch_dim else list(request.arrays)
         arrays = [_state_form(array, spec.name in bucket.state_as_bits) if spec.name in entry.state and spec.dtype == "bfloat16" else array
                   for array, spec in zip(arrays, entry.signature.inputs)]
-        executable, input_shardings = self._executables[(entry.name, bucket.name)]
-        # Fresh buffers, donated to the executable (it may reuse them for outputs).
-        inputs = [jax.device_put(array, sharding) for array, sharding in zip(arrays, input_shardings)]
-        results = executable(self._weights, inputs)
+        if self.mirror is None:
+            results = self._call(entry, bucket, arrays)
+        else:
+            results = self._call_mirrored(request, arrays, on_device)
         outputs = {}
         for spec, result in zip(entry.signature.outputs, results):
             if spec.name in entry.state:  # the next call's input: stays on the device
@@ -195,7 +231,54 @@ class Runner:
                 continue
             array = result if on_device else np.asarray(result)
             outputs[spec.name] = array[:request.rows] if entry.batch_dim else array
+        if self.mirror is not None and self.mirror.leader:
+            self.mirror.keep(self._mirrored_step, outputs)
         return Execution(outputs, bucket, request.rows, padded_to)
+
+    def _call(self, entry: EntryPoint, bucket: BucketEntry, arrays: list) -> list:
+        executable, input_shardings = self._executables[(entry.name, bucket.name)]
+        # Fresh buffers, donated to the executable (it may reuse them for outputs).
+        inputs = [_put(array, sharding) for array, sharding in zip(arrays, input_shardings)]
+        return executable(self._weights, inputs)
+
+    def _call_mirrored(self, request: PreparedRequest, arrays: list, on_device: bool) -> list:
+        """The call in every process: the leader publishes it (processes.py) and runs it; a follower
+        runs what the leader published. Waits for the results, so that a process lost inside the
+        collectives fails this call (ProcessLost) rather than a later read."""
+        mirror = self.mirror
+        if mirror.leader:
+            inputs = tuple(("ref", mirror.reference(array)) if isinstance(array, jax.Array) else ("array", np.asarray(array))
+                           for array in request.arrays)
+            self._mirrored_step = mirror.publish(Step(request.entry.name, request.bucket.name, request.sizes, on_device, inputs))
+        try:
+            return jax.block_until_ready(self._call(request.entry, request.bucket, arrays))
+        except jax.errors.JaxRuntimeError as error:
+            raise mirror.lose(f"a collective failed ({' '.join(str(error).split())[:200]})") from None
+
+    def follow(self) -> int:
+        """A follower's work: runs the leader's calls as they come, until the leader stops.
+
+        Returns:
+          The number of calls run.
+        Raises:
+          ProcessLost: the leader is gone or a collective failed.
+          TpuExportError: called in the leader or in a single process.
+        """
+        if self.mirror is None or self.mirror.leader:
+            raise TpuExportError("follow() runs in the followers of a multi-process run (process id 1 and up)")
+        calls = 0
+        while (step := self.mirror.next_step()) is not None:
+            entry = self.entry_point(step.entry_point)
+            bucket = next(bucket for bucket in entry.buckets if bucket.name == step.bucket)
+            request = PreparedRequest(entry, tuple(self.mirror.resolve(step)), step.sizes, bucket)
+            self.mirror.hold(self.execute(request, on_device=step.on_device).outputs)
+            calls += 1
+        return calls
+
+    def close(self) -> None:
+        """The leader of a multi-process run tells the followers to stop (nothing in a single process)."""
+        if self.mirror is not None:
+            self.mirror.stop()
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = GREEDY,
                ignore_eos: bool = False) -> Iterator[list[int | None]]:
@@ -230,7 +313,7 @@ class Runner:
         return self.execute(self.prepare(inputs, entry_point)).outputs
 
 
-def open_runner(path, target: str | None = None, allow_recompile: bool = False) -> Runner:
+def open_runner(path, target: str | None = None, allow_recompile: bool = False, cluster: Cluster | None = None) -> Runner:
     """Opens an artifact's executables on this host (see the module docstring).
 
     Args:
@@ -238,8 +321,11 @@ def open_runner(path, target: str | None = None, allow_recompile: bool = False) 
       target: the target to run ("cpu", "v5e", ...); None picks the one matching the local devices.
       allow_recompile: when the compile key differs from the host (or no target matches it),
         compile the StableHLO for the local devices instead of refusing.
+      cluster: this process's place in a multi-process run (processes.py), joined before JAX's
+        devices start; None for a single process.
     Returns:
-      The Runner.
+      The Runner (in a multi-process run, the leader's runs in every process; followers call
+      `follow()`).
     Raises:
       TpuExportError: a plan (no weights), an unknown target, no target matching the host, a
         compile key that differs from the host's (naming what differs), or a damaged executable.
@@ -247,23 +333,41 @@ def open_runner(path, target: str | None = None, allow_recompile: bool = False) 
     artifact = path if isinstance(path, Artifact) else load(path)
     if artifact.plan_only:
         raise TpuExportError(f"{artifact.path} is a plan without weights: it cannot run; convert the model with its weights")
+    if cluster is not None:
+        join(cluster)
+    with CompilationCounter() as compilations:
+        runner = _open(artifact, target, allow_recompile, runtime_devices(), compilations)
+    if jax.process_count() > 1:
+        if runner.compiled_here:
+            raise TpuExportError("--allow-recompile cannot serve a multi-process run (each process would compile on its own); "
+                                 "convert with the slice's --target")
+        runner.mirror = Mirror(cluster.timeout if cluster else DEFAULT_TIMEOUT_SECONDS)
+    return runner
+
+
+def _open(artifact: Artifact, target: str | None, allow_recompile: bool, devices: list, compilations: CompilationCounter) -> Runner:
+    """open_runner's work on the given devices, `compilations` counting what it compiles."""
     start = time.perf_counter()
-    devices = jax.devices()
     chosen, difference = _choose_target(artifact.manifest, target, devices)
     entries = entry_points(artifact.records, chosen)
     if difference and not allow_recompile:
-        raise TpuExportError(f"{artifact.path} target {chosen} was compiled for another host: {difference}; convert with --target "
-                             f"for this host, or pass --allow-recompile (allow_recompile=True) to compile its StableHLO here")
+        recorded = artifact.manifest["targets"][chosen].get("compile_key") or {}
+        forced = (f"run it with XLA_FLAGS=--xla_force_host_platform_device_count={recorded['devices']} (a CPU twin's devices), "
+                  if recorded.get("platform") == "cpu" and recorded.get("devices", 1) > len(devices) else "")
+        raise TpuExportError(f"{artifact.path} target {chosen} was compiled for another host: {difference}; {forced}convert with "
+                             f"--target for this host, or pass --allow-recompile (allow_recompile=True) to compile its StableHLO here")
     if difference:
         executables, entries = _compile_here(artifact, chosen, entries, devices)
     else:
-        executables = _load_executables(artifact, entries, devices[0].platform)
+        executables = _load_executables(artifact, entries, _target_devices(artifact, chosen, devices))
     # Every bucket takes the weights with the same layout: place them once, as the first expects.
-    weight_shardings = next(iter(executables.values()))[2]
+    _, input_shardings, weight_shardings = next(iter(executables.values()))
     arrays = map_weights(artifact.path / artifact.records.program.path)
-    weights = [jax.device_put(arrays[name], sharding) for name, sharding in zip(artifact.records.program.names, weight_shardings)]
+    weights = [_place(arrays[name], sharding) for name, sharding in zip(artifact.records.program.names, weight_shardings)]
     loaded = {key: (executable, input_shardings) for key, (executable, input_shardings, _) in executables.items()}
-    return Runner(artifact, chosen, entries, loaded, weights, difference or None, time.perf_counter() - start)
+    used = tuple(sorted({device for sharding in [*weight_shardings, *input_shardings] for device in sharding.device_set},
+                        key=lambda device: device.id))
+    return Runner(artifact, chosen, entries, loaded, weights, difference or None, time.perf_counter() - start, used, compilations.count)
 
 
 def host_key(recorded: dict, devices: list) -> dict:
@@ -278,11 +382,13 @@ def host_key(recorded: dict, devices: list) -> dict:
     """
     platform = devices[0].platform
     count = recorded.get("devices", 1) if len(devices) >= recorded.get("devices", 1) else len(devices)
+    # XLA:CPU names devices by their process: a CPU executable loads only in as many processes as it was compiled for.
+    processes = len({device.process_index for device in devices}) if platform == "cpu" else 1
     convention = recorded.get("calling_convention_version")
     supported = jax.export.minimum_supported_calling_convention_version <= (convention or 0) <= jax.export.maximum_supported_calling_convention_version
     return compile_key(platform if platform in ("tpu", "cpu") else "cpu", devices[0].device_kind, count, recorded.get("topology"),
                        recorded.get("compiler_options", {}),
-                       convention if supported else f"{jax.export.maximum_supported_calling_convention_version} at most")
+                       convention if supported else f"{jax.export.maximum_supported_calling_convention_version} at most", processes)
 
 
 def _choose_target(manifest: dict, requested: str | None, devices: list) -> tuple[str, str]:
@@ -303,8 +409,10 @@ def _choose_target(manifest: dict, requested: str | None, devices: list) -> tupl
             return name, "the artifact records no compile key (converted before tpuexport recorded one)"
         return name, key_difference(recorded, host_key(recorded, devices))
     differences = {}
-    for name, entry in targets.items():
-        recorded = entry.get("compile_key")
+    # A target spanning every local device first (cpu-8 before cpu on eight CPU devices), then the others.
+    spans_all = sorted(targets, key=lambda name: (targets[name].get("compile_key") or {}).get("devices") != len(devices))
+    for name in spans_all:
+        recorded = targets[name].get("compile_key")
         if recorded is None:
             differences[name] = "no compile key recorded"
             continue
@@ -323,14 +431,58 @@ def _choose_target(manifest: dict, requested: str | None, devices: list) -> tupl
     return name, differences[name]
 
 
+def _target_devices(artifact: Artifact, target: str, devices: list) -> list:
+    """The local devices a target's executables run on: its first N, or for a slice the devices its
+    mesh was compiled over (manifest device_ids), in that order.
+
+    Raises:
+      TpuExportError: a slice's devices that this run lacks or has in other processes, or a
+        single-device target in a multi-process run; one line naming the first difference.
+    """
+    entry = artifact.manifest["targets"][target]
+    count, compiled_on = entry["compile_key"]["devices"], entry.get("device_ids")
+    processes = len({device.process_index for device in devices})
+    if count == 1 or not compiled_on:
+        if processes > 1:
+            raise TpuExportError(f"{artifact.path} target {target} runs in one process, this run has {processes}; start it without "
+                                 "--coordinator, or convert for the slice's multi-process target (cpu-PxK, v5e-16, ...)")
+        return devices[:count]
+    difference = device_order_difference(compiled_on, entry.get("device_processes", []), devices)
+    if difference:
+        raise TpuExportError(f"{artifact.path} target {target} was compiled over devices {compiled_on} (mesh order), and {difference}: "
+                             "run it on the slice it was built for (every host, with its --process-id), or convert for these devices")
+    here = {device.id: device for device in devices}
+    return [here[device_id] for device_id in compiled_on]
+
+
+def _place(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A weight from the memory-mapped weights file on the devices, as `sharding` lays it out: each
+    local device's slice of the mapping, read for that device alone (make_array_from_callback asks
+    only for the shards of this process's devices); on one device, the mapping itself (XLA:CPU runs an
+    aligned array in place). benchmarks/studies/sharded_placement.py measures the host memory."""
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return jax.device_put(array, sharding)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def _put(array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """An input on the devices as `sharding` lays it out. A host array under a sharding that spans
+    other processes' devices is placed shard by shard from this process's copy: jax.device_put would
+    first check that every process's copy is equal (a collective, and a compilation per shape, at
+    every call), which the step protocol (processes.py) already makes so."""
+    if isinstance(array, jax.Array) or sharding.is_fully_addressable:
+        return jax.device_put(array, sharding)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
 def _trees(entry: EntryPoint, weight_count: int):
     """The pytrees of `exported.call(weights, inputs)`: its arguments and its list of outputs."""
     arguments = jax.tree_util.tree_structure(((list(range(weight_count)), list(range(len(entry.signature.inputs)))), {}))
     return arguments, jax.tree_util.tree_structure(list(range(len(entry.signature.outputs))))
 
 
-def _load_executables(artifact: Artifact, entries: dict[str, EntryPoint], platform: str) -> dict:
-    """{(entry point, bucket): (executable, input shardings, weight shardings)}, deserialized.
+def _load_executables(artifact: Artifact, entries: dict[str, EntryPoint], devices: list) -> dict:
+    """{(entry point, bucket): (executable, input shardings, weight shardings)}, deserialized onto `devices`.
 
     Raises:
       TpuExportError: an executable whose bytes differ from the manifest's sha256.
@@ -346,7 +498,7 @@ def _load_executables(artifact: Artifact, entries: dict[str, EntryPoint], platfo
             if not path.is_file() or recorded != sha256_file(path):
                 raise TpuExportError(f"{bucket.executable} is missing or differs from its sha256 in the manifest; the artifact is "
                                      "damaged, convert again")
-            executable = load_executable(path.read_bytes(), in_tree, out_tree, platform, bucket.executable)
+            executable = load_executable(path.read_bytes(), in_tree, out_tree, devices, bucket.executable)
             (weight_shardings, input_shardings), _ = executable.input_shardings
             loaded[(entry.name, bucket.name)] = (executable, list(input_shardings), list(weight_shardings))
     return loaded

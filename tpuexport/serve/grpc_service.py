@@ -23,6 +23,7 @@ import numpy as np
 
 from tpuexport.errors import TpuExportError
 from tpuexport.serve import protos
+from tpuexport.runtime.processes import ProcessLost
 from tpuexport.serve.batching import ShuttingDown
 from tpuexport.serve.generation import DEFAULT_NEW_TOKENS, FEATURES, GENERATE_SIGNATURE, PROMPTS
 from tpuexport.serve.metrics import UNKNOWN_MODEL, Metrics
@@ -66,7 +67,7 @@ class PredictionService(protos.prediction_service_pb2_grpc.PredictionServiceServ
         except ModelNotFound as error:
             outcome = "not_found"
             context.abort(grpc.StatusCode.NOT_FOUND, str(error))
-        except ShuttingDown as error:
+        except (ShuttingDown, ProcessLost) as error:
             outcome = "unavailable"
             context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         except TpuExportError as error:

@@ -34,6 +34,8 @@ class Metrics:
       queue_time: seconds a generate request waited for cache slots.
       requests_running, requests_waiting: generate requests holding cache slots, and waiting for them.
       cache_slots_used: KV cache slots holding a generating row.
+      compilations_at_start: XLA compilations while a model version's runner opened (0 unless it
+        was compiled here with --allow-recompile; runtime/compilations.py).
     The generation ones are vLLM's (vllm:time_to_first_token_seconds, ...) under tpuexport_ names.
     """
 
@@ -69,6 +71,8 @@ class Metrics:
                                       registry=self.registry)
         self.cache_slots_used = Gauge("tpuexport_kv_cache_slots_used", "KV cache slots holding a generating row.", labels,
                                       registry=self.registry)
+        self.compilations_at_start = Gauge("tpuexport_compilations_at_start", "XLA compilations while the model's executables were "
+                                           "loaded and its weights placed.", labels, registry=self.registry)
 
     def exposition(self) -> bytes:
         """The metrics in Prometheus' text format."""

@@ -110,13 +110,14 @@ class ModelRepository:
       metrics: the server's metrics.
       allow_recompile: compile the StableHLO where an artifact's compile key differs from the host.
       target: the target to serve from every artifact, None to match the local devices.
+      cluster: this process's place in a multi-process run, None for one process.
     Raises:
       TpuExportError: an artifact that cannot be served here (see runtime.open_runner), or a
         model name and version given twice.
     """
 
     def __init__(self, paths: list[pathlib.Path], batch_timeout: float, metrics: Metrics, allow_recompile: bool = False,
-                 target: str | None = None):
+                 target: str | None = None, cluster=None):
         self.models: dict[str, dict[int, ServedModel]] = {}
         for path in paths:
             artifact = load(path)
@@ -126,8 +127,12 @@ class ModelRepository:
             if version in self.models.get(name, {}):
                 raise TpuExportError(f"{path} is model {name} version {version} again; give each artifact its own --version when "
                                      "converting, or serve one of them")
-            runner = open_runner(artifact, target=target, allow_recompile=allow_recompile)
+            if (artifact.manifest.get("generation") or {}).get("kind") == "paged":
+                raise TpuExportError(f"{path} has a paged KV cache (--kv-cache paged), which the server's scheduler does not drive yet; "
+                                     "generate from it with `tpuexport generate`, or convert with --kv-cache static to serve it")
+            runner = open_runner(artifact, target=target, allow_recompile=allow_recompile, cluster=cluster)
             labels = {"model": name, "version": str(version)}
+            metrics.compilations_at_start.labels(**labels).set(runner.compilations_at_start)
             generation = GenerationScheduler(runner, metrics, labels) if "generation" in runner.artifact.manifest else None
             self.models.setdefault(name, {})[version] = ServedModel(name, version, runner, Batcher(runner, batch_timeout, metrics, labels),
                                                                     generation, _tokenizer(artifact) if generation is not None else None)
@@ -161,3 +166,4 @@ class ModelRepository:
             model.batcher.close()
             if model.generation is not None:
                 model.generation.close()
+            model.runner.close()  # a multi-process run's followers stop

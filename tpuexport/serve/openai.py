@@ -36,6 +36,7 @@ from starlette.routing import Route
 from tpuexport.errors import TpuExportError
 from tpuexport.export.sampling import TOP_LOGPROBS
 from tpuexport.lower.sampling import Sampling
+from tpuexport.runtime.processes import ProcessLost
 from tpuexport.serve.batching import ShuttingDown
 from tpuexport.serve.generation import PROMPTS, GenerationStream, Step
 from tpuexport.serve.metrics import UNKNOWN_MODEL, Metrics
@@ -126,7 +127,7 @@ def openai_routes(repository: ModelRepository, metrics: Metrics, max_body_bytes:
             outcome = "ok"
         except OpenAIError as error:
             answer, outcome = error.response(), "bad_request"
-        except ShuttingDown as error:
+        except (ShuttingDown, ProcessLost) as error:
             answer, outcome = OpenAIError(str(error), status=503, kind="service_unavailable").response(), "unavailable"
         except Exception as error:  # a failed step: this request fails, the server serves on
             answer, outcome = OpenAIError(f"{type(error).__name__}: {' '.join(str(error).split())[:300]}", status=500,
@@ -310,7 +311,7 @@ def _submit(parsed: GenerationRequest, prompt: list[int]) -> GenerationStream:
     try:
         return model.generation.submit([prompt], parsed.max_tokens, PROMPTS, parsed.sampling, parsed.stop_ids,
                                        parsed.logprobs or 0, texts)
-    except ShuttingDown:
+    except (ShuttingDown, ProcessLost):
         raise
     except TpuExportError as error:
         raise OpenAIError(str(error), "prompt") from None

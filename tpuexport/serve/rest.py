@@ -11,7 +11,8 @@
   GET  /v1/models/<name>[/versions/<v>]           version status
   GET  /v1/models/<name>[/versions/<v>]/metadata  signature_def, as TF Serving describes a SavedModel
   GET  /healthz                                   alive
-  GET  /readyz                                    ready to take requests (503 once shutting down)
+  GET  /readyz                                    ready to take requests (503 once shutting down, or
+                                                  once a multi-process run lost a process)
   GET  /monitoring/prometheus/metrics, /metrics   Prometheus metrics
 
 Answers are TF Serving's: {"predictions": ...} for row-format requests, {"outputs": ...} for
@@ -33,6 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tpuexport.errors import TpuExportError
+from tpuexport.runtime.processes import ProcessLost
 from tpuexport.serve.batching import ShuttingDown
 from tpuexport.serve.generation import DEFAULT_NEW_TOKENS, GenerationStream, Step
 from tpuexport.serve.metrics import UNKNOWN_MODEL, Metrics
@@ -75,7 +77,7 @@ def create_app(repository: ModelRepository, metrics: Metrics, state: dict, max_b
             outcome = "ok"
         except ModelNotFound as error:
             answer, outcome = _error(404, error), "not_found"
-        except ShuttingDown as error:
+        except (ShuttingDown, ProcessLost) as error:
             answer, outcome = _error(503, error), "unavailable"
         except TpuExportError as error:
             answer, outcome = _error(400, error), "bad_request"
@@ -99,7 +101,7 @@ def create_app(repository: ModelRepository, metrics: Metrics, state: dict, max_b
             first = await run_in_threadpool(next, steps)
         except ModelNotFound as error:
             answer, outcome = _error(404, error), "not_found"
-        except ShuttingDown as error:
+        except (ShuttingDown, ProcessLost) as error:
             answer, outcome = _error(503, error), "unavailable"
         except TpuExportError as error:
             answer, outcome = _error(400, error), "bad_request"
@@ -132,7 +134,8 @@ def create_app(repository: ModelRepository, metrics: Metrics, state: dict, max_b
         return JSONResponse({"status": "alive"})
 
     async def readyz(request: Request) -> Response:
-        ready = state.get("ready", False)
+        # A multi-process run whose followers are lost takes no more requests (runtime/processes.py).
+        ready = state.get("ready", False) and not any(model.runner.mirror and model.runner.mirror.lost for model in repository)
         return JSONResponse({"status": "ready" if ready else "not ready"}, status_code=200 if ready else 503)
 
     async def prometheus(request: Request) -> Response:

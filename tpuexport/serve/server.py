@@ -5,6 +5,10 @@ Start-up: every artifact is opened (executables loaded without compiling, weight
 the gRPC server and the REST server start; /readyz answers 200 from then on. On SIGINT or SIGTERM
 shutdown is graceful: /readyz turns 503, uvicorn stops accepting connections and finishes the
 requests in flight, gRPC gets the same grace, then each model's batcher runs what it has queued.
+
+A multi-process run (`cluster`, runtime/processes.py) serves one artifact: process 0 serves as above
+and its runner's calls run in every process; the other processes open the runner, run those calls
+until process 0 stops, and serve nothing themselves.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Callable
 import uvicorn
 
 from tpuexport.errors import TpuExportError
+from tpuexport.runtime.processes import Cluster
 from tpuexport.serve.grpc_service import start_grpc_server
 from tpuexport.serve.metrics import Metrics
 from tpuexport.serve.models import ModelRepository
@@ -40,6 +45,7 @@ def serve(
     target: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    cluster: Cluster | None = None,
 ) -> None:
     """Serves artifacts until SIGINT or SIGTERM (see the module docstring).
 
@@ -53,17 +59,29 @@ def serve(
       target: the target to serve from every artifact, None to match the local devices.
       max_body_bytes: larger REST request bodies are refused.
       announce: prints progress lines (models loaded, where the servers listen).
+      cluster: this process's place in a multi-process run (see the module docstring), None for one process.
     Raises:
-      TpuExportError: no artifact, one that cannot be served here, or a port that cannot be bound.
+      TpuExportError: no artifact, one that cannot be served here, a port that cannot be bound, or
+        several artifacts in a multi-process run.
     """
     if not artifacts:
         raise TpuExportError("no artifact to serve; pass one or more artifact directories")
     if batch_timeout_ms < 0:
         raise TpuExportError(f"--batch-timeout-ms {batch_timeout_ms:g} is negative; give 0 (no batching) or more")
+    if cluster is not None and len(artifacts) > 1:
+        raise TpuExportError(f"a multi-process run serves one artifact, {len(artifacts)} given; start one run per artifact")
     metrics = Metrics()
-    repository = ModelRepository(list(artifacts), batch_timeout_ms / 1000, metrics, allow_recompile, target)
+    repository = ModelRepository(list(artifacts), batch_timeout_ms / 1000, metrics, allow_recompile, target, cluster)
     for model in repository:
         announce(f"model {model.name} version {model.version}: {model.runner.describe()}")
+    follower = next((model.runner for model in repository if model.runner.mirror and not model.runner.mirror.leader), None)
+    if follower is not None:
+        announce(f"process {follower.mirror.index} runs process 0's steps")
+        try:
+            announce(f"stopped after {follower.follow()} steps (process 0 stopped)")
+        finally:
+            repository.close()
+        return
     state = {"ready": False}
     grpc_server = None
     try:

@@ -18,6 +18,7 @@ from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
 from tpuexport.errors import TpuExportError
+from tpuexport.memory import MemoryMonitor, PeakMemory
 
 if TYPE_CHECKING:
     from tpuexport.tasks.spec import ProgramSpec, Task, Verified
@@ -71,6 +72,9 @@ class ConversionOptions:
         with per-vector scales; export.KV_CACHE_DTYPES; text-generation).
       sliding_window_cache: "bounded" (a ring of W positions per slot when every layer attends
         within one window W < max_context) or "full" (export.SLIDING_WINDOW_CACHES; text-generation).
+      kv_cache: "static" (max context per slot: prefill and decode) or "paged" (pages taken as rows
+        grow: one step entry point; export/paged.py; text-generation).
+      page_size, num_pages: the paged cache's positions per page and pages (None: the defaults).
       new_tokens: tokens generated per prompt by the generation verification.
     """
 
@@ -102,6 +106,9 @@ class ConversionOptions:
     cache_layout: str = export_stage.DEFAULT_CACHE_LAYOUT
     kv_cache_dtype: str = "model"
     sliding_window_cache: str = "bounded"
+    kv_cache: str = "static"
+    page_size: int | None = None
+    num_pages: int | None = None
     new_tokens: int = verify_stage.DEFAULT_NEW_TOKENS
 
     @property
@@ -112,24 +119,45 @@ class ConversionOptions:
 
 
 class StageClock:
-    """Times the stages and reports each one to an optional listener (the CLI's progress lines).
+    """Times the stages, measures their peak memory (with a MemoryMonitor) and reports each one to an
+    optional listener (the CLI's progress lines).
 
     Events from other threads (compilation in the background) are held and reported by the main
     thread with its next event: the main thread may have the process's stderr redirected for a
     moment (TensorFlow's native logging), and a line written then would be lost.
+
+    Attributes:
+      seconds: {stage: wall seconds}.
+      memory: {stage: PeakMemory} of the stages run (empty without a monitor).
     """
 
-    def __init__(self, listener: Callable[[str, float, str], None] | None):
+    def __init__(self, listener: Callable[[str, float, str], None] | None, monitor: MemoryMonitor | None = None):
         self.listener = listener
+        self.monitor = monitor
         self.seconds: dict[str, float] = {}
+        self.memory: dict[str, PeakMemory] = {}
         self.held: list[tuple[str, float, str]] = []
+        self.open: dict[str, int] = {}
 
     @contextlib.contextmanager
     def stage(self, name: str, detail: Callable[[], str] = lambda: ""):
+        self.start(name)
         start = time.perf_counter()
         yield
         self.seconds[name] = time.perf_counter() - start
+        self._close(name)
         self.event(name, self.seconds[name], detail())
+
+    def start(self, name: str) -> None:
+        """Starts measuring a stage's memory (`stage` does; a stage running in the background, such as
+        compilation, is started here and ends with `record`)."""
+        if self.monitor:
+            self.open[name] = self.monitor.open()
+
+    def peaks(self) -> dict[str, PeakMemory]:
+        """{stage: PeakMemory} of the stages ended, and of those still open so far (the writer's,
+        when it writes the manifest)."""
+        return {**self.memory, **{name: self.monitor.peek(window) for name, window in self.open.items() if name not in self.memory}}
 
     def event(self, name: str, seconds: float, detail: str) -> None:
         if not self.listener:
@@ -142,9 +170,15 @@ class StageClock:
         self.listener(name, seconds, detail)
 
     def record(self, name: str, seconds: float, detail: str) -> None:
-        """A stage timed elsewhere (e.g. compilation running in the background): kept and reported."""
+        """A stage timed elsewhere (e.g. compilation running in the background): kept and reported,
+        with its memory since `start(name)` when it was started."""
         self.seconds[name] = seconds
+        self._close(name)
         self.event(name, seconds, detail)
+
+    def _close(self, name: str) -> None:
+        if name in self.open:
+            self.memory[name] = self.monitor.close(self.open.pop(name))
 
 
 @dataclasses.dataclass

@@ -36,12 +36,16 @@ from tpuexport.tasks.conversion import (META_WEIGHTS_ERROR, PT2E_CHECKPOINT_ERRO
                                         write_failed_report)
 from tpuexport.tasks.spec import EntryPointSpec, ProgramSpec, Task, Verified
 from tpuexport.verify.generation import replay_golden
+from tpuexport.verify.paged_generation import replay_golden as replay_paged_golden
 from tpuexport.verify.seq2seq import replay_golden as replay_seq2seq_golden
 
 # Why decode keeps XLA's attention: its query is one token over the whole cache (flash's blocks are
 # query-by-key tiles); a ragged/paged decode kernel reads the cache in the layout it pages.
 DECODE_KERNEL_REASON = ("decode: one query per row over the KV cache; the flash kernel tiles queries, and a ragged/paged "
                         "decode attention kernel is not used yet")
+# Why the paged step keeps XLA's attention (docs/generation.md#a-paged-kv-cache).
+PAGED_KERNEL_REASON = ("step: the reference paged attention (gather by page table, masked); JAX 0.10.2's Pallas ragged_paged_attention "
+                       "does not run in Pallas interpret mode on CPU, so it cannot be verified here, and needs head_dim a multiple of 128")
 SAMPLE_KERNEL_REASON = "sample: no attention (it draws tokens from logits)"
 ENCODER_DECODER_KERNEL_REASON = "encoder-decoder entry points keep XLA's attention (kernels are not lowered for them yet)"
 # Generation entry points run at their compiled sizes: rows go to cache slots, never padded by the runtime.
@@ -77,6 +81,8 @@ class TextGenerationTask(Task):
             raise TpuExportError(f"{META_WEIGHTS_ERROR} (tpuexport.plan or convert(weights=False) in Python)")
         if streamed and options.pt2e:
             raise TpuExportError(PT2E_CHECKPOINT_ERROR)
+        if options.kv_cache == "paged":
+            _check_paged(conversion)
         if export_stage.is_encoder_decoder(model):
             unsupported = [what for what, given in (("--quantize", options.quantize), ("--checkpoint", conversion.loaded.checkpoint is not None),
                                                      ("--kv-cache-dtype int8", options.kv_cache_dtype == "int8"),
@@ -89,6 +95,8 @@ class TextGenerationTask(Task):
     def specify(self, conversion: Conversion) -> ProgramSpec:
         options, loaded = conversion.options, conversion.loaded
         requested = dict(options.buckets or {})
+        if options.kv_cache == "paged":
+            return _paged_spec(conversion, requested)
         unknown = sorted(set(requested) - {"batch", "seq"})
         encoder_decoder = export_stage.is_encoder_decoder(loaded.model)
         fill = "encode" if encoder_decoder else "prefill"
@@ -150,7 +158,8 @@ class TextGenerationTask(Task):
         """The stored cases' fill and decode steps, teacher-forced, against generate()'s tokens and logits."""
         golden = load_arrays(artifact.read_checked(artifact.manifest["verification"]["golden"]))
         program = artifact.generation_program
-        replay = replay_seq2seq_golden if isinstance(program, lower_stage.Seq2SeqProgram) else replay_golden
+        replay = (replay_seq2seq_golden if isinstance(program, lower_stage.Seq2SeqProgram)
+                  else replay_paged_golden if isinstance(program, lower_stage.PagedGenerationProgram) else replay_golden)
         return replay(program, golden, artifact.manifest["verification"]["cases"], tolerances)
 
     def describe_golden(self, report) -> str:
@@ -158,6 +167,8 @@ class TextGenerationTask(Task):
 
     def bucket_figures(self, conversion: Conversion):
         spec = conversion.program.spec
+        if isinstance(conversion.program, lower_stage.PagedGenerationProgram):
+            return lambda name, result: {"paged_step": paged_step_figures(result, spec)} if name == "step" else {}
         return lambda name, result: {"decode_step": decode_step_figures(result, spec)} if name == "decode" else {}
 
 
@@ -195,6 +206,42 @@ def _decoder_spec(conversion: Conversion, seq: tuple[int, ...] | None, batches: 
                        GenerationSources(spec, model, modules, checkpoint_model))
 
 
+def _check_paged(conversion: Conversion) -> None:
+    """Refuses, in one line, what the paged step does not take yet."""
+    options, loaded = conversion.options, conversion.loaded
+    unsupported = [what for what, given in (("--kv-cache-dtype int8", options.kv_cache_dtype == "int8"), ("--quantize", options.quantize),
+                                             ("--checkpoint", loaded.checkpoint is not None), ("a slice target", conversion.slices),
+                                             ("an encoder-decoder", export_stage.is_encoder_decoder(loaded.model)))
+                   if given]
+    if unsupported:
+        raise TpuExportError(f"--kv-cache paged does not support {unsupported[0]} yet; use --kv-cache static for it")
+
+
+def _paged_spec(conversion: Conversion, requested: dict[str, list[int]]) -> ProgramSpec:
+    """The step over pages and the sample entry point over its rows' logits (export/paged.py)."""
+    options, loaded, model = conversion.options, conversion.loaded, conversion.loaded.model
+    unknown = sorted(set(requested) - {"tokens", "rows"})
+    if unknown:
+        raise TpuExportError(f"--bucket {unknown[0]} is not a dim of the paged step; its dims are tokens (token budget) and rows")
+    spec = export_stage.paged_spec(model, options.max_batch, options.max_context, options.page_size, options.num_pages,
+                                   tuple(requested["tokens"]) if "tokens" in requested else None,
+                                   tuple(requested["rows"]) if "rows" in requested else None)
+    module = export_stage.Step(model.eval(), spec)
+    args, shapes = export_stage.step_example_arguments(spec, "meta" if conversion.plan_only and export_stage.weights_on_meta(model) else "cpu")
+    source = export_stage.LoadedSource(module, args, shapes, None, loaded.info)
+    source = export_stage.on_meta_device(source) if conversion.plan_only else source
+    sizes = {"tokens": list(spec.token_buckets), "rows": list(spec.row_buckets)}
+    sample_args, sample_shapes = export_stage.sample_example_arguments(spec.vocab)
+    entry_points = {"step": EntryPointSpec(source, sizes, PAGED_KERNEL_REASON),
+                    "sample": EntryPointSpec(export_stage.LoadedSource(export_stage.Sample(spec.vocab), sample_args, sample_shapes, None, loaded.info),
+                                             {"rows": list(spec.row_buckets)}, SAMPLE_KERNEL_REASON, reads_weights=False, precision="f32")}
+    description = (f"entry points step (tokens {list(spec.token_buckets)} x rows {list(spec.row_buckets)}) and sample (rows "
+                   f"{list(spec.row_buckets)}); paged cache {list(spec.cache_shape)} {spec.dtype} ({spec.num_pages} pages of {spec.page_size}, "
+                   f"{spec.cache_bytes / 2**20:.1f} MiB)")
+    return ProgramSpec(entry_points, lambda lowered: lower_stage.PagedGenerationProgram(spec, lowered), True, description,
+                       GenerationSources(spec, model, {"step": module}, None))
+
+
 def _seq2seq_spec(conversion: Conversion, seq: tuple[int, ...] | None, batches: tuple[int, ...]) -> ProgramSpec:
     """Encode and decode over one encoder-decoder. Unscanned: encode would scan the encoder's layers
     (their weights stacked) while decode, which does not run the encoder, keeps them apart, and the
@@ -224,6 +271,8 @@ def _verify_generation(conversion: Conversion):
     tolerances = verification_tolerances(program.weights_program, options, conversion.quantized is not None)
     if isinstance(program, lower_stage.Seq2SeqProgram):
         return verify_stage.verify_seq2seq(program, sources.model, tolerances, options.new_tokens)
+    if isinstance(program, lower_stage.PagedGenerationProgram):
+        return verify_stage.verify_paged_generation(program, sources.model, tolerances, options.new_tokens)
     if conversion.quantized:  # int8: against the PT2E entry points, as forward int8 programs are
         references = {name: result.captured.reference for name, result in conversion.quantized.items()}
         return verify_stage.verify_quantized_generation(program, sources.model, references, tolerances, options.new_tokens)
@@ -374,6 +423,19 @@ def decode_step_figures(result, spec) -> dict:
     }
 
 
+def paged_step_figures(result, spec, mean_length: int = 512) -> dict:
+    """What a paged step's executable leaves for pages on its chip: the weights (its arguments less the
+    cache) and its temporaries stay, the rest of HBM holds pages; with the sequences of `mean_length`
+    positions those pages hold (each row's last page partly filled)."""
+    memory = result.memory
+    page_bytes = spec.cache_bytes // spec.num_pages
+    weights = memory["argument_bytes"] - spec.cache_bytes
+    pages = max(0, (result.target.hbm_bytes_per_device - weights - memory["temp_bytes"]) // page_bytes)
+    return {"cache_bytes": spec.cache_bytes, "page_bytes": page_bytes, "weight_bytes": weights, "temp_bytes": memory["temp_bytes"],
+            "pages_fit": int(pages), "tokens_fit": int(pages * spec.page_size), "mean_length": mean_length,
+            "sequences_fit_at_mean_length": int(pages // -(-mean_length // spec.page_size))}
+
+
 def _cache_bytes_per_device(result, spec) -> int:
     """The KV cache's bytes on one device: whole on a chip, divided by the mesh axes that split it on a slice."""
     if result.plan is None:
@@ -399,7 +461,8 @@ def describe_generation(report, fill: str = "prefill") -> str:
     worst = report.worst_errors()
     reference = ("the PT2E entry points" if isinstance(report, verify_stage.QuantizedGenerationReport)
                  else "the eager int8-KV entry points" if report.against == verify_stage.INT8_KV_AGAINST else "generate()")
-    described = (f"{len(report.cases)} {fill} bucket(s) + decode, {report.tokens_compared()} tokens compared with {reference}, "
+    buckets = f"{len(report.cases)} step bucket(s), prompts in chunks beside decode rows" if fill == "step" else f"{len(report.cases)} {fill} bucket(s) + decode"
+    described = (f"{buckets}, {report.tokens_compared()} tokens compared with {reference}, "
                  f"{'passed' if report.passed else 'FAILED'} ({report.ties()} tie(s)); worst logits relative RMS error {worst['tpu']:.1e} "
                  f"as the TPU computes, {worst['cpu']:.1e} in f32")
     if isinstance(report, verify_stage.QuantizedGenerationReport) or report.float_divergence() is None:

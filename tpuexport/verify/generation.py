@@ -38,8 +38,10 @@ import torch
 
 from tpuexport.lower.generation import GenerationProgram, GenerationSession, cpu_runner
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
+from tpuexport.lower.program import EntryPoints
 from tpuexport.verify.compare import OutputComparison, Tolerances, compare_output, sqnr_db
 from tpuexport.verify.report import RUNS, summary_section
+from tpuexport.verify.sizes import MAX_FILL_TEMPORARY_BYTES
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
 from tpuexport.verify.tpu_numerics import tpu_faithful
 
@@ -128,6 +130,7 @@ class GenerationCase:
       error: why the case could not run (the artifact or eager model raised), else None.
       golden: whether its prompts, eager tokens and logits are stored.
       float_divergence: a weight-only case's distance from the float model, else None.
+      note: why the case runs at other sizes than its prefill bucket's (verified_fills), else None.
     """
 
     sizes: dict[str, int]
@@ -138,6 +141,7 @@ class GenerationCase:
     error: str | None = None
     golden: bool = False
     float_divergence: FloatDivergence | None = None
+    note: str | None = None
 
     @property
     def label(self) -> str:
@@ -207,7 +211,8 @@ class GenerationReport:
             "tokens_compared": self.tokens_compared(),
             "ties": self.ties(),
             "cases": [{"label": case.label, "sizes": case.sizes, "lengths": list(case.lengths), "slots": list(case.slots),
-                       "new_tokens": case.new_tokens, "golden": case.golden} for case in self.cases],
+                       "new_tokens": case.new_tokens, "golden": case.golden, **({"note": case.note} if case.note else {})}
+                      for case in self.cases],
         }
 
     def to_json(self) -> dict:
@@ -224,7 +229,7 @@ class GenerationReport:
             "cases": [
                 {
                     "label": case.label, "sizes": case.sizes, "lengths": list(case.lengths), "slots": list(case.slots),
-                    "new_tokens": case.new_tokens, "passed": case.passed, "error": case.error, "golden": case.golden,
+                    "new_tokens": case.new_tokens, "passed": case.passed, "error": case.error, "golden": case.golden, "note": case.note,
                     "float_divergence": dataclasses.asdict(case.float_divergence) if case.float_divergence else None,
                     "runs": {name: {"passed": run.passed, "tokens_compared": run.tokens_compared,
                                     "logits": {**dataclasses.asdict(run.logits), "passed": run.logits.passed},
@@ -234,6 +239,37 @@ class GenerationReport:
                 for case in self.cases
             ],
         }
+
+
+def verified_fills(program: GenerationProgram, bound: int = MAX_FILL_TEMPORARY_BYTES) -> list[tuple[dict[str, int], str | None]]:
+    """The sizes each prefill bucket's case runs at, and why they are not the bucket's (or None).
+
+    A bucket whose fill needs more than `bound` bytes of XLA:CPU temporaries (the plain f32 run's
+    memory analysis, compiled here before anything runs) is verified with fewer rows (halved until
+    it fits), then shorter prompts: rows are independent in every entry point, and the TPU runs
+    the compiled bucket either way. Sizes two buckets shrink to are verified once.
+    """
+    prefill = program.entry_points["prefill"]
+    fills: list[tuple[dict[str, int], str | None]] = []
+    for bucket in program.fill_buckets():
+        sizes = dict(bucket)
+        needed = prefill.run_temporary_bytes(sizes)
+        while needed > bound and (sizes["batch"] > 1 or sizes["seq"] > 1):
+            sizes = {**sizes, "batch": sizes["batch"] // 2} if sizes["batch"] > 1 else {**sizes, "seq": sizes["seq"] // 2}
+            needed = prefill.run_temporary_bytes(sizes)
+        if sizes == bucket:
+            fills.append((sizes, None))
+        elif all(sizes != seen for seen, _ in fills):
+            fills.append((sizes, f"prefill bucket batch {bucket['batch']} x seq {bucket['seq']} verified at batch {sizes['batch']} x seq "
+                                 f"{sizes['seq']}: its fill needs more than {bound / 2**20:,.1f} MiB of CPU temporaries"))
+    return fills
+
+
+def any_batch(program: GenerationProgram) -> GenerationProgram:
+    """The program as verification drives it: the portable program prefills any batch up to max batch
+    on CPU (verified_fills may run fewer rows than a bucket's), where a runtime's executables take
+    the compiled batches only."""
+    return dataclasses.replace(program, prefill_batches=tuple(range(1, program.spec.max_batch + 1)))
 
 
 def plan_prompts(program: GenerationProgram, sizes: dict[str, int], new_tokens: int, seed: int) -> tuple[list[list[int]], list[int], int]:
@@ -282,7 +318,7 @@ def eager_references(program: GenerationProgram, model: torch.nn.Module, new_tok
     """generate() of every case's prompts (plan_prompts): per prefill bucket, per row, (new tokens,
     logits [steps, vocab]). Raises what the model raises."""
     references = []
-    for index, sizes in enumerate(program.fill_buckets()):
+    for index, (sizes, _) in enumerate(verified_fills(program)):
         prompts, _, steps = plan_prompts(program, sizes, new_tokens, seed=index)
         references.append([eager_generate(model, prompt, steps) for prompt in prompts])
     return references
@@ -324,9 +360,10 @@ def teacher_forced_logits(session: GenerationSession, prompts, slots, seq: int, 
     return np.stack([np.stack(row) for row in logits]).astype(np.float32)
 
 
-def cpu_runs(program: GenerationProgram) -> dict[str, dict[str, jax.export.Exported]]:
-    """The entry points' programs of each CPU run (RUNS): "tpu" their TPU-faithful rewrites, "cpu" the programs as lowered."""
-    precision = MATMUL_PRECISIONS[program.entry_points["decode"].matmul_precision]
+def cpu_runs(program: EntryPoints) -> dict[str, dict[str, jax.export.Exported]]:
+    """The entry points' programs of each CPU run (RUNS): "tpu" their TPU-faithful rewrites, "cpu" the programs as lowered
+    (a static or paged generation program's)."""
+    precision = MATMUL_PRECISIONS[program.weights_program.matmul_precision]
     return {"tpu": {name: tpu_faithful(lowered.exported, precision) for name, lowered in program.entry_points.items()},
             "cpu": {name: lowered.exported for name, lowered in program.entry_points.items()}}
 
@@ -349,7 +386,7 @@ def teacher_forced_runs(program: GenerationProgram, runs: dict[str, dict[str, ja
     logits: dict[str, np.ndarray] = {}
     for name, programs in runs.items():
         earlier = next((other for other in logits if all(runs[other][entry] is programs[entry] for entry in programs)), None)
-        logits[name] = logits[earlier] if earlier else teacher_forced_logits(GenerationSession(program, cpu_runner(program, programs)), prompts,
+        logits[name] = logits[earlier] if earlier else teacher_forced_logits(GenerationSession(any_batch(program), cpu_runner(program, programs)), prompts,
                                                                                slots, seq, eager_tokens)
     return logits
 
@@ -372,7 +409,7 @@ def compare_run(actual: np.ndarray, expected: np.ndarray, eager_tokens: list[lis
 def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolerances: VerificationTolerances | None = None,
                       new_tokens: int = DEFAULT_NEW_TOKENS,
                       float_reference: list[list[tuple[list[int], np.ndarray]]] | None = None,
-                      first_seed: int = 0) -> GenerationReport:
+                      first_seed: int = 0, fill_bytes: int = MAX_FILL_TEMPORARY_BYTES) -> GenerationReport:
     """Generates with the artifact's entry points on CPU and compares with Hugging Face generate.
 
     Args:
@@ -385,6 +422,7 @@ def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolera
         before the weights were rounded): each case then measures its FloatDivergence.
       first_seed: the seed of the first prefill bucket's prompts (each next bucket's is one more);
         0 is what a conversion verifies (and float_reference was drawn with), others give fresh prompts.
+      fill_bytes: the CPU temporaries a case's fill may need (verified_fills).
     Returns:
       The GenerationReport, passed or not, with golden data (prompts, eager tokens and logits).
     """
@@ -392,25 +430,26 @@ def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolera
     tolerances = tolerances or default_tolerances(decode.resolved_precision, decode.matmul_precision, quantized=False)
     runs_programs = cpu_runs(program)
     cases, golden = [], {}
-    for index, sizes in enumerate(program.fill_buckets()):
+    for index, (sizes, note) in enumerate(verified_fills(program, fill_bytes)):
         prompts, slots, steps = plan_prompts(program, sizes, new_tokens, seed=first_seed + index)
         lengths = tuple(len(prompt) for prompt in prompts)
         try:
             eager = [eager_generate(model, prompt, steps) for prompt in prompts]
         except Exception as error:  # the user's model may raise anything
-            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, {}, f"eager generate() raised {type(error).__name__}: {error}"))
+            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, {}, f"eager generate() raised {type(error).__name__}: {error}",
+                                        note=note))
             continue
         eager_tokens = [tokens for tokens, _ in eager]
         expected = np.stack([logits for _, logits in eager])
         try:
             actual = teacher_forced_runs(program, runs_programs, prompts, slots, sizes["seq"], eager_tokens)
         except Exception as error:  # XLA runtime errors, shape assertions
-            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, {}, artifact_raised(error)))
+            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, {}, artifact_raised(error), note=note))
             continue
         runs = {name: compare_run(logits, expected, eager_tokens, getattr(tolerances, name)) for name, logits in actual.items()}
         divergence = None if float_reference is None else float_divergence(actual["tpu"], eager_tokens, float_reference[index])
         stored = store_golden_case(golden, index, prompts, slots, sizes["seq"], eager_tokens, expected)
-        cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, golden=stored, float_divergence=divergence))
+        cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, golden=stored, float_divergence=divergence, note=note))
     return GenerationReport(decode.resolved_precision, decode.matmul_precision, tolerances, tuple(cases), golden)
 
 

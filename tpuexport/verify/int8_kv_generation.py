@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from tpuexport.lower.generation import GenerationProgram, GenerationSession
-from tpuexport.verify.generation import (DEFAULT_NEW_TOKENS, GenerationCase, GenerationReport, artifact_raised, compare_run, cpu_runs,
-                                         float_divergence, plan_prompts, store_golden_case, teacher_forced_runs)
+from tpuexport.verify.generation import (DEFAULT_NEW_TOKENS, GenerationCase, GenerationReport, any_batch, artifact_raised, compare_run, cpu_runs,
+                                         float_divergence, plan_prompts, store_golden_case, teacher_forced_runs, verified_fills)
 from tpuexport.verify.quantized_generation import greedy_logits, torch_runner
 from tpuexport.verify.tolerances import VerificationTolerances
 
@@ -51,21 +51,22 @@ def verify_int8_kv_generation(program: GenerationProgram, modules: dict, toleran
     runs_programs = cpu_runs(program)
     reference_runner = torch_runner(modules)
     cases, golden = [], {}
-    for index, sizes in enumerate(program.fill_buckets()):
+    for index, (sizes, note) in enumerate(verified_fills(program)):
         prompts, slots, steps = plan_prompts(program, sizes, new_tokens, seed=index)
         lengths = tuple(len(prompt) for prompt in prompts)
         try:
-            tokens, expected = greedy_logits(GenerationSession(program, reference_runner), prompts, slots, sizes["seq"], steps)
+            tokens, expected = greedy_logits(GenerationSession(any_batch(program), reference_runner), prompts, slots, sizes["seq"], steps)
         except Exception as error:  # the user's model may raise anything
-            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, {}, f"the eager entry points raised {type(error).__name__}: {error}"))
+            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, {}, f"the eager entry points raised {type(error).__name__}: {error}",
+                                        note=note))
             continue
         try:
             actual = teacher_forced_runs(program, runs_programs, prompts, slots, sizes["seq"], tokens)
         except Exception as error:  # XLA runtime errors, shape assertions
-            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, {}, artifact_raised(error)))
+            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, {}, artifact_raised(error), note=note))
             continue
         runs = {name: compare_run(logits, expected, tokens, getattr(tolerances, name)) for name, logits in actual.items()}
         divergence = float_divergence(actual["tpu"], tokens, float_reference[index])
         stored = store_golden_case(golden, index, prompts, slots, sizes["seq"], tokens, expected)
-        cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, golden=stored, float_divergence=divergence))
+        cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, golden=stored, float_divergence=divergence, note=note))
     return GenerationReport(decode.resolved_precision, decode.matmul_precision, tolerances, tuple(cases), golden, INT8_KV_AGAINST)

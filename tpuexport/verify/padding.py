@@ -6,7 +6,10 @@ inference for most models, false of a model that mixes rows (a batch statistic, 
 the batch). So conversion runs the program at the largest padded bucket with the fewest rows a
 server would route to it (one more than the next smaller bucket), the rest zeros, and compares the
 real rows' outputs with eager PyTorch on those rows alone, in both runs (TPU-faithful and f32)
-under the verification tolerances. The manifest records the outcome ("padding"); the runtime pads
+under the verification tolerances. Whether rows are independent is a property of the program, not
+of a bucket's other sizes: when the bucket's inputs or outputs are beyond what an optional run may
+hold (sizes.within_memory_bound; a language model's logits at 8 x 2048), its other dims run at their
+example sizes and the check says so. The manifest records the outcome ("padding"); the runtime pads
 only when it passed, and otherwise serves exact bucket sizes.
 
 Other dims (a sequence) are not padded: that needs to know which input masks them and what pad
@@ -16,7 +19,6 @@ value the tokens take.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 import numpy as np
@@ -25,7 +27,7 @@ import torch
 from tpuexport.compile import Bucket
 from tpuexport.lower import LoweredProgram
 from tpuexport.verify.compare import OutputComparison, compare_output
-from tpuexport.verify.sizes import MAX_OPTIONAL_INPUT_ELEMENTS
+from tpuexport.verify.sizes import MAX_OPTIONAL_OUTPUT_BYTES, output_bytes, within_memory_bound
 from tpuexport.verify.tolerances import VerificationTolerances
 from tpuexport.verify.verification import ProgramRuns, eager_outputs, make_inputs, short_error, to_numpy
 
@@ -45,6 +47,8 @@ class PaddingCheck:
       bucket: the bucket they were padded to.
       comparisons: {"tpu"|"cpu": per-output comparisons of the real rows}.
       error: why the run failed, or None.
+      sizes: the sizes the program ran at (the bucket's, unless they were beyond the memory bound).
+      note: why `sizes` are not the bucket's ("" when they are).
     """
 
     dim: str
@@ -52,6 +56,8 @@ class PaddingCheck:
     bucket: Bucket
     comparisons: dict[str, tuple[OutputComparison, ...]]
     error: str | None = None
+    sizes: dict[str, int] = dataclasses.field(default_factory=dict)
+    note: str = ""
 
     @property
     def passed(self) -> bool:
@@ -59,7 +65,8 @@ class PaddingCheck:
 
     def describe(self) -> str:
         outcome = "passed" if self.passed else f"FAILED ({self.error or self.failure()}); the runtime serves exact bucket sizes only"
-        return f"{self.rows} {self.dim} rows padded to bucket {self.bucket.name} with {PAD_VALUE}s: {outcome}"
+        shrunk = f" ({self.note})" if self.note else ""
+        return f"{self.rows} {self.dim} rows padded to bucket {self.bucket.name} with {PAD_VALUE}s{shrunk}: {outcome}"
 
     def failure(self) -> str:
         return "; ".join(f"{run} run output {c.name!r} relative RMS error {c.relative_rms_error:.2g}"
@@ -73,18 +80,21 @@ class PaddingCheck:
             "passed": self.passed,
             "rows": self.rows,
             "bucket": self.bucket.as_dict(),
+            "sizes": dict(self.sizes),
+            "note": self.note,
             "error": self.error,
             "outputs": {run: [{**dataclasses.asdict(c), "passed": c.passed} for c in outputs] for run, outputs in self.comparisons.items()},
         }
 
 
-def padded_case(lowered: LoweredProgram, buckets: Sequence[Bucket]) -> tuple[str, int, Bucket] | None:
-    """(batch dim, real rows, bucket) of the padded run, or None when no bucket is ever padded (no
-    batch dim, or every bucket at the dim's minimum) or none can be run on CPU.
+def padded_case(lowered: LoweredProgram, buckets: Sequence[Bucket]) -> tuple[str, int, Bucket, dict[str, int], str] | None:
+    """(batch dim, real rows, bucket, sizes run, note) of the padded run, or None when no bucket is
+    ever padded (no batch dim, or every bucket at the dim's minimum) or none can be run on CPU.
 
     Whether rows are independent is a property of the program, not of a bucket's size, so the run
-    takes the largest padded bucket whose inputs stay within what verification holds in memory
-    (sizes.MAX_OPTIONAL_INPUT_ELEMENTS): a bucket of a million rows is not run whole on the CPU.
+    takes the largest padded bucket whose run stays within what verification holds in memory
+    (sizes.within_memory_bound): at the bucket's sizes when they fit, else with its other dims at
+    their example sizes (the note says so); a bucket of a million rows is not run whole on the CPU.
     """
     signature = lowered.signature
     dim = signature.batch_dim()
@@ -92,13 +102,21 @@ def padded_case(lowered: LoweredProgram, buckets: Sequence[Bucket]) -> tuple[str
         return None
     minimum = signature.dim(dim).min
     sizes = sorted({bucket.as_dict()[dim] for bucket in buckets})
+    example = signature.example_sizes()
     for bucket in sorted(buckets, key=lambda bucket: bucket.as_dict()[dim], reverse=True):
         size = bucket.as_dict()[dim]
         smaller = [other for other in sizes if other < size]
         rows = max(smaller) + 1 if smaller else minimum
-        elements = sum(math.prod(spec.concrete_shape(bucket.as_dict())) for spec in signature.inputs)
-        if rows < size and elements <= MAX_OPTIONAL_INPUT_ELEMENTS:
-            return dim, rows, bucket
+        if rows >= size:
+            continue
+        if within_memory_bound(signature, bucket.as_dict()):
+            return dim, rows, bucket, bucket.as_dict(), ""
+        shrunk = {**example, dim: size}
+        if within_memory_bound(signature, shrunk):
+            others = ", ".join(f"{name} {example[name]}" for name in example if name != dim and example[name] != bucket.as_dict()[name])
+            return dim, rows, bucket, shrunk, (f"{others or 'other dims'} at the example's size: the bucket's outputs, "
+                                               f"{output_bytes(signature, bucket.as_dict()) / 2**30:.1f} GiB, are beyond the "
+                                               f"{MAX_OPTIONAL_OUTPUT_BYTES / 2**30:g} GiB a verification run may hold")
     return None
 
 
@@ -118,21 +136,20 @@ def verify_padding(lowered: LoweredProgram, reference, example_inputs: Sequence[
     case = padded_case(lowered, buckets)
     if case is None:
         return None
-    dim, rows, bucket = case
-    sizes = {**bucket.as_dict(), dim: rows}
-    inputs = make_inputs(lowered.signature.inputs, example_inputs, sizes, seed=PADDING_SEED)
+    dim, rows, bucket, sizes, note = case
+    inputs = make_inputs(lowered.signature.inputs, example_inputs, {**sizes, dim: rows}, seed=PADDING_SEED)
     try:
         expected = eager_outputs(reference, inputs)
-        padded = [pad_rows(to_numpy(tensor), bucket.as_dict()[dim]) for tensor in inputs]
+        padded = [pad_rows(to_numpy(tensor), sizes[dim]) for tensor in inputs]
         actual = ProgramRuns(lowered).run(padded)
     except Exception as error:  # the model or the program may raise anything
-        return PaddingCheck(dim, rows, bucket, {}, f"{type(error).__name__}: {short_error(error)}")
+        return PaddingCheck(dim, rows, bucket, {}, f"{type(error).__name__}: {short_error(error)}", sizes, note)
     outputs = lowered.signature.outputs
     comparisons = {
         run: tuple(compare_output(spec.name, np.asarray(a)[:rows], e, getattr(tolerances, run)) for spec, a, e in zip(outputs, actual[run], expected))
         for run in ("tpu", "cpu")
     }
-    return PaddingCheck(dim, rows, bucket, comparisons)
+    return PaddingCheck(dim, rows, bucket, comparisons, sizes=sizes, note=note)
 
 
 def padding_policy(signature, passed: bool | None) -> tuple[str | None, str]:

@@ -34,8 +34,8 @@ from tpuexport import arrays
 from tpuexport.lower.generation import GenerationProgram, GenerationSession, Runner
 from tpuexport.verify.compare import sqnr_db
 from tpuexport.verify.conformance import OpConformance, check_ops
-from tpuexport.verify.generation import (GenerationCase, GenerationReport, artifact_raised, compare_run, cpu_runs, plan_prompts,
-                                         store_golden_case, teacher_forced_runs)
+from tpuexport.verify.generation import (GenerationCase, GenerationReport, any_batch, artifact_raised, compare_run, cpu_runs, plan_prompts,
+                                         store_golden_case, teacher_forced_runs, verified_fills)
 from tpuexport.verify.tolerances import VerificationTolerances
 
 
@@ -135,14 +135,14 @@ def verify_quantized_generation(program: GenerationProgram, model: torch.nn.Modu
     reference_runner = torch_runner(references, first_inputs)
     cases, golden = [], {}
     artifact_logits, pt2e_logits, cpu_logits, float_values, divergences = [], [], [], [], []
-    for index, sizes in enumerate(program.fill_buckets()):
+    for index, (sizes, note) in enumerate(verified_fills(program)):
         prompts, slots, steps = plan_prompts(program, sizes, new_tokens, seed=index)
         lengths = tuple(len(prompt) for prompt in prompts)
-        tokens, expected = greedy_logits(GenerationSession(program, reference_runner), prompts, slots, sizes["seq"], steps)
+        tokens, expected = greedy_logits(GenerationSession(any_batch(program), reference_runner), prompts, slots, sizes["seq"], steps)
         try:
             actual = teacher_forced_runs(program, runs_programs, prompts, slots, sizes["seq"], tokens)
         except Exception as error:  # XLA runtime errors, shape assertions
-            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, {}, artifact_raised(error)))
+            cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, {}, artifact_raised(error), note=note))
             continue
         runs = {name: compare_run(logits, expected, tokens, getattr(tolerances, name)) for name, logits in actual.items()}
         for row, prompt in enumerate(prompts):
@@ -154,7 +154,7 @@ def verify_quantized_generation(program: GenerationProgram, model: torch.nn.Modu
             departs = [step for step in range(steps) if int(reference[step].argmax()) != tokens[row][step]]
             divergences.append({"case": index, "row": row, "step": departs[0] if departs else None})
         stored = store_golden_case(golden, index, prompts, slots, sizes["seq"], tokens, expected)
-        cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, golden=stored))
+        cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, golden=stored, note=note))
     conformance = {name: check_ops(program.entry_points[name].graph, inputs, _sizes(program.entry_points[name], inputs))
                    for name, inputs in first_inputs.items()}
     comparison = {

@@ -10,7 +10,11 @@ Then, in this order, each only if the extra cases' matmul FLOPs stay within the 
   max-<dim> one dim at its maximum, the others at their minimum (when "max" does not fit)
   mid       a size inside each range that differs from the example (odd where possible)
 An unbounded dim's maximum counts as 4x its example size. Costs come from the program's matmul
-FLOPs polynomial (lower/cost.py), so choosing sizes runs nothing.
+FLOPs polynomial (lower/cost.py), so choosing sizes runs nothing. An optional case also stays within
+what one run holds in memory: its inputs (MAX_OPTIONAL_INPUT_ELEMENTS) and its outputs
+(MAX_OPTIONAL_OUTPUT_BYTES, counted at 4 bytes an element or more: the comparisons compute in f32).
+A language model's logits are what a cheap-looking size makes large: Llama-3.2-1B's at batch 8 x seq
+2048 are 8 GiB in f32 for 1.1e11 FLOPs of its 16 layers.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import dataclasses
 
 import numpy as np
 
+from tpuexport.arrays import numpy_dtype
 from tpuexport.errors import TpuExportError
 from tpuexport.lower.cost import flops_at
 from tpuexport.signature import ProgramSignature
@@ -27,6 +32,12 @@ from tpuexport.signature import ProgramSignature
 DEFAULT_BUDGET_FLOPS = 5e10
 # Optional cases also stay below this many input elements (the eager and XLA runs hold them all).
 MAX_OPTIONAL_INPUT_ELEMENTS = 1 << 24
+# ... and below this many bytes of outputs per run (eager's and both program runs' are held at once).
+MAX_OPTIONAL_OUTPUT_BYTES = 1 << 30
+# A text-generation fill case's XLA:CPU temporaries (its prefill's attention scores over the cache
+# grow with batch x seq x max context: a Llama-3.2-1B-shaped fill of 8 x 2048 in a 4096 context, 11.3 GiB).
+# Larger fills are verified with fewer rows, then shorter prompts (verify/generation.py).
+MAX_FILL_TEMPORARY_BYTES = 2 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +97,7 @@ def plan_cases(
     def add_within_budget(label: str, sizes: dict[str, int]) -> bool:
         nonlocal spent
         cost = flops_at(flops_expression, sizes)
-        if spent + cost > budget_flops or _input_elements(signature, sizes) > MAX_OPTIONAL_INPUT_ELEMENTS:
+        if spent + cost > budget_flops or not within_memory_bound(signature, sizes):
             return False
         if all(sizes != case.sizes for case in cases):
             spent += cost
@@ -109,6 +120,16 @@ def _middle_size(low: int, high: int, example: int) -> int:
     if middle == example and middle + 2 <= high:
         middle += 2
     return middle
+
+
+def within_memory_bound(signature: ProgramSignature, sizes: dict[str, int]) -> bool:
+    """Whether an optional run at `sizes` stays within MAX_OPTIONAL_INPUT_ELEMENTS and MAX_OPTIONAL_OUTPUT_BYTES."""
+    return _input_elements(signature, sizes) <= MAX_OPTIONAL_INPUT_ELEMENTS and output_bytes(signature, sizes) <= MAX_OPTIONAL_OUTPUT_BYTES
+
+
+def output_bytes(signature: ProgramSignature, sizes: dict[str, int]) -> int:
+    """The outputs' bytes at `sizes`, at 4 bytes an element or more (compared in f32)."""
+    return sum(int(np.prod(spec.concrete_shape(sizes))) * max(4, numpy_dtype(spec.dtype).itemsize) for spec in signature.outputs)
 
 
 def _input_elements(signature: ProgramSignature, sizes: dict[str, int]) -> int:

@@ -25,7 +25,7 @@ from tpuexport.compile import Bucket
 from tpuexport.errors import TpuExportError
 from tpuexport.lower import LoweredProgram
 from tpuexport.artifact.tf_serving import config
-from tpuexport.arrays import save_arrays
+from tpuexport.artifact.weights import write_arrays
 from tpuexport.artifact.tf_serving.saved_model import (
     PLATFORMS, SIGNATURE_NAME, SKIP_HINT, build_request, saved_model_bytes, tensorflow_module,
 )
@@ -113,7 +113,7 @@ class SavedModelBuild:
         module = tensorflow_module(lowered, tensorflow, scratch / "tensorflow_module.mlirbc")
         self.weights_file = weights_file or scratch / "weights.safetensors"
         if weights_file is None:
-            self.weights_file.write_bytes(save_arrays(dict(zip(lowered.weight_names, lowered.weights))))
+            write_arrays(self.weights_file, lowered.weight_names, lowered.weights)
         self.directory = scratch / "saved_model"
         self.started = time.perf_counter()
         tensorflow.send("build", **build_request(lowered, self.directory, module, self.weights_file))

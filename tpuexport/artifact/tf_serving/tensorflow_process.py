@@ -29,7 +29,8 @@ def with_cpu_compiler_options(environment) -> dict:
     """The environment with XLA_FLAGS carrying how the converting process compiles for CPU
     (lowering.CPU_COMPILER_OPTIONS), so TensorFlow's XLA runs the program in the same memory."""
     flags = " ".join(f"--{name}={value}" for name, value in CPU_COMPILER_OPTIONS.items())
-    return {**environment, "XLA_FLAGS": f"{environment.get('XLA_FLAGS', '')} {flags}".strip()}
+    # TensorFlow's C++ logging at errors only (its stderr is read only when it fails).
+    return {"TF_CPP_MIN_LOG_LEVEL": "2", **environment, "XLA_FLAGS": f"{environment.get('XLA_FLAGS', '')} {flags}".strip()}
 
 
 class TensorFlowProcess:

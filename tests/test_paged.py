@@ -1,0 +1,152 @@
+"""The paged KV cache (--kv-cache paged): one step entry point over pages, verified against Hugging Face
+generate() with prompts prefilled in chunks beside another row's decode steps; the reference attention
+against JAX's definition of ragged paged attention; planted page-table bugs fail the comparison; bad
+page options are refused in one line."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import tpuexport
+from test_cli import assert_clean_bad_input, tpuexport_in_process
+from test_generation import tiny_llama
+from tpuexport.arrays import load_arrays
+from tpuexport.export.paged import PagedKVCache, paged_mask
+from tpuexport.lower.generation import cpu_runner
+from tpuexport.lower.paged import PagedSession
+from tpuexport.verify.generation import compare_run, stored_cases
+from tpuexport.verify.paged_generation import teacher_forced_logits
+from tpuexport.verify.tolerances import default_tolerances
+
+MAX_CONTEXT, MAX_BATCH, PAGE_SIZE, TOKENS = 64, 2, 4, 8
+
+
+@pytest.fixture(scope="module")
+def paged(tmp_path_factory):
+    """A tiny Llama over pages of 4 positions, one step bucket of 8 tokens x 2 rows, the cpu target: (artifact, model)."""
+    model = tiny_llama()
+    artifact = tpuexport.convert(model, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, kv_cache="paged",
+                                 page_size=PAGE_SIZE, buckets={"tokens": [TOKENS], "rows": [MAX_BATCH]}, target="cpu",
+                                 out=tmp_path_factory.mktemp("paged") / "llama.tpu")
+    return artifact, model
+
+
+def test_paged_step_generates_what_generate_does(paged):
+    """Verified at conversion: a prompt longer than the step's budget prefilled in chunks of 4 while a
+    shorter row already decodes in the same steps, every logit within tolerance and every greedy token
+    generate()'s; Artifact.generate drives the step (chunks of the 8-token budget) to the same tokens."""
+    artifact, model = paged
+    verification, generation = artifact.manifest["verification"], artifact.manifest["generation"]
+    assert verification["passed"] and verification["tokens_compared"] == 16
+    (case,) = verification["cases"]
+    assert case["sizes"] == {"tokens": TOKENS, "rows": MAX_BATCH} and case["lengths"] == [11, 3] and "chunks of 4" in case["label"]
+    assert generation["kind"] == "paged" and generation["cache_shape"] == [2, MAX_BATCH * MAX_CONTEXT // PAGE_SIZE, PAGE_SIZE, 2 * 2 * 16]
+    assert sorted(artifact.records.entry_points) == ["sample", "step"]
+    (bucket,) = [bucket for bucket in artifact.manifest["targets"]["cpu"]["buckets"] if bucket["entry_point"] == "step"]
+    figures = bucket["paged_step"]
+    assert figures["page_bytes"] * generation["num_pages"] == generation["cache_bytes"] == figures["cache_bytes"]
+    assert figures["tokens_fit"] == figures["pages_fit"] * PAGE_SIZE and figures["sequences_fit_at_mean_length"] == figures["pages_fit"] // 128
+    prompts = [[int(token) for token in np.random.default_rng(3).integers(0, 256, 13)], [5, 6]]
+    expected = [model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+                for prompt in prompts]
+    assert artifact.generate(prompts, 6) == expected
+    # The command line drives the cpu target's executables through the runtime; the server refuses pages in one line.
+    result = tpuexport_in_process("generate", artifact.path, "--tokens", ",".join(map(str, prompts[0])), "--max-new-tokens", 6,
+                                  cwd=artifact.path.parent)
+    assert result.returncode == 0 and [int(line) for line in result.stdout.split()] == expected[0], result.stderr
+    refused = tpuexport_in_process("serve", artifact.path, "--port", 0, cwd=artifact.path.parent)
+    assert refused.returncode == 2 and "paged KV cache (--kv-cache paged), which the server's scheduler does not drive yet" in refused.stderr
+
+
+def test_planted_page_table_bugs_fail_the_comparison(paged):
+    """The stored verification case replayed through the step passes; with the page table shifted by one
+    entry, or each row's length one short (its newest key unseen), the logits leave generate()'s."""
+    artifact, _ = paged
+    program = artifact.generation_program
+    golden = load_arrays(artifact.read_checked(artifact.manifest["verification"]["golden"]))
+    (case, _, prompts, rows, eager_tokens, expected), = stored_cases(golden, artifact.manifest["verification"]["cases"])
+    tolerance = default_tolerances("f32", "default", quantized=False).cpu
+
+    def replay(plant=None) -> bool:
+        run = cpu_runner(program)
+
+        def planted(name, inputs):
+            return run(name, plant(list(inputs)) if plant and name == "step" else inputs)
+
+        logits = teacher_forced_logits(PagedSession(program, planted), prompts, rows, TOKENS // 2, case["sizes"], eager_tokens)
+        return compare_run(logits, expected, eager_tokens, tolerance).passed
+
+    def shifted_pages(inputs):
+        inputs[3] = np.roll(inputs[3], 1, axis=1)
+        return inputs
+
+    def short_rows(inputs):
+        inputs[4] = inputs[4] - 1
+        return inputs
+
+    assert replay()
+    assert not replay(shifted_pages)
+    assert not replay(short_rows)
+
+
+def test_reference_attention_is_ragged_paged_attention():
+    """What the step's attention computes (each row's pages gathered by page table, the step's own keys
+    appended, the row mask) equals JAX's reference of its Pallas kernel, ref_ragged_paged_attention, on
+    the pages the step writes (put in the kernel's interleaved layout): the same kv_lens and causal
+    positions. Rows: a chunk of 5 after 2 cached positions, one decode token, an idle row; then a
+    padding token. The step's keys land at their page and offset."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim, pages, page_size = 4, 2, 8, 9, 4
+    cache = torch.randn((1, pages, page_size, 2 * kv_heads * head_dim), generator=generator)
+    page_indices = torch.tensor([[6, 2, 0], [4, 0, 0], [0, 0, 0]])
+    token_rows = torch.tensor([0, 0, 0, 0, 0, 1, -1])
+    positions = torch.tensor([2, 3, 4, 5, 6, 1, 0])  # row 1 decodes its position 1
+    kv_lens = torch.tensor([7, 2, 0])
+    row_positions = page_indices.shape[1] * page_size
+    slots = torch.where(token_rows < 0, -1, page_indices[token_rows.clamp(min=0), positions // page_size] * page_size + positions % page_size)
+    paged = PagedKVCache(cache, page_indices, slots)
+    new_keys, new_values = (torch.randn((1, kv_heads, 7, head_dim), generator=generator) for _ in range(2))
+    keys, values = paged.update(new_keys, new_values, 0)
+    query = torch.randn((1, heads, 7, head_dim), generator=generator)
+    mask = paged_mask(token_rows, positions, kv_lens, row_positions, torch.float32)
+    attended = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.3, enable_gqa=True)
+    written = paged.written()[0]
+    # The kernel's layout: keys and values interleaved per head, [pages, page_size, 2 * kv_heads, head_dim].
+    interleaved = written.reshape(pages, page_size, 2, kv_heads, head_dim).transpose(2, 3).reshape(pages, page_size, -1, head_dim)
+    expected = ref_ragged_paged_attention(jnp.asarray(query[0].transpose(0, 1).numpy()), jnp.asarray(interleaved.numpy()),
+                                          jnp.asarray(kv_lens.numpy(), jnp.int32), jnp.asarray(page_indices.numpy(), jnp.int32),
+                                          jnp.array([0, 5, 6, 6], jnp.int32), jnp.array([2], jnp.int32), sm_scale=0.3)
+    np.testing.assert_allclose(attended[0].transpose(0, 1)[:6].numpy(), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    assert torch.equal(written[page_indices[0, 1], 1], torch.cat([new_keys[0, :, 3].flatten(), new_values[0, :, 3].flatten()]))
+
+
+@pytest.mark.parametrize("options, expected", [
+    (["--kv-cache", "paged", "--page-size", "0"], "--page-size 0: give a positive number"),
+    (["--kv-cache", "paged", "--page-size", "128"], "--page-size 128 exceeds --max-context 64"),
+    (["--kv-cache", "paged", "--page-size", "8", "--num-pages", "7"], "give --num-pages >= 8"),
+    (["--page-size", "8"], "--page-size applies to the paged KV cache; add --kv-cache paged"),
+    (["--kv-cache", "pages"], "unknown --kv-cache 'pages'"),
+    (["--kv-cache", "paged", "--kv-cache-dtype", "int8"], "--kv-cache paged does not support --kv-cache-dtype int8 yet"),
+    (["--kv-cache", "paged", "--max-batch", "1"], "give max batch >= 2 (rows of a step)"),
+])
+def test_bad_page_options_are_refused_in_one_line(tmp_path, options, expected):
+    factory = tmp_path / "lm.py"
+    factory.write_text("import transformers\n\ndef build():\n    return transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=64, "
+                       "hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, "
+                       "max_position_embeddings=64)).eval()\n")
+    before = {path.name for path in tmp_path.iterdir()}
+    result = tpuexport_in_process("convert", f"{factory}:build", "--task", "text-generation", "--max-context", "64", "--max-batch", "2",
+                                  "--target", "cpu", *options, "-o", tmp_path / "lm.tpu", cwd=tmp_path)
+    assert_clean_bad_input(result, tmp_path, expected, before)
+
+
+def test_sliding_window_layers_are_refused_with_pages(tmp_path):
+    from test_generation import tiny_qwen2
+
+    with pytest.raises(tpuexport.TpuExportError, match="sliding-window layers, which the paged step does not mask yet"):
+        tpuexport.convert(tiny_qwen2(), task="text-generation", max_context=32, max_batch=2, kv_cache="paged", target="cpu", out=tmp_path / "q.tpu")
+    assert not (tmp_path / "q.tpu").exists()

@@ -1,0 +1,230 @@
+"""A paged text-generation program (`--kv-cache paged`): its step and sample entry points over one set of
+weights and one cache of pages, and a session that drives them on CPU: pages handed to rows as they
+grow, prompts prefilled in chunks within a step's token budget beside other rows' decode tokens.
+
+The session's page handling is what a driver needs to generate and verify, not a scheduler: rows are
+the caller's, pages come from a free list in the order rows need them (so rows' pages interleave) and
+go back when a row is released.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Collection, Iterator, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from tpuexport.errors import TpuExportError
+from tpuexport.export.paged import PagedSpec
+from tpuexport.lower.generation import Runner, check_token_rows, cpu_runner
+from tpuexport.lower.lowering import LoweredProgram
+from tpuexport.lower.program import EntryPoints
+from tpuexport.lower.registry import register_lowering
+from tpuexport.lower.sampling import GREEDY, Draw, SampledTokens, Sampling, draw_tokens
+
+
+@register_lowering("tpuexport::write_pages")
+def write_pages(cache, new, layer: int, slots):
+    """export/paged.py's `write_pages` as one scatter of the step's [tokens, 2 * kv_heads * head_dim]
+    into the layer's pages, in place on the donated cache; a padding token's slot (< 0) is sent past
+    the last page, whose update the scatter drops."""
+    pages, page_size = cache.shape[1], cache.shape[2]
+    flat = jnp.where(slots >= 0, slots, pages * page_size)
+    return cache.at[layer, flat // page_size, flat % page_size].set(new.astype(cache.dtype), mode="drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedGenerationProgram(EntryPoints):
+    """The lowering stage's result for a decoder with `--kv-cache paged`.
+
+    Attributes:
+      spec: the pages and their limits (export/paged.py).
+      entry_points: {"step": LoweredProgram, "sample": LoweredProgram}, the same weights (sample reads none).
+    """
+
+    spec: PagedSpec
+    entry_points: dict[str, LoweredProgram]
+
+    fill_entry_point = "step"
+    source_kind = "tokens"
+
+    @property
+    def weights_program(self) -> LoweredProgram:
+        return self.entry_points["step"]
+
+    @property
+    def state_inputs(self) -> tuple[str, ...]:
+        return self.spec.cache_inputs
+
+    def manifest_section(self) -> dict:
+        """The manifest's "generation" section (kind "paged")."""
+        return {**self.spec.to_json(), "cache_inputs": list(self.spec.cache_inputs), "cache_bytes": self.spec.cache_bytes}
+
+    @classmethod
+    def from_manifest(cls, generation: dict, entry_points: dict[str, LoweredProgram]) -> "PagedGenerationProgram":
+        return cls(PagedSpec.from_json(generation), entry_points)
+
+    def session(self, runner: Runner | None = None) -> "PagedSession":
+        return PagedSession(self, runner)
+
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, runner: Runner | None = None, sampling: Sampling = GREEDY,
+               stop_ids: Collection[int] = ()) -> Iterator[list[int | None]]:
+        """Generation in a fresh session (stream_paged), on CPU or through `runner`."""
+        return stream_paged(PagedSession(self, runner), prompts, max_new_tokens, sampling, stop_ids)
+
+    @property
+    def longest_row(self) -> int:
+        """The longest prompt it takes: one position short of max context (room for a generated token)."""
+        return self.spec.max_context - 1
+
+    def check_rows(self, rows: Sequence[Sequence[int]], max_new_tokens: int, features_usage: str = "") -> None:
+        spec = self.spec
+        check_token_rows(rows, max_new_tokens, "prompt", spec.max_batch, self.longest_row,
+                         lambda length: (f"a prompt of {length} tokens leaves no room in max context {spec.max_context}; shorten it or "
+                                         "convert with a larger --max-context"), spec.vocab)
+
+
+class PagedSession:
+    """The pages, the rows' page tables and the step that appends to them.
+
+    Attributes:
+      program: the paged program.
+      cache: (cache_kv,) as numpy arrays (or a runtime's device arrays).
+      lengths: {row: positions written}; pages: {row: its pages in order}.
+    """
+
+    def __init__(self, program: PagedGenerationProgram, runner: Runner | None = None):
+        self.program = program
+        self.run = runner or cpu_runner(program)
+        spec = program.spec
+        inputs = program.entry_points["step"].signature.inputs
+        self.index_dtypes = [tensor.dtype for tensor in inputs[:5]]
+        self.cache = tuple(np.zeros(shape, tensor.dtype) for (shape, _), tensor in zip(spec.cache_tensors().values(), inputs[5:], strict=True))
+        # Handed out from the end: a row's pages are not in order, and rows' pages interleave.
+        self.free = list(range(spec.num_pages))
+        self.pages: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    def release(self, row: int) -> None:
+        """Gives the row's pages back (its request ended)."""
+        self.free.extend(reversed(self.pages.pop(row, [])))
+        self.lengths.pop(row, None)
+
+    def _grow(self, row: int, length: int) -> None:
+        spec = self.program.spec
+        needed = math.ceil(length / spec.page_size) - len(self.pages.setdefault(row, []))
+        if needed > len(self.free):
+            raise TpuExportError(f"row {row} needs {needed} more page(s) of {spec.page_size} positions and {len(self.free)} are free "
+                                 f"(--num-pages {spec.num_pages}); end a request or convert with more pages")
+        for _ in range(max(0, needed)):
+            self.pages[row].append(self.free.pop())
+
+    def step(self, work: dict[int, Sequence[int]], sizes: dict[str, int] | None = None) -> dict[int, np.ndarray]:
+        """One step: each row's new tokens appended after its written positions.
+
+        Args:
+          work: {row (0..max_batch-1): its new tokens (a prefill chunk or one decode token)}.
+          sizes: the compiled bucket {"tokens", "rows"} to run at; None for the smallest that holds the work.
+        Returns:
+          {row: the logits [vocab] after its last new token}.
+        Raises:
+          TpuExportError: more tokens than the largest token budget, a row past max context or
+            max batch, or no free page.
+        """
+        spec = self.program.spec
+        count = sum(len(tokens) for tokens in work.values())
+        if any(not 0 <= row < spec.max_batch for row in work):
+            raise TpuExportError(f"rows {sorted(work)} must be within 0..{spec.max_batch - 1} (--max-batch {spec.max_batch})")
+        fitting = [size for size in spec.token_buckets if size >= count and (sizes is None or size == sizes["tokens"])]
+        rows_fitting = [size for size in spec.row_buckets if size > max(work) and (sizes is None or size == sizes["rows"])]
+        if not fitting or not rows_fitting:
+            raise TpuExportError(f"a step of {count} tokens in rows up to {max(work)} fits no compiled bucket "
+                                 f"{sizes or ''} (token budgets {list(spec.token_buckets)}, rows {list(spec.row_buckets)})")
+        budget, rows = fitting[0], rows_fitting[0]
+        tokens, positions, token_rows = np.zeros(budget, np.int64), np.zeros(budget, np.int64), np.full(budget, -1, np.int64)
+        page_indices = np.zeros((rows, spec.pages_per_row), np.int64)
+        kv_lens = np.zeros(rows, np.int64)
+        start = 0
+        for row in sorted(work):
+            new = list(work[row])
+            first = self.lengths.get(row, 0)
+            if first + len(new) > spec.max_context:
+                raise TpuExportError(f"row {row} would reach {first + len(new)} positions, past max context {spec.max_context}")
+            self._grow(row, first + len(new))
+            self.lengths[row] = first + len(new)
+            end = start + len(new)
+            tokens[start:end], positions[start:end], token_rows[start:end] = new, range(first, first + len(new)), row
+            start = end
+        for row, pages in self.pages.items():
+            if row < rows:
+                page_indices[row, :len(pages)] = pages
+                kv_lens[row] = self.lengths[row]
+        arrays = [array.astype(dtype) for array, dtype in zip((tokens, positions, token_rows, page_indices, kv_lens), self.index_dtypes)]
+        logits, *cache = self.run("step", [*arrays, *self.cache])
+        self.cache = tuple(cache)
+        return {row: logits[row] for row in work}
+
+    def sample(self, logits, draws: Sequence[Draw | None], top: bool = False) -> SampledTokens:
+        """The next token of the first len(draws) rows of a step's logits (lower/sampling.draw_tokens)."""
+        return draw_tokens(self.run, self.program.entry_points, logits, draws, top)
+
+
+def plan_step(prompts_left: dict[int, list[int]], decoding: dict[int, int], budget: int, chunk: int | None = None) -> dict[int, list[int]]:
+    """One step's work under a token budget: every decoding row's one token first, then prefill
+    chunks (at most `chunk` tokens per row, None: as many as the budget leaves) in row order.
+
+    Args:
+      prompts_left: {row: its prompt tokens not yet in the cache}; consumed here.
+      decoding: {row: its next token} of rows whose prompt is in.
+      budget: the step's largest token budget.
+    """
+    work = {row: [token] for row, token in list(decoding.items())[:budget]}
+    room = budget - len(work)
+    for row in sorted(prompts_left):
+        if room <= 0:
+            break
+        take = min(room, len(prompts_left[row]), chunk or room)
+        if take:
+            work[row], prompts_left[row] = prompts_left[row][:take], prompts_left[row][take:]
+            room -= take
+    return work
+
+
+def stream_paged(session: PagedSession, rows: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = GREEDY,
+                 stop_ids: Collection[int] = (), chunk: int | None = None) -> Iterator[list[int | None]]:
+    """Generation over pages: each step fills the largest token budget with the running rows' decode
+    tokens and the next chunks of the prompts still prefilling (plan_step); yields, per step that
+    generates a token, each row's new token, None for a row without one (still prefilling, or
+    finished: it reached max context, or drew one of `stop_ids`, yielded then no more). Row i is
+    prompt i.
+    """
+    program = session.program
+    program.check_rows(rows, max_new_tokens)
+    spec = program.spec
+    keys = sampling.row_keys(len(rows))
+    prompts_left = {row: list(prompt) for row, prompt in enumerate(rows)}
+    decoding: dict[int, int] = {}
+    generated = [0] * len(rows)
+    budget = spec.token_buckets[-1]
+    while prompts_left or decoding:
+        work = plan_step(prompts_left, decoding, budget, chunk)
+        logits = session.step(work)
+        ready = sorted(row for row in work if not prompts_left.get(row))  # decode rows and prompts now complete
+        for row in ready:
+            prompts_left.pop(row, None)
+        stacked = np.zeros((spec.max_batch, spec.vocab), np.float32)
+        for index, row in enumerate(ready):
+            stacked[index] = logits[row]
+        sampled = session.sample(stacked, [Draw(sampling, keys[row], generated[row]) for row in ready])
+        new = dict(zip(ready, (int(token) for token in sampled.tokens)))
+        if new:  # a step of prefill chunks alone generates nothing
+            yield [new.get(row) for row in range(len(rows))]
+        for row, token in new.items():
+            generated[row] += 1
+            if token in stop_ids or generated[row] >= max_new_tokens or session.lengths[row] >= spec.max_context:
+                decoding.pop(row, None)
+                session.release(row)
+            else:
+                decoding[row] = token

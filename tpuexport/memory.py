@@ -1,0 +1,211 @@
+"""Peak resident memory of a conversion's stages, read from Linux's /proc while they run.
+
+A thread samples the process's resident memory every SAMPLE_SECONDS (RssAnon: heap and arrays;
+RssFile: memory-mapped files such as the weights and libraries; RssShmem) and its child processes'
+(the TPU compilers, TensorFlow, the sharded verification: /proc/<pid>/status VmRSS). Each open
+window (a stage) keeps the largest figures seen while it is open. The process's high-water mark
+(VmHWM) catches a peak between two samples: when it rose during a window, the window's peak is at
+least the new mark. Nothing is reset (a conversion leaves the user's process as it found it, so
+/proc/self/clear_refs is never written), hence no mark for a window that did not raise it.
+
+Children are sampled, not read from getrusage(RUSAGE_CHILDREN): Linux carries the parent's
+high-water mark at fork into a child's ru_maxrss (measured: a `python -c pass` child of a process
+that had touched 300 MB reported 321 MB), so it says how large the converting process once was,
+not its children.
+Where /proc cannot be read (not Linux), every figure is None, which a report prints as "unknown".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import threading
+
+# How often the thread samples the process (10 ms: about 0.3 % of a core).
+SAMPLE_SECONDS = 0.01
+# How often it looks for new child processes (their own memory is sampled every SAMPLE_SECONDS).
+CHILD_SCAN_SECONDS = 0.2
+# What a report prints for a figure that cannot be read.
+UNKNOWN = "unknown"
+
+_STATUS = pathlib.Path("/proc/self/status")
+_STATUS_FIELDS = ("RssAnon", "RssFile", "RssShmem", "VmHWM")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakMemory:
+    """The largest resident memory seen during a stage, in bytes; None where it cannot be read.
+
+    Attributes:
+      anonymous_bytes: the process's largest anonymous resident memory (RssAnon: arrays, tensors, heap).
+      mapped_bytes: its largest file-backed resident memory (RssFile: memory-mapped weights files,
+        shared libraries).
+      process_bytes: its largest total resident memory at one moment (anonymous + mapped + shared),
+        or its high-water mark when that rose during the stage.
+      child_bytes: the largest resident memory of one child process during the stage (TPU
+        compilers, TensorFlow, sharded verification); 0 when none ran.
+    """
+
+    anonymous_bytes: int | None
+    mapped_bytes: int | None
+    process_bytes: int | None
+    child_bytes: int | None
+
+    def to_json(self) -> dict:
+        return {field.name: UNKNOWN if value is None else value for field, value in
+                zip(dataclasses.fields(self), dataclasses.astuple(self))}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "PeakMemory":
+        return cls(*(None if data.get(field.name, UNKNOWN) == UNKNOWN else int(data[field.name]) for field in dataclasses.fields(cls)))
+
+
+UNKNOWN_PEAK = PeakMemory(None, None, None, None)
+
+
+def gib(count: int | None) -> str:
+    """Bytes as "1.23 GiB", "unknown" for None."""
+    return UNKNOWN if count is None else f"{count / 2**30:.2f} GiB"
+
+
+def largest(peaks: dict[str, PeakMemory], figure: str) -> tuple[str, PeakMemory] | None:
+    """The stage whose `figure` ("process_bytes", "child_bytes", ...) is the largest, with its
+    figures, or None when no stage's is known."""
+    known = [(name, peak) for name, peak in peaks.items() if getattr(peak, figure) is not None]
+    return max(known, key=lambda item: getattr(item[1], figure)) if known else None
+
+
+class _Window:
+    """The largest figures seen while a stage is open."""
+
+    def __init__(self, reading: dict, child_bytes: int):
+        self.anonymous = self.mapped = self.process = self.child = 0
+        self.start_hwm = reading["VmHWM"]
+        self.add(reading, child_bytes)
+
+    def add(self, reading: dict, child_bytes: int) -> None:
+        self.anonymous = max(self.anonymous, reading["RssAnon"])
+        self.mapped = max(self.mapped, reading["RssFile"])
+        self.process = max(self.process, reading["RssAnon"] + reading["RssFile"] + reading["RssShmem"])
+        self.child = max(self.child, child_bytes)
+
+    def peak(self, reading: dict) -> PeakMemory:
+        process = max(self.process, reading["VmHWM"]) if reading["VmHWM"] > self.start_hwm else self.process
+        return PeakMemory(self.anonymous, self.mapped, process, self.child)
+
+
+class MemoryMonitor:
+    """Samples the process's and its children's resident memory while entered; `open()` starts a
+    window and `close(window)` returns its PeakMemory (UNKNOWN_PEAK where /proc cannot be read).
+
+    Args:
+      interval: seconds between samples.
+      status: the process's status file (/proc/self/status); where it cannot be read, nothing is
+        sampled and every figure is unknown.
+    """
+
+    def __init__(self, interval: float = SAMPLE_SECONDS, status: pathlib.Path = _STATUS):
+        self.interval = interval
+        self.status = status
+        self.readable = _read_status(status) is not None
+        self.lock = threading.Lock()
+        self.windows: dict[int, _Window] = {}
+        self.next_window = 0
+        self.children: set[int] = set()
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def __enter__(self) -> "MemoryMonitor":
+        if self.readable:
+            self.thread = threading.Thread(target=self._sample, name="tpuexport-memory", daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stopped.set()
+        if self.thread is not None:
+            self.thread.join()
+
+    def open(self) -> int:
+        """Starts a window; returns its id for `close`."""
+        with self.lock:
+            self.next_window += 1
+            if self.readable:
+                self.windows[self.next_window] = _Window(_read_status(self.status), self._largest_child())
+            return self.next_window
+
+    def close(self, window: int) -> PeakMemory:
+        """Ends a window; its largest figures."""
+        peak = self.peek(window)
+        with self.lock:
+            self.windows.pop(window, None)
+        return peak
+
+    def peek(self, window: int) -> PeakMemory:
+        """A window's largest figures so far (it stays open)."""
+        with self.lock:
+            opened = self.windows.get(window)
+            if opened is None:
+                return UNKNOWN_PEAK
+            reading, child = _read_status(self.status), self._largest_child()
+            opened.add(reading, child)
+            return opened.peak(reading)
+
+    def _sample(self) -> None:
+        scans_every = max(1, round(CHILD_SCAN_SECONDS / self.interval))
+        count = 0
+        while not self.stopped.wait(self.interval):
+            if count % scans_every == 0:
+                self.children = _child_pids()
+            count += 1
+            with self.lock:
+                if not self.windows:
+                    continue
+                reading, child = _read_status(self.status), self._largest_child()
+                for window in self.windows.values():
+                    window.add(reading, child)
+
+    def _largest_child(self) -> int:
+        return max((_child_rss(pid) for pid in tuple(self.children)), default=0)
+
+
+def _read_status(path: pathlib.Path = _STATUS) -> dict | None:
+    """{field: bytes} of _STATUS_FIELDS from a /proc status file, or None when it cannot be read."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    fields = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name in _STATUS_FIELDS:
+            fields[name] = int(value.split()[0]) * 1024
+    return fields if len(fields) == len(_STATUS_FIELDS) else None
+
+
+def _child_rss(pid: int) -> int:
+    """A child's resident memory (VmRSS), 0 once it is gone."""
+    try:
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _child_pids() -> set[int]:
+    """The process's live children: every thread's /proc children list (a child belongs to the
+    thread that started it, e.g. a compile job's), empty where the kernel does not list them."""
+    pids = set()
+    try:
+        threads = os.listdir("/proc/self/task")
+    except OSError:
+        return pids
+    for thread in threads:
+        try:
+            pids.update(int(pid) for pid in pathlib.Path(f"/proc/self/task/{thread}/children").read_text().split())
+        except OSError:
+            continue
+    return pids

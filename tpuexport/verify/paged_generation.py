@@ -1,0 +1,150 @@
+"""Verification of a paged text-generation program (`--kv-cache paged`): its step, driven as a serving
+engine drives it, against Hugging Face `model.generate(do_sample=False)`.
+
+One case per compiled step bucket (token budget T, rows R): up to two prompts of different lengths
+(the longer takes at least three chunks, the shorter a third of it) in rows counted from the last
+(a prompt's row is not its index), their pages handed out interleaved from one free list. Each step
+gives every decoding row its one token first and then prefill chunks of at most T // prompts tokens
+per row: the longer prompt is prefilled in chunks smaller than itself while the shorter one already
+decodes, in the same steps. Every step runs at the case's bucket (padding tokens fill the budget).
+
+Both CPU runs are teacher-forced with generate()'s tokens and compared with its logits by the rule of
+verify/generation.py (logits within the run's tolerances at every step; the argmax is generate()'s
+token, or a tie within the logits tolerance): greedy generation over pages equals generate() token
+for token. The report and golden data take the form of the static cache's (GenerationReport).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from tpuexport.lower.generation import cpu_runner
+from tpuexport.lower.paged import PagedGenerationProgram, PagedSession, plan_step
+from tpuexport.verify.generation import (DEFAULT_NEW_TOKENS, GenerationCase, GenerationReport, artifact_raised, compare_run, cpu_runs,
+                                         eager_generate, store_golden_case, stored_cases)
+from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedCase(GenerationCase):
+    """A GenerationCase of the paged step: sizes {"tokens", "rows"}, `slots` the prompts' rows, and the chunk."""
+
+    chunk: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"step tokens{self.sizes['tokens']}_rows{self.sizes['rows']} (prefill chunks of {self.chunk}) + {self.new_tokens} tokens"
+
+
+def plan_case(program: PagedGenerationProgram, sizes: dict[str, int], new_tokens: int, seed: int) -> tuple[list[list[int]], list[int], int, int]:
+    """A case's prompts, rows, chunk and new-token count (module docstring).
+
+    Returns:
+      (prompts, the row of each, the chunk, new tokens per prompt).
+    """
+    spec = program.spec
+    count = min(sizes["rows"], 2, sizes["tokens"])
+    chunk = max(1, sizes["tokens"] // count)
+    new_tokens = max(1, min(new_tokens, spec.max_context - 2))
+    longest = max(2, min(spec.max_context - new_tokens, 2 * chunk + 3))
+    lengths = [longest, max(1, longest // 3)][:count]
+    generator = np.random.default_rng(seed)
+    prompts = [[int(token) for token in generator.integers(0, spec.vocab, length)] for length in lengths]
+    return prompts, [sizes["rows"] - 1 - index for index in range(count)], chunk, new_tokens
+
+
+def teacher_forced_logits(session: PagedSession, prompts: list[list[int]], rows: list[int], chunk: int, sizes: dict[str, int],
+                          eager_tokens: list[list[int]]) -> np.ndarray:
+    """The step's logits of every generated position of every prompt, each decode token generate()'s: [prompts, steps, vocab]."""
+    steps = len(eager_tokens[0])
+    index = {row: position for position, row in enumerate(rows)}
+    prompts_left = {row: list(prompt) for row, prompt in zip(rows, prompts)}
+    decoding: dict[int, int] = {}
+    collected: dict[int, list[np.ndarray]] = {row: [] for row in rows}
+    while prompts_left or decoding:
+        work = plan_step(prompts_left, decoding, sizes["tokens"], chunk)
+        logits = session.step(work, sizes)
+        for row in work:
+            if prompts_left.get(row):
+                continue
+            prompts_left.pop(row, None)
+            collected[row].append(np.asarray(logits[row], np.float32))
+            done = len(collected[row])
+            if done < steps:
+                decoding[row] = eager_tokens[index[row]][done - 1]
+            else:
+                decoding.pop(row, None)
+                session.release(row)
+    return np.stack([np.stack(collected[row]) for row in rows])
+
+
+def teacher_forced_runs(program: PagedGenerationProgram, runs: dict, prompts, rows, chunk: int, sizes: dict[str, int],
+                        eager_tokens: list[list[int]]) -> dict[str, np.ndarray]:
+    """Each run's teacher_forced_logits in a session of its own (a run whose programs are an earlier run's has its logits)."""
+    logits: dict[str, np.ndarray] = {}
+    for name, programs in runs.items():
+        earlier = next((other for other in logits if all(runs[other][entry] is programs[entry] for entry in programs)), None)
+        logits[name] = logits[earlier] if earlier else teacher_forced_logits(PagedSession(program, cpu_runner(program, programs)), prompts,
+                                                                               rows, chunk, sizes, eager_tokens)
+    return logits
+
+
+def step_buckets(program: PagedGenerationProgram) -> list[dict[str, int]]:
+    """Every compiled step size {"tokens", "rows"}."""
+    spec = program.spec
+    return [{"tokens": tokens, "rows": rows} for rows in spec.row_buckets for tokens in spec.token_buckets]
+
+
+def verify_paged_generation(program: PagedGenerationProgram, model: torch.nn.Module, tolerances: VerificationTolerances | None = None,
+                            new_tokens: int = DEFAULT_NEW_TOKENS, first_seed: int = 0) -> GenerationReport:
+    """Generates with the step on CPU, case by case (module docstring), and compares with generate().
+
+    Returns:
+      The GenerationReport of PagedCases, passed or not, with golden data.
+    """
+    step = program.weights_program
+    tolerances = tolerances or default_tolerances(step.resolved_precision, step.matmul_precision, quantized=False)
+    runs_programs = cpu_runs(program)
+    cases, golden = [], {}
+    for number, sizes in enumerate(step_buckets(program)):
+        prompts, rows, chunk, steps = plan_case(program, sizes, new_tokens, first_seed + number)
+        lengths = tuple(len(prompt) for prompt in prompts)
+        try:
+            eager = [eager_generate(model, prompt, steps) for prompt in prompts]
+        except Exception as error:  # the user's model may raise anything
+            cases.append(PagedCase(sizes, lengths, tuple(rows), steps, {}, f"eager generate() raised {type(error).__name__}: {error}", chunk=chunk))
+            continue
+        eager_tokens = [tokens for tokens, _ in eager]
+        expected = np.stack([logits for _, logits in eager])
+        try:
+            actual = teacher_forced_runs(program, runs_programs, prompts, rows, chunk, sizes, eager_tokens)
+        except Exception as error:  # XLA runtime errors, shape assertions, a session refusal
+            cases.append(PagedCase(sizes, lengths, tuple(rows), steps, {}, artifact_raised(error), chunk=chunk))
+            continue
+        runs = {name: compare_run(logits, expected, eager_tokens, getattr(tolerances, name)) for name, logits in actual.items()}
+        stored = store_golden_case(golden, number, prompts, rows, max(lengths), eager_tokens, expected)
+        cases.append(PagedCase(sizes, lengths, tuple(rows), steps, runs, golden=stored, chunk=chunk))
+    return GenerationReport(step.resolved_precision, step.matmul_precision, tolerances, tuple(cases), golden)
+
+
+def replay_golden(program: PagedGenerationProgram, golden: dict[str, np.ndarray], cases: list[dict],
+                  tolerances: VerificationTolerances) -> GenerationReport:
+    """Re-runs a paged artifact's stored cases (the gate's check) by the same rule, in both CPU runs."""
+    step = program.weights_program
+    runs_programs = cpu_runs(program)
+    replayed = []
+    for case, lengths, prompts, rows, eager_tokens, expected in stored_cases(golden, cases):
+        sizes = case["sizes"]
+        chunk = max(1, sizes["tokens"] // len(prompts))
+        runs, error = {}, None
+        try:
+            actual = teacher_forced_runs(program, runs_programs, prompts, rows, chunk, sizes, eager_tokens)
+            runs = {name: compare_run(logits, expected, eager_tokens, getattr(tolerances, name)) for name, logits in actual.items()}
+        except Exception as exception:  # a damaged artifact can raise anything
+            error = artifact_raised(exception)
+        replayed.append(PagedCase(sizes, tuple(lengths), tuple(rows), len(eager_tokens[0]), runs, error, golden=True, chunk=chunk))
+    return GenerationReport(step.resolved_precision, step.matmul_precision, tolerances, tuple(replayed), {},
+                            "stored generate() tokens and logits")
