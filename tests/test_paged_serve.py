@@ -55,25 +55,27 @@ def _metric(base: str, name: str, label: str = "") -> float:
 
 
 def test_concurrent_requests_chunked_and_waiting_for_pages_are_greedy_generate(paged_chat):
-    """Five requests at once over 4 rows and 24 pages: prompts of 3 to 21 tokens (21 > the step's 8-token
-    budget: prefilled over three steps beside the others' decode tokens); the last asks for 40 tokens,
-    whose 15 pages wait for earlier requests to end. Each completion is greedy generate()'s, and every
-    page is free again afterwards."""
+    """Six requests at once over 4 rows and 24 pages: prompts of 3 to 21 tokens (21 > the step's 8-token
+    budget: prefilled over three steps beside the others' decode tokens), whose worst cases take 51
+    pages: the two asking for 40 tokens need 15 pages each, so one waits for the other to end (run
+    together, they would fill the cache). Each greedy completion is generate()'s, the seeded sampled
+    one draws what it draws alone, and every page is free again afterwards."""
     model, tokenizer, client, base = paged_chat
-    cases = [(3, 10), (21, 10), (9, 10), (14, 10), (20, 40)]  # (prompt length, max tokens)
+    cases = [(3, 10), (21, 10), (9, 10), (20, 40), (18, 40), (11, 8)]  # (prompt length, max tokens); the last one samples
     prompts = [_prompt(length, seed, tokenizer) for seed, (length, _) in enumerate(cases)]
     prefilled = _metric(base, "tpuexport_step_tokens_total", 'kind="prefill"')
 
     def complete(index: int):
-        return client.completions.create(model=MODEL, prompt=prompts[index], temperature=0, max_tokens=cases[index][1])
+        sampled = index == len(cases) - 1
+        return client.completions.create(model=MODEL, prompt=prompts[index], temperature=1.0 if sampled else 0, seed=5 if sampled else None,
+                                         max_tokens=cases[index][1], extra_body={"ignore_eos": sampled})
 
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
-        answers = list(pool.map(complete, range(len(cases))))
-    for prompt, (_, max_tokens), answer in zip(prompts, cases, answers):
-        _, ids = greedy_text(model, tokenizer, prompt, max_tokens)
-        (choice,) = answer.choices
-        assert choice.model_extra["token_ids"] == ids  # the answer's token ids (vLLM's extension)
-    assert _metric(base, "tpuexport_step_tokens_total", 'kind="prefill"') - prefilled == sum(map(len, prompts))
+        answers = [answer.choices[0].model_extra["token_ids"] for answer in pool.map(complete, range(len(cases)))]  # vLLM's extension
+    for prompt, (_, max_tokens), ids in zip(prompts[:-1], cases, answers):
+        assert ids == greedy_text(model, tokenizer, prompt, max_tokens)[1]
+    assert len(answers[-1]) == cases[-1][1] and complete(len(cases) - 1).choices[0].model_extra["token_ids"] == answers[-1]
+    assert _metric(base, "tpuexport_step_tokens_total", 'kind="prefill"') - prefilled == sum(map(len, prompts)) + cases[-1][0]
     assert _metric(base, "tpuexport_kv_cache_pages_used") == 0 and _metric(base, "tpuexport_kv_cache_pages_free") == NUM_PAGES
 
 

@@ -217,17 +217,18 @@ def stream_paged(session: PagedSession, rows: Sequence[Sequence[int]], max_new_t
     budget = spec.token_buckets[-1]
     while prompts_left or decoding:
         work = plan_step(prompts_left, decoding, budget, chunk)
-        logits = session.step(work)
+        logits = session.step_logits(work)  # stays where the runner left it: the sample step takes its rows there
         ready = sorted(row for row in work if not prompts_left.get(row))  # decode rows and prompts now complete
         for row in ready:
             prompts_left.pop(row, None)
-        stacked = np.zeros((spec.max_batch, spec.vocab), np.float32)
-        for index, row in enumerate(ready):
-            stacked[index] = logits[row]
-        sampled = session.sample(stacked, [Draw(sampling, keys[row], generated[row]) for row in ready])
-        new = dict(zip(ready, (int(token) for token in sampled.tokens)))
-        if new:  # a step of prefill chunks alone generates nothing
-            yield [new.get(row) for row in range(len(rows))]
+        if not ready:  # a step of prefill chunks alone generates nothing
+            continue
+        draws: list[Draw | None] = [None] * (ready[-1] + 1)
+        for row in ready:
+            draws[row] = Draw(sampling, keys[row], generated[row])
+        sampled = session.sample(logits, draws)
+        new = {row: int(sampled.tokens[row]) for row in ready}
+        yield [new.get(row) for row in range(len(rows))]
         for row, token in new.items():
             generated[row] += 1
             if token in stop_ids or generated[row] >= max_new_tokens or session.lengths[row] >= spec.max_context:
