@@ -17,9 +17,8 @@ import transformers
 
 from chat_model import save_chat_model
 from conftest import served
+from test_cli import tpuexport_in_process
 from test_openai import greedy_text
-from tpuexport.export import load_source
-from tpuexport.pipeline import ConversionOptions, run_conversion
 
 MODEL = "pagedlm"
 MAX_CONTEXT, PAGE_SIZE, NUM_PAGES, TOKENS, ROWS = 64, 4, 24, 8, 4
@@ -32,14 +31,15 @@ def paged_chat(tmp_path_factory):
     source = directory / MODEL
     source.mkdir()
     save_chat_model(source)
-    options = ConversionOptions(("cpu",), directory / f"{MODEL}.tpu", buckets={"tokens": [TOKENS], "rows": [ROWS]}, task="text-generation",
-                                max_context=MAX_CONTEXT, max_batch=ROWS, new_tokens=4, kv_cache="paged", page_size=PAGE_SIZE,
-                                num_pages=NUM_PAGES)
-    # Read into memory: a paged conversion does not stream a checkpoint's weights yet.
-    artifact = run_conversion(load_source(str(source), task="text-generation", weights_in_memory=True), options)
+    out = directory / f"{MODEL}.tpu"
+    # The command line, as a user converts a Hugging Face directory (its weights read in: the paged step does not stream them yet).
+    converted = tpuexport_in_process("convert", source, "--target", "cpu", "--max-context", MAX_CONTEXT, "--max-batch", ROWS, "--kv-cache",
+                                     "paged", "--page-size", PAGE_SIZE, "--num-pages", NUM_PAGES, "--bucket", f"tokens={TOKENS}", "--bucket",
+                                     f"rows={ROWS}", "--verify-new-tokens", 4, "--no-saved-model", "-o", out, cwd=directory)
+    assert converted.returncode == 0, converted.stderr
     model = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(source)
-    with served(artifact.path, directory / "server.log") as base:
+    with served(out, directory / "server.log") as base:
         yield model, tokenizer, openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0), base
 
 

@@ -225,7 +225,8 @@ class GenerationScheduler:
             if self.closed:
                 raise ShuttingDown("the server is shutting down; retry on another replica")
             self.waiting.append(request)
-            self._gauges()
+            # Only the queue's gauge: the cache's are the scheduler thread's to read (it changes them outside the lock).
+            self.metrics.requests_waiting.labels(**self.labels).set(len(self.waiting))
             self.wake.notify()
         return GenerationStream(request)
 
