@@ -11,9 +11,10 @@ reservation too), so a running row never finds the cache full; the price is that
 for many more tokens than it generates holds pages it never writes until it ends. A request that
 needs more pages than the cache has is refused at submit (HTTP 400).
 
-Each step (lower/paged.plan_step) takes one decode token of every running row first, then fills
-the largest token budget with the next chunks of the prompts still prefilling, oldest first: a
-prompt longer than the budget is prefilled over several steps while the other rows keep decoding.
+Each step (lower/paged.plan_step) takes one decode token of every running row first (more rows than
+the largest token budget holds take turns, the longest waiting first), then fills the budget with the
+next chunks of the prompts still prefilling, oldest first: a prompt longer than the budget is
+prefilled over several steps while the other rows keep decoding.
 Rows whose prompt is complete after the step (and the decoding rows) draw their next token from
 the step's logits with the sample entry point on the device, keyed per request row and token index
 as for a static cache, so a request's tokens do not depend on what else runs.
@@ -52,6 +53,8 @@ class PagedSteps:
         self.session = self.program.session(runner=self.runner.device_runner())
         self.reserved: dict[int, int] = {}  # {row of the step: pages held for its worst case}
         self.prompts_left: dict[int, list[int]] = {}  # {row: prompt tokens not yet in the cache}, oldest first
+        self.steps_run = 0
+        self.last_run: dict[int, int] = {}  # {row: the step it last ran in}: decode tokens beyond the budget take turns
 
     def pages_for(self, prompt: list, max_new_tokens: int) -> int:
         """The pages a row can write: its prompt and every token it generates but the last, within max context."""
@@ -85,6 +88,7 @@ class PagedSteps:
         self.session.release(slot)
         self.reserved.pop(slot, None)
         self.prompts_left.pop(slot, None)
+        self.last_run.pop(slot, None)
 
     def gauges(self) -> None:
         self.metrics.kv_cache_pages_used.labels(**self.labels).set(self.spec.num_pages - len(self.session.free))
@@ -98,9 +102,12 @@ class PagedSteps:
         then the sample step for the rows that draw a token; each request gets its rows' tokens."""
         rows = {row.slot: (request, index, row) for request in active for index, row in enumerate(request.rows)
                 if row.slot is not None and row.finish is None}
-        decoding = {slot: row.token for slot, (_, _, row) in rows.items() if slot not in self.prompts_left}
+        longest_waiting = sorted((slot for slot in rows if slot not in self.prompts_left), key=lambda slot: self.last_run.get(slot, -1))
+        decoding = {slot: rows[slot][2].token for slot in longest_waiting}
         work = plan_step(self.prompts_left, decoding, self.spec.token_buckets[-1])
         logits = self.session.step_logits(work)
+        self.steps_run += 1
+        self.last_run.update(dict.fromkeys(work, self.steps_run))
         decoded = sum(slot in decoding for slot in work)
         self.metrics.step_tokens.labels(**self.labels, kind="decode").inc(decoded)
         self.metrics.step_tokens.labels(**self.labels, kind="prefill").inc(sum(map(len, work.values())) - decoded)
