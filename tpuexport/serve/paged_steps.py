@@ -5,7 +5,7 @@ serve/slot_steps.py is the static cache's counterpart.
 
 Admission reserves pages: a request is admitted (oldest first) when it has a free row of the step
 for each of its rows and the pages no running row holds or has reserved cover each row's worst case,
-its prompt plus max tokens (at most max context). The session hands the pages out only as a row's
+its prompt plus max tokens less one (the last token drawn is never written; at most max context). The session hands the pages out only as a row's
 positions are written and the row gives them all back when it ends (an early stop frees its unused
 reservation too), so a running row never finds the cache full; the price is that a request asking
 for many more tokens than it generates holds pages it never writes until it ends. A request that
@@ -91,6 +91,7 @@ class PagedSteps:
         self.last_run.pop(slot, None)
 
     def gauges(self) -> None:
+        """Pages in use and free (what admission takes from)."""
         self.metrics.kv_cache_pages_used.labels(**self.labels).set(self.spec.num_pages - len(self.session.free))
         self.metrics.kv_cache_pages_free.labels(**self.labels).set(self.free_pages)
 
