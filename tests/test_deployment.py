@@ -66,11 +66,13 @@ def test_a_multi_host_slice_is_a_leader_worker_set_of_one_pod_per_host(mlp_plan,
         assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": accelerator, "cloud.google.com/gke-tpu-topology": topology}
         assert container["command"] == leader["containers"][0]["command"]  # every host runs the same command
     # The follower with index 1, as LWS's environment gives it: serve parses its command with the slice's cluster flags.
-    options = parsed_by_serve(worker["containers"][0]["command"], LWS_LEADER_ADDRESS="mlp-0.mlp", LWS_WORKER_INDEX="1")
+    options = parsed_by_serve(worker["containers"][0]["command"], LWS_LEADER_ADDRESS="mlp-0.mlp.default", LWS_WORKER_INDEX="1")
     assert options["artifacts"] == (pathlib.Path("/artifacts/mlp.tpu"),) and options["target"] == target
-    assert (options["coordinator"], options["num_processes"], options["process_id"]) == ("mlp-0.mlp:8476", hosts, 1)
+    assert (options["coordinator"], options["num_processes"], options["process_id"]) == ("mlp-0.mlp.default:8476", hosts, 1)
     assert options["host"] == "0.0.0.0" and (options["port"], options["grpc_port"]) == (8501, 8500)
-    # Only the leader serves: ports and probes on it, and the Service selects it alone (LWS's worker index 0).
+    # Only the leader serves: ports and probes on it, and the Service selects it alone (LWS's worker index 0). The
+    # Service is not named as the set: LWS would take it for the headless Service that gives the pods their DNS names.
+    assert (workload["metadata"]["name"], service["metadata"]["name"]) == ("mlp", "mlp-leader")
     assert {port["name"]: port["containerPort"] for port in leader["containers"][0]["ports"]} == {"rest": 8501, "grpc": 8500}
     assert leader["containers"][0]["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "rest"}
     assert "ports" not in worker["containers"][0] and "readinessProbe" not in worker["containers"][0]

@@ -179,6 +179,7 @@ def kubernetes_objects(hosts: Hosts, options: PodOptions) -> list[dict]:
                      "template": _pod_template(hosts, options, labels, serving=True)},
         }
         selector = {"app.kubernetes.io/name": options.name}
+        service_name = options.name
     else:
         workload = {
             "apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
@@ -199,10 +200,14 @@ def kubernetes_objects(hosts: Hosts, options: PodOptions) -> list[dict]:
             },
         }
         selector = {LWS_NAME_LABEL: options.name, LWS_WORKER_INDEX_LABEL: "0"}
+        # Not the set's own name: LWS names its headless Service (the pods' DNS records, LWS_LEADER_ADDRESS)
+        # after the set, and uses an existing Service of that name instead (kubernetes-sigs/lws,
+        # pkg/utils/controller/controller_utils.go), which would leave the followers unable to find the leader.
+        service_name = f"{options.name}-leader"
     ports = [{"name": "rest", "port": options.port, "targetPort": "rest"}]
     if options.grpc_port:
         ports.append({"name": "grpc", "port": options.grpc_port, "targetPort": "grpc"})
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": options.name, "labels": labels},
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": service_name, "labels": labels},
                "spec": {"selector": selector, "ports": ports}}
     return [workload, service]
 
@@ -268,7 +273,7 @@ def render(kind: str, hosts: Hosts, options: PodOptions, artifact: str) -> str:
     where = (f"{chips} of a {hosts.accelerator} {hosts.topology} slice" if hosts.accelerator
              else f"{hosts.cpu_devices or 1} CPU device{'s' if hosts.cpu_devices > 1 else ''}")
     lines = [f"tpuexport deployment of {artifact}, target {hosts.target}: "
-             + (f"a LeaderWorkerSet of {hosts.hosts} pods (one per host, {where} each) and a Service for its leader."
+             + (f"a LeaderWorkerSet of {hosts.hosts} pods (one per host, {where} each) and a Service {options.name}-leader for its leader."
                 if hosts.hosts > 1 else f"a Deployment ({where} per pod) and a Service.")]
     if hosts.hosts > 1:
         lines.append("Needs the LeaderWorkerSet controller in the cluster (https://lws.sigs.k8s.io).")
