@@ -6,12 +6,15 @@ multi-host slices; the CLI runs in this process through click's runner."""
 
 from __future__ import annotations
 
+import json
 import pathlib
+import shutil
 
 import pytest
 import yaml
 from click.testing import CliRunner
 
+import tpuexport
 from conftest import convert_example
 from tpuexport.cli import main, serve
 
@@ -21,14 +24,15 @@ URI = "gs://example-bucket/models/mlp.tpu"
 
 @pytest.fixture(scope="module")
 def mlp_plan(tmp_path_factory):
-    """examples/mlp.py planned (no weights) for v5e, v5e-8 (one host of 8 chips), v5e-16 and v5p-16."""
-    return convert_example("mlp", tmp_path_factory.mktemp("deploy") / "mlp.tpu", target=["v5e", "v5e-8", "v5e-16", "v5p-16"],
+    """examples/mlp.py planned (no weights) for v5e, v5e-8 (one host of 8 chips), v5e-16, v5p-16 and one v5p chip."""
+    return convert_example("mlp", tmp_path_factory.mktemp("deploy") / "mlp.tpu", target=["v5e", "v5e-8", "v5e-16", "v5p-16", "v5p"],
                            weights=False, saved_model=False)
 
 
 def deployment(artifact, *options):
-    """`tpuexport deployment ARTIFACT OPTIONS... --image IMAGE --artifact-uri URI` in this process: (exit code, stdout, stderr)."""
-    result = CliRunner().invoke(main, ["deployment", str(artifact.path), *map(str, options), "--image", IMAGE, "--artifact-uri", URI])
+    """`tpuexport deployment ARTIFACT --image IMAGE --artifact-uri URI OPTIONS...` in this process (OPTIONS win):
+    (exit code, stdout, stderr)."""
+    result = CliRunner().invoke(main, ["deployment", str(artifact.path), "--image", IMAGE, "--artifact-uri", URI, *map(str, options)])
     return result.exit_code, result.stdout, result.stderr
 
 
@@ -102,9 +106,11 @@ def test_one_host_is_a_deployment_and_a_service_reading_the_artifact_from_its_bu
 
 
 @pytest.mark.parametrize("options, expected", [
-    (("--target", "v6e-8"), "error: the artifact has no target 'v6e-8'; it has v5e, v5e-8, v5e-16, v5p-16: deploy one of those, "
+    (("--target", "v6e-8"), "error: the artifact has no target 'v6e-8'; it has v5e, v5e-8, v5e-16, v5p-16, v5p: deploy one of those, "
                             "or convert with --target v6e-8"),
     (("--target", "v5e-16", "--kind", "helm"), "error: unknown --kind 'helm'; tpuexport writes kubernetes"),
+    (("--target", "v5p"), "error: GKE has no one-chip TPU v5p node (the smallest is 2x2x1, 4 chips); convert for --target v5p-8"),
+    (("--target", "v5e", "--artifact-uri", "models/mlp.tpu"), "error: --artifact-uri 'models/mlp.tpu': give gs://BUCKET/PATH"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(mlp_plan, tmp_path, options, expected):
     out = tmp_path / "mlp.yaml"
@@ -112,3 +118,15 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(mlp_plan, tmp_path, opt
     assert code == 2 and stdout == "" and not out.exists()
     [line] = stderr.strip().splitlines()
     assert line.startswith(expected), line
+
+
+def test_a_slice_converted_before_hosts_were_recorded_is_refused(mlp_plan, tmp_path):
+    """An artifact from before the manifest recorded a slice's hosts (its `processes`): no host count to
+    deploy with, so not a guess of one host of 16 chips."""
+    older = pathlib.Path(shutil.copytree(mlp_plan.path, tmp_path / "mlp.tpu"))
+    manifest = json.loads((older / "manifest.json").read_text())
+    del manifest["targets"]["v5e-16"]["processes"]
+    (older / "manifest.json").write_text(json.dumps(manifest))
+    code, stdout, stderr = deployment(tpuexport.load(older), "--target", "v5e-16")
+    assert (code, stdout, stderr.strip()) == (2, "", "error: the artifact's target v5e-16 records no host count (converted before "
+                                                      "tpuexport recorded one); convert it again")
