@@ -28,8 +28,9 @@ KINDS = ("kubernetes",)
 ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
 TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
 GKE_ACCELERATORS = {"v5e": "tpu-v5-lite-podslice", "v6e": "tpu-v6e-slice", "v5p": "tpu-v5p-slice", "tpu7x": "tpu7x"}
-# Generations whose smallest GKE node holds 4 chips (2x2x1): a one-chip target has no node of its own.
-NO_ONE_CHIP_NODE = {"v4": "v5p-8", "v5p": "v5p-8", "tpu7x": "7x-8"}
+# Generations whose smallest GKE node holds 4 chips (2x2x1): a one-chip target has no node of its own;
+# the slice to convert for instead (none for v4, whose slices tpuexport does not compile, slices.py).
+NO_ONE_CHIP_NODE = {"v4": None, "v5p": "v5p-8", "tpu7x": "7x-8"}
 TPU_RESOURCE = "google.com/tpu"
 # LWS's labels and the environment it gives every pod of a group (kubernetes-sigs/lws,
 # api/leaderworkerset/v1/leaderworkerset_types.go).
@@ -117,8 +118,9 @@ def target_hosts(manifest: dict, requested: str) -> Hosts:
         return Hosts(name, hosts, 0, None, None, chips // hosts if chips > 1 else 0, versions)
     generation, grid = record["topology"].split(":")
     if chips == 1 and generation in NO_ONE_CHIP_NODE:
-        raise TpuExportError(f"GKE has no one-chip {record['generation']} node (the smallest is 2x2x1, 4 chips); convert for "
-                             f"--target {NO_ONE_CHIP_NODE[generation]} and deploy that")
+        instead = NO_ONE_CHIP_NODE[generation]
+        raise TpuExportError(f"GKE has no one-chip {record['generation']} node (the smallest is 2x2x1, 4 chips); "
+                             + (f"convert for --target {instead} and deploy that" if instead else "deploy a v5e or v6e chip instead"))
     return Hosts(name, hosts, chips // hosts, GKE_ACCELERATORS[generation], grid, 0, versions)
 
 
