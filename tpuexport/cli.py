@@ -673,8 +673,9 @@ def deployment(artifact_dir, target, kind, image, artifact_uri, name, replicas, 
         raise TpuExportError(f"no Kubernetes name can be made from {artifact.path.name!r}; give --name (e.g. --name my-model)")
     options = PodOptions(name, image, artifact_uri, replicas, port, grpc_port, coordinator_port, process_timeout, service_account)
     text = render(kind, hosts, options, artifact.path.name)
-    if out is not None and not out.parent.is_dir():
-        raise TpuExportError(f"-o {out}: the directory {out.parent} does not exist; create it first")
+    if out is not None and (out.is_dir() or not out.parent.is_dir()):
+        raise TpuExportError(f"-o {out} is a directory; give a file name such as {out / 'deployment.yaml'}" if out.is_dir()
+                             else f"-o {out}: the directory {out.parent} does not exist; create it first")
     if artifact.plan_only:
         stderr.print(f"[yellow]note:[/] {artifact.path} is a plan without weights; put the converted artifact at {artifact_uri}",
                      soft_wrap=True)
