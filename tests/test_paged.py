@@ -52,12 +52,10 @@ def test_paged_step_generates_what_generate_does(paged):
     expected = [model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
                 for prompt in prompts]
     assert artifact.generate(prompts, 6) == expected
-    # The command line drives the cpu target's executables through the runtime; the server refuses pages in one line.
+    # The command line drives the cpu target's executables through the runtime (the server: tests/test_paged_serve.py).
     result = tpuexport_in_process("generate", artifact.path, "--tokens", ",".join(map(str, prompts[0])), "--max-new-tokens", 6,
                                   cwd=artifact.path.parent)
     assert result.returncode == 0 and [int(line) for line in result.stdout.split()] == expected[0], result.stderr
-    refused = tpuexport_in_process("serve", artifact.path, "--port", 0, cwd=artifact.path.parent)
-    assert refused.returncode == 2 and "paged KV cache (--kv-cache paged), which the server's scheduler does not drive yet" in refused.stderr
 
 
 def test_planted_page_table_bugs_fail_the_comparison(paged):

@@ -43,7 +43,7 @@ def handles_errors(command):
 # Commands whose work is the host CPU's (converting, verifying, reading manifests): their process starts
 # JAX's CPU backend only, whatever JAX_PLATFORMS says, so a conversion on a TPU VM leaves the chips to
 # the server. serve and generate run on the devices JAX sees (tpuexport/devices.py).
-HOST_CPU_COMMANDS = ("convert", "plan", "verify", "inspect", "targets")
+HOST_CPU_COMMANDS = ("convert", "plan", "verify", "inspect", "targets", "deployment")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -231,7 +231,8 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
     huggingface = is_huggingface_source(source)
     generation = task == "text-generation"
     # PT2E calibrates and rounds the weights in memory; weight-only modes quantize them as they stream.
-    in_memory = options.get("quantize") in ("int8", "int8-dynamic")
+    # The paged step does not stream a checkpoint's weights yet: a Hugging Face directory's are read in.
+    in_memory = options.get("quantize") in ("int8", "int8-dynamic") or options.get("kv_cache") == "paged"
     loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs, checkpoint=checkpoint,
                                       task=task if huggingface or not generation else None, weights_in_memory=in_memory)
     if loaded.huggingface is not None and loaded.huggingface.task == "text-generation":
@@ -637,6 +638,53 @@ def serve(artifacts, host, port, grpc_port, batch_timeout_ms, target, allow_reco
     run_server(list(artifacts), host=host, port=port, grpc_port=grpc_port or None, batch_timeout_ms=batch_timeout_ms,
                allow_recompile=allow_recompile, target=target, max_body_bytes=int(max_body_mb * 2**20),
                cluster=_cluster(coordinator, num_processes, process_id, process_timeout, artifacts))
+
+
+# Its own command rather than a mode of `serve`: it reads a manifest and prints, like `inspect`, on any machine
+# (no TPU, no serve extra), while serve's options are those of a running server.
+@main.command()
+@click.argument("artifact_dir", metavar="ARTIFACT", type=click.Path(path_type=pathlib.Path))
+@click.option("--target", required=True, help="The artifact's target to serve (v5e, v5e-8, v5e-16, v5p-16, cpu, cpu-2x4, ...).")
+@click.option("--kind", default="kubernetes", show_default=True, help="What to write: kubernetes (YAML manifests).")
+@click.option("--image", required=True, help="Container image with tpuexport[serve] and the jax, jaxlib and libtpu the artifact was "
+              "compiled with.")
+@click.option("--artifact-uri", required=True, metavar="URI", help="Where the pods find the artifact: gs://BUCKET/PATH (mounted "
+              "read-only by GKE's Cloud Storage FUSE CSI driver) or an absolute path in the pod.")
+@click.option("--name", help="Name of the Kubernetes objects [default: from the artifact's directory name].")
+@click.option("--replicas", type=int, default=1, show_default=True, help="Pods of a single-host target, or slices (groups) of a "
+              "multi-host one.")
+@click.option("--port", type=int, default=8501, show_default=True, help="serve's REST port (and the Service's).")
+@click.option("--grpc-port", type=int, default=8500, show_default=True, help="serve's gRPC port (and the Service's); 0 for none.")
+@click.option("--coordinator-port", type=int, default=8476, show_default=True, help="The leader's jax.distributed port (multi-host).")
+@click.option("--process-timeout", type=float, default=60.0, show_default=True, help="serve's --process-timeout (multi-host).")
+@click.option("--service-account", help="The pods' Kubernetes service account (one that may read the bucket).")
+@click.option("-o", "--out", type=click.Path(path_type=pathlib.Path), help="Write the YAML here [default: stdout].")
+@handles_errors
+def deployment(artifact_dir, target, kind, image, artifact_uri, name, replicas, port, grpc_port, coordinator_port, process_timeout,
+               service_account, out):
+    """Write Kubernetes manifests serving an artifact's target on GKE: a Deployment and a Service for one host, a
+    LeaderWorkerSet (one pod per host) and a Service for its leader for a multi-host slice (docs/deployment.md)."""
+    from tpuexport.artifact import load
+    from tpuexport.deployment import PodOptions, default_name, render, target_hosts
+
+    artifact = load(artifact_dir)
+    hosts = target_hosts(artifact.manifest, target)
+    name = name if name is not None else default_name(artifact.path.name)
+    if not name:
+        raise TpuExportError(f"no Kubernetes name can be made from {artifact.path.name!r}; give --name (e.g. --name my-model)")
+    options = PodOptions(name, image, artifact_uri, replicas, port, grpc_port, coordinator_port, process_timeout, service_account)
+    text = render(kind, hosts, options, artifact.path.name)
+    if out is not None and (out.is_dir() or not out.parent.is_dir()):
+        raise TpuExportError(f"-o {out} is a directory; give a file name such as {out / 'deployment.yaml'}" if out.is_dir()
+                             else f"-o {out}: the directory {out.parent} does not exist; create it first")
+    if artifact.plan_only:
+        stderr.print(f"[yellow]note:[/] {artifact.path} is a plan without weights; put the converted artifact at {artifact_uri}",
+                     soft_wrap=True)
+    if out is None:
+        click.echo(text, nl=False)
+    else:
+        out.write_text(text)
+        stderr.print(f"wrote {out}: {hosts.target} on {hosts.hosts} host(s)", soft_wrap=True)
 
 
 @main.command()

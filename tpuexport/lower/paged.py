@@ -122,13 +122,19 @@ class PagedSession:
             self.pages[row].append(self.free.pop())
 
     def step(self, work: dict[int, Sequence[int]], sizes: dict[str, int] | None = None) -> dict[int, np.ndarray]:
+        """One step (`step_logits`): {row: the logits [vocab] after its last new token}."""
+        logits = self.step_logits(work, sizes)
+        return {row: logits[row] for row in work}
+
+    def step_logits(self, work: dict[int, Sequence[int]], sizes: dict[str, int] | None = None):
         """One step: each row's new tokens appended after its written positions.
 
         Args:
           work: {row (0..max_batch-1): its new tokens (a prefill chunk or one decode token)}.
           sizes: the compiled bucket {"tokens", "rows"} to run at; None for the smallest that holds the work.
         Returns:
-          {row: the logits [vocab] after its last new token}.
+          The step's logits [bucket rows, vocab] as the runner gives them (on the device through a
+          runtime: `sample` takes them there); row r's are those after its last new token.
         Raises:
           TpuExportError: more tokens than the largest token budget, a row past max context or
             max batch, or no free page.
@@ -164,7 +170,7 @@ class PagedSession:
         arrays = [array.astype(dtype) for array, dtype in zip((tokens, positions, token_rows, page_indices, kv_lens), self.index_dtypes)]
         logits, *cache = self.run("step", [*arrays, *self.cache])
         self.cache = tuple(cache)
-        return {row: logits[row] for row in work}
+        return logits
 
     def sample(self, logits, draws: Sequence[Draw | None], top: bool = False) -> SampledTokens:
         """The next token of the first len(draws) rows of a step's logits (lower/sampling.draw_tokens)."""
@@ -173,7 +179,8 @@ class PagedSession:
 
 def plan_step(prompts_left: dict[int, list[int]], decoding: dict[int, int], budget: int, chunk: int | None = None) -> dict[int, list[int]]:
     """One step's work under a token budget: every decoding row's one token first, then prefill
-    chunks (at most `chunk` tokens per row, None: as many as the budget leaves) in row order.
+    chunks (at most `chunk` tokens per row, None: as many as the budget leaves) in `prompts_left`'s
+    order (a server's: the order it admitted them, oldest first).
 
     Args:
       prompts_left: {row: its prompt tokens not yet in the cache}; consumed here.
@@ -182,7 +189,7 @@ def plan_step(prompts_left: dict[int, list[int]], decoding: dict[int, int], budg
     """
     work = {row: [token] for row, token in list(decoding.items())[:budget]}
     room = budget - len(work)
-    for row in sorted(prompts_left):
+    for row in prompts_left:
         if room <= 0:
             break
         take = min(room, len(prompts_left[row]), chunk or room)
@@ -210,17 +217,18 @@ def stream_paged(session: PagedSession, rows: Sequence[Sequence[int]], max_new_t
     budget = spec.token_buckets[-1]
     while prompts_left or decoding:
         work = plan_step(prompts_left, decoding, budget, chunk)
-        logits = session.step(work)
+        logits = session.step_logits(work)  # stays where the runner left it: the sample step takes its rows there
         ready = sorted(row for row in work if not prompts_left.get(row))  # decode rows and prompts now complete
         for row in ready:
             prompts_left.pop(row, None)
-        stacked = np.zeros((spec.max_batch, spec.vocab), np.float32)
-        for index, row in enumerate(ready):
-            stacked[index] = logits[row]
-        sampled = session.sample(stacked, [Draw(sampling, keys[row], generated[row]) for row in ready])
-        new = dict(zip(ready, (int(token) for token in sampled.tokens)))
-        if new:  # a step of prefill chunks alone generates nothing
-            yield [new.get(row) for row in range(len(rows))]
+        if not ready:  # a step of prefill chunks alone generates nothing
+            continue
+        draws: list[Draw | None] = [None] * (ready[-1] + 1)
+        for row in ready:
+            draws[row] = Draw(sampling, keys[row], generated[row])
+        sampled = session.sample(logits, draws)
+        new = {row: int(sampled.tokens[row]) for row in ready}
+        yield [new.get(row) for row in range(len(rows))]
         for row, token in new.items():
             generated[row] += 1
             if token in stop_ids or generated[row] >= max_new_tokens or session.lengths[row] >= spec.max_context:

@@ -1,28 +1,30 @@
 """Continuous batching of generate requests: every request of a text-generation model shares one KV
-cache, a row (prompt) per cache slot, and one decode step advances every slot in use.
+cache, and each step advances every running row.
 
 One `GenerationScheduler` thread per served text-generation model loops:
-  1. admits waiting requests, oldest first, while the cache has free slots for them: their prompts
-     are prefilled into free slots at the smallest compiled prefill batch that holds them and whose
-     padding rows find free slots too (as `Runner.stream` does), else one prompt at a time (batch
-     1, compiled by default), and each row's first token is drawn from the prefill's logits by the
-     sample entry point, on the device; an encoder-decoder's sources (token ids, or an audio
-     model's features [mel bins, frames]; padding rows: one token, or silent features) are encoded
-     into the slots alike, and its rows start decoding from the decoder start token;
-  2. runs one decode step over all slots (idle ones decode token 0 at their own position 0, which
-     nothing reads), then the sample entry point over its logits, which stay on the device (only
-     the tokens and their logprobs come to the host), and hands each request its rows' new tokens;
+  1. admits waiting requests, oldest first, while the cache takes them (one that does not fit waits,
+     and so do those behind it); each row gets a slot of the cache (a static cache's slot, a paged
+     cache's row of the step);
+  2. runs one step of the running rows and hands each request its rows' new tokens, drawn by the
+     sample entry point on the device (only the tokens and their logprobs come to the host);
   3. ends the rows that are done: a stop token (an EOS), a stop string (its TextRow), max tokens,
      or max context; a finished row frees its slot at once, a request ends with its last row (or
      when its client is gone).
-A request therefore joins the running batch between two decode steps instead of waiting for the
-others to finish; its tokens are the ones it would get alone (rows do not interact: the same
-executables, each row attending to its own slot only, each row's draws keyed by its seed and the
-index of the token drawn, not by its slot). A failing step fails the requests it ran (their clients
-get the error) and the loop goes on with a fresh cache.
+What a step runs is the cache's policy, chosen by the artifact's entry points:
+  - serve/slot_steps.py (prefill and decode entry points, a static cache): an admitted request's
+    prompts are prefilled into its slots (its first tokens drawn from the prefill's logits; an
+    encoder-decoder's sources are encoded instead), then one decode step runs every slot;
+  - serve/paged_steps.py (a `step` entry point, a paged cache): admission by free pages, and each
+    step mixes the running rows' decode tokens with chunks of the prompts still prefilling.
+A request therefore joins the running batch between two steps instead of waiting for the others to
+finish; its tokens are the ones it would get alone (rows do not interact: the same executables,
+each row attending to its own slot or pages only, each row's draws keyed by its seed and the index
+of the token drawn, not by its slot). A failing step fails the requests it ran (their clients get
+the error) and the loop goes on with a fresh cache.
 
 Metrics (serve/metrics.py): time to first token, inter-token latency, end-to-end latency and queue
-time per request; requests running and waiting, cache slots in use; prompt and generated tokens.
+time per request; requests running and waiting, cache slots in use (a paged cache: pages in use and
+free, and its steps' prefill and decode tokens); prompt and generated tokens.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from tpuexport.lower.sampling import GREEDY, Draw, SampledTokens, Sampling
 from tpuexport.runtime import Runner
 from tpuexport.serve.batching import ShuttingDown
 from tpuexport.serve.metrics import Metrics
+from tpuexport.serve.paged_steps import PagedSteps
+from tpuexport.serve.slot_steps import SlotSteps
 from tpuexport.signature import TensorSpec
 
 _DONE = object()
@@ -177,15 +181,14 @@ class GenerationScheduler:
         self.runner = runner
         self.program = runner.artifact.generation_program
         self.spec = self.program.spec
-        # The batches the cache's slots are filled at (prefill's, or an encoder-decoder's encode's).
-        self.fill_batches = self.program.fill_batches
         self.metrics = metrics
         self.labels = labels
+        # What runs each step: a paged program's one step entry point, else prefill (or encode) and decode over slots.
+        self.steps = (PagedSteps if "step" in self.program.entry_points else SlotSteps)(runner, metrics, labels)
         self.waiting: collections.deque[_Request] = collections.deque()
         self.active: list[_Request] = []
         self.closed = False
         self.wake = threading.Condition()
-        self.session = self._new_session()
         self.thread = threading.Thread(target=self._loop, name=f"generation-{labels['model']}-{labels['version']}", daemon=True)
         self.thread.start()
 
@@ -209,21 +212,21 @@ class GenerationScheduler:
           Its steps as they come (GenerationStream).
         Raises:
           TpuExportError: rows the artifact cannot take (lower/generation.check_prompts,
-            lower/seq2seq.check_sources), or of the other kind than the model's sources.
+            lower/seq2seq.check_sources; the policy's `check`: no compiled batch holds them, or
+            more pages than the cache has), or of the other kind than the model's sources.
           ShuttingDown: after `close`.
         """
         sources = self._sources(rows, kind)
         self.program.check_rows(sources, max_new_tokens, SERVE_FEATURES_USAGE)
-        if self._fill_batch(len(sources), self.spec.max_batch) is None:
-            raise TpuExportError(f"{len(sources)} prompts fit no compiled batch ({list(self.fill_batches)}) and batch 1 "
-                                 "is not compiled; send as many prompts as a compiled batch, or convert with --bucket batch=1,...")
+        self.steps.check(sources, max_new_tokens)
         request = _Request(sources, max_new_tokens, sampling, frozenset(stop_ids), top_logprobs, list(texts) if texts else None,
                            rows=[_Row() for _ in sources], keys=sampling.row_keys(len(sources)))
         with self.wake:
             if self.closed:
                 raise ShuttingDown("the server is shutting down; retry on another replica")
             self.waiting.append(request)
-            self._gauges()
+            # Only the queue's gauge: the cache's are the scheduler thread's to read (it changes them outside the lock).
+            self.metrics.requests_waiting.labels(**self.labels).set(len(self.waiting))
             self.wake.notify()
         return GenerationStream(request)
 
@@ -267,9 +270,6 @@ class GenerationScheduler:
             self.wake.notify()
         self.thread.join()
 
-    def _new_session(self):
-        return self.program.session(runner=self.runner.device_runner())
-
     def _loop(self) -> None:
         while True:
             with self.wake:
@@ -281,16 +281,16 @@ class GenerationScheduler:
                 self._gauges()
             try:
                 for request in admitted:
-                    self._fill(request)
+                    self.steps.start(request, self._free_slots(), self._emit)
                 self._release()
                 if self.active:
-                    self._decode()
+                    self.steps.step(self.active, self._emit)
                 self._release()
             except Exception as error:  # the requests that ran fail; the next ones get a fresh cache
                 for request in self.active:
                     request.put(error)
                 self.active = []
-                self.session = self._new_session()
+                self.steps.reset()
             with self.wake:
                 self._gauges()
 
@@ -299,24 +299,21 @@ class GenerationScheduler:
         self.metrics.requests_running.labels(**labels).set(len(self.active))
         self.metrics.requests_waiting.labels(**labels).set(len(self.waiting))
         self.metrics.cache_slots_used.labels(**labels).set(self.spec.max_batch - len(self._free_slots()))
+        self.steps.gauges()
 
     def _admissible(self) -> list[_Request]:
-        """The waiting requests that fit the free slots now, oldest first (one that does not fit
-        waits, and so do those behind it: no request is starved by smaller ones); they become active."""
+        """The waiting requests that the cache takes now (the policy's `admit`), oldest first (one
+        that does not fit waits, and so do those behind it: no request is starved by smaller ones);
+        they become active."""
         admitted = []
         while self.waiting:
             request = self.waiting[0]
             if request.cancelled:
                 self.waiting.popleft()
                 continue
-            free = self._free_slots()
-            batch = self._fill_batch(len(request.sources), len(free))
-            if batch is None:
+            if not self.steps.admit(request, self._free_slots()):
                 break
             self.waiting.popleft()
-            for row, slot in zip(request.rows, free):
-                row.slot = slot
-            request.fill_batch = batch
             self.active.append(request)
             admitted.append(request)
             self.metrics.queue_time.labels(**self.labels).observe(time.perf_counter() - request.arrived)
@@ -328,66 +325,16 @@ class GenerationScheduler:
         used = {row.slot for request in self.active for row in request.rows if row.slot is not None}
         return [slot for slot in range(self.spec.max_batch) if slot not in used]
 
-    def _fill_batch(self, rows: int, free: int) -> int | None:
-        """The batch to fill the slots of `rows` prompts at with `free` slots: the smallest compiled
-        batch that holds them and fits the free slots (its padding rows go there), else 1 (one
-        prompt at a time) when compiled and the prompts fit; None: not now."""
-        fitting = [batch for batch in self.fill_batches if rows <= batch <= free]
-        if fitting:
-            return min(fitting)
-        return 1 if 1 in self.fill_batches and rows <= free else None
-
-    def _fill(self, request: _Request) -> None:
-        """Fills the request's slots from its sources: prefill, whose logits give the first tokens
-        (drawn on the device and handed to the request), or an encoder-decoder's encode, after which
-        its rows decode from the decoder start token at position 0."""
-        sources, slots = request.sources, [row.slot for row in request.rows]
-        draws = [request.draw(row) for row in request.rows]
-        if request.fill_batch >= len(sources):
-            # Padding rows (one token each, or silent features) go to free slots, which their occupant's fill overwrites.
-            padding = self._free_slots()[:request.fill_batch - len(sources)]
-            fills = [([*sources, *[self.program.padding_row()] * len(padding)], [*slots, *padding], draws)]
-        else:
-            fills = [([source], [slot], [draw]) for source, slot, draw in zip(sources, slots, draws)]
-        filled = [(self.session.fill(rows, batch_slots, batch_draws, request.top_logprobs > 0), len(batch_draws))
-                  for rows, batch_slots, batch_draws in fills]
-        # Each fill's real rows (its padding rows follow them), in the request's row order.
-        real = [(fill, index) for fill, count in filled for index in range(count)]
-        for row, (fill, index) in zip(request.rows, real):
-            row.token, row.position = fill.tokens[index], fill.positions[index]
-        if filled[0][0].generated:
-            self._emit(request, {row: (fill.sampled, index) for row, (fill, index) in enumerate(real)}, decoded=False)
-
-    def _decode(self) -> None:
-        """One decode step of every slot, then the sample step over its logits; each active request
-        gets its rows' tokens."""
-        tokens = np.zeros(self.spec.max_batch, np.int64)
-        positions = np.zeros(self.spec.max_batch, np.int64)
-        draws: list[Draw | None] = [None] * self.spec.max_batch
-        generating = [(request, index, row) for request in self.active for index, row in enumerate(request.rows)
-                      if row.slot is not None and row.finish is None]
-        for request, _, row in generating:
-            tokens[row.slot], positions[row.slot], draws[row.slot] = row.token, row.position, request.draw(row)
-        logits = self.session.decode(tokens, positions)
-        sampled = self.session.sample(logits, draws, any(request.top_logprobs for request, _, _ in generating))
-        self.metrics.decode_rows.labels(**self.labels).observe(len(generating))
-        by_request: dict[int, dict] = {}
-        for request, index, row in generating:
-            by_request.setdefault(id(request), {})[index] = (sampled, row.slot)
-        for request in self.active:
-            if id(request) in by_request:
-                self._emit(request, by_request[id(request)], decoded=True)
-
-    def _emit(self, request: _Request, rows: dict[int, tuple[SampledTokens, int]], decoded: bool) -> None:
+    def _emit(self, request: _Request, rows: dict[int, tuple[SampledTokens, int]]) -> None:
         """Hands a request its rows' new tokens ({row index: (the sample step's result, the row's
-        index in it)}) and finishes the rows that are done. `decoded`: the tokens follow a decode
-        step (the rows advance a position), not a prefill (the first tokens)."""
+        index in it)}) and finishes the rows that are done. Each row's `position` is already where
+        its new token goes (the policy set it)."""
         count = len(request.rows)
         step = Step([None] * count, [None] * count, [None] * count, [None] * count, [""] * count if request.texts else [None] * count)
         for index, (sampled, position) in rows.items():
             row, token = request.rows[index], int(sampled.tokens[position])
             row.generated += 1
-            row.token, row.position = token, row.position + decoded
+            row.token = token
             step.tokens[index], step.logprobs[index] = token, float(sampled.logprobs[position])
             if request.top_logprobs:
                 step.top[index] = [(int(top_id), float(logprob)) for top_id, logprob in
@@ -412,12 +359,13 @@ class GenerationScheduler:
         self.metrics.generated_tokens.labels(**self.labels).inc(len(rows))
 
     def _release(self) -> None:
-        """Frees the slots of finished rows, and ends the requests whose rows have all finished (or
-        whose client is gone)."""
+        """Frees the slots (and the policy's hold, e.g. pages) of finished rows, and ends the
+        requests whose rows have all finished (or whose client is gone)."""
         still = []
         for request in self.active:
             for row in request.rows:
-                if row.finish is not None or request.cancelled:
+                if (row.finish is not None or request.cancelled) and row.slot is not None:
+                    self.steps.release(row.slot)
                     row.slot = None
             if request.cancelled or all(row.finish is not None for row in request.rows):
                 request.put(_DONE)

@@ -33,7 +33,11 @@ class Metrics:
       e2e_latency: seconds from a generate request's arrival to its end.
       queue_time: seconds a generate request waited for cache slots.
       requests_running, requests_waiting: generate requests holding cache slots, and waiting for them.
-      cache_slots_used: KV cache slots holding a generating row.
+      cache_slots_used: KV cache slots holding a generating row (a paged cache: rows of the step).
+      kv_cache_pages_used: a paged cache's pages holding a running row's positions.
+      kv_cache_pages_free: a paged cache's pages no running row holds or has reserved (what
+        admission takes from; serve/paged_steps.py).
+      step_tokens: tokens a paged cache's steps ran, by kind ("prefill" chunks, "decode").
       compilations_at_start: XLA compilations while a model version's runner opened (0 unless it
         was compiled here with --allow-recompile; runtime/compilations.py).
     The generation ones are vLLM's (vllm:time_to_first_token_seconds, ...) under tpuexport_ names.
@@ -71,6 +75,12 @@ class Metrics:
                                       registry=self.registry)
         self.cache_slots_used = Gauge("tpuexport_kv_cache_slots_used", "KV cache slots holding a generating row.", labels,
                                       registry=self.registry)
+        self.kv_cache_pages_used = Gauge("tpuexport_kv_cache_pages_used", "Paged KV cache pages holding a running row's positions.",
+                                         labels, registry=self.registry)
+        self.kv_cache_pages_free = Gauge("tpuexport_kv_cache_pages_free", "Paged KV cache pages no running row holds or has reserved.",
+                                         labels, registry=self.registry)
+        self.step_tokens = Counter("tpuexport_step_tokens", "Tokens run by a paged cache's steps, by kind (prefill, decode).",
+                                   [*labels, "kind"], registry=self.registry)
         self.compilations_at_start = Gauge("tpuexport_compilations_at_start", "XLA compilations while the model's executables were "
                                            "loaded and its weights placed.", labels, registry=self.registry)
 

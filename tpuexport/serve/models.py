@@ -127,9 +127,6 @@ class ModelRepository:
             if version in self.models.get(name, {}):
                 raise TpuExportError(f"{path} is model {name} version {version} again; give each artifact its own --version when "
                                      "converting, or serve one of them")
-            if (artifact.manifest.get("generation") or {}).get("kind") == "paged":
-                raise TpuExportError(f"{path} has a paged KV cache (--kv-cache paged), which the server's scheduler does not drive yet; "
-                                     "generate from it with `tpuexport generate`, or convert with --kv-cache static to serve it")
             runner = open_runner(artifact, target=target, allow_recompile=allow_recompile, cluster=cluster)
             labels = {"model": name, "version": str(version)}
             metrics.compilations_at_start.labels(**labels).set(runner.compilations_at_start)

@@ -61,7 +61,7 @@ def teacher_forced_logits(session: PagedSession, prompts: list[list[int]], rows:
     """The step's logits of every generated position of every prompt, each decode token generate()'s: [prompts, steps, vocab]."""
     steps = len(eager_tokens[0])
     index = {row: position for position, row in enumerate(rows)}
-    prompts_left = {row: list(prompt) for row, prompt in zip(rows, prompts)}
+    prompts_left = {row: list(prompt) for row, prompt in sorted(zip(rows, prompts))}  # chunked in row order
     decoding: dict[int, int] = {}
     collected: dict[int, list[np.ndarray]] = {row: [] for row in rows}
     while prompts_left or decoding:
