@@ -7,10 +7,9 @@ process (compile_child.py) that loads nothing but jax and libtpu. One process pe
 every entry point of the program (text generation's prefill, decode and sample; a forward program
 is one entry point), one after another: starting a compiler process (importing jax, loading
 libtpu, making the topology) costs about 1 s of CPU, more than compiling a small entry point. A
-crash inside libtpu's
-compiler (seen: a segfault compiling a transformer for 7x at one bucket size) then becomes an
-error naming the target and bucket instead of killing the conversion, and the user's process
-never loads libtpu. XLA's own memory and cost analyses give the figures for the
+crash inside libtpu's compiler (seen: a segfault compiling a transformer for 7x at one bucket size)
+then becomes an error naming the target and bucket instead of killing the conversion, and the
+user's process never loads libtpu. XLA's own memory and cost analyses give the figures for the
 report and the HBM-fit verdict, per device; a slice's compiled HLO also says which collectives
 its devices exchange (hlo.py).
 
