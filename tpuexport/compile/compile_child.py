@@ -241,6 +241,9 @@ def main() -> None:
     for index, program in enumerate(request["programs"]):
         if not compile_buckets(index, program, request, devices_available, meshes):
             return
+        # Nothing of one program's traces and executables is needed for the next: the process then
+        # holds one program's at a time, as when each had a process of its own.
+        jax.clear_caches()
 
 
 if __name__ == "__main__":
