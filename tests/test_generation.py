@@ -22,6 +22,7 @@ import transformers
 
 import tpuexport
 from conftest import ROOT, served
+from tpuexport.pipeline import passes
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.export.generation import CACHE_LAYOUTS, Decode, DecodeCache, write_decode_cache, write_prefill_cache
@@ -65,15 +66,34 @@ def lowered_entry_point(module: torch.nn.Module, spec: export_stage.GenerationSp
 
 
 @pytest.fixture(scope="session")
-def llama_generation(tmp_path_factory):
+def llama_conversion(tmp_path_factory):
     """A tiny Llama converted for text generation, for v5e and the cpu target (the runtime's executables),
     with prefill batches 1 and 2 (the default: a request of one prompt can join a running decode
-    batch): (artifact, model)."""
+    batch), as tpuexport.convert does it: (artifact, model, the compiler processes its CompileJob started)."""
     model = tiny_llama()
-    artifact = tpuexport.convert(model, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH,
-                                 buckets={"seq": [16]}, target=["v5e", "cpu"],
-                                 out=tmp_path_factory.mktemp("llama") / "llama.tpu")
+    out = tmp_path_factory.mktemp("llama") / "llama.tpu"
+    options = tpuexport.ConversionOptions(("v5e", "cpu"), out, buckets={"seq": [16]}, task="text-generation", max_context=MAX_CONTEXT,
+                                          max_batch=MAX_BATCH)
+    with passes(tpuexport.LoadedSource(model, None, None, None, tpuexport.SourceInfo("api")), options) as conversion:
+        compilers = list(conversion.job.children)
+    return tpuexport.load(out), model, compilers
+
+
+@pytest.fixture(scope="session")
+def llama_generation(llama_conversion):
+    """(artifact, model) of llama_conversion."""
+    artifact, model, _ = llama_conversion
     return artifact, model
+
+
+def test_one_compiler_process_per_target_compiles_every_entry_point(llama_conversion):
+    artifact, _, compilers = llama_conversion
+    # Two targets, three entry points: two processes, each started with the request for all of them, all ended.
+    assert len(compilers) == 2 and len({child.pid for child in compilers}) == 2
+    assert all(child.returncode == 0 for child in compilers)
+    compiled = {(target, name) for target in ("v5e", "cpu") for name in artifact.records.entry_points
+                if artifact.records.buckets(target, name)}
+    assert compiled == {(target, name) for target in ("v5e", "cpu") for name in ("prefill", "decode", "sample")}
 
 
 def test_llama_artifact_generates_what_generate_does(llama_generation):

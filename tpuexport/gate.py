@@ -349,15 +349,22 @@ def check_recompile(artifact: Artifact, strict: bool = False):
     kernel_programs = artifact.manifest.get("kernels", {}).get("programs", {})
     for target_name, target in records.targets.items():
         resolved = compile_stage.resolve_targets([target_name])[0]
+        entry_points, recorded = {}, {}
         for name, lowered in artifact.entry_points.items():
-            recorded = records.buckets(target_name, name)
-            buckets = [compile_stage.Bucket(tuple(bucket.sizes.items())) for bucket in recorded]
-            plan = compile_stage.ShardingPlan.from_json(target.sharding[name]) if name in target.sharding else None
+            recorded[name] = records.buckets(target_name, name)
+            if not recorded[name]:
+                continue
+            plans = {target_name: compile_stage.ShardingPlan.from_json(target.sharding[name])} if name in target.sharding else {}
             # A bucket compiled from its static program with TPU kernels is compiled from that program again.
             kernels = {bucket.name: BucketKernels(dict(bucket.sizes), _kernel_program(artifact, kernel_programs[f"{name}/{bucket.name}"]))
-                       for bucket in recorded
+                       for bucket in recorded[name]
                        if bucket.kernels.get("program") == "static with kernels" and f"{name}/{bucket.name}" in kernel_programs}
-            for bucket, result in zip(recorded, compile_stage.compile_target(lowered, resolved, buckets, plan=plan, kernels=kernels) if recorded else ()):
+            entry_points[name] = compile_stage.EntryPointCompile(
+                lowered, [compile_stage.Bucket(tuple(bucket.sizes.items())) for bucket in recorded[name]], plans=plans, kernels=kernels)
+        # One compiler process per target for all entry points, as at convert time.
+        compiled = compile_stage.compile_target(entry_points, resolved) if entry_points else {}
+        for name, results in compiled.items():
+            for bucket, result in zip(recorded[name], results):
                 key = f"{target_name}/{name}/{bucket.name}"
                 fingerprints[key] = {"then": bucket.fingerprint, "now": result.fingerprint}
                 if fingerprints[key]["then"] != fingerprints[key]["now"]:

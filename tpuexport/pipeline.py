@@ -16,8 +16,8 @@ decides the entry points and how they are verified, every pass handles entry poi
   kernels   (--kernels auto) each bucket lowered again at its static shapes with Pallas TPU kernels
             where they pay, each kernel use run in interpret mode against the portable lowering
                                                                              -> kernels, kernel_checks
-  compile   libtpu AOT per target, entry point and bucket, state donated, in child processes in
-            the background from here                                         -> jobs
+  compile   libtpu AOT per target, entry point and bucket, state donated, in one child process per
+            target in the background from here                               -> job
   verify    the task's verification on CPU (fails fast)                      -> verified
   write     the artifact directory, atomically (one writer)                  -> the Artifact
 
@@ -278,10 +278,11 @@ def compile_executables(conversion: Conversion) -> None:
     (executables donate their inputs: a state's buffers become its outputs, compile_child.py)."""
     named = len(conversion.program.entry_points) > 1
     conversion.clock.start("compile")  # ends when the executables are waited for (Conversion.compiled)
-    for name, lowered in conversion.program.entry_points.items():
-        conversion.jobs[name] = conversion.running.enter_context(compile_stage.CompileJob(
-            lowered, conversion.targets, conversion.buckets[name], _compiled_event(conversion.clock, lowered, name if named else None),
-            conversion.plans.get(name), conversion.kernels.get(name)))
+    # One compiler process per target compiles every entry point (compile/aot.py).
+    conversion.job = conversion.running.enter_context(compile_stage.CompileJob({
+        name: compile_stage.EntryPointCompile(lowered, conversion.buckets[name], _compiled_event(conversion.clock, lowered, name if named else None),
+                                              conversion.plans.get(name, {}), conversion.kernels.get(name))
+        for name, lowered in conversion.program.entry_points.items()}, conversion.targets))
 
 
 def verify(conversion: Conversion) -> None:

@@ -1,7 +1,7 @@
 """Compile stage: AOT TPU executables per target (a chip, or a slice with its sharding plan) and shape
 bucket, with per-device memory/cost figures and, for slices, the collectives."""
 
-from tpuexport.compile.aot import CompiledBucket, CompileJob, CompileReport, compile_program, compile_target
+from tpuexport.compile.aot import CompiledBucket, CompileJob, CompileReport, EntryPointCompile, compile_program, compile_target
 from tpuexport.compile.buckets import Bucket, make_buckets, parse_bucket_options
 from tpuexport.compile.sharding import PRESETS, ShardingPlan, ShardingRequest, check_chip_fit, make_request, plan_sharding, resolve_mesh
 from tpuexport.compile.slices import SLICES, resolve_targets
@@ -15,6 +15,7 @@ __all__ = [
     "CompileJob",
     "CompileReport",
     "CompiledBucket",
+    "EntryPointCompile",
     "ShardingPlan",
     "ShardingRequest",
     "Target",

@@ -3,10 +3,13 @@ the same for the build host's XLA:CPU (the `cpu` target, which the runtime can l
 
 For each target the lowered program's buckets are compiled by XLA's TPU compiler, for one chip
 or, for a slice, partitioned over its devices by a sharding plan (sharding.py), in a child
-process (compile_child.py) that loads nothing but jax and libtpu: a crash inside libtpu's
-compiler (seen: a segfault compiling a transformer for 7x at one bucket size) then becomes an
-error naming the target and bucket instead of killing the conversion, and the user's process
-never loads libtpu. XLA's own memory and cost analyses give the figures for the
+process (compile_child.py) that loads nothing but jax and libtpu. One process per target compiles
+every entry point of the program (text generation's prefill, decode and sample; a forward program
+is one entry point), one after another: starting a compiler process (importing jax, loading
+libtpu, making the topology) costs about 1 s of CPU, more than compiling a small entry point. A
+crash inside libtpu's compiler (seen: a segfault compiling a transformer for 7x at one bucket size)
+then becomes an error naming the target and bucket instead of killing the conversion, and the
+user's process never loads libtpu. XLA's own memory and cost analyses give the figures for the
 report and the HBM-fit verdict, per device; a slice's compiled HLO also says which collectives
 its devices exchange (hlo.py).
 
@@ -44,7 +47,7 @@ from tpuexport.compile.hlo import collectives, matmul_flops_by_types
 from tpuexport.compile.sharding import DATA_AXIS, ShardingPlan, describe_buffers, per_device_buffers
 from tpuexport.compile.targets import Target
 from tpuexport.errors import TpuExportError
-from tpuexport.lower import LoweredProgram
+from tpuexport.lower import DEFAULT_ENTRY_POINT, LoweredProgram
 from tpuexport.lower.cpu_program import cpu_program, state_positions
 from tpuexport.lower.kernels import BucketKernels
 from tpuexport.lower.lowering import CPU_COMPILER_OPTIONS
@@ -138,6 +141,29 @@ class CompileReport:
         return [r for r in self.results if r.target.name == name]
 
 
+@dataclasses.dataclass(frozen=True)
+class EntryPointCompile:
+    """One entry point of a program to compile for every target of a CompileJob.
+
+    Attributes:
+      lowered: the entry point's lowering (lower stage).
+      buckets: concrete dim sizes, one executable each.
+      on_compiled: called after each of its executables (for progress output; from the job's
+        threads), or None.
+      plans: {slice target name: its sharding plan} (sharding.plan_sharding); a slice without a
+        plan is compiled with every weight and input whole on every device.
+      kernels: {bucket name: its kernel lowering (lower.kernels.lower_bucket_kernels)}: a single
+        TPU chip compiles a bucket's static program with kernels where it has one; None (kernels
+        not asked for) compiles the portable program everywhere.
+    """
+
+    lowered: LoweredProgram
+    buckets: list[Bucket]
+    on_compiled: Callable[[CompiledBucket], None] | None = None
+    plans: dict[str, ShardingPlan] = dataclasses.field(default_factory=dict)
+    kernels: dict[str, BucketKernels] | None = None
+
+
 def compile_program(
     lowered: LoweredProgram,
     targets: list[Target],
@@ -146,18 +172,11 @@ def compile_program(
     plans: dict[str, ShardingPlan] | None = None,
     kernels: dict[str, BucketKernels] | None = None,
 ) -> CompileReport:
-    """Compiles the lowered program for every target and bucket, and waits for it.
+    """Compiles one lowered program (one entry point) for every target and bucket, and waits for it.
 
     Args:
-      lowered: the lowering stage's result.
+      lowered, buckets, on_compiled, plans, kernels: as EntryPointCompile's fields.
       targets: TPU targets (single chips and slices).
-      buckets: concrete dim sizes, one executable each.
-      on_compiled: called after each executable (for progress output).
-      plans: {slice target name: its sharding plan} (sharding.plan_sharding); a slice without a
-        plan is compiled with every weight and input whole on every device.
-      kernels: {bucket name: its kernel lowering (lower.kernels.lower_bucket_kernels)}: a single
-        TPU chip compiles a bucket's static program with kernels where it has one; None (kernels
-        not asked for) compiles the portable program everywhere.
     Returns:
       The CompileReport.
     Raises:
@@ -165,38 +184,30 @@ def compile_program(
         a bucket does not fit in a device's HBM (all such buckets are named, with their largest
         buffers).
     """
-    with CompileJob(lowered, targets, buckets, on_compiled, plans, kernels) as job:
-        return job.result()
+    with CompileJob({DEFAULT_ENTRY_POINT: EntryPointCompile(lowered, buckets, on_compiled, plans or {}, kernels)}, targets) as job:
+        return job.result()[DEFAULT_ENTRY_POINT]
 
 
 class CompileJob:
-    """Compilation running in child processes while the caller goes on.
+    """Compilation running in child processes, one per target for all entry points, while the caller goes on.
 
     Used as a context manager: leaving the block before `result()` (e.g. verification failed)
     kills the compiler processes. `on_compiled` is called from the job's threads.
+
+    Attributes:
+      children: every compiler process started, one per target.
     """
 
-    def __init__(
-        self,
-        lowered: LoweredProgram,
-        targets: list[Target],
-        buckets: list[Bucket],
-        on_compiled: Callable[[CompiledBucket], None] | None = None,
-        plans: dict[str, ShardingPlan] | None = None,
-        kernels: dict[str, BucketKernels] | None = None,
-    ):
-        self.lowered = lowered
+    def __init__(self, entry_points: dict[str, EntryPointCompile], targets: list[Target]):
+        self.entry_points = entry_points
         self.targets = targets
-        self.plans = plans or {}
         self.children: list[subprocess.Popen] = []
         self.lock = threading.Lock()
         self.cancelled = False
         self.pool = ThreadPoolExecutor(max_workers=max(1, min(len(targets), os.cpu_count() or 1)), thread_name_prefix="tpu-compile")
         self.started_at = time.perf_counter()
         self.finished_at = self.started_at
-        self.futures = [self.pool.submit(compile_target, lowered, target, buckets, on_compiled, self, self.plans.get(target.name),
-                                         kernels)
-                        for target in targets]
+        self.futures = [self.pool.submit(compile_target, entry_points, target, self) for target in targets]
         for future in self.futures:
             future.add_done_callback(self._finished)
 
@@ -222,10 +233,11 @@ class CompileJob:
             if self.cancelled:
                 child.kill()
 
-    def result(self) -> CompileReport:
-        """Waits for every target; see `compile_program` for what it returns and raises."""
-        results = [result for future in self.futures for result in future.result()]
-        return _judge_hbm_fit(results, self.lowered)
+    def result(self) -> dict[str, CompileReport]:
+        """Waits for every target: {entry point: its CompileReport}; see `compile_program` for what it raises."""
+        by_target = [future.result() for future in self.futures]
+        return {name: _judge_hbm_fit([result for results in by_target for result in results[name]], entry.lowered)
+                for name, entry in self.entry_points.items()}
 
     def cancel(self) -> None:
         """Kills compiler processes still running and waits for the threads."""
@@ -259,67 +271,97 @@ def _largest_buffers(lowered: LoweredProgram, plan: ShardingPlan | None, bucket:
     return describe_buffers(per_device_buffers(plan, lowered.weight_names, lowered.weight_specs, lowered.signature, bucket))
 
 
+@dataclasses.dataclass(frozen=True)
+class _ProgramInRequest:
+    """What the parent keeps of one entry point it sent a compiler process, to make its CompiledBuckets.
+
+    Attributes:
+      entry: the entry point to compile.
+      plan: its sharding plan on this target (None for a single chip).
+      kernel_records: per bucket, what the manifest records about its kernels on this target.
+      state_as_bits: the state it takes and returns as uint16 bits (cpu_executable_program).
+    """
+
+    entry: EntryPointCompile
+    plan: ShardingPlan | None
+    kernel_records: list[dict]
+    state_as_bits: tuple[str, ...]
+
+
 def compile_target(
-    lowered: LoweredProgram,
+    entry_points: dict[str, EntryPointCompile],
     target: Target,
-    buckets: list[Bucket],
-    on_compiled: Callable[[CompiledBucket], None] | None = None,
     job: CompileJob | None = None,
-    plan: ShardingPlan | None = None,
-    kernels: dict[str, BucketKernels] | None = None,
-) -> list[CompiledBucket]:
-    """Compiles every bucket for one target in one compiler process (see the module docstring).
+) -> dict[str, list[CompiledBucket]]:
+    """Compiles every entry point's buckets for one target in one compiler process (see the module docstring).
 
     Args:
-      lowered: the lowering stage's result.
+      entry_points: {entry point: what to compile}, compiled in this order.
       target: the TPU target.
-      buckets: concrete dim sizes, one executable each.
-      on_compiled: called after each executable.
       job: the CompileJob running this, which may kill the process, or None.
-      plan: the sharding plan of a slice target; None compiles a slice with everything whole on
-        every device, and a single chip for its one device.
-      kernels: {bucket name: BucketKernels}, or None (see compile_program).
     Returns:
-      One CompiledBucket per bucket, in order (HBM fit is not judged here).
+      {entry point: one CompiledBucket per bucket, in order} (HBM fit is not judged here).
     Raises:
       TpuExportError: XLA refused a bucket (HBM overflow reported as such) or libtpu crashed.
     """
     with tempfile.TemporaryDirectory(prefix="tpuexport-compile-") as scratch:
         scratch_dir = pathlib.Path(scratch)
-        exported_path = scratch_dir / "exported.jaxexport"
-        program, state_as_bits = cpu_executable_program(lowered) if target.platform == "cpu" else (lowered.exported, ())
-        exported_path.write_bytes(bytes(program.serialize()))
-        if target.is_slice and plan is None:
-            plan = ShardingPlan(((DATA_AXIS, target.devices),), "replicated",
-                                tuple((name, ()) for name in lowered.weight_names),
-                                tuple((spec.name, ()) for spec in lowered.signature.inputs))
-        records, kernel_programs = _kernel_programs(target, buckets, kernels, scratch_dir)
-        input_names = {spec.name for spec in lowered.signature.inputs}
+        programs, kept = [], []
+        for index, entry in enumerate(entry_points.values()):
+            program, program_kept = _program_request(index, entry, target, scratch_dir)
+            programs.append(program)
+            kept.append(program_kept)
         request = {
             "parent_pid": os.getpid(),
-            "exported": str(exported_path),
             "platform": target.platform,
             "processes": target.processes,
-            "host_bounds": list(target.host_bounds) if target.host_bounds else None,
-            # State outputs (the KV cache) stay laid out as the next call takes them; on a multi-host
-            # slice the others are replicated, so that every host can read them whole.
-            "state_outputs": [spec.name in input_names for spec in lowered.signature.outputs],
+            # A single chip is a one-chip host; a slice has Cloud TPU's hosts (where they differ from
+            # libtpu's default for the topology).
+            "host_bounds": [1, 1, 1] if not target.is_slice else list(target.host_bounds) if target.host_bounds else None,
             "topology": target.topology,
             "compiler_options": compiler_options(target),
             "out_dir": scratch,
-            # Shapes only: the compiler never sees a weight's values (nor needs them, for a plan).
-            "weights": [[list(w.shape), str(w.dtype)] for w in lowered.weight_specs],
-            "buckets": [
-                {"inputs": [[list(spec.concrete_shape(bucket.as_dict())), "uint16" if spec.name in state_as_bits else spec.dtype]
-                            for spec in lowered.signature.inputs],
-                 "exported": kernel_program}
-                for bucket, kernel_program in zip(buckets, kernel_programs)
-            ],
-            "mesh": plan.to_json()["mesh"] if plan else None,
-            "weight_specs": list(plan.to_json()["weights"].values()) if plan else None,
-            "input_specs": list(plan.to_json()["inputs"].values()) if plan else None,
+            "programs": programs,
         }
-        return list(_run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan, records, state_as_bits))
+        results = {name: [] for name in entry_points}
+        names = list(entry_points)
+        for index, result in _run_compiler(request, target, kept, scratch_dir, job):
+            results[names[index]].append(result)
+        return results
+
+
+def _program_request(index: int, entry: EntryPointCompile, target: Target, scratch_dir: pathlib.Path) -> tuple[dict, _ProgramInRequest]:
+    """The compiler process's request for one entry point (program `index`; its files written into
+    `scratch_dir`), and what the parent keeps of it."""
+    lowered = entry.lowered
+    exported_path = scratch_dir / f"{index}.jaxexport"
+    program, state_as_bits = cpu_executable_program(lowered) if target.platform == "cpu" else (lowered.exported, ())
+    exported_path.write_bytes(bytes(program.serialize()))
+    plan = entry.plans.get(target.name)
+    if target.is_slice and plan is None:
+        plan = ShardingPlan(((DATA_AXIS, target.devices),), "replicated",
+                            tuple((name, ()) for name in lowered.weight_names),
+                            tuple((spec.name, ()) for spec in lowered.signature.inputs))
+    records, kernel_programs = _kernel_programs(target, entry.buckets, entry.kernels, scratch_dir, index)
+    input_names = {spec.name for spec in lowered.signature.inputs}
+    request = {
+        "exported": str(exported_path),
+        # State outputs (the KV cache) stay laid out as the next call takes them; on a multi-host
+        # slice the others are replicated, so that every host can read them whole.
+        "state_outputs": [spec.name in input_names for spec in lowered.signature.outputs],
+        # Shapes only: the compiler never sees a weight's values (nor needs them, for a plan).
+        "weights": [[list(w.shape), str(w.dtype)] for w in lowered.weight_specs],
+        "buckets": [
+            {"inputs": [[list(spec.concrete_shape(bucket.as_dict())), "uint16" if spec.name in state_as_bits else spec.dtype]
+                        for spec in lowered.signature.inputs],
+             "exported": kernel_program}
+            for bucket, kernel_program in zip(entry.buckets, kernel_programs)
+        ],
+        "mesh": plan.to_json()["mesh"] if plan else None,
+        "weight_specs": list(plan.to_json()["weights"].values()) if plan else None,
+        "input_specs": list(plan.to_json()["inputs"].values()) if plan else None,
+    }
+    return request, _ProgramInRequest(entry, plan, records, state_as_bits)
 
 
 def cpu_executable_program(lowered: LoweredProgram) -> tuple[jax.export.Exported, tuple[str, ...]]:
@@ -340,9 +382,10 @@ def cpu_executable_program(lowered: LoweredProgram) -> tuple[jax.export.Exported
 
 
 def _kernel_programs(target: Target, buckets: list[Bucket], kernels: dict | None,
-                     scratch_dir: pathlib.Path) -> tuple[list[dict], list[str | None]]:
+                     scratch_dir: pathlib.Path, program: int) -> tuple[list[dict], list[str | None]]:
     """Per bucket, what the manifest records about kernels on this target, and the path of the
-    static program with kernels to compile (written into `scratch_dir`), or None for the portable one."""
+    static program with kernels to compile (written into `scratch_dir`, named by `program`'s index), or
+    None for the portable one."""
     records, paths = [], []
     for index, bucket in enumerate(buckets):
         lowering = (kernels or {}).get(bucket.name)
@@ -360,7 +403,7 @@ def _kernel_programs(target: Target, buckets: list[Bucket], kernels: dict | None
             records.append({**record, "program": "portable", **({"reason": why_not} if why_not else {})})
             paths.append(None)
             continue
-        path = scratch_dir / f"kernels-{index}.jaxexport"
+        path = scratch_dir / f"{program}-{index}-kernels.jaxexport"
         path.write_bytes(bytes(lowering.exported.serialize()))
         records.append(record)
         paths.append(str(path))
@@ -383,7 +426,9 @@ def compiler_environment(target: Target, environment=None) -> dict:
     return {**environment, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
-def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lowered, plan, kernel_records, state_as_bits):
+def _run_compiler(request: dict, target: Target, programs: list[_ProgramInRequest], scratch_dir: pathlib.Path,
+                  job: CompileJob | None):
+    """Runs the compiler process for `request`; yields (program index, CompiledBucket) as it compiles them."""
     timeout = compile_timeout()
     # libtpu's start-up warnings go to the child's stderr, kept in a file for crash reports only.
     with open(scratch_dir / "stderr.txt", "w+b") as stderr:
@@ -405,24 +450,25 @@ def _run_compiler(request, target, buckets, scratch_dir, on_compiled, job, lower
             for line in child.stdout:
                 watchdog.restart()
                 event = json.loads(line)
-                bucket = buckets[event["bucket"]]
+                program = programs[event["program"]]
+                bucket = program.entry.buckets[event["bucket"]]
                 if event["event"] == "start":
                     compiling = bucket
                 elif event["event"] == "error" and event.get("errno") is not None:
                     raise OSError(event["errno"], event["message"], event.get("filename"))
                 elif event["event"] == "error":
-                    raise _compile_error(target, bucket, event["message"], _largest_buffers(lowered, plan, bucket))
+                    raise _compile_error(target, bucket, event["message"], _largest_buffers(program.entry.lowered, program.plan, bucket))
                 else:
                     compiling = None
-                    kernels = dict(kernel_records[event["bucket"]])
+                    kernels = dict(program.kernel_records[event["bucket"]])
                     if event.get("kernel_error"):  # the static program with kernels did not compile: the portable one did
                         kernels.update(program="portable", reason=f"the program with kernels did not compile for {target.name}: "
                                                                    f"{event['kernel_error'][:200]}")
-                    result = dataclasses.replace(_compiled_bucket(target, bucket, event, scratch_dir, plan, lowered), kernels=kernels,
-                                                 state_as_bits=state_as_bits)
-                    if on_compiled:
-                        on_compiled(result)
-                    yield result
+                    result = dataclasses.replace(_compiled_bucket(target, bucket, event, scratch_dir, program), kernels=kernels,
+                                                 state_as_bits=program.state_as_bits)
+                    if program.entry.on_compiled:
+                        program.entry.on_compiled(result)
+                    yield event["program"], result
         finally:
             child.stdout.close()
             returncode = child.wait()
@@ -461,17 +507,17 @@ class _Watchdog:
             self.process.kill()
 
 
-def _compiled_bucket(target: Target, bucket: Bucket, event: dict, scratch_dir: pathlib.Path, plan: ShardingPlan | None,
-                     lowered: LoweredProgram) -> CompiledBucket:
-    index = event["bucket"]
+def _compiled_bucket(target: Target, bucket: Bucket, event: dict, scratch_dir: pathlib.Path, program: _ProgramInRequest) -> CompiledBucket:
+    files = f"{event['program']}-{event['bucket']}"  # the program's and bucket's index, as compile_child.py names them
+    plan, lowered = program.plan, program.entry.lowered
     memory = dict(event["memory"])
     memory["total_bytes"] = (
         memory["argument_bytes"] + memory["output_bytes"] + memory["temp_bytes"]
         + memory["generated_code_bytes"] - memory["alias_bytes"]
     )
-    hlo_text = (scratch_dir / f"{index}.hlo.txt").read_text()
+    hlo_text = (scratch_dir / f"{files}.hlo.txt").read_text()
     return CompiledBucket(
-        target, bucket, (scratch_dir / f"{index}.executable").read_bytes(), event["seconds"], memory, event["cost"],
+        target, bucket, (scratch_dir / f"{files}.executable").read_bytes(), event["seconds"], memory, event["cost"],
         hashlib.sha256(hlo_text.encode()).hexdigest(), hlo_text, matmul_flops_by_types(hlo_text),
         plan, collectives(hlo_text) if target.is_slice else {}, tuple(event["device_ids"]), tuple(event["device_processes"]),
         compile_key(target.platform, event["device_kind"], target.devices, None if target.platform == "cpu" else target.topology,

@@ -1,27 +1,33 @@
-"""The compiler's process: compiles one target's buckets with libtpu (or XLA:CPU), nothing else loaded.
+"""The compiler's process: compiles one target's programs with libtpu (or XLA:CPU), nothing else loaded.
 
-Started by aot.py as `python -I compile_child.py` with a JSON request on stdin. It imports only
-jax (not tpuexport, torch or TensorFlow), so a crash inside libtpu's compiler takes down this
-process alone and the parent can name the bucket that was compiling. A single chip compiles for
-one device; a slice ("mesh" in the request) for a Mesh over the topology's devices, each weight
-and input a NamedSharding with its PartitionSpec (JSON lists: null, an axis, or a list of axes).
+Started by aot.py as `python -I compile_child.py` with a JSON request on stdin: the target's
+topology and options, and a list of programs (one per entry point of the conversion, e.g. prefill,
+decode and sample; one for a forward program), each with its serialized jax.export program, its
+weights' shapes, buckets and sharding. It compiles them in order, every bucket of each; the
+topology's devices, and a mesh that several programs share, are made once. It imports only jax
+(not tpuexport, torch or TensorFlow), so a crash inside libtpu's compiler takes down this process
+alone and the parent can name the bucket that was compiling. A single chip compiles for one device;
+a slice (a program's "mesh") for a Mesh over the topology's devices, each weight and input a
+NamedSharding with its PartitionSpec (JSON lists: null, an axis, or a list of axes).
 The `cpu` target ("platform": "cpu") compiles for this process's own CPU device instead of a
 topology; a multi-process CPU twin ("processes": P > 1, `cpu-PxK`) for the devices of P CPU clients
 made in this process and joined by a loopback coordinator, as P processes under jax.distributed
 would see them (`multi_process_cpu_devices`). When the devices span several processes (hosts), the
-outputs that are not state ("state_outputs") are compiled replicated, so every process reads them whole. The inputs are donated (the program may reuse their buffers for outputs of the same
-shape), so the runtime must pass buffers it owns.
-Protocol, one JSON object per stdout line, flushed as it happens:
-  {"event": "start", "bucket": i}                          before compiling bucket i
-  {"event": "done", "bucket": i, "seconds", "memory", "cost", "device_ids", "device_processes", "device_kind",
-   "kernel_error"}                                         files <i>.executable, <i>.hlo.txt written;
+outputs that are not state (a program's "state_outputs") are compiled replicated, so every process
+reads them whole. The inputs are donated (the program may reuse their buffers for outputs of the
+same shape), so the runtime must pass buffers it owns.
+Protocol, one JSON object per stdout line, flushed as it happens (p: the program's index in the
+request, i: the bucket's in the program):
+  {"event": "start", "program": p, "bucket": i}            before compiling bucket i of program p
+  {"event": "done", "program": p, "bucket": i, "seconds", "memory", "cost", "device_ids", "device_processes",
+   "device_kind", "kernel_error"}                          files <p>-<i>.executable, <p>-<i>.hlo.txt written;
                                                            memory is per device; device_ids in mesh order,
                                                            device_processes the process of each;
                                                            kernel_error: why the bucket's program with
                                                            kernels ("exported" in its request) did not
                                                            compile (the portable one was), or null
-  {"event": "error", "bucket": i, "message"}               XLA raised; the process stops there
-  {"event": "error", "bucket": i, "message", "errno", "filename"}
+  {"event": "error", "program": p, "bucket": i, "message"} XLA raised; the process stops there
+  {"event": "error", "program": p, "bucket": i, "message", "errno", "filename"}
                                                            writing its files failed (e.g. the disk is full)
 The process asks the kernel for SIGKILL when its parent dies: a compiler left running (or hung)
 by a conversion that was killed would otherwise keep a core busy for nobody.
@@ -126,22 +132,25 @@ def partition_spec(entries) -> PartitionSpec:
     return PartitionSpec(*(tuple(entry) if isinstance(entry, list) else entry for entry in entries))
 
 
-def shardings(request, devices_available):
-    """(weight shardings, input shardings, device ids in mesh order) for the request."""
-    mesh_request = request["mesh"]
+def shardings(program, devices_available, meshes):
+    """(weight shardings, input shardings, device ids in mesh order) for one program of the request;
+    `meshes` keeps the meshes made, by shape and axes, for the next programs."""
+    mesh_request = program["mesh"]
     if mesh_request is None:
         device = SingleDeviceSharding(devices_available[0])
-        return [device] * len(request["weights"]), [device] * len(request["buckets"][0]["inputs"]), [devices_available[0].id]
-    shape = tuple(mesh_request["shape"])
-    try:
-        # Places neighbouring mesh positions on neighbouring chips of the torus.
-        devices = mesh_utils.create_device_mesh(shape, devices=devices_available)
-    except (ValueError, NotImplementedError, AssertionError):  # shapes it has no physical mapping for
-        devices = np.array(devices_available).reshape(shape)
-    mesh = Mesh(devices, tuple(mesh_request["axes"]))
-    weights = [NamedSharding(mesh, partition_spec(spec)) for spec in request["weight_specs"]]
-    inputs = [NamedSharding(mesh, partition_spec(spec)) for spec in request["input_specs"]]
-    return weights, inputs, [int(device.id) for device in devices.flat]
+        return [device] * len(program["weights"]), [device] * len(program["buckets"][0]["inputs"]), [devices_available[0].id]
+    shape, axes = tuple(mesh_request["shape"]), tuple(mesh_request["axes"])
+    if (shape, axes) not in meshes:
+        try:
+            # Places neighbouring mesh positions on neighbouring chips of the torus.
+            devices = mesh_utils.create_device_mesh(shape, devices=devices_available)
+        except (ValueError, NotImplementedError, AssertionError):  # shapes it has no physical mapping for
+            devices = np.array(devices_available).reshape(shape)
+        meshes[shape, axes] = Mesh(devices, axes)
+    mesh = meshes[shape, axes]
+    weights = [NamedSharding(mesh, partition_spec(spec)) for spec in program["weight_specs"]]
+    inputs = [NamedSharding(mesh, partition_spec(spec)) for spec in program["input_specs"]]
+    return weights, inputs, [int(device.id) for device in mesh.devices.flat]
 
 
 def compile_program(exported, weights, inputs, request, outputs=None):
@@ -151,32 +160,31 @@ def compile_program(exported, weights, inputs, request, outputs=None):
             .compile(compiler_options=request["compiler_options"] or None))
 
 
-def main() -> None:
-    request = json.load(sys.stdin)
-    die_with_parent(request["parent_pid"])
-    out_dir = pathlib.Path(request["out_dir"])
-    exported = jax.export.deserialize(bytearray(pathlib.Path(request["exported"]).read_bytes()))
+def target_devices(request):
+    """The devices the request's target compiles for (once for all its programs)."""
     if request["platform"] == "cpu" and request.get("processes", 1) > 1:
-        devices_available = multi_process_cpu_devices(request["processes"])
-    elif request["platform"] == "cpu":
-        devices_available = jax.devices("cpu")
-    else:
-        # A single chip is a one-chip host; a slice has Cloud TPU's hosts ("host_bounds" where they
-        # differ from libtpu's default for the topology).
-        bounds = ({"chips_per_host_bounds": (1, 1, 1)} if request["mesh"] is None
-                  else {"chips_per_host_bounds": tuple(request["host_bounds"])} if request.get("host_bounds") else {})
-        devices_available = topologies.get_topology_desc(topology_name=request["topology"], platform="tpu", **bounds).devices
-    weight_shardings, input_shardings, device_ids = shardings(request, devices_available)
+        return multi_process_cpu_devices(request["processes"])
+    if request["platform"] == "cpu":
+        return jax.devices("cpu")
+    bounds = {"chips_per_host_bounds": tuple(request["host_bounds"])} if request.get("host_bounds") else {}
+    return topologies.get_topology_desc(topology_name=request["topology"], platform="tpu", **bounds).devices
+
+
+def compile_buckets(index, program, request, devices_available, meshes) -> bool:
+    """Compiles every bucket of program `index`, emitting its events; False once one failed (the process stops)."""
+    out_dir = pathlib.Path(request["out_dir"])
+    exported = jax.export.deserialize(bytearray(pathlib.Path(program["exported"]).read_bytes()))
+    weight_shardings, input_shardings, device_ids = shardings(program, devices_available, meshes)
     weights = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
-               for (shape, dtype), sharding in zip(request["weights"], weight_shardings)]
+               for (shape, dtype), sharding in zip(program["weights"], weight_shardings)]
     by_id = {device.id: device for device in devices_available}
     device_processes = [int(by_id[device_id].process_index) for device_id in device_ids]
     outputs = None
     if len(set(device_processes)) > 1:
         replicated = NamedSharding([*weight_shardings, *input_shardings][0].mesh, PartitionSpec())
-        outputs = [None if state else replicated for state in request["state_outputs"]]
-    for index, bucket in enumerate(request["buckets"]):
-        emit(event="start", bucket=index)
+        outputs = [None if state else replicated for state in program["state_outputs"]]
+    for bucket_index, bucket in enumerate(program["buckets"]):
+        emit(event="start", program=index, bucket=bucket_index)
         inputs = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
                   for (shape, dtype), sharding in zip(bucket["inputs"], input_shardings)]
         start = time.perf_counter()
@@ -191,24 +199,24 @@ def main() -> None:
             if compiled is None:
                 compiled = compile_program(exported, weights, inputs, request, outputs)
         except Exception as error:  # XLA raises XlaRuntimeError and others; the parent words it
-            emit(event="error", bucket=index, message=" ".join(str(error).split()))
-            return
+            emit(event="error", program=index, bucket=bucket_index, message=" ".join(str(error).split()))
+            return False
         seconds = time.perf_counter() - start
         executable, _, _ = serialize_executable.serialize(compiled)
         try:
-            (out_dir / f"{index}.executable").write_bytes(bytes(executable))
+            (out_dir / f"{index}-{bucket_index}.executable").write_bytes(bytes(executable))
             hlo_text = compiled.as_text()
-            (out_dir / f"{index}.hlo.txt").write_text(hlo_text)
+            (out_dir / f"{index}-{bucket_index}.hlo.txt").write_text(hlo_text)
         except OSError as error:  # the parent raises it as the OSError it is (disk full is bad input there)
-            emit(event="error", bucket=index, message=error.strerror, errno=error.errno, filename=error.filename)
-            return
+            emit(event="error", program=index, bucket=bucket_index, message=error.strerror, errno=error.errno, filename=error.filename)
+            return False
         stats = compiled.memory_analysis()
         analysis = compiled.cost_analysis() or {}
         if isinstance(analysis, list):  # older jax returned one dict per computation
             analysis = analysis[0] if analysis else {}
         emit(
-            event="done", bucket=index, seconds=seconds, device_ids=device_ids, device_processes=device_processes, device_kind=devices_available[0].device_kind,
-            kernel_error=kernel_error,
+            event="done", program=index, bucket=bucket_index, seconds=seconds, device_ids=device_ids, device_processes=device_processes,
+            device_kind=devices_available[0].device_kind, kernel_error=kernel_error,
             memory={
                 "argument_bytes": int(stats.argument_size_in_bytes),
                 "output_bytes": int(stats.output_size_in_bytes),
@@ -222,6 +230,20 @@ def main() -> None:
                 "optimal_seconds": optimal_seconds(analysis, hlo_text),
             },
         )
+    return True
+
+
+def main() -> None:
+    request = json.load(sys.stdin)
+    die_with_parent(request["parent_pid"])
+    devices_available = target_devices(request)
+    meshes = {}
+    for index, program in enumerate(request["programs"]):
+        if not compile_buckets(index, program, request, devices_available, meshes):
+            return
+        # Nothing of one program's traces and executables is needed for the next: the process then
+        # holds one program's at a time, as when each had a process of its own.
+        jax.clear_caches()
 
 
 if __name__ == "__main__":

@@ -203,7 +203,7 @@ class Conversion:
       buckets: {entry point: [Bucket]} compiled.
       plans: {entry point: {slice target: ShardingPlan}}.
       kernels: {entry point: {bucket name: BucketKernels} or None}; kernel_checks: the interpret-mode checks.
-      jobs: {entry point: CompileJob} running in the background; reports: their results, once waited for.
+      job: the CompileJob compiling every entry point in the background; reports: {entry point: CompileReport}, once waited for.
       verified: the task's verification (tasks/spec.py), or None for a plan.
     """
 
@@ -227,7 +227,7 @@ class Conversion:
     plans: dict = dataclasses.field(default_factory=dict)
     kernels: dict = dataclasses.field(default_factory=dict)
     kernel_checks: dict = dataclasses.field(default_factory=dict)
-    jobs: dict = dataclasses.field(default_factory=dict)
+    job: compile_stage.CompileJob | None = None
     reports: dict | None = None
     verified: "Verified | None" = None
 
@@ -238,10 +238,10 @@ class Conversion:
     def compiled(self) -> dict[str, compile_stage.CompileReport]:
         """Waits for every entry point's executables (the first call records the compile stage)."""
         if self.reports is None:
-            self.reports = {name: job.result() for name, job in self.jobs.items()}
+            self.reports = self.job.result()
             count = sum(len(report.results) for report in self.reports.values())
             beside = "" if self.plan_only else (", alongside verify and the SavedModel" if self.saved_model else ", alongside verify")
-            self.clock.record("compile", max(job.seconds for job in self.jobs.values()), f"{count} executable(s){beside}")
+            self.clock.record("compile", self.job.seconds, f"{count} executable(s){beside}")
         return self.reports
 
 
