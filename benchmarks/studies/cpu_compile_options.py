@@ -46,7 +46,7 @@ def main(names: list[str]) -> None:
         programs = (lowered.exported, tpu_faithful(lowered.exported, MATMUL_PRECISIONS[lowered.matmul_precision]))
         inputs = [[np.asarray(t) for t in make_inputs(lowered.signature.inputs, built["args"], sizes, seed=index)]
                   for index, sizes in enumerate(sizes_to_run(lowered.signature))]
-        first, seconds = None, {label: [] for label in OPTION_SETS}
+        first, seconds, equal = None, {label: [] for label in OPTION_SETS}, {}
         for _ in range(2):
             for label, options in OPTION_SETS.items():
                 lowering.RUN_COMPILER_OPTIONS = options
@@ -55,9 +55,9 @@ def main(names: list[str]) -> None:
                 outputs = [output for case in inputs for program in programs for output in lowered.run(case, program=program)]
                 seconds[label].append(time.process_time() - start)
                 first = first or outputs
-                equal = sum(np.array_equal(a, b) for a, b in zip(first, outputs))
+                equal[label] = sum(np.array_equal(a, b) for a, b in zip(first, outputs))
         for label in OPTION_SETS:
-            print(f"{name:10} {label:26} {min(seconds[label]):7.1f}  {equal}/{len(outputs)} equal bit for bit")
+            print(f"{name:10} {label:26} {min(seconds[label]):7.1f}  {equal[label]}/{len(outputs)} equal bit for bit")
 
 if __name__ == "__main__":
     main(sys.argv[1:] or ["llama", "bert", "vit", "resnet"])
