@@ -344,6 +344,7 @@ def _program_request(index: int, entry: EntryPointCompile, target: Target, scrat
                             tuple((spec.name, ()) for spec in lowered.signature.inputs))
     records, kernel_programs = _kernel_programs(target, entry.buckets, entry.kernels, scratch_dir, index)
     input_names = {spec.name for spec in lowered.signature.inputs}
+    plan_json = plan.to_json() if plan else None
     request = {
         "exported": str(exported_path),
         # State outputs (the KV cache) stay laid out as the next call takes them; on a multi-host
@@ -357,9 +358,9 @@ def _program_request(index: int, entry: EntryPointCompile, target: Target, scrat
              "exported": kernel_program}
             for bucket, kernel_program in zip(entry.buckets, kernel_programs)
         ],
-        "mesh": plan.to_json()["mesh"] if plan else None,
-        "weight_specs": list(plan.to_json()["weights"].values()) if plan else None,
-        "input_specs": list(plan.to_json()["inputs"].values()) if plan else None,
+        "mesh": plan_json["mesh"] if plan else None,
+        "weight_specs": list(plan_json["weights"].values()) if plan else None,
+        "input_specs": list(plan_json["inputs"].values()) if plan else None,
     }
     return request, _ProgramInRequest(entry, plan, records, state_as_bits)
 
