@@ -563,24 +563,26 @@ def test_serve_batches_generate_requests_continuously(llama_generation, tmp_path
 
 
 PLAN_WITHOUT_THE_CACHE = """
-import resource, sys, torch, transformers, tpuexport
+import sys, torch, transformers, tpuexport
 with torch.device("meta"):
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=2**17)).eval()
 artifact = tpuexport.convert(model, task="text-generation", max_context=2**17, max_batch=64, weights=False, buckets={"seq": [16], "batch": [1]},
                              target="v5e", saved_model=False, out=sys.argv[1])
-print(artifact.manifest["generation"]["cache_bytes"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print(artifact.manifest["generation"]["cache_bytes"], max(peak.anonymous_bytes for peak in artifact.records.stage_memory.values()))
 """
 
 
 def test_a_plan_does_not_allocate_its_kv_cache(tmp_path):
     """A plan needs the cache's shape only: a tiny model whose cache at 64 x 2^17 is 4 GiB plans in
     a process that never holds it (the cache was once made as zeros on the CPU: 8 GiB for Llama-3-8B
-    at 32 x 2048)."""
+    at 32 x 2048). Anonymous memory is what the process owns; the total resident size also counts
+    the pages of torch's and JAX's shared libraries, which vary by machine (over 2 GiB on CI with
+    torch's CUDA build, 1.1 GiB here)."""
     result = subprocess.run([sys.executable, "-c", PLAN_WITHOUT_THE_CACHE, str(tmp_path / "plan.tpu")], capture_output=True, text=True,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    cache_bytes, peak_rss = map(int, result.stdout.split()[-2:])
+    cache_bytes, peak_anonymous = map(int, result.stdout.split()[-2:])
     assert cache_bytes == 4 * 2**30
-    assert peak_rss < cache_bytes / 2, f"peak RSS {peak_rss / 2**30:.2f} GiB"
+    assert peak_anonymous < cache_bytes / 4, f"peak anonymous memory {peak_anonymous / 2**30:.2f} GiB"
