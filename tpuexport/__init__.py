@@ -15,7 +15,9 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
+from typing import Sequence
 
 import torch
 
@@ -94,6 +96,7 @@ def convert(
     page_size: int | None = None,
     num_pages: int | None = None,
     verify_new_tokens: int = DEFAULT_NEW_TOKENS,
+    compile_envs: Sequence[str | os.PathLike] = (),
 ) -> Artifact:
     """Converts a PyTorch model into a verified TPU artifact directory.
 
@@ -167,6 +170,9 @@ def convert(
       page_size, num_pages: the paged cache's positions per page (default 16) and pages (default:
         max_batch rows of max_context).
       verify_new_tokens: tokens each verification prompt generates (text-generation).
+      compile_envs: Python interpreters of other environments (a serving image's jax, jaxlib and
+        libtpu): every target is also compiled there, and the artifact carries executables per
+        version set; the runtime loads the set matching its host (docs/compile-environments.md).
     Returns:
       The Artifact written at `out`.
     Raises:
@@ -192,7 +198,7 @@ def convert(
         random_calibration=random_calibration, sharding=make_request(mesh, sharding, rules, input_rules), weights=weights,
         task=task, max_batch=max_batch, max_context=max_context, cache_layout=cache_layout, kv_cache_dtype=kv_cache_dtype,
         sliding_window_cache=sliding_window_cache, kv_cache=kv_cache, page_size=page_size, num_pages=num_pages,
-        new_tokens=verify_new_tokens,
+        new_tokens=verify_new_tokens, compile_envs=tuple(str(python) for python in compile_envs),
     )
     return run_conversion(loaded, options, progress)
 

@@ -159,11 +159,14 @@ def _describe_window_cache(generation: dict) -> str:
 @click.option("--num-pages", type=int, help="--kv-cache paged: pages in the cache [default: max batch rows of max context].")
 @click.option("--verify-new-tokens", type=int, default=8, show_default=True,
               help="text-generation: tokens each verification prompt generates, compared with generate().")
+@click.option("--compile-env", "compile_envs", multiple=True, metavar="PYTHON",
+              help="Also compile every target under this Python (a serving image's jax/jaxlib/libtpu); the artifact carries "
+                   "executables per version set and the runtime loads its host's. Repeatable.")
 @handles_errors
 def convert(source, targets, out, buckets, precision, matmul_precision, kernels, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
             shard_inputs, as_json, atol, rtol, scale_tol, verify_budget, verify_sizes, scan, saved_model, model_name, model_version, quantize,
             group_size, keep_float, calibration_file, random_calibration, weights, checkpoint, max_context, max_batch, cache_layout,
-            kv_cache_dtype, sliding_window_cache, kv_cache, page_size, num_pages, verify_new_tokens):
+            kv_cache_dtype, sliding_window_cache, kv_cache, page_size, num_pages, verify_new_tokens, compile_envs):
     """Convert SOURCE (a Hugging Face model directory or hf:ORG/NAME with --task, model.pt2, file.py:factory, or model.pt with
     --trust-pickle) into an artifact."""
     overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
@@ -178,7 +181,7 @@ def convert(source, targets, out, buckets, precision, matmul_precision, kernels,
         group_size=group_size, keep_float=keep_float, calibration_file=calibration_file, random_calibration=random_calibration,
         weights=weights, checkpoint=checkpoint, max_context=max_context, max_batch=max_batch, cache_layout=cache_layout,
         kv_cache_dtype=kv_cache_dtype, sliding_window_cache=sliding_window_cache, kv_cache=kv_cache, page_size=page_size,
-        num_pages=num_pages, new_tokens=verify_new_tokens,
+        num_pages=num_pages, new_tokens=verify_new_tokens, compile_envs=compile_envs,
     )
 
 
@@ -591,10 +594,26 @@ def describe_collectives(collectives: dict | None) -> str:
 @click.option("--recompile", is_flag=True, help="Recompile every executable and report compiler drift.")
 @click.option("--strict", is_flag=True, help="Fail on compiler drift instead of warning.")
 @click.option("--against", metavar="SOURCE", help="Reload the original model (file.py:factory, .pt2) and compare on fresh inputs.")
+@click.option("--runtime-env", metavar="PYTHON",
+              help="Instead: check that the environment of this Python (a serving image's jax/jaxlib/libtpu) loads the artifact's "
+                   "executables with 0 compilations, or its StableHLO (warning); runs no model; exit 0 or 2, one line.")
+@click.option("--target", help="With --runtime-env: the target to load [default: the one matching that environment's devices].")
 @handles_errors
-def verify(artifact_dir, as_json, junit_path, recompile, strict, against):
+def verify(artifact_dir, as_json, junit_path, recompile, strict, against, runtime_env, target):
     """Check an artifact before release: file hashes, golden outputs, SavedModel; exit 1 if a check fails (always for a plan)."""
     from tpuexport.gate import PLAN_ONLY, verify_artifact, write_junit
+
+    if runtime_env:
+        from tpuexport.runtime.runtime_env import check_runtime_env
+
+        checked = check_runtime_env(artifact_dir, runtime_env, target)
+        if as_json:
+            click.echo(json.dumps(dataclasses.asdict(checked), indent=2))
+        stderr.print(checked.message if checked.loads == "stablehlo" else f"[bold green]verify passed[/] {checked.message}",
+                     soft_wrap=True, highlight=False, markup=checked.loads != "stablehlo")
+        return
+    if target:
+        raise TpuExportError("--target goes with --runtime-env (the target that environment loads); drop it")
 
     report = verify_artifact(artifact_dir, recompile=recompile, strict=strict, against=against)
     if junit_path:

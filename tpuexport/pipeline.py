@@ -277,12 +277,37 @@ def compile_executables(conversion: Conversion) -> None:
     """Every (target, entry point, bucket) compiled in child processes, in the background from here on
     (executables donate their inputs: a state's buffers become its outputs, compile_child.py)."""
     named = len(conversion.program.entry_points) > 1
+    conversion.compile_envs = _probe_compile_envs(conversion)
     conversion.clock.start("compile")  # ends when the executables are waited for (Conversion.compiled)
     # One compiler process per target compiles every entry point (compile/aot.py).
     conversion.job = conversion.running.enter_context(compile_stage.CompileJob({
         name: compile_stage.EntryPointCompile(lowered, conversion.buckets[name], _compiled_event(conversion.clock, lowered, name if named else None),
                                               conversion.plans.get(name, {}), conversion.kernels.get(name))
-        for name, lowered in conversion.program.entry_points.items()}, conversion.targets))
+        for name, lowered in conversion.program.entry_points.items()}, conversion.targets, conversion.compile_envs))
+
+
+def _probe_compile_envs(conversion: Conversion) -> tuple:
+    """Each --compile-env probed (compile/compile_envs.py) with this conversion's programs and targets,
+    before anything compiles; a bad one is refused in one line."""
+    if not conversion.options.compile_envs:
+        return ()
+    envs = []
+    with conversion.clock.stage("probe compile envs", lambda: "; ".join(f"{env.python}: {compile_stage.describe_versions(env.versions)}"
+                                                                        for env in envs)):
+        programs = []
+        for name, lowered in conversion.program.entry_points.items():
+            path = conversion.running.enter_context(tempfile.TemporaryDirectory(prefix="tpuexport-probe-"))
+            programs.append(pathlib.Path(path) / f"{name}.jaxexport")
+            programs[-1].write_bytes(bytes(lowered.exported.serialize()))
+        own = compile_stage.version_set_name(compile_stage.installed_versions())
+        for python in conversion.options.compile_envs:
+            env = compile_stage.probe(python, programs, conversion.targets)
+            taken = {own: "the converting interpreter", **{earlier.name: f"--compile-env {earlier.python}" for earlier in envs}}
+            if env.name in taken:
+                raise TpuExportError(f"--compile-env {python} has the same versions as {taken[env.name]} "
+                                     f"({compile_stage.describe_versions(env.versions)}); drop it")
+            envs.append(env)
+    return tuple(envs)
 
 
 def verify(conversion: Conversion) -> None:
@@ -304,7 +329,7 @@ def write(conversion: Conversion) -> None:
                 compiled=conversion.compiled, verification=verified.report if verified else None, stage_seconds=conversion.clock.seconds,
                 stage_memory=conversion.clock.peaks,
                 overwrite=options.overwrite, extra_writers=writers, sharded_verification=verified.sharded if verified else (),
-                weights_file=conversion.weights_file, padding=verified.padding if verified else None,
+                weights_file=conversion.weights_file, padding=verified.padding if verified else None, version_sets=conversion.version_sets,
                 bucket_figures=conversion.task.bucket_figures(conversion))
         except serving_stage.SavedModelMismatch as mismatch:
             raise VerificationError(verified.report, write_failed_report(options.out, mismatch.report), mismatch.summary) from None
@@ -338,6 +363,8 @@ def _check_options(options: ConversionOptions) -> tuple[list, list]:
                              f"{'is a single chip' if len(targets) == 1 else 'are single chips'} (see `tpuexport targets`)")
     for target in slices:
         compile_stage.resolve_mesh(options.sharding, target)
+    for python in options.compile_envs:
+        compile_stage.check_interpreter(python)
     artifact_stage.check_destination(options.out, options.overwrite)
     if options.precision not in lower_stage.PRECISIONS:
         raise TpuExportError(f"unknown precision {options.precision!r}; use one of {', '.join(lower_stage.PRECISIONS)}")

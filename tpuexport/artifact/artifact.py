@@ -381,7 +381,7 @@ def _entry(manifest: dict, dotted: str):
 
 
 # Manifest entries that name a path inside the artifact (besides the keys of "files" and the
-# executables of every target's buckets).
+# executables of every target's buckets, a compile environment's version sets' too).
 PATH_ENTRIES = ("program.weights",
                 "verification.report", "verification.golden", "tf_serving.saved_model", "tf_serving.warmup_requests",
                 "tf_serving.models_config", "tf_serving.batching_parameters", "quantization.report", "quantization.chart")
@@ -398,8 +398,10 @@ def manifest_paths(manifest: dict) -> list:
     for entry in (entry_points.values() if isinstance(entry_points, dict) else ()):
         named += [entry.get(key) for key in ("exported", "mlir_text", "stablehlo_bytecode") if isinstance(entry, dict) and key in entry]
     for entry in manifest["targets"].values():
-        buckets = entry.get("buckets", []) if isinstance(entry, dict) else []
-        named += [bucket.get("executable") for bucket in buckets if isinstance(bucket, dict) and "executable" in bucket]
+        sets = entry.get("version_sets") if isinstance(entry, dict) else None
+        for holder in [entry, *(sets.values() if isinstance(sets, dict) else ())]:
+            buckets = holder.get("buckets", []) if isinstance(holder, dict) else []
+            named += [bucket.get("executable") for bucket in buckets if isinstance(bucket, dict) and "executable" in bucket]
     return named
 
 

@@ -22,9 +22,11 @@ MODELS_CONFIG = f"{TF_SERVING_DIR}/models.config"  # --model_config_file
 WARMUP_REQUESTS = "assets.extra/tf_serving_warmup_requests"  # inside the SavedModel's version directory
 
 
-def executable_path(target: str, bucket: str, entry_point: str) -> str:
-    """executables/<target>/<entry point>/<bucket>.pjrt."""
-    return f"{EXECUTABLES_DIR}/{target}/{entry_point}/{bucket}.pjrt"
+def executable_path(target: str, bucket: str, entry_point: str, version_set: str | None = None) -> str:
+    """executables/<target>/<entry point>/<bucket>.pjrt; a compile environment's version set's
+    (compile/compile_envs.py, a name of [A-Za-z0-9._-]) under executables/<target>@<version set>/."""
+    directory = target if version_set is None else f"{target}@{version_set}"
+    return f"{EXECUTABLES_DIR}/{directory}/{entry_point}/{bucket}.pjrt"
 
 
 def kernel_program_path(entry_point: str, bucket: str) -> str:

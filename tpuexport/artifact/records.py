@@ -7,7 +7,10 @@ Every artifact is named entry points over one set of weights:
   entry_points  {name: program files, signature, state, padding}; a forward model's one is
                 "serving_default"
   targets       {target: compile key, facts, sharding plan per entry point, buckets}; each bucket
-                names its entry point and its executable
+                names its entry point and its executable. With compile environments (--compile-env)
+                a target also has "version_sets": {version set: its compile key and buckets}, and
+                the manifest's "version_sets" section lists every set's versions (the first is the
+                converting interpreter's, whose executables are the target's own buckets)
 The other sections (verification, generation, kernels, tf_serving, quantization, huggingface, ...)
 are what the task and the conversion's writers put there, kept as JSON.
 """
@@ -23,7 +26,7 @@ from tpuexport.signature import ProgramSignature
 # How every entry point is called, the same for all of them.
 CALL = "exported.call(weights, inputs): two lists, in program.weight_names and this signature's input order"
 # The sections between "targets" and "build", in the order they are written.
-SECTION_ORDER = ("verification", "scanned", "padding", "kernels", "tf_serving", "quantization", "huggingface")
+SECTION_ORDER = ("version_sets", "verification", "scanned", "padding", "kernels", "tf_serving", "quantization", "huggingface")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +154,26 @@ class BucketRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExecutableSet:
+    """A target's executables compiled by one compile environment (manifest "targets"[name]["version_sets"][set]).
+
+    Attributes:
+      compile_key: what they load on: the environment's jax/jaxlib/libtpu versions, the target's facts.
+      buckets: its executables, one per bucket of every entry point, as the target's own.
+    """
+
+    compile_key: dict
+    buckets: tuple[BucketRecord, ...]
+
+    def to_json(self) -> dict:
+        return {"compile_key": self.compile_key, "buckets": [bucket.to_json() for bucket in self.buckets]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ExecutableSet":
+        return cls(data.get("compile_key") or {}, tuple(BucketRecord.from_json(bucket) for bucket in data.get("buckets", ())))
+
+
+@dataclasses.dataclass(frozen=True)
 class TargetRecord:
     """One target's executables (manifest "targets"[name]).
 
@@ -159,25 +182,36 @@ class TargetRecord:
         devices, hbm_bytes_per_device and device_ids).
       compile_key: what the executables load on (compile/compile_key.py); the runtime compares it with the host.
       sharding: {entry point: its sharding plan (compile.ShardingPlan.to_json)} on a slice, else {}.
-      buckets: its executables.
+      buckets: its executables (the converting interpreter's versions).
+      version_sets: {version set name: the executables a compile environment compiled} ({} without --compile-env).
     """
 
     facts: dict
     compile_key: dict
     sharding: dict[str, dict]
     buckets: tuple[BucketRecord, ...]
+    version_sets: dict[str, ExecutableSet] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         entry = {**self.facts, "compile_key": self.compile_key}
         if self.sharding:
             entry["sharding"] = dict(self.sharding)
-        return {**entry, "buckets": [bucket.to_json() for bucket in self.buckets]}
+        entry["buckets"] = [bucket.to_json() for bucket in self.buckets]
+        if self.version_sets:
+            entry["version_sets"] = {name: executables.to_json() for name, executables in self.version_sets.items()}
+        return entry
 
     @classmethod
     def from_json(cls, data: dict) -> "TargetRecord":
-        facts = {key: value for key, value in data.items() if key not in ("compile_key", "sharding", "buckets")}
+        facts = {key: value for key, value in data.items() if key not in ("compile_key", "sharding", "buckets", "version_sets")}
         return cls(facts, data.get("compile_key") or {}, dict(data.get("sharding", {})),
-                   tuple(BucketRecord.from_json(bucket) for bucket in data.get("buckets", ())))
+                   tuple(BucketRecord.from_json(bucket) for bucket in data.get("buckets", ())),
+                   {name: ExecutableSet.from_json(executables) for name, executables in (data.get("version_sets") or {}).items()})
+
+    def executable_sets(self) -> dict[str | None, tuple[dict, tuple[BucketRecord, ...]]]:
+        """{version set (None: the converting interpreter's): (compile key, buckets)}, the target's own first."""
+        return {None: (self.compile_key, self.buckets),
+                **{name: (executables.compile_key, executables.buckets) for name, executables in self.version_sets.items()}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +288,8 @@ class Manifest:
     def verification(self) -> dict:
         return self.sections.get("verification", {})
 
-    def buckets(self, target: str, entry_point: str) -> tuple[BucketRecord, ...]:
-        """A target's executables of one entry point."""
-        return tuple(bucket for bucket in self.targets[target].buckets if bucket.entry_point == entry_point)
+    def buckets(self, target: str, entry_point: str, version_set: str | None = None) -> tuple[BucketRecord, ...]:
+        """A target's executables of one entry point (a compile environment's version set's, when named)."""
+        record = self.targets[target]
+        buckets = record.buckets if version_set is None else record.version_sets[version_set].buckets
+        return tuple(bucket for bucket in buckets if bucket.entry_point == entry_point)

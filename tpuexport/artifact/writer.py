@@ -21,10 +21,10 @@ from typing import Callable
 
 from tpuexport.artifact import layout
 from tpuexport.artifact.manifest import build_section, dumps, hash_tree, package_versions
-from tpuexport.artifact.records import BucketRecord, EntryPointRecord, Manifest, TargetRecord, WeightsRecord
+from tpuexport.artifact.records import BucketRecord, EntryPointRecord, ExecutableSet, Manifest, TargetRecord, WeightsRecord
 from tpuexport.artifact.weights import write_arrays
 from tpuexport.arrays import save_arrays
-from tpuexport.compile import CompiledBucket, CompileReport
+from tpuexport.compile import CompiledBucket, CompileReport, installed_versions, version_set_name
 from tpuexport.compile.compile_key import export_compatibility
 from tpuexport.errors import TpuExportError
 from tpuexport.export import SourceInfo
@@ -129,6 +129,7 @@ def write_artifact(
     weights_file: pathlib.Path | None = None,
     padding: dict[str, tuple[str | None, str]] | None = None,
     bucket_figures: Callable[[str, CompiledBucket], dict] | None = None,
+    version_sets: Callable[[], dict[str, dict[str, CompileReport]]] = dict,
 ) -> dict:
     """Writes the artifact directory: one weights file, each entry point's program files and
     executables, the verification report and golden data, and the manifest (records.py), last.
@@ -155,6 +156,9 @@ def write_artifact(
       padding: {entry point: (the dim a runtime pads, or None; why not)}; EXACT_SIZES for those missing.
       bucket_figures: (entry point, compiled bucket) -> figures the task adds to the bucket's record
         (a decode step's), or None.
+      version_sets: returns the compile environments' executables, {version set name: {entry point:
+        CompileReport}} (called after `compiled`); each target records them under "version_sets",
+        and the manifest's "version_sets" section lists every set's versions, this interpreter's first.
     Returns:
       The manifest written.
     """
@@ -188,6 +192,13 @@ def write_artifact(
         targets = _target_records(put, program, reports, bucket_figures)
         compile_seconds = {f"{result.target.name}/{name}/{result.bucket.name}": result.compile_seconds
                            for name, report in reports.items() for result in report.results}
+        other_sets = version_sets()
+        if other_sets:
+            targets = _with_version_sets(put, program, targets, other_sets, bucket_figures)
+            sections["version_sets"] = {version_set_name(installed_versions()): installed_versions(),
+                                        **{name: next(iter(reports.values())).versions for name, reports in other_sets.items()}}
+            compile_seconds.update({f"{result.target.name}@{set_name}/{name}/{result.bucket.name}": result.compile_seconds
+                                    for set_name, sets in other_sets.items() for name, report in sets.items() for result in report.results})
         build = {**build_section(stage_seconds), **extra_build,
                  "compile_seconds": {key: round(seconds, 3) for key, seconds in compile_seconds.items()}}
         manifest = Manifest(task, shared.plan_only, package_versions(), dataclasses.asdict(source), shared.precision,
@@ -259,6 +270,26 @@ def _target_records(put, program: EntryPoints, reports: dict[str, CompileReport]
             buckets.setdefault(target, []).append(BucketRecord(name, result.bucket.name, result.bucket.as_dict(), executable,
                                                                result.fingerprint, tuple(result.state_as_bits), figures))
     return {target: TargetRecord(facts[target], keys[target], plans.get(target, {}), tuple(buckets[target])) for target in facts}
+
+
+def _with_version_sets(put, program: EntryPoints, targets: dict[str, TargetRecord], version_sets: dict[str, dict[str, CompileReport]],
+                       bucket_figures: Callable[[str, CompiledBucket], dict] | None) -> dict[str, TargetRecord]:
+    """Writes every compile environment's executables (layout.executable_path with its version set);
+    returns the target records with them under "version_sets"."""
+    sets = {target: {} for target in targets}
+    for set_name, reports in version_sets.items():
+        keys, buckets = {}, {}
+        for name, report in reports.items():
+            for result in report.results:
+                target = result.target.name
+                keys.setdefault(target, result.compile_key)
+                figures = _bucket_figures(result, program.entry_points[name]) | (bucket_figures(name, result) if bucket_figures else {})
+                executable = put(layout.executable_path(target, result.bucket.name, name, set_name), result.executable)
+                buckets.setdefault(target, []).append(BucketRecord(name, result.bucket.name, result.bucket.as_dict(), executable,
+                                                                   result.fingerprint, tuple(result.state_as_bits), figures))
+        for target in keys:
+            sets[target][set_name] = ExecutableSet(keys[target], tuple(buckets[target]))
+    return {name: dataclasses.replace(record, version_sets=sets[name]) for name, record in targets.items()}
 
 
 def _target_facts(result: CompiledBucket) -> dict:

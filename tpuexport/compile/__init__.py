@@ -2,6 +2,7 @@
 bucket, with per-device memory/cost figures and, for slices, the collectives."""
 
 from tpuexport.compile.aot import CompiledBucket, CompileJob, CompileReport, EntryPointCompile, compile_program, compile_target
+from tpuexport.compile.compile_envs import CompileEnv, check_interpreter, describe_versions, installed_versions, probe, version_set_name
 from tpuexport.compile.buckets import Bucket, make_buckets, parse_bucket_options
 from tpuexport.compile.sharding import PRESETS, ShardingPlan, ShardingRequest, check_chip_fit, make_request, plan_sharding, resolve_mesh
 from tpuexport.compile.slices import SLICES, resolve_targets
@@ -12,6 +13,7 @@ __all__ = [
     "SLICES",
     "TARGETS",
     "Bucket",
+    "CompileEnv",
     "CompileJob",
     "CompileReport",
     "CompiledBucket",
@@ -20,12 +22,17 @@ __all__ = [
     "ShardingRequest",
     "Target",
     "check_chip_fit",
+    "check_interpreter",
+    "describe_versions",
+    "installed_versions",
     "compile_program",
     "compile_target",
     "make_buckets",
     "make_request",
     "parse_bucket_options",
     "plan_sharding",
+    "probe",
     "resolve_mesh",
     "resolve_targets",
+    "version_set_name",
 ]

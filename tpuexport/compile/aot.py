@@ -20,6 +20,10 @@ they run while the TPU compiler works.
 A compiler process that does not finish a bucket within TPUEXPORT_COMPILE_TIMEOUT seconds
 (environment, default COMPILE_TIMEOUT_SECONDS; its start-up counts toward its first bucket) is
 killed and the conversion fails naming the target and bucket.
+
+With compile environments (compile_envs.py, `--compile-env`), each target's compiler process also
+runs under each environment's interpreter, with the same request: those executables carry that
+environment's versions in their compile key (a version set of their own in the artifact).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from typing import Callable
 import jax
 
 from tpuexport.compile.buckets import Bucket
+from tpuexport.compile.compile_envs import CompileEnv, describe_versions
 from tpuexport.compile.compile_key import compile_key
 from tpuexport.compile.hlo import collectives, matmul_flops_by_types
 from tpuexport.compile.sharding import DATA_AXIS, ShardingPlan, describe_buffers, per_device_buffers
@@ -133,9 +138,16 @@ class CompiledBucket:
 
 @dataclasses.dataclass(frozen=True)
 class CompileReport:
-    """The compile stage's result: one CompiledBucket per (target, bucket), targets outermost."""
+    """The compile stage's result: one CompiledBucket per (target, bucket), targets outermost.
+
+    Attributes:
+      results: the executables.
+      versions: the jax/jaxlib/libtpu versions of the compile environment that compiled them
+        (compile_envs.CompileEnv.versions), or {} for this interpreter's.
+    """
 
     results: tuple[CompiledBucket, ...]
+    versions: dict = dataclasses.field(default_factory=dict)
 
     def for_target(self, name: str) -> list[CompiledBucket]:
         return [r for r in self.results if r.target.name == name]
@@ -195,12 +207,14 @@ class CompileJob:
     kills the compiler processes. `on_compiled` is called from the job's threads.
 
     Attributes:
-      children: every compiler process started, one per target.
+      children: every compiler process started, one per target and compile environment.
+      compile_envs: the other environments every target is also compiled under (compile_envs.py).
     """
 
-    def __init__(self, entry_points: dict[str, EntryPointCompile], targets: list[Target]):
+    def __init__(self, entry_points: dict[str, EntryPointCompile], targets: list[Target], compile_envs: tuple[CompileEnv, ...] = ()):
         self.entry_points = entry_points
         self.targets = targets
+        self.compile_envs = tuple(compile_envs)
         self.children: list[subprocess.Popen] = []
         self.lock = threading.Lock()
         self.cancelled = False
@@ -208,7 +222,9 @@ class CompileJob:
         self.started_at = time.perf_counter()
         self.finished_at = self.started_at
         self.futures = [self.pool.submit(compile_target, entry_points, target, self) for target in targets]
-        for future in self.futures:
+        self.env_futures = {env.name: [self.pool.submit(compile_target, entry_points, target, self, env) for target in targets]
+                            for env in self.compile_envs}
+        for future in [*self.futures, *(future for futures in self.env_futures.values() for future in futures)]:
             future.add_done_callback(self._finished)
 
     def _finished(self, _future) -> None:
@@ -238,6 +254,17 @@ class CompileJob:
         by_target = [future.result() for future in self.futures]
         return {name: _judge_hbm_fit([result for results in by_target for result in results[name]], entry.lowered)
                 for name, entry in self.entry_points.items()}
+
+    def version_sets(self) -> dict[str, dict[str, CompileReport]]:
+        """Waits for every compile environment: {version set name: {entry point: its CompileReport}}
+        ({} without compile environments); raises as `result()`."""
+        sets = {}
+        for env in self.compile_envs:
+            by_target = [future.result() for future in self.env_futures[env.name]]
+            sets[env.name] = {name: dataclasses.replace(_judge_hbm_fit([result for results in by_target for result in results[name]],
+                                                                       entry.lowered), versions=dict(env.versions))
+                              for name, entry in self.entry_points.items()}
+        return sets
 
     def cancel(self) -> None:
         """Kills compiler processes still running and waits for the threads."""
@@ -292,6 +319,7 @@ def compile_target(
     entry_points: dict[str, EntryPointCompile],
     target: Target,
     job: CompileJob | None = None,
+    env: CompileEnv | None = None,
 ) -> dict[str, list[CompiledBucket]]:
     """Compiles every entry point's buckets for one target in one compiler process (see the module docstring).
 
@@ -299,6 +327,8 @@ def compile_target(
       entry_points: {entry point: what to compile}, compiled in this order.
       target: the TPU target.
       job: the CompileJob running this, which may kill the process, or None.
+      env: the compile environment whose interpreter runs the compiler (its versions go into the
+        compile key; entry points' on_compiled is not called), or None for this interpreter.
     Returns:
       {entry point: one CompiledBucket per bucket, in order} (HBM fit is not judged here).
     Raises:
@@ -325,7 +355,7 @@ def compile_target(
         }
         results = {name: [] for name in entry_points}
         names = list(entry_points)
-        for index, result in _run_compiler(request, target, kept, scratch_dir, job):
+        for index, result in _run_compiler(request, target, kept, scratch_dir, job, env):
             results[names[index]].append(result)
         return results
 
@@ -428,13 +458,14 @@ def compiler_environment(target: Target, environment=None) -> dict:
 
 
 def _run_compiler(request: dict, target: Target, programs: list[_ProgramInRequest], scratch_dir: pathlib.Path,
-                  job: CompileJob | None):
-    """Runs the compiler process for `request`; yields (program index, CompiledBucket) as it compiles them."""
+                  job: CompileJob | None, env: CompileEnv | None = None):
+    """Runs the compiler process for `request` (under `env`'s interpreter, when given); yields (program
+    index, CompiledBucket) as it compiles them."""
     timeout = compile_timeout()
     # libtpu's start-up warnings go to the child's stderr, kept in a file for crash reports only.
     with open(scratch_dir / "stderr.txt", "w+b") as stderr:
         child = subprocess.Popen(
-            [sys.executable, "-I", str(CHILD_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [env.python if env else sys.executable, "-I", str(CHILD_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=stderr, text=True, env=compiler_environment(target),
         )
         if job is not None:
@@ -457,6 +488,10 @@ def _run_compiler(request: dict, target: Target, programs: list[_ProgramInReques
                     compiling = bucket
                 elif event["event"] == "error" and event.get("errno") is not None:
                     raise OSError(event["errno"], event["message"], event.get("filename"))
+                elif event["event"] == "error" and env is not None:
+                    raise TpuExportError(f"the jax of --compile-env {env.python} ({describe_versions(env.versions)}) could not compile "
+                                         f"{target.name} bucket {bucket.name}: {event['message'][:240]}; this program uses what that "
+                                         "jax release does not support: use a newer jax there, or drop that environment")
                 elif event["event"] == "error":
                     raise _compile_error(target, bucket, event["message"], _largest_buffers(program.entry.lowered, program.plan, bucket))
                 else:
@@ -465,9 +500,9 @@ def _run_compiler(request: dict, target: Target, programs: list[_ProgramInReques
                     if event.get("kernel_error"):  # the static program with kernels did not compile: the portable one did
                         kernels.update(program="portable", reason=f"the program with kernels did not compile for {target.name}: "
                                                                    f"{event['kernel_error'][:200]}")
-                    result = dataclasses.replace(_compiled_bucket(target, bucket, event, scratch_dir, program), kernels=kernels,
+                    result = dataclasses.replace(_compiled_bucket(target, bucket, event, scratch_dir, program, env), kernels=kernels,
                                                  state_as_bits=program.state_as_bits)
-                    if program.entry.on_compiled:
+                    if program.entry.on_compiled and env is None:
                         program.entry.on_compiled(result)
                     yield event["program"], result
         finally:
@@ -481,7 +516,7 @@ def _run_compiler(request: dict, target: Target, programs: list[_ProgramInReques
                 f"raise {COMPILE_TIMEOUT_VARIABLE} (seconds) if it is only slow, else drop that bucket or target")
         if returncode != 0:
             stderr.seek(0)
-            raise _crash_error(target, compiling, returncode, stderr.read().decode(errors="replace"))
+            raise _crash_error(target, compiling, returncode, stderr.read().decode(errors="replace"), env)
 
 
 class _Watchdog:
@@ -508,7 +543,8 @@ class _Watchdog:
             self.process.kill()
 
 
-def _compiled_bucket(target: Target, bucket: Bucket, event: dict, scratch_dir: pathlib.Path, program: _ProgramInRequest) -> CompiledBucket:
+def _compiled_bucket(target: Target, bucket: Bucket, event: dict, scratch_dir: pathlib.Path, program: _ProgramInRequest,
+                     env: CompileEnv | None = None) -> CompiledBucket:
     files = f"{event['program']}-{event['bucket']}"  # the program's and bucket's index, as compile_child.py names them
     plan, lowered = program.plan, program.entry.lowered
     memory = dict(event["memory"])
@@ -522,7 +558,8 @@ def _compiled_bucket(target: Target, bucket: Bucket, event: dict, scratch_dir: p
         hashlib.sha256(hlo_text.encode()).hexdigest(), hlo_text, matmul_flops_by_types(hlo_text),
         plan, collectives(hlo_text) if target.is_slice else {}, tuple(event["device_ids"]), tuple(event["device_processes"]),
         compile_key(target.platform, event["device_kind"], target.devices, None if target.platform == "cpu" else target.topology,
-                    compiler_options(target), lowered.exported.calling_convention_version, target.processes),
+                    compiler_options(target), lowered.exported.calling_convention_version, target.processes,
+                    env.versions if env else None, env.serialization_version if env else None),
     )
 
 
@@ -537,7 +574,7 @@ def _compile_error(target: Target, bucket: Bucket, message: str, largest_buffers
     return TpuExportError(f"XLA could not compile for {target.name} bucket {bucket.name}: {message[:300]}")
 
 
-def _crash_error(target: Target, bucket: Bucket | None, returncode: int, stderr_text: str) -> TpuExportError:
+def _crash_error(target: Target, bucket: Bucket | None, returncode: int, stderr_text: str, env: CompileEnv | None = None) -> TpuExportError:
     cause = f"signal {signal.Signals(-returncode).name}" if returncode < 0 else f"exit code {returncode}"
     if returncode == -signal.SIGKILL:
         where = f" compiling bucket {bucket.name}" if bucket is not None else ""
@@ -545,6 +582,9 @@ def _crash_error(target: Target, bucket: Bucket | None, returncode: int, stderr_
                               f"killer sends){where}; free memory or convert fewer targets at once, and convert again")
     if bucket is None:
         last = " ".join(stderr_text.strip().splitlines()[-1:])[:200]
+        if env is not None:
+            return TpuExportError(f"the TPU compiler process for {target.name} under --compile-env {env.python} failed ({cause}: {last}); "
+                                  f"check that environment's jax (it needs jax, jaxlib, numpy and flatbuffers), or drop it")
         return TpuExportError(f"the TPU compiler process for {target.name} failed ({cause}: {last}); "
                               "reinstall with `pip install -c constraints.txt -e .`")
     return TpuExportError(

@@ -5,8 +5,9 @@ topology and options, and a list of programs (one per entry point of the convers
 decode and sample; one for a forward program), each with its serialized jax.export program, its
 weights' shapes, buckets and sharding. It compiles them in order, every bucket of each; the
 topology's devices, and a mesh that several programs share, are made once. It imports only jax
-(not tpuexport, torch or TensorFlow), so a crash inside libtpu's compiler takes down this process
-alone and the parent can name the bucket that was compiling. A single chip compiles for one device;
+(not tpuexport, torch or TensorFlow; public APIs but for a CPU twin's, since --compile-env runs it
+under other jax releases), so a crash inside libtpu's compiler takes down this process alone and the
+parent can name the bucket that was compiling. A single chip compiles for one device;
 a slice (a program's "mesh") for a Mesh over the topology's devices, each weight and input a
 NamedSharding with its PartitionSpec (JSON lists: null, an axis, or a list of axes).
 The `cpu` target ("platform": "cpu") compiles for this process's own CPU device instead of a
@@ -52,10 +53,6 @@ from jax.experimental import mesh_utils, serialize_executable, topologies  # noq
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
-# Private to jax: the pieces jax.distributed.initialize and the CPU backend are made of, to hold all
-# of a multi-process twin's processes' CPU clients in this one process.
-from jax._src.lib import _jax  # noqa: E402
-from jaxlib import xla_client  # noqa: E402
 
 # XLA's TPU cost model counts each call of this internal custom call (the compiler's own weight
 # concatenation, e.g. of the q/k/v projections of unrolled layers) as -1 second in
@@ -104,6 +101,12 @@ def multi_process_cpu_devices(processes: int):
     executable compiled for them loads in each (deserialize_and_load), while one compiled in a
     single process of P*K devices names ids 0..P*K-1 that no process of P has.
     """
+    # Private to jax: the pieces jax.distributed.initialize and the CPU backend are made of. Imported
+    # here, not at the top: this script also runs under other jax releases (--compile-env,
+    # compile_envs.py), which may lay them out differently; only a CPU twin needs them.
+    from jax._src.lib import _jax
+    from jaxlib import xla_client
+
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{probe.getsockname()[1]}"

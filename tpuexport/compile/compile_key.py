@@ -119,7 +119,8 @@ def host_cpu() -> dict:
 
 
 def compile_key(platform_name: str, device_kind: str, devices: int, topology: str | None, compiler_options: dict,
-                calling_convention_version: int, processes: int = 1) -> dict:
+                calling_convention_version: int, processes: int = 1, versions: dict | None = None,
+                serialization: int | None = None) -> dict:
     """The key of executables compiled here for one target.
 
     Args:
@@ -131,6 +132,9 @@ def compile_key(platform_name: str, device_kind: str, devices: int, topology: st
       calling_convention_version: the jax.export calling convention of the program.
       processes: the processes a CPU twin's executables span (`cpu-PxK`); recorded only when more
         than one, since XLA:CPU names a device by its process (a TPU slice's hosts are target facts).
+      versions: the jax/jaxlib/libtpu versions of the environment that compiles or loads
+        (compile_envs.CompileEnv); None for this process's installed ones.
+      serialization: that environment's jax.export serialization version (with `versions`).
     Returns:
       The key, JSON-ready.
     """
@@ -139,9 +143,10 @@ def compile_key(platform_name: str, device_kind: str, devices: int, topology: st
         "device_kind": device_kind,
         "devices": devices,
         "topology": topology,
-        "versions": {package: _version(package) for package in KEY_PACKAGES[platform_name]},
+        "versions": {package: versions.get(package) if versions is not None else _version(package)
+                     for package in KEY_PACKAGES[platform_name]},
         "compiler_options": dict(sorted(compiler_options.items())),
-        "serialization_version": serialization_version(),
+        "serialization_version": serialization if versions is not None else serialization_version(),
         "calling_convention_version": calling_convention_version,
     }
     if processes > 1:

@@ -57,16 +57,18 @@ class EntryPoint:
     state: tuple[str, ...] = ()
 
 
-def entry_points(manifest: Manifest, target: str) -> dict[str, EntryPoint]:
+def entry_points(manifest: Manifest, target: str, version_set: str | None = None) -> dict[str, EntryPoint]:
     """The artifact's entry points with their buckets for one target.
 
     Args:
       manifest: the artifact's manifest records.
       target: a target name among its targets.
+      version_set: a compile environment's version set of that target, or None for its own executables.
     Returns:
       {name: EntryPoint}.
     """
-    return {name: EntryPoint(name, entry.signature, _buckets(manifest.buckets(target, name)), entry.padded_dim, entry.padding_note,
+    return {name: EntryPoint(name, entry.signature, _buckets(manifest.buckets(target, name, version_set)), entry.padded_dim,
+                             entry.padding_note,
                              entry.state)
             for name, entry in manifest.entry_points.items()}
 

@@ -85,6 +85,18 @@ def _allowed(module: str, name: str) -> bool:
     return isinstance(value, type) or name.startswith("_unpickle")
 
 
+def check_pickle(data: bytes, where: str) -> None:
+    """Refuses an executable file whose pickle names a global outside jax's own (see the module docstring).
+
+    Raises:
+      TpuExportError: one line naming the file and what it asks for.
+    """
+    refused = sorted({f"{module}.{name}" for module, name in pickle_globals(data) if not _allowed(module, name)})
+    if refused:
+        raise TpuExportError(f"{where} asks to load {', '.join(refused)}, which a serialized executable never does; "
+                             "refusing to load it: the artifact is damaged or not from tpuexport")
+
+
 def load_executable(data: bytes, in_tree, out_tree, devices: list, where: str):
     """Deserializes an executable onto the local devices after checking what its pickle loads.
 
@@ -100,8 +112,5 @@ def load_executable(data: bytes, in_tree, out_tree, devices: list, where: str):
     Raises:
       TpuExportError: the file names a global outside jax's own (see the module docstring).
     """
-    refused = sorted({f"{module}.{name}" for module, name in pickle_globals(data) if not _allowed(module, name)})
-    if refused:
-        raise TpuExportError(f"{where} asks to load {', '.join(refused)}, which a serialized executable never does; "
-                             "refusing to load it: the artifact is damaged or not from tpuexport")
+    check_pickle(data, where)
     return serialize_executable.deserialize_and_load(data, in_tree, out_tree, backend=devices[0].client, execution_devices=devices)

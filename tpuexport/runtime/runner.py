@@ -7,10 +7,10 @@ Opening a runner (on the devices JAX sees, tpuexport/devices.py; the compilation
 compilations.py):
   1. picks the target whose executables match the local devices (the TPU kind and device count,
      `cpu-N` on N forced CPU devices, or `cpu`), trying first those spanning every local device,
-     or the one asked for;
+     or the one asked for, and among its version sets (--compile-env) the host's (selection.py);
   2. compares the target's compile key (compile/compile_key.py) with the host: any difference is
-     refused in one line naming it, unless `allow_recompile`, which compiles the artifact's
-     StableHLO for the local devices instead (and says why in `compiled_here`);
+     refused in one line naming it (every version set's), unless `allow_recompile`, which compiles
+     the artifact's StableHLO for the local devices instead (and says why in `compiled_here`);
   3. checks each executable's sha256 against the manifest and the globals its pickle names
      (executables.py), and deserializes it (jax.experimental.serialize_executable): nothing is
      compiled;
@@ -42,7 +42,6 @@ import numpy as np
 from tpuexport.artifact import Artifact, load, map_weights
 from tpuexport.artifact.manifest import sha256_file
 from tpuexport.compile.aot import compiler_options, cpu_executable_program
-from tpuexport.compile.compile_key import compile_key, key_difference
 from tpuexport.compile.slices import resolve_targets
 from tpuexport.devices import runtime_devices
 from tpuexport.errors import TpuExportError
@@ -50,6 +49,7 @@ from tpuexport.lower.sampling import GREEDY, Sampling
 from tpuexport.lower.seq2seq import source_rows
 from tpuexport.runtime.compilations import CompilationCounter
 from tpuexport.runtime.executables import load_executable
+from tpuexport.runtime.selection import choose, refusal
 from tpuexport.runtime.processes import DEFAULT_TIMEOUT_SECONDS, Cluster, Mirror, Step, device_order_difference, join
 from tpuexport.lower.program import DEFAULT_ENTRY_POINT
 from tpuexport.runtime.entry_points import BucketEntry, EntryPoint, choose_bucket, entry_points
@@ -112,10 +112,13 @@ class Runner:
         (compilations.py): 0 when the executables were loaded, one per bucket when compiled here.
       mirror: in a multi-process run, this process's side of the step protocol (processes.py);
         None in a single process.
+      version_set: the compile environment's version set whose executables were loaded
+        (selection.py), or None for the target's own.
     """
 
     def __init__(self, artifact: Artifact, target: str, entry: dict[str, EntryPoint], executables: dict, weights: list,
-                 compiled_here: str | None, load_seconds: float, devices: tuple, compilations_at_start: int):
+                 compiled_here: str | None, load_seconds: float, devices: tuple, compilations_at_start: int,
+                 version_set: str | None = None):
         self.artifact = artifact
         self.target = target
         self.entry_points = entry
@@ -125,6 +128,7 @@ class Runner:
         self.load_seconds = load_seconds
         self.devices = devices
         self.compilations_at_start = compilations_at_start
+        self.version_set = version_set
         self.mirror: Mirror | None = None
         self._mirrored_step = 0  # the leader's step number of the call being executed
 
@@ -348,14 +352,11 @@ def open_runner(path, target: str | None = None, allow_recompile: bool = False, 
 def _open(artifact: Artifact, target: str | None, allow_recompile: bool, devices: list, compilations: CompilationCounter) -> Runner:
     """open_runner's work on the given devices, `compilations` counting what it compiles."""
     start = time.perf_counter()
-    chosen, difference = _choose_target(artifact.manifest, target, devices)
-    entries = entry_points(artifact.records, chosen)
+    choice = choose(artifact.manifest, target, devices)
+    chosen, difference = choice.target, choice.difference
+    entries = entry_points(artifact.records, chosen, choice.version_set)
     if difference and not allow_recompile:
-        recorded = artifact.manifest["targets"][chosen].get("compile_key") or {}
-        forced = (f"run it with XLA_FLAGS=--xla_force_host_platform_device_count={recorded['devices']} (a CPU twin's devices), "
-                  if recorded.get("platform") == "cpu" and recorded.get("devices", 1) > len(devices) else "")
-        raise TpuExportError(f"{artifact.path} target {chosen} was compiled for another host: {difference}; {forced}convert with "
-                             f"--target for this host, or pass --allow-recompile (allow_recompile=True) to compile its StableHLO here")
+        raise TpuExportError(refusal(artifact.path, artifact.manifest, choice, len(devices)))
     if difference:
         executables, entries = _compile_here(artifact, chosen, entries, devices)
     else:
@@ -367,68 +368,8 @@ def _open(artifact: Artifact, target: str | None, allow_recompile: bool, devices
     loaded = {key: (executable, input_shardings) for key, (executable, input_shardings, _) in executables.items()}
     used = tuple(sorted({device for sharding in [*weight_shardings, *input_shardings] for device in sharding.device_set},
                         key=lambda device: device.id))
-    return Runner(artifact, chosen, entries, loaded, weights, difference or None, time.perf_counter() - start, used, compilations.count)
-
-
-def host_key(recorded: dict, devices: list) -> dict:
-    """The compile key executables compiled on this host for `recorded`'s target would have.
-
-    Args:
-      recorded: the target's compile key in the manifest.
-      devices: the local devices.
-    Returns:
-      The key; compiler options are the recorded ones (they shaped the executables, the host
-      has none of its own), device count the recorded one when the host has that many.
-    """
-    platform = devices[0].platform
-    count = recorded.get("devices", 1) if len(devices) >= recorded.get("devices", 1) else len(devices)
-    # XLA:CPU names devices by their process: a CPU executable loads only in as many processes as it was compiled for.
-    processes = len({device.process_index for device in devices}) if platform == "cpu" else 1
-    convention = recorded.get("calling_convention_version")
-    supported = jax.export.minimum_supported_calling_convention_version <= (convention or 0) <= jax.export.maximum_supported_calling_convention_version
-    return compile_key(platform if platform in ("tpu", "cpu") else "cpu", devices[0].device_kind, count, recorded.get("topology"),
-                       recorded.get("compiler_options", {}),
-                       convention if supported else f"{jax.export.maximum_supported_calling_convention_version} at most", processes)
-
-
-def _choose_target(manifest: dict, requested: str | None, devices: list) -> tuple[str, str]:
-    """(the target to run, what in its compile key differs from this host: "" when nothing).
-
-    Raises:
-      TpuExportError: an unknown requested target, or none at all in the artifact.
-    """
-    targets = manifest["targets"]
-    if not targets:
-        raise TpuExportError("the artifact has no executables; convert it with a --target")
-    if requested is not None:
-        name = resolve_targets([requested])[0].name
-        if name not in targets:
-            raise TpuExportError(f"the artifact has no target {requested!r}; it has {', '.join(targets)}")
-        recorded = targets[name].get("compile_key")
-        if recorded is None:
-            return name, "the artifact records no compile key (converted before tpuexport recorded one)"
-        return name, key_difference(recorded, host_key(recorded, devices))
-    differences = {}
-    # A target spanning every local device first (cpu-8 before cpu on eight CPU devices), then the others.
-    spans_all = sorted(targets, key=lambda name: (targets[name].get("compile_key") or {}).get("devices") != len(devices))
-    for name in spans_all:
-        recorded = targets[name].get("compile_key")
-        if recorded is None:
-            differences[name] = "no compile key recorded"
-            continue
-        difference = key_difference(recorded, host_key(recorded, devices))
-        if not difference:
-            return name, ""
-        differences[name] = difference
-    # None loads here: the target of this host's kind, if any, says best what differs.
-    platform, kind = devices[0].platform, devices[0].device_kind
-    same_kind = [name for name, entry in targets.items()
-                 if entry.get("compile_key", {}).get("platform") == platform and entry["compile_key"].get("device_kind") == kind]
-    name = (same_kind or list(targets))[0]
-    if not same_kind:
-        return name, (f"no target matches this host's {len(devices)} {kind} device(s) (the artifact has {', '.join(targets)}); "
-                      f"{name}: {differences[name]}")
-    return name, differences[name]
+    return Runner(artifact, chosen, entries, loaded, weights, difference or None, time.perf_counter() - start, used, compilations.count,
+                  choice.version_set)
 
 
 def _target_devices(artifact: Artifact, target: str, devices: list) -> list:

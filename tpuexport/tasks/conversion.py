@@ -76,6 +76,8 @@ class ConversionOptions:
         grow: one step entry point; export/paged.py; text-generation).
       page_size, num_pages: the paged cache's positions per page and pages (None: the defaults).
       new_tokens: tokens generated per prompt by the generation verification.
+      compile_envs: Python interpreters of other environments (the serving image's jax/jaxlib/libtpu)
+        the compiler also runs under, for executables of their versions (compile/compile_envs.py).
     """
 
     targets: tuple[str, ...]
@@ -110,6 +112,7 @@ class ConversionOptions:
     page_size: int | None = None
     num_pages: int | None = None
     new_tokens: int = verify_stage.DEFAULT_NEW_TOKENS
+    compile_envs: tuple[str, ...] = ()
 
     @property
     def pt2e(self) -> bool:
@@ -204,6 +207,7 @@ class Conversion:
       plans: {entry point: {slice target: ShardingPlan}}.
       kernels: {entry point: {bucket name: BucketKernels} or None}; kernel_checks: the interpret-mode checks.
       job: the CompileJob compiling every entry point in the background; reports: {entry point: CompileReport}, once waited for.
+      compile_envs: the probed compile environments (compile.CompileEnv), in the order given.
       verified: the task's verification (tasks/spec.py), or None for a plan.
     """
 
@@ -229,6 +233,7 @@ class Conversion:
     kernel_checks: dict = dataclasses.field(default_factory=dict)
     job: compile_stage.CompileJob | None = None
     reports: dict | None = None
+    compile_envs: tuple = ()
     verified: "Verified | None" = None
 
     @property
@@ -241,8 +246,16 @@ class Conversion:
             self.reports = self.job.result()
             count = sum(len(report.results) for report in self.reports.values())
             beside = "" if self.plan_only else (", alongside verify and the SavedModel" if self.saved_model else ", alongside verify")
-            self.clock.record("compile", self.job.seconds, f"{count} executable(s){beside}")
+            sets = self.job.version_sets()
+            count += sum(len(report.results) for reports in sets.values() for report in reports.values())
+            environments = f" for {1 + len(sets)} version sets" if sets else ""
+            self.clock.record("compile", self.job.seconds, f"{count} executable(s){environments}{beside}")
         return self.reports
+
+    def version_sets(self) -> dict[str, dict]:
+        """The compile environments' executables: {version set name: {entry point: CompileReport}} (after `compiled`)."""
+        self.compiled()
+        return self.job.version_sets()
 
 
 # The one line a PT2E mode gets with a checkpoint.
