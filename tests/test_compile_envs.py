@@ -78,6 +78,21 @@ def two_set_artifact(second_python, tmp_path_factory) -> tpuexport.Artifact:
                            verify_budget_flops=0, compile_envs=[second_python])
 
 
+def cli(*args) -> tuple[int, str, str]:
+    """The command through click's runner in this process: (exit code, stderr, stdout)."""
+    from click.testing import CliRunner
+
+    from tpuexport.cli import main
+
+    result = CliRunner().invoke(main, list(map(str, args)))
+    return result.exit_code, result.stderr, result.stdout
+
+
+def verify_cli(*args) -> tuple[int, str]:
+    """`tpuexport verify ...`: (exit code, stderr)."""
+    return cli("verify", *args)[:2]
+
+
 def test_the_artifact_carries_executables_per_version_set(two_set_artifact):
     manifest = two_set_artifact.manifest
     assert list(manifest["version_sets"]) == [OWN_SET, SECOND_SET]
@@ -91,6 +106,8 @@ def test_the_artifact_carries_executables_per_version_set(two_set_artifact):
         assert theirs["executable"] == f"executables/cpu@{SECOND_SET}/serving_default/{own['name']}.pjrt"
         assert manifest["files"][theirs["executable"]] != manifest["files"][own["executable"]]
     assert f"cpu@{SECOND_SET}/serving_default/batch2" in manifest["build"]["compile_seconds"]
+    code, _, out = cli("inspect", two_set_artifact.path)
+    assert code == 0 and f"version sets: {OWN_SET}, {SECOND_SET}" in out and f"cpu@{SECOND_SET}" in out
 
 
 def test_this_environment_loads_its_own_set_with_no_compilation(two_set_artifact):
@@ -120,16 +137,6 @@ def test_a_host_matching_no_version_set_is_refused_in_one_line_listing_them(two_
     assert "this host (jax 0.10.2, jaxlib 0.10.2, libtpu 0.0.42.1) matches none of its 2 version sets" in line
     assert f"{OWN_SET}: jax {jax.__version__} (artifact) vs 0.10.2 (host)" in line
     assert f"{SECOND_SET}: jax 0.11.2 (artifact) vs 0.10.2 (host)" in line
-
-
-def verify_cli(*args) -> tuple[int, str]:
-    """`tpuexport verify ...` through click's runner in this process: (exit code, stderr)."""
-    from click.testing import CliRunner
-
-    from tpuexport.cli import main
-
-    result = CliRunner().invoke(main, ["verify", *map(str, args)])
-    return result.exit_code, result.stderr
 
 
 def test_verify_runtime_env_gates_on_the_serving_environment(two_set_artifact, second_python, tmp_path):

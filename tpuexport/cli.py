@@ -312,6 +312,7 @@ def summary(artifact) -> dict:
         },
         **({"sharding": {name: target["sharding"] for name, target in manifest["targets"].items() if "sharding" in target}}
            if any("sharding" in target for target in manifest["targets"].values()) else {}),
+        **({"version_sets": manifest["version_sets"]} if "version_sets" in manifest else {}),
         "build": manifest["build"],
         "scanned": [{k: run[k] for k in ("module", "first", "count")} for run in manifest.get("scanned", [])],
         **({"quantization": manifest["quantization"]} if "quantization" in manifest else {}),
@@ -382,8 +383,12 @@ def inspect(artifact_dir, as_json):
         console.print(f"  scanned {run['module']} {run['first']}-{run['first'] + run['count'] - 1} ({run['count']} blocks, weights stacked)")
     for line in describe_weight_only(data.get("quantization", {})):
         console.print(f"  {line}")
+    if "version_sets" in data:  # --compile-env: each set's executables are rows of their own, as <target>@<version set>
+        console.print(f"  version sets: {', '.join(data['version_sets'])} (the first converted here, the others by --compile-env)")
     table = Table("target", "bucket", "HBM per chip", "of HBM", "collectives", "GFLOP", "est. µs", "kernels", "executable")
-    for name, buckets in data["targets"].items():
+    rows = [*data["targets"].items(), *((f"{target}@{set_name}", executables["buckets"]) for target, record in artifact.manifest["targets"].items()
+                                        for set_name, executables in record.get("version_sets", {}).items())]
+    for name, buckets in rows:
         for bucket in buckets:
             table.add_row(
                 name, f"{bucket['entry_point']} {bucket['name']}" if named else bucket["name"], f"{bucket['memory']['total_bytes'] / 2**20:.2f} MiB", f"{bucket['hbm_utilization']:.4%}",

@@ -294,10 +294,10 @@ def _probe_compile_envs(conversion: Conversion) -> tuple:
     envs = []
     with conversion.clock.stage("probe compile envs", lambda: "; ".join(f"{env.python}: {compile_stage.describe_versions(env.versions)}"
                                                                         for env in envs)):
+        scratch = pathlib.Path(conversion.running.enter_context(tempfile.TemporaryDirectory(prefix="tpuexport-probe-")))
         programs = []
-        for name, lowered in conversion.program.entry_points.items():
-            path = conversion.running.enter_context(tempfile.TemporaryDirectory(prefix="tpuexport-probe-"))
-            programs.append(pathlib.Path(path) / f"{name}.jaxexport")
+        for index, lowered in enumerate(conversion.program.entry_points.values()):
+            programs.append(scratch / f"{index}.jaxexport")
             programs[-1].write_bytes(bytes(lowered.exported.serialize()))
         own = compile_stage.version_set_name(compile_stage.installed_versions())
         for python in conversion.options.compile_envs:

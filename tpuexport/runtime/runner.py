@@ -149,6 +149,8 @@ class Runner:
             padding = f"{entry.batch_dim} padded to the next bucket" if entry.batch_dim else f"exact sizes only ({entry.padding_note})"
             parts.append(f"{entry.name}: buckets {buckets}, {padding}")
         how = f"compiled the StableHLO here ({self.compiled_here})" if self.compiled_here else "loaded without compiling"
+        if self.version_set:
+            how += f" (version set {self.version_set})"
         devices = f"{len(self.devices)} {self.devices[0].device_kind} device{'s' if len(self.devices) > 1 else ''}"
         if self.mirror is not None:
             devices += f" in {self.mirror.processes} processes (this is process {self.mirror.index})"
