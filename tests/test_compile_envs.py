@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import pathlib
 import shutil
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 
 import tpuexport
-from conftest import EXAMPLES, build_example, convert_example
+from conftest import build_example, convert_example
 from tpuexport.compile import installed_versions, version_set_name
 from tpuexport.compile.compile_envs import probe
 from tpuexport.errors import TpuExportError
@@ -147,6 +148,19 @@ def test_verify_runtime_env_gates_on_the_serving_environment(two_set_artifact, s
     code, stderr = verify_cli(one_set.path, "--runtime-env", second_python)
     assert code == 0 and stderr.startswith("warning:") and "would compile at start" in stderr, stderr
     assert len(stderr.strip().splitlines()) == 1
+
+
+def test_a_version_set_s_damaged_executable_or_escaping_path_is_refused(two_set_artifact, second_python, tmp_path):
+    copy = pathlib.Path(shutil.copytree(two_set_artifact.path, tmp_path / "cnn.tpu"))
+    executable = copy / two_set_artifact.manifest["targets"]["cpu"]["version_sets"][SECOND_SET]["buckets"][0]["executable"]
+    executable.write_bytes(executable.read_bytes()[:-8] + b"damaged!")
+    with pytest.raises(TpuExportError, match="differs from its sha256 in the manifest"):
+        check_runtime_env(copy, str(second_python))
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["targets"]["cpu"]["version_sets"][SECOND_SET]["buckets"][0]["executable"] = "../../outside.pjrt"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TpuExportError, match="which leaves the artifact directory"):
+        tpuexport.load(copy)
 
 
 def test_bad_environments_are_refused_in_one_line(two_set_artifact, tmp_path):
