@@ -13,9 +13,9 @@ user's process never loads libtpu. XLA's own memory and cost analyses give the f
 report and the HBM-fit verdict, per device; a slice's compiled HLO also says which collectives
 its devices exchange (hlo.py).
 
-The targets' processes run at the same time (up to one per core), and in the background of the
-conversion (`CompileJob`): verification and the SavedModel need only the lowered program, so
-they run while the TPU compiler works.
+The targets' processes (and each compile environment's) run at the same time (up to one per
+core), in the background of the conversion (`CompileJob`): verification and the SavedModel need
+only the lowered program, so they run while the TPU compiler works.
 
 A compiler process that does not finish a bucket within TPUEXPORT_COMPILE_TIMEOUT seconds
 (environment, default COMPILE_TIMEOUT_SECONDS; its start-up counts toward its first bucket) is
@@ -218,7 +218,8 @@ class CompileJob:
         self.children: list[subprocess.Popen] = []
         self.lock = threading.Lock()
         self.cancelled = False
-        self.pool = ThreadPoolExecutor(max_workers=max(1, min(len(targets), os.cpu_count() or 1)), thread_name_prefix="tpu-compile")
+        processes = len(targets) * (1 + len(self.compile_envs))
+        self.pool = ThreadPoolExecutor(max_workers=max(1, min(processes, os.cpu_count() or 1)), thread_name_prefix="tpu-compile")
         self.started_at = time.perf_counter()
         self.finished_at = self.started_at
         self.futures = [self.pool.submit(compile_target, entry_points, target, self) for target in targets]
