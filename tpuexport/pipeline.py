@@ -17,7 +17,8 @@ decides the entry points and how they are verified, every pass handles entry poi
             where they pay, each kernel use run in interpret mode against the portable lowering
                                                                              -> kernels, kernel_checks
   compile   libtpu AOT per target, entry point and bucket, state donated, in one child process per
-            target in the background from here                               -> job
+            target in the background from here; each --compile-env probed first, then compiled
+            for under its own interpreter too                                 -> compile_envs, job
   verify    the task's verification on CPU (fails fast)                      -> verified
   write     the artifact directory, atomically (one writer)                  -> the Artifact
 
