@@ -151,17 +151,35 @@ def test_cached_pages_are_evicted_oldest_first_for_new_prompts(paged_chat):
 
 
 def test_without_prefix_caching_the_same_tokens_and_every_prompt_token_prefilled(paged_artifact, paged_chat):
-    """`tpuexport serve --no-prefix-caching` over the same artifact: the shared-prefix prompts give the
-    caching server's tokens, each prefilled whole, and nothing is looked up or cached."""
+    """`tpuexport serve --no-prefix-caching` (parsed as the server parses it) over the same artifact, its
+    model repository opened in this process (no second server to start): the shared-prefix prompts
+    give the caching server's tokens, each prefilled whole, and nothing is looked up or cached."""
+    from tpuexport.cli import serve
+    from tpuexport.serve.metrics import Metrics
+    from tpuexport.serve.models import ModelRepository
+
     out, _, tokenizer = paged_artifact
     _, _, client, base = paged_chat
-    with served(out, out.parent / "uncached.log", options=("--no-prefix-caching",)) as uncached_base:
-        uncached = openai.OpenAI(base_url=f"{uncached_base}/v1", api_key="unused", max_retries=0)
+    with serve.make_context("serve", [str(out), "--no-prefix-caching"]) as context:
+        assert context.params["prefix_caching"] is False
+    metrics = Metrics()
+    repository = ModelRepository([out], 0, metrics, prefix_caching=context.params["prefix_caching"])
+    try:
+        (model,) = repository
+        def prefilled() -> float:
+            return metrics.registry.get_sample_value("tpuexport_step_tokens_total", {"model": MODEL, "version": "1", "kind": "prefill"}) or 0
+
         for prompt in _shared_prefix_prompts(tokenizer):
-            ids, hit, prefilled = _served_greedy(uncached, uncached_base, prompt, 8)
-            assert ids == _served_greedy(client, base, prompt, 8)[0] and (hit, prefilled) == (0, len(prompt))
-        assert _metric(uncached_base, "tpuexport_prefix_cache_queries_total") == 0
-        assert _metric(uncached_base, "tpuexport_kv_cache_pages_cached") == 0
+            before = prefilled()
+            steps = model.generation.submit([prompt], 8, stop_ids=model.runner.artifact.eos_token_ids)
+            ids = [step.tokens[0] for step in steps if step.tokens[0] is not None]
+            assert ids == _served_greedy(client, base, prompt, 8)[0]
+            assert prefilled() - before == len(prompt)
+        labels = {"model": MODEL, "version": "1"}
+        assert metrics.registry.get_sample_value("tpuexport_prefix_cache_queries_total", labels) is None  # never counted
+        assert metrics.registry.get_sample_value("tpuexport_kv_cache_pages_cached", labels) == 0
+    finally:
+        repository.close()
 
 
 def test_streamed_completion_of_a_chunked_prompt(paged_chat):
