@@ -182,6 +182,40 @@ def test_without_prefix_caching_the_same_tokens_and_every_prompt_token_prefilled
         repository.close()
 
 
+def test_many_requests_over_shared_prefixes_at_once_give_the_tokens_they_get_uncached(paged_artifact):
+    """30 requests queued at once (in this process, a model repository each way), prompts cut from three
+    prefixes at random points and continued at random, 1-11 tokens each: rows start over pages other
+    running rows hold or that ended rows left cached, cached pages are evicted, and every request's
+    tokens equal those of the same requests without prefix caching (no EOS: each runs to its max)."""
+    from tpuexport.serve.metrics import Metrics
+    from tpuexport.serve.models import ModelRepository
+
+    out, _, tokenizer = paged_artifact
+    generator = np.random.default_rng(5)
+    prefixes = [_prompt(length, 130 + length, tokenizer) for length in (13, 24, 33)]
+    cases = []
+    for _ in range(30):
+        prefix = prefixes[generator.integers(0, 3)]
+        prompt = prefix[:generator.integers(1, len(prefix) + 1)] + _prompt(int(generator.integers(0, 12)), int(generator.integers(1000)), tokenizer)
+        cases.append((prompt, int(generator.integers(1, 12))))
+
+    def served_tokens(prefix_caching: bool) -> tuple[list[list[int]], dict]:
+        metrics = Metrics()
+        repository = ModelRepository([out], 0, metrics, prefix_caching=prefix_caching)
+        try:
+            (model,) = repository
+            streams = [model.generation.submit([prompt], max_tokens) for prompt, max_tokens in cases]
+            tokens = [[step.tokens[0] for step in stream if step.tokens[0] is not None] for stream in streams]
+            return tokens, {"hits": metrics.registry.get_sample_value("tpuexport_prefix_cache_hits_total", {"model": MODEL, "version": "1"}),
+                            "evictions": model.generation.steps.prefix_cache.evictions if prefix_caching else 0}
+        finally:
+            repository.close()
+
+    cached, counts = served_tokens(True)
+    assert cached == served_tokens(False)[0]
+    assert counts["hits"] >= 100 and counts["evictions"] > 0
+
+
 def test_streamed_completion_of_a_chunked_prompt(paged_chat):
     """A 19-token prompt (three steps of prefill) streamed: the text of the completion whose tokens are greedy generate()'s."""
     model, tokenizer, client, _ = paged_chat
