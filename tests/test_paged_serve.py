@@ -3,7 +3,10 @@ against a real server on a loopback port: a tiny chat model (benchmarks/chat_mod
 with --kv-cache paged, pages of 4 positions, 24 pages (fewer than its 4 rows of max context take)
 and one step bucket of 8 tokens x 4 rows. Concurrent requests of different lengths, one prefilled in
 chunks over several steps and one that waits for pages, give Hugging Face's greedy generate() token
-for token; streams work; a request that can never fit is a 400 and the server serves on."""
+for token; streams work; a request that can never fit is a 400 and the server serves on. Prefix
+caching (serve/prefix_cache.py, on by default): prompts sharing full pages prefill only the rest, a
+prompt diverging mid-page writes its own page, cached pages are evicted oldest first, and the tokens
+are generate()'s and those of the same requests with --no-prefix-caching."""
 
 from __future__ import annotations
 
