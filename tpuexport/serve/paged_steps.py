@@ -95,9 +95,9 @@ class PagedSteps:
         each row starts over the cached pages of its prompt's prefix (with prefix caching)."""
         if len(free) < len(request.rows):
             return False
-        found = [self.prefix_cache.lookup(source) if self.prefix_cache else ([], []) for source in request.sources]
+        found = [self.prefix_cache.lookup(source) if self.prefix_cache is not None else ([], []) for source in request.sources]
         needed = [self.pages_for(source, request.max_new_tokens) - len(pages) for source, (pages, _) in zip(request.sources, found)]
-        taken_back = self.prefix_cache.taking([page for pages, _ in found for page in pages]) if self.prefix_cache else 0
+        taken_back = self.prefix_cache.taking([page for pages, _ in found for page in pages]) if self.prefix_cache is not None else 0
         if sum(needed) > self.free_pages - taken_back:
             return False
         for row, slot, source, (pages, keys) in zip(request.rows, free, request.sources, found):
@@ -105,7 +105,7 @@ class PagedSteps:
             self.reserved[slot] = self.pages_for(source, request.max_new_tokens)
             cached = len(pages) * self.spec.page_size
             self.prompts_left[slot] = list(source[cached:])
-            if self.prefix_cache:
+            if self.prefix_cache is not None:
                 self.prefix_cache.hold(pages)
                 self.session.start_row(slot, pages, cached)
                 self.written[slot], self.page_keys[slot] = list(source[:cached]), keys
@@ -123,7 +123,7 @@ class PagedSteps:
         """Pages in use, free (what admission takes from) and cached (prefix caching)."""
         self.metrics.kv_cache_pages_used.labels(**self.labels).set(self.spec.num_pages - self.session.pool.available())
         self.metrics.kv_cache_pages_free.labels(**self.labels).set(self.free_pages)
-        self.metrics.kv_cache_pages_cached.labels(**self.labels).set(len(self.prefix_cache.cached) if self.prefix_cache else 0)
+        self.metrics.kv_cache_pages_cached.labels(**self.labels).set(len(self.prefix_cache.cached) if self.prefix_cache is not None else 0)
 
     def _register(self, work: dict[int, list[int]]) -> None:
         """After a step: the pages its rows filled become shareable under their chain keys."""
@@ -150,7 +150,7 @@ class PagedSteps:
         decoding = {slot: rows[slot][2].token for slot in longest_waiting}
         work = plan_step(self.prompts_left, decoding, self.spec.token_buckets[-1])
         logits = self.session.step_logits(work)
-        if self.prefix_cache:
+        if self.prefix_cache is not None:
             self._register(work)
         self.steps_run += 1
         self.last_run.update(dict.fromkeys(work, self.steps_run))
