@@ -18,11 +18,11 @@ import _common  # noqa: E402
 from _common import build_example, free_port  # noqa: E402,F401  (re-exported to the tests)
 
 
-def served(artifact: pathlib.Path, log_path: pathlib.Path, grpc_port: int = 0):
-    """`tpuexport serve ARTIFACT` as its own process on a free loopback port (REST; gRPC too on
+def served(artifact: pathlib.Path, log_path: pathlib.Path, grpc_port: int = 0, options: tuple[str, ...] = ()):
+    """`tpuexport serve ARTIFACT [OPTIONS]` as its own process on a free loopback port (REST; gRPC too on
     `grpc_port` unless 0), once it answers /readyz: yields its base URL; stopped with SIGTERM,
     after which it must exit 0."""
-    return _common.served(["tpuexport.cli", "serve", str(artifact), "--grpc-port", str(grpc_port)], "/readyz", timeout=180,
+    return _common.served(["tpuexport.cli", "serve", str(artifact), "--grpc-port", str(grpc_port), *options], "/readyz", timeout=180,
                           log_path=log_path, clean_exit=True)
 
 

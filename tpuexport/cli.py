@@ -651,16 +651,18 @@ def _print_gate_table(report) -> None:
 @click.option("--target", help="Target whose executables to serve [default: the one matching this host's devices].")
 @click.option("--allow-recompile", is_flag=True, help="Compile the StableHLO when an artifact's compile key differs from this host.")
 @click.option("--max-body-mb", default=64.0, show_default=True, type=float, help="Largest REST request body.")
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+              help="Paged artifacts: requests whose prompts begin alike share the KV cache pages of that prefix (not prefilled again).")
 @cluster_options
 @handles_errors
-def serve(artifacts, host, port, grpc_port, batch_timeout_ms, target, allow_recompile, max_body_mb, coordinator, num_processes, process_id,
-          process_timeout):
+def serve(artifacts, host, port, grpc_port, batch_timeout_ms, target, allow_recompile, max_body_mb, prefix_caching, coordinator, num_processes,
+          process_id, process_timeout):
     """Serve artifacts with TF Serving's REST and gRPC APIs, from their AOT executables (no compiling). On a multi-host
     slice every host runs the same command with its --process-id: process 0 serves, the others run its steps."""
     from tpuexport.serve import serve as run_server
 
     run_server(list(artifacts), host=host, port=port, grpc_port=grpc_port or None, batch_timeout_ms=batch_timeout_ms,
-               allow_recompile=allow_recompile, target=target, max_body_bytes=int(max_body_mb * 2**20),
+               allow_recompile=allow_recompile, target=target, max_body_bytes=int(max_body_mb * 2**20), prefix_caching=prefix_caching,
                cluster=_cluster(coordinator, num_processes, process_id, process_timeout, artifacts))
 
 

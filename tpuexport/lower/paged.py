@@ -4,7 +4,9 @@ grow, prompts prefilled in chunks within a step's token budget beside other rows
 
 The session's page handling is what a driver needs to generate and verify, not a scheduler: rows are
 the caller's, pages come from a free list in the order rows need them (so rows' pages interleave) and
-go back when a row is released.
+go back when a row is released. A server hands the session its own page pool instead (serve/
+prefix_cache.py: pages shared between rows whose prompts begin alike), and starts a row over pages
+that already hold its prefix (`PagedSession.start_row`).
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ class PagedGenerationProgram(EntryPoints):
     def from_manifest(cls, generation: dict, entry_points: dict[str, LoweredProgram]) -> "PagedGenerationProgram":
         return cls(PagedSpec.from_json(generation), entry_points)
 
-    def session(self, runner: Runner | None = None) -> "PagedSession":
-        return PagedSession(self, runner)
+    def session(self, runner: Runner | None = None, pool=None) -> "PagedSession":
+        return PagedSession(self, runner, pool)
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, runner: Runner | None = None, sampling: Sampling = GREEDY,
                stop_ids: Collection[int] = ()) -> Iterator[list[int | None]]:
@@ -86,40 +88,73 @@ class PagedGenerationProgram(EntryPoints):
                                          "convert with a larger --max-context"), spec.vocab)
 
 
+class FreePages:
+    """The session's page pool by default: one free list, handed out from the end (a row's pages are
+    not in order, and rows' pages interleave). serve/prefix_cache.PrefixCache is the other pool.
+
+    Attributes:
+      free: the pages no row holds.
+    """
+
+    def __init__(self, num_pages: int):
+        self.free = list(range(num_pages))
+
+    def available(self) -> int:
+        """Pages `take` can hand out."""
+        return len(self.free)
+
+    def take(self) -> int:
+        """A page for a row to write (available() > 0)."""
+        return self.free.pop()
+
+    def give_back(self, pages: list[int]) -> None:
+        """A released row's pages, in its order."""
+        self.free.extend(reversed(pages))
+
+
 class PagedSession:
     """The pages, the rows' page tables and the step that appends to them.
 
     Attributes:
       program: the paged program.
       cache: (cache_kv,) as numpy arrays (or a runtime's device arrays).
+      pool: where rows' pages come from and go back to (FreePages unless the caller gives its own).
       lengths: {row: positions written}; pages: {row: its pages in order}.
     """
 
-    def __init__(self, program: PagedGenerationProgram, runner: Runner | None = None):
+    def __init__(self, program: PagedGenerationProgram, runner: Runner | None = None, pool=None):
         self.program = program
         self.run = runner or cpu_runner(program)
         spec = program.spec
         inputs = program.entry_points["step"].signature.inputs
         self.index_dtypes = [tensor.dtype for tensor in inputs[:5]]
         self.cache = tuple(np.zeros(shape, tensor.dtype) for (shape, _), tensor in zip(spec.cache_tensors().values(), inputs[5:], strict=True))
-        # Handed out from the end: a row's pages are not in order, and rows' pages interleave.
-        self.free = list(range(spec.num_pages))
+        self.pool = pool or FreePages(spec.num_pages)
         self.pages: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
 
+    def start_row(self, row: int, pages: list[int], length: int) -> None:
+        """Row `row` (not running) starts over `pages`, whose first `length` positions already hold its
+        prefix (a prefix cache's full pages, which the row must not write: its first step writes
+        position `length` on), as if it had written them."""
+        if self.pages.get(row) or length > len(pages) * self.program.spec.page_size:
+            raise TpuExportError(f"row {row} cannot start at position {length} over {len(pages)} page(s) of "
+                                 f"{self.program.spec.page_size} (it is running, or the pages are too few)")
+        self.pages[row], self.lengths[row] = list(pages), length
+
     def release(self, row: int) -> None:
         """Gives the row's pages back (its request ended)."""
-        self.free.extend(reversed(self.pages.pop(row, [])))
+        self.pool.give_back(self.pages.pop(row, []))
         self.lengths.pop(row, None)
 
     def _grow(self, row: int, length: int) -> None:
         spec = self.program.spec
         needed = math.ceil(length / spec.page_size) - len(self.pages.setdefault(row, []))
-        if needed > len(self.free):
-            raise TpuExportError(f"row {row} needs {needed} more page(s) of {spec.page_size} positions and {len(self.free)} are free "
+        if needed > self.pool.available():
+            raise TpuExportError(f"row {row} needs {needed} more page(s) of {spec.page_size} positions and {self.pool.available()} are free "
                                  f"(--num-pages {spec.num_pages}); end a request or convert with more pages")
         for _ in range(max(0, needed)):
-            self.pages[row].append(self.free.pop())
+            self.pages[row].append(self.pool.take())
 
     def step(self, work: dict[int, Sequence[int]], sizes: dict[str, int] | None = None) -> dict[int, np.ndarray]:
         """One step (`step_logits`): {row: the logits [vocab] after its last new token}."""

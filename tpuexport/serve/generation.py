@@ -24,7 +24,8 @@ the error) and the loop goes on with a fresh cache.
 
 Metrics (serve/metrics.py): time to first token, inter-token latency, end-to-end latency and queue
 time per request; requests running and waiting, cache slots in use (a paged cache: pages in use and
-free, and its steps' prefill and decode tokens); prompt and generated tokens.
+free, cached pages, prefix cache queries and hits, and its steps' prefill and decode tokens); prompt
+and generated tokens.
 """
 
 from __future__ import annotations
@@ -175,16 +176,19 @@ class GenerationScheduler:
       runner: the model's runtime (a text-generation artifact's executables).
       metrics: where steps, tokens and latencies are counted.
       labels: {"model", "version"} metric labels.
+      prefix_caching: a paged cache shares the full pages of identical prompt prefixes between rows
+        (serve/paged_steps.py); a static cache has none.
     """
 
-    def __init__(self, runner: Runner, metrics: Metrics, labels: dict[str, str]):
+    def __init__(self, runner: Runner, metrics: Metrics, labels: dict[str, str], prefix_caching: bool = True):
         self.runner = runner
         self.program = runner.artifact.generation_program
         self.spec = self.program.spec
         self.metrics = metrics
         self.labels = labels
         # What runs each step: a paged program's one step entry point, else prefill (or encode) and decode over slots.
-        self.steps = (PagedSteps if "step" in self.program.entry_points else SlotSteps)(runner, metrics, labels)
+        self.steps = (PagedSteps(runner, metrics, labels, prefix_caching) if "step" in self.program.entry_points
+                      else SlotSteps(runner, metrics, labels))
         self.waiting: collections.deque[_Request] = collections.deque()
         self.active: list[_Request] = []
         self.closed = False

@@ -38,6 +38,10 @@ class Metrics:
       kv_cache_pages_free: a paged cache's pages no running row holds or has reserved (what
         admission takes from; serve/paged_steps.py).
       step_tokens: tokens a paged cache's steps ran, by kind ("prefill" chunks, "decode").
+      kv_cache_pages_cached: a paged cache's pages that no running row holds and that keep a prefix for
+        the next row that begins with it (prefix caching; handed out for writing when no other page is free).
+      prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in the prefix cache, and those
+        found there (not prefilled), in tokens as vLLM's vllm:prefix_cache_queries / _hits.
       compilations_at_start: XLA compilations while a model version's runner opened (0 unless it
         was compiled here with --allow-recompile; runtime/compilations.py).
     The generation ones are vLLM's (vllm:time_to_first_token_seconds, ...) under tpuexport_ names.
@@ -79,6 +83,12 @@ class Metrics:
                                          labels, registry=self.registry)
         self.kv_cache_pages_free = Gauge("tpuexport_kv_cache_pages_free", "Paged KV cache pages no running row holds or has reserved.",
                                          labels, registry=self.registry)
+        self.kv_cache_pages_cached = Gauge("tpuexport_kv_cache_pages_cached", "Paged KV cache pages no running row holds that keep a "
+                                           "prefix for reuse (prefix caching).", labels, registry=self.registry)
+        self.prefix_cache_queries = Counter("tpuexport_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels,
+                                            registry=self.registry)
+        self.prefix_cache_hits = Counter("tpuexport_prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).", labels,
+                                         registry=self.registry)
         self.step_tokens = Counter("tpuexport_step_tokens", "Tokens run by a paged cache's steps, by kind (prefill, decode).",
                                    [*labels, "kind"], registry=self.registry)
         self.compilations_at_start = Gauge("tpuexport_compilations_at_start", "XLA compilations while the model's executables were "

@@ -111,13 +111,14 @@ class ModelRepository:
       allow_recompile: compile the StableHLO where an artifact's compile key differs from the host.
       target: the target to serve from every artifact, None to match the local devices.
       cluster: this process's place in a multi-process run, None for one process.
+      prefix_caching: paged artifacts share the pages of identical prompt prefixes (serve/prefix_cache.py).
     Raises:
       TpuExportError: an artifact that cannot be served here (see runtime.open_runner), or a
         model name and version given twice.
     """
 
     def __init__(self, paths: list[pathlib.Path], batch_timeout: float, metrics: Metrics, allow_recompile: bool = False,
-                 target: str | None = None, cluster=None):
+                 target: str | None = None, cluster=None, prefix_caching: bool = True):
         self.models: dict[str, dict[int, ServedModel]] = {}
         for path in paths:
             artifact = load(path)
@@ -130,7 +131,8 @@ class ModelRepository:
             runner = open_runner(artifact, target=target, allow_recompile=allow_recompile, cluster=cluster)
             labels = {"model": name, "version": str(version)}
             metrics.compilations_at_start.labels(**labels).set(runner.compilations_at_start)
-            generation = GenerationScheduler(runner, metrics, labels) if "generation" in runner.artifact.manifest else None
+            generation = (GenerationScheduler(runner, metrics, labels, prefix_caching) if "generation" in runner.artifact.manifest
+                          else None)
             self.models.setdefault(name, {})[version] = ServedModel(name, version, runner, Batcher(runner, batch_timeout, metrics, labels),
                                                                     generation, _tokenizer(artifact) if generation is not None else None)
 

@@ -46,6 +46,7 @@ def serve(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     announce: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
     cluster: Cluster | None = None,
+    prefix_caching: bool = True,
 ) -> None:
     """Serves artifacts until SIGINT or SIGTERM (see the module docstring).
 
@@ -60,6 +61,7 @@ def serve(
       max_body_bytes: larger REST request bodies are refused.
       announce: prints progress lines (models loaded, where the servers listen).
       cluster: this process's place in a multi-process run (see the module docstring), None for one process.
+      prefix_caching: paged artifacts share the KV pages of identical prompt prefixes between requests.
     Raises:
       TpuExportError: no artifact, one that cannot be served here, a port that cannot be bound, or
         several artifacts in a multi-process run.
@@ -71,7 +73,7 @@ def serve(
     if cluster is not None and len(artifacts) > 1:
         raise TpuExportError(f"a multi-process run serves one artifact, {len(artifacts)} given; start one run per artifact")
     metrics = Metrics()
-    repository = ModelRepository(list(artifacts), batch_timeout_ms / 1000, metrics, allow_recompile, target, cluster)
+    repository = ModelRepository(list(artifacts), batch_timeout_ms / 1000, metrics, allow_recompile, target, cluster, prefix_caching)
     for model in repository:
         announce(f"model {model.name} version {model.version}: {model.runner.describe()}")
     follower = next((model.runner for model in repository if model.runner.mirror and not model.runner.mirror.leader), None)
