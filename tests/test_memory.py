@@ -28,7 +28,7 @@ def test_a_window_sees_the_memory_touched_while_it_is_open():
         before = monitor.close(quiet)
         window = monitor.open()
         block = np.ones(256 * MIB, dtype=np.uint8)  # 256 MiB of anonymous memory, touched
-        time.sleep(0.1)  # held for ten samples
+        time.sleep(0.5)  # held for ten samples
         del block
         during = monitor.close(window)
         after = monitor.close(monitor.open())
