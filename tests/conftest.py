@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 
@@ -65,14 +64,6 @@ LONGEST_FILES = ("test_generation.py", "test_generation_slices.py", "test_famili
                  "test_quantized_generation.py", "test_window_cache.py", "test_cli.py", "test_checkpoint.py",
                  "test_generation_checkpoint.py", "test_whisper.py", "test_seq2seq.py", "test_experts.py", "test_scan.py",
                  "test_openai.py")
-
-
-def pytest_xdist_auto_num_workers(config) -> int:
-    """One worker more than the cores (`--numprocesses=auto`; pyproject's --maxprocesses caps it):
-    a worker often waits on a child (a CLI conversion, a server, a compiler, a timeout) with its core
-    idle. Measured on 2 cores over four such files (faults, multihost, huggingface, serve): 2 workers
-    kept 1.59 cores busy in 226 s, 3 workers 1.81 cores in 212 s."""
-    return len(os.sched_getaffinity(0)) + 1
 
 
 def pytest_collection_modifyitems(items):
