@@ -388,9 +388,11 @@ def compile_v5e(function, argument_specs) -> dict:
     memory = compiled.memory_analysis()
     hlo_text = compiled.as_text()
     prefetched = prefetched_bytes(hlo_text)
+    # XLA's estimate as the artifact records it: None ("unknown") where XLA gives none or a negative one
+    from tpuexport.compile.compile_child import optimal_seconds
     return {"bytes_accessed": float(cost.get("bytes accessed", 0.0)), "flops": float(cost.get("flops", 0.0)),
             "temp_bytes": int(memory.temp_size_in_bytes), "argument_bytes": int(memory.argument_size_in_bytes),
-            "estimated_cycles": estimated_cycles(hlo_text), "optimal_seconds": float(cost.get("optimal_seconds", 0.0)),
+            "estimated_cycles": estimated_cycles(hlo_text), "optimal_seconds": optimal_seconds(cost, hlo_text),
             "prefetched": prefetched, "without_prefetch": without_prefetch_bookkeeping(float(cost.get("bytes accessed", 0.0)), prefetched),
             "compile_seconds": seconds}
 
