@@ -9,25 +9,19 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import importlib.metadata
 import json
 import pathlib
 import platform
 
 from tpuexport.artifact import layout
+from tpuexport.compile import installed_versions
 
 VERSIONED_PACKAGES = ("tpuexport", "torch", "jax", "jaxlib", "libtpu", "torchax", "torchao", "tensorflow-cpu", "numpy")
 
 
 def package_versions() -> dict[str, str | None]:
     """Installed versions of the packages that shape an artifact (None where absent)."""
-    versions: dict[str, str | None] = {"python": platform.python_version()}
-    for name in VERSIONED_PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+    return {"python": platform.python_version(), **installed_versions(VERSIONED_PACKAGES)}
 
 
 def sha256_file(path: pathlib.Path) -> str:

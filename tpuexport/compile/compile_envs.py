@@ -36,10 +36,11 @@ def version_set_name(versions: dict) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "unknown"
 
 
-def installed_versions() -> dict:
-    """This interpreter's version set: {"jax", "jaxlib", "libtpu": version, or None where not installed}."""
+def installed_versions(packages: tuple[str, ...] = VERSION_SET_PACKAGES) -> dict:
+    """This interpreter's versions of `packages` (by default its version set: "jax", "jaxlib",
+    "libtpu"): {package: version, or None where not installed}."""
     versions = {}
-    for package in VERSION_SET_PACKAGES:
+    for package in packages:
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
