@@ -13,6 +13,7 @@ Two exceptions, both outside tpuexport's control (measured, not asserted, for th
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -68,7 +69,10 @@ def convert_from_two_checkouts(tmp_path: pathlib.Path, *options: str) -> list[pa
         # One names the source relative to its working directory, the other absolutely.
         reference = "examples/mlp.py:build" if index == 0 else f"{source_dir / 'mlp.py'}:build"
         command = [str(pathlib.Path(sys.executable).parent / "tpuexport"), "convert", reference, "-o", str(out), *options]
-        completed = subprocess.run(command, cwd=source_dir.parent, capture_output=True, text=True, timeout=600)
+        # Without the run's shared compilation cache (conftest.py): the second conversion must compile
+        # its executables again, not read the first one's back.
+        env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+        completed = subprocess.run(command, cwd=source_dir.parent, capture_output=True, text=True, timeout=600, env=env)
         assert completed.returncode == 0, completed.stderr
         artifacts.append(out.rename(tmp_path / f"artifact-{index}.tpu"))
     return artifacts

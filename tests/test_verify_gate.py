@@ -209,13 +209,18 @@ def test_json_and_junit_have_one_entry_per_check(plain_artifact, tmp_path):
     assert cases[2].find("skipped").get("message") == "no SavedModel in artifact"
 
 
-def test_recompile_untouched_artifact_reports_no_drift(plain_artifact):
+def test_recompile_untouched_artifact_reports_no_drift(plain_artifact, tmp_path, monkeypatch):
+    # A persistent compilation cache in the environment: the recompile must neither read nor fill it.
+    cache = tmp_path / "jax-cache"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(cache))
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     report = tpuexport.verify_artifact(plain_artifact.path, recompile=True, strict=True)
 
     recompile = check(report, "recompile")
     assert report.passed and recompile.status == "passed"
     assert recompile.details["drifted"] == []
     assert set(recompile.details["fingerprints"]) == {"v5e/serving_default/batch1", "v5e/serving_default/batch8"}
+    assert not cache.exists() or not any(cache.iterdir())
 
 
 def test_recompile_drift_warns_and_fails_when_strict(artifact_copy):

@@ -53,6 +53,11 @@ from jax.experimental import mesh_utils, serialize_executable, topologies  # noq
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
+# Every executable comes from the compiler, never from JAX's persistent compilation cache (on where
+# the environment sets JAX_COMPILATION_CACHE_DIR): on XLA:CPU an executable read back from that
+# cache serializes into one that fails when run ("NOT_FOUND: Function wrapped_tanh not found",
+# jax 0.12.0.1), and `verify --recompile` must compare what the installed compiler produces now.
+jax.config.update("jax_enable_compilation_cache", False)
 
 # XLA's TPU cost model counts each call of this internal custom call (the compiler's own weight
 # concatenation, e.g. of the q/k/v projections of unrolled layers) as -1 second in
