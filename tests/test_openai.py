@@ -63,6 +63,7 @@ def test_chat_at_temperature_0_is_greedy_generate_streamed_or_not(chat):
     (choice,) = answer.choices
     assert choice.message.role == "assistant" and choice.message.content == expected and choice.finish_reason == "stop"
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(prompt), len(ids))  # the EOS counts, its text is none
+    assert answer.usage.prompt_tokens_details.cached_tokens == 0  # a static cache has no prefix cache
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=GREEDY_PROMPT, temperature=0, max_tokens=20, stream=True,
                                                  stream_options={"include_usage": True}))

@@ -93,11 +93,13 @@ def test_concurrent_requests_chunked_and_waiting_for_pages_are_greedy_generate(p
 
 
 def _served_greedy(client, base: str, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float]:
-    """(a greedy completion's token ids, the prompt tokens the prefix cache gave it, those it prefilled)."""
+    """(a greedy completion's token ids, the prompt tokens the prefix cache gave it, those it prefilled);
+    the answer's usage reports the same cached tokens as the metrics."""
     hits, prefilled = _metric(base, "tpuexport_prefix_cache_hits_total"), _metric(base, "tpuexport_step_tokens_total", 'kind="prefill"')
-    ids = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=max_tokens).choices[0].model_extra["token_ids"]
-    return (ids, _metric(base, "tpuexport_prefix_cache_hits_total") - hits,
-            _metric(base, "tpuexport_step_tokens_total", 'kind="prefill"') - prefilled)
+    answer = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=max_tokens)
+    hit = _metric(base, "tpuexport_prefix_cache_hits_total") - hits
+    assert answer.usage.prompt_tokens == len(prompt) and answer.usage.prompt_tokens_details.cached_tokens == hit
+    return answer.choices[0].model_extra["token_ids"], hit, _metric(base, "tpuexport_step_tokens_total", 'kind="prefill"') - prefilled
 
 
 def _shared_prefix_prompts(tokenizer) -> list[list[int]]:

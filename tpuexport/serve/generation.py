@@ -81,13 +81,15 @@ class Step:
 
 @dataclasses.dataclass(eq=False)
 class _Row:
-    """One row of a request: its slot while it generates, the token and position of its next decode step."""
+    """One row of a request: its slot while it generates, the token and position of its next decode step,
+    and the prompt tokens whose keys and values it took from the prefix cache at admission (not prefilled)."""
 
     slot: int | None = None
     token: int = 0
     position: int = 0
     generated: int = 0
     finish: str | None = None
+    cached_tokens: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -167,6 +169,11 @@ class GenerationStream:
 
     def cancel(self) -> None:
         self.request.cancelled = True
+
+    @property
+    def cached_tokens(self) -> int:
+        """The request's prompt tokens found in the prefix cache (final once its first step arrived)."""
+        return sum(row.cached_tokens for row in self.request.rows)
 
 
 class GenerationScheduler:

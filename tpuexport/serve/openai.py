@@ -8,7 +8,8 @@
 Both take max_tokens (chat: max_completion_tokens too), temperature (OpenAI's default 1), top_p,
 top_k (an extension, as vLLM's: 0 or -1 for all), seed, stop (strings), stop_token_ids and
 ignore_eos (vLLM's extensions), stream with stream_options.include_usage, and logprobs (completions:
-0..20 alternatives; chat: logprobs with top_logprobs 0..20). Answers carry `usage` and each choice's
+0..20 alternatives; chat: logprobs with top_logprobs 0..20). Answers carry `usage` (with
+prompt_tokens_details.cached_tokens, the prompt tokens the prefix cache gave) and each choice's
 finish_reason, "stop" (an EOS of the model's generation_config.json, a stop token or string) or
 "length" (max_tokens or the max context); streams are server-sent events, `data: {chunk}` lines
 ending with `data: [DONE]`. A choice's text is its tokens detokenized as they come (serve/text.py).
@@ -377,7 +378,7 @@ async def _whole(parsed: GenerationRequest, streams: list[GenerationStream], ans
         _take(choices[index], step)
     model = parsed.model
     answer = {"id": answer_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()), "model": model.name,
-              "usage": _usage(parsed, choices)}
+              "usage": _usage(parsed, streams, choices)}
     if chat:
         answer["choices"] = [{"index": index, "message": {"role": "assistant", "content": choice.text},
                               "logprobs": _chat_logprobs(model, choice.logprobs) if parsed.logprobs is not None else None,
@@ -413,7 +414,7 @@ async def _events(parsed: GenerationRequest, streams: list[GenerationStream], an
                           "finish_reason": step.finished[0]}
             yield _event({**head, "choices": [choice]})
         if parsed.include_usage:
-            yield _event({**head, "choices": [], "usage": _usage(parsed, choices)})
+            yield _event({**head, "choices": [], "usage": _usage(parsed, streams, choices)})
     except Exception as error:  # the step failed: the client gets an error object, then the end
         yield _event({"error": {"message": f"{type(error).__name__}: {' '.join(str(error).split())[:300]}", "type": "internal_error",
                                 "param": None, "code": None}})
@@ -424,9 +425,11 @@ def _event(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-def _usage(parsed: GenerationRequest, choices: list[_Choice]) -> dict:
+def _usage(parsed: GenerationRequest, streams: list[GenerationStream], choices: list[_Choice]) -> dict:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens: prompt tokens the prefix cache gave (not prefilled)."""
     prompt, completion = sum(len(prompt) for prompt in parsed.prompts), sum(len(choice.tokens) for choice in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(stream.cached_tokens for stream in streams)}}
 
 
 def _token_text(model: ServedModel, token: int) -> str:

@@ -103,7 +103,7 @@ class PagedSteps:
         for row, slot, source, (pages, keys) in zip(request.rows, free, request.sources, found):
             row.slot = slot
             self.reserved[slot] = self.pages_for(source, request.max_new_tokens)
-            cached = len(pages) * self.spec.page_size
+            cached = row.cached_tokens = len(pages) * self.spec.page_size
             self.prompts_left[slot] = list(source[cached:])
             if self.prefix_cache is not None:
                 self.prefix_cache.hold(pages)
