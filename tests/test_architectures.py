@@ -149,3 +149,20 @@ def test_a_mixture_of_experts_that_defaults_to_eager_experts_exports_with_groupe
     captured = capture(load_source(str(tmp_path / "filter")))
     assert captured.reference.model.config._experts_implementation == "grouped_mm"
     assert [spec.name for spec in captured.signature.outputs] == ["logits"]
+
+
+def test_a_row_sees_the_causal_mask_it_is_given_whether_or_not_its_batch_is_padded():
+    """AIMv2's text attention hard-codes is_causal=False beside a causal mask, and transformers'
+    SDPA path drops an all-ones mask eagerly (never under torch.export): an unpadded batch ran
+    bidirectionally and failed verification at batch 1 x seq 2 (relative RMS 0.43). The forward
+    tpuexport exports and verifies against gives a row the same output alone or beside a padded row."""
+    from tpuexport.export.huggingface import named_forward
+
+    config = transformers.Aimv2TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, max_position_embeddings=16, eos_token_id=63)
+    forward = named_forward(transformers.Aimv2TextModel(config).eval(), ("input_ids", "attention_mask"))
+    ids = torch.tensor([[5, 7, 9, 63], [3, 4, 63, 0]])
+    with torch.no_grad():
+        alone = forward(ids[:1], torch.ones(1, 4, dtype=torch.long))["last_hidden_state"]
+        beside_padded = forward(ids, torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]))["last_hidden_state"][:1]
+    torch.testing.assert_close(alone, beside_padded)
