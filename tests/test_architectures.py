@@ -166,3 +166,19 @@ def test_a_row_sees_the_causal_mask_it_is_given_whether_or_not_its_batch_is_padd
         alone = forward(ids[:1], torch.ones(1, 4, dtype=torch.long))["last_hidden_state"]
         beside_padded = forward(ids, torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]))["last_hidden_state"][:1]
     torch.testing.assert_close(alone, beside_padded)
+
+
+def test_probing_a_model_on_the_meta_device_keeps_the_buffers_its_init_computed():
+    """CTRL's forward keeps `self.pos_encoding.to(device)`: the KV-cache shape probe, run on the
+    meta device, left a meta tensor where the model's init had computed its sinusoidal table
+    (a non-persistent buffer no checkpoint holds), and the directory was refused for lacking it."""
+    from tpuexport.export.checkpoints import parameters_on_meta
+    from tpuexport.export.generation import cached_shapes
+
+    config = transformers.CTRLConfig(vocab_size=64, n_embd=32, n_layer=1, n_head=4, dff=64, n_positions=16)
+    with parameters_on_meta():
+        model = transformers.CTRLLMHeadModel(config).eval()
+    table = model.transformer.pos_encoding.clone()
+    assert cached_shapes(model) == (4, 8)
+    assert not model.transformer.pos_encoding.is_meta
+    torch.testing.assert_close(model.transformer.pos_encoding, table)
