@@ -137,6 +137,25 @@ def test_data_dependent_control_flow_is_one_line_without_torchs_graph_dump(tmp_p
     assert "def forward" not in capfd.readouterr().err
 
 
+class SplitByCounts(torch.nn.Module):
+    """Rows split into groups whose sizes are counts read from the input (as JetMoE's experts take
+    the tokens routed to each): sizes torch.export names by symbols of its own (u0, ...)."""
+
+    def forward(self, x, groups):
+        counts = torch.zeros(x.shape[0], 2).scatter(1, groups[:, None], 1).long().sum(0).tolist()
+        first, second = x[groups.argsort()].split(counts, dim=0)
+        return torch.cat([first * 2, second * 3])
+
+
+def test_a_size_made_from_tensor_values_is_one_line_naming_the_code(tmp_path):
+    """JetMoE was refused with "dim u0 appears only in expressions of several dims": a symbol the
+    user never declared. The line now says what the code does, and where."""
+    with pytest.raises(TpuExportError, match=r"its code sizes a tensor by tensor values, at .*test_architectures.py:\d+ "
+                                             r"\(first, second = x\[groups.argsort\(\)\].split\(counts, dim=0\)\).* needs fixed-size tensor ops"):
+        tpuexport.convert(SplitByCounts(), (torch.randn(4, 2), torch.tensor([0, 1, 1, 0])), out=tmp_path / "m.tpu")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_mixture_of_experts_that_defaults_to_eager_experts_exports_with_grouped_ones(tmp_path):
     """The OpenAI privacy filter defaults to transformers' eager experts (a loop over the experts
     tokens chose, refused as above); its directory converts with the grouped-matmul experts."""
