@@ -137,6 +137,25 @@ def test_data_dependent_control_flow_is_one_line_without_torchs_graph_dump(tmp_p
     assert "def forward" not in capfd.readouterr().err
 
 
+class SplitByCounts(torch.nn.Module):
+    """Rows split into groups whose sizes are counts read from the input (as JetMoE's experts take
+    the tokens routed to each): sizes torch.export names by symbols of its own (u0, ...)."""
+
+    def forward(self, x, groups):
+        counts = torch.zeros(x.shape[0], 2).scatter(1, groups[:, None], 1).long().sum(0).tolist()
+        first, second = x[groups.argsort()].split(counts, dim=0)
+        return torch.cat([first * 2, second * 3])
+
+
+def test_a_size_made_from_tensor_values_is_one_line_naming_the_code(tmp_path):
+    """JetMoE was refused with "dim u0 appears only in expressions of several dims": a symbol the
+    user never declared. The line now says what the code does, and where."""
+    with pytest.raises(TpuExportError, match=r"its code sizes a tensor by tensor values, at .*test_architectures.py:\d+ "
+                                             r"\(first, second = x\[groups.argsort\(\)\].split\(counts, dim=0\)\).* needs fixed-size tensor ops"):
+        tpuexport.convert(SplitByCounts(), (torch.randn(4, 2), torch.tensor([0, 1, 1, 0])), out=tmp_path / "m.tpu")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_mixture_of_experts_that_defaults_to_eager_experts_exports_with_grouped_ones(tmp_path):
     """The OpenAI privacy filter defaults to transformers' eager experts (a loop over the experts
     tokens chose, refused as above); its directory converts with the grouped-matmul experts."""
@@ -149,3 +168,36 @@ def test_a_mixture_of_experts_that_defaults_to_eager_experts_exports_with_groupe
     captured = capture(load_source(str(tmp_path / "filter")))
     assert captured.reference.model.config._experts_implementation == "grouped_mm"
     assert [spec.name for spec in captured.signature.outputs] == ["logits"]
+
+
+def test_a_row_sees_the_causal_mask_it_is_given_whether_or_not_its_batch_is_padded():
+    """AIMv2's text attention hard-codes is_causal=False beside a causal mask, and transformers'
+    SDPA path drops an all-ones mask eagerly (never under torch.export): an unpadded batch ran
+    bidirectionally and failed verification at batch 1 x seq 2 (relative RMS 0.43). The forward
+    tpuexport exports and verifies against gives a row the same output alone or beside a padded row."""
+    from tpuexport.export.huggingface import named_forward
+
+    config = transformers.Aimv2TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, max_position_embeddings=16, eos_token_id=63)
+    forward = named_forward(transformers.Aimv2TextModel(config).eval(), ("input_ids", "attention_mask"))
+    ids = torch.tensor([[5, 7, 9, 63], [3, 4, 63, 0]])
+    with torch.no_grad():
+        alone = forward(ids[:1], torch.ones(1, 4, dtype=torch.long))["last_hidden_state"]
+        beside_padded = forward(ids, torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]))["last_hidden_state"][:1]
+    torch.testing.assert_close(alone, beside_padded)
+
+
+def test_probing_a_model_on_the_meta_device_keeps_the_buffers_its_init_computed():
+    """CTRL's forward keeps `self.pos_encoding.to(device)`: the KV-cache shape probe, run on the
+    meta device, left a meta tensor where the model's init had computed its sinusoidal table
+    (a non-persistent buffer no checkpoint holds), and the directory was refused for lacking it."""
+    from tpuexport.export.checkpoints import parameters_on_meta
+    from tpuexport.export.generation import cached_shapes
+
+    config = transformers.CTRLConfig(vocab_size=64, n_embd=32, n_layer=1, n_head=4, dff=64, n_positions=16)
+    with parameters_on_meta():
+        model = transformers.CTRLLMHeadModel(config).eval()
+    table = model.transformer.pos_encoding.clone()
+    assert cached_shapes(model) == (4, 8)
+    assert not model.transformer.pos_encoding.is_meta
+    torch.testing.assert_close(model.transformer.pos_encoding, table)

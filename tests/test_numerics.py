@@ -3,6 +3,7 @@ CPU run, cost-planned verification sizes, and verification failing on planted lo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -276,3 +277,20 @@ def test_rounding_may_flip_a_few_decisions_but_never_produce_a_nan():
     many = expected.copy()
     many[::1000] += 5.0  # 40 elements: 1 in 1000
     assert not compare_output("logits", many, expected, rule).passed
+
+
+def test_a_generation_failure_only_the_tpu_arithmetic_shows_names_the_matmul_precision_fix():
+    """Gemma 4's tiny random model failed generation verification in the TPU-faithful run only
+    (logits relative RMS 0.091, 9.1e-06 in f32) with no hint; a forward's failure names
+    --matmul-precision, and a generation failure now does too."""
+    from tpuexport.verify.generation import GenerationCase, GenerationReport, GenerationRun
+
+    tolerances = default_tolerances("f32", "default", quantized=False)
+    eager = np.linspace(-1.0, 1.0, 64, dtype=np.float32).reshape(1, 64)
+    runs = {"tpu": GenerationRun(compare_output("logits", eager * 1.5, eager, tolerances.tpu), 1, ()),
+            "cpu": GenerationRun(compare_output("logits", eager, eager, tolerances.cpu), 1, ())}
+    report = GenerationReport("f32", "default", tolerances, (GenerationCase({"batch": 1, "seq": 4}, (4,), (0,), 1, runs),), {})
+    assert not report.passed
+    assert "(tpu run): logits" in report.failure_summary() and "--matmul-precision high or highest" in report.failure_summary()
+    highest = dataclasses.replace(report, matmul_precision="highest")
+    assert "--matmul-precision" not in highest.failure_summary()

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import sympy
 import torch
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
 from tpuexport.errors import TpuExportError
@@ -21,6 +21,7 @@ from tpuexport.export.checkpoints import with_checkpoint_weights
 from tpuexport.export.loaded import LoadedSource, SourceInfo
 from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
 from tpuexport.signature import ProgramSignature, SymbolicDim, TensorSpec, artifact_dtype, parse_dim_expression
+from tpuexport.source_lines import user_source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +211,7 @@ def _quiet_export():
 def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.ExportedProgram:
     try:
         with torch.no_grad(), _quiet_export():
-            return torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
+            program = torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
     except Exception as error:  # torch.export raises UserError, ConstraintViolationError, TypeError, ...
         with _quiet_export():
             explained = constraints.explain(model, args, dynamic_shapes, str(error))
@@ -225,6 +226,26 @@ def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.Export
         raise TpuExportError(
             f"torch.export failed{_described(model)}: {message[:400]}; check the example args and dynamic_shapes / --dim ranges"
         ) from None
+    _refuse_sizes_from_values(model, program)
+    return program
+
+
+def _refuse_sizes_from_values(model: torch.nn.Module, program: torch.export.ExportedProgram) -> None:
+    """Refuses a program with a tensor whose size torch.export could only name by a symbol of its
+    own (an unbacked `u0`): the size comes from tensor values (`.tolist()` or `nonzero()` sizing a
+    split, as JetMoE's experts take the tokens routed to each), which no input size bounds and a
+    TPU program, whose shapes follow its inputs' sizes, cannot have.
+
+    Raises:
+      TpuExportError: naming the first such tensor's line of the model's code.
+    """
+    for node in program.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) and free_unbacked_symbols(size) for size in value.shape):
+            raise TpuExportError(
+                f"torch.export{_described(model)}: its code sizes a tensor by tensor values, at {user_source(node)} (e.g. tokens "
+                "split among experts by their counts), which a TPU program cannot have (its shapes follow its inputs' sizes); "
+                "that code needs fixed-size tensor ops (e.g. every expert over every token, weighted by the router)")
 
 
 def _described(model: torch.nn.Module) -> str:

@@ -36,6 +36,7 @@ explicit position ids, so no code of the model's depends on a cache length.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -456,6 +457,23 @@ class _ProbeCache:
         raise _Cached(new_keys.shape, new_values.shape)
 
 
+@contextlib.contextmanager
+def buffers_kept(model: nn.Module):
+    """Within it a forward may rebind the model's buffers; on exit each module has the buffers it had.
+
+    Some forwards move a buffer to their input's device and keep the copy (CTRL's
+    `self.pos_encoding = self.pos_encoding.to(device)`): run on the meta device to probe shapes,
+    they replace a buffer the model computed when it was built (and no checkpoint holds) by a
+    meta tensor with no values."""
+    kept = {module: dict(module._buffers) for module in model.modules()}
+    try:
+        yield
+    finally:
+        for module, buffers in kept.items():
+            module._buffers.clear()
+            module._buffers.update(buffers)
+
+
 def cached_shapes(model: nn.Module) -> tuple[int, int]:
     """(kv heads, head_dim) of what a decoder's attention layers write to their cache, as the first
     layer writes it for a 2-token prompt (on the model's device, the meta device too; the forward
@@ -469,7 +487,7 @@ def cached_shapes(model: nn.Module) -> tuple[int, int]:
     positions = torch.arange(2, device=parameter.device)
     mask = _causal_masks(attention_windows(model), positions[None, :], positions, parameter.dtype)
     try:
-        with torch.no_grad():  # as the entry points call it (Prefill.hidden_states)
+        with torch.no_grad(), buffers_kept(model):  # as the entry points call it (Prefill.hidden_states)
             model.base_model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=parameter.device), attention_mask=mask,
                              position_ids=positions[None, :], past_key_values=_transformers_cache(_ProbeCache()), use_cache=True)
     except _Cached as cached:

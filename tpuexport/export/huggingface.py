@@ -568,8 +568,37 @@ class _NamedForward(torch.nn.Module):
         self.options = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
 
     def forward(self, *inputs):
-        output = self.model(**dict(zip(self.input_names, inputs)), **self.options, return_dict=True)
+        with attention_masks_applied():
+            output = self.model(**dict(zip(self.input_names, inputs)), **self.options, return_dict=True)
         return {name: value for name, value in output.items() if isinstance(value, torch.Tensor)}
+
+
+@contextlib.contextmanager
+def attention_masks_applied():
+    """Runs transformers models with their causal attention masks always built, as torch.export
+    builds them.
+
+    Eagerly, transformers' SDPA path drops a causal mask whose padding mask is all ones and lets the
+    attention module's `is_causal` flag stand in for it (`masking_utils._ignore_causal_mask_sdpa`,
+    meant to change no result). Under torch.export it never drops it (the decision reads the mask's
+    values). Where a model's attention hard-codes `is_causal=False` beside a causal mask (AIMv2's
+    text tower in transformers 5.24), the dropped mask turns an unpadded batch bidirectional: a
+    row's output then depends on whether another row of its batch is padded, and the eager
+    reference departs from the program (relative RMS 0.43 at batch 1 x seq 2). With the mask always
+    built every row sees the causal mask it is given, as the program and transformers' "eager"
+    attention compute; for every other model the result is unchanged.
+    """
+    from transformers import masking_utils
+
+    dropped = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
+    if dropped is None:
+        yield
+        return
+    masking_utils._ignore_causal_mask_sdpa = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = dropped
 
 
 def named_forward(model: torch.nn.Module, input_names: tuple[str, ...]) -> torch.nn.Module:

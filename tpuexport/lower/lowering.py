@@ -58,7 +58,8 @@ from tpuexport.lower.mixed_precision import (PRECISIONS, cast_arguments, cast_re
                                              kept_f32_meetings, resolve_precision, stored_dtype, stored_weight)
 from tpuexport.lower.registry import own_lowering
 from tpuexport.lower.scan import ScannedRun, find_runs, run_scan, stack_weights
-from tpuexport.lower.op_support import find_unsupported, user_source
+from tpuexport.lower.op_support import find_unsupported
+from tpuexport.source_lines import user_source
 from tpuexport.lower.quantized_weights import QuantizedArray, call_with_quantized, dequantize_all, holds_quantized
 from tpuexport.lower.shapes import symbolic_input_avals
 from tpuexport.lower.torchax_import import import_torchax

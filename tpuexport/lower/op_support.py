@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import torch
 
 from tpuexport.lower.registry import own_lowering
-from tpuexport.source_lines import is_user_code
+from tpuexport.source_lines import user_source
 from tpuexport.lower.torchax_import import import_torchax
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,17 +60,3 @@ def find_unsupported(graph_module: torch.fx.GraphModule) -> list[UnsupportedOper
         entry = UnsupportedOperator(name, user_source(node))
         found.setdefault((entry.name, entry.source), entry)
     return list(found.values())
-
-
-def user_source(node: torch.fx.Node) -> str:
-    """The innermost frame of the node's stack trace that is the user's code, not torch's."""
-    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
-    user_frames = [frame for frame in frames if is_user_code(frame[0])]
-    if user_frames:
-        path, line, code = user_frames[-1]
-        return f"{path}:{line} ({code.strip()})"
-    module_stack = node.meta.get("nn_module_stack") or {}
-    if module_stack:
-        path, module_type = list(module_stack.values())[-1]
-        return f"module {path or '<root>'} ({getattr(module_type, '__name__', module_type)})"
-    return "unknown source line"

@@ -40,7 +40,7 @@ from tpuexport.lower.generation import GenerationProgram, GenerationSession, cpu
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
 from tpuexport.lower.program import EntryPoints
 from tpuexport.verify.compare import OutputComparison, Tolerances, compare_output, sqnr_db
-from tpuexport.verify.report import RUNS, summary_section
+from tpuexport.verify.report import RUNS, summary_section, tpu_arithmetic_hint
 from tpuexport.verify.sizes import MAX_FILL_TEMPORARY_BYTES
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
 from tpuexport.verify.tpu_numerics import tpu_faithful
@@ -202,6 +202,9 @@ class GenerationReport:
                 if not run.logits.passed:
                     clauses.append(f"{case.label} ({name} run): logits {run.logits.describe_failure()} "
                                    f"[{getattr(self.tolerances, name).describe()}]")
+        failed_runs = {name for case in self.cases for name, run in case.runs.items() if not run.passed}
+        if failed_runs == {"tpu"} and self.matmul_precision != "highest" and not any(case.error for case in self.cases):
+            clauses.append(tpu_arithmetic_hint(self.matmul_precision))
         return "; ".join(clauses) or "generation matches"
 
     def manifest_section(self) -> dict:

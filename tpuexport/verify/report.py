@@ -75,6 +75,14 @@ class VerificationCase:
 REPORT_PATH, GOLDEN_PATH = "verification/report.json", "verification/golden.safetensors"
 
 
+def tpu_arithmetic_hint(matmul_precision: str) -> str:
+    """The clause a failure ends with when only the TPU-faithful run departs (the plain f32 run of
+    the same program passes): the program is right, the TPU's matmul rounding is what departs."""
+    return (f"only the TPU's arithmetic (matmul precision {matmul_precision}) departs from eager PyTorch this "
+            "much: --matmul-precision high or highest computes closer to f32 on the TPU (at 3x or 6x the matmul "
+            "passes), or loosen --rtol/--scale-tol if this error is acceptable")
+
+
 def summary_section(report) -> dict:
     """What the manifest's "verification" block says of any report (forward or generation): outcome,
     reference, arithmetic, tolerances, and where the report and golden data are."""
@@ -128,9 +136,7 @@ class VerificationReport:
                         clauses.append(f"output {output.name!r} at {case.describe_sizes()} ({run} run): "
                                        f"{output.describe_failure()} [{tolerances.describe()}]")
         if self._only_the_tpu_run_failed():
-            clauses.append(f"only the TPU's arithmetic (matmul precision {self.matmul_precision}) departs from eager PyTorch this "
-                           "much: --matmul-precision high or highest computes closer to f32 on the TPU (at 3x or 6x the matmul "
-                           "passes), or loosen --rtol/--scale-tol if this error is acceptable")
+            clauses.append(tpu_arithmetic_hint(self.matmul_precision))
         elif self._the_cpu_run_failed():
             clauses.append(_CPU_RUN_FIXES.get(self.precision, _CPU_RUN_FIXES["f32"]))
         return "; ".join(clauses) or "all outputs match"
