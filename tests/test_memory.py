@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 import tpuexport
-from tpuexport.cli import describe_peak_memory
+from tpuexport.cli import describe_memory_budget, describe_peak_memory
 from tpuexport.errors import TpuExportError
 from tpuexport.export import load_source
 from tpuexport.memory import UNKNOWN_PEAK, MemoryMonitor, PeakMemory, memory_budget, resident_bytes
@@ -62,6 +62,14 @@ def test_unreadable_figures_are_unknown_never_zero(tmp_path):
     assert set(json.loads(json.dumps(peak.to_json())).values()) == {"unknown"}
     assert PeakMemory.from_json(peak.to_json()) == UNKNOWN_PEAK
     assert describe_peak_memory({"export": peak, "write": peak}) == "peak memory unknown"
+
+
+def test_the_summary_line_names_the_budget_and_the_bounds_it_set():
+    assert describe_memory_budget({"budget": {"bytes": 3 * 10**9, "source": "--memory-budget"}, "resident_bytes": 10**9,
+                                   "output_bytes": 10**8, "fill_bytes": 10**9, "limited_by_budget": True}) == (
+        "memory budget 3 GB (--memory-budget); verification runs within 0.09 GiB of outputs, 0.93 GiB of fill temporaries "
+        "(set by the budget)")
+    assert describe_memory_budget({"budget": {"bytes": "unknown", "source": "default, unknown"}}) == "memory budget unknown"
 
 
 def test_the_summary_line_names_the_largest_stage_and_child():
@@ -172,7 +180,7 @@ def test_weights_beyond_the_budget_are_refused_before_they_are_read(tmp_path):
     code, lines, stdout = tpuexport_in_process("convert", "linear.pt2", "--memory-budget", "0.000001", cwd=tmp_path)
     assert code == 2 and len(lines) == 1 and stdout == "", lines
     assert lines[0].startswith(f"error: linear.pt2 (its weights are read whole), {size / 2**30:.2f} GiB, would be read into memory "
-                               "and alone exceed the memory budget of 0.00 GiB (--memory-budget); give a larger --memory-budget, "
+                               "and alone exceed the memory budget of 1e-06 GB (--memory-budget); give a larger --memory-budget, "
                                "or stream the weights"), lines
     assert "--checkpoint" in lines[0]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["linear.pt2"]

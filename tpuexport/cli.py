@@ -300,10 +300,10 @@ def describe_peak_memory(stage_memory: dict[str, memory.PeakMemory]) -> str:
 
 def describe_memory_budget(record: dict) -> str:
     """The convert summary's budget line, from the manifest's build "memory_budget": "memory budget
-    12.00 GiB (--memory-budget); verification runs within 1.00 GiB of outputs, 2.00 GiB of fill temporaries"."""
+    12 GB (--memory-budget); verification runs within 1.00 GiB of outputs, 2.00 GiB of fill temporaries"."""
     budget = record["budget"]
-    size = None if budget is None or budget["bytes"] == memory.UNKNOWN else budget["bytes"]
-    text = f"memory budget {memory.gib(size)}" + (f" ({budget['source']})" if budget else "")
+    known = budget is not None and budget["bytes"] != memory.UNKNOWN
+    text = "memory budget " + (memory.MemoryBudget(budget["bytes"], budget["source"]).describe() if known else memory.UNKNOWN)
     if "output_bytes" in record:
         limited = " (set by the budget)" if record["limited_by_budget"] else ""
         text += (f"; verification runs within {memory.gib(record['output_bytes'])} of outputs, "

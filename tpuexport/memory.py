@@ -95,8 +95,8 @@ class MemoryBudget:
     source: str
 
     def describe(self) -> str:
-        """"12.00 GiB (--memory-budget)", "unknown (...)"."""
-        return f"{gib(self.bytes)} ({self.source})"
+        """"12 GB (--memory-budget)" in the unit --memory-budget takes (10^9 bytes), "unknown (...)"."""
+        return f"{UNKNOWN if self.bytes is None else f'{self.bytes / 1e9:.3g} GB'} ({self.source})"
 
     def to_json(self) -> dict:
         return {"bytes": UNKNOWN if self.bytes is None else self.bytes, "source": self.source}
