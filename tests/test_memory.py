@@ -6,18 +6,23 @@ summary line are tested in test_cli.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import time
 
+import pytest
+
 import numpy as np
 import torch
 
 import tpuexport
-from tpuexport.cli import describe_peak_memory
-from tpuexport.memory import UNKNOWN_PEAK, MemoryMonitor, PeakMemory
-from tpuexport.verify.sizes import output_bytes, plan_cases
+from tpuexport.cli import describe_memory_budget, describe_peak_memory
+from tpuexport.errors import TpuExportError
+from tpuexport.export import load_source
+from tpuexport.memory import UNKNOWN_PEAK, MemoryMonitor, PeakMemory, memory_budget, resident_bytes
+from tpuexport.verify.sizes import MAX_OPTIONAL_OUTPUT_BYTES, output_bytes, plan_cases
 
 MIB = 2**20
 
@@ -59,6 +64,14 @@ def test_unreadable_figures_are_unknown_never_zero(tmp_path):
     assert describe_peak_memory({"export": peak, "write": peak}) == "peak memory unknown"
 
 
+def test_the_summary_line_names_the_budget_and_the_bounds_it_set():
+    assert describe_memory_budget({"budget": {"bytes": 3 * 10**9, "source": "--memory-budget"}, "resident_bytes": 10**9,
+                                   "output_bytes": 10**8, "fill_bytes": 10**9, "limited_by_budget": True}) == (
+        "memory budget 3 GB (--memory-budget); verification runs within 0.09 GiB of outputs, 0.93 GiB of fill temporaries "
+        "(set by the budget)")
+    assert describe_memory_budget({"budget": {"bytes": "unknown", "source": "default, unknown"}}) == "memory budget unknown"
+
+
 def test_the_summary_line_names_the_largest_stage_and_child():
     peaks = {"export": PeakMemory(1 * 2**30, 2**29, 3 * 2**29, 0), "verify": PeakMemory(3 * 2**30, 2**29, 7 * 2**29, 0),
              "compile": PeakMemory(2**30, 2**29, 2 * 2**30, 5 * 2**28)}
@@ -81,12 +94,14 @@ class LanguageModelHead(torch.nn.Module):
 def test_verification_runs_stay_within_the_memory_bound(tmp_path):
     """The padded bucket 8 x 2048's logits would be 1.2 GiB per run (three runs held at once): the
     padding check runs 8 rows at the example's seq instead, and says so; the "max" size, within the
-    FLOPs budget, is not planned either."""
+    FLOPs budget, is not planned either. A 64 GB budget leaves the fixed per-run bound (1 GiB) in
+    force on any machine."""
     torch.manual_seed(0)
     batch, seq = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("seq", min=2, max=2048)
     input_ids = torch.randint(0, 20000, (2, 16))
     artifact = tpuexport.convert(LanguageModelHead().eval(), (input_ids,), {"input_ids": {0: batch, 1: seq}}, target="v5e",
-                                 out=tmp_path / "head.tpu", buckets={"batch": [8], "seq": [2048]}, saved_model=False, verify_budget_flops=1)
+                                 out=tmp_path / "head.tpu", buckets={"batch": [8], "seq": [2048]}, saved_model=False, verify_budget_flops=1,
+                                 memory_budget_gb=64)
     padding = artifact.manifest["padding"]
     assert padding["passed"] and padding["bucket"] == {"batch": 8, "seq": 2048} and padding["sizes"] == {"batch": 8, "seq": 16}
     assert padding["note"].startswith("seq 16 at the example's size: the bucket's outputs, 1.2 GiB, are beyond the 1 GiB")
@@ -110,3 +125,82 @@ def test_the_writer_streams_in_memory_weights_without_copying_them(tmp_path):
     before = max(peak.anonymous_bytes for stage, peak in memory.items() if stage not in ("write", "compile"))
     assert memory["write"].anonymous_bytes < before + 64 * MIB, {stage: peak.anonymous_bytes // MIB for stage, peak in memory.items()}
     torch.testing.assert_close(artifact.run(torch.ones(3, 2048)), model(torch.ones(3, 2048)), atol=1e-4, rtol=1e-4)
+
+
+def test_a_tight_memory_budget_shrinks_and_skips_the_optional_cases(tmp_path):
+    """A budget 1 GB above what the process holds leaves an optional run a twentieth of what is left
+    (eager's, both runs' outputs and the comparison's float64 temporaries): the sizes with long
+    sequences (0.16-1.2 GiB of logits) are skipped and the padded bucket shrunk, both naming the budget; the conversion passes
+    and the manifest records the budget and the bounds it set."""
+    torch.manual_seed(0)
+    batch, seq = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("seq", min=2, max=2048)
+    budget_gb = (resident_bytes() + 10**9) / 1e9
+    artifact = tpuexport.convert(LanguageModelHead().eval(), (torch.randint(0, 20000, (2, 16)),), {"input_ids": {0: batch, 1: seq}},
+                                 target="v5e", out=tmp_path / "head.tpu", buckets={"batch": [8], "seq": [2048]}, saved_model=False,
+                                 memory_budget_gb=budget_gb)
+    record = artifact.manifest["build"]["memory_budget"]
+    assert record["budget"] == {"bytes": int(budget_gb * 1e9), "source": "--memory-budget"} and record["limited_by_budget"]
+    assert record["output_bytes"] < 2 * 10**9 // 20 < MAX_OPTIONAL_OUTPUT_BYTES  # the process may have freed memory since
+    verification = artifact.manifest["verification"]
+    # batch 8 x seq 2 fits; every size with a long seq does not.
+    assert verification["passed"] and [case["label"] for case in verification["cases"]] == ["example", "min", "max-batch"]
+    skipped = {case["label"]: case["reason"] for case in verification["skipped"]}
+    assert set(skipped) == {"max", "max-seq", "mid"}, skipped
+    assert skipped["mid"].startswith("outputs of 0.38 GiB, beyond the ") and "the memory budget" in skipped["mid"], skipped
+    assert skipped["max"].startswith("outputs of 1.22 GiB") and "--memory-budget" in skipped["mid"]
+    padding = artifact.manifest["padding"]
+    assert padding["passed"] and padding["sizes"] == {"batch": 8, "seq": 16} and "within the memory budget" in padding["note"]
+
+
+def tpuexport_in_process(*args, cwd):
+    """The command run by click's test runner in this process: (exit code, stderr lines)."""
+    from click.testing import CliRunner
+
+    from tpuexport.cli import main
+
+    with contextlib.chdir(cwd):
+        result = CliRunner().invoke(main, list(map(str, args)))
+    return result.exit_code, result.stderr.strip().splitlines(), result.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "lots"])
+def test_a_malformed_memory_budget_is_one_line_and_exit_2(value, tmp_path):
+    code, lines, stdout = tpuexport_in_process("convert", "nowhere.pt2", "--memory-budget", value, cwd=tmp_path)
+    assert code == 2 and lines == [f"error: --memory-budget {value} is not a positive number of GB; give one such as 12 or 7.5 "
+                                   "(or leave it out for the default, a share of the memory available)"] and stdout == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_weights_beyond_the_budget_are_refused_before_they_are_read(tmp_path):
+    """A .pt2 source is read whole: beyond a 1 kB budget it is refused in one line naming its size, the
+    budget and the streamed path; nothing is written."""
+    model = torch.nn.Linear(64, 64)
+    torch.export.save(torch.export.export(model, (torch.ones(2, 64),)), tmp_path / "linear.pt2")
+    size = (tmp_path / "linear.pt2").stat().st_size
+    code, lines, stdout = tpuexport_in_process("convert", "linear.pt2", "--memory-budget", "0.000001", cwd=tmp_path)
+    assert code == 2 and len(lines) == 1 and stdout == "", lines
+    assert lines[0].startswith(f"error: linear.pt2 (its weights are read whole), {size / 2**30:.2f} GiB, would be read into memory "
+                               "and alone exceed the memory budget of 1e-06 GB (--memory-budget); give a larger --memory-budget, "
+                               "or stream the weights"), lines
+    assert "--checkpoint" in lines[0]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["linear.pt2"]
+
+
+def test_a_directory_read_into_memory_is_refused_and_a_streamed_one_is_not(tmp_path):
+    """A Hugging Face directory's weights are sized from its safetensors headers before loading:
+    read into memory (PT2E rounds them there) beyond the budget they are refused; streamed, the same
+    budget loads it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                                     num_labels=3)
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "bert")
+    weights = sum(parameter.numel() * 4 for parameter in transformers.BertForSequenceClassification(config).parameters())
+    budget = memory_budget(weights / 2 / 1e9)
+    with pytest.raises(TpuExportError) as refused:
+        load_source(str(tmp_path / "bert"), task="text-classification", weights_in_memory=True, memory_budget=budget)
+    message = str(refused.value)
+    assert "\n" not in message and "would be read into memory and alone exceed the memory budget" in message
+    assert "--quantize int8/int8-dynamic rounds them there" in message and "give a larger --memory-budget" in message
+    streamed = load_source(str(tmp_path / "bert"), task="text-classification", memory_budget=budget)
+    assert streamed.checkpoint is not None

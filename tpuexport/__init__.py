@@ -26,6 +26,7 @@ from tpuexport.compile import SLICES, TARGETS, make_request
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError, VerificationError
 from tpuexport.export import DEFAULT_CACHE_LAYOUT, LoadedSource, SourceInfo, open_checkpoint, parameters_on_meta
 from tpuexport.lower.sampling import Sampling
+from tpuexport.memory import memory_budget
 from tpuexport.pipeline import ConversionOptions, run_conversion
 from tpuexport.runtime import Runner
 from tpuexport.runtime import open_runner as runner
@@ -68,6 +69,7 @@ def convert(
     kernels: str = "auto",
     tolerances: dict[str, float] | tuple[float, float] | None = None,
     verify_budget_flops: float = DEFAULT_BUDGET_FLOPS,
+    memory_budget_gb: float | None = None,
     verify_sizes: list[dict[str, int]] | None = None,
     overwrite: bool = False,
     scan: bool = True,
@@ -120,6 +122,9 @@ def convert(
       tolerances: verification overrides, {"atol": ..., "rtol": ..., "scale_tol": ...} or
         (atol, rtol); None for the defaults of the numeric settings (docs/verification.md).
       verify_budget_flops: matmul FLOPs the optional verification sizes may add.
+      memory_budget_gb: what the converting process may hold, in GB (10^9 bytes): verification's
+        optional runs are shrunk or skipped to stay within it (docs/verification.md); None: the
+        process's resident memory at the start plus 3/4 of the machine's MemAvailable.
       verify_sizes: dim sizes that must also be verified, e.g. [{"batch": 64, "seq": 512}].
       overwrite: replace an existing artifact at `out`.
       scan: lower runs of identical blocks (a model's layers: BERT's, Llama's, ViT's) as one scan each,
@@ -199,6 +204,7 @@ def convert(
         task=task, max_batch=max_batch, max_context=max_context, cache_layout=cache_layout, kv_cache_dtype=kv_cache_dtype,
         sliding_window_cache=sliding_window_cache, kv_cache=kv_cache, page_size=page_size, num_pages=num_pages,
         new_tokens=verify_new_tokens, compile_envs=tuple(str(python) for python in compile_envs),
+        memory_budget=memory_budget(memory_budget_gb),
     )
     return run_conversion(loaded, options, progress)
 

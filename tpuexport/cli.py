@@ -118,6 +118,11 @@ def _describe_window_cache(generation: dict) -> str:
 @click.option("--scale-tol", type=float, help="Verification tolerance relative to each output's RMS [default per numeric setting].")
 @click.option("--verify-budget", "verify_budget", type=float, default=DEFAULT_BUDGET_FLOPS / 1e9, show_default=True, metavar="GFLOP",
               help="Matmul GFLOP the optional verification sizes (max, mid) may add.")
+@click.option("--memory-budget", "memory_budget", metavar="GB",
+              help="What the converting process may hold, in GB: verification's optional runs (max/mid sizes, the padded "
+                   "bucket, generation fills) are shrunk or skipped to stay within it, and weights read into memory that "
+                   "alone exceed it are refused before they are read. [default: what the process holds at the start + "
+                   f"{memory.DEFAULT_BUDGET_FRACTION:g} of the machine's MemAvailable]")
 @click.option("--verify-size", "verify_sizes", multiple=True, metavar="DIM=S,DIM=S",
               help="Sizes that must also be verified (repeat for several; unnamed dims at their example size).")
 @click.option("--scan/--no-scan", default=True, show_default=True,
@@ -164,7 +169,7 @@ def _describe_window_cache(generation: dict) -> str:
                    "executables per version set and the runtime loads its host's. Repeatable.")
 @handles_errors
 def convert(source, targets, out, buckets, precision, matmul_precision, kernels, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
-            shard_inputs, as_json, atol, rtol, scale_tol, verify_budget, verify_sizes, scan, saved_model, model_name, model_version, quantize,
+            shard_inputs, as_json, atol, rtol, scale_tol, verify_budget, memory_budget, verify_sizes, scan, saved_model, model_name, model_version, quantize,
             group_size, keep_float, calibration_file, random_calibration, weights, checkpoint, max_context, max_batch, cache_layout,
             kv_cache_dtype, sliding_window_cache, kv_cache, page_size, num_pages, verify_new_tokens, compile_envs):
     """Convert SOURCE (a Hugging Face model directory or hf:ORG/NAME with --task, model.pt2, file.py:factory, or model.pt with
@@ -172,6 +177,7 @@ def convert(source, targets, out, buckets, precision, matmul_precision, kernels,
     overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
     if verify_budget < 0:
         raise TpuExportError(f"--verify-budget {verify_budget:g} is negative; give GFLOP >= 0 (0 runs only the sizes every conversion runs)")
+    budget = memory.memory_budget(memory_budget)  # read before the source is loaded: a default's share of what is available now
     _convert_source(
         source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json, task=task,
         precision=precision, matmul_precision=matmul_precision, kernels=kernels, tolerance_overrides=overrides,
@@ -181,7 +187,7 @@ def convert(source, targets, out, buckets, precision, matmul_precision, kernels,
         group_size=group_size, keep_float=keep_float, calibration_file=calibration_file, random_calibration=random_calibration,
         weights=weights, checkpoint=checkpoint, max_context=max_context, max_batch=max_batch, cache_layout=cache_layout,
         kv_cache_dtype=kv_cache_dtype, sliding_window_cache=sliding_window_cache, kv_cache=kv_cache, page_size=page_size,
-        num_pages=num_pages, new_tokens=verify_new_tokens, compile_envs=compile_envs,
+        num_pages=num_pages, new_tokens=verify_new_tokens, compile_envs=compile_envs, memory_budget=budget,
     )
 
 
@@ -237,7 +243,8 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
     # The paged step does not stream a checkpoint's weights yet: a Hugging Face directory's are read in.
     in_memory = options.get("quantize") in ("int8", "int8-dynamic") or options.get("kv_cache") == "paged"
     loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs, checkpoint=checkpoint,
-                                      task=task if huggingface or not generation else None, weights_in_memory=in_memory)
+                                      task=task if huggingface or not generation else None, weights_in_memory=in_memory,
+                                      memory_budget=options.get("memory_budget"))
     if loaded.huggingface is not None and loaded.huggingface.task == "text-generation":
         generation = True
         if options.get("max_context") is None:  # a Hugging Face config says how far its positions go
@@ -250,6 +257,9 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
     else:
         stderr.print(f"[bold green]converted[/] {source} -> {artifact.path}", soft_wrap=True)
     stderr.print(describe_peak_memory(artifact.records.stage_memory), soft_wrap=True)
+    budget = artifact.manifest.get("build", {}).get("memory_budget")
+    if budget:
+        stderr.print(describe_memory_budget(budget), soft_wrap=True)
     for warning in artifact.manifest.get("quantization", {}).get("warnings", []):
         stderr.print(f"[bold yellow]WARNING:[/] {warning}", soft_wrap=True)
     if as_json:
@@ -286,6 +296,19 @@ def describe_peak_memory(stage_memory: dict[str, memory.PeakMemory]) -> str:
             f"mapped {memory.gib(peak.mapped_bytes)})")
     child = memory.largest(stage_memory, "child_bytes")
     return text + (f"; largest child process {memory.gib(child[1].child_bytes)} in {child[0]}" if child and child[1].child_bytes else "")
+
+
+def describe_memory_budget(record: dict) -> str:
+    """The convert summary's budget line, from the manifest's build "memory_budget": "memory budget
+    12 GB (--memory-budget); verification runs within 1.00 GiB of outputs, 2.00 GiB of fill temporaries"."""
+    budget = record["budget"]
+    known = budget is not None and budget["bytes"] != memory.UNKNOWN
+    text = "memory budget " + (memory.MemoryBudget(budget["bytes"], budget["source"]).describe() if known else memory.UNKNOWN)
+    if "output_bytes" in record:
+        limited = " (set by the budget)" if record["limited_by_budget"] else ""
+        text += (f"; verification runs within {memory.gib(record['output_bytes'])} of outputs, "
+                 f"{memory.gib(record['fill_bytes'])} of fill temporaries{limited}")
+    return text
 
 
 def summary(artifact) -> dict:

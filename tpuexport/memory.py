@@ -13,14 +13,21 @@ high-water mark at fork into a child's ru_maxrss (measured: a `python -c pass` c
 that had touched 300 MB reported 321 MB), so it says how large the converting process once was,
 not its children.
 Where /proc cannot be read (not Linux), every figure is None, which a report prints as "unknown".
+
+A conversion's memory budget (MemoryBudget, `--memory-budget GB`) bounds what the converting process
+may hold: verification sizes its optional runs by what is left of it (verify/sizes.py), and weights
+read into memory that alone exceed it are refused before they are read (export/sources.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pathlib
 import threading
+
+from tpuexport.errors import TpuExportError
 
 # How often the thread samples the process and its children. Measured with two children: 4 % of a
 # core at 10 ms (a conversion's own work competes with it on a 2-core runner), 1 % at 50 ms; the
@@ -31,7 +38,15 @@ CHILD_SCAN_SECONDS = 0.2
 # What a report prints for a figure that cannot be read.
 UNKNOWN = "unknown"
 
+# The default memory budget: what the process holds when the conversion starts plus this share of what
+# the machine has available then (/proc/meminfo MemAvailable). The quarter left is for what the
+# budget does not count: the TPU compilers' and TensorFlow's child processes (0.5-1.4 GiB each,
+# measured: docs/checkpoints-and-plans.md), the page cache of the artifact being written, and the
+# other processes of a shared runner, whose memory moves during a conversion of minutes.
+DEFAULT_BUDGET_FRACTION = 0.75
+
 _STATUS = pathlib.Path("/proc/self/status")
+_MEMINFO = pathlib.Path("/proc/meminfo")
 _STATUS_FIELDS = ("RssAnon", "RssFile", "RssShmem", "VmHWM")
 
 
@@ -64,6 +79,69 @@ class PeakMemory:
 
 
 UNKNOWN_PEAK = PeakMemory(None, None, None, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBudget:
+    """What a conversion's process may hold in memory.
+
+    Attributes:
+      bytes: the budget, or None when it is unknown (no --memory-budget, and /proc/meminfo cannot
+        be read): verification then keeps its fixed per-run bounds (verify/sizes.py).
+      source: how it was chosen: "--memory-budget", or the default's figures.
+    """
+
+    bytes: int | None
+    source: str
+
+    def describe(self) -> str:
+        """"12 GB (--memory-budget)" in the unit --memory-budget takes (10^9 bytes), "unknown (...)"."""
+        return f"{UNKNOWN if self.bytes is None else f'{self.bytes / 1e9:.3g} GB'} ({self.source})"
+
+    def to_json(self) -> dict:
+        return {"bytes": UNKNOWN if self.bytes is None else self.bytes, "source": self.source}
+
+
+def memory_budget(gigabytes: float | str | None = None) -> MemoryBudget:
+    """The budget `--memory-budget GB` gives (GB = 10^9 bytes), or the default when None: the
+    process's resident memory now plus DEFAULT_BUDGET_FRACTION of MemAvailable, unknown where
+    /proc/meminfo cannot be read.
+
+    Raises:
+      TpuExportError: a value that is not a positive number.
+    """
+    if gigabytes is None:
+        available, held = _mem_available(), resident_bytes()
+        if available is None:
+            return MemoryBudget(None, "default, unknown: /proc/meminfo has no MemAvailable here")
+        return MemoryBudget(int((held or 0) + DEFAULT_BUDGET_FRACTION * available),
+                            f"default: {DEFAULT_BUDGET_FRACTION:g} of the {gib(available)} available at the start + the "
+                            f"{gib(held or 0)} the process held")
+    try:
+        value = float(gigabytes)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise TpuExportError(f"--memory-budget {gigabytes} is not a positive number of GB; give one such as 12 or 7.5 "
+                             "(or leave it out for the default, a share of the memory available)")
+    return MemoryBudget(int(value * 1e9), "--memory-budget")
+
+
+def resident_bytes() -> int | None:
+    """The process's resident memory now (anonymous + mapped + shared), None where /proc cannot be read."""
+    reading = _read_status()
+    return None if reading is None else reading["RssAnon"] + reading["RssFile"] + reading["RssShmem"]
+
+
+def _mem_available(path: pathlib.Path = _MEMINFO) -> int | None:
+    """The machine's MemAvailable (what can be allocated without swapping), None where it cannot be read."""
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def gib(count: int | None) -> str:

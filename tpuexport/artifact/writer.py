@@ -130,6 +130,7 @@ def write_artifact(
     padding: dict[str, tuple[str | None, str]] | None = None,
     bucket_figures: Callable[[str, CompiledBucket], dict] | None = None,
     version_sets: Callable[[], dict[str, dict[str, CompileReport]]] = dict,
+    memory_budget: dict | None = None,
 ) -> dict:
     """Writes the artifact directory: one weights file, each entry point's program files and
     executables, the verification report and golden data, and the manifest (records.py), last.
@@ -159,6 +160,8 @@ def write_artifact(
       version_sets: returns the compile environments' executables, {version set name: {entry point:
         CompileReport}} (called after `compiled`); each target records them under "version_sets",
         and the manifest's "version_sets" section lists every set's versions, this interpreter's first.
+      memory_budget: the conversion's memory budget and the per-run bounds verification ran within
+        (verify.RunMemory.to_json()), recorded under "build" (it depends on the machine); None for none.
     Returns:
       The manifest written.
     """
@@ -200,7 +203,8 @@ def write_artifact(
             compile_seconds.update({f"{result.target.name}@{set_name}/{name}/{result.bucket.name}": result.compile_seconds
                                     for set_name, sets in other_sets.items() for name, report in sets.items() for result in report.results})
         build = {**build_section(stage_seconds), **extra_build,
-                 "compile_seconds": {key: round(seconds, 3) for key, seconds in compile_seconds.items()}}
+                 "compile_seconds": {key: round(seconds, 3) for key, seconds in compile_seconds.items()},
+                 **({"memory_budget": memory_budget} if memory_budget is not None else {})}
         manifest = Manifest(task, shared.plan_only, package_versions(), dataclasses.asdict(source), shared.precision,
                             shared.resolved_precision, shared.matmul_precision, weights, entry_points, targets, sections, build,
                             hash_tree(staging), stage_memory()).to_json()

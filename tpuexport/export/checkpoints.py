@@ -29,6 +29,7 @@ import torch
 
 from tpuexport.arrays import SAFETENSORS_DTYPES, read_safetensors_header
 from tpuexport.errors import TpuExportError
+from tpuexport.memory import MemoryBudget, gib
 
 PICKLED_STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin")
 # Names listed when the checkpoint and the model disagree (the rest are counted).
@@ -155,6 +156,32 @@ def _directory_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     if not files:
         raise TpuExportError(f"checkpoint directory {directory} has no .safetensors files; save the weights with safetensors")
     return {name: file for file in files for name in read_safetensors_header(file)[0]}
+
+
+def stored_weight_bytes(directory: pathlib.Path) -> int:
+    """The bytes of a model directory's weights, from its safetensors headers (no tensor is read), or
+    the sizes of its pickled state_dict files when it has no safetensors."""
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        return sum(int(entry["data_offsets"][1]) - int(entry["data_offsets"][0])
+                   for file in files for entry in read_safetensors_header(file)[0].values())
+    return sum(path.stat().st_size for suffix in PICKLED_STATE_DICT_SUFFIXES for path in directory.glob(f"*{suffix}"))
+
+
+def check_weights_fit(weight_bytes: int, what: str, budget: MemoryBudget | None, fix: str) -> None:
+    """Refuses, before they are read, weights that will be held in memory and alone exceed the budget.
+
+    Args:
+      weight_bytes: their size (from headers or file sizes).
+      what: what holds them, for the message ("the weights of DIR").
+      budget: the conversion's memory budget, or None (nothing is refused).
+      fix: how to convert the model within it, ending the message.
+    Raises:
+      TpuExportError: they do not fit.
+    """
+    if budget is not None and budget.bytes is not None and weight_bytes > budget.bytes:
+        raise TpuExportError(f"{what}, {gib(weight_bytes)}, would be read into memory and alone exceed the memory budget of "
+                             f"{budget.describe()}; {fix}")
 
 
 def _load_state_dict(path: pathlib.Path) -> dict:

@@ -42,7 +42,8 @@ import torch
 
 from tpuexport.errors import TpuExportError
 from tpuexport.logs import TORCHAO_LOGGERS, quiet_loggers
-from tpuexport.export.checkpoints import Checkpoint, open_checkpoint, parameters_on_meta, with_checkpoint_weights
+from tpuexport.export.checkpoints import (Checkpoint, check_weights_fit, open_checkpoint, parameters_on_meta, stored_weight_bytes,
+                                          with_checkpoint_weights)
 from tpuexport.export.generation import check_decoder
 from tpuexport.export.loaded import LoadedSource, SourceInfo, file_sha256
 from tpuexport.export.specs import DimSpec
@@ -122,7 +123,8 @@ class Task:
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedModel:
-    """A Hugging Face source resolved to a directory, a config and a task."""
+    """A Hugging Face source resolved to a directory, a config and a task (memory_budget: the
+    conversion's memory.MemoryBudget, or None, that weights read into memory must fit)."""
 
     directory: pathlib.Path
     reference: str
@@ -131,6 +133,7 @@ class ResolvedModel:
     task: str
     auto_class: str
     revision: str | None
+    memory_budget: object = None
 
 
 def _tasks() -> dict[str, Task]:
@@ -164,7 +167,8 @@ def is_huggingface_source(reference: str) -> bool:
     return reference.startswith(HF_PREFIX) or pathlib.Path(reference).is_dir()
 
 
-def load_huggingface(reference: str, task: str | None, dims: list[DimSpec] = (), weights_in_memory: bool = False) -> LoadedSource:
+def load_huggingface(reference: str, task: str | None, dims: list[DimSpec] = (), weights_in_memory: bool = False,
+                     memory_budget=None) -> LoadedSource:
     """Loads a Hugging Face model directory (or a cached `hf:ORG/NAME`) for a task.
 
     Args:
@@ -173,6 +177,8 @@ def load_huggingface(reference: str, task: str | None, dims: list[DimSpec] = (),
       dims: --dim overrides of the input dims (see the module docstring).
       weights_in_memory: read the weights into the model (PT2E quantization rounds them in
         memory) instead of streaming them from the checkpoint.
+      memory_budget: the conversion's memory.MemoryBudget, or None: weights read into memory that
+        alone exceed it are refused before they are read.
     Returns:
       The LoadedSource: the model on the meta device with the directory's checkpoint (or with its
       weights), example inputs, dynamic shapes, and the `huggingface` record for the artifact.
@@ -192,7 +198,7 @@ def load_huggingface(reference: str, task: str | None, dims: list[DimSpec] = (),
     tasks = _tasks()
     supported = [name for name, entry in tasks.items() if _auto_class(entry, config) is not None]
     task = _choose_task(task, config, tasks, supported, directory)
-    resolved = ResolvedModel(directory, reference, config, config_json, task, _auto_class(tasks[task], config), revision)
+    resolved = ResolvedModel(directory, reference, config, config_json, task, _auto_class(tasks[task], config), revision, memory_budget)
     return tasks[task].build(resolved, list(dims), weights_in_memory)
 
 
@@ -305,11 +311,13 @@ def _forward_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_mem
     record = HuggingFaceInfo(resolved.task, type(model).__name__, config.model_type, resolved.revision, resolved.config_json,
                              {name: resolved.directory / name for name in SERVING_FILES if (resolved.directory / name).is_file()})
     if checkpoint is None:  # tensors transformers converts when loading (not only renames): its own loading reads them
+        _check_in_memory_fit(resolved, "transformers converts some of its tensors as it loads them")
         loaded = _from_pretrained(auto_class, resolved.directory, dtype)
         loaded.config.use_cache = False
         traceable_experts(loaded)
         wrapped = named_forward(loaded, wrapped.input_names)
     elif weights_in_memory:
+        _check_in_memory_fit(resolved, "--quantize int8/int8-dynamic rounds them there")
         wrapped, checkpoint = with_checkpoint_weights(wrapped, checkpoint), None
     return LoadedSource(wrapped, args, dynamic_shapes, None, info, checkpoint=checkpoint, huggingface=record)
 
@@ -339,11 +347,22 @@ def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_
             model = auto_class.from_config(resolved.config, dtype=dtype).eval()
         checkpoint = _checkpoint(resolved.directory, model)
     if checkpoint is None:
+        _check_in_memory_fit(resolved, "an encoder-decoder's entry points do not stream them yet" if encoder_decoder else
+                             "--quantize int8/int8-dynamic and --kv-cache paged read them in" if weights_in_memory else
+                             "transformers converts some of its tensors as it loads them")
         model = _from_pretrained(auto_class, resolved.directory, dtype)
     traceable_experts(model)
     record = HuggingFaceInfo(resolved.task, type(model).__name__, resolved.config.model_type, resolved.revision, resolved.config_json,
                              {name: resolved.directory / name for name in SERVING_FILES if (resolved.directory / name).is_file()})
     return LoadedSource(model.eval(), None, None, None, _source_info(resolved), checkpoint=checkpoint, huggingface=record)
+
+
+def _check_in_memory_fit(resolved: "ResolvedModel", why: str) -> None:
+    """Refuses, before reading them, a directory's weights that are to be read into memory ({why})
+    and alone exceed the conversion's memory budget."""
+    check_weights_fit(stored_weight_bytes(resolved.directory), f"the weights of {resolved.directory} ({why})", resolved.memory_budget,
+                      "give a larger --memory-budget, or convert it so that its weights stream from the directory (without "
+                      "--quantize int8/int8-dynamic and --kv-cache paged; a file.py:factory source streams them with --checkpoint)")
 
 
 def _encoder_decoder_class(config) -> str:

@@ -27,8 +27,9 @@ import sys
 import torch
 
 from tpuexport.errors import TpuExportError
+from tpuexport.memory import MemoryBudget
 from tpuexport.export import huggingface
-from tpuexport.export.checkpoints import Checkpoint, open_checkpoint, parameters_on_meta
+from tpuexport.export.checkpoints import Checkpoint, check_weights_fit, open_checkpoint, parameters_on_meta
 from tpuexport.export.loaded import LoadedSource, SourceInfo, file_sha256
 from tpuexport.export.specs import DimSpec, InputSpec, example_args
 
@@ -42,6 +43,7 @@ def load_source(
     checkpoint: str | pathlib.Path | None = None,
     task: str | None = None,
     weights_in_memory: bool = False,
+    memory_budget: MemoryBudget | None = None,
 ) -> LoadedSource:
     """Loads the model a command-line SOURCE names.
 
@@ -56,6 +58,9 @@ def load_source(
       task: a Hugging Face source's task (optimum's names; None or "auto" from its config).
       weights_in_memory: a Hugging Face source's weights are read into the model instead of
         streamed (quantization rounds them in memory).
+      memory_budget: the conversion's budget, or None: weights the source reads into memory (a Hugging
+        Face directory's read in, a .pt2 or pickled module) that alone exceed it are refused before
+        they are read, their size taken from the safetensors headers or the file's size.
     Returns:
       The LoadedSource.
     Raises:
@@ -66,7 +71,7 @@ def load_source(
         if inputs or checkpoint is not None:
             raise TpuExportError("--input and --checkpoint do not apply to a Hugging Face source (its config names the inputs, "
                                  "its directory holds the weights); drop them, and use --dim to change a dim's range")
-        return huggingface.load_huggingface(reference, task, dims, weights_in_memory)
+        return huggingface.load_huggingface(reference, task, dims, weights_in_memory, memory_budget)
     if task not in (None, "auto"):
         raise TpuExportError(f"--task applies to a Hugging Face model directory or hf:ORG/NAME, not {reference}; drop it")
     path_text, _, factory = reference.partition(":") if ".py:" in reference else (reference, "", "")
@@ -75,6 +80,10 @@ def load_source(
         raise TpuExportError(f"source {path_text!r} does not exist; pass a Hugging Face model directory, hf:ORG/NAME, "
                              "a .pt2 file, a file.py:factory or a .pt file")
     suffix = path.suffix.lower()
+    if suffix in (".pt2", ".pt", ".pth"):  # read whole into memory; the file's size bounds the weights' from above
+        check_weights_fit(path.stat().st_size, f"{path} (its weights are read whole)", memory_budget,
+                          "give a larger --memory-budget, or stream the weights: a file.py:factory that builds the model on the "
+                          "meta device, with --checkpoint naming its weights (docs/checkpoints-and-plans.md)")
     if checkpoint is not None and suffix != ".py":
         raise TpuExportError(f"--checkpoint needs a file.py:factory source that builds the model, not {path.name}; "
                              "write a factory that returns the model (its weights come from the checkpoint)")

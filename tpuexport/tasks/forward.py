@@ -90,7 +90,7 @@ class ForwardTask(Task):
         forward = _with_reference(captured, quantized, conversion.weight_only, lowered)
         requested = verify_stage.resolve_requested_sizes(captured.signature, options.verify_sizes)
         with clock.stage("verify", lambda: describe_verification(report)):
-            report = verify_forward(forward, options, requested)
+            report = verify_forward(forward, options, requested, conversion.run_memory)
         if not report.passed:
             raise VerificationError(report, write_failed_report(options.out, report.to_json()))
         buckets, plans = conversion.buckets[DEFAULT_ENTRY_POINT], conversion.plans.get(DEFAULT_ENTRY_POINT, {})
@@ -104,7 +104,8 @@ class ForwardTask(Task):
                 raise VerificationError(report, write_failed_report(options.out, failed), sharded[-1].failure_summary())
         # A server pads requests to the next bucket: run one padded bucket against eager on the real rows.
         with clock.stage("verify padding", lambda: padding.describe() if padding else "no bucket is padded"):
-            padding = verify_stage.verify_padding(lowered, forward.captured.reference, captured.example_inputs, buckets, report.tolerances)
+            padding = verify_stage.verify_padding(lowered, forward.captured.reference, captured.example_inputs, buckets, report.tolerances,
+                                                  conversion.run_memory)
         policy = verify_stage.padding_policy(lowered.signature, None if padding is None else padding.passed)
         return Verified(report, tuple(sharded), {DEFAULT_ENTRY_POINT: policy}, self._writers(conversion, forward, report, padding))
 
@@ -181,8 +182,8 @@ def _with_reference(captured: export_stage.CapturedModel, quantized, weight_only
     return LoweredForward(captured, float_reference, quantized, weight_only, lowered)
 
 
-def verify_forward(forward: LoweredForward, options: ConversionOptions,
-                   requested_sizes: tuple[dict[str, int], ...] = ()) -> verify_stage.VerificationReport:
+def verify_forward(forward: LoweredForward, options: ConversionOptions, requested_sizes: tuple[dict[str, int], ...] = (),
+                   memory: verify_stage.RunMemory = verify_stage.RunMemory()) -> verify_stage.VerificationReport:
     """The program's CPU runs at the planned sizes against its reference, within the tolerances of its
     precision and quantization (and the options' overrides); PT2E programs are also checked op by op.
 
@@ -190,13 +191,14 @@ def verify_forward(forward: LoweredForward, options: ConversionOptions,
       forward: the program and its reference (`lower_forward`; its program has its weights).
       options: the conversion's options (matmul precision, tolerance overrides, budget).
       requested_sizes: sizes that must be verified, resolved (verify.resolve_requested_sizes).
+      memory: what an optional run may hold (verify.run_memory of the conversion's memory budget).
     Returns:
       The VerificationReport, passed or not (its `tolerances` are the ones applied).
     """
     quantized = forward.quantized is not None
     tolerances = verification_tolerances(forward.lowered, options, quantized)
     report = verify_stage.verify(forward.lowered, forward.captured.reference, forward.captured.example_inputs, tolerances,
-                                 options.verify_budget_flops, requested_sizes, check_op_by_op=quantized)
+                                 options.verify_budget_flops, requested_sizes, check_op_by_op=quantized, memory=memory)
     if quantized:
         report = dataclasses.replace(report, against="the PT2E-converted model, eager PyTorch")
     if forward.weight_only is not None:

@@ -269,28 +269,31 @@ def _verify_generation(conversion: Conversion):
     """The generation report of the program against its reference (module docstring)."""
     program, options, sources = conversion.program, conversion.options, conversion.spec.state
     tolerances = verification_tolerances(program.weights_program, options, conversion.quantized is not None)
+    fill_bytes = conversion.run_memory.fill_bytes  # the memory budget's bound on a fill case's CPU temporaries
     if isinstance(program, lower_stage.Seq2SeqProgram):
         return verify_stage.verify_seq2seq(program, sources.model, tolerances, options.new_tokens)
     if isinstance(program, lower_stage.PagedGenerationProgram):
         return verify_stage.verify_paged_generation(program, sources.model, tolerances, options.new_tokens)
     if conversion.quantized:  # int8: against the PT2E entry points, as forward int8 programs are
         references = {name: result.captured.reference for name, result in conversion.quantized.items()}
-        return verify_stage.verify_quantized_generation(program, sources.model, references, tolerances, options.new_tokens)
+        return verify_stage.verify_quantized_generation(program, sources.model, references, tolerances, options.new_tokens, fill_bytes)
     float_model = sources.model if sources.checkpoint_model is None else sources.checkpoint_model
     # A weight-only program is compared with generate() on the model with those weights dequantized;
     # its distance from the float model's generate() is measured too.
     weight_only = conversion.weight_only
-    float_reference = verify_stage.eager_references(program, float_model, options.new_tokens) if weight_only or program.spec.quantized else None
+    float_reference = (verify_stage.eager_references(program, float_model, options.new_tokens, fill_bytes)
+                       if weight_only or program.spec.quantized else None)
     if sources.checkpoint_model is None:
         with _dequantized_weights(sources.modules["decode"], program.weights_program, weight_only):
             if program.spec.quantized:
-                return verify_stage.verify_int8_kv_generation(program, sources.modules, tolerances, float_reference, options.new_tokens)
-            return verify_stage.verify_generation(program, sources.model, tolerances, options.new_tokens, float_reference)
+                return verify_stage.verify_int8_kv_generation(program, sources.modules, tolerances, float_reference, options.new_tokens,
+                                                              fill_bytes)
+            return verify_stage.verify_generation(program, sources.model, tolerances, options.new_tokens, float_reference, fill_bytes=fill_bytes)
     eager_model = sources.checkpoint_model if weight_only is None else _dequantized_checkpoint_model(conversion)
     if program.spec.quantized:
         return verify_stage.verify_int8_kv_generation(program, export_stage.entry_point_modules(eager_model, program.spec), tolerances,
-                                                      float_reference, options.new_tokens)
-    return verify_stage.verify_generation(program, eager_model, tolerances, options.new_tokens, float_reference)
+                                                      float_reference, options.new_tokens, fill_bytes)
+    return verify_stage.verify_generation(program, eager_model, tolerances, options.new_tokens, float_reference, fill_bytes=fill_bytes)
 
 
 def _verify_sampling(conversion: Conversion, report) -> tuple:

@@ -13,7 +13,7 @@ from tpuexport.verify.quantized_generation import QuantizedGenerationReport, ver
 from tpuexport.verify.report import VerificationCase, VerificationReport
 from tpuexport.verify.sharded import ShardedVerification, verify_sharded
 from tpuexport.verify.sharded_generation import ShardedGenerationVerification, verify_sharded_generation
-from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS, PlannedCase, plan_cases, resolve_requested_sizes
+from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS, PlannedCase, RunMemory, plan_cases, resolve_requested_sizes, run_memory
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances, with_overrides
 from tpuexport.verify.verification import ProgramRuns, make_inputs, verify
 
@@ -48,6 +48,8 @@ __all__ = [
     "make_inputs",
     "plan_cases",
     "resolve_requested_sizes",
+    "RunMemory",
+    "run_memory",
     "verify",
     "verify_padding",
     "verify_quantized_generation",

@@ -317,11 +317,12 @@ def eager_generate(model: torch.nn.Module, prompt: Sequence[int], new_tokens: in
     return tokens, logits
 
 
-def eager_references(program: GenerationProgram, model: torch.nn.Module, new_tokens: int) -> list[list[tuple[list[int], np.ndarray]]]:
-    """generate() of every case's prompts (plan_prompts): per prefill bucket, per row, (new tokens,
-    logits [steps, vocab]). Raises what the model raises."""
+def eager_references(program: GenerationProgram, model: torch.nn.Module, new_tokens: int,
+                     fill_bytes: int = MAX_FILL_TEMPORARY_BYTES) -> list[list[tuple[list[int], np.ndarray]]]:
+    """generate() of every case's prompts (plan_prompts; the cases verified_fills gives within
+    `fill_bytes`): per prefill bucket, per row, (new tokens, logits [steps, vocab]). Raises what the model raises."""
     references = []
-    for index, (sizes, _) in enumerate(verified_fills(program)):
+    for index, (sizes, _) in enumerate(verified_fills(program, fill_bytes)):
         prompts, _, steps = plan_prompts(program, sizes, new_tokens, seed=index)
         references.append([eager_generate(model, prompt, steps) for prompt in prompts])
     return references

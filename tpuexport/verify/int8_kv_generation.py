@@ -25,6 +25,7 @@ from tpuexport.lower.generation import GenerationProgram, GenerationSession
 from tpuexport.verify.generation import (DEFAULT_NEW_TOKENS, GenerationCase, GenerationReport, any_batch, artifact_raised, compare_run, cpu_runs,
                                          float_divergence, plan_prompts, store_golden_case, teacher_forced_runs, verified_fills)
 from tpuexport.verify.quantized_generation import greedy_logits, torch_runner
+from tpuexport.verify.sizes import MAX_FILL_TEMPORARY_BYTES
 from tpuexport.verify.tolerances import VerificationTolerances
 
 # The report's `against` (what the artifact is compared with).
@@ -33,7 +34,7 @@ INT8_KV_AGAINST = "the int8-KV entry points' greedy generation, eager PyTorch"
 
 def verify_int8_kv_generation(program: GenerationProgram, modules: dict, tolerances: VerificationTolerances,
                               float_reference: list[list[tuple[list[int], np.ndarray]]],
-                              new_tokens: int = DEFAULT_NEW_TOKENS) -> GenerationReport:
+                              new_tokens: int = DEFAULT_NEW_TOKENS, fill_bytes: int = MAX_FILL_TEMPORARY_BYTES) -> GenerationReport:
     """Verifies an int8-KV generation program (module docstring).
 
     Args:
@@ -43,6 +44,7 @@ def verify_int8_kv_generation(program: GenerationProgram, modules: dict, toleran
       tolerances: the float tolerances of the program's precision settings.
       float_reference: generate() of the float-cache model per case and row (eager_references).
       new_tokens: tokens generated per prompt.
+      fill_bytes: the CPU temporaries a case's fill may need (generation.verified_fills).
     Returns:
       The GenerationReport, passed or not, with golden data (prompts, the reference's tokens and
       logits) that `tpuexport verify` replays with generation.py's replay_golden.
@@ -51,7 +53,7 @@ def verify_int8_kv_generation(program: GenerationProgram, modules: dict, toleran
     runs_programs = cpu_runs(program)
     reference_runner = torch_runner(modules)
     cases, golden = [], {}
-    for index, (sizes, note) in enumerate(verified_fills(program)):
+    for index, (sizes, note) in enumerate(verified_fills(program, fill_bytes)):
         prompts, slots, steps = plan_prompts(program, sizes, new_tokens, seed=index)
         lengths = tuple(len(prompt) for prompt in prompts)
         try:

@@ -27,7 +27,8 @@ import torch
 from tpuexport.compile import Bucket
 from tpuexport.lower import LoweredProgram
 from tpuexport.verify.compare import OutputComparison, compare_output
-from tpuexport.verify.sizes import MAX_OPTIONAL_OUTPUT_BYTES, output_bytes, within_memory_bound
+from tpuexport.memory import gib
+from tpuexport.verify.sizes import FIXED_RUN_MEMORY, RunMemory, output_bytes, within_memory_bound
 from tpuexport.verify.tolerances import VerificationTolerances
 from tpuexport.verify.verification import ProgramRuns, eager_outputs, make_inputs, short_error, to_numpy
 
@@ -87,13 +88,14 @@ class PaddingCheck:
         }
 
 
-def padded_case(lowered: LoweredProgram, buckets: Sequence[Bucket]) -> tuple[str, int, Bucket, dict[str, int], str] | None:
+def padded_case(lowered: LoweredProgram, buckets: Sequence[Bucket],
+                memory: RunMemory = FIXED_RUN_MEMORY) -> tuple[str, int, Bucket, dict[str, int], str] | None:
     """(batch dim, real rows, bucket, sizes run, note) of the padded run, or None when no bucket is
     ever padded (no batch dim, or every bucket at the dim's minimum) or none can be run on CPU.
 
     Whether rows are independent is a property of the program, not of a bucket's size, so the run
     takes the largest padded bucket whose run stays within what verification holds in memory
-    (sizes.within_memory_bound): at the bucket's sizes when they fit, else with its other dims at
+    (sizes.within_memory_bound of `memory`): at the bucket's sizes when they fit, else with its other dims at
     their example sizes (the note says so); a bucket of a million rows is not run whole on the CPU.
     """
     signature = lowered.signature
@@ -109,19 +111,25 @@ def padded_case(lowered: LoweredProgram, buckets: Sequence[Bucket]) -> tuple[str
         rows = max(smaller) + 1 if smaller else minimum
         if rows >= size:
             continue
-        if within_memory_bound(signature, bucket.as_dict()):
+        if within_memory_bound(signature, bucket.as_dict(), memory):
             return dim, rows, bucket, bucket.as_dict(), ""
         shrunk = {**example, dim: size}
-        if within_memory_bound(signature, shrunk):
+        if within_memory_bound(signature, shrunk, memory):
             others = ", ".join(f"{name} {example[name]}" for name in example if name != dim and example[name] != bucket.as_dict()[name])
             return dim, rows, bucket, shrunk, (f"{others or 'other dims'} at the example's size: the bucket's outputs, "
                                                f"{output_bytes(signature, bucket.as_dict()) / 2**30:.1f} GiB, are beyond the "
-                                               f"{MAX_OPTIONAL_OUTPUT_BYTES / 2**30:g} GiB a verification run may hold")
+                                               f"{_bound(memory.output_bytes)} a verification run may hold"
+                                               + (f" within {memory.why()}" if memory.budget_limits else ""))
     return None
 
 
+def _bound(count: int) -> str:
+    """A per-run bound as "1 GiB" when whole, else "0.38 GiB"."""
+    return f"{count / 2**30:g} GiB" if count % 2**30 == 0 else gib(count)
+
+
 def verify_padding(lowered: LoweredProgram, reference, example_inputs: Sequence[torch.Tensor], buckets: Sequence[Bucket],
-                   tolerances: VerificationTolerances) -> PaddingCheck | None:
+                   tolerances: VerificationTolerances, memory: RunMemory = FIXED_RUN_MEMORY) -> PaddingCheck | None:
     """Runs the padded bucket (see the module docstring) and compares the real rows with eager PyTorch.
 
     Args:
@@ -130,10 +138,11 @@ def verify_padding(lowered: LoweredProgram, reference, example_inputs: Sequence[
       example_inputs: the flat example inputs (their values shape the random inputs).
       buckets: the compiled buckets.
       tolerances: the verification tolerances.
+      memory: what the run may hold (sizes.run_memory of the conversion's memory budget).
     Returns:
       The PaddingCheck, or None when no bucket is ever padded.
     """
-    case = padded_case(lowered, buckets)
+    case = padded_case(lowered, buckets, memory)
     if case is None:
         return None
     dim, rows, bucket, sizes, note = case

@@ -36,6 +36,7 @@ from tpuexport.verify.compare import sqnr_db
 from tpuexport.verify.conformance import OpConformance, check_ops
 from tpuexport.verify.generation import (GenerationCase, GenerationReport, any_batch, artifact_raised, compare_run, cpu_runs, plan_prompts,
                                          store_golden_case, teacher_forced_runs, verified_fills)
+from tpuexport.verify.sizes import MAX_FILL_TEMPORARY_BYTES
 from tpuexport.verify.tolerances import VerificationTolerances
 
 
@@ -116,7 +117,8 @@ def float_logits(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -
 
 
 def verify_quantized_generation(program: GenerationProgram, model: torch.nn.Module, references: dict,
-                                tolerances: VerificationTolerances, new_tokens: int) -> QuantizedGenerationReport:
+                                tolerances: VerificationTolerances, new_tokens: int,
+                                fill_bytes: int = MAX_FILL_TEMPORARY_BYTES) -> QuantizedGenerationReport:
     """Verifies an int8 generation program (module docstring).
 
     Args:
@@ -125,6 +127,7 @@ def verify_quantized_generation(program: GenerationProgram, model: torch.nn.Modu
       references: {entry point: its PT2E-converted module}.
       tolerances: the int8 tolerances (default_tolerances(..., quantized=True)).
       new_tokens: tokens generated per prompt.
+      fill_bytes: the CPU temporaries a case's fill may need (generation.verified_fills).
     Returns:
       The report, passed or not, with golden data (prompts, the reference's tokens and logits)
       that `tpuexport verify` replays with generation.py's replay_golden.
@@ -135,7 +138,7 @@ def verify_quantized_generation(program: GenerationProgram, model: torch.nn.Modu
     reference_runner = torch_runner(references, first_inputs)
     cases, golden = [], {}
     artifact_logits, pt2e_logits, cpu_logits, float_values, divergences = [], [], [], [], []
-    for index, (sizes, note) in enumerate(verified_fills(program)):
+    for index, (sizes, note) in enumerate(verified_fills(program, fill_bytes)):
         prompts, slots, steps = plan_prompts(program, sizes, new_tokens, seed=index)
         lengths = tuple(len(prompt) for prompt in prompts)
         tokens, expected = greedy_logits(GenerationSession(any_batch(program), reference_runner), prompts, slots, sizes["seq"], steps)

@@ -103,6 +103,8 @@ class VerificationReport:
       against: what the program was compared with (e.g. "eager PyTorch").
       budget_flops: the FLOPs budget the optional cases were chosen within.
       conformance: the op-by-op check (quantized programs), or None.
+      skipped: the optional cases left out, with why (sizes.SkippedCase: the FLOPs budget, the
+        memory a run may hold).
     """
 
     precision: str
@@ -113,6 +115,7 @@ class VerificationReport:
     against: str = "eager PyTorch"
     budget_flops: float = 0.0
     conformance: OpConformance | None = None
+    skipped: tuple = ()
 
     @property
     def passed(self) -> bool:
@@ -163,6 +166,7 @@ class VerificationReport:
         return {
             **summary_section(self),
             "cases": [{"label": c.label, "sizes": c.sizes, "reason": c.reason, "golden": c.golden} for c in self.cases],
+            "skipped": [case.to_json() for case in self.skipped],
             "conformance": None if self.conformance is None else self.conformance.to_json(),
         }
 
@@ -176,6 +180,7 @@ class VerificationReport:
             "tolerances": self.tolerances.to_json(),
             "rule": _RULE,
             "budget_flops": self.budget_flops,
+            "skipped": [case.to_json() for case in self.skipped],
             "conformance": None if self.conformance is None else self.conformance.to_json(),
             "cases": [
                 {

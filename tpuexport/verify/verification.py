@@ -25,7 +25,7 @@ from tpuexport.verify.compare import compare_output
 from tpuexport.verify.conformance import check_ops
 from tpuexport.verify.positions import verify_positions
 from tpuexport.verify.report import VerificationCase, VerificationReport
-from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS, PlannedCase, plan_cases
+from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS, FIXED_RUN_MEMORY, PlannedCase, RunMemory, plan_verification
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
 from tpuexport.verify.tpu_numerics import tpu_faithful
 
@@ -67,6 +67,7 @@ def verify(
     budget_flops: float = DEFAULT_BUDGET_FLOPS,
     requested_sizes: tuple[dict[str, int], ...] = (),
     check_op_by_op: bool = False,
+    memory: RunMemory = FIXED_RUN_MEMORY,
 ) -> VerificationReport:
     """Compares the lowered program with the eager model at every planned size.
 
@@ -80,6 +81,7 @@ def verify(
       check_op_by_op: also check every op against the reference's own values at the cheapest
         case (conformance.py; for quantized programs, whose end-to-end rounding differences
         compound). Needs `lowered.graph`.
+      memory: what an optional run may hold (sizes.run_memory of the conversion's memory budget).
     Returns:
       The VerificationReport, passed or not; it also carries the golden data to store.
     """
@@ -88,7 +90,8 @@ def verify(
     runs = ProgramRuns(lowered)
     cases, golden = [], {}
     golden_bytes = 0
-    planned_cases = plan_cases(signature, lowered.matmul_flops, budget_flops, requested_sizes)
+    plan = plan_verification(signature, lowered.matmul_flops, budget_flops, requested_sizes, memory)
+    planned_cases = plan.cases
     conformance = None
     for index, planned in enumerate(planned_cases):
         inputs = list(example_inputs) if planned.label == "example" else make_inputs(signature.inputs, example_inputs, planned.sizes, seed=index)
@@ -109,7 +112,7 @@ def verify(
         if positions is not None:
             cases.append(positions)
     return VerificationReport(lowered.precision, lowered.matmul_precision, tolerances, tuple(cases), golden,
-                              budget_flops=budget_flops, conformance=conformance)
+                              budget_flops=budget_flops, conformance=conformance, skipped=tuple(plan.skipped))
 
 
 def run_case(runs: ProgramRuns, reference, inputs, planned: PlannedCase, tolerances) -> tuple[VerificationCase, list[np.ndarray] | None]:
