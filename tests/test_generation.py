@@ -48,6 +48,13 @@ def tiny_gpt2() -> transformers.PreTrainedModel:
     return transformers.GPT2LMHeadModel(config).eval()
 
 
+def tiny_gpt_neo() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.GPTNeoConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+                                       window_size=6, max_position_embeddings=128)
+    return transformers.GPTNeoForCausalLM(config).eval()
+
+
 def tiny_qwen2(**options) -> transformers.PreTrainedModel:
     """A tiny Qwen2: layer 0 full attention, layer 1 attends to the last 6 positions only (mixed layer
     types: the model takes a mask per type), unless `options` say otherwise."""
@@ -166,11 +173,15 @@ def tiny_deepseek_v3() -> transformers.PreTrainedModel:
     return model
 
 
-@pytest.mark.parametrize("family", [tiny_gpt2, tiny_qwen2, tiny_cohere, tiny_granite, tiny_deepseek_v3],
-                         ids=["gpt2", "qwen2-sliding-window", "cohere-logit-scale", "granite-logits-scaling", "deepseek-v3-latent-cache"])
+@pytest.mark.parametrize("family", [tiny_gpt2, tiny_qwen2, tiny_gpt_neo, tiny_cohere, tiny_granite, tiny_deepseek_v3],
+                         ids=["gpt2", "qwen2-sliding-window", "gpt-neo-mask-buffer", "cohere-logit-scale", "granite-logits-scaling",
+                              "deepseek-v3-latent-cache"])
 def test_entry_points_match_generate(family):
     """GPT-2: learned absolute positions. Qwen2: a sliding-window layer beside a full one, the window
-    (6) shorter than the 16-token prompt, so prefill and decode both drop keys. Cohere multiplies its
+    (6) shorter than the 16-token prompt, so prefill and decode both drop keys. GPT-Neo masks with a
+    fixed [1, 1, P, P] `bias` buffer, banded (window 6) in its local layer, sliced by the keys' count:
+    torch.export specialized the prompt length to P, and over the cache the slice's last row would
+    mask every decode query as at position P - 1; each such module reads its own mask. Cohere multiplies its
     logits by logit_scale, Granite divides them by logits_scaling (once refused). DeepSeek-V3 caches
     keys and values of different widths (the cache is as wide as the wider; it once took the
     config's heads x head_dim and failed to export)."""
@@ -242,8 +253,8 @@ class UnwrittenDecode(Decode):
 class ShiftedRotaryDecode(Decode):
     """The cache is written at the right place, the rotary embedding computed one position late."""
 
-    def hidden_states(self, tokens, mask, positions, cache):
-        return super().hidden_states(tokens, mask, positions + 1, cache)
+    def hidden_states(self, tokens, mask, positions, cache, keys):
+        return super().hidden_states(tokens, mask, positions + 1, cache, keys)
 
 
 def test_eager_generation_ignores_the_models_own_eos_token():

@@ -87,13 +87,13 @@ class AbsolutePositionDecode(Decode):
 class WindowEdgeDecode(Decode):
     """The ring's mask off by one at the window's edge: the oldest key in the window (q - W + 1) hidden."""
 
-    def hidden_states(self, tokens, mask, positions, cache):
+    def hidden_states(self, tokens, mask, positions, cache, keys):
         window = self.spec.cache_window
         oldest = (positions[:, 0] + 1) % window
         edge = torch.arange(window)[None, :] == oldest[:, None]
         hidden = edge & (positions[:, :1] >= window - 1)
         mask = torch.where(hidden[:, None, None], torch.finfo(mask.dtype).min, mask)
-        return super().hidden_states(tokens, mask, positions, cache)
+        return super().hidden_states(tokens, mask, positions, cache, keys)
 
 
 class BucketTailPrefill(Prefill):

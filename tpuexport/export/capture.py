@@ -99,9 +99,13 @@ def _capture_with_checkpoint(source: LoadedSource) -> CapturedModel:
     program = _export(on_meta.model, on_meta.args, on_meta.dynamic_shapes)
     weights = _program_weights(program, reference)
     if any(isinstance(tensor, torch.Tensor) and tensor.is_meta for tensor in weights.values()):
-        # The forward makes tensor constants on its weights' device (Mask2Former's offset normalizer, ...):
-        # exported with the checkpoint's tensors (memory-mapped, not copied), they have values.
-        program = _export(reference.eval(), source.args, source.dynamic_shapes)
+        # The forward makes tensor constants on its weights' device (Mask2Former's offset normalizer, GPT-Neo's
+        # mask value, ...): exported with the checkpoint's tensors (memory-mapped, not copied), they have values.
+        # Example args made on the meta device (a generation KV cache, which can exceed memory) join them on the
+        # CPU uninitialized: torch.empty commits no memory until written, and tracing reads only shapes.
+        args = pytree.tree_map_only(torch.Tensor, lambda tensor: torch.empty_like(tensor, device="cpu") if tensor.is_meta else tensor,
+                                    source.args)
+        program = _export(reference.eval(), args, source.dynamic_shapes)
         weights = _program_weights(program, reference)
     example_inputs = tuple(pytree.tree_leaves(source.args))
     signature = describe(program, example_inputs, source.input_names)

@@ -607,6 +607,55 @@ def _causal_masks(windows: dict[str, int | None], queries: torch.Tensor, keys: t
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
+def bias_mask_windows(model: nn.Module) -> dict[nn.Module, int | None]:
+    """Attention modules that mask with a causal `bias` buffer of their own: {module: its window}.
+
+    GPT-Neo (and ImageGPT, Bark) build, once, a bool [1, 1, P, P] lower triangle at P =
+    max_position_embeddings (banded for local attention: keys q - W < k <= q) and take
+    `bias[:, :, k - q : k, :k]` for q queries over k keys, i.e. they assume the keys are positions
+    0..k-1 and the queries the last q of them. Over the entry points' caches that is not so (decode
+    reads max_context keys for a query at any position), and slicing the fixed P x P buffer to a
+    symbolic prompt length makes torch.export specialize it to P (a contiguity guard). The entry
+    points therefore give each such module, for the step, a `bias` holding its own mask over the
+    keys it reads (`masks_as_bias`); the window comes from the buffer itself (None: plain causal,
+    or a band at least P wide). A buffer of another form, or on the meta device, is left alone.
+    """
+    found = {}
+    for module in model.modules():
+        bias = module._buffers.get("bias")
+        if (bias is None or bias.dtype != torch.bool or bias.dim() != 4 or tuple(bias.shape[:2]) != (1, 1)
+                or bias.shape[2] != bias.shape[3] or bias.is_meta):
+            continue
+        size = bias.shape[-1]
+        window = int(bias[0, 0, -1].sum())
+        causal = torch.ones((size, size), dtype=torch.bool, device=bias.device).tril()
+        if torch.equal(bias[0, 0], causal & ~causal.tril(-window)):
+            found[module] = None if window >= size else window
+    return found
+
+
+@contextlib.contextmanager
+def masks_as_bias(windows: dict[nn.Module, int | None], queries: torch.Tensor, keys: torch.Tensor):
+    """Within it each module of `bias_mask_windows` reads as `bias` its mask for queries at
+    positions `queries` [batch, q] over keys at positions `keys` [k], laid out as the module slices
+    it (`bias[:, :, k - q : k, :k]`: the last q of k rows; the rows above, never read, repeat the
+    first). The module's buffer itself is untouched (an instance attribute shadows it while the
+    context is open). Such models set no config window (`attention_windows`), so their cache is
+    never a ring: key index k is position k."""
+    for module, window in windows.items():
+        visible = keys[None, None, :] <= queries[:, :, None]
+        if window is not None:
+            visible = visible & (keys[None, None, :] > queries[:, :, None] - window)
+        visible = visible[:, None]
+        above = visible.shape[-1] - visible.shape[-2]
+        object.__setattr__(module, "bias", torch.cat([visible[:, :, :1].expand(-1, -1, above, -1), visible], dim=2))
+    try:
+        yield
+    finally:
+        for module in windows:
+            module.__dict__.pop("bias", None)
+
+
 class _EntryPoint(nn.Module):
     """Holds the model (registered once, as `model`, so every entry point names its weights alike)."""
 
@@ -615,12 +664,16 @@ class _EntryPoint(nn.Module):
         self.model = model
         self.spec = spec
         self.windows = attention_windows(model)
+        self.bias_windows = bias_mask_windows(model)
         # The dtype the model computes in (an int8 cache's is not): the masks' and attention's.
         self.model_dtype = getattr(torch, spec.dtype)
 
-    def hidden_states(self, tokens, mask, positions, cache) -> torch.Tensor:
-        output = self.model.base_model(input_ids=tokens, attention_mask=mask, position_ids=positions,
-                                       past_key_values=_transformers_cache(cache), use_cache=True)
+    def hidden_states(self, tokens, mask, positions, cache, keys) -> torch.Tensor:
+        """The model's last hidden states; `keys`: the positions of the keys attention reads [k], for
+        the modules that mask with a buffer of their own (`masks_as_bias`)."""
+        with masks_as_bias(self.bias_windows, positions, keys):
+            output = self.model.base_model(input_ids=tokens, attention_mask=mask, position_ids=positions,
+                                           past_key_values=_transformers_cache(cache), use_cache=True)
         return output.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -661,7 +714,7 @@ class Prefill(_EntryPoint):
             cache = GroupedKVCache([(self.cache_type(cache_k, cache_v, self.spec.layout, slots), self.spec.full_layers),
                                     (self.cache_type(window_cache_k, window_cache_v, self.spec.layout, slots, ring_positions=ring_positions),
                                      self.spec.window_layers)])
-        hidden = self.hidden_states(tokens, mask, positions[None, :].expand(batch, steps), cache)
+        hidden = self.hidden_states(tokens, mask, positions[None, :].expand(batch, steps), cache, positions)
         last = hidden[torch.arange(batch, device=tokens.device), lengths - 1]
         return {"logits": self.logits(last), **dict(zip(self.spec.cache_inputs, cache.written()))}
 
@@ -699,7 +752,7 @@ class Decode(_EntryPoint):
             cache = GroupedKVCache([(self.cache_type(cache_k, cache_v, layout, positions), self.spec.full_layers),
                                     (self.cache_type(window_cache_k, window_cache_v, layout, self.ring_indexes(positions)),
                                      self.spec.window_layers)])
-        hidden = self.hidden_states(tokens[:, None], mask, positions[:, None], cache)
+        hidden = self.hidden_states(tokens[:, None], mask, positions[:, None], cache, keys)
         return {"logits": self.logits(hidden[:, 0]), **dict(zip(self.spec.cache_inputs, cache.written()))}
 
 
