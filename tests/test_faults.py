@@ -30,7 +30,9 @@ def convert_command(out: pathlib.Path, saved_model: bool) -> list[str]:
 
 
 def start(command: list[str], extra_env: dict | None = None, preexec_fn=None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400", **(extra_env or {})}
+    # Without the run's shared compilation cache (conftest.py): with its hits a small conversion's verification
+    # ends before its compiler, and the kill at the compile line would find the artifact already written.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400", "JAX_ENABLE_COMPILATION_CACHE": "false", **(extra_env or {})}
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=preexec_fn)
 
 

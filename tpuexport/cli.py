@@ -258,7 +258,7 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
         stderr.print(f"[bold green]converted[/] {source} -> {artifact.path}", soft_wrap=True)
     stderr.print(describe_peak_memory(artifact.records.stage_memory), soft_wrap=True)
     budget = artifact.manifest.get("build", {}).get("memory_budget")
-    if budget:
+    if budget and not artifact.plan_only:  # a plan runs no verification and reads no weights: nothing the budget bounds
         stderr.print(describe_memory_budget(budget), soft_wrap=True)
     for warning in artifact.manifest.get("quantization", {}).get("warnings", []):
         stderr.print(f"[bold yellow]WARNING:[/] {warning}", soft_wrap=True)
