@@ -474,6 +474,21 @@ def buffers_kept(model: nn.Module):
             module._buffers.update(buffers)
 
 
+def decoder_layers(model: nn.Module) -> int:
+    """The decoder's layer count (its cache's first axis), from its text config's num_hidden_layers.
+
+    Raises:
+      TpuExportError: a config without one (e.g. BLT's byte-level local and global transformers):
+        not one stack of decoder layers the KV-cache entry points can cache.
+    """
+    layers = getattr(_text_config(model.config), "num_hidden_layers", None)
+    if not isinstance(layers, int):
+        raise TpuExportError(f"--task text-generation: {type(model).__name__} ({model.config.model_type}) has no num_hidden_layers in its "
+                             "config: its layers are not one decoder stack the KV-cache entry points support; convert its forward "
+                             "with --task feature-extraction, or write a file.py:factory for it")
+    return layers
+
+
 def cached_shapes(model: nn.Module) -> tuple[int, int]:
     """(kv heads, head_dim) of what a decoder's attention layers write to their cache, as the first
     layer writes it for a 2-token prompt (on the model's device, the meta device too; the forward
@@ -798,7 +813,7 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
     check_decoder(model)
     windows = set(attention_windows(model).values())  # refuses a layer type the entry points cannot mask
     text = _text_config(config)
-    layers = text.num_hidden_layers
+    layers = decoder_layers(model)
     kv_heads, head_dim = cached_shapes(model)
     positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     if positions is not None and max_context > positions:

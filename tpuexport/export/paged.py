@@ -42,7 +42,7 @@ import torch
 
 from tpuexport.errors import TpuExportError
 from tpuexport.export.generation import (_EntryPoint, _masked_value, _text_config, _transformers_cache, attention_windows, cached_shapes, masks_as_bias,
-                                         check_decoder)
+                                         check_decoder, decoder_layers)
 
 # --kv-cache: "static" is [layers, max_batch, kv_heads, max_context, head_dim] (export/generation.py);
 # "paged" is pages a row takes as it grows (this module).
@@ -186,7 +186,7 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
                              "(max batch x max context)")
     kv_heads, head_dim = cached_shapes(model)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return PagedSpec(max_batch, max_context, text.num_hidden_layers, kv_heads, head_dim, model.get_output_embeddings().weight.shape[0],
+    return PagedSpec(max_batch, max_context, decoder_layers(model), kv_heads, head_dim, model.get_output_embeddings().weight.shape[0],
                      dtype, page_size, num_pages, token_buckets, row_buckets)
 
 
