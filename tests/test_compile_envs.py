@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 
 import tpuexport
-from conftest import build_example, convert_example
+from conftest import EXAMPLES, build_example, convert_example
 from tpuexport.compile import installed_versions, version_set_name
+from tpuexport.compile import resolve_targets
 from tpuexport.compile.compile_envs import probe
 from tpuexport.errors import TpuExportError
 from tpuexport.runtime.runtime_env import ProbedDevice, check_runtime_env
@@ -39,11 +40,17 @@ SECOND_SET = version_set_name({"jax": "0.11.2", "jaxlib": "0.11.2", "libtpu": "0
 OWN_SET = version_set_name(installed_versions())
 
 
-def second_environment() -> pathlib.Path:
-    """The second environment's interpreter: ~/.cache/tpuexport-tests/compile-env-<hash of the pins and
-    this Python>, built once (about 80 s, 1.3 GB) in a temporary sibling and renamed into place, so
-    that parallel test workers never see half of one (the one that renames second keeps the first's)."""
-    key = hashlib.sha256("\n".join((sys.version, *SECOND_ENV_PINS)).encode()).hexdigest()[:12]
+# An environment outside jax.export's window of this jax: the previously pinned jax 0.10.2 (June 2026),
+# without libtpu. It reads a jax 0.12 program's envelope but not the StableHLO inside.
+OLD_ENV_PINS = ("jax==0.10.2", "jaxlib==0.10.2", *SECOND_ENV_PINS[3:])
+
+
+def cached_environment(pins: tuple[str, ...]) -> pathlib.Path:
+    """The interpreter of a virtualenv with `pins` installed: ~/.cache/tpuexport-tests/compile-env-<hash of the
+    pins and this Python>, built once (the second environment: about 80 s, 1.3 GB) in a temporary sibling and
+    renamed into place, so that parallel test workers never see half of one (the one that renames second keeps
+    the first's)."""
+    key = hashlib.sha256("\n".join((sys.version, *pins)).encode()).hexdigest()[:12]
     cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "tpuexport-tests" / f"compile-env-{key}"
     python = cache / "bin" / "python"
     if python.exists():
@@ -54,9 +61,9 @@ def second_environment() -> pathlib.Path:
         # The base interpreter, not this virtualenv's: the new one must not see this one's packages.
         subprocess.run([sys.executable, "-m", "venv", "--clear", building], check=True, capture_output=True)
         installed = subprocess.run([building / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                                    *SECOND_ENV_PINS], capture_output=True, text=True, timeout=1800)
+                                    *pins], capture_output=True, text=True, timeout=1800)
         if installed.returncode != 0:
-            pytest.fail(f"building the second environment failed: {installed.stderr.strip().splitlines()[-1:]}")
+            pytest.fail(f"building the environment with {' '.join(pins[:2])} failed: {installed.stderr.strip().splitlines()[-1:]}")
         try:
             os.rename(building, cache)
         except OSError:  # another worker renamed its copy first
@@ -69,7 +76,7 @@ def second_environment() -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def second_python() -> pathlib.Path:
-    return second_environment()
+    return cached_environment(SECOND_ENV_PINS)
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +186,19 @@ def test_bad_environments_are_refused_in_one_line(two_set_artifact, tmp_path):
         assert not out.exists() and not list(tmp_path.glob(".mlp.tpu*"))
 
 
+def test_the_second_environment_compiles_with_its_own_libtpu(second_python, tmp_path):
+    # Importing jax here exported this environment's libtpu as TPU_LIBRARY_PATH (libtpu's __init__ does), which
+    # the second environment's jax would load before its own: its processes run without it, and a libtpu that
+    # is not the environment's own is refused.
+    ours = pathlib.Path(os.environ["TPU_LIBRARY_PATH"])
+    assert ours.parent.name == "libtpu" and ours.is_relative_to(sys.prefix)
+    assert probe(str(second_python), targets=resolve_targets(["v5e"])).versions["libtpu"] == "0.0.48.1"
+    elsewhere = tmp_path / "libtpu.so"
+    elsewhere.symlink_to(ours)
+    with pytest.raises(TpuExportError, match=rf"would load the libtpu at {elsewhere} \(TPU_LIBRARY_PATH\), not its own libtpu 0.0.48.1"):
+        probe(str(second_python), targets=resolve_targets(["v5e"]), environment={**os.environ, "TPU_LIBRARY_PATH": str(elsewhere)})
+
+
 def test_a_program_the_second_jax_cannot_compile_is_refused_naming_it(second_python, tmp_path):
     # examples/mlp.py's GELU: jax 0.12 serializes erfc as a stablehlo.composite that jax 0.11.2 deserializes
     # but cannot refine to static shapes when it compiles. A plan (no weights) compiles without verifying.
@@ -186,3 +206,20 @@ def test_a_program_the_second_jax_cannot_compile_is_refused_naming_it(second_pyt
     with pytest.raises(TpuExportError, match=rf"the jax of --compile-env {second_python} \(jax 0.11.2, .*could not compile cpu bucket") as refused:
         convert_example("mlp", out, target="cpu", weights=False, saved_model=False, compile_envs=[second_python])
     assert not out.exists() and not list(tmp_path.glob(".mlp.tpu*")) and "\n" not in str(refused.value)
+
+
+def test_an_environment_outside_the_export_window_is_refused_before_anything_compiles(tmp_path):
+    # jax 0.10.2 deserializes a jax 0.12 program's envelope, but not its StableHLO (an op version it does
+    # not know): the probe reads both, so `plan` stops at the probe, before any compiler runs.
+    old_python = cached_environment(OLD_ENV_PINS)
+    out = tmp_path / "cnn.tpu"
+    code, stderr, stdout = cli("plan", f"{EXAMPLES / 'cnn.py'}:build", "--target", "cpu", "--compile-env", old_python, "-o", out)
+    refusal_line = stderr.strip().splitlines()[-1]  # after the stage lines of export and lower
+    assert code == 2 and refusal_line.startswith("error:") and stderr.count("error:") == 1, stderr
+    assert f"--compile-env {old_python} (jax 0.10.2, jaxlib 0.10.2, no libtpu): its jax cannot deserialize" in stderr
+    assert "6 months newer" in refusal_line and "Failed to deserialize StableHLO" in refusal_line
+    assert "compile cpu" not in stdout + stderr and not out.exists() and not list(tmp_path.glob(".cnn.tpu*"))
+    # Without libtpu it cannot compile for a TPU chip either, which the same probe names before compiling.
+    with pytest.raises(TpuExportError, match=r"its libtpu cannot compile for v5e .*install the libtpu that pairs with its jax") as refused:
+        probe(str(old_python), targets=resolve_targets(["v5e"]))
+    assert "\n" not in str(refused.value)

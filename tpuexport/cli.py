@@ -110,6 +110,12 @@ def _describe_window_cache(generation: dict) -> str:
     return f"; a ring of {generation['cache_window']} positions (the sliding window)" if generation.get("cache_window") else ""
 
 
+compile_env_option = click.option(
+    "--compile-env", "compile_envs", multiple=True, metavar="PYTHON",
+    help="Also compile every target under this Python (a serving image's jax/jaxlib/libtpu); the artifact carries "
+         "executables per version set and the runtime loads its host's. Repeatable.")
+
+
 @main.command()
 @click.argument("source")
 @source_and_target_options
@@ -164,9 +170,7 @@ def _describe_window_cache(generation: dict) -> str:
 @click.option("--num-pages", type=int, help="--kv-cache paged: pages in the cache [default: max batch rows of max context].")
 @click.option("--verify-new-tokens", type=int, default=8, show_default=True,
               help="text-generation: tokens each verification prompt generates, compared with generate().")
-@click.option("--compile-env", "compile_envs", multiple=True, metavar="PYTHON",
-              help="Also compile every target under this Python (a serving image's jax/jaxlib/libtpu); the artifact carries "
-                   "executables per version set and the runtime loads its host's. Repeatable.")
+@compile_env_option
 @handles_errors
 def convert(source, targets, out, buckets, precision, matmul_precision, kernels, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
             shard_inputs, as_json, atol, rtol, scale_tol, verify_budget, memory_budget, verify_sizes, scan, saved_model, model_name, model_version, quantize,
@@ -194,14 +198,15 @@ def convert(source, targets, out, buckets, precision, matmul_precision, kernels,
 @main.command()
 @click.argument("source")
 @source_and_target_options
+@compile_env_option
 @handles_errors
 def plan(source, targets, out, buckets, precision, matmul_precision, kernels, task, inputs, dims, trust_pickle, force, mesh, sharding, shard_rules,
-         shard_inputs, as_json):
+         shard_inputs, as_json, compile_envs):
     """Plan SOURCE without weights (e.g. a model built on the meta device): compile for every target and bucket with the
     sharding plan and report per-chip HBM; no verification, no weights in the artifact."""
     _convert_source(source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json, task=task,
                     precision=precision, matmul_precision=matmul_precision, kernels=kernels, overwrite=force, saved_model=False,
-                    weights=False)
+                    weights=False, compile_envs=compile_envs)
 
 
 def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pickle: bool, sharding_options: tuple, as_json: bool,

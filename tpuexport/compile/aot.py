@@ -46,7 +46,7 @@ from typing import Callable
 import jax
 
 from tpuexport.compile.buckets import Bucket
-from tpuexport.compile.compile_envs import CompileEnv, describe_versions
+from tpuexport.compile.compile_envs import CompileEnv, describe_versions, environment_for
 from tpuexport.compile.compile_key import compile_key
 from tpuexport.compile.hlo import collectives, matmul_flops_by_types
 from tpuexport.compile.sharding import DATA_AXIS, ShardingPlan, describe_buffers, per_device_buffers
@@ -467,7 +467,7 @@ def _run_compiler(request: dict, target: Target, programs: list[_ProgramInReques
     with open(scratch_dir / "stderr.txt", "w+b") as stderr:
         child = subprocess.Popen(
             [env.python if env else sys.executable, "-I", str(CHILD_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=stderr, text=True, env=compiler_environment(target),
+            stderr=stderr, text=True, env=compiler_environment(target, environment_for() if env else None),
         )
         if job is not None:
             job.started(child)

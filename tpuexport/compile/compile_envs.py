@@ -8,12 +8,18 @@ versions, whether its jax deserializes this conversion's jax.export programs (ja
 serializations for six months after the writing release, older releases may not read newer ones)
 and whether its libtpu knows the targets' chips. A bad environment is refused in one line naming it,
 its versions and the fix.
+
+Every process run under another environment's Python gets environment_for's variables: importing
+libtpu here exported this environment's libtpu as TPU_LIBRARY_PATH (libtpu's __init__ does), which
+jax loads before its own libtpu package; inherited, the other environment would compile with this
+libtpu under its own libtpu's version.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
@@ -78,6 +84,19 @@ class CompileEnv:
         return version_set_name(self.versions)
 
 
+def environment_for(environment: dict | None = None) -> dict:
+    """The variables of a process under another environment's Python: `environment` (os.environ by
+    default) without a TPU_LIBRARY_PATH naming this environment's libtpu (see the module docstring).
+    A TPU_LIBRARY_PATH the user pointed elsewhere stays (the probe checks whose libtpu it is)."""
+    environment = dict(os.environ if environment is None else environment)
+    spec = importlib.util.find_spec("libtpu")  # finds the package without importing it
+    own = pathlib.Path(spec.origin).parent if spec is not None and spec.origin else None
+    path = environment.get("TPU_LIBRARY_PATH")
+    if own is not None and path and pathlib.Path(os.path.abspath(path)).parent == own:
+        del environment["TPU_LIBRARY_PATH"]
+    return environment
+
+
 def check_interpreter(python: str, option: str = "--compile-env") -> None:
     """Refuses, before any work, an interpreter path that is not an executable file.
 
@@ -115,7 +134,7 @@ def probe(python: str, programs: list[pathlib.Path] = (), targets: list[Target] 
                               for target in tpus]}
     try:
         done = subprocess.run([python, "-I", str(PROBE_SCRIPT)], input=json.dumps(request), capture_output=True, text=True,
-                              timeout=PROBE_TIMEOUT_SECONDS, env=dict(os.environ if environment is None else environment))
+                              timeout=PROBE_TIMEOUT_SECONDS, env=environment_for(environment))
     except subprocess.TimeoutExpired:
         raise TpuExportError(f"{option} {python}: importing its jax took more than {PROBE_TIMEOUT_SECONDS:g} s; check that "
                              "environment (python -c 'import jax') or drop it") from None
@@ -134,6 +153,11 @@ def probe(python: str, programs: list[pathlib.Path] = (), targets: list[Target] 
     env = CompileEnv(python, answer["versions"], answer["serialization_version"], tuple(answer["calling_conventions"]),
                      tuple(answer["devices"]))
     described = describe_versions(env.versions)
+    loaded = answer.get("libtpu_path")
+    if env.versions.get("libtpu") and loaded and not pathlib.Path(loaded).is_relative_to(answer["prefix"]):
+        raise TpuExportError(f"{option} {python} ({described}) would load the libtpu at {loaded} (TPU_LIBRARY_PATH), not its own "
+                             f"libtpu {env.versions['libtpu']}: its executables would carry a version that did not compile them; "
+                             "unset TPU_LIBRARY_PATH")
     unreadable = [(path, why) for path, why in answer["programs"].items() if why]
     if unreadable:
         raise TpuExportError(f"{option} {python} ({described}): its jax cannot deserialize this conversion's jax.export program "

@@ -3,7 +3,9 @@
 Started by compile_envs.py as `PYTHON -I env_probe_child.py` (the environment's own interpreter) with
 a JSON request on stdin: {"programs": [serialized jax.export program paths], "topologies": [{"target",
 "topology", "host_bounds"}]}. It prints one JSON line:
-  {"versions": {"jax", "jaxlib", "libtpu"}, "serialization_version", "calling_conventions": [min, max],
+  {"versions": {"jax", "jaxlib", "libtpu"}, "prefix": sys.prefix, "libtpu_path": the libtpu its jax loads
+   (TPU_LIBRARY_PATH, which importing libtpu sets when unset; null without one),
+   "serialization_version", "calling_conventions": [min, max],
    "programs": {path: null or why jax cannot deserialize it},
    "topologies": {target: null or why libtpu has no such topology},
    "devices": [{"platform", "device_kind", "id", "process_index"}] of its default backend}
@@ -47,6 +49,8 @@ def main() -> None:
     answer = {
         "versions": {package: version(package) for package in ("jax", "jaxlib", "libtpu")},
         "python": ".".join(map(str, sys.version_info[:3])),
+        "prefix": sys.prefix,
+        "libtpu_path": os.environ.get("TPU_LIBRARY_PATH"),
         "serialization_version": serialization_version,
         "calling_conventions": [jax.export.minimum_supported_calling_convention_version,
                                 jax.export.maximum_supported_calling_convention_version],
@@ -54,7 +58,9 @@ def main() -> None:
     }
     for path in request.get("programs", ()):
         try:
-            jax.export.deserialize(bytearray(pathlib.Path(path).read_bytes()))
+            # Reading the StableHLO too: an older jax may read the envelope yet not the module's ops
+            # (jax 0.10.2 reads jax 0.12's, then fails on its shape assertions when compiling).
+            jax.export.deserialize(bytearray(pathlib.Path(path).read_bytes())).mlir_module()
             answer["programs"][path] = None
         except Exception as error:  # each jax release raises its own kinds for a serialization it cannot read
             answer["programs"][path] = one_line(error)

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 import subprocess
 
 from tpuexport.artifact import Artifact, load
 from tpuexport.artifact.manifest import sha256_file
-from tpuexport.compile.compile_envs import describe_versions, probe
+from tpuexport.compile.compile_envs import describe_versions, environment_for, probe
 from tpuexport.devices import tpu_chips_on_this_machine
 from tpuexport.errors import TpuExportError
 from tpuexport.runtime.executables import check_pickle
@@ -74,7 +73,7 @@ def check_runtime_env(path, python: str, target: str | None = None) -> RuntimeEn
         the StableHLO, compiles while loading, or a file differs from its sha256.
     """
     artifact = path if isinstance(path, Artifact) else load(path)
-    environment = dict(os.environ)
+    environment = environment_for()
     if not environment.get("JAX_PLATFORMS") and tpu_chips_on_this_machine() == 0:
         # The environment's runtime would pick the CPU here (devices.start_backends); without a TPU,
         # JAX would otherwise try libtpu first, slowly and noisily.
