@@ -12,7 +12,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tpuexport"
 # Bottom to top: each stage may import only those before it.
 STAGES = ("export", "quantize", "lower", "compile", "verify", "artifact")
 # What sits above every stage: nothing in a stage or a shared module may import these.
-ABOVE_STAGES = ("tasks", "runtime", "serve", "deployment", "pipeline", "gate", "cli", "__init__")
+ABOVE_STAGES = ("tasks", "runtime", "serve", "deployment", "pipeline", "gate", "api", "cli", "__init__")
 
 
 def imported_modules(path: pathlib.Path, typing_only: bool = True) -> set[str]:

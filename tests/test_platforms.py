@@ -43,6 +43,28 @@ def test_importing_tpuexport_changes_no_jax_setting_and_starts_no_backend():
     assert state == {"platforms": None, "started": False, "environment_changed": []}
 
 
+def test_importing_tpuexport_or_its_command_line_imports_no_framework_until_a_name_is_used():
+    # `tpuexport --help` and click's bad-option errors answer in a tenth of a second, not after torch's
+    # and jax's imports (about 4 s); the public names import their modules on first use.
+    result = run_python(
+        "import json, sys\n"
+        "import tpuexport, tpuexport.cli\n"
+        "heavy = lambda: sorted(name for name in ('torch', 'jax', 'tensorflow', 'transformers') if name in sys.modules)\n"
+        "before = heavy()\n"
+        "from tpuexport import Artifact, convert, runner\n"
+        "print(json.dumps({'before': before, 'after': heavy(), 'convert': convert.__module__, 'runner': runner.__name__,\n"
+        "                  'listed': all(name in dir(tpuexport) for name in tpuexport.__all__)}))\n")
+    state = json.loads(result.stdout.splitlines()[-1])
+    assert state == {"before": [], "after": ["jax", "torch"], "convert": "tpuexport.api", "runner": "open_runner",
+                     "listed": True}
+    try:
+        tpuexport.no_such_name
+    except AttributeError as error:
+        assert "no attribute 'no_such_name'" in str(error)
+    else:
+        raise AssertionError("an unknown name resolved")
+
+
 def test_a_process_that_chose_its_platform_keeps_it_and_still_converts(tmp_path):
     # Two CPU devices, the second chosen as JAX's default device, all before tpuexport is imported.
     result = run_python(

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from tpuexport import memory
 from tpuexport.errors import EXIT_BAD_INPUT, EXIT_VERIFICATION_FAILED, TpuExportError, VerificationError
-from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS
+from tpuexport.defaults import DEFAULT_BUDGET_FLOPS
 
 stderr = Console(stderr=True, highlight=False)
 

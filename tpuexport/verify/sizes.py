@@ -30,13 +30,12 @@ import dataclasses
 import numpy as np
 
 from tpuexport.arrays import numpy_dtype
+from tpuexport.defaults import DEFAULT_BUDGET_FLOPS
 from tpuexport.errors import TpuExportError
 from tpuexport.lower.cost import flops_at
 from tpuexport.memory import UNKNOWN, MemoryBudget, gib
 from tpuexport.signature import ProgramSignature
 
-# FLOPs the optional cases may add: about a second of matmuls per run on two CPU cores.
-DEFAULT_BUDGET_FLOPS = 5e10
 # Optional cases also stay below this many input elements (the eager and XLA runs hold them all).
 MAX_OPTIONAL_INPUT_ELEMENTS = 1 << 24
 # ... and below this many bytes of outputs per run (eager's and both program runs' are held at once).
