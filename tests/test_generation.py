@@ -22,7 +22,7 @@ import transformers
 
 import tpuexport
 from conftest import ROOT, served
-from tpuexport.pipeline import passes
+from tpuexport.pipeline import ConversionOptions, passes
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.export.generation import CACHE_LAYOUTS, Decode, DecodeCache, write_decode_cache, write_prefill_cache
@@ -79,9 +79,9 @@ def llama_conversion(tmp_path_factory):
     batch), as tpuexport.convert does it: (artifact, model, the compiler processes its CompileJob started)."""
     model = tiny_llama()
     out = tmp_path_factory.mktemp("llama") / "llama.tpu"
-    options = tpuexport.ConversionOptions(("v5e", "cpu"), out, buckets={"seq": [16]}, task="text-generation", max_context=MAX_CONTEXT,
-                                          max_batch=MAX_BATCH)
-    with passes(tpuexport.LoadedSource(model, None, None, None, tpuexport.SourceInfo("api")), options) as conversion:
+    options = ConversionOptions(("v5e", "cpu"), out, buckets={"seq": [16]}, task="text-generation", max_context=MAX_CONTEXT,
+                                max_batch=MAX_BATCH)
+    with passes(export_stage.LoadedSource(model, None, None, None, export_stage.SourceInfo("api")), options) as conversion:
         compilers = list(conversion.job.children)
     return tpuexport.load(out), model, compilers
 
