@@ -104,7 +104,7 @@ def test_verification_runs_stay_within_the_memory_bound(tmp_path):
                                  memory_budget_gb=64)
     padding = artifact.manifest["padding"]
     assert padding["passed"] and padding["bucket"] == {"batch": 8, "seq": 2048} and padding["sizes"] == {"batch": 8, "seq": 16}
-    assert padding["note"].startswith("seq 16 at the example's size: the bucket's outputs, 1.2 GiB, are beyond the 1 GiB")
+    assert padding["note"].startswith("seq 16 at the example's size: the bucket's outputs, 1.22 GiB, are beyond the 1.00 GiB")
     memory = artifact.records.stage_memory
     assert memory["verify padding"].anonymous_bytes < memory["verify"].anonymous_bytes + 256 * MIB
 
