@@ -22,6 +22,7 @@ from tpuexport.cli import describe_memory_budget, describe_peak_memory
 from tpuexport.errors import TpuExportError
 from tpuexport.export import load_source
 from tpuexport.memory import UNKNOWN_PEAK, MemoryMonitor, PeakMemory, memory_budget, resident_bytes
+from tpuexport.pipeline import ConversionOptions
 from tpuexport.verify.sizes import MAX_OPTIONAL_OUTPUT_BYTES, output_bytes, plan_cases
 
 MIB = 2**20
@@ -125,6 +126,15 @@ def test_the_writer_streams_in_memory_weights_without_copying_them(tmp_path):
     before = max(peak.anonymous_bytes for stage, peak in memory.items() if stage not in ("write", "compile"))
     assert memory["write"].anonymous_bytes < before + 64 * MIB, {stage: peak.anonymous_bytes // MIB for stage, peak in memory.items()}
     torch.testing.assert_close(artifact.run(torch.ones(3, 2048)), model(torch.ones(3, 2048)), atol=1e-4, rtol=1e-4)
+    # No memory_budget_gb: the default, a share of what the machine had available.
+    assert artifact.manifest["build"]["memory_budget"]["budget"]["source"].startswith("default: 0.75 of the ")
+
+
+def test_options_made_without_a_budget_carry_the_default(tmp_path):
+    """run_conversion's options read the default when they are made (the command line makes them
+    before it loads the source); the conversion uses theirs and reads none of its own."""
+    budget = ConversionOptions(("v5e",), tmp_path / "model.tpu").memory_budget
+    assert budget.source.startswith("default: 0.75 of the ") and budget.bytes > resident_bytes()
 
 
 def test_a_tight_memory_budget_shrinks_and_skips_the_optional_cases(tmp_path):
