@@ -25,9 +25,11 @@ import numpy as np
 
 # compare_output works through an output this many elements at a time (512 KiB of f32): its float64
 # copies and temporaries then peak at 7.4 MiB whatever the output's size (done whole, they peaked at
-# 17 times the output's f32 bytes), and the chunks stay in the CPU's caches: 0.3 s for a 64 MiB
-# output against 0.7 s at 1M elements a chunk and 3.3 s whole (tracemalloc, benchmarks/studies/compare_memory.py).
+# 17 times the output's f32 bytes), and a chunk's stay in the CPU's caches: a 64 MiB output took
+# 0.39 s, 3.28 s whole (under tracemalloc: benchmarks/studies/compare_memory.py); chunks of 1M
+# elements took 2.5 times as long as these.
 CHUNK_ELEMENTS = 1 << 17
+
 
 @dataclasses.dataclass(frozen=True)
 class Tolerances:
