@@ -22,6 +22,7 @@ from tpuexport.cli import describe_memory_budget, describe_peak_memory
 from tpuexport.errors import TpuExportError
 from tpuexport.export import load_source
 from tpuexport.memory import UNKNOWN_PEAK, MemoryMonitor, PeakMemory, memory_budget, resident_bytes
+from tpuexport.pipeline import ConversionOptions
 from tpuexport.verify.sizes import MAX_OPTIONAL_OUTPUT_BYTES, output_bytes, plan_cases
 
 MIB = 2**20
@@ -104,7 +105,7 @@ def test_verification_runs_stay_within_the_memory_bound(tmp_path):
                                  memory_budget_gb=64)
     padding = artifact.manifest["padding"]
     assert padding["passed"] and padding["bucket"] == {"batch": 8, "seq": 2048} and padding["sizes"] == {"batch": 8, "seq": 16}
-    assert padding["note"].startswith("seq 16 at the example's size: the bucket's outputs, 1.2 GiB, are beyond the 1 GiB")
+    assert padding["note"].startswith("seq 16 at the example's size: the bucket's outputs, 1.22 GiB, are beyond the 1.00 GiB")
     memory = artifact.records.stage_memory
     assert memory["verify padding"].anonymous_bytes < memory["verify"].anonymous_bytes + 256 * MIB
 
@@ -125,27 +126,37 @@ def test_the_writer_streams_in_memory_weights_without_copying_them(tmp_path):
     before = max(peak.anonymous_bytes for stage, peak in memory.items() if stage not in ("write", "compile"))
     assert memory["write"].anonymous_bytes < before + 64 * MIB, {stage: peak.anonymous_bytes // MIB for stage, peak in memory.items()}
     torch.testing.assert_close(artifact.run(torch.ones(3, 2048)), model(torch.ones(3, 2048)), atol=1e-4, rtol=1e-4)
+    # No memory_budget_gb: the default, a share of what the machine had available.
+    assert artifact.manifest["build"]["memory_budget"]["budget"]["source"].startswith("default: 0.75 of the ")
+
+
+def test_options_made_without_a_budget_carry_the_default(tmp_path):
+    """run_conversion's options read the default when they are made (the command line makes them
+    before it loads the source); the conversion uses theirs and reads none of its own."""
+    budget = ConversionOptions(("v5e",), tmp_path / "model.tpu").memory_budget
+    assert budget.source.startswith("default: 0.75 of the ") and budget.bytes > resident_bytes()
 
 
 def test_a_tight_memory_budget_shrinks_and_skips_the_optional_cases(tmp_path):
-    """A budget 1 GB above what the process holds leaves an optional run a twentieth of what is left
-    (eager's, both runs' outputs and the comparison's float64 temporaries): the sizes with long
-    sequences (0.16-1.2 GiB of logits) are skipped and the padded bucket shrunk, both naming the budget; the conversion passes
-    and the manifest records the budget and the bounds it set."""
+    """A budget 1.4 GB above what the process holds leaves an optional run a fifth of what is left
+    (eager's and both runs' outputs, and XLA's buffers of their size while a program runs): the
+    sizes with long sequences and more rows (0.38-1.2 GiB of logits) are skipped and the padded bucket
+    shrunk, both naming the budget, while one row at the longest seq (0.15 GiB) runs; the conversion
+    passes and the manifest records the budget and the bounds it set."""
     torch.manual_seed(0)
     batch, seq = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("seq", min=2, max=2048)
-    budget_gb = (resident_bytes() + 10**9) / 1e9
+    budget_gb = (resident_bytes() + 1.4e9) / 1e9
     artifact = tpuexport.convert(LanguageModelHead().eval(), (torch.randint(0, 20000, (2, 16)),), {"input_ids": {0: batch, 1: seq}},
                                  target="v5e", out=tmp_path / "head.tpu", buckets={"batch": [8], "seq": [2048]}, saved_model=False,
                                  memory_budget_gb=budget_gb)
     record = artifact.manifest["build"]["memory_budget"]
     assert record["budget"] == {"bytes": int(budget_gb * 1e9), "source": "--memory-budget"} and record["limited_by_budget"]
-    assert record["output_bytes"] < 2 * 10**9 // 20 < MAX_OPTIONAL_OUTPUT_BYTES  # the process may have freed memory since
+    assert record["output_bytes"] == int((record["budget"]["bytes"] - record["resident_bytes"]) / 5) < MAX_OPTIONAL_OUTPUT_BYTES
     verification = artifact.manifest["verification"]
-    # batch 8 x seq 2 fits; every size with a long seq does not.
-    assert verification["passed"] and [case["label"] for case in verification["cases"]] == ["example", "min", "max-batch"]
+    # batch 8 x seq 2 and batch 1 x seq 2048 fit; the sizes with both more rows and a long seq do not.
+    assert verification["passed"] and [case["label"] for case in verification["cases"]] == ["example", "min", "max-batch", "max-seq"]
     skipped = {case["label"]: case["reason"] for case in verification["skipped"]}
-    assert set(skipped) == {"max", "max-seq", "mid"}, skipped
+    assert set(skipped) == {"max", "mid"}, skipped
     assert skipped["mid"].startswith("outputs of 0.38 GiB, beyond the ") and "the memory budget" in skipped["mid"], skipped
     assert skipped["max"].startswith("outputs of 1.22 GiB") and "--memory-budget" in skipped["mid"]
     padding = artifact.manifest["padding"]

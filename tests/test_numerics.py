@@ -22,7 +22,7 @@ from tpuexport.export import LoadedSource, SourceInfo, capture
 from tpuexport.lower import lower
 from tpuexport.signature import ProgramSignature, SymbolicDim, TensorSpec
 from tpuexport.verify import default_tolerances, plan_cases, verify
-from tpuexport.verify.compare import compare_output
+from tpuexport.verify.compare import CHUNK_ELEMENTS, OutputComparison, Tolerances, compare_output, sqnr_db
 from tpuexport.verify.sizes import resolve_requested_sizes
 
 
@@ -277,6 +277,68 @@ def test_rounding_may_flip_a_few_decisions_but_never_produce_a_nan():
     many = expected.copy()
     many[::1000] += 5.0  # 40 elements: 1 in 1000
     assert not compare_output("logits", many, expected, rule).passed
+
+
+def compared_whole(actual: np.ndarray, expected: np.ndarray, tolerances: Tolerances) -> OutputComparison:
+    """compare.py's rule computed over the whole arrays at once (what compare_output did before it worked in chunks)."""
+    actual, expected = actual.astype(np.float64), expected.astype(np.float64)
+    finite = np.isfinite(expected)
+    scale = float(np.sqrt(np.mean(np.square(expected[finite]))))
+    atol = tolerances.atol + tolerances.scale_tol * scale + tolerances.quantization_steps * float(np.abs(expected[finite]).max()) / 127
+    close = np.isclose(actual, expected, atol=atol, rtol=tolerances.rtol, equal_nan=True)
+    difference = np.where(np.isnan(actual) & np.isnan(expected), 0.0, np.abs(actual - expected))
+    nonzero = expected != 0
+    relative = np.nan_to_num(difference[nonzero] / np.abs(expected[nonzero]), nan=np.inf)
+    difference = np.nan_to_num(difference, nan=np.inf)
+    both_finite = finite & np.isfinite(actual)
+    rms_error = float(np.sqrt(np.mean(np.square(difference))))
+    return OutputComparison("logits", float(difference.max()), float(relative.max()), scale, rms_error / scale,
+                            sqnr_db([expected[both_finite]], [actual[both_finite]]), int((~close).sum()), expected.size,
+                            0 if np.any(finite & ~both_finite) else int((1.0 - tolerances.min_fraction) * expected.size),
+                            tolerances.min_sqnr_db)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # inf - inf, and an infinite difference squared
+@pytest.mark.parametrize("broken", [False, True], ids=["numbers", "nans-and-infinities-where-numbers-were"])
+def test_comparing_in_chunks_gives_the_whole_array_figures(broken):
+    """compare_output works through CHUNK_ELEMENTS at a time (its float64 temporaries no longer grow
+    with the output); over 4.1 chunks of rows that straddle the chunks' boundaries, with NaNs, infinities,
+    zeros and an outlier in both arrays, it gives what the whole-array computation gives: counts and
+    maxima exactly, sums (added chunk by chunk) to the last few ulps, SQNR to its 0.01 dB."""
+    rows, width = 9, 60_001
+    assert rows * width > 4 * CHUNK_ELEMENTS and CHUNK_ELEMENTS % width  # chunk boundaries fall inside rows
+    generator = np.random.default_rng(0)
+    expected = (10.0 * generator.standard_normal((rows, width))).astype(np.float32)
+    actual = expected + np.float32(1e-3) * generator.standard_normal((rows, width), dtype=np.float32)
+    flat_expected, flat_actual = expected.reshape(-1), actual.reshape(-1)
+    boundary = 2 * CHUNK_ELEMENTS
+    flat_expected[[5, boundary - 1]] = flat_actual[[5, boundary - 1]] = np.nan  # NaN where NaN is expected: a match
+    flat_expected[::4099] = 0.0
+    flat_actual[::8191] = 0.0
+    flat_actual[3 * CHUNK_ELEMENTS + 17] += 50.0  # an outlier in the fourth chunk
+    if broken:
+        # Matching infinities count as matches, but their difference (inf - inf) is NaN: errors of inf, as before.
+        flat_expected[11] = flat_actual[11] = np.inf
+        flat_expected[boundary] = np.nan  # a number where NaN was expected
+        flat_expected[boundary + 1], flat_actual[boundary + 1] = -np.inf, np.inf
+        flat_actual[CHUNK_ELEMENTS + 3] = np.nan  # NaN where a number was expected: no outliers allowed
+    tolerances = Tolerances(atol=1e-4, rtol=1e-4, scale_tol=1e-5, quantization_steps=0.5, min_fraction=0.99, min_sqnr_db=20.0)
+    chunked, whole = compare_output("logits", actual, expected, tolerances), compared_whole(actual, expected, tolerances)
+    assert (chunked.mismatched, chunked.allowed_mismatches, chunked.max_abs_error, chunked.max_rel_error) == (
+        whole.mismatched, whole.allowed_mismatches, whole.max_abs_error, whole.max_rel_error)
+    assert 50 < chunked.mismatched < 0.01 * expected.size
+    assert chunked.scale == pytest.approx(whole.scale, rel=1e-13) and 9.9 < chunked.scale < 10.1
+    assert abs(chunked.sqnr_db - whole.sqnr_db) <= 0.01 and chunked.sqnr_db > 20.0
+    if broken:
+        assert chunked.max_abs_error == chunked.relative_rms_error == np.inf and chunked.allowed_mismatches == 0 and not chunked.passed
+    else:
+        assert chunked.max_abs_error == pytest.approx(50.0, abs=0.01) and chunked.allowed_mismatches == int(0.01 * expected.size)
+        assert chunked.relative_rms_error == pytest.approx(whole.relative_rms_error, rel=1e-13) and chunked.passed
+    # A non-contiguous view is read chunk by chunk too, and an output within one chunk gives the whole figures exactly.
+    assert compare_output("logits", actual[:, ::2], expected[:, ::2], tolerances).mismatched == compared_whole(
+        actual[:, ::2], expected[:, ::2], tolerances).mismatched
+    assert compare_output("logits", actual[:2, :1000], expected[:2, :1000], tolerances) == compared_whole(
+        actual[:2, :1000], expected[:2, :1000], tolerances)
 
 
 def test_a_generation_failure_only_the_tpu_arithmetic_shows_names_the_matmul_precision_fix():

@@ -181,7 +181,7 @@ def convert(source, targets, out, buckets, precision, matmul_precision, kernels,
     overrides = {name: value for name, value in (("atol", atol), ("rtol", rtol), ("scale_tol", scale_tol)) if value is not None}
     if verify_budget < 0:
         raise TpuExportError(f"--verify-budget {verify_budget:g} is negative; give GFLOP >= 0 (0 runs only the sizes every conversion runs)")
-    budget = memory.memory_budget(memory_budget)  # read before the source is loaded: a default's share of what is available now
+    budget = memory.memory_budget(memory_budget)  # the default (None) is read now, before the source is loaded
     _convert_source(
         source, targets, out, buckets, inputs, dims, trust_pickle, (mesh, sharding, shard_rules, shard_inputs), as_json, task=task,
         precision=precision, matmul_precision=matmul_precision, kernels=kernels, tolerance_overrides=overrides,
@@ -249,7 +249,7 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
     in_memory = options.get("quantize") in ("int8", "int8-dynamic") or options.get("kv_cache") == "paged"
     loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs, checkpoint=checkpoint,
                                       task=task if huggingface or not generation else None, weights_in_memory=in_memory,
-                                      memory_budget=options.get("memory_budget"))
+                                      memory_budget=conversion.memory_budget)
     if loaded.huggingface is not None and loaded.huggingface.task == "text-generation":
         generation = True
         if options.get("max_context") is None:  # a Hugging Face config says how far its positions go

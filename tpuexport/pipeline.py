@@ -55,7 +55,7 @@ from tpuexport.artifact import tf_serving as serving_stage
 from tpuexport.devices import on_host_cpu
 from tpuexport.errors import TpuExportError, VerificationError
 from tpuexport.lower.program import DEFAULT_ENTRY_POINT
-from tpuexport.memory import MemoryMonitor, memory_budget, resident_bytes
+from tpuexport.memory import MemoryMonitor, resident_bytes
 from tpuexport.tasks import Conversion, ConversionOptions, StageClock, task_named
 from tpuexport.tasks.conversion import (describe_dims, describe_precision, describe_scans, lower_entry_point, weight_only_scheme,
                                         write_failed_report)
@@ -123,7 +123,6 @@ def passes(loaded: export_stage.LoadedSource, options: ConversionOptions, throug
         running.enter_context(on_host_cpu())  # whatever platform the process chose (devices.py)
         clock = StageClock(progress, running.enter_context(MemoryMonitor()))  # each stage's seconds and peak memory
         conversion = Conversion(loaded, options, task_named(options.task), targets, slices, clock, running)
-        conversion.memory_budget = options.memory_budget or memory_budget()
         conversion.task.check(conversion)
         conversion.weight_only = weight_only_scheme(options)
         if not conversion.plan_only:
@@ -316,7 +315,7 @@ def verify(conversion: Conversion) -> None:
     """The task's verification (none for a plan)."""
     if not conversion.plan_only:
         # Decided before any case runs: what is left of the budget given what the process holds now.
-        conversion.run_memory = verify_stage.run_memory(conversion.memory_budget, resident_bytes())
+        conversion.run_memory = verify_stage.run_memory(conversion.options.memory_budget, resident_bytes())
         conversion.verified = conversion.task.verify(conversion)
 
 
@@ -334,7 +333,7 @@ def write(conversion: Conversion) -> None:
                 stage_memory=conversion.clock.peaks,
                 overwrite=options.overwrite, extra_writers=writers, sharded_verification=verified.sharded if verified else (),
                 weights_file=conversion.weights_file, padding=verified.padding if verified else None, version_sets=conversion.version_sets,
-                memory_budget=conversion.run_memory.to_json() if verified else {"budget": conversion.memory_budget.to_json()},
+                memory_budget=conversion.run_memory.to_json() if verified else {"budget": options.memory_budget.to_json()},
                 bucket_figures=conversion.task.bucket_figures(conversion))
         except serving_stage.SavedModelMismatch as mismatch:
             raise VerificationError(verified.report, write_failed_report(options.out, mismatch.report), mismatch.summary) from None

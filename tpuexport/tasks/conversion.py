@@ -18,7 +18,7 @@ from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
 from tpuexport.errors import TpuExportError
-from tpuexport.memory import MemoryBudget, MemoryMonitor, PeakMemory
+from tpuexport.memory import MemoryBudget, MemoryMonitor, PeakMemory, memory_budget
 
 if TYPE_CHECKING:
     from tpuexport.tasks.spec import ProgramSpec, Task, Verified
@@ -79,7 +79,8 @@ class ConversionOptions:
       compile_envs: Python interpreters of other environments (the serving image's jax/jaxlib/libtpu)
         the compiler also runs under, for executables of their versions (compile/compile_envs.py).
       memory_budget: what the converting process may hold (memory.memory_budget: --memory-budget
-        GB), or None for the default read when the conversion starts; it sizes verification's
+        GB); by default memory.memory_budget()'s share of the memory available when the options are
+        made (the command line makes them before it loads the source). It sizes verification's
         optional runs (verify/sizes.py).
     """
 
@@ -116,7 +117,7 @@ class ConversionOptions:
     num_pages: int | None = None
     new_tokens: int = verify_stage.DEFAULT_NEW_TOKENS
     compile_envs: tuple[str, ...] = ()
-    memory_budget: MemoryBudget | None = None
+    memory_budget: MemoryBudget = dataclasses.field(default_factory=memory_budget)
 
     @property
     def pt2e(self) -> bool:
@@ -213,7 +214,6 @@ class Conversion:
       job: the CompileJob compiling every entry point in the background; reports: {entry point: CompileReport}, once waited for.
       compile_envs: the probed compile environments (compile.CompileEnv), in the order given.
       verified: the task's verification (tasks/spec.py), or None for a plan.
-      memory_budget: the budget the conversion runs within (the options', or the default read when it started).
       run_memory: what one optional verification run may hold, from what is left of the budget when
         verification starts (verify.run_memory).
     """
@@ -242,7 +242,6 @@ class Conversion:
     reports: dict | None = None
     compile_envs: tuple = ()
     verified: "Verified | None" = None
-    memory_budget: MemoryBudget | None = None
     run_memory: verify_stage.RunMemory = verify_stage.RunMemory()
 
     @property

@@ -23,6 +23,13 @@ from typing import Sequence
 
 import numpy as np
 
+# compare_output works through an output this many elements at a time (512 KiB of f32): its float64
+# copies and temporaries then peak at 7.4 MiB whatever the output's size (done whole, they peaked at
+# 17 times the output's f32 bytes), and a chunk's stay in the CPU's caches: a 64 MiB output took
+# 0.39 s, 3.28 s whole (under tracemalloc: benchmarks/studies/compare_memory.py); chunks of 1M
+# elements took 2.5 times as long as these.
+CHUNK_ELEMENTS = 1 << 17
+
 
 @dataclasses.dataclass(frozen=True)
 class Tolerances:
@@ -102,38 +109,61 @@ class OutputComparison:
 
 
 def compare_output(name: str, actual: np.ndarray, expected: np.ndarray, tolerances: Tolerances) -> OutputComparison:
-    """Compares one output; see the module docstring for the rule."""
+    """Compares one output; see the module docstring for the rule. It works through the outputs
+    CHUNK_ELEMENTS at a time, twice: the tolerance needs the whole expected output's scale first."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
     if actual.shape != expected.shape:
         return OutputComparison(name, float("inf"), float("inf"), 0.0, float("inf"), None, max(expected.size, 1), expected.size)
     if not np.issubdtype(expected.dtype, np.floating):
-        differ = actual != expected
-        error = float(np.abs(actual.astype(np.float64) - expected.astype(np.float64)).max(initial=0.0))
-        return OutputComparison(name, error, error, 0.0, 0.0 if error == 0 else float("inf"), None, int(differ.sum()), expected.size)
-    actual64, expected64 = actual.astype(np.float64), expected.astype(np.float64)
-    finite = np.isfinite(expected64)
-    scale = float(np.sqrt(np.mean(np.square(expected64[finite])))) if finite.any() else 0.0
-    step = float(np.abs(expected64[finite]).max(initial=0.0)) / 127.0
-    atol = tolerances.atol + tolerances.scale_tol * scale + tolerances.quantization_steps * step
-    close = np.isclose(actual64, expected64, atol=atol, rtol=tolerances.rtol, equal_nan=True)
-    difference = np.abs(actual64 - expected64)
-    difference = np.where(np.isnan(actual64) & np.isnan(expected64), 0.0, difference)
-    nonzero = expected64 != 0
-    relative = difference[nonzero] / np.abs(expected64[nonzero])
-    both_finite = finite & np.isfinite(actual64)
-    rms_error = float(np.sqrt(np.mean(np.square(np.nan_to_num(difference, nan=np.inf))))) if difference.size else 0.0
+        differ, error = 0, 0.0
+        for a, e in _chunks(actual, expected):
+            differ += int(np.count_nonzero(a != e))
+            error = max(error, float(np.abs(a.astype(np.float64) - e.astype(np.float64)).max(initial=0.0)))
+        return OutputComparison(name, error, error, 0.0, 0.0 if error == 0 else float("inf"), None, differ, expected.size)
+    finite_count, finite_squares, finite_largest = 0, 0.0, 0.0
+    for (e,) in _chunks(expected):
+        e = e.astype(np.float64)
+        e = e[np.isfinite(e)]
+        finite_count += e.size
+        finite_squares += float(np.sum(np.square(e)))
+        finite_largest = max(finite_largest, float(np.abs(e).max(initial=0.0)))
+    scale = math.sqrt(finite_squares / finite_count) if finite_count else 0.0
+    atol = tolerances.atol + tolerances.scale_tol * scale + tolerances.quantization_steps * finite_largest / 127.0
+    not_close, max_abs, max_relative, squared_error, signal, noise = 0, 0.0, 0.0, 0.0, 0.0, 0.0
+    lost_a_number = False  # a NaN or an infinity where a number was expected
+    for a, e in _chunks(actual, expected):
+        a, e = a.astype(np.float64), e.astype(np.float64)
+        not_close += int(np.count_nonzero(~np.isclose(a, e, atol=atol, rtol=tolerances.rtol, equal_nan=True)))
+        difference = np.abs(a - e)
+        difference[np.isnan(a) & np.isnan(e)] = 0.0
+        nonzero = e != 0
+        relative = np.nan_to_num(difference[nonzero] / np.abs(e[nonzero]), nan=np.inf)
+        difference = np.nan_to_num(difference, nan=np.inf)
+        max_abs = max(max_abs, float(difference.max(initial=0.0)))
+        max_relative = max(max_relative, float(relative.max(initial=0.0)))
+        squared_error += float(np.sum(np.square(difference)))
+        finite, both_finite = np.isfinite(e), np.isfinite(e) & np.isfinite(a)
+        lost_a_number = lost_a_number or bool(np.any(finite & ~both_finite))
+        signal += float(np.sum(np.square(e[both_finite])))
+        noise += float(np.sum(np.square(e[both_finite] - a[both_finite])))
+    rms_error = math.sqrt(squared_error / expected.size) if expected.size else 0.0
     return OutputComparison(
-        name,
-        float(np.nan_to_num(difference, nan=np.inf).max(initial=0.0)),
-        float(np.nan_to_num(relative, nan=np.inf).max(initial=0.0)),
-        scale,
+        name, max_abs, max_relative, scale,
         rms_error / scale if scale else (0.0 if rms_error == 0 else float("inf")),
-        sqnr_db([expected64[both_finite]], [actual64[both_finite]]),
-        int((~close).sum()),
+        _decibels(signal, noise),
+        not_close,
         expected.size,
         # Outliers may be rounding's flipped decisions, never a NaN or an infinity where a number was expected.
-        0 if np.any(finite & ~np.isfinite(actual64)) else int((1.0 - tolerances.min_fraction) * expected.size),
+        0 if lost_a_number else int((1.0 - tolerances.min_fraction) * expected.size),
         tolerances.min_sqnr_db,
     )
+
+
+def _chunks(*arrays: np.ndarray):
+    """The arrays' elements in C order, CHUNK_ELEMENTS at a time (views of contiguous arrays, small copies of others)."""
+    flat = [array.reshape(-1) if array.flags.c_contiguous else array.flat for array in arrays]
+    for start in range(0, arrays[0].size, CHUNK_ELEMENTS):
+        yield [elements[start:start + CHUNK_ELEMENTS] for elements in flat]
 
 
 def sqnr_db(reference: Sequence[np.ndarray], quantized: Sequence[np.ndarray]) -> float | None:
@@ -141,6 +171,11 @@ def sqnr_db(reference: Sequence[np.ndarray], quantized: Sequence[np.ndarray]) ->
     10*log10(sum(reference^2) / sum((reference - quantized)^2)); None when they are identical."""
     signal = sum(float(np.sum(np.square(r.astype(np.float64)))) for r in reference)
     noise = sum(float(np.sum(np.square(r.astype(np.float64) - q.astype(np.float64)))) for r, q in zip(reference, quantized))
+    return _decibels(signal, noise)
+
+
+def _decibels(signal: float, noise: float) -> float | None:
+    """10*log10(signal / noise) rounded to 0.01 dB; None when there is no noise."""
     if noise == 0.0:
         return None
     return round(10.0 * math.log10(max(signal, 1e-300) / noise), 2)

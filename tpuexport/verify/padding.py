@@ -117,15 +117,10 @@ def padded_case(lowered: LoweredProgram, buckets: Sequence[Bucket],
         if within_memory_bound(signature, shrunk, memory):
             others = ", ".join(f"{name} {example[name]}" for name in example if name != dim and example[name] != bucket.as_dict()[name])
             return dim, rows, bucket, shrunk, (f"{others or 'other dims'} at the example's size: the bucket's outputs, "
-                                               f"{output_bytes(signature, bucket.as_dict()) / 2**30:.1f} GiB, are beyond the "
-                                               f"{_bound(memory.output_bytes)} a verification run may hold"
+                                               f"{gib(output_bytes(signature, bucket.as_dict()))}, are beyond the "
+                                               f"{gib(memory.output_bytes)} a verification run may hold"
                                                + (f" within {memory.why()}" if memory.budget_limits else ""))
     return None
-
-
-def _bound(count: int) -> str:
-    """A per-run bound as "1 GiB" when whole, else "0.38 GiB"."""
-    return f"{count / 2**30:g} GiB" if count % 2**30 == 0 else gib(count)
 
 
 def verify_padding(lowered: LoweredProgram, reference, example_inputs: Sequence[torch.Tensor], buckets: Sequence[Bucket],
