@@ -249,7 +249,7 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
     in_memory = options.get("quantize") in ("int8", "int8-dynamic") or options.get("kv_cache") == "paged"
     loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs, checkpoint=checkpoint,
                                       task=task if huggingface or not generation else None, weights_in_memory=in_memory,
-                                      memory_budget=conversion.memory_budget)
+                                      memory_budget=conversion.memory_budget if conversion.weights else None)  # plans take no --memory-budget
     if loaded.huggingface is not None and loaded.huggingface.task == "text-generation":
         generation = True
         if options.get("max_context") is None:  # a Hugging Face config says how far its positions go
