@@ -2,7 +2,7 @@
 weights streamed from a safetensors checkpoint (tasks/generation.py): the step is quantized and
 streamed as the static entry points are, verified against generate() on the model with its weights
 rounded and dequantized (its distance from the float model measured), and Artifact.generate gives
-that model's greedy tokens; a wrong scale in one layer, or a reference that does not round, fails
+that model's greedy tokens, also through `tpuexport serve` and the `openai` SDK; a wrong scale in one layer, or a reference that does not round, fails
 the comparison (PT2E int8 stays refused: tests/test_paged.py). A tiny Llama as tests/test_paged.py's."""
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ import copy
 import json
 
 import numpy as np
+import openai
 import pytest
 import safetensors.torch
 import torch
 from click.testing import CliRunner
 
 import tpuexport
+from conftest import served
 from test_generation import tiny_llama
 from tpuexport.arrays import load_arrays
 from tpuexport.cli import main
@@ -79,6 +81,16 @@ def test_int8_weight_only_step_generates_what_the_dequantized_model_does(int8_pa
     inspected = CliRunner().invoke(main, ["inspect", str(artifact.path)])
     assert inspected.exit_code == 0 and "quantized int8-weight-only: 16 weights" in inspected.output, inspected.output
     assert artifact.generate(PROMPTS, 6) == greedy(dequantized(model, quantization), PROMPTS, 6)
+
+
+def test_openai_completion_over_the_int8_weight_only_step(int8_paged):
+    """`tpuexport serve` over the weight-only paged artifact, one greedy completion of token ids through the `openai`
+    SDK (the model carries no tokenizer): the dequantized model's tokens."""
+    artifact, model, _ = int8_paged
+    with served(artifact.path, artifact.path.parent / "server.log") as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[0], temperature=0, max_tokens=6)
+    assert answer.choices[0].model_extra["token_ids"] == greedy(dequantized(model, artifact.manifest["quantization"]), PROMPTS[:1], 6)[0]
 
 
 def test_planted_weight_only_bugs_fail_the_comparison(int8_paged):
