@@ -31,7 +31,9 @@ where greedy tokens differ ("none": the same 32 tokens) and the logits SQNR up t
 weight bytes against f32. The encoder-decoder families (t5, bart, whisper) have rows in generate-f32
 and generate-bf16: encode and decode entry points (source bucket batch 2 x seq 16, sources of
 different lengths; Whisper: encode batch 2 of different random audio features, its fixed length; 32
-new tokens from the decoder start token). Other kinds have no row in these modes.
+new tokens from the decoder start token). Other kinds have no row in these modes. With `--kv-cache
+paged` they convert with pages of 4 positions and one step bucket of 16 tokens x 2 rows instead
+(verify/paged_generation.py: a prompt prefilled in chunks beside a decoding row).
 
 Mode "bf16-checkpoint" writes the transformers families' directories in bfloat16 (as most
 checkpoints are published; non-persistent buffers such as rotary `inv_freq` are not in a checkpoint)
@@ -136,8 +138,10 @@ def convert_command(family, source: str, mode: str, task_choice: str, out: pathl
     if generation:
         # A source or prompt bucket where the family's inputs have a seq dim (Whisper's audio features have a fixed length).
         seq_bucket = ["--bucket", "seq=16"] if any(dim.startswith("seq=") for dim in family.dims) else []
-        return command + ["--max-context", "64", "--max-batch", "2", "--bucket", "batch=2", *seq_bucket,
-                          "--verify-new-tokens", str(GENERATION_NEW_TOKENS), "--no-saved-model"]
+        buckets = (["--kv-cache", "paged", "--page-size", "4", "--bucket", "tokens=16", "--bucket", "rows=2"] if options.kv_cache == "paged"
+                   else ["--bucket", "batch=2", *seq_bucket])
+        return command + ["--max-context", "64", "--max-batch", "2", *buckets, "--verify-new-tokens", str(GENERATION_NEW_TOKENS),
+                          "--no-saved-model"]
     return command + ([] if options.saved_model else ["--no-saved-model"])
 
 
@@ -267,6 +271,8 @@ def main() -> None:
     parser.add_argument("--target", default="v5e")
     parser.add_argument("--saved-model", action="store_true", help="also build and check the TF SavedModel")
     parser.add_argument("--fast", action="store_true", help="only the families the test suite runs")
+    parser.add_argument("--kv-cache", choices=("static", "paged"), default="static",
+                        help="generate-* modes: the KV cache (paged: pages of 4, one step bucket of 16 tokens x 2 rows)")
     parser.add_argument("--jobs", type=int, default=1, help="conversions at once (each is a process)")
     parser.add_argument("--json", type=pathlib.Path, help="write every row (with its verification report) here")
     parser.add_argument("--child-timeout", type=float, default=CHILD_TIMEOUT_SECONDS,

@@ -129,6 +129,7 @@ def test_reference_attention_is_ragged_paged_attention():
     (["--page-size", "8"], "--page-size applies to the paged KV cache; add --kv-cache paged"),
     (["--kv-cache", "pages"], "unknown --kv-cache 'pages'"),
     (["--kv-cache", "paged", "--kv-cache-dtype", "int8"], "--kv-cache paged does not support --kv-cache-dtype int8 yet"),
+    (["--kv-cache", "paged", "--quantize", "int8-dynamic"], "--kv-cache paged does not support --quantize int8-dynamic (PT2E) yet"),
     (["--kv-cache", "paged", "--max-batch", "1"], "give max batch >= 2 (rows of a step)"),
 ])
 def test_bad_page_options_are_refused_in_one_line(tmp_path, options, expected):

@@ -35,11 +35,11 @@ def paged_artifact(tmp_path_factory):
     source.mkdir()
     save_chat_model(source)
     out = directory / f"{MODEL}.tpu"
-    # The command line, as a user converts a Hugging Face directory (its weights read in: the paged step does not stream them yet).
+    # The command line, as a user converts a Hugging Face directory (its weights streamed from its safetensors, as for the static cache).
     converted = tpuexport_in_process("convert", source, "--target", "cpu", "--max-context", MAX_CONTEXT, "--max-batch", ROWS, "--kv-cache",
                                      "paged", "--page-size", PAGE_SIZE, "--num-pages", NUM_PAGES, "--bucket", f"tokens={TOKENS}", "--bucket",
                                      f"rows={ROWS}", "--verify-new-tokens", 4, "--no-saved-model", "-o", out, cwd=directory)
-    assert converted.returncode == 0, converted.stderr
+    assert converted.returncode == 0 and "streamed from the checkpoint" in converted.stderr, converted.stderr
     return out, transformers.AutoModelForCausalLM.from_pretrained(source).eval(), transformers.AutoTokenizer.from_pretrained(source)
 
 

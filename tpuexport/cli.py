@@ -245,8 +245,7 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
     huggingface = is_huggingface_source(source)
     generation = task == "text-generation"
     # PT2E calibrates and rounds the weights in memory; weight-only modes quantize them as they stream.
-    # The paged step does not stream a checkpoint's weights yet: a Hugging Face directory's are read in.
-    in_memory = options.get("quantize") in ("int8", "int8-dynamic") or options.get("kv_cache") == "paged"
+    in_memory = options.get("quantize") in ("int8", "int8-dynamic")
     loaded = export_stage.load_source(source, trust_pickle=trust_pickle, inputs=input_specs, dims=dim_specs, checkpoint=checkpoint,
                                       task=task if huggingface or not generation else None, weights_in_memory=in_memory,
                                       memory_budget=conversion.memory_budget if conversion.weights else None)  # plans take no --memory-budget

@@ -348,7 +348,7 @@ def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_
         checkpoint = _checkpoint(resolved.directory, model)
     if checkpoint is None:
         _check_in_memory_fit(resolved, "an encoder-decoder's entry points do not stream them yet" if encoder_decoder else
-                             "--quantize int8/int8-dynamic and --kv-cache paged read them in" if weights_in_memory else
+                             "--quantize int8/int8-dynamic reads them in" if weights_in_memory else
                              "transformers converts some of its tensors as it loads them")
         model = _from_pretrained(auto_class, resolved.directory, dtype)
     traceable_experts(model)
@@ -362,7 +362,7 @@ def _check_in_memory_fit(resolved: "ResolvedModel", why: str) -> None:
     and alone exceed the conversion's memory budget."""
     check_weights_fit(stored_weight_bytes(resolved.directory), f"the weights of {resolved.directory} ({why})", resolved.memory_budget,
                       "give a larger --memory-budget, or convert it so that its weights stream from the directory (without "
-                      "--quantize int8/int8-dynamic and --kv-cache paged; a file.py:factory source streams them with --checkpoint)")
+                      "--quantize int8/int8-dynamic; a file.py:factory source streams them with --checkpoint)")
 
 
 def _encoder_decoder_class(config) -> str:

@@ -178,11 +178,7 @@ def _decoder_spec(conversion: Conversion, seq: tuple[int, ...] | None, batches: 
     options, loaded, model = conversion.options, conversion.loaded, conversion.loaded.model
     spec = export_stage.generation_spec(model, options.max_batch, options.max_context, options.cache_layout, seq, options.kv_cache_dtype,
                                         options.sliding_window_cache)
-    streamed = loaded.checkpoint is not None and not conversion.plan_only
-    checkpoint_model = export_stage.with_checkpoint_weights(model, loaded.checkpoint) if streamed else None
-    state = None if checkpoint_model is None else export_stage.Checkpoint(
-        {**dict(checkpoint_model.named_parameters(remove_duplicate=False)), **dict(checkpoint_model.named_buffers(remove_duplicate=False))},
-        loaded.checkpoint.description, loaded.checkpoint.name)
+    checkpoint_model, state = _streamed_weights(conversion)
     modules = export_stage.entry_point_modules(model, spec)
     # A plan of a model built on the CPU exports with its CPU weights, as a forward plan does.
     on_meta = state is not None or (conversion.plan_only and export_stage.weights_on_meta(model))
@@ -206,11 +202,25 @@ def _decoder_spec(conversion: Conversion, seq: tuple[int, ...] | None, batches: 
                        GenerationSources(spec, model, modules, checkpoint_model))
 
 
+def _streamed_weights(conversion: Conversion) -> tuple[torch.nn.Module | None, export_stage.Checkpoint | None]:
+    """With a checkpoint (and weights), the copy of the model holding the checkpoint's memory-mapped
+    tensors (generate()'s reference) and those tensors by its state names, which every entry point
+    module over the model takes as its weights (one copy, streamed once); else (None, None)."""
+    loaded = conversion.loaded
+    if loaded.checkpoint is None or conversion.plan_only:
+        return None, None
+    checkpoint_model = export_stage.with_checkpoint_weights(loaded.model, loaded.checkpoint)
+    state = export_stage.Checkpoint(
+        {**dict(checkpoint_model.named_parameters(remove_duplicate=False)), **dict(checkpoint_model.named_buffers(remove_duplicate=False))},
+        loaded.checkpoint.description, loaded.checkpoint.name)
+    return checkpoint_model, state
+
+
 def _check_paged(conversion: Conversion) -> None:
     """Refuses, in one line, what the paged step does not take yet."""
     options, loaded = conversion.options, conversion.loaded
-    unsupported = [what for what, given in (("--kv-cache-dtype int8", options.kv_cache_dtype == "int8"), ("--quantize", options.quantize),
-                                             ("--checkpoint", loaded.checkpoint is not None), ("a slice target", conversion.slices),
+    unsupported = [what for what, given in (("--kv-cache-dtype int8", options.kv_cache_dtype == "int8"),
+                                             (f"--quantize {options.quantize} (PT2E)", options.pt2e), ("a slice target", conversion.slices),
                                              ("an encoder-decoder", export_stage.is_encoder_decoder(loaded.model)))
                    if given]
     if unsupported:
@@ -226,9 +236,13 @@ def _paged_spec(conversion: Conversion, requested: dict[str, list[int]]) -> Prog
     spec = export_stage.paged_spec(model, options.max_batch, options.max_context, options.page_size, options.num_pages,
                                    tuple(requested["tokens"]) if "tokens" in requested else None,
                                    tuple(requested["rows"]) if "rows" in requested else None)
+    checkpoint_model, state = _streamed_weights(conversion)
     module = export_stage.Step(model.eval(), spec)
-    args, shapes = export_stage.step_example_arguments(spec, "meta" if conversion.plan_only and export_stage.weights_on_meta(model) else "cpu")
-    source = export_stage.LoadedSource(module, args, shapes, None, loaded.info)
+    # As the static entry points: streamed from a checkpoint, exported on the meta device (a plan of a model
+    # built on the CPU exports with its CPU weights).
+    on_meta = state is not None or (conversion.plan_only and export_stage.weights_on_meta(model))
+    args, shapes = export_stage.step_example_arguments(spec, "meta" if on_meta else "cpu")
+    source = export_stage.LoadedSource(module, args, shapes, None, loaded.info, checkpoint=state)
     source = export_stage.on_meta_device(source) if conversion.plan_only else source
     sizes = {"tokens": list(spec.token_buckets), "rows": list(spec.row_buckets)}
     sample_args, sample_shapes = export_stage.sample_example_arguments(spec.vocab)
@@ -239,7 +253,7 @@ def _paged_spec(conversion: Conversion, requested: dict[str, list[int]]) -> Prog
                    f"{list(spec.row_buckets)}); paged cache {list(spec.cache_shape)} {spec.dtype} ({spec.num_pages} pages of {spec.page_size}, "
                    f"{spec.cache_bytes / 2**20:.1f} MiB)")
     return ProgramSpec(entry_points, lambda lowered: lower_stage.PagedGenerationProgram(spec, lowered), True, description,
-                       GenerationSources(spec, model, {"step": module}, None))
+                       GenerationSources(spec, model, {"step": module}, checkpoint_model))
 
 
 def _seq2seq_spec(conversion: Conversion, seq: tuple[int, ...] | None, batches: tuple[int, ...]) -> ProgramSpec:
@@ -272,28 +286,42 @@ def _verify_generation(conversion: Conversion):
     fill_bytes = conversion.run_memory.fill_bytes  # the memory budget's bound on a fill case's CPU temporaries
     if isinstance(program, lower_stage.Seq2SeqProgram):
         return verify_stage.verify_seq2seq(program, sources.model, tolerances, options.new_tokens)
-    if isinstance(program, lower_stage.PagedGenerationProgram):
-        return verify_stage.verify_paged_generation(program, sources.model, tolerances, options.new_tokens)
     if conversion.quantized:  # int8: against the PT2E entry points, as forward int8 programs are
         references = {name: result.captured.reference for name, result in conversion.quantized.items()}
         return verify_stage.verify_quantized_generation(program, sources.model, references, tolerances, options.new_tokens, fill_bytes)
+    paged = isinstance(program, lower_stage.PagedGenerationProgram)
     float_model = sources.model if sources.checkpoint_model is None else sources.checkpoint_model
     # A weight-only program is compared with generate() on the model with those weights dequantized;
-    # its distance from the float model's generate() is measured too.
+    # its distance from the float model's generate() is measured too (an int8 cache's as well).
     weight_only = conversion.weight_only
-    float_reference = (verify_stage.eager_references(program, float_model, options.new_tokens, fill_bytes)
-                       if weight_only or program.spec.quantized else None)
+    float_reference = None
+    if weight_only or _int8_cache(program):
+        float_reference = (verify_stage.paged_eager_references(program, float_model, options.new_tokens) if paged
+                           else verify_stage.eager_references(program, float_model, options.new_tokens, fill_bytes))
     if sources.checkpoint_model is None:
-        with _dequantized_weights(sources.modules["decode"], program.weights_program, weight_only):
-            if program.spec.quantized:
-                return verify_stage.verify_int8_kv_generation(program, sources.modules, tolerances, float_reference, options.new_tokens,
-                                                              fill_bytes)
-            return verify_stage.verify_generation(program, sources.model, tolerances, options.new_tokens, float_reference, fill_bytes=fill_bytes)
+        with _dequantized_weights(sources.modules["step" if paged else "decode"], program.weights_program, weight_only):
+            return _generation_report(conversion, sources.model, tolerances, float_reference)
     eager_model = sources.checkpoint_model if weight_only is None else _dequantized_checkpoint_model(conversion)
+    return _generation_report(conversion, eager_model, tolerances, float_reference)
+
+
+def _int8_cache(program) -> bool:
+    """Whether a static generation program's cache is int8 (the paged cache is the model's dtype)."""
+    return not isinstance(program, lower_stage.PagedGenerationProgram) and program.spec.quantized
+
+
+def _generation_report(conversion: Conversion, model: torch.nn.Module, tolerances, float_reference):
+    """The program's generation against generate() of `model` (the float model, the checkpoint's, or
+    one computing with the weight-only weights rounded): over pages, over an int8 cache (against the
+    eager int8-cache entry points over `model`), or over the static cache."""
+    program, options, sources = conversion.program, conversion.options, conversion.spec.state
+    fill_bytes = conversion.run_memory.fill_bytes
+    if isinstance(program, lower_stage.PagedGenerationProgram):
+        return verify_stage.verify_paged_generation(program, model, tolerances, options.new_tokens, float_reference)
     if program.spec.quantized:
-        return verify_stage.verify_int8_kv_generation(program, export_stage.entry_point_modules(eager_model, program.spec), tolerances,
-                                                      float_reference, options.new_tokens, fill_bytes)
-    return verify_stage.verify_generation(program, eager_model, tolerances, options.new_tokens, float_reference, fill_bytes=fill_bytes)
+        modules = sources.modules if model is sources.model else export_stage.entry_point_modules(model, program.spec)
+        return verify_stage.verify_int8_kv_generation(program, modules, tolerances, float_reference, options.new_tokens, fill_bytes)
+    return verify_stage.verify_generation(program, model, tolerances, options.new_tokens, float_reference, fill_bytes=fill_bytes)
 
 
 def _verify_sampling(conversion: Conversion, report) -> tuple:

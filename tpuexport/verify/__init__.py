@@ -8,6 +8,7 @@ from tpuexport.verify.kernels import check_key as kernel_check_key
 from tpuexport.verify.padding import PaddingCheck, padding_policy, verify_padding
 from tpuexport.verify.sampling import SamplingVerification, verify_sampling
 from tpuexport.verify.seq2seq import verify_seq2seq
+from tpuexport.verify.paged_generation import eager_references as paged_eager_references
 from tpuexport.verify.paged_generation import verify_paged_generation
 from tpuexport.verify.quantized_generation import QuantizedGenerationReport, verify_quantized_generation
 from tpuexport.verify.report import VerificationCase, VerificationReport
@@ -27,6 +28,7 @@ __all__ = [
     "verify_generation",
     "verify_seq2seq",
     "verify_paged_generation",
+    "paged_eager_references",
     "verify_sampling",
     "SamplingVerification",
     "verify_int8_kv_generation",

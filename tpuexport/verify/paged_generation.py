@@ -12,6 +12,10 @@ Both CPU runs are teacher-forced with generate()'s tokens and compared with its 
 verify/generation.py (logits within the run's tolerances at every step; the argmax is generate()'s
 token, or a tie within the logits tolerance): greedy generation over pages equals generate() token
 for token. The report and golden data take the form of the static cache's (GenerationReport).
+
+A weight-only step is compared with generate() of the model with its weights rounded as the step
+rounds them, and its distance from the float model's generate() measured, as the static cache's
+(verify/generation.py: FloatDivergence).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 from tpuexport.lower.generation import cpu_runner
 from tpuexport.lower.paged import PagedGenerationProgram, PagedSession, plan_step
 from tpuexport.verify.generation import (DEFAULT_NEW_TOKENS, GenerationCase, GenerationReport, artifact_raised, compare_run, cpu_runs,
-                                         eager_generate, store_golden_case, stored_cases)
+                                         eager_generate, float_divergence, store_golden_case, stored_cases)
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
 
 
@@ -98,10 +102,32 @@ def step_buckets(program: PagedGenerationProgram) -> list[dict[str, int]]:
     return [{"tokens": tokens, "rows": rows} for rows in spec.row_buckets for tokens in spec.token_buckets]
 
 
+def eager_references(program: PagedGenerationProgram, model: torch.nn.Module, new_tokens: int = DEFAULT_NEW_TOKENS,
+                     first_seed: int = 0) -> list[list[tuple[list[int], np.ndarray]]]:
+    """generate() of every case's prompts (plan_case): per step bucket, per prompt, (new tokens, logits
+    [steps, vocab]). Raises what the model raises."""
+    references = []
+    for number, sizes in enumerate(step_buckets(program)):
+        prompts, _, _, steps = plan_case(program, sizes, new_tokens, first_seed + number)
+        references.append([eager_generate(model, prompt, steps) for prompt in prompts])
+    return references
+
+
 def verify_paged_generation(program: PagedGenerationProgram, model: torch.nn.Module, tolerances: VerificationTolerances | None = None,
-                            new_tokens: int = DEFAULT_NEW_TOKENS, first_seed: int = 0) -> GenerationReport:
+                            new_tokens: int = DEFAULT_NEW_TOKENS,
+                            float_reference: list[list[tuple[list[int], np.ndarray]]] | None = None,
+                            first_seed: int = 0) -> GenerationReport:
     """Generates with the step on CPU, case by case (module docstring), and compares with generate().
 
+    Args:
+      program: the paged generation program (with weights).
+      model: the causal LM it was captured from (a weight-only program's: computing with the rounded weights).
+      tolerances: None for the defaults of the program's precision settings.
+      new_tokens: tokens generated per prompt.
+      float_reference: a weight-only program's float model generations (eager_references with the same
+        first_seed, taken before the weights were rounded): each case then measures its FloatDivergence,
+        as verify/generation.py's cases do.
+      first_seed: the seed of the first bucket's prompts (each next bucket's is one more).
     Returns:
       The GenerationReport of PagedCases, passed or not, with golden data.
     """
@@ -125,8 +151,9 @@ def verify_paged_generation(program: PagedGenerationProgram, model: torch.nn.Mod
             cases.append(PagedCase(sizes, lengths, tuple(rows), steps, {}, artifact_raised(error), chunk=chunk))
             continue
         runs = {name: compare_run(logits, expected, eager_tokens, getattr(tolerances, name)) for name, logits in actual.items()}
+        divergence = None if float_reference is None else float_divergence(actual["tpu"], eager_tokens, float_reference[number])
         stored = store_golden_case(golden, number, prompts, rows, max(lengths), eager_tokens, expected)
-        cases.append(PagedCase(sizes, lengths, tuple(rows), steps, runs, golden=stored, chunk=chunk))
+        cases.append(PagedCase(sizes, lengths, tuple(rows), steps, runs, golden=stored, float_divergence=divergence, chunk=chunk))
     return GenerationReport(step.resolved_precision, step.matmul_precision, tolerances, tuple(cases), golden)
 
 
