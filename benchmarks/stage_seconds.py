@@ -28,7 +28,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
 
     start = time.perf_counter()
-    import tpuexport  # noqa: F401  (torch, jax)
+    import tpuexport  # noqa: F401  (the imports below bring torch, jax and torchax)
     from tpuexport.compile import parse_bucket_options
     from tpuexport.export import load_source
     from tpuexport.lower.torchax_import import import_torchax
