@@ -121,6 +121,22 @@ def test_checkpoint_streams_quantized_weights_verified_against_dequantized_model
     assert not np.allclose(actual, floating, rtol=1e-5, atol=1e-6)
     [output] = section["outputs"]
     assert output["name"] == "output_0" and (output["sqnr_db"] > 35 if bits == 8 else 12 < output["sqnr_db"] < 35)
+    assert (section["warnings"] == []) == (output["sqnr_db"] >= 15)
+
+
+def test_an_output_far_from_float_is_warned_about_naming_it_and_keep_float(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False)).eval()
+    with torch.no_grad():
+        model[0].weight[:, ::GROUP] = 1.0  # one outlier per int4 group sets its scale: most of the others round to 0
+    artifact = tpuexport.convert(model, (torch.randn(2, 64),), None, out=tmp_path / "m.tpu", quantize="int4-weight-only",
+                                 group_size=GROUP, saved_model=False)
+    section = artifact.manifest["quantization"]
+    [output] = section["outputs"]
+    assert artifact.manifest["verification"]["passed"] and output["sqnr_db"] < 15
+    [warning] = section["warnings"]
+    assert warning.startswith(f"output output_0 is {output['sqnr_db']:.1f} dB from the float model (below 15 dB): keep the weights")
+    assert "--keep-float REGEX" in warning and "int8-weight-only" in warning
 
 
 def test_quantize_and_pack_round_trip():

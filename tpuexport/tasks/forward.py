@@ -237,7 +237,7 @@ def _describe_weight_only(section: dict) -> str:
     outputs = ", ".join(f"{o['name']} {o['sqnr_db']:.1f} dB" if o["sqnr_db"] is not None else f"{o['name']} exact"
                         for o in section["outputs"])
     return (f"{section['mode']}: {len(section['weights'])} weight(s) quantized; SQNR vs float: {outputs}; "
-            f"weights {section['weight_bytes']['ratio']}x f32")
+            f"weights {section['weight_bytes']['ratio']}x f32" + "".join(f"; WARNING: {warning}" for warning in section["warnings"]))
 
 
 def _quantization_report(quantized, lowered: lower_stage.LoweredProgram, conversion: Conversion):

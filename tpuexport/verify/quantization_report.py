@@ -28,6 +28,11 @@ from tpuexport.verify.verification import eager_outputs, to_numpy
 REPORT = "quantization/report.json"
 CHART = "quantization/layer_sqnr.png"
 INTEGER_TYPES = "s8xs8->s32"
+# An output whose SQNR against the float model is below this (dB) is warned about, verified or not:
+# quantization visibly changed what the model computes (about 18% RMS error at 15 dB).
+LOW_SQNR_DB = 15.0
+PT2E_FLOAT_FIX = ("PT2E quantizes every supported layer (no option keeps some float): use --quantize int8-weight-only with "
+                  "--keep-float REGEX for the layers it depends on, or convert without --quantize")
 # Operators that multiply matrices; those the quantizer left float are listed in the report.
 _MATMUL_LIKE = {"linear", "addmm", "mm", "bmm", "matmul", "baddbmm", "einsum", "conv1d", "conv2d", "conv3d",
                 "conv_transpose1d", "conv_transpose2d", "convolution"}
@@ -83,7 +88,7 @@ def build_report(quantized: QuantizedModel, lowered: LoweredProgram, compiled: C
         "mode": quantized.mode,
         "scheme": _SCHEMES[quantized.mode],
         "calibration": {"source": quantized.calibration_source, "samples": quantized.calibration_samples},
-        "warnings": list(quantized.warnings),
+        "warnings": [*quantized.warnings, *low_sqnr_warnings(outputs, PT2E_FLOAT_FIX)],
         "evaluation_samples": len(samples),
         "sqnr_rule": "10*log10(sum(float^2) / sum((float - quantized)^2)) over all evaluation samples; null if identical",
         "outputs": outputs,
@@ -126,12 +131,14 @@ def generation_report(quantized: dict[str, QuantizedModel], program, compiled: d
     entry_points = {name: build_report(quantized[name], program.entry_points[name], compiled[name]) for name in quantized}
     decode = entry_points["decode"]
     logits = float_comparison["logits"]
+    outputs = [{"name": "logits", "sqnr_db": logits["sqnr_db"], "cpu_sqnr_db": logits["cpu_sqnr_db"], "pt2e_sqnr_db": logits["pt2e_sqnr_db"]}]
     return {
         **decode,
+        # The entry points' own warnings (calibration) and the verified logits', not the entry points' per-sample outputs'.
+        "warnings": [*quantized["decode"].warnings, *low_sqnr_warnings(outputs, PT2E_FLOAT_FIX)],
         "evaluation_samples": "teacher-forced logits of every verified generation step (verification's cases)",
         "sqnr_rule": float_comparison["rule"],
-        "outputs": [{"name": "logits", "sqnr_db": logits["sqnr_db"], "cpu_sqnr_db": logits["cpu_sqnr_db"],
-                     "pt2e_sqnr_db": logits["pt2e_sqnr_db"]}],
+        "outputs": outputs,
         "first_divergence": float_comparison["first_divergence"],
         "integer_flops": {**decode["integer_flops"], "by_entry_point": {name: report["integer_flops"]["fraction"]
                                                                          for name, report in entry_points.items()}},
@@ -282,5 +289,12 @@ def weight_only_section(lowered: LoweredProgram, scheme, float_reference=None, e
         "outputs": outputs,
         "weight_bytes": {"quantized": lowered.weight_bytes, "f32": f32_bytes,
                          "ratio": round(lowered.weight_bytes / f32_bytes, 4) if f32_bytes else None},
-        "warnings": [],
+        "warnings": low_sqnr_warnings(outputs, f"keep the weights of the layers it depends on float with --keep-float REGEX (their "
+                                               f"state_dict names){' or use int8-weight-only' if scheme.bits == 4 else ''}"),
     }
+
+
+def low_sqnr_warnings(outputs: list[dict], fix: str) -> list[str]:
+    """A warning per output whose SQNR against the float model is below LOW_SQNR_DB, naming the output and `fix`."""
+    return [f"output {output['name']} is {output['sqnr_db']:.1f} dB from the float model (below {LOW_SQNR_DB:g} dB): {fix}"
+            for output in outputs if output["sqnr_db"] is not None and output["sqnr_db"] < LOW_SQNR_DB]
