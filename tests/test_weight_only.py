@@ -318,6 +318,11 @@ def test_generation_artifact_with_int4_weights_generates_what_the_dequantized_mo
     quantized = manifest["quantization"]["weights"]
     assert "model.model.embed_tokens.weight" in quantized and quantized["model.lm_head.weight"]["bits"] == 4
     assert manifest["quantization"]["weight_bytes"]["ratio"] < 0.15
+    # The logits are the section's output, at that SQNR; below 15 dB, a warning names them and --keep-float.
+    assert manifest["quantization"]["outputs"] == [{"name": "logits", "sqnr_db": divergence["sqnr_db"]}]
+    warnings = manifest["quantization"]["warnings"]
+    assert (warnings == []) == (divergence["sqnr_db"] >= 15), warnings
+    assert all(warning.startswith("output logits is ") and "--keep-float" in warning for warning in warnings)
     decode = next(bucket for bucket in manifest["targets"]["v5e"]["buckets"] if bucket["entry_point"] == "decode")
     assert decode["memory"]["argument_bytes"] < manifest["program"]["weight_bytes"] + manifest["generation"]["cache_bytes"] + 2**20
 

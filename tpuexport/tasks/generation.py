@@ -142,14 +142,14 @@ class TextGenerationTask(Task):
         program, options, clock = conversion.program, conversion.options, conversion.clock
         report = None
         fill = program.fill_entry_point
-        with clock.stage("verify", lambda: describe_generation(report, fill)):
+        with clock.stage("verify", lambda: describe_generation(report, fill, conversion.weight_only)):
             report = _verify_generation(conversion)
         if not report.passed:
             raise VerificationError(report, write_failed_report(options.out, report.to_json()))
         writers = _verify_sampling(conversion, report)
         sharded = _verify_slices(conversion, report)
         if conversion.weight_only is not None:
-            writers += (_weight_only_section(program.weights_program, conversion.weight_only),)
+            writers += (_weight_only_section(program.weights_program, conversion.weight_only, report.float_divergence()),)
         if conversion.quantized:
             writers += (_int8_report(conversion, report),)
         return Verified(report, tuple(sharded), {name: EXACT_SIZES for name in program.entry_points}, writers)
@@ -406,12 +406,14 @@ def _dequantized_checkpoint_model(conversion: Conversion) -> torch.nn.Module:
     return reference
 
 
-def _weight_only_section(lowered: lower_stage.LoweredProgram, scheme):
+def _weight_only_section(lowered: lower_stage.LoweredProgram, scheme, divergence: dict | None):
     """The writer of a weight-only generation artifact's quantization section (which weights, how,
-    bytes vs f32; its outputs are compared with generate() by verification, not by SQNR)."""
+    bytes vs f32); its output is the logits, at the SQNR against the float model's generate() that
+    verification measured (report.float_divergence)."""
     from tpuexport.verify.quantization_report import weight_only_section
 
-    return lambda staging: {"quantization": weight_only_section(lowered, scheme)}
+    outputs = [{"name": "logits", "sqnr_db": divergence["sqnr_db"]}] if divergence else []
+    return lambda staging: {"quantization": weight_only_section(lowered, scheme, measured_outputs=outputs)}
 
 
 def _int8_report(conversion: Conversion, report):
@@ -488,7 +490,9 @@ def _describe_window_cache(spec) -> str:
     return f"(a ring: sliding window {spec.cache_window}) " if spec.cache_window else ""
 
 
-def describe_generation(report, fill: str = "prefill") -> str:
+def describe_generation(report, fill: str = "prefill", weight_only=None) -> str:
+    """The verify stage's line; a weight-only program's logits far from the float model's end it with
+    the warning its quantization section records."""
     worst = report.worst_errors()
     reference = ("the PT2E entry points" if isinstance(report, verify_stage.QuantizedGenerationReport)
                  else "the eager int8-KV entry points" if report.against == verify_stage.INT8_KV_AGAINST else "generate()")
@@ -501,8 +505,12 @@ def describe_generation(report, fill: str = "prefill") -> str:
     divergence = report.float_divergence()
     first = divergence["first"]
     sqnr = "identical" if divergence["sqnr_db"] is None else f"{divergence['sqnr_db']:.1f} dB"
+    from tpuexport.verify import quantization_report
+
+    warnings = [] if weight_only is None else quantization_report.low_sqnr_warnings(
+        [{"name": "logits", "sqnr_db": divergence["sqnr_db"]}], quantization_report.weight_only_fix(weight_only.bits))
     return (described + "; vs the float model: " + ("same greedy tokens" if first is None else f"first differs at step {first['step']}")
-            + f", logits SQNR {sqnr}")
+            + f", logits SQNR {sqnr}" + "".join(f"; WARNING: {warning}" for warning in warnings))
 
 
 def describe_lowered(program) -> str:

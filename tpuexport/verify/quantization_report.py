@@ -250,7 +250,7 @@ def report_writer(report: dict) -> Callable[[pathlib.Path], dict]:
     return write
 
 
-def weight_only_section(lowered: LoweredProgram, scheme, float_reference=None, example_inputs=()) -> dict:
+def weight_only_section(lowered: LoweredProgram, scheme, float_reference=None, example_inputs=(), measured_outputs=()) -> dict:
     """The manifest's `quantization` section of a weight-only program (no PT2E, no report file).
 
     Args:
@@ -258,12 +258,14 @@ def weight_only_section(lowered: LoweredProgram, scheme, float_reference=None, e
       scheme: its quantize.weight_only.WeightOnlyScheme.
       float_reference: the float model, run eagerly; None for no SQNR (outputs empty).
       example_inputs: the inputs SQNR is measured on.
+      measured_outputs: outputs' SQNR measured already, [{"name", "sqnr_db"}] (a generation program's
+        logits against the float model's generate(), from verification).
     Returns:
       {"mode", "scheme", "group_size", "packing", "weights": {name: entry}, "outputs": [{"name",
       "sqnr_db"}], "weight_bytes": {"quantized", "f32", "ratio"}, "warnings"}; SQNR of the artifact's
       CPU run against the float model (report rule as for PT2E).
     """
-    outputs = []
+    outputs = list(measured_outputs)
     if float_reference is not None:
         artifact_outputs = lowered.run([to_numpy(t) for t in example_inputs])
         float_outputs = eager_outputs(float_reference, example_inputs)
@@ -289,9 +291,14 @@ def weight_only_section(lowered: LoweredProgram, scheme, float_reference=None, e
         "outputs": outputs,
         "weight_bytes": {"quantized": lowered.weight_bytes, "f32": f32_bytes,
                          "ratio": round(lowered.weight_bytes / f32_bytes, 4) if f32_bytes else None},
-        "warnings": low_sqnr_warnings(outputs, f"keep the weights of the layers it depends on float with --keep-float REGEX (their "
-                                               f"state_dict names){' or use int8-weight-only' if scheme.bits == 4 else ''}"),
+        "warnings": low_sqnr_warnings(outputs, weight_only_fix(scheme.bits)),
     }
+
+
+def weight_only_fix(bits: int) -> str:
+    """How a weight-only output far from float gets closer to it."""
+    return ("keep the weights of the layers it depends on float with --keep-float REGEX (their state_dict names)"
+            + (" or use int8-weight-only" if bits == 4 else ""))
 
 
 def low_sqnr_warnings(outputs: list[dict], fix: str) -> list[str]:
