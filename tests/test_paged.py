@@ -1,15 +1,22 @@
 """The paged KV cache (--kv-cache paged): one step entry point over pages, verified against Hugging Face
 generate() with prompts prefilled in chunks beside another row's decode steps; the reference attention
 against JAX's definition of ragged paged attention; planted page-table bugs fail the comparison; bad
-page options are refused in one line."""
+page options are refused in one line; a slice (tensor-parallel over the pages' kv heads) verified partitioned and run
+sharded on its CPU twin."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import tpuexport
+from conftest import ROOT
 from test_cli import assert_clean_bad_input, tpuexport_in_process
 from test_generation import tiny_llama
 from tpuexport.arrays import load_arrays
@@ -23,13 +30,18 @@ from tpuexport.verify.tolerances import default_tolerances
 MAX_CONTEXT, MAX_BATCH, PAGE_SIZE, TOKENS = 64, 2, 4, 8
 
 
+PAGED = dict(task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, kv_cache="paged", page_size=PAGE_SIZE,
+             buckets={"tokens": [TOKENS], "rows": [MAX_BATCH]})
+# A 4-chip v5e slice, tensor-parallel over model=2 (the tiny Llama's 2 kv heads) with 2 replicas, and its CPU twin.
+SLICE = dict(sharding="tensor-parallel", mesh="model=2,replica=2")
+
+
 @pytest.fixture(scope="module")
 def paged(tmp_path_factory):
-    """A tiny Llama over pages of 4 positions, one step bucket of 8 tokens x 2 rows, the cpu target: (artifact, model)."""
+    """A tiny Llama over pages of 4 positions, one step bucket of 8 tokens x 2 rows, for the cpu target,
+    a v5e-4 slice and the slice's twin cpu-4: (artifact, model)."""
     model = tiny_llama()
-    artifact = tpuexport.convert(model, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, kv_cache="paged",
-                                 page_size=PAGE_SIZE, buckets={"tokens": [TOKENS], "rows": [MAX_BATCH]}, target="cpu",
-                                 out=tmp_path_factory.mktemp("paged") / "llama.tpu")
+    artifact = tpuexport.convert(model, **PAGED, target=["cpu", "v5e-4", "cpu-4"], **SLICE, out=tmp_path_factory.mktemp("paged") / "llama.tpu")
     return artifact, model
 
 
@@ -89,6 +101,55 @@ def test_planted_page_table_bugs_fail_the_comparison(paged):
     assert not replay(short_rows)
 
 
+def test_a_slice_steps_with_each_chip_holding_its_heads_pages(paged):
+    """Verified at conversion: the step partitioned by the v5e-4 plan on 4 CPU devices replays a stored case
+    (chunked prefill beside a decoding row) as one device does. The pages' lanes are split by kv heads, so
+    attention reads only the chip's own heads: the partitioned step's only collectives are the row-parallel
+    layers' all-reduces (with all keys before all values, the layout before session 17, the split separates
+    keys from values and XLA adds 6 all-to-alls and 4 collective-permutes per step). The cpu-4 twin runs
+    through the runtime sharded, as generate does on one device."""
+    artifact, _ = paged
+    manifest = artifact.manifest
+    [run] = manifest["verification"]["sharded"]
+    assert run["passed"] and run["targets"] == ["v5e-4", "cpu-4"] and run["devices"] == 4
+    assert run["case"]["passed"] and run["case"]["sizes"] == {"tokens": TOKENS, "rows": MAX_BATCH} and run["case"]["lengths"] == [11, 3]
+    assert set(run["collectives"]["step"]) == {"all-reduce"}, run["collectives"]
+    assert run["aliased_outputs"] == {"step": 1} and run["resharded_calls"] == []
+    for target in ("v5e-4", "cpu-4"):
+        plan = manifest["targets"][target]["sharding"]["step"]
+        assert plan["inputs"]["cache_kv"] == [None, None, None, "model"] and plan["inputs"]["tokens"] == []
+        [step] = [bucket for bucket in manifest["targets"][target]["buckets"] if bucket["entry_point"] == "step"]
+        assert step["paged_step"]["cache_bytes"] == manifest["generation"]["cache_bytes"] // 2  # a chip's heads' share
+        assert set(step["collectives"]) == {"all-reduce"}
+    prompts = [[5, 17, 42, 7, 9, 11, 3, 8, 1, 2, 60, 61, 62], [3, 1]]  # the first longer than the 8-token budget
+    script = (
+        "import json, numpy as np, tpuexport\n"
+        f"sharded, single = tpuexport.runner({str(artifact.path)!r}), tpuexport.runner({str(artifact.path)!r}, target='cpu')\n"
+        f"tokens = [list(sharded.stream({prompts}, 6, ignore_eos=True)), list(single.stream({prompts}, 6, ignore_eos=True))]\n"
+        "print(json.dumps({'target': sharded.target, 'devices': len(sharded.devices), 'compilations': sharded.compilations_at_start,\n"
+        "                  'tokens': tokens}))\n")
+    forced = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=forced)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = json.loads(result.stdout.splitlines()[-1])
+    assert state["target"] == "cpu-4" and state["devices"] == 4 and state["compilations"] == 0
+    sharded, single = state["tokens"]
+    assert sharded == single and [list(row) for row in zip(*sharded)] == artifact.generate(prompts, 6, ignore_eos=True)
+
+
+def test_a_slice_plan_that_changes_the_logits_fails_the_conversion(tmp_path):
+    """Exact tolerances pass on one device; lm_head split by its features (rules) loses a term in the
+    partitioned sums (test_generation_slices.lm_head_that_cancels): the sharded step replay names it."""
+    from test_generation_slices import lm_head_that_cancels
+
+    expected = (r"the sharded entry points \(v5e-4: mesh model=2,replica=2, tensor-parallel, on 4 CPU devices\) do not match eager PyTorch "
+                r"in step tokens8_rows2 \(prefill chunks of 4\) \+ 8 tokens: tpu run, output 'logits' ")
+    with pytest.raises(tpuexport.VerificationError, match=expected):
+        tpuexport.convert(lm_head_that_cancels(), **PAGED, target="v5e-4", **SLICE, rules=["lm_head=None,model"], out=tmp_path / "lm.tpu",
+                          matmul_precision="highest", tolerances={"atol": 0.0, "rtol": 0.0, "scale_tol": 0.0})
+    assert not (tmp_path / "lm.tpu").exists()
+
+
 def test_reference_attention_is_ragged_paged_attention():
     """What the step's attention computes (each row's pages gathered by page table, the step's own keys
     appended, the row mask) equals JAX's reference of its Pallas kernel, ref_ragged_paged_attention, on
@@ -113,13 +174,14 @@ def test_reference_attention_is_ragged_paged_attention():
     mask = paged_mask(token_rows, positions, kv_lens, row_positions, torch.float32)
     attended = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.3, enable_gqa=True)
     written = paged.written()[0]
-    # The kernel's layout: keys and values interleaved per head, [pages, page_size, 2 * kv_heads, head_dim].
-    interleaved = written.reshape(pages, page_size, 2, kv_heads, head_dim).transpose(2, 3).reshape(pages, page_size, -1, head_dim)
+    # The kernel's layout, keys and values interleaved per head [pages, page_size, 2 * kv_heads, head_dim], is the
+    # cache's head-major lanes (per head its keys, then its values) split into heads: a reshape, no transpose.
+    interleaved = written.reshape(pages, page_size, -1, head_dim)
     expected = ref_ragged_paged_attention(jnp.asarray(query[0].transpose(0, 1).numpy()), jnp.asarray(interleaved.numpy()),
                                           jnp.asarray(kv_lens.numpy(), jnp.int32), jnp.asarray(page_indices.numpy(), jnp.int32),
                                           jnp.array([0, 5, 6, 6], jnp.int32), jnp.array([2], jnp.int32), sm_scale=0.3)
     np.testing.assert_allclose(attended[0].transpose(0, 1)[:6].numpy(), np.asarray(expected), rtol=1e-5, atol=1e-5)
-    assert torch.equal(written[page_indices[0, 1], 1], torch.cat([new_keys[0, :, 3].flatten(), new_values[0, :, 3].flatten()]))
+    assert torch.equal(written[page_indices[0, 1], 1], torch.stack([new_keys[0, :, 3], new_values[0, :, 3]], dim=1).flatten())
 
 
 @pytest.mark.parametrize("options, expected", [
@@ -131,6 +193,8 @@ def test_reference_attention_is_ragged_paged_attention():
     (["--kv-cache", "paged", "--kv-cache-dtype", "int8"], "--kv-cache paged does not support --kv-cache-dtype int8 yet"),
     (["--kv-cache", "paged", "--quantize", "int8-dynamic"], "--kv-cache paged does not support --quantize int8-dynamic (PT2E) yet"),
     (["--kv-cache", "paged", "--max-batch", "1"], "give max batch >= 2 (rows of a step)"),
+    (["--kv-cache", "paged", "--target", "v5e-4", "--sharding", "data-parallel"], "--kv-cache paged does not split rows over a data axis"),
+    (["--kv-cache", "paged", "--target", "v5e-4", "--sharding", "tensor-parallel"], "the model's 1 kv heads do not split over model=4"),
 ])
 def test_bad_page_options_are_refused_in_one_line(tmp_path, options, expected):
     factory = tmp_path / "lm.py"

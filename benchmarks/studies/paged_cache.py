@@ -12,6 +12,9 @@ the same bytes hold context / 512 times the sequences (less the partly filled la
 
     python benchmarks/studies/paged_cache.py [--layers 2] [--tokens 8,512] [--target v5e] [--caches paged,static] [--json F]
 
+A slice target (e.g. v5e-8) is planned tensor-parallel over one model axis of all its chips: figures
+per chip, the cache's kv heads split over them.
+
 `layouts` compiles, for one v5e chip, what the layout of the pages decides: a step's write of 8
 tokens into the donated cache of 2 layers x 2048 pages of 16 (bf16, 8 kv heads of 64), and one
 layer's gather of 8 rows x 256 pages followed by attention of 8 queries per kv head, once with a
@@ -59,7 +62,8 @@ def plan(layers: int, kv_cache: str, tokens: list[int], target: str) -> dict:
     buckets = {"tokens": tokens, "rows": [ROWS]} if kv_cache == "paged" else {"seq": [512], "batch": [1]}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
-        artifact = tpuexport.convert(meta_model(layers), task="text-generation", max_context=CONTEXT, max_batch=ROWS, target=target,
+        sliced = dict(sharding="tensor-parallel", mesh=f"model={target.split('-')[1]}") if "-" in target else {}
+        artifact = tpuexport.convert(meta_model(layers), task="text-generation", max_context=CONTEXT, max_batch=ROWS, target=target, **sliced,
                                      buckets=buckets, precision="bf16", weights=False, kv_cache=kv_cache,
                                      page_size=PAGE_SIZE if kv_cache == "paged" else None, out=pathlib.Path(scratch) / "lm.tpu")
         manifest = artifact.manifest
@@ -119,18 +123,25 @@ def layouts() -> None:
         half = kv_heads * head_dim
         return attention(gathered[:, :half].reshape(-1, kv_heads, head_dim), gathered[:, half:].reshape(-1, kv_heads, head_dim), query)
 
+    def head_major(cache, page_indices, query):  # per head its keys then its values: a split of the lanes is a split of heads
+        gathered = cache[0][page_indices].reshape(-1, kv_heads, 2 * head_dim)
+        return attention(gathered[:, :, :head_dim], gathered[:, :, head_dim:], query)
+
     def interleaved(cache, page_indices, query):
         gathered = cache[0][page_indices].reshape(-1, 2 * kv_heads, head_dim)
         return attention(gathered[:, 0::2], gathered[:, 1::2], query)
 
-    shapes = {"[layers, pages, page_size, 2 * kv_heads * head_dim] (the artifact's)": (layers, pages, PAGE_SIZE, 2 * kv_heads * head_dim),
+    shapes = {"[layers, pages, page_size, 2 * kv_heads * head_dim], keys then values (before session 17)":
+                  (layers, pages, PAGE_SIZE, 2 * kv_heads * head_dim),
+              "[layers, pages, page_size, kv_heads * 2 * head_dim], per head keys then values (the artifact's)":
+                  (layers, pages, PAGE_SIZE, 2 * kv_heads * head_dim),
               "[layers, pages, page_size, 2 * kv_heads, head_dim] (ragged_paged_attention's, interleaved)":
                   (layers, pages, PAGE_SIZE, 2 * kv_heads, head_dim)}
     print(f"v5e, bf16, cache of {layers} layers x {pages} pages of {PAGE_SIZE} ({layers * pages * PAGE_SIZE * 2 * kv_heads * head_dim * 2 / 2**20:.0f} "
           f"MiB), {tokens} tokens into {ROWS} rows of {pages_per_row} pages\n")
     print("| layout | write of the step's tokens (donated cache) | one layer's gather + attention |")
     print("|---|---|---|")
-    for (name, shape), gather in zip(shapes.items(), (minor_lanes, interleaved)):
+    for (name, shape), gather in zip(shapes.items(), (minor_lanes, head_major, interleaved)):
         cache = placed(shape, jnp.bfloat16)
         written = figures(write, (cache, placed((tokens, 2 * kv_heads * head_dim), jnp.bfloat16), placed((tokens,), jnp.int32)), (0,))
         read = figures(gather, (cache, placed((ROWS, pages_per_row), jnp.int32), placed((kv_heads, groups, tokens, head_dim), jnp.bfloat16)))

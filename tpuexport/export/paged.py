@@ -14,15 +14,19 @@ row's next-token logits.
       of values nobody reads). Keys and values must have one width (multi-head latent attention's
       do not: its export fails).
 
-The cache is one tensor, `cache_kv` [layers, num_pages, page_size, 2 * kv_heads * head_dim]: per
-position, its keys (kv_heads x head_dim) then its values. Measured on v5e (Llama-3.2-1B's 8 kv heads
-of 64, bf16, 2 layers x 2048 pages of 16, 8 tokens into 8 rows; benchmarks/studies/paged_cache.py
-layouts): with a position's 1024 lanes minor, the step's write is in place (0 temporaries, 0.5 MiB
-accessed) and a layer's gather + attention takes 64 MiB of temporaries (the gathered pages) and
-673 MiB accessed; in JAX's Pallas `ragged_paged_attention` layout, [pages, page_size, 2 * kv_heads,
-head_dim] with keys and values interleaved per head, XLA copies the whole 128 MiB cache into
-another layout for the write (256 MiB of temporaries, 768 MiB accessed) and the gather + attention
-takes 256 MiB and 993 MiB. A kernel wanting the interleaved layout would need its own write.
+The cache is one tensor, `cache_kv` [layers, num_pages, page_size, kv_heads * 2 * head_dim]: per
+position, per kv head, its keys (head_dim) then its values. Head-major lanes make a split of the lanes
+a split of the heads: a tensor-parallel slice holds its kv heads' keys and values of every page
+(tasks/generation.py `_paged_input_rules`), and attention needs no collective. Measured on v5e
+(Llama-3.2-1B's 8 kv heads of 64, bf16, 2 layers x 2048 pages of 16, 8 tokens into 8 rows;
+benchmarks/studies/paged_cache.py layouts): with a position's 1024 lanes minor, the step's write is
+in place (0 temporaries, 0.5 MiB accessed) and a layer's gather + attention takes 64 MiB of
+temporaries (the gathered pages) and 673 MiB accessed, head-major or with all keys before all values
+(the layout before session 17, which a model axis would have split into keys and values, not heads).
+The lanes are in the order of JAX's Pallas `ragged_paged_attention` layout, [pages, page_size,
+2 * kv_heads, head_dim] with keys and values interleaved per head, but merged: in that 5-dimensional
+shape (head_dim 64 minor) XLA copies the whole 128 MiB cache into another layout for the write
+(256 MiB of temporaries, 768 MiB accessed) and the gather + attention takes 256 MiB and 993 MiB.
 
 Attention here is the reference: each row's pages are gathered by its page table from the cache as
 the step received it, the step's own keys are appended, and the model's own attention runs over them
@@ -105,7 +109,7 @@ class PagedSpec:
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "kind": "paged", "token_buckets": list(self.token_buckets), "row_buckets": list(self.row_buckets),
                 "cache_shape": list(self.cache_shape), "pages_per_row": self.pages_per_row, "capacity_tokens": self.capacity_tokens,
-                "cache_layout": "layer_page_offset_kv (per position: keys [kv_heads, head_dim], then values)"}
+                "cache_layout": "layer_page_offset_head_kv (per position, per kv head: its keys [head_dim], then its values)"}
 
     @classmethod
     def from_json(cls, data: dict) -> "PagedSpec":
@@ -192,7 +196,7 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
 
 @torch.library.custom_op("tpuexport::write_pages", mutates_args=())
 def write_pages(cache: torch.Tensor, new: torch.Tensor, layer: int, slots: torch.Tensor) -> torch.Tensor:
-    """The cache with token t's keys and values ([tokens, 2 * kv_heads * head_dim]: keys, then values) at
+    """The cache with token t's keys and values ([tokens, kv_heads * 2 * head_dim]: per head, keys then values) at
     flat slot slots[t] (page * page_size + offset) of one layer; a slot < 0 (a padding token) writes
     nothing. One op so that its lowering (lower/paged.py) is one scatter that drops the padding
     tokens' updates; this is its eager meaning."""
@@ -226,12 +230,11 @@ class PagedKVCache:
     def update(self, new_keys: torch.Tensor, new_values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's new keys/values [1, kv_heads, tokens, head_dim] -> attention's [1, kv_heads, rows * row positions + tokens, head_dim]."""
         _, kv_heads, count, head_dim = new_keys.shape
-        stored = torch.cat([new_keys[0].transpose(0, 1).reshape(count, -1), new_values[0].transpose(0, 1).reshape(count, -1)], dim=1)
+        # [tokens, kv_heads, 2 * head_dim] -> [tokens, lanes]: per head, its keys then its values.
+        stored = torch.cat([new_keys[0].transpose(0, 1), new_values[0].transpose(0, 1)], dim=2).reshape(count, -1)
         self.pending.append((layer, stored.to(self.cache.dtype)))
-        # [rows * row positions, lanes]: the keys' half of the lanes, then the values', each split into heads
-        # (splitting [2, kv_heads, head_dim] first made XLA relayout the gathered pages: 3x the temporaries on v5e).
-        gathered = self.cache[layer][self.page_indices].reshape(-1, stored.shape[1])
-        keys, values = (part.reshape(-1, kv_heads, head_dim).transpose(0, 1)[None] for part in gathered.split(kv_heads * head_dim, dim=1))
+        gathered = self.cache[layer][self.page_indices].reshape(-1, kv_heads, 2 * head_dim)
+        keys, values = (part.transpose(0, 1)[None] for part in gathered.split(head_dim, dim=2))
         return torch.cat([keys.to(new_keys.dtype), new_keys], dim=2), torch.cat([values.to(new_values.dtype), new_values], dim=2)
 
     def written(self) -> torch.Tensor:

@@ -124,6 +124,9 @@ class TextGenerationTask(Task):
         """The KV cache laid out by the preset: its kv-heads axis on the model axis (tensor-parallel),
         its batch axis on the data axis (data-parallel, fsdp, or a tensor-parallel mesh with a data axis)."""
         spec, preset = conversion.program.spec, conversion.options.sharding.preset
+        inputs = [tensor.name for tensor in conversion.program.entry_points[entry_point].signature.inputs]
+        if isinstance(conversion.program, lower_stage.PagedGenerationProgram):
+            return _paged_input_rules(spec, preset, mesh, inputs)
         heads = 2 if spec.layout == "layer_batch_head_pos" else 3
         cache_spec = [None] * len(spec.cache_shape)
         if preset == "tensor-parallel" and "model" in mesh:
@@ -134,7 +137,6 @@ class TextGenerationTask(Task):
         scale_spec = [None, cache_spec[1], cache_spec[heads], None]
         # The sliding layers' rings (a model mixing full and sliding layers) split as the cache does.
         caches = export_stage.CACHE_INPUTS + export_stage.WINDOW_CACHE_INPUTS
-        inputs = [spec.name for spec in conversion.program.entry_points[entry_point].signature.inputs]
         return (tuple((name, tuple(cache_spec)) for name in spec.cache_inputs if name in caches and name in inputs)
                 + tuple((name, tuple(scale_spec)) for name in spec.cache_inputs if name not in caches and name in inputs))
 
@@ -220,11 +222,34 @@ def _check_paged(conversion: Conversion) -> None:
     """Refuses, in one line, what the paged step does not take yet."""
     options, loaded = conversion.options, conversion.loaded
     unsupported = [what for what, given in (("--kv-cache-dtype int8", options.kv_cache_dtype == "int8"),
-                                             (f"--quantize {options.quantize} (PT2E)", options.pt2e), ("a slice target", conversion.slices),
+                                             (f"--quantize {options.quantize} (PT2E)", options.pt2e),
                                              ("an encoder-decoder", export_stage.is_encoder_decoder(loaded.model)))
                    if given]
     if unsupported:
         raise TpuExportError(f"--kv-cache paged does not support {unsupported[0]} yet; use --kv-cache static for it")
+
+
+def _paged_input_rules(spec: export_stage.PagedSpec, preset: str, mesh: dict[str, int], inputs: list[str]) -> tuple:
+    """The pages' lanes (per kv head, its keys then its values) on the model axis with tensor-parallel, so
+    each device holds its heads' keys and values of every page; whole otherwise (and for an entry point
+    without the cache among its `inputs`).
+
+    Raises:
+      TpuExportError: a data axis or a data-parallel preset (every row's pages are in one pool, so no axis
+        splits the rows; other axes hold replicas), or kv heads that do not split evenly over the model axis.
+    """
+    split = {axis: size for axis, size in mesh.items() if size > 1}
+    if "data" in split or preset in ("data-parallel", "fsdp"):
+        raise TpuExportError(f"--kv-cache paged does not split rows over a data axis (every row's pages are in one pool): --sharding "
+                             f"{preset} with mesh {','.join(f'{axis}={size}' for axis, size in mesh.items())}; use --sharding tensor-parallel "
+                             "with --mesh model=N (other axes hold replicas), or --kv-cache static")
+    if preset != "tensor-parallel" or "model" not in split:
+        return ()
+    if spec.kv_heads % split["model"]:
+        raise TpuExportError(f"--kv-cache paged with tensor-parallel: the model's {spec.kv_heads} kv heads do not split over model="
+                             f"{split['model']}; use a slice whose device count divides {spec.kv_heads}, or --kv-cache static")
+    lanes = (None,) * (len(spec.cache_shape) - 1) + ("model",)
+    return tuple((name, lanes) for name in spec.cache_inputs if name in inputs)
 
 
 def _paged_spec(conversion: Conversion, requested: dict[str, list[int]]) -> ProgramSpec:
@@ -349,15 +374,17 @@ def _verify_slices(conversion: Conversion, report) -> list:
     Raises:
       VerificationError: a plan's run does not match (its report written next to the artifact).
     """
-    plans = conversion.plans
+    plans, program = conversion.plans, conversion.program
+    verify_sharded = (verify_stage.verify_sharded_paged if isinstance(program, lower_stage.PagedGenerationProgram)
+                      else verify_stage.verify_sharded_generation)
     grouped: dict[tuple, list[str]] = {}
-    for target in plans.get("decode", {}):
+    for target in next(iter(plans.values()), {}):
         grouped.setdefault(tuple(plans[name][target] for name in plans), []).append(target)
     results = []
     for entry_plans, targets in grouped.items():
         entry_plans = dict(zip(plans, entry_plans))
-        with conversion.clock.stage(f"verify sharded {entry_plans['decode'].mesh_text}", lambda: results[-1].describe()):
-            results.append(verify_stage.verify_sharded_generation(conversion.program, entry_plans, targets, report))
+        with conversion.clock.stage(f"verify sharded {entry_plans[program.fill_entry_point].mesh_text}", lambda: results[-1].describe()):
+            results.append(verify_sharded(program, entry_plans, targets, report))
         if not results[-1].passed:
             failed = {**report.to_json(), "sharded": [result.to_json() for result in results]}
             raise VerificationError(report, write_failed_report(conversion.options.out, failed), results[-1].failure_summary())
@@ -457,14 +484,16 @@ def decode_step_figures(result, spec) -> dict:
 
 
 def paged_step_figures(result, spec, mean_length: int = 512) -> dict:
-    """What a paged step's executable leaves for pages on its chip: the weights (its arguments less the
-    cache) and its temporaries stay, the rest of HBM holds pages; with the sequences of `mean_length`
-    positions those pages hold (each row's last page partly filled)."""
+    """What a paged step's executable leaves for pages on its chip (per device of a slice, whose pages hold
+    its kv heads' share): the weights (its arguments less the cache) and its temporaries stay, the rest
+    of HBM holds pages; with the sequences of `mean_length` positions those pages hold (each row's last
+    page partly filled)."""
     memory = result.memory
-    page_bytes = spec.cache_bytes // spec.num_pages
-    weights = memory["argument_bytes"] - spec.cache_bytes
+    cache = _cache_bytes_per_device(result, spec)
+    page_bytes = cache // spec.num_pages
+    weights = memory["argument_bytes"] - cache
     pages = max(0, (result.target.hbm_bytes_per_device - weights - memory["temp_bytes"]) // page_bytes)
-    return {"cache_bytes": spec.cache_bytes, "page_bytes": page_bytes, "weight_bytes": weights, "temp_bytes": memory["temp_bytes"],
+    return {"cache_bytes": cache, "page_bytes": page_bytes, "weight_bytes": weights, "temp_bytes": memory["temp_bytes"],
             "pages_fit": int(pages), "tokens_fit": int(pages * spec.page_size), "mean_length": mean_length,
             "sequences_fit_at_mean_length": int(pages // -(-mean_length // spec.page_size))}
 
@@ -475,7 +504,7 @@ def _cache_bytes_per_device(result, spec) -> int:
         return spec.cache_bytes
     mesh, inputs = dict(result.plan.mesh), dict(result.plan.inputs)
     split = 1
-    for entry in inputs.get(export_stage.CACHE_INPUTS[0], ()):
+    for entry in inputs.get(spec.cache_inputs[0], ()):
         for axis in (entry if isinstance(entry, (tuple, list)) else (entry,)):
             if axis is not None:
                 split *= mesh[axis]

@@ -14,6 +14,7 @@ from tpuexport.verify.quantized_generation import QuantizedGenerationReport, ver
 from tpuexport.verify.report import VerificationCase, VerificationReport
 from tpuexport.verify.sharded import ShardedVerification, verify_sharded
 from tpuexport.verify.sharded_generation import ShardedGenerationVerification, verify_sharded_generation
+from tpuexport.verify.sharded_paged import verify_sharded_paged
 from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS, PlannedCase, RunMemory, plan_cases, resolve_requested_sizes, run_memory
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances, with_overrides
 from tpuexport.verify.verification import ProgramRuns, make_inputs, verify
@@ -58,5 +59,6 @@ __all__ = [
     "QuantizedGenerationReport",
     "verify_sharded",
     "verify_sharded_generation",
+    "verify_sharded_paged",
     "with_overrides",
 ]

@@ -76,13 +76,18 @@ class ShardedGenerationVerification:
         return self.error is None and self.case is not None and self.case.passed
 
     @property
+    def plan(self) -> ShardingPlan:
+        """One entry point's plan: they share the mesh, the preset and the device count."""
+        return next(iter(self.plans.values()))
+
+    @property
     def mesh_text(self) -> str:
-        return self.plans["decode"].mesh_text
+        return self.plan.mesh_text
 
     def failure_summary(self) -> str:
         """Names the plan and, per failed run, the entry point, step and output that differ."""
-        where = (f"the sharded entry points ({', '.join(self.targets)}: mesh {self.mesh_text}, {self.plans['decode'].preset}, "
-                 f"on {self.plans['decode'].devices} CPU devices)")
+        where = (f"the sharded entry points ({', '.join(self.targets)}: mesh {self.mesh_text}, {self.plan.preset}, "
+                 f"on {self.plan.devices} CPU devices)")
         if self.error is not None:
             return f"{where}: {self.error}"
         clauses = []
@@ -102,7 +107,7 @@ class ShardedGenerationVerification:
                               for entry, kinds in self.collectives.items())
         done = "FAILED" if not self.passed else "passed"
         case = f"{self.case.label}, {self.case.runs['cpu'].tokens_compared} tokens" if self.case and self.case.runs else "no case ran"
-        return (f"{', '.join(self.targets)}: mesh {self.mesh_text} on {self.plans['decode'].devices} CPU devices ({exchanged}); "
+        return (f"{', '.join(self.targets)}: mesh {self.mesh_text} on {self.plan.devices} CPU devices ({exchanged}); "
                 f"{case}, {done}")
 
     def manifest_summary(self) -> dict:
@@ -116,8 +121,8 @@ class ShardedGenerationVerification:
         return {
             "targets": list(self.targets),
             "passed": self.passed,
-            "devices": self.plans["decode"].devices,
-            "mesh": self.plans["decode"].to_json()["mesh"],
+            "devices": self.plan.devices,
+            "mesh": self.plan.to_json()["mesh"],
             "inputs": {entry: plan.to_json()["inputs"] for entry, plan in self.plans.items()},
             "collectives": self.collectives,
             "aliased_outputs": self.aliased,
@@ -163,15 +168,12 @@ def verify_sharded_generation(program: GenerationProgram, plans: dict[str, Shard
                                              "no stored generation case to replay")
     manifest_case, lengths, prompts, slots, eager_tokens, expected = chosen
     calls = teacher_forced_calls(program, prompts, slots, manifest_case["sizes"]["seq"], eager_tokens)
-    logits, errors, hlo, resharded = _run_child(program, plans, calls)
+    logits, errors, hlo, resharded = run_calls(program, plans, calls)
     runs, worst = {}, {}
-    error = next((f"{run} run, {step_name(call)}: the sharded program raised: {message}" for run, (call, message) in errors.items()), None)
+    error = raised(errors)
     if error is None:
-        for run in RUNS:
-            actual = _stacked(logits.get(run, logits["cpu"]), slots, len(calls))
-            runs[run] = compare_run(actual, expected, eager_tokens, getattr(report.tolerances, run))
-            step, row = _worst(actual, expected)
-            worst[run] = {"step": step, "row": row, "first_outside": _first_outside(actual, expected, getattr(report.tolerances, run))}
+        runs, worst = compare_runs({run: _stacked(logits.get(run, logits["cpu"]), slots, len(calls)) for run in RUNS}, expected, eager_tokens,
+                                   report.tolerances)
     case = GenerationCase(manifest_case["sizes"], tuple(lengths), tuple(slots), len(eager_tokens[0]), runs, golden=True)
     return ShardedGenerationVerification(tuple(targets), plans, case, report.tolerances,
                                          {entry: collectives(text) for entry, text in hlo.items()},
@@ -185,9 +187,13 @@ def choose_case(report: GenerationReport):
     Returns:
       stored_cases' tuple (manifest case, lengths, prompts, slots, eager tokens, eager logits), or None.
     """
+    return stored_case(report, lambda chosen: (-chosen[0]["sizes"]["batch"], chosen[0]["sizes"]["seq"]))
+
+
+def stored_case(report: GenerationReport, key):
+    """The stored case of `report` first by `key` (over stored_cases' tuples), or None if none is stored."""
     cases = [{"sizes": case.sizes, "golden": case.golden} for case in report.cases]
-    stored = list(stored_cases(report.golden, cases))
-    return min(stored, key=lambda chosen: (-chosen[0]["sizes"]["batch"], chosen[0]["sizes"]["seq"]), default=None)
+    return min(stored_cases(report.golden, cases), key=key, default=None)
 
 
 def teacher_forced_calls(program: GenerationProgram, prompts: list[list[int]], slots: list[int], seq: int,
@@ -214,6 +220,23 @@ def teacher_forced_calls(program: GenerationProgram, prompts: list[list[int]], s
             tokens[slot], positions[slot] = eager_tokens[row][step - 1], len(prompts[row]) + step - 1
         calls.append(("decode", inputs("decode", {"tokens": tokens, "positions": positions})))
     return calls
+
+
+def raised(errors: dict[str, tuple[int, str]]) -> str | None:
+    """The first run's error from run_calls, worded, or None."""
+    return next((f"{run} run, {step_name(call)}: the sharded program raised: {message}" for run, (call, message) in errors.items()), None)
+
+
+def compare_runs(actual: dict[str, np.ndarray], expected: np.ndarray, eager_tokens: list[list[int]],
+                 tolerances: VerificationTolerances) -> tuple[dict, dict]:
+    """Each run's logits [rows, steps, vocab] against the eager ones by generation.py's rule: ({run: RunComparison},
+    {run: where its largest error is and the first step outside the tolerances})."""
+    runs, worst = {}, {}
+    for run, logits in actual.items():
+        runs[run] = compare_run(logits, expected, eager_tokens, getattr(tolerances, run))
+        step, row = _worst(logits, expected)
+        worst[run] = {"step": step, "row": row, "first_outside": _first_outside(logits, expected, getattr(tolerances, run))}
+    return runs, worst
 
 
 def _stacked(call_logits: list[np.ndarray], slots: list[int], steps: int) -> np.ndarray:
@@ -247,13 +270,15 @@ def _first_outside(actual: np.ndarray, expected: np.ndarray, tolerances: Toleran
                  if compare_output("logits", actual[:, step], expected[:, step], elementwise).mismatched), None)
 
 
-def _run_child(program: GenerationProgram, plans: dict[str, ShardingPlan], calls: list):
-    """Runs the calls in the child; returns ({run: [first output of each call]}, {run: (call, error message)},
-    {entry point: compiled CPU HLO text}, [resharded call indices of the "cpu" run])."""
+def run_calls(program, plans: dict[str, ShardingPlan], calls: list):
+    """Runs a generation program's calls ([(entry point, inputs in its signature order, None for a state
+    input)], static or paged) in the child, partitioned by `plans`; returns ({run: [the logits of each
+    call]}, {run: (call, error message)}, {entry point: compiled CPU HLO text}, [resharded call indices of
+    the "cpu" run])."""
     runs = cpu_runs(program)
     if all(runs["tpu"][entry] is runs["cpu"][entry] for entry in runs["cpu"]):
         runs = {"cpu": runs["cpu"]}  # a bfloat16 program has no f32 matmul to round: one run computes both
-    # Only the entry points the calls use (prefill, decode): the state passes through them, not `sample`'s.
+    # Only the entry points the calls use (prefill and decode, or step): the state passes through them, not `sample`'s.
     called = list(dict.fromkeys(entry for entry, _ in calls))
     runs = {run: {entry: programs[entry] for entry in called} for run, programs in runs.items()}
     plans = {entry: plans[entry] for entry in called}
@@ -267,11 +292,11 @@ def _run_child(program: GenerationProgram, plans: dict[str, ShardingPlan], calls
                 pathlib.Path(paths[run][entry]).write_bytes(bytes(exported.serialize()))
         state = list(program.state_inputs)
         signatures = {entry: program.entry_points[entry].signature for entry in called}
-        decode_inputs = {tensor.name: tensor for tensor in signatures["decode"].inputs}
-        mesh = plans["decode"].to_json()["mesh"]
+        state_specs = {tensor.name: tensor for tensor in signatures[called[0]].inputs}
+        plan = plans[called[0]]
         request = {
-            "devices": plans["decode"].devices,
-            "mesh": mesh,
+            "devices": plan.devices,
+            "mesh": plan.to_json()["mesh"],
             "programs": paths,
             "weights": [write_array(weight, scratch_dir / f"weight{index}.bin") for index, weight in enumerate(weights)],
             "weight_specs": {entry: list(plan.to_json()["weights"].values()) for entry, plan in plans.items()},
@@ -280,7 +305,7 @@ def _run_child(program: GenerationProgram, plans: dict[str, ShardingPlan], calls
                              for entry, signature in signatures.items()},
             "state_outputs": {entry: [[t.name for t in signature.outputs].index(name) for name in state]
                               for entry, signature in signatures.items()},
-            "state": [{"shape": list(decode_inputs[name].shape), "dtype": decode_inputs[name].dtype} for name in state],
+            "state": [{"shape": list(state_specs[name].shape), "dtype": state_specs[name].dtype} for name in state],
             "calls": [{"entry": entry, "inputs": [None if array is None else write_array(array, scratch_dir / f"call{index}.input{number}.bin")
                                                   for number, array in enumerate(inputs)]}
                       for index, (entry, inputs) in enumerate(calls)],
