@@ -6,6 +6,7 @@ sharded on its CPU twin."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -13,10 +14,11 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
+import openai
 import pytest
 import torch
 import tpuexport
-from conftest import ROOT
+from conftest import ROOT, served
 from test_cli import assert_clean_bad_input, tpuexport_in_process
 from test_generation import tiny_llama
 from tpuexport.arrays import load_arrays
@@ -135,6 +137,22 @@ def test_a_slice_steps_with_each_chip_holding_its_heads_pages(paged):
     assert state["target"] == "cpu-4" and state["devices"] == 4 and state["compilations"] == 0
     sharded, single = state["tokens"]
     assert sharded == single and [list(row) for row in zip(*sharded)] == artifact.generate(prompts, 6, ignore_eos=True)
+
+
+def test_serve_serves_a_slice_twin_of_pages_sharded(paged, tmp_path, monkeypatch):
+    """`tpuexport serve` on 4 CPU devices loads the cpu-4 twin without compiling; two concurrent OpenAI
+    completions (one prompt longer than the step's budget, prefilled in chunks beside the other's
+    decodes) give one device's greedy tokens."""
+    artifact, _ = paged
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")  # the server's process, started below
+    prompts = [[int(token) for token in np.random.default_rng(5).integers(0, 256, 19)], [3, 1, 4]]
+    with served(artifact.path, tmp_path / "server.log") as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda prompt: client.completions.create(model="llama", prompt=prompt, max_tokens=6, temperature=0),
+                                    prompts))
+    assert "target cpu-4 on 4 cpu devices, loaded without compiling" in (tmp_path / "server.log").read_text()
+    assert [answer.choices[0].token_ids for answer in answers] == artifact.generate(prompts, 6)
 
 
 def test_a_slice_plan_that_changes_the_logits_fails_the_conversion(tmp_path):

@@ -74,7 +74,7 @@ def plan(layers: int, kv_cache: str, tokens: list[int], target: str) -> dict:
         executables[name] = {"argument_bytes": memory["argument_bytes"], "alias_bytes": memory.get("alias_bytes"),
                              "temp_bytes": memory["temp_bytes"], "bytes_accessed": cost.get("bytes_accessed"),
                              "compile_seconds": round(manifest["build"]["compile_seconds"][f"{target}/{name}"], 1),
-                             "paged_step": bucket.get("paged_step")}
+                             "paged_step": bucket.get("paged_step"), "decode_step": bucket.get("decode_step")}
     return {"kv_cache": kv_cache, "layers": layers, "cache_bytes": manifest["generation"]["cache_bytes"],
             "cache_shape": manifest["generation"]["cache_shape"], "executables": executables, "seconds": round(time.perf_counter() - start, 1)}
 
@@ -178,6 +178,9 @@ def main() -> None:
                   f"{accessed / GIB if accessed else float('nan'):.3f} | {figures['compile_seconds']} |", flush=True)
     for result in results:
         for name, figures in result["executables"].items():
+            if figures["decode_step"]:
+                print(f"\n{name} at {result['layers']} layers: the static cache's estimate of the largest batch the chip holds, "
+                      f"each sequence reserving max context {CONTEXT}: {figures['decode_step']['largest_batch_estimate']}")
             if figures["paged_step"]:
                 held = figures["paged_step"]
                 print(f"\n{name} at {result['layers']} layers: the rest of the chip's HBM holds {held['pages_fit']} pages = "
