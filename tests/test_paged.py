@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 import tpuexport
-from conftest import ROOT, served
+from conftest import ROOT, free_port, served
 from test_cli import assert_clean_bad_input, tpuexport_in_process
 from test_generation import tiny_llama
 from tpuexport.arrays import load_arrays
@@ -41,9 +41,10 @@ SLICE = dict(sharding="tensor-parallel", mesh="model=2,replica=2")
 @pytest.fixture(scope="module")
 def paged(tmp_path_factory):
     """A tiny Llama over pages of 4 positions, one step bucket of 8 tokens x 2 rows, for the cpu target,
-    a v5e-4 slice and the slice's twin cpu-4: (artifact, model)."""
+    a v5e-4 slice, the slice's twin cpu-4 and its two-host twin cpu-2x2: (artifact, model)."""
     model = tiny_llama()
-    artifact = tpuexport.convert(model, **PAGED, target=["cpu", "v5e-4", "cpu-4"], **SLICE, out=tmp_path_factory.mktemp("paged") / "llama.tpu")
+    artifact = tpuexport.convert(model, **PAGED, target=["cpu", "v5e-4", "cpu-4", "cpu-2x2"], **SLICE,
+                                 out=tmp_path_factory.mktemp("paged") / "llama.tpu")
     return artifact, model
 
 
@@ -113,16 +114,18 @@ def test_a_slice_steps_with_each_chip_holding_its_heads_pages(paged):
     artifact, _ = paged
     manifest = artifact.manifest
     [run] = manifest["verification"]["sharded"]
-    assert run["passed"] and run["targets"] == ["v5e-4", "cpu-4"] and run["devices"] == 4
+    assert run["passed"] and run["targets"] == ["v5e-4", "cpu-4", "cpu-2x2"] and run["devices"] == 4  # one plan, verified once
     assert run["case"]["passed"] and run["case"]["sizes"] == {"tokens": TOKENS, "rows": MAX_BATCH} and run["case"]["lengths"] == [11, 3]
     assert set(run["collectives"]["step"]) == {"all-reduce"}, run["collectives"]
     assert run["aliased_outputs"] == {"step": 1} and run["resharded_calls"] == []
-    for target in ("v5e-4", "cpu-4"):
+    for target in ("v5e-4", "cpu-4", "cpu-2x2"):
         plan = manifest["targets"][target]["sharding"]["step"]
         assert plan["inputs"]["cache_kv"] == [None, None, None, "model"] and plan["inputs"]["tokens"] == []
         [step] = [bucket for bucket in manifest["targets"][target]["buckets"] if bucket["entry_point"] == "step"]
         assert step["paged_step"]["cache_bytes"] == manifest["generation"]["cache_bytes"] // 2  # a chip's heads' share
-        assert set(step["collectives"]) == {"all-reduce"}
+        # On two hosts the logits also compile replicated, for the leader to read them whole: one all-gather of [rows, vocab] f32.
+        gathered = {"all-gather": {"count": 1, "bytes": MAX_BATCH * 256 * 4}} if target == "cpu-2x2" else {}
+        assert {kind: value for kind, value in step["collectives"].items() if kind != "all-reduce"} == gathered
     prompts = [[5, 17, 42, 7, 9, 11, 3, 8, 1, 2, 60, 61, 62], [3, 1]]  # the first longer than the 8-token budget
     script = (
         "import json, numpy as np, tpuexport\n"
@@ -137,6 +140,24 @@ def test_a_slice_steps_with_each_chip_holding_its_heads_pages(paged):
     assert state["target"] == "cpu-4" and state["devices"] == 4 and state["compilations"] == 0
     sharded, single = state["tokens"]
     assert sharded == single and [list(row) for row in zip(*sharded)] == artifact.generate(prompts, 6, ignore_eos=True)
+
+
+def test_two_hosts_step_over_the_pages_as_one_device_does(paged):
+    """`tpuexport generate` in two processes of 2 CPU devices under jax.distributed (the cpu-2x2 twin): the
+    leader's session plans each step, both processes run it over their heads' pages, and the tokens are
+    one device's (a prompt longer than the step's budget, prefilled in chunks beside the other's decodes)."""
+    from test_multihost import PROCESSES, TARGET, cluster_flags, run_processes
+
+    artifact, _ = paged
+    assert TARGET in artifact.manifest["targets"]
+    prompts = [[5, 17, 42, 7, 9, 11, 3, 8, 1, 2, 60, 61, 62], [3, 1]]
+    port = free_port()
+    command = [sys.executable, "-m", "tpuexport.cli", "generate", str(artifact.path), "--max-new-tokens", "6", "--ignore-eos",
+               *[flag for prompt in prompts for flag in ("--tokens", ",".join(map(str, prompt)))]]
+    leader, follower = run_processes([command + cluster_flags(port, index) for index in range(PROCESSES)])
+    assert leader.returncode == 0 and follower.returncode == 0, leader.stderr[-3000:] + follower.stderr[-3000:]
+    steps = [[int(token) for token in line.split()] for line in leader.stdout.splitlines()]
+    assert [list(row) for row in zip(*steps)] == artifact.generate(prompts, 6, ignore_eos=True) and follower.stdout == ""
 
 
 def test_serve_serves_a_slice_twin_of_pages_sharded(paged, tmp_path, monkeypatch):
