@@ -48,9 +48,9 @@ def llama(tmp_path_factory) -> tpuexport.Artifact:
                              out=tmp_path_factory.mktemp("multihost") / "tp.tpu")
 
 
-def run_processes(commands: list[list[str]], timeout: float = 120) -> list[subprocess.CompletedProcess]:
-    """Runs one command per process at once (followers first), each with 2 forced CPU devices."""
-    started = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+def run_processes(commands: list[list[str]], timeout: float = 120, env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Runs one command per process at once (followers first), each with 2 forced CPU devices (and `env`'s variables)."""
+    started = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**ENV, **(env or {})})
                for command in reversed(commands)]
     try:
         finished = [(process.communicate(timeout=timeout), process.returncode) for process in started]
@@ -105,16 +105,25 @@ def test_two_processes_run_the_forward_twin_as_one_device_does(mlp):
     np.testing.assert_allclose(np.asarray(leader["output"], np.float32), expected, atol=1e-5)
 
 
+def compiled(result: subprocess.CompletedProcess) -> list[str]:
+    """What a process run with JAX_LOG_COMPILES=1 compiled (JAX logs each compilation it starts)."""
+    return [line for line in result.stderr.splitlines() if "Compiling " in line]
+
+
 def test_two_processes_generate_the_greedy_tokens_of_one_device(llama):
+    """Without compiling anything in either process, at start or while generating: the cache comes out of
+    prefill and decode laid out as the next call takes it, and the logits whole into sample (before
+    session 17 each process compiled two reshards, `_device_put_reshard`, in its first generation)."""
     port = free_port()
     command = [sys.executable, "-m", "tpuexport.cli", "generate", str(llama.path), "--max-new-tokens", "8", "--ignore-eos",
                *[flag for prompt in PROMPTS for flag in ("--tokens", ",".join(map(str, prompt)))]]
-    leader, follower = run_processes([command + cluster_flags(port, index) for index in range(PROCESSES)])
+    leader, follower = run_processes([command + cluster_flags(port, index) for index in range(PROCESSES)], env={"JAX_LOG_COMPILES": "1"})
 
     assert leader.returncode == 0 and follower.returncode == 0, leader.stderr[-3000:] + follower.stderr[-3000:]
     steps = [[int(token) for token in line.split()] for line in leader.stdout.splitlines()]
     assert [list(row) for row in zip(*steps)] == llama.generate(PROMPTS, 8, ignore_eos=True)
     assert follower.stdout == ""  # the follower runs the steps and prints nothing
+    assert compiled(leader) == compiled(follower) == []
 
 
 def test_a_wrong_process_count_or_id_is_refused_in_one_line(mlp):

@@ -146,7 +146,7 @@ def test_two_hosts_step_over_the_pages_as_one_device_does(paged):
     """`tpuexport generate` in two processes of 2 CPU devices under jax.distributed (the cpu-2x2 twin): the
     leader's session plans each step, both processes run it over their heads' pages, and the tokens are
     one device's (a prompt longer than the step's budget, prefilled in chunks beside the other's decodes)."""
-    from test_multihost import PROCESSES, TARGET, cluster_flags, run_processes
+    from test_multihost import PROCESSES, TARGET, cluster_flags, compiled, run_processes
 
     artifact, _ = paged
     assert TARGET in artifact.manifest["targets"]
@@ -154,10 +154,11 @@ def test_two_hosts_step_over_the_pages_as_one_device_does(paged):
     port = free_port()
     command = [sys.executable, "-m", "tpuexport.cli", "generate", str(artifact.path), "--max-new-tokens", "6", "--ignore-eos",
                *[flag for prompt in prompts for flag in ("--tokens", ",".join(map(str, prompt)))]]
-    leader, follower = run_processes([command + cluster_flags(port, index) for index in range(PROCESSES)])
+    leader, follower = run_processes([command + cluster_flags(port, index) for index in range(PROCESSES)], env={"JAX_LOG_COMPILES": "1"})
     assert leader.returncode == 0 and follower.returncode == 0, leader.stderr[-3000:] + follower.stderr[-3000:]
     steps = [[int(token) for token in line.split()] for line in leader.stdout.splitlines()]
     assert [list(row) for row in zip(*steps)] == artifact.generate(prompts, 6, ignore_eos=True) and follower.stdout == ""
+    assert compiled(leader) == compiled(follower) == []  # nothing compiled at start or per step
 
 
 def test_serve_serves_a_slice_twin_of_pages_sharded(paged, tmp_path, monkeypatch):
@@ -229,7 +230,6 @@ def test_reference_attention_is_ragged_paged_attention():
     (["--kv-cache", "paged", "--page-size", "8", "--num-pages", "7"], "give --num-pages >= 8"),
     (["--page-size", "8"], "--page-size applies to the paged KV cache; add --kv-cache paged"),
     (["--kv-cache", "pages"], "unknown --kv-cache 'pages'"),
-    (["--kv-cache", "paged", "--kv-cache-dtype", "int8"], "--kv-cache paged does not support --kv-cache-dtype int8 yet"),
     (["--kv-cache", "paged", "--quantize", "int8-dynamic"], "--kv-cache paged does not support --quantize int8-dynamic (PT2E) yet"),
     (["--kv-cache", "paged", "--max-batch", "1"], "give max batch >= 2 (rows of a step)"),
     (["--kv-cache", "paged", "--target", "v5e-4", "--sharding", "data-parallel"], "--kv-cache paged does not split rows over a data axis"),

@@ -374,13 +374,14 @@ def _program_request(index: int, entry: EntryPointCompile, target: Target, scrat
                             tuple((name, ()) for name in lowered.weight_names),
                             tuple((spec.name, ()) for spec in lowered.signature.inputs))
     records, kernel_programs = _kernel_programs(target, entry.buckets, entry.kernels, scratch_dir, index)
-    input_names = {spec.name for spec in lowered.signature.inputs}
+    input_names = [spec.name for spec in lowered.signature.inputs]
     plan_json = plan.to_json() if plan else None
     request = {
         "exported": str(exported_path),
-        # State outputs (the KV cache) stay laid out as the next call takes them; on a multi-host
-        # slice the others are replicated, so that every host can read them whole.
-        "state_outputs": [spec.name in input_names for spec in lowered.signature.outputs],
+        # Per output, the input it is the next state of (the KV cache), or None: on a slice a state output
+        # is laid out as its input (the next call takes it without a reshard, which JAX would compile
+        # at run time); on a multi-host slice the others are replicated, so that every host can read them whole.
+        "state_outputs": [input_names.index(spec.name) if spec.name in input_names else None for spec in lowered.signature.outputs],
         # Shapes only: the compiler never sees a weight's values (nor needs them, for a plan).
         "weights": [[list(w.shape), str(w.dtype)] for w in lowered.weight_specs],
         "buckets": [

@@ -13,9 +13,10 @@ NamedSharding with its PartitionSpec (JSON lists: null, an axis, or a list of ax
 The `cpu` target ("platform": "cpu") compiles for this process's own CPU device instead of a
 topology; a multi-process CPU twin ("processes": P > 1, `cpu-PxK`) for the devices of P CPU clients
 made in this process and joined by a loopback coordinator, as P processes under jax.distributed
-would see them (`multi_process_cpu_devices`). When the devices span several processes (hosts), the
-outputs that are not state (a program's "state_outputs") are compiled replicated, so every process
-reads them whole. The inputs are donated (the program may reuse their buffers for outputs of the
+would see them (`multi_process_cpu_devices`). On a slice a state output (a program's "state_outputs":
+per output, the index of the input it is the next value of, or null) is compiled laid out as that
+input, so the next call takes it as it is; when the devices span several processes (hosts), the other
+outputs are compiled replicated, so every process reads them whole. The inputs are donated (the program may reuse their buffers for outputs of the
 same shape), so the runtime must pass buffers it owns.
 Protocol, one JSON object per stdout line, flushed as it happens (p: the program's index in the
 request, i: the bucket's in the program):
@@ -188,9 +189,9 @@ def compile_buckets(index, program, request, devices_available, meshes) -> bool:
     by_id = {device.id: device for device in devices_available}
     device_processes = [int(by_id[device_id].process_index) for device_id in device_ids]
     outputs = None
-    if len(set(device_processes)) > 1:
-        replicated = NamedSharding([*weight_shardings, *input_shardings][0].mesh, PartitionSpec())
-        outputs = [None if state else replicated for state in program["state_outputs"]]
+    if program.get("mesh"):
+        others = NamedSharding([*weight_shardings, *input_shardings][0].mesh, PartitionSpec()) if len(set(device_processes)) > 1 else None
+        outputs = [others if state is None else input_shardings[state] for state in program["state_outputs"]]
     for bucket_index, bucket in enumerate(program["buckets"]):
         emit(event="start", program=index, bucket=bucket_index)
         inputs = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)

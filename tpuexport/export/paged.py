@@ -46,12 +46,13 @@ import torch
 
 from tpuexport.errors import TpuExportError
 from tpuexport.export.generation import (_EntryPoint, _masked_value, _text_config, _transformers_cache, attention_windows, cached_shapes, masks_as_bias,
-                                         check_decoder, decoder_layers)
+                                         check_decoder, decoder_layers, dequantize_kv, quantize_kv)
 
 # --kv-cache: "static" is [layers, max_batch, kv_heads, max_context, head_dim] (export/generation.py);
 # "paged" is pages a row takes as it grows (this module).
 KV_CACHES = ("static", "paged")
-PAGED_CACHE_INPUTS = ("cache_kv",)
+# The pages, then (--kv-cache-dtype int8) their scales: inputs and outputs of the step, donated.
+PAGED_CACHE_INPUTS = ("cache_kv", "cache_kv_scale")
 # vLLM's default block size; JAX's tuned kernel table starts at 16 too.
 DEFAULT_PAGE_SIZE = 16
 
@@ -69,6 +70,8 @@ class PagedSpec:
       num_pages: pages in the cache (shared by all rows).
       token_buckets: the step's token budgets (T) compiled.
       row_buckets: the step's row counts compiled (max_batch among them).
+      kv_cache_dtype: "model" (pages in `dtype`) or "int8" (int8 pages and a scale per position, kv head,
+        keys and values, in `dtype`: export/generation.py's quantize_kv, as the static cache's).
     """
 
     max_batch: int
@@ -82,8 +85,17 @@ class PagedSpec:
     num_pages: int
     token_buckets: tuple[int, ...]
     row_buckets: tuple[int, ...]
+    kv_cache_dtype: str = "model"
 
-    cache_inputs = PAGED_CACHE_INPUTS
+    @property
+    def quantized(self) -> bool:
+        """Whether the pages hold int8 keys and values with scales."""
+        return self.kv_cache_dtype == "int8"
+
+    @property
+    def cache_inputs(self) -> tuple[str, ...]:
+        """The cache's tensors, in the step's input (and output) order."""
+        return PAGED_CACHE_INPUTS if self.quantized else PAGED_CACHE_INPUTS[:1]
 
     @property
     def pages_per_row(self) -> int:
@@ -94,12 +106,20 @@ class PagedSpec:
     def cache_shape(self) -> tuple[int, ...]:
         return (self.layers, self.num_pages, self.page_size, 2 * self.kv_heads * self.head_dim)
 
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """An int8 cache's scales: per position, per kv head, its keys' scale then its values'."""
+        return (self.layers, self.num_pages, self.page_size, 2 * self.kv_heads)
+
     def cache_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        return {PAGED_CACHE_INPUTS[0]: (self.cache_shape, self.dtype)}
+        if not self.quantized:
+            return {PAGED_CACHE_INPUTS[0]: (self.cache_shape, self.dtype)}
+        return {PAGED_CACHE_INPUTS[0]: (self.cache_shape, "int8"), PAGED_CACHE_INPUTS[1]: (self.scale_shape, self.dtype)}
 
     @property
     def cache_bytes(self) -> int:
-        return math.prod(self.cache_shape) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        """Bytes of the pages (and of their scales, for an int8 cache)."""
+        return sum(math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size() for shape, dtype in self.cache_tensors().values())
 
     @property
     def capacity_tokens(self) -> int:
@@ -109,7 +129,9 @@ class PagedSpec:
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "kind": "paged", "token_buckets": list(self.token_buckets), "row_buckets": list(self.row_buckets),
                 "cache_shape": list(self.cache_shape), "pages_per_row": self.pages_per_row, "capacity_tokens": self.capacity_tokens,
-                "cache_layout": "layer_page_offset_head_kv (per position, per kv head: its keys [head_dim], then its values)"}
+                "cache_layout": "layer_page_offset_head_kv (per position, per kv head: its keys [head_dim], then its values)",
+                **({"scale_shape": list(self.scale_shape), "scale_layout": "layer_page_offset_head_kv (per position, per kv head: its keys' "
+                                                                           "scale, then its values')"} if self.quantized else {})}
 
     @classmethod
     def from_json(cls, data: dict) -> "PagedSpec":
@@ -144,7 +166,7 @@ def check_page_options(page_size: int | None, num_pages: int | None, kv_cache: s
 
 
 def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_size: int | None, num_pages: int | None,
-               token_buckets: tuple[int, ...] | None, row_buckets: tuple[int, ...] | None) -> PagedSpec:
+               token_buckets: tuple[int, ...] | None, row_buckets: tuple[int, ...] | None, kv_cache_dtype: str = "model") -> PagedSpec:
     """The paged cache a Hugging Face decoder LM needs at these limits.
 
     Args:
@@ -154,6 +176,7 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
       num_pages: pages in the cache (None: max_batch rows of max context).
       token_buckets: token budgets T (None: 16, 128, 512, 2048 up to max_batch x max_context, and max_batch).
       row_buckets: row counts (max_batch is always one: a session's rows are its slots 0..max_batch-1).
+      kv_cache_dtype: "model" or "int8" (PagedSpec).
     Raises:
       TpuExportError: a model or option the paged step does not take (sliding windows), or sizes out of range.
     """
@@ -191,7 +214,7 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
     kv_heads, head_dim = cached_shapes(model)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return PagedSpec(max_batch, max_context, decoder_layers(model), kv_heads, head_dim, model.get_output_embeddings().weight.shape[0],
-                     dtype, page_size, num_pages, token_buckets, row_buckets)
+                     dtype, page_size, num_pages, token_buckets, row_buckets, kv_cache_dtype)
 
 
 @torch.library.custom_op("tpuexport::write_pages", mutates_args=())
@@ -218,30 +241,46 @@ class PagedKVCache:
     Attention reads every row's pages in page-table order (row r's position p at r * row_positions
     + p) as the step received them, followed by the step's own keys: a concatenation, so that nothing
     is written into what attention reads (`paged_mask` says which of them each token sees). The
-    step's keys are written to their slots after the last layer (`written`).
+    step's keys are written to their slots after the last layer (`written`). An int8 cache (scales
+    given) is quantized on write and dequantized on read, and the step's own keys are attended as
+    they are stored (quantized and dequantized), so what a token sees does not depend on whether its
+    prompt's earlier tokens came in the same step or an earlier one.
     """
 
-    def __init__(self, cache: torch.Tensor, page_indices: torch.Tensor, slots: torch.Tensor):
+    def __init__(self, cache: torch.Tensor, page_indices: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None = None):
         self.cache = cache
+        self.scales = scales
         self.page_indices = page_indices
         self.slots = slots
-        self.pending: list[tuple[int, torch.Tensor]] = []
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
 
     def update(self, new_keys: torch.Tensor, new_values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's new keys/values [1, kv_heads, tokens, head_dim] -> attention's [1, kv_heads, rows * row positions + tokens, head_dim]."""
         _, kv_heads, count, head_dim = new_keys.shape
-        # [tokens, kv_heads, 2 * head_dim] -> [tokens, lanes]: per head, its keys then its values.
-        stored = torch.cat([new_keys[0].transpose(0, 1), new_values[0].transpose(0, 1)], dim=2).reshape(count, -1)
-        self.pending.append((layer, stored.to(self.cache.dtype)))
-        gathered = self.cache[layer][self.page_indices].reshape(-1, kv_heads, 2 * head_dim)
-        keys, values = (part.transpose(0, 1)[None] for part in gathered.split(head_dim, dim=2))
-        return torch.cat([keys.to(new_keys.dtype), new_keys], dim=2), torch.cat([values.to(new_values.dtype), new_values], dim=2)
+        # [tokens, kv_heads, 2, head_dim]: per head, its keys then its values (the lanes' order).
+        new = torch.stack([new_keys[0].transpose(0, 1), new_values[0].transpose(0, 1)], dim=2)
+        gathered = self.cache[layer][self.page_indices].reshape(-1, 2 * kv_heads * head_dim)
+        if self.scales is None:
+            self.pending.append((layer, new.reshape(count, -1).to(self.cache.dtype), None))
+        else:
+            stored, scale = quantize_kv(new, self.scales.dtype)
+            self.pending.append((layer, stored.reshape(count, -1), scale.reshape(count, -1)))
+            new = dequantize_kv(stored, scale, new_keys.dtype)
+            scales = self.scales[layer][self.page_indices].reshape(-1, 2 * kv_heads)
+            gathered = dequantize_kv(gathered.reshape(-1, 2 * kv_heads, head_dim), scales, new_keys.dtype)
+        gathered = gathered.reshape(-1, kv_heads, 2 * head_dim)
+        keys, values = (part.transpose(0, 1)[None].to(new_keys.dtype) for part in gathered.split(head_dim, dim=2))
+        own_keys, own_values = (new[:, :, index].transpose(0, 1)[None].to(new_keys.dtype) for index in (0, 1))
+        return torch.cat([keys, own_keys], dim=2), torch.cat([values, own_values], dim=2)
 
-    def written(self) -> torch.Tensor:
-        cache = self.cache
-        for layer, stored in self.pending:
+    def written(self) -> list[torch.Tensor]:
+        """The cache (and its scales) with the step's keys and values in their slots."""
+        cache, scales = self.cache, self.scales
+        for layer, stored, scale in self.pending:
             cache = write_pages(cache, stored, layer, self.slots)
-        return cache
+            if scale is not None:
+                scales = write_pages(scales, scale, layer, self.slots)
+        return [cache] if scales is None else [cache, scales]
 
 
 def paged_mask(token_rows: torch.Tensor, positions: torch.Tensor, kv_lens: torch.Tensor, row_positions: int,
@@ -263,7 +302,7 @@ def paged_mask(token_rows: torch.Tensor, positions: torch.Tensor, kv_lens: torch
 class Step(_EntryPoint):
     """The paged step (module docstring) over the model, registered as `model` like the static entry points."""
 
-    def forward(self, tokens, positions, token_rows, page_indices, kv_lens, cache_kv):
+    def forward(self, tokens, positions, token_rows, page_indices, kv_lens, cache_kv, cache_kv_scale=None):
         count, rows = tokens.shape[0], page_indices.shape[0]
         torch._check(positions.shape[0] == count)
         torch._check(token_rows.shape[0] == count)
@@ -275,7 +314,7 @@ class Step(_EntryPoint):
         safe_rows, safe_positions = token_rows.clamp(min=0), positions.clamp(0, row_positions - 1)
         pages = page_indices[safe_rows, safe_positions // spec.page_size]
         slots = torch.where(padding, -1, pages * spec.page_size + safe_positions % spec.page_size)
-        cache = PagedKVCache(cache_kv, page_indices, slots)
+        cache = PagedKVCache(cache_kv, page_indices, slots, cache_kv_scale)
         # The positions of the keys PagedKVCache gives attention (rows' cached positions, then the step's
         # tokens'), for models masking with a buffer of their own; paged_mask keeps each row to its keys.
         keys = torch.cat([torch.arange(rows * row_positions, device=tokens.device) % row_positions, safe_positions])
@@ -284,7 +323,7 @@ class Step(_EntryPoint):
                                            past_key_values=_transformers_cache(cache), use_cache=True).last_hidden_state[0]
         index = torch.arange(count, device=tokens.device)
         last = torch.where(token_rows[None, :] == torch.arange(rows, device=tokens.device)[:, None], index[None, :], -1).amax(1).clamp(min=0)
-        return {"logits": self.logits(hidden[last]), "cache_kv": cache.written()}
+        return {"logits": self.logits(hidden[last]), **dict(zip(spec.cache_inputs, cache.written(), strict=True))}
 
 
 def step_example_arguments(spec: PagedSpec, device: str = "cpu") -> tuple[tuple, tuple]:
@@ -292,9 +331,9 @@ def step_example_arguments(spec: PagedSpec, device: str = "cpu") -> tuple[tuple,
     (1..max_batch) are dims."""
     rows = spec.max_batch
     count = max(2, min(spec.token_buckets))
-    cache = torch.zeros(spec.cache_shape, dtype=getattr(torch, spec.dtype), device=device)
+    caches = tuple(torch.zeros(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype in spec.cache_tensors().values())
     args = (torch.ones(count, dtype=torch.long), torch.arange(count, dtype=torch.long), torch.zeros(count, dtype=torch.long),
-            torch.zeros((rows, spec.pages_per_row), dtype=torch.long), torch.full((rows,), count, dtype=torch.long), cache)
+            torch.zeros((rows, spec.pages_per_row), dtype=torch.long), torch.full((rows,), count, dtype=torch.long), *caches)
     tokens = torch.export.Dim("tokens", min=1, max=max(max(spec.token_buckets), 2))
     row_dim = {0: torch.export.Dim("rows", min=1, max=spec.max_batch)}
-    return args, ({0: tokens}, {0: tokens}, {0: tokens}, row_dim, row_dim, None)
+    return args, ({0: tokens}, {0: tokens}, {0: tokens}, row_dim, row_dim, *[None] * len(caches))

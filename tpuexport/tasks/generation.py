@@ -122,7 +122,11 @@ class TextGenerationTask(Task):
 
     def input_rules(self, conversion: Conversion, entry_point: str, mesh: dict[str, int]) -> tuple:
         """The KV cache laid out by the preset: its kv-heads axis on the model axis (tensor-parallel),
-        its batch axis on the data axis (data-parallel, fsdp, or a tensor-parallel mesh with a data axis)."""
+        its batch axis on the data axis (data-parallel, fsdp, or a tensor-parallel mesh with a data axis).
+        The sample entry point takes the logits whole, as a multi-host slice's fill and decode give them:
+        split, the runtime would reshard them at every step, a program JAX compiles at run time."""
+        if entry_point == "sample":
+            return (("logits", ()),)
         spec, preset = conversion.program.spec, conversion.options.sharding.preset
         inputs = [tensor.name for tensor in conversion.program.entry_points[entry_point].signature.inputs]
         if isinstance(conversion.program, lower_stage.PagedGenerationProgram):
@@ -221,8 +225,7 @@ def _streamed_weights(conversion: Conversion) -> tuple[torch.nn.Module | None, e
 def _check_paged(conversion: Conversion) -> None:
     """Refuses, in one line, what the paged step does not take yet."""
     options, loaded = conversion.options, conversion.loaded
-    unsupported = [what for what, given in (("--kv-cache-dtype int8", options.kv_cache_dtype == "int8"),
-                                             (f"--quantize {options.quantize} (PT2E)", options.pt2e),
+    unsupported = [what for what, given in ((f"--quantize {options.quantize} (PT2E)", options.pt2e),
                                              ("an encoder-decoder", export_stage.is_encoder_decoder(loaded.model)))
                    if given]
     if unsupported:
@@ -260,7 +263,7 @@ def _paged_spec(conversion: Conversion, requested: dict[str, list[int]]) -> Prog
         raise TpuExportError(f"--bucket {unknown[0]} is not a dim of the paged step; its dims are tokens (token budget) and rows")
     spec = export_stage.paged_spec(model, options.max_batch, options.max_context, options.page_size, options.num_pages,
                                    tuple(requested["tokens"]) if "tokens" in requested else None,
-                                   tuple(requested["rows"]) if "rows" in requested else None)
+                                   tuple(requested["rows"]) if "rows" in requested else None, options.kv_cache_dtype)
     checkpoint_model, state = _streamed_weights(conversion)
     module = export_stage.Step(model.eval(), spec)
     # As the static entry points: streamed from a checkpoint, exported on the meta device (a plan of a model
@@ -275,7 +278,8 @@ def _paged_spec(conversion: Conversion, requested: dict[str, list[int]]) -> Prog
                     "sample": EntryPointSpec(export_stage.LoadedSource(export_stage.Sample(spec.vocab), sample_args, sample_shapes, None, loaded.info),
                                              {"rows": list(spec.row_buckets)}, SAMPLE_KERNEL_REASON, reads_weights=False, precision="f32")}
     description = (f"entry points step (tokens {list(spec.token_buckets)} x rows {list(spec.row_buckets)}) and sample (rows "
-                   f"{list(spec.row_buckets)}); paged cache {list(spec.cache_shape)} {spec.dtype} ({spec.num_pages} pages of {spec.page_size}, "
+                   f"{list(spec.row_buckets)}); paged cache {list(spec.cache_shape)} "
+                   f"{f'int8 + {spec.dtype} scales' if spec.quantized else spec.dtype} ({spec.num_pages} pages of {spec.page_size}, "
                    f"{spec.cache_bytes / 2**20:.1f} MiB)")
     return ProgramSpec(entry_points, lambda lowered: lower_stage.PagedGenerationProgram(spec, lowered), True, description,
                        GenerationSources(spec, model, {"step": module}, checkpoint_model))
@@ -320,7 +324,7 @@ def _verify_generation(conversion: Conversion):
     # its distance from the float model's generate() is measured too (an int8 cache's as well).
     weight_only = conversion.weight_only
     float_reference = None
-    if weight_only or _int8_cache(program):
+    if weight_only or program.spec.quantized:
         float_reference = (verify_stage.paged_eager_references(program, float_model, options.new_tokens) if paged
                            else verify_stage.eager_references(program, float_model, options.new_tokens, fill_bytes))
     if sources.checkpoint_model is None:
@@ -330,11 +334,6 @@ def _verify_generation(conversion: Conversion):
     return _generation_report(conversion, eager_model, tolerances, float_reference)
 
 
-def _int8_cache(program) -> bool:
-    """Whether a static generation program's cache is int8 (the paged cache is the model's dtype)."""
-    return not isinstance(program, lower_stage.PagedGenerationProgram) and program.spec.quantized
-
-
 def _generation_report(conversion: Conversion, model: torch.nn.Module, tolerances, float_reference):
     """The program's generation against generate() of `model` (the float model, the checkpoint's, or
     one computing with the weight-only weights rounded): over pages, over an int8 cache (against the
@@ -342,7 +341,10 @@ def _generation_report(conversion: Conversion, model: torch.nn.Module, tolerance
     program, options, sources = conversion.program, conversion.options, conversion.spec.state
     fill_bytes = conversion.run_memory.fill_bytes
     if isinstance(program, lower_stage.PagedGenerationProgram):
-        return verify_stage.verify_paged_generation(program, model, tolerances, options.new_tokens, float_reference)
+        eager_step = None
+        if program.spec.quantized:  # against the eager int8-cache step over `model`
+            eager_step = sources.modules["step"] if model is sources.model else export_stage.Step(model, program.spec)
+        return verify_stage.verify_paged_generation(program, model, tolerances, options.new_tokens, float_reference, eager_step=eager_step)
     if program.spec.quantized:
         modules = sources.modules if model is sources.model else export_stage.entry_point_modules(model, program.spec)
         return verify_stage.verify_int8_kv_generation(program, modules, tolerances, float_reference, options.new_tokens, fill_bytes)

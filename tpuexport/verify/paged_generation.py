@@ -15,7 +15,10 @@ for token. The report and golden data take the form of the static cache's (Gener
 
 A weight-only step is compared with generate() of the model with its weights rounded as the step
 rounds them, and its distance from the float model's generate() measured, as the static cache's
-(verify/generation.py: FloatDivergence).
+(verify/generation.py: FloatDivergence). A step over an int8 cache (--kv-cache-dtype int8) is compared,
+as the static int8 cache is (verify/int8_kv_generation.py), with the same step run eagerly in PyTorch
+and driven greedily in the same session steps (its argmax fed back), since generate()'s float cache does
+not round as the pages do; its distance from the float model's generate() is measured.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from tpuexport.lower.generation import cpu_runner
 from tpuexport.lower.paged import PagedGenerationProgram, PagedSession, plan_step
 from tpuexport.verify.generation import (DEFAULT_NEW_TOKENS, GenerationCase, GenerationReport, artifact_raised, compare_run, cpu_runs,
                                          eager_generate, float_divergence, store_golden_case, stored_cases)
+from tpuexport.verify.int8_kv_generation import INT8_KV_AGAINST
+from tpuexport.verify.quantized_generation import torch_runner
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
 
 
@@ -63,7 +68,22 @@ def plan_case(program: PagedGenerationProgram, sizes: dict[str, int], new_tokens
 def teacher_forced_logits(session: PagedSession, prompts: list[list[int]], rows: list[int], chunk: int, sizes: dict[str, int],
                           eager_tokens: list[list[int]]) -> np.ndarray:
     """The step's logits of every generated position of every prompt, each decode token generate()'s: [prompts, steps, vocab]."""
-    steps = len(eager_tokens[0])
+    return driven_logits(session, prompts, rows, chunk, sizes, len(eager_tokens[0]), lambda prompt, done, logits: eager_tokens[prompt][done - 1])
+
+
+def greedy_logits(session: PagedSession, prompts: list[list[int]], rows: list[int], chunk: int, sizes: dict[str, int],
+                  steps: int) -> tuple[list[list[int]], np.ndarray]:
+    """Greedy generation through the session's steps: (each prompt's tokens, the logits [prompts, steps, vocab])."""
+    logits = driven_logits(session, prompts, rows, chunk, sizes, steps, lambda prompt, done, logits: int(np.argmax(logits)))
+    return [[int(np.argmax(step)) for step in prompt] for prompt in logits], logits
+
+
+def driven_logits(session: PagedSession, prompts: list[list[int]], rows: list[int], chunk: int, sizes: dict[str, int], steps: int,
+                  next_token) -> np.ndarray:
+    """The step's logits of `steps` generated positions of every prompt, [prompts, steps, vocab], the
+    steps planned as a server plans them (plan_step: decode tokens first, prefill chunks of at most
+    `chunk` tokens) at bucket `sizes`; next_token(prompt index, positions generated, their last logits)
+    gives each decode token."""
     index = {row: position for position, row in enumerate(rows)}
     prompts_left = {row: list(prompt) for row, prompt in sorted(zip(rows, prompts))}  # chunked in row order
     decoding: dict[int, int] = {}
@@ -78,7 +98,7 @@ def teacher_forced_logits(session: PagedSession, prompts: list[list[int]], rows:
             collected[row].append(np.asarray(logits[row], np.float32))
             done = len(collected[row])
             if done < steps:
-                decoding[row] = eager_tokens[index[row]][done - 1]
+                decoding[row] = next_token(index[row], done, collected[row][-1])
             else:
                 decoding.pop(row, None)
                 session.release(row)
@@ -116,7 +136,7 @@ def eager_references(program: PagedGenerationProgram, model: torch.nn.Module, ne
 def verify_paged_generation(program: PagedGenerationProgram, model: torch.nn.Module, tolerances: VerificationTolerances | None = None,
                             new_tokens: int = DEFAULT_NEW_TOKENS,
                             float_reference: list[list[tuple[list[int], np.ndarray]]] | None = None,
-                            first_seed: int = 0) -> GenerationReport:
+                            first_seed: int = 0, eager_step: torch.nn.Module | None = None) -> GenerationReport:
     """Generates with the step on CPU, case by case (module docstring), and compares with generate().
 
     Args:
@@ -128,6 +148,8 @@ def verify_paged_generation(program: PagedGenerationProgram, model: torch.nn.Mod
         first_seed, taken before the weights were rounded): each case then measures its FloatDivergence,
         as verify/generation.py's cases do.
       first_seed: the seed of the first bucket's prompts (each next bucket's is one more).
+      eager_step: an int8-cache program's step module (export/paged.py Step over `model`), the reference
+        instead of generate() (module docstring); None for generate().
     Returns:
       The GenerationReport of PagedCases, passed or not, with golden data.
     """
@@ -139,12 +161,15 @@ def verify_paged_generation(program: PagedGenerationProgram, model: torch.nn.Mod
         prompts, rows, chunk, steps = plan_case(program, sizes, new_tokens, first_seed + number)
         lengths = tuple(len(prompt) for prompt in prompts)
         try:
-            eager = [eager_generate(model, prompt, steps) for prompt in prompts]
+            if eager_step is None:
+                eager = [eager_generate(model, prompt, steps) for prompt in prompts]
+                eager_tokens, expected = [tokens for tokens, _ in eager], np.stack([logits for _, logits in eager])
+            else:
+                eager_tokens, expected = greedy_logits(PagedSession(program, torch_runner({"step": eager_step})), prompts, rows, chunk, sizes, steps)
         except Exception as error:  # the user's model may raise anything
-            cases.append(PagedCase(sizes, lengths, tuple(rows), steps, {}, f"eager generate() raised {type(error).__name__}: {error}", chunk=chunk))
+            raised = "eager generate()" if eager_step is None else "the eager int8-KV step"
+            cases.append(PagedCase(sizes, lengths, tuple(rows), steps, {}, f"{raised} raised {type(error).__name__}: {error}", chunk=chunk))
             continue
-        eager_tokens = [tokens for tokens, _ in eager]
-        expected = np.stack([logits for _, logits in eager])
         try:
             actual = teacher_forced_runs(program, runs_programs, prompts, rows, chunk, sizes, eager_tokens)
         except Exception as error:  # XLA runtime errors, shape assertions, a session refusal
@@ -154,7 +179,8 @@ def verify_paged_generation(program: PagedGenerationProgram, model: torch.nn.Mod
         divergence = None if float_reference is None else float_divergence(actual["tpu"], eager_tokens, float_reference[number])
         stored = store_golden_case(golden, number, prompts, rows, max(lengths), eager_tokens, expected)
         cases.append(PagedCase(sizes, lengths, tuple(rows), steps, runs, golden=stored, float_divergence=divergence, chunk=chunk))
-    return GenerationReport(step.resolved_precision, step.matmul_precision, tolerances, tuple(cases), golden)
+    return GenerationReport(step.resolved_precision, step.matmul_precision, tolerances, tuple(cases), golden,
+                            *(() if eager_step is None else (INT8_KV_AGAINST,)))
 
 
 def replay_golden(program: PagedGenerationProgram, golden: dict[str, np.ndarray], cases: list[dict],
