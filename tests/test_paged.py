@@ -213,7 +213,8 @@ def test_reference_attention_is_ragged_paged_attention():
     query = torch.randn((1, heads, 7, head_dim), generator=generator)
     mask = paged_mask(token_rows, positions, kv_lens, row_positions, torch.float32)
     attended = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.3, enable_gqa=True)
-    written = paged.written()[0]
+    [written] = paged.written()  # the cache (a float cache has no scales)
+    written = written[0]  # its one layer
     # The kernel's layout, keys and values interleaved per head [pages, page_size, 2 * kv_heads, head_dim], is the
     # cache's head-major lanes (per head its keys, then its values) split into heads: a reshape, no transpose.
     interleaved = written.reshape(pages, page_size, -1, head_dim)

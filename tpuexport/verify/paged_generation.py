@@ -179,8 +179,8 @@ def verify_paged_generation(program: PagedGenerationProgram, model: torch.nn.Mod
         divergence = None if float_reference is None else float_divergence(actual["tpu"], eager_tokens, float_reference[number])
         stored = store_golden_case(golden, number, prompts, rows, max(lengths), eager_tokens, expected)
         cases.append(PagedCase(sizes, lengths, tuple(rows), steps, runs, golden=stored, float_divergence=divergence, chunk=chunk))
-    return GenerationReport(step.resolved_precision, step.matmul_precision, tolerances, tuple(cases), golden,
-                            *(() if eager_step is None else (INT8_KV_AGAINST,)))
+    report = GenerationReport(step.resolved_precision, step.matmul_precision, tolerances, tuple(cases), golden)
+    return report if eager_step is None else dataclasses.replace(report, against=INT8_KV_AGAINST)
 
 
 def replay_golden(program: PagedGenerationProgram, golden: dict[str, np.ndarray], cases: list[dict],
