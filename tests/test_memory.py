@@ -132,33 +132,38 @@ def test_the_writer_streams_in_memory_weights_without_copying_them(tmp_path):
     assert artifact.manifest["build"]["memory_budget"]["budget"]["source"].startswith("default: 0.75 of the ")
 
 
-def test_an_in_memory_models_program_weights_are_the_artifacts_file_not_a_copy(tmp_path):
+@pytest.mark.parametrize("precision", ["auto", "bf16"])
+def test_an_in_memory_models_program_weights_are_the_file_or_the_model_never_a_copy(tmp_path, precision):
     """A model held in memory takes the checkpoint's route: lower reads no weight (it lowers from their
     shapes), and the weights pass writes the model's tensors, cast to the program's dtypes and the
-    scanned layers stacked, into the artifact's weights file one at a time; the program then runs
-    on memory maps of that file, so its stacked weights are file-backed pages, not a second copy
-    beside the model. They are, bit for bit, the arrays a lowering that reads the weights holds,
-    and the model is left as it was found."""
-    built = build_example("decoder")
+    scanned layers stacked, into the artifact's weights file one at a time. The program then runs on
+    memory maps of that file (file-backed pages, not a second copy beside the model), except where a
+    model's tensor is already what the file stores (f32 kept f32, not stacked): it reads that tensor
+    in place, as the eager reference does. Either way the arrays are, bit for bit, those a lowering
+    that reads the weights holds, and the model is left as it was found."""
+    built = build_example("decoder")  # f32; its layers scanned
     model = built["model"]
     state = {name: (tensor.data_ptr(), tensor.clone()) for name, tensor in model.state_dict().items()}
     loaded = LoadedSource(model, built["args"], built["dynamic_shapes"], None, SourceInfo("api"))
-    options = ConversionOptions(("v5e",), tmp_path / "decoder.tpu", precision="bf16", saved_model=False)
+    options = ConversionOptions(("v5e",), tmp_path / "decoder.tpu", precision=precision, saved_model=False)
     with passes(loaded, options, "lower") as conversion:
         assert conversion.program.weights_program.weights is None  # lowered from shapes
     with passes(loaded, options, "weights") as conversion:
         program = conversion.program.weights_program
-        assert any(program.stacked) and conversion.weights_file.parent == conversion.scratch
-        for array in program.weights:
-            assert isinstance(array, np.memmap) and pathlib.Path(array.filename) == conversion.weights_file
+        assert any(program.stacked) and not all(program.stacked) and conversion.weights_file.parent == conversion.scratch
+        for name, array, stacked in zip(program.weight_names, program.weights, program.stacked):
+            if stacked or precision == "bf16":
+                assert isinstance(array, np.memmap) and pathlib.Path(array.filename) == conversion.weights_file, name
+            else:
+                assert array.ctypes.data == state[name][0], name  # the model's own tensor
         held = lower_forward(conversion.captured["serving_default"], options).lowered  # the arrays read into memory
         assert held.weight_names == program.weight_names
-        for name, mapped, array in zip(program.weight_names, program.weights, held.weights):
-            assert mapped.dtype == array.dtype, name
-            np.testing.assert_array_equal(mapped, array, err_msg=name)
+        for name, array, expected in zip(program.weight_names, program.weights, held.weights):
+            assert array.dtype == expected.dtype, name
+            np.testing.assert_array_equal(array, expected, err_msg=name)
         tokens = built["args"][0].numpy()
-        for mapped_output, held_output in zip(program.run([tokens]), held.run([tokens])):
-            np.testing.assert_array_equal(mapped_output, held_output)
+        for output, expected in zip(program.run([tokens]), held.run([tokens])):
+            np.testing.assert_array_equal(output, expected)
     for name, tensor in model.state_dict().items():
         assert tensor.data_ptr() == state[name][0] and torch.equal(tensor, state[name][1]), name
 

@@ -48,6 +48,7 @@ import shutil
 import tempfile
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 from tpuexport import artifact as artifact_stage
@@ -56,7 +57,7 @@ from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
 from tpuexport.artifact import tf_serving as serving_stage
-from tpuexport.arrays import torch_view
+from tpuexport.arrays import to_numpy, torch_view
 from tpuexport.devices import on_host_cpu
 from tpuexport.errors import TpuExportError, VerificationError
 from tpuexport.lower.program import DEFAULT_ENTRY_POINT
@@ -212,13 +213,30 @@ def weights(conversion: Conversion) -> None:
     with conversion.clock.stage("weights", lambda: f"{len(shared.weight_names)} arrays, {written / 2**30:.2f} GiB {origin}"):
         written = artifact_stage.write_weights(path, shared.weight_names, shared.weight_specs, parts)
         arrays = artifact_stage.map_weights(path)
-    conversion.program = conversion.program.with_weights(tuple(arrays[name] for name in shared.weight_names))
+    held = [_held_as_stored(shared, state, name, spec) for name, spec in zip(shared.weight_names, shared.weight_specs)]
+    conversion.program = conversion.program.with_weights(tuple(arrays[name] if view is None else view
+                                                               for name, view in zip(shared.weight_names, held)))
     conversion.weights_file = path
 
 
 def as_tensor(weight) -> torch.Tensor:
     """A checkpoint's tensor as it is; a model's weight as stored (a numpy array) as a torch view of its memory."""
     return weight if isinstance(weight, torch.Tensor) else torch_view(weight)
+
+
+def _held_as_stored(shared: lower_stage.LoweredProgram, state, name: str, spec):
+    """A weight whose source tensor (the model's, or the checkpoint's memory-mapped one) is already
+    what the artifact stores (its own tensor, not stacked, transposed, quantized or cast), contiguous
+    and aligned as XLA:CPU takes a host array in place: a numpy view of that tensor, so that the
+    eager reference and the CPU runs read the same pages (the file holds a copy they do not touch);
+    else None (the program reads the file's)."""
+    if shared.weight_parts[name] != (name,) or name in shared.weight_layouts:
+        return None
+    tensor = state.tensor(name) if isinstance(state, lower_stage.StoredState) else state[name]
+    if (tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.data_ptr() % artifact_stage.ALIGNMENT
+            or tuple(tensor.shape) != tuple(spec.shape) or str(tensor.dtype).removeprefix("torch.") != np.dtype(spec.dtype).name):
+        return None
+    return to_numpy(tensor.detach())
 
 
 def saved_model(conversion: Conversion) -> None:

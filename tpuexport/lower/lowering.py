@@ -590,6 +590,10 @@ class StoredState(collections.abc.Mapping):
         tensor, kept = self._tensors[name]
         return stored_weight(_to_numpy(tensor.detach()), self._precision, kept)
 
+    def tensor(self, name: str) -> torch.Tensor:
+        """The weight's tensor as the program holds it (before any cast)."""
+        return self._tensors[name][0]
+
     def __iter__(self):
         return iter(self._tensors)
 
