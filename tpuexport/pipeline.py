@@ -5,7 +5,7 @@ decides the entry points and how they are verified, every pass handles entry poi
   export    the task's entry points, each captured with torch.export       -> captured, buckets
   quantize  PT2E int8 (optional), calibrated, re-exported                  -> quantized, captured
             (weight-only int8/int4 is no pass of its own: lower takes the scheme, the weights pass
-            quantizes a checkpoint's tensors as they stream; quantize/weight_only.py)
+            quantizes the tensors as they are written; quantize/weight_only.py)
   lower     each entry point through torchax's op library -> jax.export, from the weights' shapes
             and dtypes; one set of weights for all of them                   -> program
   weights   the weights (a checkpoint's tensors, or the model's) written into the artifact's weights

@@ -26,7 +26,7 @@ Passes, in order:
                      that feed a top-k, sort or argmax (matmul_precision.py)
 and, beside the program, its matmul FLOPs as a polynomial in the dims (cost.py).
 With a weight-only scheme (quantize/weight_only.py), the chosen weights become integer and scale
-arguments after collect_weights (their arrays quantized here; a checkpoint's as they stream) and
+arguments after collect_weights (their arrays quantized here; in a conversion, by the weights pass) and
 the traced ops read them as integers (quantized_weights.py).
 """
 
