@@ -118,8 +118,9 @@ def test_verification_runs_stay_within_the_memory_bound(tmp_path):
 
 
 def test_the_writer_streams_in_memory_weights_without_copying_them(tmp_path):
-    """A model's 128 MiB of f32 weights are written one array at a time from their own memory: the
-    write stage holds no copy of them (safetensors' save built the file in memory: +256 MiB)."""
+    """A model's 128 MiB of f32 weights are written one array at a time from their own memory (by the
+    weights pass; the write stage moves that file into the artifact): the write stage holds no copy
+    of them (safetensors' save built the file in memory: +256 MiB)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(2048, 8192), torch.nn.Linear(8192, 2048)).eval()
     artifact = tpuexport.convert(model, (torch.randn(2, 2048),), {"input": {0: torch.export.Dim("batch", min=1, max=4)}}, target="v5e",
