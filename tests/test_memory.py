@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pathlib
 import subprocess
 import sys
 import time
@@ -20,9 +21,10 @@ import torch
 import tpuexport
 from tpuexport.cli import describe_memory_budget, describe_peak_memory
 from tpuexport.errors import TpuExportError
-from tpuexport.export import load_source
+from conftest import build_example
+from tpuexport.export import LoadedSource, SourceInfo, load_source
 from tpuexport.memory import UNKNOWN_PEAK, MemoryMonitor, PeakMemory, memory_budget, resident_bytes
-from tpuexport.pipeline import ConversionOptions
+from tpuexport.pipeline import ConversionOptions, lower_forward, passes
 from tpuexport.verify.sizes import MAX_OPTIONAL_OUTPUT_BYTES, output_bytes, plan_cases
 
 MIB = 2**20
@@ -116,8 +118,9 @@ def test_verification_runs_stay_within_the_memory_bound(tmp_path):
 
 
 def test_the_writer_streams_in_memory_weights_without_copying_them(tmp_path):
-    """A model's 128 MiB of f32 weights are written one array at a time from their own memory: the
-    write stage holds no copy of them (safetensors' save built the file in memory: +256 MiB)."""
+    """A model's 128 MiB of f32 weights are written one array at a time from their own memory (by the
+    weights pass; the write stage moves that file into the artifact): the write stage holds no copy
+    of them (safetensors' save built the file in memory: +256 MiB)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(2048, 8192), torch.nn.Linear(8192, 2048)).eval()
     artifact = tpuexport.convert(model, (torch.randn(2, 2048),), {"input": {0: torch.export.Dim("batch", min=1, max=4)}}, target="v5e",
@@ -128,6 +131,42 @@ def test_the_writer_streams_in_memory_weights_without_copying_them(tmp_path):
     torch.testing.assert_close(artifact.run(torch.ones(3, 2048)), model(torch.ones(3, 2048)), atol=1e-4, rtol=1e-4)
     # No memory_budget_gb: the default, a share of what the machine had available.
     assert artifact.manifest["build"]["memory_budget"]["budget"]["source"].startswith("default: 0.75 of the ")
+
+
+@pytest.mark.parametrize("precision", ["auto", "bf16"])
+def test_an_in_memory_models_program_weights_are_the_file_or_the_model_never_a_copy(tmp_path, precision):
+    """A model held in memory takes the checkpoint's route: lower reads no weight (it lowers from their
+    shapes), and the weights pass writes the model's tensors, cast to the program's dtypes and the
+    scanned layers stacked, into the artifact's weights file one at a time. The program then runs on
+    memory maps of that file (file-backed pages, not a second copy beside the model), except where a
+    model's tensor is already what the file stores (f32 kept f32, not stacked): it reads that tensor
+    in place, as the eager reference does. Either way the arrays are, bit for bit, those a lowering
+    that reads the weights holds, and the model is left as it was found."""
+    built = build_example("decoder")  # f32; its layers scanned
+    model = built["model"]
+    state = {name: (tensor.data_ptr(), tensor.clone()) for name, tensor in model.state_dict().items()}
+    loaded = LoadedSource(model, built["args"], built["dynamic_shapes"], None, SourceInfo("api"))
+    options = ConversionOptions(("v5e",), tmp_path / "decoder.tpu", precision=precision, saved_model=False)
+    with passes(loaded, options, "lower") as conversion:
+        assert conversion.program.weights_program.weights is None  # lowered from shapes
+    with passes(loaded, options, "weights") as conversion:
+        program = conversion.program.weights_program
+        assert any(program.stacked) and not all(program.stacked) and conversion.weights_file.parent == conversion.scratch
+        for name, array, stacked in zip(program.weight_names, program.weights, program.stacked):
+            if stacked or precision == "bf16":
+                assert isinstance(array, np.memmap) and pathlib.Path(array.filename) == conversion.weights_file, name
+            else:
+                assert array.ctypes.data == state[name][0], name  # the model's own tensor
+        held = lower_forward(conversion.captured["serving_default"], options).lowered  # the arrays read into memory
+        assert held.weight_names == program.weight_names
+        for name, array, expected in zip(program.weight_names, program.weights, held.weights):
+            assert array.dtype == expected.dtype, name
+            np.testing.assert_array_equal(array, expected, err_msg=name)
+        tokens = built["args"][0].numpy()
+        for output, expected in zip(program.run([tokens]), held.run([tokens])):
+            np.testing.assert_array_equal(output, expected)
+    for name, tensor in model.state_dict().items():
+        assert tensor.data_ptr() == state[name][0] and torch.equal(tensor, state[name][1]), name
 
 
 def test_options_made_without_a_budget_carry_the_default(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 import struct
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -52,6 +53,16 @@ def to_torch(array: np.ndarray) -> torch.Tensor:
     if array.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(np.array(array, order="C").view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.array(array, order="C"))
+
+
+def torch_view(array: np.ndarray) -> torch.Tensor:
+    """A torch tensor over the array's memory (a copy only if it is not contiguous), for reading."""
+    array = np.ascontiguousarray(array)
+    with warnings.catch_warnings():  # a memory-mapped array is read-only; the view is only read
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        if array.dtype == np.dtype(ml_dtypes.bfloat16):
+            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(array)
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:

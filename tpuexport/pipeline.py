@@ -5,11 +5,11 @@ decides the entry points and how they are verified, every pass handles entry poi
   export    the task's entry points, each captured with torch.export       -> captured, buckets
   quantize  PT2E int8 (optional), calibrated, re-exported                  -> quantized, captured
             (weight-only int8/int4 is no pass of its own: lower takes the scheme, the weights pass
-            quantizes a checkpoint's tensors as they stream; quantize/weight_only.py)
-  lower     each entry point through torchax's op library -> jax.export; one set of weights kept
-            for all of them                                                 -> program
-  weights   (a source with a checkpoint) the tensors streamed into the artifact's weights file one
-            at a time, memory-mapped back for every entry point              -> program, weights_file
+            quantizes the tensors as they are written; quantize/weight_only.py)
+  lower     each entry point through torchax's op library -> jax.export, from the weights' shapes
+            and dtypes; one set of weights for all of them                   -> program
+  weights   the weights (a checkpoint's tensors, or the model's) written into the artifact's weights
+            file one at a time, memory-mapped back for every entry point     -> program, weights_file
   saved model  (a task TF Serving serves) TensorFlow loads the program and saves the SavedModel
             in its own process while the conversion goes on                  -> saved_model
   plan      a sharding plan per slice target and entry point                -> plans
@@ -23,8 +23,10 @@ decides the entry points and how they are verified, every pass handles entry poi
   write     the artifact directory, atomically (one writer)                  -> the Artifact
 
 A source with a checkpoint (export/checkpoints.py) never holds its weights: export runs on a meta
-copy, lower from shapes, and the weights pass copies the checkpoint's tensors into the artifact one
-at a time; verification, the SavedModel and the writer use that file, memory-mapped.
+copy, and the weights pass copies the checkpoint's tensors into the artifact one at a time. A model
+held in memory takes the same pass from its own tensors: the program's stacked (scanned) weights
+exist only in that file, not as a second copy beside the model. Verification, the SavedModel and
+the writer use the file, memory-mapped.
 
 A plan (`weights=False`, `tpuexport plan`, for models larger than the build machine, built on the
 meta device) runs export, lower (from the weights' shapes and dtypes; no weight is read), plan,
@@ -46,12 +48,16 @@ import shutil
 import tempfile
 from typing import Callable, Iterator
 
+import numpy as np
+import torch
+
 from tpuexport import artifact as artifact_stage
 from tpuexport import compile as compile_stage
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
 from tpuexport.artifact import tf_serving as serving_stage
+from tpuexport.arrays import to_numpy, torch_view
 from tpuexport.devices import on_host_cpu
 from tpuexport.errors import TpuExportError, VerificationError
 from tpuexport.lower.program import DEFAULT_ENTRY_POINT
@@ -162,10 +168,11 @@ def lower(conversion: Conversion) -> None:
     weights), and one that reads none takes them as unused arguments."""
     options, plan_only, entry_points = conversion.options, conversion.plan_only, conversion.spec.entry_points
     with conversion.clock.stage("lower", lambda: _describe_lowered(conversion.program, options, plan_only)):
+        # From the weights' shapes and dtypes: the weights pass writes the arrays into the artifact.
         lowered = {name: lower_entry_point(captured, options if entry_points[name].precision is None
                                            else dataclasses.replace(options, precision=entry_points[name].precision),
                                            conversion.weight_only if entry_points[name].reads_weights else None, conversion.spec.scan,
-                                           weights=not plan_only)
+                                           weights=False)
                    for name, captured in conversion.captured.items()}
         shared = lowered[weight_readers(conversion)[-1]]
         conversion.program = conversion.spec.program({
@@ -179,13 +186,18 @@ def lower(conversion: Conversion) -> None:
 
 
 def weights(conversion: Conversion) -> None:
-    """A checkpoint's tensors copied into the artifact's weights file one at a time (in their stored
-    layouts, cast to the program's dtypes, scanned blocks stacked, weight-only ones quantized) and
-    mapped back for every entry point."""
-    captured = conversion.captured[weight_readers(conversion)[-1]]
-    if conversion.plan_only or captured.checkpoint_state is None:
+    """The weights written into the artifact's weights file one at a time (in their stored layouts,
+    cast to the program's dtypes, scanned blocks stacked, weight-only ones quantized) and mapped back
+    for every entry point: a checkpoint's tensors as they stream, or the model's own tensors. The
+    program's weights are then file-backed pages, not a second copy of the model beside it."""
+    if conversion.plan_only:
         return
-    shared = conversion.program.weights_program
+    reader = weight_readers(conversion)[-1]
+    captured, shared = conversion.captured[reader], conversion.program.weights_program
+    if captured.checkpoint_state is not None:
+        state, origin = captured.checkpoint_state, f"streamed from the checkpoint {captured.source.checkpoint}"
+    else:
+        state, origin = conversion.program.entry_points[reader].stored_state(), "written from the model's tensors"
     path = conversion.scratch / "weights.safetensors"
     stored = None
     if conversion.weight_only is not None:
@@ -195,15 +207,36 @@ def weights(conversion: Conversion) -> None:
 
     def parts(name: str):
         layout = shared.weight_layouts.get(name)
-        tensors = (lower_stage.in_stored_layout(captured.checkpoint_state[part], layout) for part in shared.weight_parts[name])
+        tensors = (lower_stage.in_stored_layout(as_tensor(state[part]), layout) for part in shared.weight_parts[name])
         return stored.parts(name, tensors) if stored is not None else tensors
 
-    with conversion.clock.stage("weights", lambda: f"{len(shared.weight_names)} arrays, {written / 2**30:.2f} GiB streamed from the "
-                                                   f"checkpoint {captured.source.checkpoint}"):
+    with conversion.clock.stage("weights", lambda: f"{len(shared.weight_names)} arrays, {written / 2**30:.2f} GiB {origin}"):
         written = artifact_stage.write_weights(path, shared.weight_names, shared.weight_specs, parts)
         arrays = artifact_stage.map_weights(path)
-    conversion.program = conversion.program.with_weights(tuple(arrays[name] for name in shared.weight_names))
+    held = [_held_as_stored(shared, state, name, spec) for name, spec in zip(shared.weight_names, shared.weight_specs)]
+    conversion.program = conversion.program.with_weights(tuple(arrays[name] if view is None else view
+                                                               for name, view in zip(shared.weight_names, held)))
     conversion.weights_file = path
+
+
+def as_tensor(weight) -> torch.Tensor:
+    """A checkpoint's tensor as it is; a model's weight as stored (a numpy array) as a torch view of its memory."""
+    return weight if isinstance(weight, torch.Tensor) else torch_view(weight)
+
+
+def _held_as_stored(shared: lower_stage.LoweredProgram, state, name: str, spec):
+    """A weight whose source tensor (the model's, or the checkpoint's memory-mapped one) is already
+    what the artifact stores (its own tensor, not stacked, transposed, quantized or cast), contiguous
+    and aligned as XLA:CPU takes a host array in place: a numpy view of that tensor, so that the
+    eager reference and the CPU runs read the same pages (the file holds a copy they do not touch);
+    else None (the program reads the file's)."""
+    if shared.weight_parts[name] != (name,) or name in shared.weight_layouts:
+        return None
+    tensor = state.tensor(name) if isinstance(state, lower_stage.StoredState) else state[name]
+    if (tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.data_ptr() % artifact_stage.ALIGNMENT
+            or tuple(tensor.shape) != tuple(spec.shape) or str(tensor.dtype).removeprefix("torch.") != np.dtype(spec.dtype).name):
+        return None
+    return to_numpy(tensor.detach())
 
 
 def saved_model(conversion: Conversion) -> None:

@@ -52,7 +52,7 @@ def resident_bytes() -> int:
 
 def generation_program(model: torch.nn.Module, max_batch: int, max_context: int, prefill_seq: tuple[int, ...]):
     """The model's GenerationProgram as `convert(task="text-generation", precision="bf16")` lowers it
-    (prefill batches 1 and max_batch): the pipeline's passes through lower."""
+    (prefill batches 1 and max_batch): the pipeline's passes through weights."""
     import tempfile
 
     from tpuexport import export as export_stage
@@ -60,8 +60,8 @@ def generation_program(model: torch.nn.Module, max_batch: int, max_context: int,
 
     options = pipeline.ConversionOptions((), pathlib.Path(tempfile.mkdtemp()) / "program.tpu", buckets={"seq": list(prefill_seq)},
                                          precision="bf16", task="text-generation", max_batch=max_batch, max_context=max_context)
-    with pipeline.passes(export_stage.LoadedSource(model, None, None, None, export_stage.SourceInfo("api")), options, "lower") as conversion:
-        return conversion.program
+    with pipeline.passes(export_stage.LoadedSource(model, None, None, None, export_stage.SourceInfo("api")), options, "weights") as conversion:
+        return conversion.program  # its weights memory-mapped from the scratch file (kept while mapped)
 
 
 def seconds_in(stats: pstats.Stats, function: str, filename: str = "") -> tuple[int, float]:

@@ -12,14 +12,12 @@ from __future__ import annotations
 import json
 import pathlib
 import struct
-import warnings
 from typing import Callable, Iterable, Sequence
 
-import ml_dtypes
 import numpy as np
 import torch
 
-from tpuexport.arrays import SAFETENSORS_CODES, SAFETENSORS_DTYPES, numpy_dtype, read_safetensors_header
+from tpuexport.arrays import SAFETENSORS_CODES, SAFETENSORS_DTYPES, numpy_dtype, read_safetensors_header, torch_view
 from tpuexport.errors import TpuExportError
 
 # XLA:CPU takes host arrays aligned to this many bytes without a copy.
@@ -77,17 +75,7 @@ def write_arrays(path: pathlib.Path, names: Sequence[str], arrays: Sequence[np.n
       The bytes of tensor data written.
     """
     by_name = dict(zip(names, arrays))
-    return write_weights(path, names, arrays, lambda name: (_torch_view(by_name[name]),))
-
-
-def _torch_view(array: np.ndarray) -> torch.Tensor:
-    """A torch tensor over the array's memory (a copy only if it is not contiguous), read only here."""
-    array = np.ascontiguousarray(array)
-    with warnings.catch_warnings():  # a memory-mapped array is read-only; the view is only read
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        if array.dtype == np.dtype(ml_dtypes.bfloat16):
-            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(array)
+    return write_weights(path, names, arrays, lambda name: (torch_view(by_name[name]),))
 
 
 def map_weights(path: pathlib.Path) -> dict[str, np.ndarray]:

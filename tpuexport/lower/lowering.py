@@ -26,12 +26,13 @@ Passes, in order:
                      that feed a top-k, sort or argmax (matmul_precision.py)
 and, beside the program, its matmul FLOPs as a polynomial in the dims (cost.py).
 With a weight-only scheme (quantize/weight_only.py), the chosen weights become integer and scale
-arguments after collect_weights (their arrays quantized here; a checkpoint's as they stream) and
+arguments after collect_weights (their arrays quantized here; in a conversion, by the weights pass) and
 the traced ops read them as integers (quantized_weights.py).
 """
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import dataclasses
 import functools
@@ -190,6 +191,13 @@ class LoweredProgram:
     def stacked(self) -> tuple[bool, ...]:
         """Per weight, in call order, whether it is a scanned run's stack of its blocks' weights."""
         return tuple(len(self.weight_parts[name]) > 1 for name in self.weight_names)
+
+    def stored_state(self) -> "StoredState":
+        """The weights of the torch program it traced, by state name, as it stores them (read when asked
+        for): what the weights pass writes into the artifact for a model held in memory."""
+        if self.graph is None:
+            raise TpuExportError("this program was read back from an artifact: its weights are the artifact's")
+        return StoredState(self.graph, self.precision, self.lowering_options.get("keep_f32", frozenset()))
 
     @functools.cached_property
     def _device_weights(self):
@@ -558,12 +566,39 @@ def collect_weights(program: torch.export.ExportedProgram, precision: str,
       (names, arrays), stored in the precision's dtypes (mixed_precision.stored_weight). 64-bit
       weights become 32-bit (JAX runs with 32-bit defaults, like the TPU).
     """
-    kept = _kept_placeholders(program, keep_f32)
-    names, arrays = [], []
-    for name, tensor, quantization_input in _weight_tensors(program):
-        names.append(name)
-        arrays.append(stored_weight(_to_numpy(tensor.detach()), precision, quantization_input or name in kept.values()))
-    return tuple(names), tuple(arrays)
+    state = StoredState(program, precision, keep_f32)
+    return tuple(state), tuple(state[name] for name in state)
+
+
+class StoredState(collections.abc.Mapping):
+    """A program's weights by state name, in placeholder order, each read from its tensor when asked
+    for and stored in the precision's dtype (mixed_precision.stored_weight): a view of the tensor's
+    memory where that is its own dtype, so the weights pass (pipeline.py) writes a model held in
+    memory into the artifact one weight at a time, as it streams a checkpoint, without a copy of it.
+
+    Args:
+      program: the decomposed program (its state_dict and constants hold the tensors).
+      precision: one of PRECISIONS; keep_f32: as for `collect_weights`.
+    """
+
+    def __init__(self, program: torch.export.ExportedProgram, precision: str, keep_f32: frozenset[str] = frozenset()):
+        kept = _kept_placeholders(program, keep_f32).values()
+        self._tensors = {name: (tensor, quantization_input or name in kept) for name, tensor, quantization_input in _weight_tensors(program)}
+        self._precision = precision
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        tensor, kept = self._tensors[name]
+        return stored_weight(_to_numpy(tensor.detach()), self._precision, kept)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The weight's tensor as the program holds it (before any cast)."""
+        return self._tensors[name][0]
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
 
 
 def _kept_placeholders(program: torch.export.ExportedProgram, keep_f32: frozenset[str]) -> dict[str, str]:

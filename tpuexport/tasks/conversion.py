@@ -299,7 +299,7 @@ def lower_entry_point(captured: export_stage.CapturedModel, options: ConversionO
     Args:
       captured: the export (or PT2E quantize) pass's result; options: the conversion's;
       weight_only: the weight-only scheme, or None; scan: whether runs of identical blocks may be scanned;
-      weights: False lowers from the weights' shapes (a plan, or weights that stream from a checkpoint later).
+      weights: False lowers from the weights' shapes (a plan, or a conversion whose weights pass writes them later).
     """
     return lower_stage.lower(captured.program, captured.signature, options.precision, options.matmul_precision, options.scan and scan,
                              weights=weights and captured.checkpoint_state is None, keep_f32=captured.keep_f32, weight_only=weight_only)

@@ -1,0 +1,82 @@
+"""Fingerprints of small in-memory conversions, to compare two checkouts bit for bit: per conversion,
+the sha256 of each program weight as the artifact stores it and of each CPU output on the example
+inputs, and whether verification passed. Written for the in-memory weights pass (session 17): the
+weights the artifact stores and what it computes must not change when the route they take does.
+
+    PYTHONPATH=/path/to/other/checkout python benchmarks/studies/conversion_fingerprint.py before.json
+    python benchmarks/studies/conversion_fingerprint.py after.json && cmp before.json after.json
+
+Conversions (target v5e, no SavedModel, no kernels): examples/transformer.py at precision auto and
+bf16, examples/decoder.py at bf16-mixed, int8 weight-only and int4 weight-only (group 32) in bf16,
+examples/cnn.py in PT2E int8, and a model with f64 and int64 buffers at bf16 (the casts a weight takes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import pathlib
+import sys
+import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+import _common  # noqa: E402  (PYTHONPATH=OTHER_CHECKOUT fingerprints that checkout's tpuexport)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import tpuexport  # noqa: E402
+
+
+class WideBuffers(torch.nn.Module):
+    """f64 weights and buffers and an int64 buffer: collect_weights narrows them, bf16 casts them."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8).double()
+        self.register_buffer("offset", torch.linspace(-3, 3, 8, dtype=torch.float64) / 7)
+        self.register_buffer("ids", torch.arange(8, dtype=torch.int64) * 3)
+
+    def forward(self, x):
+        return self.linear(x.double()).float() + self.offset.float() + self.ids.float()
+
+
+def digest(array) -> str:
+    array = np.ascontiguousarray(np.asarray(array))
+    return f"{array.dtype}{list(array.shape)}:{hashlib.sha256(array.view(np.uint8).tobytes()).hexdigest()[:16]}"
+
+
+def fingerprint(built: dict, **options) -> dict:
+    with tempfile.TemporaryDirectory() as directory:
+        artifact = tpuexport.convert(built["model"], built["args"], built.get("dynamic_shapes"), out=pathlib.Path(directory) / "m.tpu",
+                                     target="v5e", saved_model=False, kernels="none", **options)
+        program = artifact.program
+        outputs = program.run([arg.numpy() for arg in built["args"]])
+        return {"weights": {name: digest(weight) for name, weight in zip(program.weight_names, program.weights)},
+                "outputs": [digest(output) for output in outputs], "verified": artifact.manifest["verification"]["passed"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=pathlib.Path, help="the JSON file to write")
+    out = parser.parse_args().out
+    print(f"tpuexport from {pathlib.Path(tpuexport.__file__).parent}", file=sys.stderr)
+    cnn = _common.build_example("cnn")
+    results = {
+        "transformer-auto": fingerprint(_common.build_example("transformer")),
+        "transformer-bf16": fingerprint(_common.build_example("transformer"), precision="bf16"),
+        "decoder-bf16-mixed": fingerprint(_common.build_example("decoder"), precision="bf16-mixed"),
+        "decoder-int8-weight-only": fingerprint(_common.build_example("decoder"), quantize="int8-weight-only"),
+        "decoder-int4-weight-only-bf16": fingerprint(_common.build_example("decoder"), quantize="int4-weight-only", group_size=32,
+                                                     precision="bf16"),
+        "cnn-pt2e-int8": fingerprint(cnn, quantize="int8", calibration=cnn["calibration"]),
+        "wide-buffers-bf16": fingerprint({"model": WideBuffers(), "args": (torch.randn(2, 8, generator=torch.Generator().manual_seed(0)),)},
+                                         precision="bf16"),
+    }
+    out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
