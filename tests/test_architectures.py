@@ -201,3 +201,17 @@ def test_probing_a_model_on_the_meta_device_keeps_the_buffers_its_init_computed(
     assert cached_shapes(model) == (4, 8)
     assert not model.transformer.pos_encoding.is_meta
     torch.testing.assert_close(model.transformer.pos_encoding, table)
+
+
+def test_a_config_class_transformers_lists_under_an_alias_still_builds_its_model():
+    """transformers' config mapping lists EvollaConfig under "evolla" and under "EvollaModel", so
+    its auto classes look the config class up as the alias, which no model table lists:
+    AutoModel.from_config refused an EvollaConfig and the conversion crashed with its 400-name
+    message. The model-type table's class is built."""
+    from tpuexport.export.huggingface import auto_model_class
+
+    config = transformers.EvollaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=64, architectures=["EvollaModel"])
+    with torch.device("meta"):
+        model = auto_model_class("AutoModel", config).from_config(config)
+    assert type(model) is transformers.EvollaModel

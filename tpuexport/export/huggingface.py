@@ -268,6 +268,31 @@ def _auto_class(task: Task, config) -> str | None:
     return None
 
 
+def auto_model_class(name: str, config):
+    """transformers' auto class `name` (AutoModel, AutoModelForCausalLM, ...), made to know the config.
+
+    An auto class finds a config's model through the config mapping read backwards, by the config
+    class's name. Where that mapping lists one config class under two keys (transformers 5.24 has
+    EvollaConfig under "evolla" and under "EvollaModel"), the lookup lands on the alias, which no
+    model table lists, and from_config refuses a config whose model type the table does list. The
+    table's class for the model type is then registered for the config class, as transformers'
+    own `register` adds a model.
+    """
+    from transformers.models.auto import modeling_auto
+
+    transformers = _import_transformers()
+    auto_class = getattr(transformers, name)
+    if type(config) not in auto_class._model_mapping:
+        table = next(table for task in _tasks().values() for auto, table in task.auto_classes if auto == name)
+        entry = getattr(modeling_auto, table).get(config.model_type)
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        architectures = list(getattr(config, "architectures", None) or [])
+        chosen = next((candidate for candidate in names if candidate in architectures[:1]), names[0] if names else None)
+        if chosen is not None and hasattr(transformers, chosen):
+            auto_class.register(type(config), getattr(transformers, chosen), exist_ok=True)
+    return auto_class
+
+
 def _class_names(task: Task, config) -> set[str]:
     from transformers.models.auto import modeling_auto
 
@@ -301,7 +326,7 @@ def _forward_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_mem
     from the config, weights streamed from the checkpoint (or read, with `weights_in_memory`)."""
     transformers = _import_transformers()
     config = resolved.config
-    auto_class = getattr(transformers, resolved.auto_class)
+    auto_class = auto_model_class(resolved.auto_class, config)
     dtype = _config_dtype(config)
     with parameters_on_meta(), quiet_loggers(*TORCHAO_LOGGERS):
         model = auto_class.from_config(config, dtype=dtype).eval()
@@ -338,7 +363,7 @@ def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_
     # BART's model type is in both tables: its encoder-decoder configs generate as encoder-decoders, read
     # in memory (their entry points do not stream a checkpoint yet). Whisper's is in the causal LM table
     # (its decoder alone): its encoder-decoder is the speech seq2seq class.
-    auto_class = getattr(_import_transformers(), _encoder_decoder_class(resolved.config) if encoder_decoder else resolved.auto_class)
+    auto_class = auto_model_class(_encoder_decoder_class(resolved.config) if encoder_decoder else resolved.auto_class, resolved.config)
     weights_in_memory = weights_in_memory or encoder_decoder
     dtype = _config_dtype(resolved.config)
     checkpoint = None
