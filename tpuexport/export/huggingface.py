@@ -324,7 +324,6 @@ def _choose_task(task: str | None, config, tasks: dict[str, Task], supported: li
 def _forward_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_memory: bool) -> LoadedSource:
     """The task's AutoModelFor... forward as the program: model on the meta device, inputs and dims
     from the config, weights streamed from the checkpoint (or read, with `weights_in_memory`)."""
-    transformers = _import_transformers()
     config = resolved.config
     auto_class = auto_model_class(resolved.auto_class, config)
     dtype = _config_dtype(config)
