@@ -215,3 +215,19 @@ def test_a_config_class_transformers_lists_under_an_alias_still_builds_its_model
     with torch.device("meta"):
         model = auto_model_class("AutoModel", config).from_config(config)
     assert type(model) is transformers.EvollaModel
+
+
+def test_an_audio_encoder_that_reads_its_frame_mask_is_given_one():
+    """AudioFlamingo3's encoder sums `input_features_mask` whatever its signature's default (None):
+    given input_features alone, torch.export failed with "'NoneType' object has no attribute
+    'sum'". Audio encoders whose forward takes a frame mask get one, every frame marked audio."""
+    from tpuexport.export.huggingface import forward_program
+
+    config = transformers.AudioFlamingo3EncoderConfig(num_mel_bins=16, d_model=32, encoder_layers=1, encoder_attention_heads=4,
+                                                      encoder_ffn_dim=64, max_source_positions=8)
+    model = transformers.AudioFlamingo3Encoder(config).eval()
+    wrapped, args, dynamic_shapes = forward_program(model)
+    assert wrapped.input_names == ("input_features", "input_features_mask")
+    assert args[1].shape == (args[0].shape[0], 16) and bool(args[1].all())
+    with torch.no_grad():
+        assert wrapped(*args)["last_hidden_state"].shape == (args[0].shape[0], 4, 32)

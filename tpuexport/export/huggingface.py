@@ -491,7 +491,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
     Returns:
       The ModelInputs: token inputs for text models (attention_mask beside input_ids,
       token_type_ids where the config has more than one type), decoder_input_ids for
-      encoder-decoders, pixel_values, input_values or input_features for vision and audio.
+      encoder-decoders, pixel_values, input_values or input_features for vision and audio (with
+      input_features_mask where the forward takes one).
     Raises:
       TpuExportError: the forward takes none of these.
     """
@@ -506,6 +507,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
         "input_values": ModelInput("input_values", ("batch", "samples"), torch.float32),
         "input_features": ModelInput("input_features", ("batch", int(_setting(config, "num_mel_bins", "audio_config") or 80), "frames"),
                                      torch.float32),
+        # Which mel frames are audio (1) and which padding (0); some audio encoders read it unconditionally.
+        "input_features_mask": ModelInput("input_features_mask", ("batch", "frames"), torch.long, 2),
         "decoder_input_ids": ModelInput("decoder_input_ids", ("batch", "decoder_seq"), torch.long, decoder_vocab),
     }
     chosen = []
@@ -514,6 +517,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
             continue
         if name == "attention_mask" and "input_ids" not in parameters:
             continue  # audio and vision models' masks are for padding their own way; not an input here
+        if name == "input_features_mask" and "input_features" not in parameters:
+            continue
         if name == "token_type_ids" and candidates[name].high < 2:
             continue
         if name == "decoder_input_ids" and not getattr(config, "is_encoder_decoder", False):
@@ -589,6 +594,8 @@ def _example_inputs(inputs: list[ModelInput], dims: dict[str, DimSpec], dtype: t
         if spec.name == "attention_mask":
             tensor = torch.ones(shape, dtype=spec.dtype)
             tensor[-1, shape[1] // 2 + 1:] = 0
+        elif spec.name == "input_features_mask":  # every frame audio: the frames are a fixed size, padding is the caller's
+            tensor = torch.ones(shape, dtype=spec.dtype)
         elif spec.dtype.is_floating_point:
             tensor = torch.randn(shape, generator=generator).to(dtype)
         else:
