@@ -231,3 +231,22 @@ def test_an_audio_encoder_that_reads_its_frame_mask_is_given_one():
     assert args[1].shape == (args[0].shape[0], 16) and bool(args[1].all())
     with torch.no_grad():
         assert wrapped(*args)["last_hidden_state"].shape == (args[0].shape[0], 4, 32)
+
+
+class TakesImagesPerSample(torch.nn.Module):
+    """Reads pixel values as [batch, images, channels, height, width] (as IDEFICS does), so a
+    4-d batch of images fails in its own Python before any tracing matters."""
+
+    def forward(self, pixel_values):
+        batch, images, channels, height, width = pixel_values.shape
+        return pixel_values.reshape(batch * images, channels, height * width).mean(-1)
+
+
+def test_inputs_the_model_itself_cannot_take_are_refused_as_such_with_their_sizes(tmp_path):
+    """IDEFICS was refused with "torch.export failed on IdeficsModel: not enough values to unpack
+    (expected 4, got 3)", as if tracing were to blame. The forward fails the same way run eagerly:
+    the line says so, with the sizes it was given."""
+    with pytest.raises(TpuExportError, match=r"^the model's own forward fails at the example sizes \(\[2, 3, 8, 8\]\), run without "
+                                             r"torch.export: not enough values to unpack \(expected 5, got 4\); these inputs do not suit it"):
+        tpuexport.convert(TakesImagesPerSample(), (torch.randn(2, 3, 8, 8),), out=tmp_path / "m.tpu")
+    assert list(tmp_path.iterdir()) == []
