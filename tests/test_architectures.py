@@ -250,3 +250,25 @@ def test_inputs_the_model_itself_cannot_take_are_refused_as_such_with_their_size
                                              r"torch.export: not enough values to unpack \(expected 5, got 4\); these inputs do not suit it"):
         tpuexport.convert(TakesImagesPerSample(), (torch.randn(2, 3, 8, 8),), out=tmp_path / "m.tpu")
     assert list(tmp_path.iterdir()) == []
+
+
+class ShiftsByOne(torch.nn.Module):
+    """Pairs each position with the next, zero-padded, and branches on one sequence length, as
+    MobileBERT's trigram embedding makes torch.export guard `seq - 1 != 1`."""
+
+    def forward(self, x):
+        if x.shape[1] - 1 == 1:
+            return x * 2
+        return x + torch.nn.functional.pad(x[:, 1:], [0, 1])
+
+
+def test_a_size_the_models_code_rules_out_names_it_and_a_range_without_it(tmp_path):
+    """A guard `EXPR != k` has no suggested fix in torch.export's message: MobileBERT was refused
+    with torch's raw "Constraints violated (seq)! ... satisfy the generated guard ((-1) + L['input_ids']
+    .size()[1]) != 1" and its TORCH_LOGS advice. The line says which size, where, and the range that exports."""
+    seq = torch.export.Dim("seq", min=2, max=16)
+    with pytest.raises(TpuExportError, match=r"^torch.export: the model's code cannot take seq = 2, at .*test_architectures.py:\d+ "
+                                             r"\(if x.shape\[1\] - 1 == 1:\).*; declare seq that range \(--dim seq=3:16, or "
+                                             r"torch.export.Dim\('seq', min=3, max=16\)\)"):
+        tpuexport.convert(ShiftsByOne(), (torch.randn(2, 8),), {"x": {1: seq}}, out=tmp_path / "m.tpu")
+    assert list(tmp_path.iterdir()) == []
