@@ -272,3 +272,22 @@ def test_a_size_the_models_code_rules_out_names_it_and_a_range_without_it(tmp_pa
                                              r"torch.export.Dim\('seq', min=3, max=16\)\)"):
         tpuexport.convert(ShiftsByOne(), (torch.randn(2, 8),), {"x": {1: seq}}, out=tmp_path / "m.tpu")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_audio_encoder_taking_time_major_features_gets_them_so():
+    """Parakeet (and the other FastConformer encoders: LASR, Nemotron's ASR encoders) read mel
+    features as [batch, frames, mel bins], Whisper as [batch, mel bins, frames]: given the latter,
+    ParakeetForCTC was refused with "a and b must have same reduction dim". Which of the two a model
+    takes is found by running it on shapes alone (its weights here on the meta device, as a
+    directory's are), and the example inputs follow."""
+    from tpuexport.export.checkpoints import parameters_on_meta
+    from tpuexport.export.huggingface import forward_program
+
+    config = transformers.ParakeetCTCConfig(vocab_size=64, encoder_config={
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_mel_bins": 16,
+        "subsampling_conv_channels": 16, "max_position_embeddings": 64})
+    with parameters_on_meta():
+        model = transformers.ParakeetForCTC(config).eval()
+    wrapped, args, _ = forward_program(model)
+    batch, frames, mel_bins = args[0].shape
+    assert mel_bins == 16 and frames > mel_bins

@@ -181,12 +181,12 @@ def on_meta_device(source: LoadedSource) -> LoadedSource:
         return source
     model = source.model
     if not all(tensor.is_meta for tensor in (*model.parameters(), *model.buffers())):
-        model = _meta_copy(model)
+        model = meta_copy(model)
     args = pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.to("meta"), source.args)
     return dataclasses.replace(source, model=model, args=args)
 
 
-def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of the model with every parameter and buffer on the meta device, tied ones still one
     tensor (Module.to("meta") makes a new Parameter per name, which unties them)."""
     model = copy.deepcopy(model)

@@ -461,8 +461,36 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     traceable_experts(model)
     inputs = model_inputs(model, config)
     text_max = longest_positions(model, recorded_positions(config) or DEFAULT_MAX_SEQUENCE)
-    args, dynamic_shapes = _example_inputs(inputs, _dims(inputs, config, list(dims), text_max), _config_dtype(config))
-    return named_forward(model, tuple(spec.name for spec in inputs)), args, dynamic_shapes
+    dim_ranges = _dims(inputs, config, list(dims), text_max)
+    args, dynamic_shapes = _example_inputs(inputs, dim_ranges, _config_dtype(config))
+    wrapped = named_forward(model, tuple(spec.name for spec in inputs))
+    if "input_features" in wrapped.input_names and not _runs_shape_only(wrapped, args):
+        time_major = [dataclasses.replace(spec, axes=(spec.axes[0], spec.axes[2], spec.axes[1])) if spec.name == "input_features" else spec
+                      for spec in inputs]
+        transposed, transposed_shapes = _example_inputs(time_major, dim_ranges, _config_dtype(config))
+        if _runs_shape_only(wrapped, transposed):
+            args, dynamic_shapes = transposed, transposed_shapes
+    return wrapped, args, dynamic_shapes
+
+
+def _runs_shape_only(forward: torch.nn.Module, args: tuple) -> bool:
+    """Whether the forward runs on these inputs, computed on shapes alone (on the meta device with
+    weights there, else with fake tensors): how an audio encoder's mel features are laid out,
+    [batch, mel bins, frames] (Whisper) or [batch, frames, mel bins] (Parakeet's and the other
+    FastConformer encoders), is known by which of the two it takes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tpuexport.export.capture import meta_copy
+
+    on_meta = any(parameter.is_meta for parameter in forward.parameters())
+    if on_meta:  # the buffers its init computed too (they stay real beside meta parameters)
+        forward, args = meta_copy(forward), tuple(arg.to("meta") for arg in args)
+    try:
+        with torch.no_grad(), contextlib.nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True):
+            forward(*args)
+    except Exception:  # whatever the model raises on inputs it does not take
+        return False
+    return True
 
 
 def traceable_experts(model: torch.nn.Module) -> None:
@@ -505,7 +533,7 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
         "token_type_ids": ModelInput("token_type_ids", ("batch", "seq"), torch.long, int(getattr(config, "type_vocab_size", 0) or 0)),
         "pixel_values": ModelInput("pixel_values", ("batch", _channels(config), "height", "width"), torch.float32),
         "input_values": ModelInput("input_values", ("batch", "samples"), torch.float32),
-        "input_features": ModelInput("input_features", ("batch", int(_setting(config, "num_mel_bins", "audio_config") or 80), "frames"),
+        "input_features": ModelInput("input_features", ("batch", int(_setting(config, "num_mel_bins", "audio_config", "encoder_config") or 80), "frames"),
                                      torch.float32),
         # Which mel frames are audio (1) and which padding (0); some audio encoders read it unconditionally.
         "input_features_mask": ModelInput("input_features_mask", ("batch", "frames"), torch.long, 2),
@@ -536,11 +564,13 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
     return chosen
 
 
-def _setting(config, name: str, tower: str):
-    """A config field, or the field of the named sub-config (a dual encoder's vision_config or
-    audio_config) when the model's own config has none."""
+def _setting(config, name: str, *towers: str):
+    """A config field, or the field of the first named sub-config that has it (a dual encoder's
+    vision_config or audio_config, Parakeet's encoder_config) when the model's own config has none."""
     value = getattr(config, name, None)
-    return value if value is not None else getattr(getattr(config, tower, None), name, None)
+    for tower in towers:
+        value = value if value is not None else getattr(getattr(config, tower, None), name, None)
+    return value
 
 
 def _channels(config) -> int:
