@@ -291,3 +291,15 @@ def test_an_audio_encoder_taking_time_major_features_gets_them_so():
     wrapped, args, _ = forward_program(model)
     batch, frames, mel_bins = args[0].shape
     assert mel_bins == 16 and frames > mel_bins
+
+
+def test_an_audio_encoder_taking_waveforms_with_a_channel_axis_gets_one():
+    """PE-Audio's encoder convolves waveforms as [batch, channels, samples]: given [batch, samples]
+    it was refused with "expected input[1, s6, 16000] to have 1 channels, but got s6 channels"."""
+    from tpuexport.export.checkpoints import parameters_on_meta
+    from tpuexport.export.huggingface import forward_program
+
+    with parameters_on_meta():
+        model = transformers.PeAudioModel(transformers.PeAudioConfig()).eval()
+    wrapped, args, _ = forward_program(model)
+    assert args[wrapped.input_names.index("input_values")].shape[1:] == (1, 16000)

@@ -464,20 +464,31 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     dim_ranges = _dims(inputs, config, list(dims), text_max)
     args, dynamic_shapes = _example_inputs(inputs, dim_ranges, _config_dtype(config))
     wrapped = named_forward(model, tuple(spec.name for spec in inputs))
-    if "input_features" in wrapped.input_names and not _runs_shape_only(wrapped, args):
-        time_major = [dataclasses.replace(spec, axes=(spec.axes[0], spec.axes[2], spec.axes[1])) if spec.name == "input_features" else spec
-                      for spec in inputs]
-        transposed, transposed_shapes = _example_inputs(time_major, dim_ranges, _config_dtype(config))
-        if _runs_shape_only(wrapped, transposed):
-            args, dynamic_shapes = transposed, transposed_shapes
+    other_layouts = [_other_audio_layout(spec, config) for spec in inputs]
+    if any(other_layouts) and not _runs_shape_only(wrapped, args):
+        other = [layout or spec for spec, layout in zip(inputs, other_layouts)]
+        other_args, other_shapes = _example_inputs(other, dim_ranges, _config_dtype(config))
+        if _runs_shape_only(wrapped, other_args):
+            args, dynamic_shapes = other_args, other_shapes
     return wrapped, args, dynamic_shapes
+
+
+def _other_audio_layout(spec: ModelInput, config) -> ModelInput | None:
+    """The other way audio models lay out an input, tried when the first does not run: mel features
+    time-major, [batch, frames, mel bins] (Parakeet and the other FastConformer encoders); waveforms
+    with a channel axis, [batch, channels, samples] (Mimi's and PE-Audio's encoders); None for
+    other inputs."""
+    if spec.name == "input_features":
+        return dataclasses.replace(spec, axes=(spec.axes[0], spec.axes[2], spec.axes[1]))
+    if spec.name == "input_values":
+        return dataclasses.replace(spec, axes=(spec.axes[0], int(_setting(config, "audio_channels", "audio_config") or 1), spec.axes[1]))
+    return None
 
 
 def _runs_shape_only(forward: torch.nn.Module, args: tuple) -> bool:
     """Whether the forward runs on these inputs, computed on shapes alone (on the meta device with
-    weights there, else with fake tensors): how an audio encoder's mel features are laid out,
-    [batch, mel bins, frames] (Whisper) or [batch, frames, mel bins] (Parakeet's and the other
-    FastConformer encoders), is known by which of the two it takes."""
+    weights there, else with fake tensors): how an audio model lays out its input
+    (`_other_audio_layout`) is known by which layout it takes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tpuexport.export.capture import meta_copy
@@ -485,8 +496,8 @@ def _runs_shape_only(forward: torch.nn.Module, args: tuple) -> bool:
     on_meta = any(parameter.is_meta for parameter in forward.parameters())
     if on_meta:  # the buffers its init computed too (they stay real beside meta parameters)
         forward, args = meta_copy(forward), tuple(arg.to("meta") for arg in args)
-    try:
-        with torch.no_grad(), contextlib.nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True):
+    try:  # fake tensors over meta ones too: they read a constant's value (`.item()` of a tensor the forward makes), meta cannot
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
             forward(*args)
     except Exception:  # whatever the model raises on inputs it does not take
         return False
