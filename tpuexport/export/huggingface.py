@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import logging
 import os
 import pathlib
 import re
@@ -41,7 +42,7 @@ from typing import Callable
 import torch
 
 from tpuexport.errors import TpuExportError
-from tpuexport.logs import TORCHAO_LOGGERS, quiet_loggers
+from tpuexport.logs import EXPORT_LOGGERS, TORCHAO_LOGGERS, quiet_loggers
 from tpuexport.export.checkpoints import (Checkpoint, check_weights_fit, open_checkpoint, parameters_on_meta, stored_weight_bytes,
                                           with_checkpoint_weights)
 from tpuexport.export.generation import check_decoder
@@ -497,7 +498,8 @@ def _runs_shape_only(forward: torch.nn.Module, args: tuple) -> bool:
     if on_meta:  # the buffers its init computed too (they stay real beside meta parameters)
         forward, args = meta_copy(forward), tuple(arg.to("meta") for arg in args)
     try:  # fake tensors over meta ones too: they read a constant's value (`.item()` of a tensor the forward makes), meta cannot
-        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        # Fake tensors log the traceback of an operator that fails on them: a failure here is an answer, not news.
+        with torch.no_grad(), quiet_loggers(*EXPORT_LOGGERS, level=logging.CRITICAL), FakeTensorMode(allow_non_fake_inputs=True):
             forward(*args)
     except Exception:  # whatever the model raises on inputs it does not take
         return False
