@@ -201,3 +201,107 @@ def test_probing_a_model_on_the_meta_device_keeps_the_buffers_its_init_computed(
     assert cached_shapes(model) == (4, 8)
     assert not model.transformer.pos_encoding.is_meta
     torch.testing.assert_close(model.transformer.pos_encoding, table)
+
+
+def test_a_config_class_transformers_lists_under_an_alias_still_builds_its_model():
+    """transformers' config mapping lists EvollaConfig under "evolla" and under "EvollaModel", so
+    its auto classes look the config class up as the alias, which no model table lists:
+    AutoModel.from_config refused an EvollaConfig and the conversion crashed with its 400-name
+    message. The model-type table's class is built."""
+    from tpuexport.export.huggingface import auto_model_class
+
+    config = transformers.EvollaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=64, architectures=["EvollaModel"])
+    with torch.device("meta"):
+        model = auto_model_class("AutoModel", config).from_config(config)
+    assert type(model) is transformers.EvollaModel
+
+
+def test_an_audio_encoder_that_reads_its_frame_mask_is_given_one():
+    """AudioFlamingo3's encoder sums `input_features_mask` whatever its signature's default (None):
+    given input_features alone, torch.export failed with "'NoneType' object has no attribute
+    'sum'". Audio encoders whose forward takes a frame mask get one, every frame marked audio."""
+    from tpuexport.export.huggingface import forward_program
+
+    config = transformers.AudioFlamingo3EncoderConfig(num_mel_bins=16, d_model=32, encoder_layers=1, encoder_attention_heads=4,
+                                                      encoder_ffn_dim=64, max_source_positions=8)
+    model = transformers.AudioFlamingo3Encoder(config).eval()
+    wrapped, args, dynamic_shapes = forward_program(model)
+    assert wrapped.input_names == ("input_features", "input_features_mask")
+    assert args[1].shape == (args[0].shape[0], 16) and bool(args[1].all())
+    with torch.no_grad():
+        assert wrapped(*args)["last_hidden_state"].shape == (args[0].shape[0], 4, 32)
+
+
+class TakesImagesPerSample(torch.nn.Module):
+    """Reads pixel values as [batch, images, channels, height, width] (as IDEFICS does), so a
+    4-d batch of images fails in its own Python before any tracing matters."""
+
+    def forward(self, pixel_values):
+        batch, images, channels, height, width = pixel_values.shape
+        return pixel_values.reshape(batch * images, channels, height * width).mean(-1)
+
+
+def test_inputs_the_model_itself_cannot_take_are_refused_as_such_with_their_sizes(tmp_path):
+    """IDEFICS was refused with "torch.export failed on IdeficsModel: not enough values to unpack
+    (expected 4, got 3)", as if tracing were to blame. The forward fails the same way run eagerly:
+    the line says so, with the sizes it was given."""
+    with pytest.raises(TpuExportError, match=r"^the model's own forward fails at the example sizes \(\[2, 3, 8, 8\]\), run without "
+                                             r"torch.export: not enough values to unpack \(expected 5, got 4\); these inputs do not suit it"):
+        tpuexport.convert(TakesImagesPerSample(), (torch.randn(2, 3, 8, 8),), out=tmp_path / "m.tpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+class ShiftsByOne(torch.nn.Module):
+    """Pairs each position with the next, zero-padded, and branches on one sequence length, as
+    MobileBERT's trigram embedding makes torch.export guard `seq - 1 != 1`."""
+
+    def forward(self, x):
+        if x.shape[1] - 1 == 1:
+            return x * 2
+        return x + torch.nn.functional.pad(x[:, 1:], [0, 1])
+
+
+def test_a_size_the_models_code_rules_out_names_it_and_a_range_without_it(tmp_path):
+    """A guard `EXPR != k` has no suggested fix in torch.export's message: MobileBERT was refused
+    with torch's raw "Constraints violated (seq)! ... satisfy the generated guard ((-1) + L['input_ids']
+    .size()[1]) != 1" and its TORCH_LOGS advice. The line says which size, where, and the range that exports."""
+    seq = torch.export.Dim("seq", min=2, max=16)
+    with pytest.raises(TpuExportError, match=r"^torch.export: the model's code cannot take seq = 2, at .*test_architectures.py:\d+ "
+                                             r"\(if x.shape\[1\] - 1 == 1:\).*; declare seq that range \(--dim seq=3:16, or "
+                                             r"torch.export.Dim\('seq', min=3, max=16\)\)"):
+        tpuexport.convert(ShiftsByOne(), (torch.randn(2, 8),), {"x": {1: seq}}, out=tmp_path / "m.tpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_audio_encoder_taking_time_major_features_gets_them_so(capfd):
+    """Parakeet (and the other FastConformer encoders: LASR, Nemotron's ASR encoders) read mel
+    features as [batch, frames, mel bins], Whisper as [batch, mel bins, frames]: given the latter,
+    ParakeetForCTC was refused with "a and b must have same reduction dim". Which of the two a model
+    takes is found by running it on shapes alone (its weights here on the meta device, as a
+    directory's are), and the example inputs follow; the layout that fails logs nothing (fake
+    tensors log a failing operator's traceback, which made the sweep count a refusal as a crash)."""
+    from tpuexport.export.checkpoints import parameters_on_meta
+    from tpuexport.export.huggingface import forward_program
+
+    config = transformers.ParakeetCTCConfig(vocab_size=64, encoder_config={
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_mel_bins": 16,
+        "subsampling_conv_channels": 16, "max_position_embeddings": 64})
+    with parameters_on_meta():
+        model = transformers.ParakeetForCTC(config).eval()
+    wrapped, args, _ = forward_program(model)
+    batch, frames, mel_bins = args[0].shape
+    assert mel_bins == 16 and frames > mel_bins
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_an_audio_encoder_taking_waveforms_with_a_channel_axis_gets_one():
+    """PE-Audio's encoder convolves waveforms as [batch, channels, samples]: given [batch, samples]
+    it was refused with "expected input[1, s6, 16000] to have 1 channels, but got s6 channels"."""
+    from tpuexport.export.checkpoints import parameters_on_meta
+    from tpuexport.export.huggingface import forward_program
+
+    with parameters_on_meta():
+        model = transformers.PeAudioModel(transformers.PeAudioConfig()).eval()
+    wrapped, args, _ = forward_program(model)
+    assert args[wrapped.input_names.index("input_values")].shape[1:] == (1, 16000)

@@ -157,6 +157,17 @@ def tiny_granite() -> transformers.PreTrainedModel:
     return transformers.GraniteForCausalLM(config).eval()
 
 
+def tiny_modernbert_decoder() -> transformers.PreTrainedModel:
+    """A prediction head (dense, activation, norm) before the output projection, a sliding layer
+    (window 8) beside a full one."""
+    torch.manual_seed(0)
+    config = transformers.ModernBertDecoderConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                  num_attention_heads=4, max_position_embeddings=128, local_attention=16, pad_token_id=0,
+                                                  bos_token_id=1, eos_token_id=2, sep_token_id=2, cls_token_id=1,
+                                                  layer_types=["sliding_attention", "full_attention"])
+    return transformers.ModernBertDecoderForCausalLM(config).eval()
+
+
 def tiny_deepseek_v3() -> transformers.PreTrainedModel:
     """Multi-head latent attention (its cache: one latent "head" of kv_lora_rank for keys, the rotary
     part's width for values) and grouped top-k expert routing behind a dense first layer."""
@@ -173,9 +184,9 @@ def tiny_deepseek_v3() -> transformers.PreTrainedModel:
     return model
 
 
-@pytest.mark.parametrize("family", [tiny_gpt2, tiny_qwen2, tiny_gpt_neo, tiny_cohere, tiny_granite, tiny_deepseek_v3],
+@pytest.mark.parametrize("family", [tiny_gpt2, tiny_qwen2, tiny_gpt_neo, tiny_cohere, tiny_granite, tiny_deepseek_v3, tiny_modernbert_decoder],
                          ids=["gpt2", "qwen2-sliding-window", "gpt-neo-mask-buffer", "cohere-logit-scale", "granite-logits-scaling",
-                              "deepseek-v3-latent-cache"])
+                              "deepseek-v3-latent-cache", "modernbert-decoder-prediction-head"])
 def test_entry_points_match_generate(family):
     """GPT-2: learned absolute positions. Qwen2: a sliding-window layer beside a full one, the window
     (6) shorter than the 16-token prompt, so prefill and decode both drop keys. GPT-Neo masks with a
@@ -184,7 +195,8 @@ def test_entry_points_match_generate(family):
     mask every decode query as at position P - 1; each such module reads its own mask. Cohere multiplies its
     logits by logit_scale, Granite divides them by logits_scaling (once refused). DeepSeek-V3 caches
     keys and values of different widths (the cache is as wide as the wider; it once took the
-    config's heads x head_dim and failed to export)."""
+    config's heads x head_dim and failed to export). ModernBERT's decoder puts a prediction head
+    before its output projection: the logits once skipped it (every logit off, relative RMS 1.56)."""
     model = family()
     spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
     modules = export_stage.entry_point_modules(model, spec)

@@ -181,12 +181,12 @@ def on_meta_device(source: LoadedSource) -> LoadedSource:
         return source
     model = source.model
     if not all(tensor.is_meta for tensor in (*model.parameters(), *model.buffers())):
-        model = _meta_copy(model)
+        model = meta_copy(model)
     args = pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.to("meta"), source.args)
     return dataclasses.replace(source, model=model, args=args)
 
 
-def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of the model with every parameter and buffer on the meta device, tied ones still one
     tensor (Module.to("meta") makes a new Parameter per name, which unties them)."""
     model = copy.deepcopy(model)
@@ -227,6 +227,11 @@ def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.Export
                 f"torch.export failed{_described(model)}: its forward branches on tensor values ({message[:300]}), which torch.export "
                 "cannot trace (e.g. a Python loop over the experts that tokens chose); that code needs tensor ops or torch.cond"
             ) from None
+        if _fails_eagerly_alike(model, args, error):
+            raise TpuExportError(
+                f"the model's own forward fails{_described(model)} at the example sizes ({_shapes(args)}), run without "
+                f"torch.export: {message[:300]}; these inputs do not suit it (it may take others, or other sizes): give them "
+                "with --dim, or its own inputs from a file.py:factory") from None
         raise TpuExportError(
             f"torch.export failed{_described(model)}: {message[:400]}; check the example args and dynamic_shapes / --dim ranges"
         ) from None
@@ -250,6 +255,23 @@ def _refuse_sizes_from_values(model: torch.nn.Module, program: torch.export.Expo
                 f"torch.export{_described(model)}: its code sizes a tensor by tensor values, at {user_source(node)} (e.g. tokens "
                 "split among experts by their counts), which a TPU program cannot have (its shapes follow its inputs' sizes); "
                 "that code needs fixed-size tensor ops (e.g. every expert over every token, weighted by the router)")
+
+
+def _fails_eagerly_alike(model: torch.nn.Module, args, error: Exception) -> bool:
+    """Whether the model run eagerly at the example args (on the meta device when its weights are
+    there: shapes only) raises what torch.export raised: then the inputs do not suit the model, and
+    no tracing is to blame."""
+    try:
+        with torch.no_grad(), _quiet_export():
+            model(*args)
+    except Exception as eager_error:  # whatever the model raises, compared with torch.export's
+        return type(eager_error) is type(error) and str(eager_error) == str(error)
+    return False
+
+
+def _shapes(args) -> str:
+    """The example args' shapes, "[2, 16], [2, 3, 224, 224]"."""
+    return ", ".join(str(list(tensor.shape)) for tensor in pytree.tree_leaves(args) if isinstance(tensor, torch.Tensor))
 
 
 def _described(model: torch.nn.Module) -> str:

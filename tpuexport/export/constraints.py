@@ -4,7 +4,9 @@ torch.export raises "Constraints violated (seq)!" when the model's code cannot r
 dim was declared with: a branch on the size narrows its range (`if x.shape[1] > 4`), a reshape into
 pairs needs a multiple of 2, a ceil-mode pool over a free length fixes it to the example's size.
 Its message ends with the declaration that would export ("Suggested fixes:") but not the line of
-the model that needs it, and it is several lines long. The line comes from tracing once more with
+the model that needs it, and it is several lines long. A guard that rules out one size ("seq - 1 !=
+1", MobileBERT's trigram embedding at seq 2) comes with no suggested fix at all: the line names the
+size and the declared range without it. The line comes from tracing once more with
 `torch.export.draft_export`, which records where each guard was added; that happens only on this
 failure path.
 """
@@ -16,8 +18,10 @@ import logging
 import os
 import re
 
+import sympy
 import torch
 from torch._logging import structured
+from torch.utils import _pytree as pytree
 
 from tpuexport.source_lines import is_user_code
 
@@ -25,6 +29,8 @@ from tpuexport.source_lines import is_user_code
 _FIX = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.+?)\s*$")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SPECIALIZED = re.compile(r"You marked (\S+) as dynamic but your code specialized it to be a constant \((\d+)\)")
+_EXCLUDED = re.compile(r"Not all values of (\w+) = (\S+) in the specified range .*? satisfy the generated guard (.+) != (-?\d+)\.?\s*$",
+                       re.MULTILINE)
 _DIM = re.compile(r"Dim\(\s*['\"]([A-Za-z_][A-Za-z0-9_]*)['\"]\s*(?:,\s*min\s*=\s*(\d+))?\s*(?:,\s*max\s*=\s*(\d+))?\s*\)")
 
 
@@ -63,6 +69,36 @@ def suggested_fixes(message: str) -> dict[str, str]:
             if helper != name and helper in declared and value.startswith("= "):
                 declared[name] = f"{value} with {helper} {declared.pop(helper)}"
     return declared
+
+
+def excluded_sizes(message: str) -> dict[str, int]:
+    """Sizes a guard of the form "EXPR != k" rules out of a declared range, which torch.export
+    reports without a suggested fix ("Not all values of seq = L['x'].size()[1] in the specified
+    range seq <= 64 satisfy the generated guard ((-1) + L['x'].size()[1]) != 1"): {"seq": 2}."""
+    excluded: dict[str, int] = {}
+    for name, source, expression, value in _EXCLUDED.findall(message):
+        symbol = sympy.Symbol(name, integer=True)
+        try:
+            solutions = sympy.solve(sympy.sympify(expression.replace(source, name), locals={name: symbol}) - int(value), symbol)
+        except (sympy.SympifyError, TypeError, NotImplementedError):  # an expression sympy cannot read or solve: no explanation
+            continue
+        if len(solutions) == 1 and solutions[0].is_integer:
+            excluded[name] = int(solutions[0])
+    return excluded
+
+
+def _declared_ranges(dynamic_shapes) -> dict[str, tuple[int, int]]:
+    """{dim name: (min, max)} of the torch.export.Dims in dynamic_shapes."""
+    leaves = pytree.tree_leaves(dynamic_shapes, is_leaf=lambda leaf: hasattr(leaf, "min") and hasattr(leaf, "max"))
+    return {leaf.__name__: (int(leaf.min), int(leaf.max)) for leaf in leaves if hasattr(leaf, "min") and hasattr(leaf, "max")}
+
+
+def _range_without(declared: tuple[int, int] | None, size: int) -> str:
+    """A `suggested_fixes`-style need: the declared range less `size` at either end."""
+    if declared is None:
+        return f"at least {size + 1}"
+    low, high = declared
+    return f"in {size + 1}..{high}" if size <= low else f"in {low}..{size - 1}"
 
 
 def guard_sources(model: torch.nn.Module, args, dynamic_shapes) -> list[str]:
@@ -109,10 +145,17 @@ def explain(model: torch.nn.Module, args, dynamic_shapes, message: str) -> str |
     if "Constraints violated" not in message:
         return None
     needs = suggested_fixes(message)
-    if not needs:
+    excluded = excluded_sizes(message)
+    if not needs and not excluded:
         return None
     sources = guard_sources(model, args, dynamic_shapes)
     where = f", at {' and '.join(sources)}" if sources else ""
+    if not needs:  # no range can say "every size but k": the line names the size and a range without it
+        declared = _declared_ranges(dynamic_shapes)
+        what = " and ".join(f"{name} = {size}" for name, size in excluded.items())
+        declarations = [_declaration(name, _range_without(declared.get(name), size)) for name, size in excluded.items()]
+        return (f"torch.export: the model's code cannot take {what}{where}; declare {' and '.join(declarations)}, "
+                "or change that code to work for every declared size")
     what = ", ".join(f"fixes {name} at {need[2:]}" if re.fullmatch(r"= \d+", need) else f"needs {name} {need}" for name, need in needs.items())
     declarations = [_declaration(name, need) for name, need in needs.items()]
     return (f"torch.export: the model's code {what}{where}; declare {' and '.join(declarations)}, "

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 
 import torch
 from torch import nn
@@ -692,18 +693,44 @@ class _EntryPoint(nn.Module):
         return output.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head of the rows wanted, as the causal LM's forward computes it: Cohere multiplies its
-        logits by logit_scale, Granite divides them by logits_scaling, Gemma 2/3 soft-cap them."""
-        logits = self.model.get_output_embeddings()(hidden)
-        text = _text_config(self.model.config)
-        if getattr(text, "logit_scale", None) is not None:
-            logits = logits * text.logit_scale
-        if getattr(text, "logits_scaling", None) is not None:
-            logits = logits / text.logits_scaling
-        cap = getattr(text, "final_logit_softcapping", None)
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        """The causal LM's logits of the rows wanted (`hidden` [rows, width]), computed by the LM's
+        own forward with its base model answering `hidden`: whatever that forward does after the
+        base model is done as it does it (a prediction head's dense layer and norm before the output
+        projection, as ModernBERT's decoder and BERT-style LM heads have; Cohere's logit_scale,
+        Granite's logits_scaling, Gemma's soft-capping)."""
+        options = {"use_cache": False}
+        if "output_router_logits" in inspect.signature(self.model.forward).parameters:
+            options["output_router_logits"] = False  # no load-balancing loss: it would read every token's router logits
+        with _answering(self.model.base_model, _BaseOutput(hidden[:, None])):
+            logits = self.model(inputs_embeds=hidden[:, None], **options).logits
+        return logits[:, -1].float()
+
+
+class _BaseOutput:
+    """What the base model answers its LM's forward in `_EntryPoint.logits`: `last_hidden_state`
+    (also as item 0); every other output an LM's forward may pass on (attentions, router logits,
+    cross-attentions, the cache) None, as a base model gives them when they are not asked for."""
+
+    def __init__(self, last_hidden_state: torch.Tensor):
+        self.last_hidden_state = last_hidden_state
+
+    def __getitem__(self, index):
+        if index in (0, "last_hidden_state"):
+            return self.last_hidden_state
+        raise KeyError(index)
+
+    def __getattr__(self, name: str):
+        return None
+
+
+@contextlib.contextmanager
+def _answering(module: nn.Module, output):
+    """Within it, calling `module` returns `output` whatever it is given."""
+    module.forward = lambda *args, **kwargs: output
+    try:
+        yield
+    finally:
+        del module.forward
 
 
 class Prefill(_EntryPoint):

@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import logging
 import os
 import pathlib
 import re
@@ -41,7 +42,7 @@ from typing import Callable
 import torch
 
 from tpuexport.errors import TpuExportError
-from tpuexport.logs import TORCHAO_LOGGERS, quiet_loggers
+from tpuexport.logs import EXPORT_LOGGERS, TORCHAO_LOGGERS, quiet_loggers
 from tpuexport.export.checkpoints import (Checkpoint, check_weights_fit, open_checkpoint, parameters_on_meta, stored_weight_bytes,
                                           with_checkpoint_weights)
 from tpuexport.export.generation import check_decoder
@@ -268,6 +269,31 @@ def _auto_class(task: Task, config) -> str | None:
     return None
 
 
+def auto_model_class(name: str, config):
+    """transformers' auto class `name` (AutoModel, AutoModelForCausalLM, ...), made to know the config.
+
+    An auto class finds a config's model through the config mapping read backwards, by the config
+    class's name. Where that mapping lists one config class under two keys (transformers 5.24 has
+    EvollaConfig under "evolla" and under "EvollaModel"), the lookup lands on the alias, which no
+    model table lists, and from_config refuses a config whose model type the table does list. The
+    table's class for the model type is then registered for the config class, as transformers'
+    own `register` adds a model.
+    """
+    from transformers.models.auto import modeling_auto
+
+    transformers = _import_transformers()
+    auto_class = getattr(transformers, name)
+    if type(config) not in auto_class._model_mapping:
+        table = next(table for task in _tasks().values() for auto, table in task.auto_classes if auto == name)
+        entry = getattr(modeling_auto, table).get(config.model_type)
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        architectures = list(getattr(config, "architectures", None) or [])
+        chosen = next((candidate for candidate in names if candidate in architectures[:1]), names[0] if names else None)
+        if chosen is not None and hasattr(transformers, chosen):
+            auto_class.register(type(config), getattr(transformers, chosen), exist_ok=True)
+    return auto_class
+
+
 def _class_names(task: Task, config) -> set[str]:
     from transformers.models.auto import modeling_auto
 
@@ -299,9 +325,8 @@ def _choose_task(task: str | None, config, tasks: dict[str, Task], supported: li
 def _forward_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_memory: bool) -> LoadedSource:
     """The task's AutoModelFor... forward as the program: model on the meta device, inputs and dims
     from the config, weights streamed from the checkpoint (or read, with `weights_in_memory`)."""
-    transformers = _import_transformers()
     config = resolved.config
-    auto_class = getattr(transformers, resolved.auto_class)
+    auto_class = auto_model_class(resolved.auto_class, config)
     dtype = _config_dtype(config)
     with parameters_on_meta(), quiet_loggers(*TORCHAO_LOGGERS):
         model = auto_class.from_config(config, dtype=dtype).eval()
@@ -338,7 +363,7 @@ def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_
     # BART's model type is in both tables: its encoder-decoder configs generate as encoder-decoders, read
     # in memory (their entry points do not stream a checkpoint yet). Whisper's is in the causal LM table
     # (its decoder alone): its encoder-decoder is the speech seq2seq class.
-    auto_class = getattr(_import_transformers(), _encoder_decoder_class(resolved.config) if encoder_decoder else resolved.auto_class)
+    auto_class = auto_model_class(_encoder_decoder_class(resolved.config) if encoder_decoder else resolved.auto_class, resolved.config)
     weights_in_memory = weights_in_memory or encoder_decoder
     dtype = _config_dtype(resolved.config)
     checkpoint = None
@@ -437,8 +462,48 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     traceable_experts(model)
     inputs = model_inputs(model, config)
     text_max = longest_positions(model, recorded_positions(config) or DEFAULT_MAX_SEQUENCE)
-    args, dynamic_shapes = _example_inputs(inputs, _dims(inputs, config, list(dims), text_max), _config_dtype(config))
-    return named_forward(model, tuple(spec.name for spec in inputs)), args, dynamic_shapes
+    dim_ranges = _dims(inputs, config, list(dims), text_max)
+    args, dynamic_shapes = _example_inputs(inputs, dim_ranges, _config_dtype(config))
+    wrapped = named_forward(model, tuple(spec.name for spec in inputs))
+    other_layouts = [_other_audio_layout(spec, config) for spec in inputs]
+    if any(other_layouts) and not _runs_shape_only(wrapped, args):
+        other = [layout or spec for spec, layout in zip(inputs, other_layouts)]
+        other_args, other_shapes = _example_inputs(other, dim_ranges, _config_dtype(config))
+        if _runs_shape_only(wrapped, other_args):
+            args, dynamic_shapes = other_args, other_shapes
+    return wrapped, args, dynamic_shapes
+
+
+def _other_audio_layout(spec: ModelInput, config) -> ModelInput | None:
+    """The other way audio models lay out an input, tried when the first does not run: mel features
+    time-major, [batch, frames, mel bins] (Parakeet and the other FastConformer encoders); waveforms
+    with a channel axis, [batch, channels, samples] (Mimi's and PE-Audio's encoders); None for
+    other inputs."""
+    if spec.name == "input_features":
+        return dataclasses.replace(spec, axes=(spec.axes[0], spec.axes[2], spec.axes[1]))
+    if spec.name == "input_values":
+        return dataclasses.replace(spec, axes=(spec.axes[0], int(_setting(config, "audio_channels", "audio_config") or 1), spec.axes[1]))
+    return None
+
+
+def _runs_shape_only(forward: torch.nn.Module, args: tuple) -> bool:
+    """Whether the forward runs on these inputs, computed on shapes alone (on the meta device with
+    weights there, else with fake tensors): how an audio model lays out its input
+    (`_other_audio_layout`) is known by which layout it takes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tpuexport.export.capture import meta_copy
+
+    on_meta = any(parameter.is_meta for parameter in forward.parameters())
+    if on_meta:  # the buffers its init computed too (they stay real beside meta parameters)
+        forward, args = meta_copy(forward), tuple(arg.to("meta") for arg in args)
+    try:  # fake tensors over meta ones too: they read a constant's value (`.item()` of a tensor the forward makes), meta cannot
+        # Fake tensors log the traceback of an operator that fails on them: a failure here is an answer, not news.
+        with torch.no_grad(), quiet_loggers(*EXPORT_LOGGERS, level=logging.CRITICAL), FakeTensorMode(allow_non_fake_inputs=True):
+            forward(*args)
+    except Exception:  # whatever the model raises on inputs it does not take
+        return False
+    return True
 
 
 def traceable_experts(model: torch.nn.Module) -> None:
@@ -467,7 +532,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
     Returns:
       The ModelInputs: token inputs for text models (attention_mask beside input_ids,
       token_type_ids where the config has more than one type), decoder_input_ids for
-      encoder-decoders, pixel_values, input_values or input_features for vision and audio.
+      encoder-decoders, pixel_values, input_values or input_features for vision and audio (with
+      input_features_mask where the forward takes one).
     Raises:
       TpuExportError: the forward takes none of these.
     """
@@ -480,8 +546,10 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
         "token_type_ids": ModelInput("token_type_ids", ("batch", "seq"), torch.long, int(getattr(config, "type_vocab_size", 0) or 0)),
         "pixel_values": ModelInput("pixel_values", ("batch", _channels(config), "height", "width"), torch.float32),
         "input_values": ModelInput("input_values", ("batch", "samples"), torch.float32),
-        "input_features": ModelInput("input_features", ("batch", int(_setting(config, "num_mel_bins", "audio_config") or 80), "frames"),
+        "input_features": ModelInput("input_features", ("batch", int(_setting(config, "num_mel_bins", "audio_config", "encoder_config") or 80), "frames"),
                                      torch.float32),
+        # Which mel frames are audio (1) and which padding (0); some audio encoders read it unconditionally.
+        "input_features_mask": ModelInput("input_features_mask", ("batch", "frames"), torch.long, 2),
         "decoder_input_ids": ModelInput("decoder_input_ids", ("batch", "decoder_seq"), torch.long, decoder_vocab),
     }
     chosen = []
@@ -490,6 +558,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
             continue
         if name == "attention_mask" and "input_ids" not in parameters:
             continue  # audio and vision models' masks are for padding their own way; not an input here
+        if name == "input_features_mask" and "input_features" not in parameters:
+            continue
         if name == "token_type_ids" and candidates[name].high < 2:
             continue
         if name == "decoder_input_ids" and not getattr(config, "is_encoder_decoder", False):
@@ -507,11 +577,13 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
     return chosen
 
 
-def _setting(config, name: str, tower: str):
-    """A config field, or the field of the named sub-config (a dual encoder's vision_config or
-    audio_config) when the model's own config has none."""
+def _setting(config, name: str, *towers: str):
+    """A config field, or the field of the first named sub-config that has it (a dual encoder's
+    vision_config or audio_config, Parakeet's encoder_config) when the model's own config has none."""
     value = getattr(config, name, None)
-    return value if value is not None else getattr(getattr(config, tower, None), name, None)
+    for tower in towers:
+        value = value if value is not None else getattr(getattr(config, tower, None), name, None)
+    return value
 
 
 def _channels(config) -> int:
@@ -565,6 +637,8 @@ def _example_inputs(inputs: list[ModelInput], dims: dict[str, DimSpec], dtype: t
         if spec.name == "attention_mask":
             tensor = torch.ones(shape, dtype=spec.dtype)
             tensor[-1, shape[1] // 2 + 1:] = 0
+        elif spec.name == "input_features_mask":  # every frame audio: the frames are a fixed size, padding is the caller's
+            tensor = torch.ones(shape, dtype=spec.dtype)
         elif spec.dtype.is_floating_point:
             tensor = torch.randn(shape, generator=generator).to(dtype)
         else:
