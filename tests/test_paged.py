@@ -73,23 +73,25 @@ def test_paged_step_generates_what_generate_does(paged):
     assert result.returncode == 0 and [int(line) for line in result.stdout.split()] == expected[0], result.stderr
 
 
+def replay_passes(artifact, plant=None) -> bool:
+    """Whether the artifact's stored paged case, replayed through its step on CPU with each step's inputs
+    (a list in signature order) passed through `plant` first, still matches its stored logits."""
+    program = artifact.generation_program
+    golden = load_arrays(artifact.read_checked(artifact.manifest["verification"]["golden"]))
+    (case, _, prompts, rows, eager_tokens, expected), = stored_cases(golden, artifact.manifest["verification"]["cases"])
+    run = cpu_runner(program)
+
+    def planted(name, inputs):
+        return run(name, plant(list(inputs)) if plant and name == "step" else inputs)
+
+    logits = teacher_forced_logits(PagedSession(program, planted), prompts, rows, TOKENS // 2, case["sizes"], eager_tokens)
+    return compare_run(logits, expected, eager_tokens, default_tolerances("f32", "default", quantized=False).cpu).passed
+
+
 def test_planted_page_table_bugs_fail_the_comparison(paged):
     """The stored verification case replayed through the step passes; with the page table shifted by one
     entry, or each row's length one short (its newest key unseen), the logits leave generate()'s."""
     artifact, _ = paged
-    program = artifact.generation_program
-    golden = load_arrays(artifact.read_checked(artifact.manifest["verification"]["golden"]))
-    (case, _, prompts, rows, eager_tokens, expected), = stored_cases(golden, artifact.manifest["verification"]["cases"])
-    tolerance = default_tolerances("f32", "default", quantized=False).cpu
-
-    def replay(plant=None) -> bool:
-        run = cpu_runner(program)
-
-        def planted(name, inputs):
-            return run(name, plant(list(inputs)) if plant and name == "step" else inputs)
-
-        logits = teacher_forced_logits(PagedSession(program, planted), prompts, rows, TOKENS // 2, case["sizes"], eager_tokens)
-        return compare_run(logits, expected, eager_tokens, tolerance).passed
 
     def shifted_pages(inputs):
         inputs[3] = np.roll(inputs[3], 1, axis=1)
@@ -99,9 +101,9 @@ def test_planted_page_table_bugs_fail_the_comparison(paged):
         inputs[4] = inputs[4] - 1
         return inputs
 
-    assert replay()
-    assert not replay(shifted_pages)
-    assert not replay(short_rows)
+    assert replay_passes(artifact)
+    assert not replay_passes(artifact, shifted_pages)
+    assert not replay_passes(artifact, short_rows)
 
 
 def test_a_slice_steps_with_each_chip_holding_its_heads_pages(paged):

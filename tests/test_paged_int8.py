@@ -13,15 +13,11 @@ import pytest
 
 import tpuexport
 from test_generation import tiny_llama
-from test_paged import PAGED, PAGE_SIZE, TOKENS
-from tpuexport.arrays import load_arrays
+from test_paged import PAGED, PAGE_SIZE, TOKENS, replay_passes
 from tpuexport.export.paged import Step
-from tpuexport.lower.generation import cpu_runner
 from tpuexport.lower.paged import PagedSession
-from tpuexport.verify.generation import compare_run, stored_cases
-from tpuexport.verify.paged_generation import greedy_logits, teacher_forced_logits
+from tpuexport.verify.paged_generation import greedy_logits
 from tpuexport.verify.quantized_generation import torch_runner
-from tpuexport.verify.tolerances import default_tolerances
 
 
 @pytest.fixture(scope="module")
@@ -68,26 +64,14 @@ def test_planted_scale_bugs_fail_the_comparison(int8_paged):
     """The stored case replayed through the step passes; with each position's keys' and values' scales
     swapped, or the scales' pages shifted by one, the logits leave the eager int8 step's."""
     artifact, _ = int8_paged
-    program = artifact.generation_program
-    golden = load_arrays(artifact.read_checked(artifact.manifest["verification"]["golden"]))
-    (case, _, prompts, rows, eager_tokens, expected), = stored_cases(golden, artifact.manifest["verification"]["cases"])
-    tolerance = default_tolerances("f32", "default", quantized=False).cpu
 
-    def replay(plant=None) -> bool:
-        run = cpu_runner(program)
+    def swapped(inputs):
+        scales = np.asarray(inputs[6])
+        return [*inputs[:6], scales.reshape(*scales.shape[:-1], -1, 2)[..., ::-1].reshape(scales.shape).copy()]
 
-        def planted(name, inputs):
-            inputs = list(inputs)
-            if plant and name == "step":
-                inputs[6] = plant(np.asarray(inputs[6]))
-            return run(name, inputs)
+    def shifted(inputs):
+        return [*inputs[:6], np.roll(np.asarray(inputs[6]), 1, axis=1)]
 
-        logits = teacher_forced_logits(PagedSession(program, planted), prompts, rows, TOKENS // 2, case["sizes"], eager_tokens)
-        return compare_run(logits, expected, eager_tokens, tolerance).passed
-
-    def swapped(scales):
-        return scales.reshape(*scales.shape[:-1], -1, 2)[..., ::-1].reshape(scales.shape).copy()
-
-    assert replay()
-    assert not replay(swapped)
-    assert not replay(lambda scales: np.roll(scales, 1, axis=1))
+    assert replay_passes(artifact)
+    assert not replay_passes(artifact, swapped)
+    assert not replay_passes(artifact, shifted)

@@ -294,7 +294,7 @@ def test_top_k_and_sort_load_in_the_tf_saved_model(tmp_path):
     artifact = tpuexport.convert(model, (scores,), {"items": {0: batch}}, out=tmp_path / "ranking.tpu",
                                  matmul_precision="highest", progress=lambda stage, seconds, detail: stages.append(stage))
     # whether TensorFlow can load the program is known before verification and compilation start
-    assert stages[:4] == ["export", "lower", "tensorflow", "verify"]
+    assert stages[:5] == ["export", "lower", "weights", "tensorflow", "verify"]
     saved_model = artifact.manifest["verification"]["saved_model"]
     assert saved_model["passed"] and len(saved_model["cases"]) >= 3 and saved_model["out_of_range"]["rejected"]
     # the artifact's own program keeps jax's top_k and erf composites, for the TPU's native kernels
