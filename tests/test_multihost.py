@@ -1,8 +1,8 @@
 """Multi-host slices on one machine: a `cpu-2x2` twin (2 processes x 2 CPU devices) run by two real
 processes under jax.distributed on loopback (gloo collectives), each loading the executables without
 compiling and placing its own weight shards; outputs and greedy tokens equal one device's; a wrong
-process count or device order is refused in one line; a killed follower turns the leader's answers
-and /readyz to 503 within the timeout."""
+process count or device order is refused in one line; a killed follower, or one hung inside a step,
+turns the leader's answers and /readyz to 503 within the timeout."""
 
 from __future__ import annotations
 
@@ -159,15 +159,35 @@ def test_a_device_order_that_differs_from_the_compiled_one_is_refused_in_one_lin
             "--process-id), or convert for these devices"]
 
 
+# The program of a follower that stops itself (SIGSTOP) right after taking a step, once the file named
+# in place of {stop_file} exists: the leader's call of that step then waits in its collectives (a
+# tensor-parallel step all-reduces across the processes) for a process that never arrives.
+STOPS_INSIDE_A_STEP = """
+import os, signal
+from tpuexport import cli
+from tpuexport.runtime import processes
+take = processes.Mirror.next_step
+def next_step(mirror):
+    step = take(mirror)
+    if os.path.exists({stop_file!r}):
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return step
+processes.Mirror.next_step = next_step
+cli.main()
+"""
+
+
 @contextlib.contextmanager
-def served_by_two(artifact, log_dir):
-    """`tpuexport serve` as leader and follower on loopback; yields (base URL, leader, follower) once ready."""
+def served_by_two(artifact, log_dir, follower_program: tuple[str, ...] = ("-m", "tpuexport.cli")):
+    """`tpuexport serve` as leader and follower on loopback (the follower's `python` arguments before
+    serve's: `follower_program`); yields (base URL, leader, follower) once ready."""
     port, coordinator = free_port(), free_port()
     processes = []
     for index in reversed(range(PROCESSES)):
         log = open(log_dir / f"process{index}.log", "w")
+        program = follower_program if index else ("-m", "tpuexport.cli")
         processes.append(subprocess.Popen(
-            [sys.executable, "-m", "tpuexport.cli", "serve", str(artifact), "--port", str(port), "--grpc-port", "0",
+            [sys.executable, *program, "serve", str(artifact), "--port", str(port), "--grpc-port", "0",
              *cluster_flags(coordinator, index)], stdout=log, stderr=subprocess.STDOUT, env=ENV))
     follower, leader = processes
     base = f"http://127.0.0.1:{port}"
@@ -221,3 +241,23 @@ def test_the_leader_serves_and_a_killed_follower_turns_it_unavailable(mlp, tmp_p
     log = (tmp_path / "process0.log").read_text()
     assert f"target {TARGET} on 4 cpu devices in 2 processes (this is process 0), loaded without compiling" in log
     assert "compilations_at_start: 0" in log
+
+
+def test_a_follower_hung_inside_a_step_turns_the_leader_unavailable_within_the_timeout(llama, tmp_path):
+    stop_file = tmp_path / "stop"
+    request = {"prompts": PROMPTS, "max_new_tokens": 2}
+    program = ("-c", STOPS_INSIDE_A_STEP.format(stop_file=str(stop_file)))
+    with served_by_two(llama.path, tmp_path, follower_program=program) as (base, leader, follower):
+        assert requests.post(f"{base}/v1/models/tp:generate", json=request, timeout=60).status_code == 200
+        stop_file.touch()
+        start = time.monotonic()
+        lost = requests.post(f"{base}/v1/models/tp:generate", json=request, timeout=TIMEOUT + 30)
+        waited = time.monotonic() - start
+
+        assert "did not end within" in lost.text and TIMEOUT - 1 < waited < TIMEOUT + 10, lost.text
+        assert requests.get(f"{base}/readyz", timeout=5).status_code == 503
+        assert requests.post(f"{base}/v1/models/tp:generate", json=request, timeout=5).status_code == 503  # at once
+        leader.send_signal(signal.SIGTERM)
+        assert leader.wait(timeout=30) == 2  # it stops as a lost run does, its hung call left behind
+    log = (tmp_path / "process0.log").read_text()
+    assert "stopped" in log and "terminate called" not in log

@@ -433,7 +433,7 @@ def cluster_options(command):
         click.option("--num-processes", type=int, help="Processes (hosts) of the run, with --coordinator."),
         click.option("--process-id", type=int, help="This process's index, 0 (the leader: it serves and prints) to N-1 (followers)."),
         click.option("--process-timeout", type=float, default=60.0, show_default=True,
-                     help="Seconds to wait for the coordinator at start, and for every follower at each step."),
+                     help="Seconds to wait for the coordinator at start, for every follower to take each step, and for each step to end."),
     ]
     for option in reversed(options):
         command = option(command)

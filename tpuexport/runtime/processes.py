@@ -9,8 +9,10 @@ so the executables' collectives meet. Only host arrays travel; the KV cache and 
 the devices are each process's own shards, named by the step that made them.
 
 A follower that stops taking steps fails the leader's step within `Cluster.timeout` seconds; one
-that dies inside a step fails the collectives at once (gloo reports the closed connection). Either
-way the runner is lost (`ProcessLost`: the server answers 503 and /readyz turns 503); the processes
+that dies inside a step fails the collectives at once (gloo reports the closed connection); one that
+hangs inside a step (stopped, or its host silent) leaves the others' calls blocked in the step's
+collectives, which every process therefore waits for on a thread of its own, for at most the same
+timeout (`Mirror.run`). Either way the runner is lost (`ProcessLost`: the server answers 503 and /readyz turns 503); the processes
 must be restarted together. jax.distributed runs with recoverability on, so that a follower's death
 does not abort the leader (without it, the coordination service terminates every process).
 """
@@ -23,6 +25,7 @@ import dataclasses
 import itertools
 import json
 import os
+import queue
 import sys
 import threading
 import time
@@ -45,6 +48,10 @@ _IDLE_POLL_MS = 60_000
 _runner_numbers = itertools.count()
 # Set once a follower is lost: the leader then leaves without waiting for the followers.
 _lost_followers = False
+# Set once a call was left hung inside its collectives (Mirror.run). Such a process exits at once, as
+# a lost run's process does (exit 2): leaving jax.distributed in order would end the hung call, whose
+# thread would then abort the exiting interpreter.
+_hung_call = False
 
 
 class ProcessLost(TpuExportError):
@@ -60,7 +67,7 @@ class Cluster:
         find it from a Cloud TPU VM's metadata (jax.distributed.initialize() with no arguments).
       processes: how many processes run (hosts); None with coordinator None.
       process_id: this process's index, 0 (the leader) to processes - 1.
-      timeout: seconds to wait for the coordinator at start and for every follower at each step.
+      timeout: seconds to wait for the coordinator at start, for every follower to take each step and for each step to end.
     """
 
     coordinator: str | None
@@ -117,6 +124,8 @@ def leave(timeout: float) -> None:
     state = jax_distributed.global_state
     if state.client is None:
         return
+    if _hung_call:
+        _exit_now()
     if state.process_id == 0:
         deadline = time.monotonic() + (0 if _lost_followers else timeout)
         for follower in range(1, state.num_processes):
@@ -133,10 +142,15 @@ def leave(timeout: float) -> None:
         except RuntimeError:
             # The leader and its coordinator are gone: disconnecting would abort this process, which
             # is failing anyway (its error line is printed), so it exits at once.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(EXIT_BAD_INPUT)
+            _exit_now()
     jax.distributed.shutdown()
+
+
+def _exit_now() -> None:
+    """Exits a lost run's process (exit 2) without leaving jax.distributed, its lines printed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_BAD_INPUT)
 
 
 def _check_counts(index: int, processes: int, timeout: float) -> None:
@@ -248,6 +262,7 @@ class Mirror:
         self._refs: dict[int, tuple[int, str]] = {}  # leader: id(device array) -> (step, output name)
         self._released: list[tuple[int, str]] = []
         self._arrays: dict[tuple[int, str], jax.Array] = {}  # follower: (step, output name) -> its own array
+        self._calls: queue.SimpleQueue | None = None  # run()'s thread's work, started with the first call
 
     @property
     def leader(self) -> bool:
@@ -276,6 +291,39 @@ class Mirror:
         for follower in range(1, self.processes):
             self.client.key_value_delete(f"{self.prefix}/took/{self.step}/{follower}")
         return self.step
+
+    def run(self, call):
+        """`call()` (an executable call, waited for) on this mirror's own thread, waited for at most the
+        timeout. A process that hangs inside a step's collectives leaves every other process's call
+        blocked in them; the call cannot be cancelled, so it is left on its thread and the run is lost,
+        while the caller (a server's request) gets ProcessLost.
+
+        Returns:
+          What `call` returns (its exception is raised here).
+        Raises:
+          ProcessLost: the call did not end within the timeout.
+        """
+        if self._calls is None:
+            self._calls = queue.SimpleQueue()
+            threading.Thread(target=self._run_calls, name="tpuexport-steps", daemon=True).start()
+        done, outcome = threading.Event(), {}
+        self._calls.put((call, done, outcome))
+        if not done.wait(self.timeout_ms / 1000):
+            global _hung_call
+            _hung_call = True
+            raise self.lose(f"step {self.step} did not end within {self.timeout_ms / 1000:g} s (a process hangs inside it)")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["result"]
+
+    def _run_calls(self) -> None:
+        while True:
+            call, done, outcome = self._calls.get()
+            try:
+                outcome["result"] = call()
+            except BaseException as error:  # noqa: BLE001  (handed to the caller, who raises it)
+                outcome["error"] = error
+            done.set()
 
     def reference(self, array) -> tuple[int, str]:
         """Leader: the (step, output name) a device array input came from.

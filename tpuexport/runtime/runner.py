@@ -249,15 +249,15 @@ class Runner:
 
     def _call_mirrored(self, request: PreparedRequest, arrays: list, on_device: bool) -> list:
         """The call in every process: the leader publishes it (processes.py) and runs it; a follower
-        runs what the leader published. Waits for the results, so that a process lost inside the
-        collectives fails this call (ProcessLost) rather than a later read."""
+        runs what the leader published. Waits for the results (for at most the run's timeout), so that
+        a process lost or hung inside the collectives fails this call (ProcessLost) rather than a later read."""
         mirror = self.mirror
         if mirror.leader:
             inputs = tuple(("ref", mirror.reference(array)) if isinstance(array, jax.Array) else ("array", np.asarray(array))
                            for array in request.arrays)
             self._mirrored_step = mirror.publish(Step(request.entry.name, request.bucket.name, request.sizes, on_device, inputs))
         try:
-            return jax.block_until_ready(self._call(request.entry, request.bucket, arrays))
+            return mirror.run(lambda: jax.block_until_ready(self._call(request.entry, request.bucket, arrays)))
         except jax.errors.JaxRuntimeError as error:
             raise mirror.lose(f"a collective failed ({' '.join(str(error).split())[:200]})") from None
 
