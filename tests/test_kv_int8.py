@@ -64,7 +64,22 @@ def test_verified_against_the_eager_int8_entry_points_and_measured_against_float
     divergence = report["float_divergence"]
     assert divergence["against"] == "generate(do_sample=False) of the float model"
     assert divergence["sqnr_db"] is None or divergence["sqnr_db"] > 30  # int8 KV of a tiny f32 Llama: 47 dB measured
+    # The manifest's quantization section records it, with no warning at that SQNR.
+    assert artifact.manifest["quantization"] == {**artifact.manifest["quantization"], "mode": "int8-kv-cache", "warnings": [],
+                                                 "outputs": [{"name": "logits", "sqnr_db": divergence["sqnr_db"]}]}
     assert tpuexport.verify_artifact(artifact.path).passed  # the gate replays the stored int8-KV cases
+
+
+def test_logits_far_from_float_warn_naming_the_options_that_made_them_so():
+    """Below 15 dB the section's warning names the logits and the option to drop: the int8 cache's, and
+    with weight-only int4 weights too, both."""
+    from tpuexport.verify.quantization_report import generation_fix, int8_kv_section
+
+    [warning] = int8_kv_section([{"name": "logits", "sqnr_db": 12.25}])["warnings"]
+    assert warning.startswith("output logits is 12.2 dB from the float model (below 15 dB)") and "without --kv-cache-dtype int8" in warning
+    assert int8_kv_section([{"name": "logits", "sqnr_db": 15.5}])["warnings"] == []
+    both = generation_fix(4, True)
+    assert "--keep-float REGEX" in both and "int8-weight-only" in both and "--kv-cache-dtype int8" in both
 
 
 def test_generate_runtime_and_cli_carry_the_scales(llama_int8_kv):
@@ -143,7 +158,7 @@ def test_gpt2_with_weight_only_int8_and_int8_kv(tmp_path):
     artifact = convert_int8_kv(tiny_gpt2(), tmp_path / "gpt2.tpu", target="cpu", quantize="int8-weight-only")
     report = json.loads((artifact.path / "verification" / "report.json").read_text())
     assert report["passed"] and report["against"] == INT8_KV_AGAINST
-    assert artifact.manifest["generation"]["kv_cache_dtype"] == "int8" and artifact.manifest["quantization"]
+    assert artifact.manifest["generation"]["kv_cache_dtype"] == "int8" and artifact.manifest["quantization"]["mode"] == "int8-weight-only"
     assert report["float_divergence"]["tokens_compared"] == report["tokens_compared"]
     assert len(artifact.generate([[1, 2, 3]], max_new_tokens=4)[0]) == 4
 

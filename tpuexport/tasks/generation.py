@@ -148,14 +148,21 @@ class TextGenerationTask(Task):
         program, options, clock = conversion.program, conversion.options, conversion.clock
         report = None
         fill = program.fill_entry_point
-        with clock.stage("verify", lambda: describe_generation(report, fill, conversion.weight_only)):
+        from tpuexport.verify import quantization_report  # imports torchao: only where a section is written
+
+        int8_kv = options.kv_cache_dtype == "int8"
+        fix = quantization_report.generation_fix(conversion.weight_only.bits if conversion.weight_only else None, int8_kv)
+        with clock.stage("verify", lambda: describe_generation(report, fill, fix)):
             report = _verify_generation(conversion)
         if not report.passed:
             raise VerificationError(report, write_failed_report(options.out, report.to_json()))
         writers = _verify_sampling(conversion, report)
         sharded = _verify_slices(conversion, report)
+        logits = _logits_sqnr(report.float_divergence())
         if conversion.weight_only is not None:
-            writers += (_weight_only_section(program.weights_program, conversion.weight_only, report.float_divergence()),)
+            writers += (_weight_only_section(program.weights_program, conversion.weight_only, logits, fix),)
+        elif int8_kv and not conversion.quantized:
+            writers += (lambda staging: {"quantization": quantization_report.int8_kv_section(logits)},)
         if conversion.quantized:
             writers += (_int8_report(conversion, report),)
         return Verified(report, tuple(sharded), {name: EXACT_SIZES for name in program.entry_points}, writers)
@@ -435,14 +442,18 @@ def _dequantized_checkpoint_model(conversion: Conversion) -> torch.nn.Module:
     return reference
 
 
-def _weight_only_section(lowered: lower_stage.LoweredProgram, scheme, divergence: dict | None):
-    """The writer of a weight-only generation artifact's quantization section (which weights, how,
-    bytes vs f32); its output is the logits, at the SQNR against the float model's generate() that
-    verification measured (report.float_divergence)."""
-    from tpuexport.verify.quantization_report import weight_only_section
+def _logits_sqnr(divergence: dict | None) -> list[dict]:
+    """The logits' SQNR against the float model's generate() that verification measured
+    (report.float_divergence), as a quantization section's outputs ([] if not measured)."""
+    return [{"name": "logits", "sqnr_db": divergence["sqnr_db"]}] if divergence else []
 
-    outputs = [{"name": "logits", "sqnr_db": divergence["sqnr_db"]}] if divergence else []
-    return lambda staging: {"quantization": weight_only_section(lowered, scheme, measured_outputs=outputs)}
+
+def _weight_only_section(lowered: lower_stage.LoweredProgram, scheme, logits: list[dict], fix: str):
+    """The writer of a weight-only generation artifact's quantization section (which weights, how,
+    bytes vs f32); its output is the logits."""
+    from tpuexport.verify import quantization_report
+
+    return lambda staging: {"quantization": quantization_report.weight_only_section(lowered, scheme, measured_outputs=logits, fix=fix)}
 
 
 def _int8_report(conversion: Conversion, report):
@@ -521,9 +532,9 @@ def _describe_window_cache(spec) -> str:
     return f"(a ring: sliding window {spec.cache_window}) " if spec.cache_window else ""
 
 
-def describe_generation(report, fill: str = "prefill", weight_only=None) -> str:
-    """The verify stage's line; a weight-only program's logits far from the float model's end it with
-    the warning its quantization section records."""
+def describe_generation(report, fill: str = "prefill", fix: str = "") -> str:
+    """The verify stage's line; logits far from the float model's (a weight-only program's, an int8 KV
+    cache's) end it with the warning its quantization section records, advising `fix`."""
     worst = report.worst_errors()
     reference = ("the PT2E entry points" if isinstance(report, verify_stage.QuantizedGenerationReport)
                  else "the eager int8-KV entry points" if report.against == verify_stage.INT8_KV_AGAINST else "generate()")
@@ -538,8 +549,7 @@ def describe_generation(report, fill: str = "prefill", weight_only=None) -> str:
     sqnr = "identical" if divergence["sqnr_db"] is None else f"{divergence['sqnr_db']:.1f} dB"
     from tpuexport.verify import quantization_report
 
-    warnings = [] if weight_only is None else quantization_report.low_sqnr_warnings(
-        [{"name": "logits", "sqnr_db": divergence["sqnr_db"]}], quantization_report.weight_only_fix(weight_only.bits))
+    warnings = quantization_report.low_sqnr_warnings(_logits_sqnr(divergence), fix) if fix else []
     return (described + "; vs the float model: " + ("same greedy tokens" if first is None else f"first differs at step {first['step']}")
             + f", logits SQNR {sqnr}" + "".join(f"; WARNING: {warning}" for warning in warnings))
 

@@ -33,6 +33,7 @@ INTEGER_TYPES = "s8xs8->s32"
 LOW_SQNR_DB = 15.0
 PT2E_FLOAT_FIX = ("PT2E quantizes every supported layer (no option keeps some float): use --quantize int8-weight-only with "
                   "--keep-float REGEX for the layers it depends on, or convert without --quantize")
+INT8_KV_FIX = "keep the KV cache in the model's dtype (convert without --kv-cache-dtype int8)"
 # Operators that multiply matrices; those the quantizer left float are listed in the report.
 _MATMUL_LIKE = {"linear", "addmm", "mm", "bmm", "matmul", "baddbmm", "einsum", "conv1d", "conv2d", "conv3d",
                 "conv_transpose1d", "conv_transpose2d", "convolution"}
@@ -250,7 +251,8 @@ def report_writer(report: dict) -> Callable[[pathlib.Path], dict]:
     return write
 
 
-def weight_only_section(lowered: LoweredProgram, scheme, float_reference=None, example_inputs=(), measured_outputs=()) -> dict:
+def weight_only_section(lowered: LoweredProgram, scheme, float_reference=None, example_inputs=(), measured_outputs=(),
+                        fix: str | None = None) -> dict:
     """The manifest's `quantization` section of a weight-only program (no PT2E, no report file).
 
     Args:
@@ -260,6 +262,8 @@ def weight_only_section(lowered: LoweredProgram, scheme, float_reference=None, e
       example_inputs: the inputs SQNR is measured on.
       measured_outputs: outputs' SQNR measured already, [{"name", "sqnr_db"}] (a generation program's
         logits against the float model's generate(), from verification).
+      fix: what a low-SQNR warning advises (None: weight_only_fix; a generation program with an int8
+        KV cache too names both, generation_fix).
     Returns:
       {"mode", "scheme", "group_size", "packing", "weights": {name: entry}, "outputs": [{"name",
       "sqnr_db"}], "weight_bytes": {"quantized", "f32", "ratio"}, "warnings"}; SQNR of the artifact's
@@ -291,8 +295,21 @@ def weight_only_section(lowered: LoweredProgram, scheme, float_reference=None, e
         "outputs": outputs,
         "weight_bytes": {"quantized": lowered.weight_bytes, "f32": f32_bytes,
                          "ratio": round(lowered.weight_bytes / f32_bytes, 4) if f32_bytes else None},
-        "warnings": low_sqnr_warnings(outputs, weight_only_fix(scheme.bits)),
+        "warnings": low_sqnr_warnings(outputs, fix or weight_only_fix(scheme.bits)),
     }
+
+
+def int8_kv_section(measured_outputs: list[dict]) -> dict:
+    """The manifest's `quantization` section of a generation program whose only quantization is its int8
+    KV cache: the logits' SQNR against the float model's generate() (from verification) and a warning
+    if it is low."""
+    return {"mode": "int8-kv-cache", "sqnr_rule": "10*log10(sum(float^2) / sum((float - quantized)^2)) over the verified logits; "
+            "null if identical", "outputs": list(measured_outputs), "warnings": low_sqnr_warnings(measured_outputs, INT8_KV_FIX)}
+
+
+def generation_fix(weight_only_bits: int | None, int8_kv: bool) -> str:
+    """How generation logits far from the float model's get closer: undo what made them so."""
+    return " or ".join(([weight_only_fix(weight_only_bits)] if weight_only_bits else []) + ([INT8_KV_FIX] if int8_kv else []))
 
 
 def weight_only_fix(bits: int) -> str:
