@@ -609,3 +609,18 @@ def test_a_plan_does_not_allocate_its_kv_cache(tmp_path):
     cache_bytes, peak_anonymous = map(int, result.stdout.split()[-2:])
     assert cache_bytes == 4 * 2**30
     assert peak_anonymous < cache_bytes / 4, f"peak anonymous memory {peak_anonymous / 2**30:.2f} GiB"
+
+
+def test_the_logits_base_model_answer_puts_back_a_forward_the_instance_held():
+    """The entry points' logits run the LM's forward with its base model answering the hidden rows
+    (export/generation.py's _answering): a forward the base model instance held already, as an
+    accelerate hook sets, is put back afterwards, and a class forward is left as it was."""
+    from tpuexport.export.generation import _answering
+
+    hooked, plain = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    hook = hooked.forward = lambda *args, **kwargs: "hooked"
+    for module in (hooked, plain):
+        with _answering(module, "answer"):
+            assert module(torch.zeros(2)) == "answer"
+    assert hooked.forward is hook and hooked(torch.zeros(2)) == "hooked"
+    assert "forward" not in plain.__dict__ and plain(torch.zeros(2)).shape == (2,)

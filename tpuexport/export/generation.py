@@ -725,12 +725,17 @@ class _BaseOutput:
 
 @contextlib.contextmanager
 def _answering(module: nn.Module, output):
-    """Within it, calling `module` returns `output` whatever it is given."""
+    """Within it, calling `module` returns `output` whatever it is given. A `forward` the instance held
+    already (an accelerate hook's, say) is put back after, not deleted."""
+    own = module.__dict__.get("forward")
     module.forward = lambda *args, **kwargs: output
     try:
         yield
     finally:
-        del module.forward
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
 
 
 class Prefill(_EntryPoint):
