@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -39,6 +41,35 @@ def served(artifact: pathlib.Path, log_path: pathlib.Path, grpc_port: int = 0, o
     after which it must exit 0."""
     return _common.served(["tpuexport.cli", "serve", str(artifact), "--grpc-port", str(grpc_port), *options], "/readyz", timeout=180,
                           log_path=log_path, clean_exit=True)
+
+
+def twin_and_one_device_tokens(artifact: pathlib.Path, prompts: list[list[int]], new_tokens: int, devices: int = 4,
+                               more: str = "") -> dict:
+    """Greedy tokens streamed by a runner of the artifact in a process with `devices` forced CPU devices
+    (it picks the cpu-N twin there) and by one on the `cpu` target, in that process.
+
+    Args:
+      more: Python run after both streams, with `sharded` (the twin's runner) and `state` in scope,
+        adding to `state`.
+    Returns:
+      {"target", "devices", "compilations" (at the twin's start), "tokens": [twin's, one device's] (steps
+      of [rows]), and what `more` added}.
+    """
+    script = (
+        "import json, numpy as np, tpuexport\n"
+        f"sharded, single = tpuexport.runner({str(artifact)!r}), tpuexport.runner({str(artifact)!r}, target='cpu')\n"
+        f"tokens = [list(sharded.stream({prompts}, {new_tokens}, ignore_eos=True)), list(single.stream({prompts}, {new_tokens}, ignore_eos=True))]\n"
+        "state = {'target': sharded.target, 'devices': len(sharded.devices), 'compilations': sharded.compilations_at_start, 'tokens': tokens}\n"
+        f"{more}\n"
+        "print(json.dumps(state))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=forced_devices(devices))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def forced_devices(devices: int) -> dict[str, str]:
+    """This process's environment for a child that sees `devices` CPU devices (a cpu-N twin's setting)."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
 
 
 def convert_example(name: str, out: pathlib.Path, **options) -> tpuexport.Artifact:

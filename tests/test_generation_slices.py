@@ -6,7 +6,6 @@ conversion (real torch, jax, libtpu and transformers; a tiny GQA Llama, 4 heads 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ import torch
 import transformers
 
 import tpuexport
-from conftest import ROOT
+from conftest import forced_devices, twin_and_one_device_tokens
 from tpuexport.verify.sharded import read_array, write_array
 
 MAX_CONTEXT, MAX_BATCH = 64, 2
@@ -100,18 +99,10 @@ def test_the_cpu_twin_generates_sharded_the_tokens_of_one_device(converted):
     artifact = converted["tensor-parallel"]
     assert artifact.manifest["targets"]["cpu-4"]["sharding"] == artifact.manifest["targets"]["v5e-4"]["sharding"]
     prompts = [[5, 17, 42, 7, 9], [3, 1]]
-    script = (
-        "import json, numpy as np, tpuexport\n"
-        f"sharded, single = tpuexport.runner({str(artifact.path)!r}), tpuexport.runner({str(artifact.path)!r}, target='cpu')\n"
-        f"tokens = [list(sharded.stream({prompts}, 8, ignore_eos=True)), list(single.stream({prompts}, 8, ignore_eos=True))]\n"
+    state = twin_and_one_device_tokens(artifact.path, prompts, 8, more=(
         "empty = np.zeros(sharded.entry_point('prefill').signature.inputs[3].shape, np.float32)\n"
         "cache = sharded.execute(sharded.prepare([[[1] * 16, [2] * 16], [16, 1], [0, 1], empty, empty], 'prefill'), on_device=True)\n"
-        "print(json.dumps({'target': sharded.target, 'devices': len(sharded.devices), 'compilations': sharded.compilations_at_start,\n"
-        "                  'tokens': tokens, 'cache_spec': [str(part) for part in cache.outputs['cache_k'].sharding.spec]}))\n")
-    forced = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=forced)
-    assert result.returncode == 0, result.stderr[-3000:]
-    state = json.loads(result.stdout.splitlines()[-1])
+        "state['cache_spec'] = [str(part) for part in cache.outputs['cache_k'].sharding.spec]"))
 
     assert state["target"] == "cpu-4" and state["devices"] == 4 and state["compilations"] == 0
     sharded, single = state["tokens"]
@@ -121,7 +112,8 @@ def test_the_cpu_twin_generates_sharded_the_tokens_of_one_device(converted):
     assert state["cache_spec"][:3] == ["None", "data", "model"]
     # `tpuexport generate` in the same four-device setting (the runner picks cpu-4 there) prints the same tokens.
     printed = subprocess.run([sys.executable, "-m", "tpuexport.cli", "generate", str(artifact.path), "--tokens", "5,17,42,7,9",
-                              "--tokens", "3,1", "--max-new-tokens", "8", "--ignore-eos"], capture_output=True, text=True, timeout=300, env=forced)
+                              "--tokens", "3,1", "--max-new-tokens", "8", "--ignore-eos"], capture_output=True, text=True, timeout=300,
+                             env=forced_devices(4))
     assert printed.returncode == 0, printed.stderr[-3000:]
     assert [[int(token) for token in line.split()] for line in printed.stdout.splitlines()[:8]] == sharded
 

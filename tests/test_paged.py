@@ -7,9 +7,6 @@ sharded on its CPU twin."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import os
-import subprocess
 import sys
 
 import jax.numpy as jnp
@@ -18,7 +15,7 @@ import openai
 import pytest
 import torch
 import tpuexport
-from conftest import ROOT, free_port, served
+from conftest import free_port, served, twin_and_one_device_tokens
 from test_cli import assert_clean_bad_input, tpuexport_in_process
 from test_generation import tiny_llama
 from tpuexport.arrays import load_arrays
@@ -129,16 +126,7 @@ def test_a_slice_steps_with_each_chip_holding_its_heads_pages(paged):
         gathered = {"all-gather": {"count": 1, "bytes": MAX_BATCH * 256 * 4}} if target == "cpu-2x2" else {}
         assert {kind: value for kind, value in step["collectives"].items() if kind != "all-reduce"} == gathered
     prompts = [[5, 17, 42, 7, 9, 11, 3, 8, 1, 2, 60, 61, 62], [3, 1]]  # the first longer than the 8-token budget
-    script = (
-        "import json, numpy as np, tpuexport\n"
-        f"sharded, single = tpuexport.runner({str(artifact.path)!r}), tpuexport.runner({str(artifact.path)!r}, target='cpu')\n"
-        f"tokens = [list(sharded.stream({prompts}, 6, ignore_eos=True)), list(single.stream({prompts}, 6, ignore_eos=True))]\n"
-        "print(json.dumps({'target': sharded.target, 'devices': len(sharded.devices), 'compilations': sharded.compilations_at_start,\n"
-        "                  'tokens': tokens}))\n")
-    forced = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=forced)
-    assert result.returncode == 0, result.stderr[-3000:]
-    state = json.loads(result.stdout.splitlines()[-1])
+    state = twin_and_one_device_tokens(artifact.path, prompts, 6)
     assert state["target"] == "cpu-4" and state["devices"] == 4 and state["compilations"] == 0
     sharded, single = state["tokens"]
     assert sharded == single and [list(row) for row in zip(*sharded)] == artifact.generate(prompts, 6, ignore_eos=True)
