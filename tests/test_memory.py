@@ -22,7 +22,7 @@ import tpuexport
 from tpuexport.cli import describe_memory_budget, describe_peak_memory
 from tpuexport.errors import TpuExportError
 from conftest import build_example
-from tpuexport.export import LoadedSource, SourceInfo, load_source
+from tpuexport.export import LoadedSource, SourceInfo, load_source, open_checkpoint
 from tpuexport.memory import UNKNOWN_PEAK, MemoryMonitor, PeakMemory, memory_budget, resident_bytes
 from tpuexport.pipeline import ConversionOptions, lower_forward, passes
 from tpuexport.verify.sizes import MAX_OPTIONAL_OUTPUT_BYTES, output_bytes, plan_cases
@@ -167,6 +167,44 @@ def test_an_in_memory_models_program_weights_are_the_file_or_the_model_never_a_c
             np.testing.assert_array_equal(output, expected)
     for name, tensor in model.state_dict().items():
         assert tensor.data_ptr() == state[name][0] and torch.equal(tensor, state[name][1]), name
+
+
+def mapped_files() -> set[str]:
+    return {line.split(maxsplit=5)[5] for line in pathlib.Path("/proc/self/maps").read_text().splitlines() if len(line.split()) > 5}
+
+
+@pytest.mark.parametrize("precision", ["auto", "bf16"])
+def test_a_checkpoints_weights_exist_once_in_the_artifacts_file(tmp_path, precision):
+    """From a checkpoint, the weights pass copies its tensors into the artifact's weights file; then
+    the eager reference's parameters that the file stores as they are (f32 kept f32; a scanned
+    layer's, as its slice of the stack) are views of that file's mapping, and the checkpoint is
+    unmapped: one mapping of the weights, not two. Cast to bf16, the file holds other values: the
+    reference keeps the checkpoint's f32 tensors. Either way it computes what the model computes."""
+    import safetensors.torch
+
+    built = build_example("decoder")  # f32; its layers scanned
+    model = built["model"].eval()
+    checkpoint = tmp_path / "decoder.safetensors"
+    safetensors.torch.save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, str(checkpoint))
+    with torch.no_grad():
+        expected = model(*built["args"])
+    with tpuexport.parameters_on_meta():
+        on_meta = build_example("decoder")["model"]
+    loaded = LoadedSource(on_meta, built["args"], built["dynamic_shapes"], None, SourceInfo("api"),
+                          checkpoint=open_checkpoint(checkpoint))
+    options = ConversionOptions(("v5e",), tmp_path / "decoder.tpu", precision=precision, saved_model=False)
+    with passes(loaded, options, "weights") as conversion:
+        reference = conversion.captured["serving_default"].reference
+        program = conversion.program.weights_program
+        assert any(program.stacked)
+        start = min(array.ctypes.data for array in program.weights)
+        end = max(array.ctypes.data + array.nbytes for array in program.weights)
+        assert all(isinstance(array, np.memmap) and pathlib.Path(array.filename) == conversion.weights_file for array in program.weights)
+        inside = [start <= parameter.data_ptr() < end for parameter in reference.parameters()]
+        assert all(inside) if precision == "auto" else not any(inside)
+        assert (str(checkpoint) in mapped_files()) == (precision == "bf16")
+        with torch.no_grad():
+            torch.testing.assert_close(reference(*built["args"]), expected, atol=0, rtol=0)
 
 
 def test_options_made_without_a_budget_carry_the_default(tmp_path):
