@@ -1,14 +1,19 @@
 """Fingerprints of small in-memory conversions, to compare two checkouts bit for bit: per conversion,
 the sha256 of each program weight as the artifact stores it and of each CPU output on the example
-inputs, and whether verification passed. Written for the in-memory weights pass (session 17): the
-weights the artifact stores and what it computes must not change when the route they take does.
+inputs, whether verification passed and its reported errors (what the eager reference computed).
+Written for the in-memory weights pass (session 17): the weights the artifact stores and what it
+computes must not change when the route they take does; the checkpoint conversions for the shared
+weights of session 18 (the eager reference reading the artifact's file, not the checkpoint's).
 
     PYTHONPATH=/path/to/other/checkout python benchmarks/studies/conversion_fingerprint.py before.json
     python benchmarks/studies/conversion_fingerprint.py after.json && cmp before.json after.json
 
 Conversions (target v5e, no SavedModel, no kernels): examples/transformer.py at precision auto and
 bf16, examples/decoder.py at bf16-mixed, int8 weight-only and int4 weight-only (group 32) in bf16,
-examples/cnn.py in PT2E int8, and a model with f64 and int64 buffers at bf16 (the casts a weight takes).
+examples/cnn.py in PT2E int8, and a model with f64 and int64 buffers at bf16 (the casts a weight takes);
+from a safetensors checkpoint: examples/transformer.py at auto, examples/decoder.py at bf16 and int4
+weight-only, and a 2-layer Llama as text-generation (max context 64, batch 2; its weights and its
+verification report, seconds left out).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmar
 import _common  # noqa: E402  (PYTHONPATH=OTHER_CHECKOUT fingerprints that checkout's tpuexport)
 
 import numpy as np  # noqa: E402
+import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
 import tpuexport  # noqa: E402
@@ -54,7 +60,37 @@ def fingerprint(built: dict, **options) -> dict:
         program = artifact.program
         outputs = program.run([arg.numpy() for arg in built["args"]])
         return {"weights": {name: digest(weight) for name, weight in zip(program.weight_names, program.weights)},
-                "outputs": [digest(output) for output in outputs], "verified": artifact.manifest["verification"]["passed"]}
+                "outputs": [digest(output) for output in outputs], "verified": artifact.manifest["verification"]["passed"],
+                "report": without_seconds(artifact.manifest["verification"])}
+
+
+def from_checkpoint(build, directory: pathlib.Path) -> dict:
+    """What `build` returns, its model built again with its parameters on the meta device and its
+    weights saved first as the safetensors checkpoint it streams from."""
+    built = build()
+    path = directory / f"{len(list(directory.iterdir()))}.safetensors"
+    safetensors.torch.save_file({name: tensor.contiguous() for name, tensor in built["model"].state_dict().items()}, str(path))
+    with tpuexport.parameters_on_meta():
+        on_meta = build()["model"]
+    return {**built, "model": on_meta, "checkpoint": path}
+
+
+def generation_fingerprint(directory: pathlib.Path) -> dict:
+    built = from_checkpoint(lambda: {"model": _common.random_llama(2, 64, 64)}, directory)
+    artifact = tpuexport.convert(built["model"], task="text-generation", max_context=64, max_batch=2, checkpoint=built["checkpoint"],
+                                 out=directory / "generation.tpu", target="v5e", kernels="none")
+    program = artifact.program.weights_program
+    return {"weights": {name: digest(weight) for name, weight in zip(program.weight_names, program.weights)},
+            "verified": artifact.manifest["verification"]["passed"], "report": without_seconds(artifact.manifest["verification"])}
+
+
+def without_seconds(report):
+    """A verification report without its timings (they differ from run to run)."""
+    if isinstance(report, dict):
+        return {key: without_seconds(value) for key, value in report.items() if "seconds" not in key}
+    if isinstance(report, list):
+        return [without_seconds(value) for value in report]
+    return report
 
 
 def main() -> None:
@@ -74,6 +110,20 @@ def main() -> None:
         "wide-buffers-bf16": fingerprint({"model": WideBuffers(), "args": (torch.randn(2, 8, generator=torch.Generator().manual_seed(0)),)},
                                          precision="bf16"),
     }
+    with tempfile.TemporaryDirectory() as directory:
+        directory = pathlib.Path(directory)
+        transformer = lambda: _common.build_example("transformer")  # noqa: E731
+        decoder = lambda: _common.build_example("decoder")  # noqa: E731
+        results.update({
+            "transformer-checkpoint-auto": fingerprint(checkpointed := from_checkpoint(transformer, directory),
+                                                       checkpoint=checkpointed.pop("checkpoint")),
+            "decoder-checkpoint-bf16": fingerprint(checkpointed := from_checkpoint(decoder, directory), checkpoint=checkpointed.pop("checkpoint"),
+                                                   precision="bf16"),
+            "decoder-checkpoint-int4-weight-only": fingerprint(checkpointed := from_checkpoint(decoder, directory),
+                                                               checkpoint=checkpointed.pop("checkpoint"), quantize="int4-weight-only",
+                                                               group_size=32),
+            "llama-generation-checkpoint": generation_fingerprint(directory),
+        })
     out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     print(f"wrote {out}")
 
