@@ -79,7 +79,7 @@ def generation_fingerprint(directory: pathlib.Path) -> dict:
     built = from_checkpoint(lambda: {"model": _common.random_llama(2, 64, 64)}, directory)
     artifact = tpuexport.convert(built["model"], task="text-generation", max_context=64, max_batch=2, checkpoint=built["checkpoint"],
                                  out=directory / "generation.tpu", target="v5e", kernels="none")
-    program = artifact.generation_program().weights_program
+    program = artifact.generation_program.weights_program
     return {"weights": {name: digest(weight) for name, weight in zip(program.weight_names, program.weights)},
             "verified": artifact.manifest["verification"]["passed"], "report": without_seconds(artifact.manifest["verification"])}
 
