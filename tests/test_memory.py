@@ -207,6 +207,38 @@ def test_a_checkpoints_weights_exist_once_in_the_artifacts_file(tmp_path, precis
             torch.testing.assert_close(reference(*built["args"]), expected, atol=0, rtol=0)
 
 
+def test_the_generation_reference_reads_a_checkpoints_weights_from_the_artifacts_file(tmp_path):
+    """Text generation from a checkpoint: the model whose generate() verification runs (a copy beside
+    the entry points' references) has its parameters pointed at the artifact's weights file too, tied
+    embeddings included; the checkpoint is unmapped."""
+    import safetensors.torch
+    import transformers
+
+    from test_generation_checkpoint import LLAMA, MAX_BATCH, MAX_CONTEXT
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
+    checkpoint = tmp_path / "llama.safetensors"
+    safetensors.torch.save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items() if name != "lm_head.weight"},
+                                str(checkpoint))
+    with tpuexport.parameters_on_meta():
+        on_meta = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
+    loaded = LoadedSource(on_meta, None, None, None, SourceInfo("api"), checkpoint=open_checkpoint(checkpoint))
+    options = ConversionOptions(("v5e",), tmp_path / "llama.tpu", saved_model=False, task="text-generation", max_context=MAX_CONTEXT,
+                                max_batch=MAX_BATCH)
+    with passes(loaded, options, "weights") as conversion:
+        eager = conversion.spec.state.checkpoint_model
+        program = conversion.program.weights_program
+        start = min(array.ctypes.data for array in program.weights)
+        end = max(array.ctypes.data + array.nbytes for array in program.weights)
+        assert eager.lm_head.weight is eager.model.embed_tokens.weight
+        assert all(start <= parameter.data_ptr() < end for parameter in eager.parameters())
+        assert str(checkpoint) not in mapped_files()
+        prompt = torch.tensor([[5, 9, 2, 7]])
+        with torch.no_grad():
+            assert torch.equal(eager.generate(prompt, max_new_tokens=8, do_sample=False), model.generate(prompt, max_new_tokens=8, do_sample=False))
+
+
 def test_options_made_without_a_budget_carry_the_default(tmp_path):
     """run_conversion's options read the default when they are made (the command line makes them
     before it loads the source); the conversion uses theirs and reads none of its own."""

@@ -26,7 +26,8 @@ A source with a checkpoint (export/checkpoints.py) never holds its weights: expo
 copy, and the weights pass copies the checkpoint's tensors into the artifact one at a time. A model
 held in memory takes the same pass from its own tensors: the program's stacked (scanned) weights
 exist only in that file, not as a second copy beside the model. Verification, the SavedModel and
-the writer use the file, memory-mapped.
+the writer use the file, memory-mapped; from a checkpoint, so do the eager references' parameters
+the file stores as they are, and the checkpoint is unmapped.
 
 A plan (`weights=False`, `tpuexport plan`, for models larger than the build machine, built on the
 meta device) runs export, lower (from the weights' shapes and dtypes; no weight is read), plan,
@@ -212,7 +213,7 @@ def weights(conversion: Conversion) -> None:
 
     streamed = captured.checkpoint_state is not None
     with conversion.clock.stage("weights", lambda: f"{len(shared.weight_names)} arrays, {written / 2**30:.2f} GiB {origin}"
-                                                   + (f"; {shared_bytes / 2**30:.2f} GiB of them the eager reference's" if streamed else "")):
+                                                   + (f"; the eager reference reads {shared_bytes / 2**30:.2f} GiB of them there" if streamed else "")):
         written = artifact_stage.write_weights(path, shared.weight_names, shared.weight_specs, parts)
         arrays = artifact_stage.map_weights(path)
         if streamed:
