@@ -324,3 +324,20 @@ def test_a_directory_read_into_memory_is_refused_and_a_streamed_one_is_not(tmp_p
     assert "--quantize int8/int8-dynamic rounds them there" in message and "give a larger --memory-budget" in message
     streamed = load_source(str(tmp_path / "bert"), task="text-classification", memory_budget=budget)
     assert streamed.checkpoint is not None
+
+
+def test_a_hugging_face_directorys_checkpoint_is_unmapped_when_released(tmp_path):
+    """A directory's checkpoint (its tensors under the wrapped model's names) unmaps its files when
+    released, as the weights pass releases it once the references read the artifact's file; a
+    tensor asked for afterwards maps its file again."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                                     num_labels=3)
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "bert")
+    checkpoint = load_source(str(tmp_path / "bert"), task="text-classification").checkpoint
+    weights = str(tmp_path / "bert" / "model.safetensors")
+    name = next(iter(checkpoint))
+    assert checkpoint[name].numel() and weights in mapped_files()
+    checkpoint.release()
+    assert weights not in mapped_files()
+    assert checkpoint[name].numel() and weights in mapped_files()
