@@ -31,8 +31,10 @@ ROOT = BENCHMARKS.parent
 EXAMPLES = ROOT / "examples"
 
 # After the script's own directory (a study's neighbours come first) and PYTHONPATH's entries
-# (PYTHONPATH=OTHER_CHECKOUT measures another checkout's tpuexport, as experts_layout.py does).
-_AFTER = 1 + len([entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry])
+# (PYTHONPATH=OTHER_CHECKOUT measures another checkout's tpuexport, as experts_layout.py does),
+# wherever they are: a study's line above has put benchmarks/ before them.
+_GIVEN = {os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry}
+_AFTER = max((index + 1 for index, entry in enumerate(sys.path) if entry and os.path.abspath(entry) in _GIVEN), default=1)
 for _path in (str(BENCHMARKS), str(ROOT)):
     if _path not in sys.path:
         sys.path.insert(_AFTER, _path)

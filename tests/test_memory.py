@@ -22,7 +22,7 @@ import tpuexport
 from tpuexport.cli import describe_memory_budget, describe_peak_memory
 from tpuexport.errors import TpuExportError
 from conftest import build_example
-from tpuexport.export import LoadedSource, SourceInfo, load_source
+from tpuexport.export import LoadedSource, SourceInfo, load_source, open_checkpoint
 from tpuexport.memory import UNKNOWN_PEAK, MemoryMonitor, PeakMemory, memory_budget, resident_bytes
 from tpuexport.pipeline import ConversionOptions, lower_forward, passes
 from tpuexport.verify.sizes import MAX_OPTIONAL_OUTPUT_BYTES, output_bytes, plan_cases
@@ -169,6 +169,76 @@ def test_an_in_memory_models_program_weights_are_the_file_or_the_model_never_a_c
         assert tensor.data_ptr() == state[name][0] and torch.equal(tensor, state[name][1]), name
 
 
+def mapped_files() -> set[str]:
+    return {line.split(maxsplit=5)[5] for line in pathlib.Path("/proc/self/maps").read_text().splitlines() if len(line.split()) > 5}
+
+
+@pytest.mark.parametrize("precision", ["auto", "bf16"])
+def test_a_checkpoints_weights_exist_once_in_the_artifacts_file(tmp_path, precision):
+    """From a checkpoint, the weights pass copies its tensors into the artifact's weights file; then
+    the eager reference's parameters that the file stores as they are (f32 kept f32; a scanned
+    layer's, as its slice of the stack) are views of that file's mapping, and the checkpoint is
+    unmapped: one mapping of the weights, not two. Cast to bf16, the file holds other values: the
+    reference keeps the checkpoint's f32 tensors. Either way it computes what the model computes."""
+    import safetensors.torch
+
+    built = build_example("decoder")  # f32; its layers scanned
+    model = built["model"].eval()
+    checkpoint = tmp_path / "decoder.safetensors"
+    safetensors.torch.save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, str(checkpoint))
+    with torch.no_grad():
+        expected = model(*built["args"])
+    with tpuexport.parameters_on_meta():
+        on_meta = build_example("decoder")["model"]
+    loaded = LoadedSource(on_meta, built["args"], built["dynamic_shapes"], None, SourceInfo("api"),
+                          checkpoint=open_checkpoint(checkpoint))
+    options = ConversionOptions(("v5e",), tmp_path / "decoder.tpu", precision=precision, saved_model=False)
+    with passes(loaded, options, "weights") as conversion:
+        reference = conversion.captured["serving_default"].reference
+        program = conversion.program.weights_program
+        assert any(program.stacked)
+        start = min(array.ctypes.data for array in program.weights)
+        end = max(array.ctypes.data + array.nbytes for array in program.weights)
+        assert all(isinstance(array, np.memmap) and pathlib.Path(array.filename) == conversion.weights_file for array in program.weights)
+        inside = [start <= parameter.data_ptr() < end for parameter in reference.parameters()]
+        assert all(inside) if precision == "auto" else not any(inside)
+        assert (str(checkpoint) in mapped_files()) == (precision == "bf16")
+        with torch.no_grad():
+            torch.testing.assert_close(reference(*built["args"]), expected, atol=0, rtol=0)
+
+
+def test_the_generation_reference_reads_a_checkpoints_weights_from_the_artifacts_file(tmp_path):
+    """Text generation from a checkpoint: the model whose generate() verification runs (a copy beside
+    the entry points' references) has its parameters pointed at the artifact's weights file too, tied
+    embeddings included; the checkpoint is unmapped."""
+    import safetensors.torch
+    import transformers
+
+    from test_generation_checkpoint import LLAMA, MAX_BATCH, MAX_CONTEXT
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
+    checkpoint = tmp_path / "llama.safetensors"
+    safetensors.torch.save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items() if name != "lm_head.weight"},
+                                str(checkpoint))
+    with tpuexport.parameters_on_meta():
+        on_meta = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
+    loaded = LoadedSource(on_meta, None, None, None, SourceInfo("api"), checkpoint=open_checkpoint(checkpoint))
+    options = ConversionOptions(("v5e",), tmp_path / "llama.tpu", saved_model=False, task="text-generation", max_context=MAX_CONTEXT,
+                                max_batch=MAX_BATCH)
+    with passes(loaded, options, "weights") as conversion:
+        eager = conversion.spec.state.checkpoint_model
+        program = conversion.program.weights_program
+        start = min(array.ctypes.data for array in program.weights)
+        end = max(array.ctypes.data + array.nbytes for array in program.weights)
+        assert eager.lm_head.weight is eager.model.embed_tokens.weight
+        assert all(start <= parameter.data_ptr() < end for parameter in eager.parameters())
+        assert str(checkpoint) not in mapped_files()
+        prompt = torch.tensor([[5, 9, 2, 7]])
+        with torch.no_grad():
+            assert torch.equal(eager.generate(prompt, max_new_tokens=8, do_sample=False), model.generate(prompt, max_new_tokens=8, do_sample=False))
+
+
 def test_options_made_without_a_budget_carry_the_default(tmp_path):
     """run_conversion's options read the default when they are made (the command line makes them
     before it loads the source); the conversion uses theirs and reads none of its own."""
@@ -254,3 +324,20 @@ def test_a_directory_read_into_memory_is_refused_and_a_streamed_one_is_not(tmp_p
     assert "--quantize int8/int8-dynamic rounds them there" in message and "give a larger --memory-budget" in message
     streamed = load_source(str(tmp_path / "bert"), task="text-classification", memory_budget=budget)
     assert streamed.checkpoint is not None
+
+
+def test_a_hugging_face_directorys_checkpoint_is_unmapped_when_released(tmp_path):
+    """A directory's checkpoint (its tensors under the wrapped model's names) unmaps its files when
+    released, as the weights pass releases it once the references read the artifact's file; a
+    tensor asked for afterwards maps its file again."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                                     num_labels=3)
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "bert")
+    checkpoint = load_source(str(tmp_path / "bert"), task="text-classification").checkpoint
+    weights = str(tmp_path / "bert" / "model.safetensors")
+    name = next(iter(checkpoint))
+    assert checkpoint[name].numel() and weights in mapped_files()
+    checkpoint.release()
+    assert weights not in mapped_files()
+    assert checkpoint[name].numel() and weights in mapped_files()

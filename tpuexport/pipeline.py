@@ -26,7 +26,8 @@ A source with a checkpoint (export/checkpoints.py) never holds its weights: expo
 copy, and the weights pass copies the checkpoint's tensors into the artifact one at a time. A model
 held in memory takes the same pass from its own tensors: the program's stacked (scanned) weights
 exist only in that file, not as a second copy beside the model. Verification, the SavedModel and
-the writer use the file, memory-mapped.
+the writer use the file, memory-mapped; from a checkpoint, so do the eager references' parameters
+the file stores as they are, and the checkpoint is unmapped.
 
 A plan (`weights=False`, `tpuexport plan`, for models larger than the build machine, built on the
 meta device) runs export, lower (from the weights' shapes and dtypes; no weight is read), plan,
@@ -210,13 +211,46 @@ def weights(conversion: Conversion) -> None:
         tensors = (lower_stage.in_stored_layout(as_tensor(state[part]), layout) for part in shared.weight_parts[name])
         return stored.parts(name, tensors) if stored is not None else tensors
 
-    with conversion.clock.stage("weights", lambda: f"{len(shared.weight_names)} arrays, {written / 2**30:.2f} GiB {origin}"):
+    streamed = captured.checkpoint_state is not None
+    with conversion.clock.stage("weights", lambda: f"{len(shared.weight_names)} arrays, {written / 2**30:.2f} GiB {origin}"
+                                                   + (f"; the eager reference reads {shared_bytes / 2**30:.2f} GiB of them there" if streamed else "")):
         written = artifact_stage.write_weights(path, shared.weight_names, shared.weight_specs, parts)
         arrays = artifact_stage.map_weights(path)
-    held = [_held_as_stored(shared, state, name, spec) for name, spec in zip(shared.weight_names, shared.weight_specs)]
+        if streamed:
+            shared_bytes = _share_with_references(conversion, shared, state, arrays)
+    # A checkpoint's program reads the file's arrays: the references read them too now.
+    held = [None if streamed else _held_as_stored(shared, state, name, spec) for name, spec in zip(shared.weight_names, shared.weight_specs)]
     conversion.program = conversion.program.with_weights(tuple(arrays[name] if view is None else view
                                                                for name, view in zip(shared.weight_names, held)))
     conversion.weights_file = path
+
+
+def _share_with_references(conversion: Conversion, shared: lower_stage.LoweredProgram, state, arrays: dict[str, np.ndarray]) -> int:
+    """Points the eager references' parameters (the entry points' and the task's other eager models')
+    that the artifact stores as they are at the artifact's own arrays (a scanned stack's block: its
+    slice of the stack), then unmaps the checkpoint: the weights exist once, in the artifact's file,
+    instead of once there and once in the checkpoint's mapping. A weight stored otherwise (cast,
+    transposed, quantized) keeps the checkpoint's tensor: the references compute with the original values.
+
+    Returns:
+      The bytes of the parameters now read from the artifact's file.
+    """
+    skipped = {*shared.weight_layouts, *shared.quantized, *(entry["scale"] for entry in shared.quantized.values())}
+    replacements = []
+    for name in shared.weight_names:
+        if name in skipped:
+            continue
+        parts = shared.weight_parts[name]
+        for index, part in enumerate(parts):
+            tensor, array = state[part], arrays[name][index] if len(parts) > 1 else arrays[name]
+            if (isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == array.shape
+                    and str(tensor.dtype).removeprefix("torch.") == array.dtype.name):
+                replacements.append((tensor, torch_view(array)))
+    references = [captured.reference for captured in conversion.captured.values() if isinstance(captured.reference, torch.nn.Module)]
+    shared_bytes = export_stage.share_parameters([*references, *conversion.spec.eager_models], replacements)
+    if isinstance(conversion.loaded.checkpoint, export_stage.Checkpoint):
+        conversion.loaded.checkpoint.release()
+    return shared_bytes
 
 
 def as_tensor(weight) -> torch.Tensor:

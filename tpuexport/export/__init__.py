@@ -8,7 +8,7 @@ from tpuexport.export.sampling import Sample, sample_example_arguments
 from tpuexport.export.seq2seq import Seq2SeqSpec, is_encoder_decoder, seq2seq_spec
 from tpuexport.export.seq2seq import entry_point_modules as seq2seq_entry_point_modules
 from tpuexport.export.seq2seq import example_arguments as seq2seq_example_arguments
-from tpuexport.export.checkpoints import Checkpoint, open_checkpoint, parameters_on_meta, with_checkpoint_weights
+from tpuexport.export.checkpoints import Checkpoint, open_checkpoint, parameters_on_meta, share_parameters, with_checkpoint_weights
 from tpuexport.export.loaded import LoadedSource, SourceInfo
 from tpuexport.export.sources import load_source
 from tpuexport.export.specs import DimSpec, InputSpec, example_args, parse_dim, parse_input
@@ -57,6 +57,7 @@ __all__ = [
     "parse_dim",
     "parse_input",
     "parameters_on_meta",
+    "share_parameters",
     "torch_dynamic_shapes",
     "weights_on_meta",
     "with_checkpoint_weights",

@@ -65,6 +65,12 @@ class Checkpoint(Mapping):
     def __len__(self) -> int:
         return len(self._tensors)
 
+    def release(self) -> None:
+        """Unmaps the checkpoint's files once no tensor of theirs is held (a tensor asked for later maps
+        its file again); a Mapping the user gave, or a pickled state_dict, is left as it is."""
+        if isinstance(self._tensors, _SafetensorsFiles):
+            self._tensors.release()
+
 
 class _SafetensorsFiles(Mapping):
     """Tensors of safetensors files by name, as views into one private memory map per file."""
@@ -94,6 +100,9 @@ class _SafetensorsFiles(Mapping):
 
     def __len__(self) -> int:
         return len(self._file_of)
+
+    def release(self) -> None:
+        self._maps.clear()
 
     def _mapped(self, path: pathlib.Path) -> tuple[torch.Tensor, dict]:
         if path not in self._maps:
@@ -263,6 +272,34 @@ def with_checkpoint_weights(model: torch.nn.Module, checkpoint: Checkpoint) -> t
         raise TpuExportError(f"checkpoint {checkpoint.description} holds {len(misshapen)} tensor(s) of another shape than the "
                              f"model's: {_listed(misshapen)}; give the checkpoint of this model's configuration")
     return model
+
+
+def share_parameters(modules, replacements: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Points the parameters of `modules` that hold one of `replacements`' first tensors' memory (the
+    same data pointer, shape, strides and dtype: the same checkpoint tensor, under any Parameter
+    object wrapping it) at the second tensor's memory, in place (`Parameter.data`), so that every
+    holder of those Parameter objects reads the new memory. Buffers are left alone: a model may
+    write its buffers, and the replacements may be read-only.
+
+    Args:
+      modules: the nn.Modules (copies this package made, never the user's).
+      replacements: (old tensor, new tensor holding the same values).
+    Returns:
+      The bytes of the distinct tensors replaced.
+    """
+    new_of = {_memory_key(old): new for old, new in replacements}
+    replaced = {}
+    for module in modules:
+        for parameter in module.parameters():
+            new = new_of.get(_memory_key(parameter))
+            if new is not None:
+                parameter.data = new
+                replaced[new.data_ptr()] = new.numel() * new.element_size()
+    return sum(replaced.values())
+
+
+def _memory_key(tensor: torch.Tensor) -> tuple:
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype
 
 
 def _wrapper_prefix(names: list[str], checkpoint: Checkpoint) -> str:

@@ -724,6 +724,9 @@ class _Renamed(Checkpoint):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._checkpoint[self._tensors[name]]
 
+    def release(self) -> None:
+        self._checkpoint.release()
+
 
 def _checkpoint(directory: pathlib.Path, model: torch.nn.Module, prefix: str = "") -> Checkpoint | None:
     """The directory's checkpoint under the model's names, renamed as transformers renames them when

@@ -212,7 +212,8 @@ def _decoder_spec(conversion: Conversion, seq: tuple[int, ...] | None, batches: 
     description = (f"entry points prefill (batch {list(batches)} x seq {list(spec.prefill_buckets)}), decode (batch {spec.max_batch}) and "
                    f"sample (rows {sample_rows}); cache {spec.layout} {list(spec.cache_shape)} {_describe_window_cache(spec)}{cache}")
     return ProgramSpec(entry_points, lambda lowered: lower_stage.GenerationProgram(spec, lowered, batches), True, description,
-                       GenerationSources(spec, model, modules, checkpoint_model))
+                       GenerationSources(spec, model, modules, checkpoint_model),
+                       (checkpoint_model,) if checkpoint_model is not None else ())
 
 
 def _streamed_weights(conversion: Conversion) -> tuple[torch.nn.Module | None, export_stage.Checkpoint | None]:
@@ -289,7 +290,8 @@ def _paged_spec(conversion: Conversion, requested: dict[str, list[int]]) -> Prog
                    f"{f'int8 + {spec.dtype} scales' if spec.quantized else spec.dtype} ({spec.num_pages} pages of {spec.page_size}, "
                    f"{spec.cache_bytes / 2**20:.1f} MiB)")
     return ProgramSpec(entry_points, lambda lowered: lower_stage.PagedGenerationProgram(spec, lowered), True, description,
-                       GenerationSources(spec, model, {"step": module}, checkpoint_model))
+                       GenerationSources(spec, model, {"step": module}, checkpoint_model),
+                       (checkpoint_model,) if checkpoint_model is not None else ())
 
 
 def _seq2seq_spec(conversion: Conversion, seq: tuple[int, ...] | None, batches: tuple[int, ...]) -> ProgramSpec:

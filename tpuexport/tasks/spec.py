@@ -52,6 +52,8 @@ class ProgramSpec:
         not run every block of a run would stack other weights than the others).
       description: the export stage's progress line ("" for the entry points' dims).
       state: what the task keeps for its own verification (e.g. the eager modules), or None.
+      eager_models: with a checkpoint, the modules holding its tensors besides the entry points'
+        references (generate()'s model): the weights pass points them at the artifact's weights too.
     """
 
     entry_points: dict[str, EntryPointSpec]
@@ -59,6 +61,7 @@ class ProgramSpec:
     scan: bool = True
     description: str = ""
     state: object = None
+    eager_models: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
