@@ -290,7 +290,7 @@ def tpuexport_cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tpuexport.cli", *map(str, args)], capture_output=True, text=True, timeout=600)
 
 
-def test_cli_converts_for_a_slice_inspects_and_recompiles_it(tmp_path):
+def test_cli_converts_for_a_slice_and_inspects_it(tmp_path):
     out = tmp_path / "decoder.tpu"
     result = tpuexport_cli("convert", f"{EXAMPLES / 'decoder.py'}:build", "--target", "v5e-8", "--mesh", "data=2,model=4",
                            "--sharding", "tensor-parallel", "--shard", "lm_head=None", "--no-saved-model", "--verify-budget", "0",
@@ -309,11 +309,7 @@ def test_cli_converts_for_a_slice_inspects_and_recompiles_it(tmp_path):
     assert inspected.returncode == 0
     assert "v5e-8: mesh data=2,model=4, tensor-parallel" in inspected.stdout and "all-reduce x" in inspected.stdout
 
-    gate = tpuexport_cli("verify", out, "--recompile", "--strict", "--json")
-    assert gate.returncode == 0, gate.stdout + gate.stderr
-    recompile = next(check for check in json.loads(gate.stdout)["checks"] if check["name"] == "recompile")
-    assert recompile["status"] == "passed", recompile
-
+    # (The gate's --recompile of this plan: test_plan.py recompiles the same v5e-8 plan, test_verify_gate.py the CLI's --recompile --strict.)
     listed = tpuexport_cli("targets")
     assert listed.returncode == 0
     assert "v5p and 7x names count TensorCores" in " ".join(listed.stdout.split())
