@@ -103,6 +103,7 @@ SIZES = {  # group: (size, keys)
     "positions": (POSITIONS, (
         "max_position_embeddings", "n_positions", "n_ctx", "max_target_positions", "max_source_positions", "max_seq_len",
         "max_2d_position_embeddings")),
+    "frames": (4, ("num_frames", "frames_per_clip")),  # a video clip's (a multiple of the usual tubelets, 1 and 2)
     "experts": (4, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "zero_expert_num")),
     "top_k": (2, ("num_experts_per_tok", "moe_topk", "n_group", "moe_k", "moe_top_k", "num_experts_per_token", "experts_per_token")),
     "window": (32, ("sliding_window", "attention_chunk_size", "sliding_window_size", "kv_lora_rank", "q_lora_rank", "o_lora_rank")),
@@ -113,6 +114,8 @@ SIZES = {  # group: (size, keys)
 SHRUNK = {key: size for size, keys in SIZES.values() for key in keys}
 # What the last shrink level still shrinks (widths stay).
 COUNTS = SIZES["layers"][1] + SIZES["vocab"][1] + SIZES["experts"][1] + SIZES["top_k"][1] + SIZES["positions"][1]
+# Counts an MoE config's defaults may leave unset (None) beside the ones it sets: the tiny model gets them.
+MOE_UNSET = SIZES["experts"][1] + ("num_experts_per_tok", "n_shared_experts")
 KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num", "cross_num_key_value_heads",
             "swa_num_key_value_heads", "linear_num_key_heads")
 # Per-stage lists of vision backbones: widths scaled down together, heads divided by the first stage's.
@@ -126,7 +129,6 @@ GLM_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 
 # Per-type overrides, applied after the generic shrink (only where it cannot build): {type: {key: value}}.
 OVERRIDES: dict[str, dict] = {
     "fun_asr_nano": {"adaptor_config": {"intermediate_size": WIDTH // 4}},  # the text width / 4, checked by its config
-    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},  # its defaults leave them unset
     "chameleon": {"vocabulary_map": {"<image>": 500}},  # the image token's id in its (absent) tokenizer
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},  # no default
     # GLM-4V's rotary sections default to [8, 12, 12] in its code, not its config: they sum to half the tiny head dim.
@@ -185,8 +187,11 @@ def shrink(config: dict, level: int) -> dict:
     for key, value in list(config.items()):
         if staged and key == "num_layers":
             continue
-        if key in ("out_features", "out_indices") and layers_before and not staged:
+        if key in ("out_features", "out_indices") and layers_before and not staged and "out_features" in config:
             config[key] = None  # a transformer backbone's stages are its layers: the default (the last) after the cut
+            continue
+        if key == "out_indices" and layers_before and isinstance(value, list):  # the layers a model's own neck taps (BEiT-style)
+            config[key] = [min(index * LAYERS // layers_before, LAYERS - 1) for index in value]
             continue
         if _is_config(value) and value["model_type"] == "timm_backbone":
             config[key] = _tiny_resnet(value)
@@ -207,10 +212,14 @@ def shrink(config: dict, level: int) -> dict:
             config[key] = _per_layer(value, LAYERS)
         elif level < 2 and isinstance(value, list) and value and all(isinstance(item, int) for item in value):
             _shrink_stages(config, key, value)
-        elif level == 0 and key == "image_size" and isinstance(value, int):
+        elif level == 0 and key in ("image_size", "crop_size") and isinstance(value, int):
             patch = config.get("patch_size") if isinstance(config.get("patch_size"), int) else 8
             config[key] = min(value, max(64, 4 * patch))
     _keep_equal_sizes(before, config)
+    if any(isinstance(config.get(key), int) for key in SIZES["experts"][1] + SIZES["top_k"][1]):
+        for key in MOE_UNSET:
+            if key in config and config[key] is None:
+                config[key] = SHRUNK[key]
     for key, value in config.items():  # after the head dims they follow
         if isinstance(value, dict) and key.startswith("rope"):
             _shrink_rope(value, config)

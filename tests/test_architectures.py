@@ -3,6 +3,7 @@ per class that tpuexport converts, or refuses in one line, where it once crashed
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -305,3 +306,48 @@ def test_an_audio_encoder_taking_waveforms_with_a_channel_axis_gets_one():
         model = transformers.PeAudioModel(transformers.PeAudioConfig()).eval()
     wrapped, args, _ = forward_program(model)
     assert args[wrapped.input_names.index("input_values")].shape[1:] == (1, 16000)
+
+
+def test_a_video_tower_gets_a_clip_of_the_frames_its_config_records(tmp_path):
+    """VideoMAE, ViViT, TimeSformer, V-JEPA 2 and VideoPrism read pixel_values as [batch, frames,
+    channels, height, width]: given a batch of images they were refused with "not enough values to
+    unpack (expected 5, got 4)". They get clips of the config's num_frames (V-JEPA 2: frames_per_clip,
+    its crop_size as the image size) and convert."""
+    config = transformers.VideoMAEConfig(image_size=32, patch_size=8, num_frames=4, tubelet_size=2, hidden_size=32, num_hidden_layers=1,
+                                         num_attention_heads=4, intermediate_size=64)
+    transformers.VideoMAEModel(config).save_pretrained(tmp_path / "videomae")
+    result = convert_directory(tmp_path / "videomae", tmp_path / "videomae.tpu", *QUICK)
+    assert result.returncode == 0, result.stderr[-2000:]
+    manifest = json.loads((tmp_path / "videomae.tpu" / "manifest.json").read_text())
+    assert manifest["verification"]["passed"]
+    assert [spec["shape"] for spec in manifest["entry_points"]["serving_default"]["signature"]["inputs"]] == [["batch", 4, 3, 32, 32]]
+
+
+@pytest.mark.parametrize("model_type, setting, value", [
+    ("deepseek_v2", "num_experts_per_tok", 2),  # DeepSeek-V2's defaults leave it None: topk() "argument 'k' must be int, not NoneType"
+    ("data2vec-vision", "out_indices", [0, 0, 1, 1]),  # its neck's tapped layers, which must stay a list of layers the cut model has
+])
+def test_the_sweeps_shrink_builds_configs_whose_defaults_do_not_shrink_as_they_are(model_type, setting, value):
+    """benchmarks/architectures.py: an MoE config whose defaults leave its counts unset gets them
+    (DeepSeek-V2 ran no eager forward and was refused for it, as dots1 needed an override); a
+    model's own list of tapped layers is cut with its layers (Data2Vec-Vision was not built: None is
+    no list). Each builds tiny and runs one eager forward."""
+    import architectures
+
+    model, record = architectures.tiny_model(model_type)
+    assert record["eager"] == "ok" and record["level"] == "everything"
+    assert getattr(model.config.get_text_config(), setting) == value
+
+
+def test_a_video_model_taking_pixel_values_videos_gets_clips():
+    """V-JEPA 2 and VideoPrism name their clips pixel_values_videos: they were refused as taking
+    "none of input_ids, pixel_values, input_values, input_features". They get clips of the config's
+    frames (V-JEPA 2: frames_per_clip) at its crop_size, which the forward runs on."""
+    from tpuexport.export.huggingface import forward_program
+
+    config = transformers.VJEPA2Config(crop_size=32, patch_size=8, frames_per_clip=4, tubelet_size=2, hidden_size=32, num_hidden_layers=1,
+                                       num_attention_heads=4, pred_hidden_size=32, pred_num_hidden_layers=1, pred_num_attention_heads=4)
+    wrapped, args, dynamic_shapes = forward_program(transformers.VJEPA2Model(config).eval())
+    assert wrapped.input_names == ("pixel_values_videos",) and args[0].shape == (2, 4, 3, 32, 32)
+    with torch.no_grad():
+        assert wrapped(*args)["last_hidden_state"].shape == (2, 2 * 4 * 4, 32)
