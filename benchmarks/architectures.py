@@ -116,6 +116,8 @@ SHRUNK = {key: size for size, keys in SIZES.values() for key in keys}
 COUNTS = SIZES["layers"][1] + SIZES["vocab"][1] + SIZES["experts"][1] + SIZES["top_k"][1] + SIZES["positions"][1]
 # Counts an MoE config's defaults may leave unset (None) beside the ones it sets: the tiny model gets them.
 MOE_UNSET = SIZES["experts"][1] + ("num_experts_per_tok", "n_shared_experts")
+# Counts of layers of one kind (Gemma 3n's and Gemma 4's layers reusing another layer's KV cache), cut with the layers.
+LAYER_COUNTS = ("num_kv_shared_layers",)
 KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num", "cross_num_key_value_heads",
             "swa_num_key_value_heads", "linear_num_key_heads")
 # Per-stage lists of vision backbones: widths scaled down together, heads divided by the first stage's.
@@ -198,13 +200,16 @@ def shrink(config: dict, level: int) -> dict:
         elif _is_config(value):
             shrink(value, level)
         elif isinstance(value, dict) and value and all(str(index).isdigit() for index in value) and layers_before:
-            config[key] = {str(int(index) * LAYERS // layers_before): item for index, item in value.items()}  # per-layer settings
+            config[key] = {str(int(index) * LAYERS // layers_before): shrink(dict(item), level) if isinstance(item, dict) else item
+                           for index, item in value.items()}  # per-layer settings, their sizes shrunk as the model's
         elif isinstance(value, bool) or value is None:
             continue
         elif isinstance(value, int) and key in SHRUNK and (level < 2 or key in COUNTS):
             config[key] = min(value, SHRUNK[key])
         elif isinstance(value, int) and ("vocab_size" in key or key.endswith("_vocab")):
             config[key] = min(value, SIZES["vocab"][0])
+        elif isinstance(value, int) and key in LAYER_COUNTS and layers_before:
+            config[key] = value * LAYERS // layers_before  # all layers stay all; a few of many, none of the cut ones
         elif isinstance(value, int) and key in KV_HEADS and heads_before:
             heads = min(heads_before, ATTENTION_HEADS) if level < 2 else heads_before
             config[key] = heads if value >= heads_before else 1 if value == 1 else min(2, heads)
@@ -252,7 +257,10 @@ def _tiny_resnet(timm: dict) -> dict:
 
 
 def _state_space_heads(config: dict) -> None:
-    """A Mamba-2 mixer's heads times head dim is its inner width (expand x hidden size)."""
+    """A Mamba-2 mixer's heads times head dim is its inner width (expand x hidden size; Falcon-H1's
+    explicit mamba_d_ssm, unshrunk, would stay the original model's, so it goes back to that default)."""
+    if isinstance(config.get("mamba_d_ssm"), int):
+        config["mamba_d_ssm"] = None
     for expand, heads, head_dim in (("expand", "num_heads", "head_dim"), ("mamba_expand", "mamba_n_heads", "mamba_d_head"),
                                     ("mamba_expand", "mamba_num_heads", "mamba_head_dim")):
         values = [config.get(key) for key in (expand, heads, head_dim, "hidden_size")]
