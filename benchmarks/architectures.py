@@ -229,6 +229,9 @@ def shrink(config: dict, level: int) -> dict:
         if isinstance(value, dict) and key.startswith("rope"):
             _shrink_rope(value, config)
     _state_space_heads(config)
+    if "head_dim" in config and config["head_dim"] is None and isinstance(config.get("hidden_size"), int) and heads_before:
+        # Ministral's and HunYuan's defaults leave it None, which their attention reads as is (None ** -0.5)
+        config["head_dim"] = config["hidden_size"] // next(config[key] for key in SIZES["heads"][1] if isinstance(config.get(key), int))
     if "qk_head_dim" in config and "qk_nope_head_dim" in config:
         config["qk_head_dim"] = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
     vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else SIZES["vocab"][0]

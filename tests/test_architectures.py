@@ -333,6 +333,8 @@ def test_a_video_tower_gets_a_clip_of_the_frames_its_config_records(tmp_path):
     ("embedding_gemma2_text", lambda model: {layer.self_attn.head_dim for layer in model.layers} == {16}),
     # 15 of its 35 layers reuse another's KV cache; kept at 15 of 2, the config refused the layer types left producing one.
     ("gemma3n_text", lambda model: model.config.num_kv_shared_layers == 0),
+    # Ministral's and HunYuan's defaults leave head_dim None, which their attention takes as is: None ** -0.5 (not built).
+    ("ministral", lambda model: model.config.head_dim == model.config.hidden_size // model.config.num_attention_heads),
 ], ids=lambda value: value if isinstance(value, str) else "")
 def test_the_sweeps_shrink_builds_configs_whose_defaults_do_not_shrink_as_they_are(model_type, check):
     """benchmarks/architectures.py: an MoE config whose defaults leave its counts unset gets them;
