@@ -79,7 +79,8 @@ SIZES = {  # group: (size, keys)
         "projector_hidden_size", "audio_hidden_size", "cross_hidden_size", "attention_hidden_size", "pooler_output_size",
         "pooler_hidden_size", "fusion_hidden_size", "backbone_hidden_size", "classifier_proj_size", "vision_output_dim",
         "encoder_hidden_dim", "hidden_size_global", "mask_feature_size", "fpn_hidden_size", "conv_output_size", "output_dim",
-        "latent_dim", "xvector_output_dim", "codevector_dim", "proj_codevector_dim", "vision_feature_dim", "text_embed_dim")),
+        "latent_dim", "xvector_output_dim", "codevector_dim", "proj_codevector_dim", "vision_feature_dim", "text_embed_dim",
+        "reassemble_hidden_size", "bottleneck_features")),
     "ffn": (128, (
         "intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim", "moe_intermediate_size",
         "shared_expert_intermediate_size", "mlp_dim", "dim_feedforward", "decoder_intermediate_size", "ffn_hidden_size",
@@ -221,6 +222,7 @@ def shrink(config: dict, level: int) -> dict:
             patch = config.get("patch_size") if isinstance(config.get("patch_size"), int) else 8
             config[key] = min(value, max(64, 4 * patch))
     _keep_equal_sizes(before, config)
+    _keep_tapped_layers(before, config, layers_before)
     if any(isinstance(config.get(key), int) for key in SIZES["experts"][1] + SIZES["top_k"][1]):
         for key in MOE_UNSET:
             if key in config and config[key] is None:
@@ -237,6 +239,20 @@ def shrink(config: dict, level: int) -> dict:
     vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else SIZES["vocab"][0]
     _token_ids(config, vocab)
     return config
+
+
+def _keep_tapped_layers(before: dict, after: dict, layers_before: int | None) -> None:
+    """A neck that takes one feature map per tapped layer (DPT, Depth Anything, ZoeDepth: 4) needs
+    that many layers: a transformer keeps as many as it taps, each tapped (a backbone's stage
+    indices count from its stem, 1; DPT's own backbone_out_indices from 0)."""
+    for key, first in (("out_indices", 1), ("backbone_out_indices", 0)):
+        taps = before.get(key)
+        if not (isinstance(taps, list) and LAYERS < len(taps) <= (layers_before or 0)) or (key == "out_indices" and "out_features" not in after):
+            continue
+        layer_key = next(name for name in SIZES["layers"][1] if isinstance(after.get(name), int))
+        after[layer_key], after[key] = len(taps), list(range(first, first + len(taps)))
+        if key == "out_indices":
+            after["out_features"] = None
 
 
 def _keep_equal_sizes(before: dict, after: dict) -> None:

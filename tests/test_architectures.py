@@ -335,6 +335,10 @@ def test_a_video_tower_gets_a_clip_of_the_frames_its_config_records(tmp_path):
     ("gemma3n_text", lambda model: model.config.num_kv_shared_layers == 0),
     # Ministral's and HunYuan's defaults leave head_dim None, which their attention takes as is: None ** -0.5 (not built).
     ("ministral", lambda model: model.config.head_dim == model.config.hidden_size // model.config.num_attention_heads),
+    # DPT-style necks take one feature map per tapped layer (4): with 2 layers tapped once, "The number of hidden states
+    # should be equal to the number of neck hidden sizes" (DPT's own backbone_out_indices; Depth Anything's backbone's).
+    ("dpt", lambda model: model.config.backbone_out_indices == [0, 1, 2, 3] and model.config.num_hidden_layers == 4),
+    ("depth_anything", lambda model: model.config.backbone_config.out_indices == [1, 2, 3, 4]),
 ], ids=lambda value: value if isinstance(value, str) else "")
 def test_the_sweeps_shrink_builds_configs_whose_defaults_do_not_shrink_as_they_are(model_type, check):
     """benchmarks/architectures.py: an MoE config whose defaults leave its counts unset gets them;
