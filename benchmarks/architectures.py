@@ -363,6 +363,8 @@ def tiny_model(model_type: str):
         torch.manual_seed(0)
         try:
             config = tiny_config(model_type, level)
+            if not isinstance(config, model_class.config_class) and isinstance(config.get_text_config(), model_class.config_class):
+                config = config.get_text_config()  # a causal LM the mapping lists under its multimodal type (Qwen3.5)
             with torch.device("meta"):  # counted before any memory is taken
                 parameters = sum(parameter.numel() for parameter in model_class(config).parameters())
             if parameters > MAX_PARAMETERS:

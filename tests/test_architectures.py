@@ -339,6 +339,8 @@ def test_a_video_tower_gets_a_clip_of_the_frames_its_config_records(tmp_path):
     # should be equal to the number of neck hidden sizes" (DPT's own backbone_out_indices; Depth Anything's backbone's).
     ("dpt", lambda model: model.config.backbone_out_indices == [0, 1, 2, 3] and model.config.num_hidden_layers == 4),
     ("depth_anything", lambda model: model.config.backbone_config.out_indices == [1, 2, 3, 4]),
+    # The causal LM table lists Qwen3_5MoeForCausalLM under the multimodal type, whose config has no vocab_size: built from its text config.
+    ("qwen3_5_moe", lambda model: model.config.model_type == "qwen3_5_moe_text"),
 ], ids=lambda value: value if isinstance(value, str) else "")
 def test_the_sweeps_shrink_builds_configs_whose_defaults_do_not_shrink_as_they_are(model_type, check):
     """benchmarks/architectures.py: an MoE config whose defaults leave its counts unset gets them;
