@@ -79,7 +79,8 @@ SIZES = {  # group: (size, keys)
         "projector_hidden_size", "audio_hidden_size", "cross_hidden_size", "attention_hidden_size", "pooler_output_size",
         "pooler_hidden_size", "fusion_hidden_size", "backbone_hidden_size", "classifier_proj_size", "vision_output_dim",
         "encoder_hidden_dim", "hidden_size_global", "mask_feature_size", "fpn_hidden_size", "conv_output_size", "output_dim",
-        "latent_dim", "xvector_output_dim", "codevector_dim", "proj_codevector_dim", "vision_feature_dim", "text_embed_dim")),
+        "latent_dim", "xvector_output_dim", "codevector_dim", "proj_codevector_dim", "vision_feature_dim", "text_embed_dim",
+        "reassemble_hidden_size", "bottleneck_features")),
     "ffn": (128, (
         "intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim", "moe_intermediate_size",
         "shared_expert_intermediate_size", "mlp_dim", "dim_feedforward", "decoder_intermediate_size", "ffn_hidden_size",
@@ -103,6 +104,7 @@ SIZES = {  # group: (size, keys)
     "positions": (POSITIONS, (
         "max_position_embeddings", "n_positions", "n_ctx", "max_target_positions", "max_source_positions", "max_seq_len",
         "max_2d_position_embeddings")),
+    "frames": (4, ("num_frames", "frames_per_clip")),  # a video clip's (a multiple of the usual tubelets, 1 and 2)
     "experts": (4, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "zero_expert_num")),
     "top_k": (2, ("num_experts_per_tok", "moe_topk", "n_group", "moe_k", "moe_top_k", "num_experts_per_token", "experts_per_token")),
     "window": (32, ("sliding_window", "attention_chunk_size", "sliding_window_size", "kv_lora_rank", "q_lora_rank", "o_lora_rank")),
@@ -113,6 +115,10 @@ SIZES = {  # group: (size, keys)
 SHRUNK = {key: size for size, keys in SIZES.values() for key in keys}
 # What the last shrink level still shrinks (widths stay).
 COUNTS = SIZES["layers"][1] + SIZES["vocab"][1] + SIZES["experts"][1] + SIZES["top_k"][1] + SIZES["positions"][1]
+# Counts an MoE config's defaults may leave unset (None) beside the ones it sets: the tiny model gets them.
+MOE_UNSET = SIZES["experts"][1] + ("num_experts_per_tok", "n_shared_experts")
+# Counts of layers of one kind (Gemma 3n's and Gemma 4's layers reusing another layer's KV cache), cut with the layers.
+LAYER_COUNTS = ("num_kv_shared_layers",)
 KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num", "cross_num_key_value_heads",
             "swa_num_key_value_heads", "linear_num_key_heads")
 # Per-stage lists of vision backbones: widths scaled down together, heads divided by the first stage's.
@@ -126,7 +132,6 @@ GLM_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 
 # Per-type overrides, applied after the generic shrink (only where it cannot build): {type: {key: value}}.
 OVERRIDES: dict[str, dict] = {
     "fun_asr_nano": {"adaptor_config": {"intermediate_size": WIDTH // 4}},  # the text width / 4, checked by its config
-    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},  # its defaults leave them unset
     "chameleon": {"vocabulary_map": {"<image>": 500}},  # the image token's id in its (absent) tokenizer
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},  # no default
     # GLM-4V's rotary sections default to [8, 12, 12] in its code, not its config: they sum to half the tiny head dim.
@@ -185,21 +190,27 @@ def shrink(config: dict, level: int) -> dict:
     for key, value in list(config.items()):
         if staged and key == "num_layers":
             continue
-        if key in ("out_features", "out_indices") and layers_before and not staged:
+        if key in ("out_features", "out_indices") and layers_before and not staged and "out_features" in config:
             config[key] = None  # a transformer backbone's stages are its layers: the default (the last) after the cut
+            continue
+        if key == "out_indices" and layers_before and isinstance(value, list):  # the layers a model's own neck taps (BEiT-style)
+            config[key] = [min(index * LAYERS // layers_before, LAYERS - 1) for index in value]
             continue
         if _is_config(value) and value["model_type"] == "timm_backbone":
             config[key] = _tiny_resnet(value)
         elif _is_config(value):
             shrink(value, level)
         elif isinstance(value, dict) and value and all(str(index).isdigit() for index in value) and layers_before:
-            config[key] = {str(int(index) * LAYERS // layers_before): item for index, item in value.items()}  # per-layer settings
+            config[key] = {str(int(index) * LAYERS // layers_before): shrink(dict(item), level) if isinstance(item, dict) else item
+                           for index, item in value.items()}  # per-layer settings, their sizes shrunk as the model's
         elif isinstance(value, bool) or value is None:
             continue
         elif isinstance(value, int) and key in SHRUNK and (level < 2 or key in COUNTS):
             config[key] = min(value, SHRUNK[key])
         elif isinstance(value, int) and ("vocab_size" in key or key.endswith("_vocab")):
             config[key] = min(value, SIZES["vocab"][0])
+        elif isinstance(value, int) and key in LAYER_COUNTS and layers_before:
+            config[key] = value * LAYERS // layers_before  # all layers stay all; a few of many, none of the cut ones
         elif isinstance(value, int) and key in KV_HEADS and heads_before:
             heads = min(heads_before, ATTENTION_HEADS) if level < 2 else heads_before
             config[key] = heads if value >= heads_before else 1 if value == 1 else min(2, heads)
@@ -207,19 +218,41 @@ def shrink(config: dict, level: int) -> dict:
             config[key] = _per_layer(value, LAYERS)
         elif level < 2 and isinstance(value, list) and value and all(isinstance(item, int) for item in value):
             _shrink_stages(config, key, value)
-        elif level == 0 and key == "image_size" and isinstance(value, int):
+        elif level == 0 and key in ("image_size", "crop_size") and isinstance(value, int):
             patch = config.get("patch_size") if isinstance(config.get("patch_size"), int) else 8
             config[key] = min(value, max(64, 4 * patch))
     _keep_equal_sizes(before, config)
+    _keep_tapped_layers(before, config, layers_before)
+    if any(isinstance(config.get(key), int) for key in SIZES["experts"][1] + SIZES["top_k"][1]):
+        for key in MOE_UNSET:
+            if key in config and config[key] is None:
+                config[key] = SHRUNK[key]
     for key, value in config.items():  # after the head dims they follow
         if isinstance(value, dict) and key.startswith("rope"):
             _shrink_rope(value, config)
     _state_space_heads(config)
+    if "head_dim" in config and config["head_dim"] is None and isinstance(config.get("hidden_size"), int) and heads_before:
+        # Ministral's and HunYuan's defaults leave it None, which their attention reads as is (None ** -0.5)
+        config["head_dim"] = config["hidden_size"] // next(config[key] for key in SIZES["heads"][1] if isinstance(config.get(key), int))
     if "qk_head_dim" in config and "qk_nope_head_dim" in config:
         config["qk_head_dim"] = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
     vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else SIZES["vocab"][0]
     _token_ids(config, vocab)
     return config
+
+
+def _keep_tapped_layers(before: dict, after: dict, layers_before: int | None) -> None:
+    """A neck that takes one feature map per tapped layer (DPT, Depth Anything, ZoeDepth: 4) needs
+    that many layers: a transformer keeps as many as it taps, each tapped (a backbone's stage
+    indices count from its stem, 1; DPT's own backbone_out_indices from 0)."""
+    for key, first in (("out_indices", 1), ("backbone_out_indices", 0)):
+        taps = before.get(key)
+        if not (isinstance(taps, list) and LAYERS < len(taps) <= (layers_before or 0)) or (key == "out_indices" and "out_features" not in after):
+            continue
+        layer_key = next(name for name in SIZES["layers"][1] if isinstance(after.get(name), int))
+        after[layer_key], after[key] = len(taps), list(range(first, first + len(taps)))
+        if key == "out_indices":
+            after["out_features"] = None
 
 
 def _keep_equal_sizes(before: dict, after: dict) -> None:
@@ -243,7 +276,10 @@ def _tiny_resnet(timm: dict) -> dict:
 
 
 def _state_space_heads(config: dict) -> None:
-    """A Mamba-2 mixer's heads times head dim is its inner width (expand x hidden size)."""
+    """A Mamba-2 mixer's heads times head dim is its inner width (expand x hidden size; Falcon-H1's
+    explicit mamba_d_ssm, unshrunk, would stay the original model's, so it goes back to that default)."""
+    if isinstance(config.get("mamba_d_ssm"), int):
+        config["mamba_d_ssm"] = None
     for expand, heads, head_dim in (("expand", "num_heads", "head_dim"), ("mamba_expand", "mamba_n_heads", "mamba_d_head"),
                                     ("mamba_expand", "mamba_num_heads", "mamba_head_dim")):
         values = [config.get(key) for key in (expand, heads, head_dim, "hidden_size")]
@@ -327,6 +363,8 @@ def tiny_model(model_type: str):
         torch.manual_seed(0)
         try:
             config = tiny_config(model_type, level)
+            if not isinstance(config, model_class.config_class) and isinstance(config.get_text_config(), model_class.config_class):
+                config = config.get_text_config()  # a causal LM the mapping lists under its multimodal type (Qwen3.5)
             with torch.device("meta"):  # counted before any memory is taken
                 parameters = sum(parameter.numel() for parameter in model_class(config).parameters())
             if parameters > MAX_PARAMETERS:

@@ -3,6 +3,7 @@ per class that tpuexport converts, or refuses in one line, where it once crashed
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -305,3 +306,76 @@ def test_an_audio_encoder_taking_waveforms_with_a_channel_axis_gets_one():
         model = transformers.PeAudioModel(transformers.PeAudioConfig()).eval()
     wrapped, args, _ = forward_program(model)
     assert args[wrapped.input_names.index("input_values")].shape[1:] == (1, 16000)
+
+
+def test_a_video_tower_gets_a_clip_of_the_frames_its_config_records(tmp_path):
+    """VideoMAE, ViViT, TimeSformer, V-JEPA 2 and VideoPrism read pixel_values as [batch, frames,
+    channels, height, width]: given a batch of images they were refused with "not enough values to
+    unpack (expected 5, got 4)". They get clips of the config's num_frames (V-JEPA 2: frames_per_clip,
+    its crop_size as the image size) and convert."""
+    config = transformers.VideoMAEConfig(image_size=32, patch_size=8, num_frames=4, tubelet_size=2, hidden_size=32, num_hidden_layers=1,
+                                         num_attention_heads=4, intermediate_size=64)
+    transformers.VideoMAEModel(config).save_pretrained(tmp_path / "videomae")
+    result = convert_directory(tmp_path / "videomae", tmp_path / "videomae.tpu", *QUICK)
+    assert result.returncode == 0, result.stderr[-2000:]
+    manifest = json.loads((tmp_path / "videomae.tpu" / "manifest.json").read_text())
+    assert manifest["verification"]["passed"]
+    assert [spec["shape"] for spec in manifest["entry_points"]["serving_default"]["signature"]["inputs"]] == [["batch", 4, 3, 32, 32]]
+
+
+@pytest.mark.parametrize("model_type, check", [
+    # DeepSeek-V2's defaults leave num_experts_per_tok None: topk() "argument 'k' must be int, not NoneType".
+    ("deepseek_v2", lambda model: model.config.num_experts_per_tok == 2),
+    # Its neck's tapped layers must stay a list of layers the cut model has (None is no list: not built).
+    ("data2vec-vision", lambda model: model.config.out_indices == [0, 0, 1, 1]),
+    # Its full-attention layers' head_dim 512 sits in per_layer_config, which kept it: with attention scaled by 1 over
+    # q/k-normed heads, logits of std ~sqrt(512) turned one bf16 pass into a relative RMS error of 0.08 (verification failed).
+    ("embedding_gemma2_text", lambda model: {layer.self_attn.head_dim for layer in model.layers} == {16}),
+    # 15 of its 35 layers reuse another's KV cache; kept at 15 of 2, the config refused the layer types left producing one.
+    ("gemma3n_text", lambda model: model.config.num_kv_shared_layers == 0),
+    # Ministral's and HunYuan's defaults leave head_dim None, which their attention takes as is: None ** -0.5 (not built).
+    ("ministral", lambda model: model.config.head_dim == model.config.hidden_size // model.config.num_attention_heads),
+    # DPT-style necks take one feature map per tapped layer (4): with 2 layers tapped once, "The number of hidden states
+    # should be equal to the number of neck hidden sizes" (DPT's own backbone_out_indices; Depth Anything's backbone's).
+    ("dpt", lambda model: model.config.backbone_out_indices == [0, 1, 2, 3] and model.config.num_hidden_layers == 4),
+    ("depth_anything", lambda model: model.config.backbone_config.out_indices == [1, 2, 3, 4]),
+    # The causal LM table lists Qwen3_5MoeForCausalLM under the multimodal type, whose config has no vocab_size: built from its text config.
+    ("qwen3_5_moe", lambda model: model.config.model_type == "qwen3_5_moe_text"),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_the_sweeps_shrink_builds_configs_whose_defaults_do_not_shrink_as_they_are(model_type, check):
+    """benchmarks/architectures.py: an MoE config whose defaults leave its counts unset gets them;
+    lists and counts of layers are cut with the layers; per-layer settings shrink as the model's
+    own. Each type builds tiny at the first level and runs one eager forward."""
+    import architectures
+
+    model, record = architectures.tiny_model(model_type)
+    assert record["eager"] == "ok" and record["level"] == "everything"
+    assert check(model)
+
+
+def test_a_video_model_taking_pixel_values_videos_gets_clips():
+    """V-JEPA 2 and VideoPrism name their clips pixel_values_videos: they were refused as taking
+    "none of input_ids, pixel_values, input_values, input_features". They get clips of the config's
+    frames (V-JEPA 2: frames_per_clip) at its crop_size, which the forward runs on."""
+    from tpuexport.export.huggingface import forward_program
+
+    config = transformers.VJEPA2Config(crop_size=32, patch_size=8, frames_per_clip=4, tubelet_size=2, hidden_size=32, num_hidden_layers=1,
+                                       num_attention_heads=4, pred_hidden_size=32, pred_num_hidden_layers=1, pred_num_attention_heads=4)
+    wrapped, args, dynamic_shapes = forward_program(transformers.VJEPA2Model(config).eval())
+    assert wrapped.input_names == ("pixel_values_videos",) and args[0].shape == (2, 4, 3, 32, 32)
+    with torch.no_grad():
+        assert wrapped(*args)["last_hidden_state"].shape == (2, 2 * 4 * 4, 32)
+
+
+def test_a_guard_sympy_cannot_evaluate_still_gives_the_one_line_explanation(tmp_path):
+    """PEGASUS-X pads its input to whole blocks: torch.export's guard text calls `.sym_max(...)`
+    on a size, which sympy's parser evaluates and fails on with an AttributeError; the conversion
+    crashed with that traceback. Such a guard gives no explanation, and the others are still said."""
+    config = transformers.PegasusXConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                                         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                                         block_size=8, num_global_tokens=4)
+    transformers.PegasusXForConditionalGeneration(config).save_pretrained(tmp_path / "pegasus_x")
+    result = convert_directory(tmp_path / "pegasus_x", tmp_path / "pegasus_x.tpu", "--task", "auto", *QUICK)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    [line] = error_lines(result.stderr)
+    assert line.startswith("error: torch.export: the model's code needs seq = 8*_seq with _seq in 1..8, at "), line

@@ -80,7 +80,9 @@ def excluded_sizes(message: str) -> dict[str, int]:
         symbol = sympy.Symbol(name, integer=True)
         try:
             solutions = sympy.solve(sympy.sympify(expression.replace(source, name), locals={name: symbol}) - int(value), symbol)
-        except (sympy.SympifyError, TypeError, NotImplementedError):  # an expression sympy cannot read or solve: no explanation
+        # sympify evaluates the guard's Python text, so whatever it holds can raise (PEGASUS-X's guard calls
+        # `.sym_max(...)` on a size: AttributeError): an expression sympy cannot read or solve gives no explanation.
+        except Exception:
             continue
         if len(solutions) == 1 and solutions[0].is_integer:
             excluded[name] = int(solutions[0])

@@ -7,14 +7,16 @@ Hugging Face cache (never downloaded). For the task (optimum's names, or `auto` 
 on the meta device, and its weights stream from the directory's checkpoint (export/checkpoints.py).
 
 Inputs are named as the family names them (input_ids, attention_mask, token_type_ids,
-pixel_values, input_values, input_features, decoder_input_ids) with dims whose ranges come from the
-config and that `--dim NAME=MIN:MAX` overrides (MIN == MAX makes a dim static):
+pixel_values, pixel_values_videos, input_values, input_features, decoder_input_ids) with dims whose
+ranges come from the config and that `--dim NAME=MIN:MAX` overrides (MIN == MAX makes a dim static):
   batch             1..64
   seq               2..the positions the config records (max_position_embeddings, n_positions, ...; 512
                     when it records none), less the rows a position table numbered from its padding
                     index leaves unused (longest_positions)
   decoder_seq       2..the decoder's max positions
-  height, width     the config's image_size (static), samples 16000 (static), frames (static)
+  height, width     the config's image_size (or crop_size; static), samples 16000 (static), frames (static);
+                    a video model's clips (pixel_values_videos, or 5-d pixel_values) hold the config's
+                    num_frames (or frames_per_clip; 8 when it records neither)
 Outputs are the tensors of the model's output (logits, last_hidden_state, pooler_output, ...).
 
 Each task maps to a function building the LoadedSource (`Task.build`); `text-generation` gives the
@@ -64,6 +66,9 @@ DEFAULT_MAX_SEQUENCE = 512
 DEFAULT_IMAGE_SIZE = 224
 DEFAULT_AUDIO_SAMPLES = 16000
 DEFAULT_MEL_FRAMES = 3000
+DEFAULT_VIDEO_FRAMES = 8
+# Inputs that carry images, clips or audio (beside or instead of token ids).
+MEDIA_INPUTS = ("pixel_values", "pixel_values_videos", "input_values", "input_features")
 # Example sizes the model is traced and first verified at (clamped into the dims' ranges).
 EXAMPLE_SIZES = {"batch": 2, "seq": 16, "decoder_seq": 8}
 
@@ -465,7 +470,7 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     dim_ranges = _dims(inputs, config, list(dims), text_max)
     args, dynamic_shapes = _example_inputs(inputs, dim_ranges, _config_dtype(config))
     wrapped = named_forward(model, tuple(spec.name for spec in inputs))
-    other_layouts = [_other_audio_layout(spec, config) for spec in inputs]
+    other_layouts = [_other_layout(spec, config) for spec in inputs]
     if any(other_layouts) and not _runs_shape_only(wrapped, args):
         other = [layout or spec for spec, layout in zip(inputs, other_layouts)]
         other_args, other_shapes = _example_inputs(other, dim_ranges, _config_dtype(config))
@@ -474,11 +479,15 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     return wrapped, args, dynamic_shapes
 
 
-def _other_audio_layout(spec: ModelInput, config) -> ModelInput | None:
-    """The other way audio models lay out an input, tried when the first does not run: mel features
+def _other_layout(spec: ModelInput, config) -> ModelInput | None:
+    """The other way some models lay out an input, tried when the first does not run: mel features
     time-major, [batch, frames, mel bins] (Parakeet and the other FastConformer encoders); waveforms
-    with a channel axis, [batch, channels, samples] (Mimi's and PE-Audio's encoders); None for
-    other inputs."""
+    with a channel axis, [batch, channels, samples] (Mimi's and PE-Audio's encoders); a clip of the
+    frames a video model's config records, [batch, frames, channels, height, width] (VideoMAE,
+    ViViT, V-JEPA 2, ...); None for other inputs."""
+    if spec.name == "pixel_values":
+        video = isinstance(_setting(config, "num_frames", "vision_config") or _setting(config, "frames_per_clip", "vision_config"), int)
+        return dataclasses.replace(spec, axes=(spec.axes[0], _video_frames(config), *spec.axes[1:])) if video else None
     if spec.name == "input_features":
         return dataclasses.replace(spec, axes=(spec.axes[0], spec.axes[2], spec.axes[1]))
     if spec.name == "input_values":
@@ -488,8 +497,8 @@ def _other_audio_layout(spec: ModelInput, config) -> ModelInput | None:
 
 def _runs_shape_only(forward: torch.nn.Module, args: tuple) -> bool:
     """Whether the forward runs on these inputs, computed on shapes alone (on the meta device with
-    weights there, else with fake tensors): how an audio model lays out its input
-    (`_other_audio_layout`) is known by which layout it takes."""
+    weights there, else with fake tensors): how an audio or video model lays out its input
+    (`_other_layout`) is known by which layout it takes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tpuexport.export.capture import meta_copy
@@ -532,8 +541,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
     Returns:
       The ModelInputs: token inputs for text models (attention_mask beside input_ids,
       token_type_ids where the config has more than one type), decoder_input_ids for
-      encoder-decoders, pixel_values, input_values or input_features for vision and audio (with
-      input_features_mask where the forward takes one).
+      encoder-decoders, pixel_values, pixel_values_videos, input_values or input_features for
+      vision, video and audio (with input_features_mask where the forward takes one).
     Raises:
       TpuExportError: the forward takes none of these.
     """
@@ -545,6 +554,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
         "attention_mask": ModelInput("attention_mask", ("batch", "seq"), torch.long, 2),
         "token_type_ids": ModelInput("token_type_ids", ("batch", "seq"), torch.long, int(getattr(config, "type_vocab_size", 0) or 0)),
         "pixel_values": ModelInput("pixel_values", ("batch", _channels(config), "height", "width"), torch.float32),
+        "pixel_values_videos": ModelInput("pixel_values_videos", ("batch", _video_frames(config), _channels(config), "height", "width"),
+                                          torch.float32),
         "input_values": ModelInput("input_values", ("batch", "samples"), torch.float32),
         "input_features": ModelInput("input_features", ("batch", int(_setting(config, "num_mel_bins", "audio_config", "encoder_config") or 80), "frames"),
                                      torch.float32),
@@ -565,12 +576,11 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
         if name == "decoder_input_ids" and not getattr(config, "is_encoder_decoder", False):
             continue
         chosen.append(candidates[name])
-    if not any(spec.name in ("input_ids", "pixel_values", "input_values", "input_features") for spec in chosen):
-        raise TpuExportError(f"{type(model).__name__} takes none of input_ids, pixel_values, input_values, input_features; "
-                             "write a file.py:factory for it")
+    if not any(spec.name in ("input_ids", *MEDIA_INPUTS) for spec in chosen):
+        raise TpuExportError(f"{type(model).__name__} takes none of input_ids, {', '.join(MEDIA_INPUTS)}; write a file.py:factory for it")
     names = {spec.name for spec in chosen}
     placeholders = [key for key in config.to_dict() if re.fullmatch(r"(image|video|audio|vision)_token_(id|index)", key)]
-    if "input_ids" in names and names & {"pixel_values", "input_values", "input_features"} and placeholders:
+    if "input_ids" in names and names & set(MEDIA_INPUTS) and placeholders:
         raise TpuExportError(f"{type(model).__name__} ({config.model_type}) is a multimodal model that puts image or audio features into its "
                              f"text at placeholder tokens ({placeholders[0]}), which tpuexport does not convert yet; convert its language "
                              "model alone (--task text-generation where the architecture has one) or one tower from a file.py:factory")
@@ -584,6 +594,12 @@ def _setting(config, name: str, *towers: str):
     for tower in towers:
         value = value if value is not None else getattr(getattr(config, tower, None), name, None)
     return value
+
+
+def _video_frames(config) -> int:
+    """The frames of a clip as a video model's config records them (num_frames, V-JEPA 2's frames_per_clip)."""
+    frames = _setting(config, "num_frames", "vision_config") or _setting(config, "frames_per_clip", "vision_config")
+    return int(frames) if isinstance(frames, int) else DEFAULT_VIDEO_FRAMES
 
 
 def _channels(config) -> int:
@@ -603,7 +619,7 @@ def _dims(inputs: list[ModelInput], config, overrides: list[DimSpec], text_max: 
     """
     used = [axis for spec in inputs for axis in spec.axes if isinstance(axis, str)]
     decoder_max = int(getattr(config, "max_target_positions", 0) or text_max)
-    image = _size(_setting(config, "image_size", "vision_config") or DEFAULT_IMAGE_SIZE)
+    image = _size(_setting(config, "image_size", "vision_config") or _setting(config, "crop_size", "vision_config") or DEFAULT_IMAGE_SIZE)
     frames = 2 * int(getattr(config, "max_source_positions", 0)) or DEFAULT_MEL_FRAMES
     defaults = {
         "batch": DEFAULT_BATCH,
