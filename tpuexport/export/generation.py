@@ -701,8 +701,15 @@ class _EntryPoint(nn.Module):
         options = {"use_cache": False}
         if "output_router_logits" in inspect.signature(self.model.forward).parameters:
             options["output_router_logits"] = False  # no load-balancing loss: it would read every token's router logits
-        with _answering(self.model.base_model, _BaseOutput(hidden[:, None])):
+        # The base model, or the part of it the LM's forward calls (OPT's calls its decoder, not OPTModel).
+        base = self.model.base_model
+        answered = []
+        with _answering([base, *base.children()], _BaseOutput(hidden[:, None]), answered):
             logits = self.model(inputs_embeds=hidden[:, None], **options).logits
+        if not answered:
+            raise TpuExportError(f"{type(self.model).__name__}'s forward computes its hidden states without calling its base model "
+                                 f"({type(base).__name__}) or a part of it, so its logits cannot be taken from chosen rows; convert "
+                                 "it from a file.py:factory whose model returns logits from hidden states")
         return logits[:, -1].float()
 
 
@@ -724,18 +731,21 @@ class _BaseOutput:
 
 
 @contextlib.contextmanager
-def _answering(module: nn.Module, output):
-    """Within it, calling `module` returns `output` whatever it is given. A `forward` the instance held
-    already (an accelerate hook's, say) is put back after, not deleted."""
-    own = module.__dict__.get("forward")
-    module.forward = lambda *args, **kwargs: output
+def _answering(modules: list[nn.Module], output, answered: list):
+    """Within it, calling any of `modules` returns `output` whatever it is given, and appends the module
+    to `answered`. A `forward` an instance held already (an accelerate hook's, say) is put back after,
+    not deleted."""
+    own = [module.__dict__.get("forward") for module in modules]
+    for module in modules:
+        module.forward = lambda *args, module=module, **kwargs: answered.append(module) or output
     try:
         yield
     finally:
-        if own is None:
-            del module.forward
-        else:
-            module.forward = own
+        for module, forward in zip(modules, own):
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
 
 
 class Prefill(_EntryPoint):
