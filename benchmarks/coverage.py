@@ -189,7 +189,7 @@ def run_row(family_name: str, mode: str, task_choice: str, options) -> dict:
             row["ties"] = manifest["verification"]["ties"]
         if mode in GENERATION_MODES:
             row["float_divergence"] = (row["report"] or {}).get("float_divergence")
-            if "quantization" in manifest:
+            if "weight_bytes" in manifest.get("quantization", {}):  # weight-only (an int8 KV cache alone has no weight section)
                 row["weight_ratio"] = manifest["quantization"]["weight_bytes"]["ratio"]
         elif "quantization" in manifest:  # PT2E's report is a file; weight-only's is the manifest section itself
             section = manifest["quantization"]
