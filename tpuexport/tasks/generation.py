@@ -160,7 +160,8 @@ class TextGenerationTask(Task):
         sharded = _verify_slices(conversion, report)
         logits = _logits_sqnr(report.float_divergence())
         if conversion.weight_only is not None:
-            writers += (_weight_only_section(program.weights_program, conversion.weight_only, logits, fix),)
+            writers += (lambda staging: {"quantization": quantization_report.weight_only_section(
+                program.weights_program, conversion.weight_only, measured_outputs=logits, fix=fix)},)
         elif int8_kv and not conversion.quantized:
             writers += (lambda staging: {"quantization": quantization_report.int8_kv_section(logits)},)
         if conversion.quantized:
@@ -448,14 +449,6 @@ def _logits_sqnr(divergence: dict | None) -> list[dict]:
     """The logits' SQNR against the float model's generate() that verification measured
     (report.float_divergence), as a quantization section's outputs ([] if not measured)."""
     return [{"name": "logits", "sqnr_db": divergence["sqnr_db"]}] if divergence else []
-
-
-def _weight_only_section(lowered: lower_stage.LoweredProgram, scheme, logits: list[dict], fix: str):
-    """The writer of a weight-only generation artifact's quantization section (which weights, how,
-    bytes vs f32); its output is the logits."""
-    from tpuexport.verify import quantization_report
-
-    return lambda staging: {"quantization": quantization_report.weight_only_section(lowered, scheme, measured_outputs=logits, fix=fix)}
 
 
 def _int8_report(conversion: Conversion, report):

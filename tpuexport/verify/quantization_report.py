@@ -91,7 +91,7 @@ def build_report(quantized: QuantizedModel, lowered: LoweredProgram, compiled: C
         "calibration": {"source": quantized.calibration_source, "samples": quantized.calibration_samples},
         "warnings": [*quantized.warnings, *low_sqnr_warnings(outputs, PT2E_FLOAT_FIX)],
         "evaluation_samples": len(samples),
-        "sqnr_rule": "10*log10(sum(float^2) / sum((float - quantized)^2)) over all evaluation samples; null if identical",
+        "sqnr_rule": sqnr_rule("all evaluation samples"),
         "outputs": outputs,
         "layers": [
             {"node": layer.node, "module": layer.module, "op": layer.op, "integer": layer.integer,
@@ -291,7 +291,7 @@ def weight_only_section(lowered: LoweredProgram, scheme, float_reference=None, e
         "scheme": scheme.describe(),
         "group_size": scheme.group_size if scheme.bits == 4 else None,
         "weights": dict(lowered.quantized),
-        "sqnr_rule": "10*log10(sum(float^2) / sum((float - quantized)^2)) over the example inputs; null if identical",
+        "sqnr_rule": sqnr_rule("the example inputs"),
         "outputs": outputs,
         "weight_bytes": {"quantized": lowered.weight_bytes, "f32": f32_bytes,
                          "ratio": round(lowered.weight_bytes / f32_bytes, 4) if f32_bytes else None},
@@ -303,8 +303,8 @@ def int8_kv_section(measured_outputs: list[dict]) -> dict:
     """The manifest's `quantization` section of a generation program whose only quantization is its int8
     KV cache: the logits' SQNR against the float model's generate() (from verification) and a warning
     if it is low."""
-    return {"mode": "int8-kv-cache", "sqnr_rule": "10*log10(sum(float^2) / sum((float - quantized)^2)) over the verified logits; "
-            "null if identical", "outputs": list(measured_outputs), "warnings": low_sqnr_warnings(measured_outputs, INT8_KV_FIX)}
+    return {"mode": "int8-kv-cache", "sqnr_rule": sqnr_rule("the verified logits"), "outputs": list(measured_outputs),
+            "warnings": low_sqnr_warnings(measured_outputs, INT8_KV_FIX)}
 
 
 def generation_fix(weight_only_bits: int | None, int8_kv: bool) -> str:
@@ -316,6 +316,11 @@ def weight_only_fix(bits: int) -> str:
     """How a weight-only output far from float gets closer to it."""
     return ("keep the weights of the layers it depends on float with --keep-float REGEX (their state_dict names)"
             + (" or use int8-weight-only" if bits == 4 else ""))
+
+
+def sqnr_rule(over: str) -> str:
+    """How a section's SQNR is computed, over `over` (the report records it beside the figures)."""
+    return f"10*log10(sum(float^2) / sum((float - quantized)^2)) over {over}; null if identical"
 
 
 def low_sqnr_warnings(outputs: list[dict], fix: str) -> list[str]:
