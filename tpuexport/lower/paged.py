@@ -68,6 +68,10 @@ class PagedGenerationProgram(EntryPoints):
     def from_manifest(cls, generation: dict, entry_points: dict[str, LoweredProgram]) -> "PagedGenerationProgram":
         return cls(PagedSpec.from_json(generation), entry_points)
 
+    def at_pages(self, num_pages: int) -> "PagedGenerationProgram":
+        """The program over a cache of `num_pages` pages (a target's executables' count: its step buckets' "pages")."""
+        return dataclasses.replace(self, spec=dataclasses.replace(self.spec, num_pages=num_pages))
+
     def session(self, runner: Runner | None = None, pool=None) -> "PagedSession":
         return PagedSession(self, runner, pool)
 

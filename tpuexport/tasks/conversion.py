@@ -211,6 +211,7 @@ class Conversion:
       buckets: {entry point: [Bucket]} compiled.
       plans: {entry point: {slice target: ShardingPlan}}.
       kernels: {entry point: {bucket name: BucketKernels} or None}; kernel_checks: the interpret-mode checks.
+      target_sizes: the task's per-target dim sizes (Task.target_sizes: a paged cache's pages per target), or None.
       job: the CompileJob compiling every entry point in the background; reports: {entry point: CompileReport}, once waited for.
       compile_envs: the probed compile environments (compile.CompileEnv), in the order given.
       verified: the task's verification (tasks/spec.py), or None for a plan.
@@ -238,6 +239,7 @@ class Conversion:
     plans: dict = dataclasses.field(default_factory=dict)
     kernels: dict = dataclasses.field(default_factory=dict)
     kernel_checks: dict = dataclasses.field(default_factory=dict)
+    target_sizes: object = None
     job: compile_stage.CompileJob | None = None
     reports: dict | None = None
     compile_envs: tuple = ()
