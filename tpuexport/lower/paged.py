@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export.paged import PagedSpec
+from tpuexport.export.paged import PAGES_DIM, PagedSpec
 from tpuexport.lower.generation import Runner, check_token_rows, cpu_runner
 from tpuexport.lower.lowering import LoweredProgram
 from tpuexport.lower.program import EntryPoints
@@ -59,6 +59,10 @@ class PagedGenerationProgram(EntryPoints):
     @property
     def state_inputs(self) -> tuple[str, ...]:
         return self.spec.cache_inputs
+
+    @property
+    def state_sizes(self) -> dict[str, int]:
+        return {PAGES_DIM: self.spec.num_pages}
 
     def manifest_section(self) -> dict:
         """The manifest's "generation" section (kind "paged")."""
