@@ -47,7 +47,7 @@ def test_a_tpu_target_gets_the_pages_its_hbm_holds(converted):
     record = step_record(artifact, "v5e")
     pages, sized = record["sizes"]["pages"], record["paged_step"]["num_pages_sized"]
     hbm = 16 * 2**30
-    assert record["paged_step"]["num_pages"] == sized["num_pages"] == pages > 1000 * SMALL
+    assert record["paged_step"]["num_pages"] == sized["num_pages"] == record["paged_step"]["pages_fit"] == pages > 1000 * SMALL
     assert record["memory"]["total_bytes"] <= hbm == sized["hbm_bytes"]
     probes = sized["probes"]
     assert probes[0] == [SMALL, probes[0][1]] and max(count for count, total in probes if total is not None and total <= hbm) == pages

@@ -506,13 +506,15 @@ def paged_step_figures(result, spec, sized=None, mean_length: int = 512) -> dict
     its kv heads' share): the weights (its arguments less the cache) and its temporaries stay, the rest
     of HBM holds pages; with the sequences of `mean_length` positions those pages hold (each row's last
     page partly filled). The executable's own pages (`num_pages`) and, when they were sized to the
-    target's HBM (`sized`: tasks/page_count.SizedPages), how (`num_pages_sized`)."""
+    target's HBM (`sized`: tasks/page_count.SizedPages), how (`num_pages_sized`); then what fits is
+    that count, which compiled and fitted (the estimate holds the temporaries fixed, and XLA's grow
+    with the count past some size)."""
     memory = result.memory
     num_pages = result.bucket.as_dict().get(PAGES_DIM, spec.num_pages)
     cache = _cache_bytes_per_device(result, dataclasses.replace(spec, num_pages=num_pages))
     page_bytes = cache // num_pages
     weights = memory["argument_bytes"] - cache
-    pages = max(0, (result.target.hbm_bytes_per_device - weights - memory["temp_bytes"]) // page_bytes)
+    pages = sized.num_pages if sized else max(0, (result.target.hbm_bytes_per_device - weights - memory["temp_bytes"]) // page_bytes)
     return {"num_pages": num_pages, "num_pages_sized": sized.to_json() if sized else None, "cache_bytes": cache, "page_bytes": page_bytes,
             "weight_bytes": weights, "temp_bytes": memory["temp_bytes"], "pages_fit": int(pages), "tokens_fit": int(pages * spec.page_size),
             "mean_length": mean_length, "sequences_fit_at_mean_length": int(pages // -(-mean_length // spec.page_size))}
