@@ -66,7 +66,6 @@ class PageSizing:
 
     def __init__(self, spec: PagedSpec, step: EntryPointCompile):
         self.spec = spec
-        self.step = step
         largest = max(step.buckets, key=lambda bucket: (bucket.as_dict().get("tokens", 0), bucket.as_dict().get("rows", 0)))
         self.probe_entry = dataclasses.replace(step, buckets=[largest], on_compiled=None, kernels=None)
         self.sized: dict[str, SizedPages] = {}
