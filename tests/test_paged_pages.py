@@ -9,6 +9,8 @@ import pytest
 import torch
 import tpuexport
 from test_cli import tpuexport_in_process
+from tpuexport.runtime.entry_points import choose_bucket, entry_points
+from tpuexport.runtime.runner import Runner
 
 MAX_CONTEXT, MAX_BATCH, PAGE_SIZE, TOKENS = 64, 2, 4, 8
 SMALL = MAX_BATCH * MAX_CONTEXT // PAGE_SIZE  # the verified count: max batch rows of max context
@@ -56,6 +58,11 @@ def test_a_tpu_target_gets_the_pages_its_hbm_holds(converted):
     assert f"KV cache pages on v5e: {pages} pages (fit v5e's HBM of 16.0 GiB per device" in stderr.replace("\n", " ")
     inspected = tpuexport_in_process("inspect", artifact.path, cwd=artifact.path.parent)
     assert inspected.returncode == 0 and f"v5e: {pages} pages (fit v5e's HBM" in inspected.stdout.replace("\n", " ")
+    # A v5e host's runner (its executables not loaded: no TPU here) drives a session over v5e's pages, whose
+    # step inputs pick the bucket compiled at that count.
+    v5e = Runner(artifact, "v5e", entry_points(artifact.records, "v5e"), {}, [], None, 0.0, (), 0)
+    assert v5e.generation_program.spec.num_pages == pages and v5e.generation_program.spec.cache_shape[1] == pages
+    assert choose_bucket(v5e.entry_points["step"], {"tokens": TOKENS, "rows": MAX_BATCH, "pages": pages}).sizes["pages"] == pages
 
 
 def test_a_cpu_target_keeps_the_verified_count_and_generates_as_generate(converted):
