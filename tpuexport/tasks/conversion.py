@@ -74,7 +74,8 @@ class ConversionOptions:
         within one window W < max_context) or "full" (export.SLIDING_WINDOW_CACHES; text-generation).
       kv_cache: "static" (max context per slot: prefill and decode) or "paged" (pages taken as rows
         grow: one step entry point; export/paged.py; text-generation).
-      page_size, num_pages: the paged cache's positions per page and pages (None: the defaults).
+      page_size, num_pages: the paged cache's positions per page and pages (None: the defaults; pages
+        then differ per TPU target, tasks/page_count.py).
       new_tokens: tokens generated per prompt by the generation verification.
       compile_envs: Python interpreters of other environments (the serving image's jax/jaxlib/libtpu)
         the compiler also runs under, for executables of their versions (compile/compile_envs.py).
