@@ -134,8 +134,9 @@ def convert(
       kv_cache: "static" (default: prefill and decode over max_batch x max_context) or "paged" (one
         step entry point over pages; `buckets` then takes {"tokens": budgets, "rows": row counts};
         docs/generation.md#a-paged-kv-cache).
-      page_size, num_pages: the paged cache's positions per page (default 16) and pages (default:
-        max_batch rows of max_context).
+      page_size, num_pages: the paged cache's positions per page (default 16) and pages, for every
+        target (default: per TPU target what its HBM holds beside the largest step bucket, found by
+        compiling it; CPU targets and verification: max_batch rows of max_context; docs/paged-cache.md).
       verify_new_tokens: tokens each verification prompt generates (text-generation).
       compile_envs: Python interpreters of other environments (a serving image's jax, jaxlib and
         libtpu): every target is also compiled there, and the artifact carries executables per

@@ -167,7 +167,9 @@ compile_env_option = click.option(
               help="text-generation: 'static' (prefill and decode over max batch x max context) or 'paged' (one step entry "
                    "point over pages taken as rows grow; --bucket tokens=...,rows=...).")
 @click.option("--page-size", type=int, help="--kv-cache paged: positions per page [default: 16].")
-@click.option("--num-pages", type=int, help="--kv-cache paged: pages in the cache [default: max batch rows of max context].")
+@click.option("--num-pages", type=int, help="--kv-cache paged: pages in the cache, for every target [default: per TPU target, what its HBM per "
+                   "device holds beside the largest step bucket's weights and temporaries (found by compiling it); CPU targets "
+                   "and verification: max batch rows of max context].")
 @click.option("--verify-new-tokens", type=int, default=8, show_default=True,
               help="text-generation: tokens each verification prompt generates, compared with generate().")
 @compile_env_option
@@ -261,6 +263,10 @@ def _convert_source(source: str, targets, out, buckets, inputs, dims, trust_pick
     else:
         stderr.print(f"[bold green]converted[/] {source} -> {artifact.path}", soft_wrap=True)
     stderr.print(describe_peak_memory(artifact.records.stage_memory), soft_wrap=True)
+    from tpuexport.tasks.page_count import target_pages
+
+    for target, line in target_pages(artifact.manifest).items():
+        stderr.print(f"KV cache pages on {target}: {line}", soft_wrap=True)
     budget = artifact.manifest.get("build", {}).get("memory_budget")
     if budget and not artifact.plan_only:  # a plan runs no verification and reads no weights: nothing the budget bounds
         stderr.print(describe_memory_budget(budget), soft_wrap=True)
@@ -332,7 +338,7 @@ def summary(artifact) -> dict:
         "targets": {
             name: [
                 {k: bucket[k] for k in ("entry_point", "name", "sizes", "executable", "memory", "cost", "fits_in_hbm", "hbm_utilization",
-                                        "collectives", "decode_step", "kernels") if k in bucket}
+                                        "collectives", "decode_step", "paged_step", "kernels") if k in bucket}
                 for bucket in target["buckets"]
             ]
             for name, target in manifest["targets"].items()
@@ -383,6 +389,10 @@ def inspect(artifact_dir, as_json):
         console.print(f"  text generation over pages: max batch {generation['max_batch']}, max context {generation['max_context']}, "
                       f"{generation['num_pages']} pages of {generation['page_size']} ({generation['capacity_tokens']} positions), cache "
                       f"{generation['cache_shape']} {generation['dtype']} ({generation['cache_bytes'] / 2**20:.2f} MiB)")
+        from tpuexport.tasks.page_count import target_pages
+
+        for target, line in target_pages(artifact.manifest).items():
+            console.print(f"  {target}: {line}")
     elif "generation" in data:
         generation = data["generation"]
         cross = (f" + cross {generation['cross_shape']} x2 (max source {generation['max_source']})" if "cross_shape" in generation else "")

@@ -348,10 +348,13 @@ def compile_executables(conversion: Conversion) -> None:
     conversion.compile_envs = _probe_compile_envs(conversion)
     conversion.clock.start("compile")  # ends when the executables are waited for (Conversion.compiled)
     # One compiler process per target compiles every entry point (compile/aot.py).
-    conversion.job = conversion.running.enter_context(compile_stage.CompileJob({
+    entry_points = {
         name: compile_stage.EntryPointCompile(lowered, conversion.buckets[name], _compiled_event(conversion.clock, lowered, name if named else None),
                                               conversion.plans.get(name, {}), conversion.kernels.get(name))
-        for name, lowered in conversion.program.entry_points.items()}, conversion.targets, conversion.compile_envs))
+        for name, lowered in conversion.program.entry_points.items()}
+    conversion.target_sizes = conversion.task.target_sizes(conversion, entry_points)
+    conversion.job = conversion.running.enter_context(compile_stage.CompileJob(entry_points, conversion.targets, conversion.compile_envs,
+                                                                               conversion.target_sizes))
 
 
 def _probe_compile_envs(conversion: Conversion) -> tuple:

@@ -65,7 +65,9 @@ def plan(layers: int, kv_cache: str, tokens: list[int], target: str) -> dict:
         sliced = dict(sharding="tensor-parallel", mesh=f"model={target.split('-')[1]}") if "-" in target else {}
         artifact = tpuexport.convert(meta_model(layers), task="text-generation", max_context=CONTEXT, max_batch=ROWS, target=target, **sliced,
                                      buckets=buckets, precision="bf16", weights=False, kv_cache=kv_cache,
-                                     page_size=PAGE_SIZE if kv_cache == "paged" else None, out=pathlib.Path(scratch) / "lm.tpu")
+                                     page_size=PAGE_SIZE if kv_cache == "paged" else None, out=pathlib.Path(scratch) / "lm.tpu",
+                                     # the static cache's bytes, as the figures compare (by default a TPU target's pages fill its HBM)
+                                     num_pages=ROWS * CONTEXT // PAGE_SIZE if kv_cache == "paged" else None)
         manifest = artifact.manifest
     executables = {}
     for bucket in manifest["targets"][target]["buckets"]:

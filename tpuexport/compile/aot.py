@@ -209,12 +209,17 @@ class CompileJob:
     Attributes:
       children: every compiler process started, one per target and compile environment.
       compile_envs: the other environments every target is also compiled under (compile_envs.py).
+      target_sizes: called with (target, job) in the target's thread before it compiles: {dim: size}
+        that replaces those dims' sizes in every bucket compiled for that target (a paged cache's
+        pages, sized to the target's HBM: tasks/page_count.py), or None for the buckets as given.
     """
 
-    def __init__(self, entry_points: dict[str, EntryPointCompile], targets: list[Target], compile_envs: tuple[CompileEnv, ...] = ()):
+    def __init__(self, entry_points: dict[str, EntryPointCompile], targets: list[Target], compile_envs: tuple[CompileEnv, ...] = (),
+                 target_sizes: Callable[[Target, "CompileJob"], dict[str, int]] | None = None):
         self.entry_points = entry_points
         self.targets = targets
         self.compile_envs = tuple(compile_envs)
+        self.target_sizes = target_sizes
         self.children: list[subprocess.Popen] = []
         self.lock = threading.Lock()
         self.cancelled = False
@@ -222,11 +227,15 @@ class CompileJob:
         self.pool = ThreadPoolExecutor(max_workers=max(1, min(processes, os.cpu_count() or 1)), thread_name_prefix="tpu-compile")
         self.started_at = time.perf_counter()
         self.finished_at = self.started_at
-        self.futures = [self.pool.submit(compile_target, entry_points, target, self) for target in targets]
-        self.env_futures = {env.name: [self.pool.submit(compile_target, entry_points, target, self, env) for target in targets]
-                            for env in self.compile_envs}
+        self.futures = [self.pool.submit(self._compile, target) for target in targets]
+        self.env_futures = {env.name: [self.pool.submit(self._compile, target, env) for target in targets] for env in self.compile_envs}
         for future in [*self.futures, *(future for futures in self.env_futures.values() for future in futures)]:
             future.add_done_callback(self._finished)
+
+    def _compile(self, target: Target, env: CompileEnv | None = None) -> dict[str, list[CompiledBucket]]:
+        """compile_target, at the target's own sizes of the dims `target_sizes` gives."""
+        sizes = self.target_sizes(target, self) if self.target_sizes is not None else {}
+        return compile_target({name: at_sizes(entry, sizes) for name, entry in self.entry_points.items()}, target, self, env)
 
     def _finished(self, _future) -> None:
         with self.lock:
@@ -359,6 +368,17 @@ def compile_target(
         for index, result in _run_compiler(request, target, kept, scratch_dir, job, env):
             results[names[index]].append(result)
         return results
+
+
+def at_sizes(entry: EntryPointCompile, sizes: dict[str, int]) -> EntryPointCompile:
+    """`entry` with `sizes` replacing those dims' sizes in its buckets (a bucket without them is kept);
+    its kernel lowerings follow their buckets' new names."""
+    if not sizes:
+        return entry
+    buckets = [Bucket(tuple((name, sizes.get(name, size)) for name, size in bucket.sizes)) for bucket in entry.buckets]
+    kernels = None if entry.kernels is None else {new.name: entry.kernels[old.name] for old, new in zip(entry.buckets, buckets)
+                                                  if old.name in entry.kernels}
+    return dataclasses.replace(entry, buckets=buckets, kernels=kernels)
 
 
 def _program_request(index: int, entry: EntryPointCompile, target: Target, scratch_dir: pathlib.Path) -> tuple[dict, _ProgramInRequest]:

@@ -55,6 +55,15 @@ KV_CACHES = ("static", "paged")
 PAGED_CACHE_INPUTS = ("cache_kv", "cache_kv_scale")
 # vLLM's default block size; JAX's tuned kernel table starts at 16 too.
 DEFAULT_PAGE_SIZE = 16
+# The cache's page count is a dim of the exported step ("pages"): the portable program runs at any count
+# (verification at a small one), and each target's executables are compiled at that target's count.
+PAGES_DIM = "pages"
+
+
+def max_pages(page_size: int) -> int:
+    """The most pages a cache may have: its slots (and the one past the end a padding token writes to,
+    lower/paged.py) are int32 on the device."""
+    return (2**31 - 1) // page_size - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +76,8 @@ class PagedSpec:
       layers, kv_heads, head_dim, vocab: the model's sizes (head_dim: the cached width).
       dtype: the cache's dtype (the model's, torch name).
       page_size: positions per page.
-      num_pages: pages in the cache (shared by all rows).
+      num_pages: pages in the cache (shared by all rows): the portable program's, which verification and
+        CPU targets run at; a TPU target's executables may take another count (its step buckets' "pages").
       token_buckets: the step's token budgets (T) compiled.
       row_buckets: the step's row counts compiled (max_batch among them).
       kv_cache_dtype: "model" (pages in `dtype`) or "int8" (int8 pages and a scale per position, kv head,
@@ -163,6 +173,9 @@ def check_page_options(page_size: int | None, num_pages: int | None, kv_cache: s
         if not (isinstance(num_pages, int) and num_pages >= needed):
             raise TpuExportError(f"--num-pages {num_pages}: the cache must hold at least one row of max context ({needed} pages of "
                                  f"{page_size or DEFAULT_PAGE_SIZE} positions); give --num-pages >= {needed}")
+        if num_pages > max_pages(page_size or DEFAULT_PAGE_SIZE):
+            raise TpuExportError(f"--num-pages {num_pages} exceeds the {max_pages(page_size or DEFAULT_PAGE_SIZE)} pages of "
+                                 f"{page_size or DEFAULT_PAGE_SIZE} positions whose slots int32 indexes; give fewer pages")
 
 
 def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_size: int | None, num_pages: int | None,
@@ -173,7 +186,8 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
       model: a transformers causal LM.
       max_batch: rows per step; max_context: positions per row.
       page_size: positions per page (None: DEFAULT_PAGE_SIZE, or max context if smaller).
-      num_pages: pages in the cache (None: max_batch rows of max context).
+      num_pages: pages in the cache (None: max_batch rows of max context: the count verification and CPU
+        targets run at; TPU targets then get what their HBM holds, tasks/page_count.py).
       token_buckets: token budgets T (None: 16, 128, 512, 2048 up to max_batch x max_context, and max_batch).
       row_buckets: row counts (max_batch is always one: a session's rows are its slots 0..max_batch-1).
       kv_cache_dtype: "model" or "int8" (PagedSpec).
@@ -336,4 +350,5 @@ def step_example_arguments(spec: PagedSpec, device: str = "cpu") -> tuple[tuple,
             torch.zeros((rows, spec.pages_per_row), dtype=torch.long), torch.full((rows,), count, dtype=torch.long), *caches)
     tokens = torch.export.Dim("tokens", min=1, max=max(max(spec.token_buckets), 2))
     row_dim = {0: torch.export.Dim("rows", min=1, max=spec.max_batch)}
-    return args, ({0: tokens}, {0: tokens}, {0: tokens}, row_dim, row_dim, *[None] * len(caches))
+    pages = {1: torch.export.Dim(PAGES_DIM, min=max(2, spec.pages_per_row), max=max_pages(spec.page_size))}
+    return args, ({0: tokens}, {0: tokens}, {0: tokens}, row_dim, row_dim, *[pages] * len(caches))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export.paged import PagedSpec
+from tpuexport.export.paged import PAGES_DIM, PagedSpec
 from tpuexport.lower.generation import Runner, check_token_rows, cpu_runner
 from tpuexport.lower.lowering import LoweredProgram
 from tpuexport.lower.program import EntryPoints
@@ -60,6 +60,10 @@ class PagedGenerationProgram(EntryPoints):
     def state_inputs(self) -> tuple[str, ...]:
         return self.spec.cache_inputs
 
+    @property
+    def state_sizes(self) -> dict[str, int]:
+        return {PAGES_DIM: self.spec.num_pages}
+
     def manifest_section(self) -> dict:
         """The manifest's "generation" section (kind "paged")."""
         return {**self.spec.to_json(), "cache_inputs": list(self.spec.cache_inputs), "cache_bytes": self.spec.cache_bytes}
@@ -67,6 +71,10 @@ class PagedGenerationProgram(EntryPoints):
     @classmethod
     def from_manifest(cls, generation: dict, entry_points: dict[str, LoweredProgram]) -> "PagedGenerationProgram":
         return cls(PagedSpec.from_json(generation), entry_points)
+
+    def at_pages(self, num_pages: int) -> "PagedGenerationProgram":
+        """The program over a cache of `num_pages` pages (a target's executables' count: its step buckets' "pages")."""
+        return dataclasses.replace(self, spec=dataclasses.replace(self.spec, num_pages=num_pages))
 
     def session(self, runner: Runner | None = None, pool=None) -> "PagedSession":
         return PagedSession(self, runner, pool)

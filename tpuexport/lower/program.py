@@ -53,6 +53,11 @@ class EntryPoints:
         check_shared_weights(self.entry_points)
 
     @property
+    def state_sizes(self) -> dict[str, int]:
+        """Sizes of the dims the state's shapes use (a paged cache's pages), as this program runs them."""
+        return {}
+
+    @property
     def weights_program(self) -> LoweredProgram:
         """The entry point whose weights (names, layouts, arrays) stand for all of them: they are the same
         (`check_shared_weights`); the last one's (decode's, in a generation program)."""

@@ -31,6 +31,7 @@ buffers donated to the executable (compiled with donated inputs, compile_child.p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import time
 import warnings
@@ -44,6 +45,7 @@ from tpuexport.artifact.manifest import sha256_file
 from tpuexport.compile.aot import compiler_options, cpu_executable_program
 from tpuexport.compile.slices import resolve_targets
 from tpuexport.devices import runtime_devices
+from tpuexport.export.paged import PAGES_DIM
 from tpuexport.errors import TpuExportError
 from tpuexport.lower.sampling import GREEDY, Sampling
 from tpuexport.lower.seq2seq import source_rows
@@ -131,6 +133,15 @@ class Runner:
         self.version_set = version_set
         self.mirror: Mirror | None = None
         self._mirrored_step = 0  # the leader's step number of the call being executed
+
+    @functools.cached_property
+    def generation_program(self):
+        """The artifact's generation program as this target's executables run it: a paged cache at their
+        page count (sized per target: tasks/page_count.py), other programs as they are."""
+        program = self.artifact.generation_program
+        step = self.entry_points.get("step")
+        pages = {bucket.sizes[PAGES_DIM] for bucket in step.buckets if PAGES_DIM in bucket.sizes} if step else set()
+        return program.at_pages(pages.pop()) if len(pages) == 1 else program
 
     @property
     def weights(self) -> list:
@@ -296,7 +307,7 @@ class Runner:
         Raises:
           TpuExportError: not a text-generation artifact, or prompts it cannot take.
         """
-        program = self.artifact.generation_program
+        program = self.generation_program
         return program.stream(source_rows(program, prompts), max_new_tokens, runner=self.device_runner(), sampling=sampling,
                               stop_ids=() if ignore_eos else self.artifact.eos_token_ids)
 

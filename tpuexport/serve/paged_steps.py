@@ -52,7 +52,7 @@ class PagedSteps:
 
     def __init__(self, runner: Runner, metrics: Metrics, labels: dict[str, str], prefix_caching: bool = True):
         self.runner = runner
-        self.program = runner.artifact.generation_program
+        self.program = runner.generation_program
         self.spec = self.program.spec
         self.metrics = metrics
         self.labels = labels

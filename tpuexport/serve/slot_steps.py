@@ -27,7 +27,7 @@ class SlotSteps:
 
     def __init__(self, runner: Runner, metrics: Metrics, labels: dict[str, str]):
         self.runner = runner
-        self.program = runner.artifact.generation_program
+        self.program = runner.generation_program
         # The batches the cache's slots are filled at (prefill's, or an encoder-decoder's encode's).
         self.fill_batches = self.program.fill_batches
         self.metrics = metrics

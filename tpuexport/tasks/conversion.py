@@ -74,7 +74,8 @@ class ConversionOptions:
         within one window W < max_context) or "full" (export.SLIDING_WINDOW_CACHES; text-generation).
       kv_cache: "static" (max context per slot: prefill and decode) or "paged" (pages taken as rows
         grow: one step entry point; export/paged.py; text-generation).
-      page_size, num_pages: the paged cache's positions per page and pages (None: the defaults).
+      page_size, num_pages: the paged cache's positions per page and pages (None: the defaults; pages
+        then differ per TPU target, tasks/page_count.py).
       new_tokens: tokens generated per prompt by the generation verification.
       compile_envs: Python interpreters of other environments (the serving image's jax/jaxlib/libtpu)
         the compiler also runs under, for executables of their versions (compile/compile_envs.py).
@@ -211,6 +212,7 @@ class Conversion:
       buckets: {entry point: [Bucket]} compiled.
       plans: {entry point: {slice target: ShardingPlan}}.
       kernels: {entry point: {bucket name: BucketKernels} or None}; kernel_checks: the interpret-mode checks.
+      target_sizes: the task's per-target dim sizes (Task.target_sizes: a paged cache's pages per target), or None.
       job: the CompileJob compiling every entry point in the background; reports: {entry point: CompileReport}, once waited for.
       compile_envs: the probed compile environments (compile.CompileEnv), in the order given.
       verified: the task's verification (tasks/spec.py), or None for a plan.
@@ -238,6 +240,7 @@ class Conversion:
     plans: dict = dataclasses.field(default_factory=dict)
     kernels: dict = dataclasses.field(default_factory=dict)
     kernel_checks: dict = dataclasses.field(default_factory=dict)
+    target_sizes: object = None
     job: compile_stage.CompileJob | None = None
     reports: dict | None = None
     compile_envs: tuple = ()

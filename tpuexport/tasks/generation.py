@@ -32,8 +32,10 @@ from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
 from tpuexport.errors import TpuExportError, VerificationError
 from tpuexport.export.huggingface import generation_context
+from tpuexport.export.paged import PAGES_DIM
 from tpuexport.tasks.conversion import (META_WEIGHTS_ERROR, PT2E_CHECKPOINT_ERROR, Conversion, describe_precision, verification_tolerances,
                                         write_failed_report)
+from tpuexport.tasks.page_count import PageSizing
 from tpuexport.tasks.spec import EntryPointSpec, ProgramSpec, Task, Verified
 from tpuexport.verify.generation import replay_golden
 from tpuexport.verify.paged_generation import replay_golden as replay_paged_golden
@@ -179,10 +181,18 @@ class TextGenerationTask(Task):
     def describe_golden(self, report) -> str:
         return f"{len(report.cases)} stored generation case(s), {report.tokens_compared()} tokens, match generate()'s tokens and logits"
 
+    def target_sizes(self, conversion: Conversion, entry_points: dict):
+        """A paged program without --num-pages: each TPU target's pages, what its HBM holds (tasks/page_count.py)."""
+        if not isinstance(conversion.program, lower_stage.PagedGenerationProgram) or conversion.options.num_pages is not None:
+            return None
+        return PageSizing(conversion.program.spec, entry_points["step"])
+
     def bucket_figures(self, conversion: Conversion):
         spec = conversion.program.spec
         if isinstance(conversion.program, lower_stage.PagedGenerationProgram):
-            return lambda name, result: {"paged_step": paged_step_figures(result, spec)} if name == "step" else {}
+            sized = getattr(conversion.target_sizes, "sized", {})
+            return lambda name, result: ({"paged_step": paged_step_figures(result, spec, sized.get(result.target.name))} if name == "step"
+                                         else {})
         return lambda name, result: {"decode_step": decode_step_figures(result, spec)} if name == "decode" else {}
 
 
@@ -491,19 +501,23 @@ def decode_step_figures(result, spec) -> dict:
     }
 
 
-def paged_step_figures(result, spec, mean_length: int = 512) -> dict:
+def paged_step_figures(result, spec, sized=None, mean_length: int = 512) -> dict:
     """What a paged step's executable leaves for pages on its chip (per device of a slice, whose pages hold
     its kv heads' share): the weights (its arguments less the cache) and its temporaries stay, the rest
     of HBM holds pages; with the sequences of `mean_length` positions those pages hold (each row's last
-    page partly filled)."""
+    page partly filled). The executable's own pages (`num_pages`) and, when they were sized to the
+    target's HBM (`sized`: tasks/page_count.SizedPages), how (`num_pages_sized`); then what fits is
+    that count, which compiled and fitted (the estimate holds the temporaries fixed, and XLA's grow
+    with the count past some size)."""
     memory = result.memory
-    cache = _cache_bytes_per_device(result, spec)
-    page_bytes = cache // spec.num_pages
+    num_pages = result.bucket.as_dict().get(PAGES_DIM, spec.num_pages)
+    cache = _cache_bytes_per_device(result, dataclasses.replace(spec, num_pages=num_pages))
+    page_bytes = cache // num_pages
     weights = memory["argument_bytes"] - cache
-    pages = max(0, (result.target.hbm_bytes_per_device - weights - memory["temp_bytes"]) // page_bytes)
-    return {"cache_bytes": cache, "page_bytes": page_bytes, "weight_bytes": weights, "temp_bytes": memory["temp_bytes"],
-            "pages_fit": int(pages), "tokens_fit": int(pages * spec.page_size), "mean_length": mean_length,
-            "sequences_fit_at_mean_length": int(pages // -(-mean_length // spec.page_size))}
+    pages = sized.num_pages if sized else max(0, (result.target.hbm_bytes_per_device - weights - memory["temp_bytes"]) // page_bytes)
+    return {"num_pages": num_pages, "num_pages_sized": sized.to_json() if sized else None, "cache_bytes": cache, "page_bytes": page_bytes,
+            "weight_bytes": weights, "temp_bytes": memory["temp_bytes"], "pages_fit": int(pages), "tokens_fit": int(pages * spec.page_size),
+            "mean_length": mean_length, "sequences_fit_at_mean_length": int(pages // -(-mean_length // spec.page_size))}
 
 
 def _cache_bytes_per_device(result, spec) -> int:

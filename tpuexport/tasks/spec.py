@@ -119,6 +119,11 @@ class Task:
         """Verifies the program (raising VerificationError with its report written beside the artifact)."""
         raise NotImplementedError
 
+    def target_sizes(self, conversion: "Conversion", entry_points: dict) -> Callable | None:
+        """Sizes of dims each target's buckets take in place of the shared ones (CompileJob's
+        `target_sizes`; entry_points: {name: EntryPointCompile}), or None."""
+        return None
+
     def bucket_figures(self, conversion: "Conversion") -> Callable[[str, "CompiledBucket"], dict] | None:
         """Figures the task adds to a compiled bucket's record, or None."""
         return None

@@ -305,7 +305,7 @@ def run_calls(program, plans: dict[str, ShardingPlan], calls: list):
                              for entry, signature in signatures.items()},
             "state_outputs": {entry: [[t.name for t in signature.outputs].index(name) for name in state]
                               for entry, signature in signatures.items()},
-            "state": [{"shape": list(state_specs[name].shape), "dtype": state_specs[name].dtype} for name in state],
+            "state": [{"shape": list(state_specs[name].concrete_shape(program.state_sizes)), "dtype": state_specs[name].dtype} for name in state],
             "calls": [{"entry": entry, "inputs": [None if array is None else write_array(array, scratch_dir / f"call{index}.input{number}.bin")
                                                   for number, array in enumerate(inputs)]}
                       for index, (entry, inputs) in enumerate(calls)],
