@@ -3,6 +3,8 @@ before it set on the Conversion (tasks/conversion.py) and sets its own part; the
 decides the entry points and how they are verified, every pass handles entry points.
 
   export    the task's entry points, each captured with torch.export       -> captured, buckets
+  start tensorflow  (a task TF Serving serves) TensorFlow's process, importing while the rest runs
+                                                                             -> tensorflow
   quantize  PT2E int8 (optional), calibrated, re-exported                  -> quantized, captured
             (weight-only int8/int4 is no pass of its own: lower takes the scheme, the weights pass
             quantizes the tensors as they are written; quantize/weight_only.py)
@@ -137,9 +139,6 @@ def passes(loaded: export_stage.LoadedSource, options: ConversionOptions, throug
                 model_name(options)
                 serving_stage.check_model_version(options.model_version)
             conversion.scratch = running.enter_context(_scratch_directory(options.out))
-            if conversion.task.saved_model and options.saved_model:
-                # Entered after the scratch directory, so ended first: TensorFlow may still write into it.
-                conversion.tensorflow = running.enter_context(serving_stage.TensorFlowProcess())
         for name, run in PASSES:
             run(conversion)
             if name == through:
@@ -271,6 +270,14 @@ def _held_as_stored(shared: lower_stage.LoweredProgram, state, name: str, spec):
             or tuple(tensor.shape) != tuple(spec.shape) or str(tensor.dtype).removeprefix("torch.") != np.dtype(spec.dtype).name):
         return None
     return to_numpy(tensor.detach())
+
+
+def start_tensorflow(conversion: Conversion) -> None:
+    """TensorFlow's process, for the SavedModel: started once the entry points exported (a source that does
+    not export, most bad input, never pays its import: about 4 CPU-s), so its import runs while they lower."""
+    if not conversion.plan_only and conversion.task.saved_model and conversion.options.saved_model:
+        # Entered after the scratch directory, so ended first: TensorFlow may still write into it.
+        conversion.tensorflow = conversion.running.enter_context(serving_stage.TensorFlowProcess())
 
 
 def saved_model(conversion: Conversion) -> None:
@@ -416,8 +423,8 @@ def weight_readers(conversion: Conversion) -> list[str]:
 
 # Every conversion runs these, in this order.
 PASSES: tuple[tuple[str, Callable[[Conversion], None]], ...] = (
-    ("export", export), ("quantize", quantize), ("lower", lower), ("weights", weights), ("saved model", saved_model), ("plan", plan),
-    ("kernels", kernels), ("compile", compile_executables), ("verify", verify), ("write", write),
+    ("export", export), ("start tensorflow", start_tensorflow), ("quantize", quantize), ("lower", lower), ("weights", weights),
+    ("saved model", saved_model), ("plan", plan), ("kernels", kernels), ("compile", compile_executables), ("verify", verify), ("write", write),
 )
 
 
