@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,10 +16,8 @@ from torch import nn
 import tpuexport
 from conftest import EXAMPLES, build_example
 from tpuexport.artifact.weights import ALIGNMENT
+from test_cli import tpuexport_in_process as tpuexport_cli  # the command line, in this process
 
-
-def tpuexport_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpuexport.cli", *map(str, args)], capture_output=True, text=True, timeout=600)
 
 
 def save_sharded(state: dict[str, torch.Tensor], directory: pathlib.Path, shards: int = 2) -> pathlib.Path:

@@ -26,13 +26,14 @@ def tpuexport(*args, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tpuexport.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=600)
 
 
-def tpuexport_in_process(*args, cwd) -> subprocess.CompletedProcess:
-    """The command run by click's test runner in this process, in `cwd`, as a CompletedProcess."""
+def tpuexport_in_process(*args, cwd=None) -> subprocess.CompletedProcess:
+    """The command run by click's test runner in this process, in `cwd` (None: the current directory), as a
+    CompletedProcess: the code `tpuexport` runs, without a new interpreter's imports (about 4 CPU-s)."""
     from click.testing import CliRunner
 
     from tpuexport.cli import main
 
-    with contextlib.chdir(cwd):
+    with contextlib.chdir(cwd or pathlib.Path.cwd()):
         result = CliRunner().invoke(main, list(map(str, args)))
     return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 

@@ -7,8 +7,6 @@ the checkpoint's memory-mapped tensors (real torch, jax, libtpu and transformers
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,6 +16,7 @@ import transformers
 
 import tpuexport
 from test_checkpoint import save_sharded
+from test_cli import tpuexport_in_process as tpuexport_cli  # the command line, in this process
 from tpuexport.quantize.weight_only import WeightOnlyScheme, stored_tensors
 
 MAX_CONTEXT, MAX_BATCH = 64, 2
@@ -31,10 +30,6 @@ def build():
     config = transformers.LlamaConfig(**{LLAMA!r})
     return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
 """
-
-
-def tpuexport_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpuexport.cli", *map(str, args)], capture_output=True, text=True, timeout=600)
 
 
 def tiny_llama(dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:

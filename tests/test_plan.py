@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -19,6 +17,7 @@ import tpuexport
 from conftest import EXAMPLES, build_example
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
+from test_cli import tpuexport_in_process as tpuexport_cli  # the command line, in this process
 
 META_DECODER_FACTORY = textwrap.dedent(f"""
     import sys
@@ -51,9 +50,6 @@ def without_locations(mlir: str) -> str:
     lines = [line for line in mlir.splitlines() if not line.startswith("#loc")]
     return re.sub(r" loc\(#loc\d*\)", "", "\n".join(lines))
 
-
-def tpuexport_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpuexport.cli", *map(str, args)], capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from torch import nn
 import tpuexport
 from conftest import EXAMPLES, build_example
 from tpuexport import compile as compile_stage
+from test_cli import tpuexport_in_process as tpuexport_cli  # the command line, in this process
 
 VOCAB = 256
 LOGITS_BYTES = 8 * 16 * VOCAB * 4  # f32 logits at the example batch 8, seq 16
@@ -285,9 +286,6 @@ def test_plans_that_do_not_fit_a_chip_name_the_largest_buffers(tmp_path):
         tpuexport.convert(WideInput().eval(), target="v5e", out=tmp_path / "chip.tpu", **common)
     assert list(tmp_path.iterdir()) == []
 
-
-def tpuexport_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpuexport.cli", *map(str, args)], capture_output=True, text=True, timeout=600)
 
 
 def test_cli_converts_for_a_slice_and_inspects_it(tmp_path):
