@@ -17,6 +17,7 @@ import torch
 from tpuexport import TpuExportError
 from tpuexport.export import load_source
 from tpuexport.export.huggingface import longest_positions
+from test_cli import tpuexport_in_process  # the command line, in this process (the hf: sources below run the command itself)
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,6 +28,7 @@ QUICK = ("--target", "v5e", "--no-saved-model", "--verify-budget", "0")
 
 
 def tpuexport(*args, env=None) -> subprocess.CompletedProcess:
+    """The command in its own process, with `env` added (a Hugging Face cache of the test's own)."""
     environment = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "tpuexport.cli", *map(str, args)], capture_output=True, text=True, timeout=900,
                           env=environment)
@@ -101,7 +103,7 @@ def test_text_encoder_from_the_hf_cache_records_task_revision_and_tokenizer(mode
         assert (out / relative).read_bytes() == (models["bert"] / name).read_bytes() and relative in manifest["files"]
     # the weights streamed from the cached checkpoint
     assert "weights" in result.stderr
-    inspected = tpuexport("inspect", out)
+    inspected = tpuexport_in_process("inspect", out)
     assert inspected.returncode == 0 and "task text-classification, BertForSequenceClassification" in inspected.stdout
     assert "hf/tokenizer.json" in inspected.stdout
 
@@ -110,7 +112,7 @@ def test_decoder_lm_with_task_auto_is_a_generation_artifact(models, tmp_path):
     """--task auto on a causal LM is text-generation: prefill and decode entry points over a KV cache,
     verified against generate(), with the directory's generation config copied."""
     out = tmp_path / "llama.tpu"
-    result = tpuexport("convert", models["llama"], "--max-batch", "2", "--max-context", "32", "--bucket", "seq=8",
+    result = tpuexport_in_process("convert", models["llama"], "--max-batch", "2", "--max-context", "32", "--bucket", "seq=8",
                        "--verify-new-tokens", "4", "-o", out, "--target", "cpu")
     assert result.returncode == 0, result.stderr
     manifest = manifest_of(out)
@@ -120,13 +122,13 @@ def test_decoder_lm_with_task_auto_is_a_generation_artifact(models, tmp_path):
     assert manifest["verification"]["passed"]
     # The weights streamed from the directory's checkpoint, once for both entry points.
     assert "streamed from the checkpoint" in result.stderr and manifest["source"]["checkpoint"] == "llama"
-    refused = tpuexport("convert", models["llama"], "--dim", "batch=1:2", "-o", tmp_path / "x.tpu", *QUICK)
+    refused = tpuexport_in_process("convert", models["llama"], "--dim", "batch=1:2", "-o", tmp_path / "x.tpu", *QUICK)
     assert refused.returncode == 2 and "--dim does not apply to --task text-generation" in refused.stderr
 
 
 def test_vision_classifier_with_task_auto(models, tmp_path):
     out = tmp_path / "vit.tpu"
-    result = tpuexport("convert", models["vit"], "--task", "auto", "--dim", "batch=1:2", "-o", out, *QUICK)
+    result = tpuexport_in_process("convert", models["vit"], "--task", "auto", "--dim", "batch=1:2", "-o", out, *QUICK)
     assert result.returncode == 0, result.stderr
     manifest = manifest_of(out)
     inputs, outputs, dims = signature(manifest)
@@ -137,7 +139,7 @@ def test_vision_classifier_with_task_auto(models, tmp_path):
 
 def test_audio_classifier_with_a_static_sample_count(models, tmp_path):
     out = tmp_path / "wav2vec2.tpu"
-    result = tpuexport("convert", models["wav2vec2"], "--task", "audio-classification", "--dim", "batch=1:2", "--dim", "samples=400:400",
+    result = tpuexport_in_process("convert", models["wav2vec2"], "--task", "audio-classification", "--dim", "batch=1:2", "--dim", "samples=400:400",
                        "-o", out, *QUICK)
     assert result.returncode == 0, result.stderr
     manifest = manifest_of(out)
@@ -154,7 +156,7 @@ def test_a_roberta_directory_converts_with_default_dims(tmp_path):
     config = transformers.RobertaConfig(**{**TEXT, "max_position_embeddings": 66}, architectures=["RobertaForMaskedLM"])
     directory = save(transformers.RobertaForMaskedLM(config), tmp_path / "roberta")
     out = tmp_path / "roberta.tpu"
-    result = tpuexport("convert", directory, "-o", out, "--target", "cpu", "--no-saved-model")
+    result = tpuexport_in_process("convert", directory, "-o", out, "--target", "cpu", "--no-saved-model")
     assert result.returncode == 0, result.stderr
     manifest = manifest_of(out)
     assert signature(manifest)[2] == {"batch": (1, 64), "seq": (2, 64)} and manifest["huggingface"]["task"] == "fill-mask"
