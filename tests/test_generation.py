@@ -22,6 +22,7 @@ import transformers
 
 import tpuexport
 from conftest import ROOT, served
+from test_cli import tpuexport_in_process  # the command line, in this process
 from tpuexport.pipeline import ConversionOptions, passes
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
@@ -396,14 +397,10 @@ def test_both_runs_run_once_when_they_are_one_program(dtype):
     assert logits["tpu"].shape == (MAX_BATCH, steps, spec.vocab)
 
 
-def cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpuexport.cli", *map(str, args)], capture_output=True, text=True, timeout=600)
-
-
 def test_generate_cli_prints_tokens_step_by_step(llama_generation):
     artifact, _ = llama_generation
     expected = artifact.generate([[1, 2, 3], [9, 8]], max_new_tokens=5)
-    result = cli("generate", artifact.path, "--tokens", "1,2,3", "--tokens", "9,8", "--max-new-tokens", 5)
+    result = tpuexport_in_process("generate", artifact.path, "--tokens", "1,2,3", "--tokens", "9,8", "--max-new-tokens", 5)
     assert result.returncode == 0, result.stderr
     steps = [line.split() for line in result.stdout.strip().splitlines()]
     assert [[int(token) for token in step] for step in steps] == [list(pair) for pair in zip(*expected)]

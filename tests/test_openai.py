@@ -7,10 +7,7 @@ OpenAI's error objects and the server serves on; the LLM metrics are exposed."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import openai
 import pytest
@@ -19,7 +16,8 @@ import torch
 import transformers
 
 from chat_model import GREEDY_PROMPT, save_chat_model
-from conftest import ROOT, served
+from conftest import served
+from test_cli import tpuexport_in_process  # the command line, in this process
 import tpuexport
 from tpuexport.export import load_source
 from tpuexport.pipeline import ConversionOptions, run_conversion
@@ -150,16 +148,13 @@ def test_generate_cli_samples_on_the_device_and_stops_at_eos(chat):
     prompt = ",".join(map(str, tokenizer.apply_chat_template(GREEDY_PROMPT, add_generation_prompt=True, return_dict=True)["input_ids"]))
 
     def generate(*options):
-        done = subprocess.run([sys.executable, "-m", "tpuexport.cli", "generate", str(artifact.path), "--tokens", prompt, "--max-new-tokens", "8",
-                               *options], capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        done = tpuexport_in_process("generate", artifact.path, "--tokens", prompt, "--max-new-tokens", "8", *options)
         assert done.returncode == 0, done.stderr
         return [int(line) for line in done.stdout.split()]
 
     assert generate() == facts["greedy"]  # greedy, ended by the EOS of generation_config.json
     # --prompt encodes with the tokenizer the artifact carries and prints the new tokens, then their text.
-    from_text = subprocess.run([sys.executable, "-m", "tpuexport.cli", "generate", str(artifact.path), "--prompt", "hello world",
-                                "--max-new-tokens", "3", "--ignore-eos"], capture_output=True, text=True, timeout=300,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    from_text = tpuexport_in_process("generate", artifact.path, "--prompt", "hello world", "--max-new-tokens", "3", "--ignore-eos")
     assert from_text.returncode == 0, from_text.stderr
     *steps, text = from_text.stdout.split("\n", 3)  # a line per step, then the text (which may hold newlines itself)
     hello = tokenizer("hello world")["input_ids"]
