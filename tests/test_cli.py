@@ -76,7 +76,7 @@ def test_convert_factory_source_with_buckets_and_json(tmp_path):
             f"mapped {peak['mapped_bytes'] / 2**30:.2f} GiB); largest child process") in result.stderr
     assert max(peak["child_bytes"] for peak in build["stage_memory"].values()) >= child
 
-    inspected = tpuexport("inspect", out)
+    inspected = tpuexport_in_process("inspect", out)
     assert inspected.returncode == 0 and "batch: 1..256" in inspected.stdout and "batch16" in inspected.stdout
     inspected_json = json.loads(tpuexport("inspect", out, "--json").stdout)
     assert inspected_json["targets"] == summary["targets"]
@@ -111,7 +111,7 @@ def test_convert_pt2_source_keeps_its_dims(tmp_path):
     built = build_example("transformer")
     program = torch.export.export(built["model"].eval(), built["args"], dynamic_shapes=built["dynamic_shapes"])
     torch.export.save(program, tmp_path / "encoder.pt2")
-    result = tpuexport("convert", tmp_path / "encoder.pt2", "--target", "v6e", "--json", "--no-saved-model", cwd=tmp_path)
+    result = tpuexport_in_process("convert", tmp_path / "encoder.pt2", "--target", "v6e", "--json", "--no-saved-model", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["artifact"] == "encoder.tpu" and (tmp_path / "encoder.tpu/manifest.json").is_file()
@@ -124,11 +124,11 @@ def test_pickle_is_refused_without_opt_in_and_converted_with_it(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     torch.save(model, tmp_path / "mlp.pt")
     before = {p.name for p in tmp_path.iterdir()}
-    refused = tpuexport("convert", tmp_path / "mlp.pt", "--input", "features:B,32", "--dim", "B=1:64", cwd=tmp_path)
+    refused = tpuexport_in_process("convert", tmp_path / "mlp.pt", "--input", "features:B,32", "--dim", "B=1:64", cwd=tmp_path)
     assert_clean_bad_input(refused, tmp_path, "pickles run arbitrary code", before)
     assert "--trust-pickle" in refused.stderr
 
-    accepted = tpuexport("convert", tmp_path / "mlp.pt", "--trust-pickle", "--input", "features:B,32:float32",
+    accepted = tpuexport_in_process("convert", tmp_path / "mlp.pt", "--trust-pickle", "--input", "features:B,32:float32",
                          "--dim", "B=1:64", "-o", tmp_path / "mlp.tpu", "--json", "--no-saved-model")
     assert accepted.returncode == 0, accepted.stderr
     signature = json.loads(accepted.stdout)["entry_points"]["serving_default"]
@@ -137,7 +137,7 @@ def test_pickle_is_refused_without_opt_in_and_converted_with_it(tmp_path):
 
 
 def test_targets_lists_every_generation_with_its_hbm():
-    result = tpuexport("targets", "--json")
+    result = tpuexport_in_process("targets", "--json")
     assert result.returncode == 0
     targets = {t["name"]: t for t in json.loads(result.stdout) if t["chips"] == 1}  # slices: tests/test_slices.py
     assert list(targets) == ["v4", "v5e", "v5p", "v6e", "7x"]
@@ -146,7 +146,7 @@ def test_targets_lists_every_generation_with_its_hbm():
 
 
 def test_verification_failure_exits_1_and_keeps_only_the_report(tmp_path):
-    result = tpuexport("convert", f"{EXAMPLES / 'mlp.py'}:build", "--precision", "bf16", "--atol", "0", "--rtol", "0", "--scale-tol", "0",
+    result = tpuexport_in_process("convert", f"{EXAMPLES / 'mlp.py'}:build", "--precision", "bf16", "--atol", "0", "--rtol", "0", "--scale-tol", "0",
                        "-o", tmp_path / "mlp.tpu", "--no-saved-model")
     assert result.returncode == 1, result.stderr
     assert "output 'output_0'" in result.stderr and "mlp.tpu.verification-report.json" in result.stderr
@@ -279,7 +279,7 @@ def test_a_dim_the_models_code_narrows_names_the_line_and_the_declaration_that_e
 
 def test_unsupported_operators_name_the_user_source_lines(tmp_path):
     write(tmp_path, "unsupported.py", UNSUPPORTED_FACTORY)
-    result = tpuexport("convert", "unsupported.py:build", cwd=tmp_path)
+    result = tpuexport_in_process("convert", "unsupported.py:build", cwd=tmp_path)
     assert result.returncode == 2
     assert "aten._linalg_det.default at " in result.stderr and "aten.special_airy_ai.default at " in result.stderr
     assert "unsupported.py:6 (return torch.linalg.det(x) + torch.special.airy_ai(x).sum((1, 2)))" in result.stderr
