@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -272,6 +273,30 @@ def test_a_size_the_models_code_rules_out_names_it_and_a_range_without_it(tmp_pa
                                              r"\(if x.shape\[1\] - 1 == 1:\).*; declare seq that range \(--dim seq=3:16, or "
                                              r"torch.export.Dim\('seq', min=3, max=16\)\)"):
         tpuexport.convert(ShiftsByOne(), (torch.randn(2, 8),), {"x": {1: seq}}, out=tmp_path / "m.tpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+class ReshapesIntoBlocks(torch.nn.Module):
+    """Reshapes its length into blocks of 4 on three lines, as PEGASUS-X's blocked local attention
+    does on eighteen."""
+
+    def forward(self, x):
+        batch, seq = x.shape
+        blocks = x.view(batch, seq // 4, 4)
+        flat = (blocks * 2).view(batch, seq)
+        return (flat + 1).view(batch, seq // 4, 4).sum(-1)
+
+
+def test_a_refusal_guarded_at_many_lines_names_the_first_and_counts_the_rest(tmp_path):
+    """PEGASUS-X's refusal named all 18 lines torch.export guarded its padded length at, 4000
+    characters in one line (session 18's sweep). The line names the first and how many more,
+    and keeps the declaration that exports."""
+    seq = torch.export.Dim("seq", min=2, max=32)
+    with pytest.raises(TpuExportError) as refused:
+        tpuexport.convert(ReshapesIntoBlocks(), (torch.randn(2, 8),), {"x": {1: seq}}, out=tmp_path / "m.tpu")
+    assert re.fullmatch(r"torch.export: the model's code needs seq = 4\*_seq with _seq in 1..8, at \S*test_architectures.py:\d+ "
+                        r"\(blocks = x.view\(batch, seq // 4, 4\)\) and 2 more lines; declare seq as that derived "
+                        r"torch.export.Dim in dynamic_shapes, or change that code to work for every declared size", str(refused.value))
     assert list(tmp_path.iterdir()) == []
 
 
