@@ -300,6 +300,31 @@ def test_a_refusal_guarded_at_many_lines_names_the_first_and_counts_the_rest(tmp
     assert list(tmp_path.iterdir()) == []
 
 
+class GaussianTopK(torch.nn.Module):
+    """Keeps the activations above mean + std x the standard normal's 0.95 quantile, as Gemma 3n's
+    MLP does: `Normal(0, 1)` checks its parameters when built, which torch.export records as
+    runtime assertions on constants."""
+
+    def __init__(self, sparsity: float = 0.95):
+        super().__init__()
+        self.sparsity = sparsity
+
+    def forward(self, x):
+        quantile = torch.distributions.normal.Normal(0, 1).icdf(torch.tensor(self.sparsity, device=x.device))
+        return torch.relu(x - (x.mean(-1, keepdim=True) + x.std(-1, keepdim=True, unbiased=False) * quantile))
+
+
+def test_assertions_on_constants_are_checked_at_conversion_and_dropped(tmp_path):
+    """gemma3n_text was refused: "2 operator(s) have no TPU lowering: aten._is_all_true.default ...;
+    aten._assert_async.msg" (the sweep, session 19). An assertion on values fixed at export holds
+    for every input or for none: it is evaluated once, and the program converts and verifies."""
+    x = torch.randn(3, 16)
+    artifact = tpuexport.convert(GaussianTopK().eval(), (x,), {"x": {0: torch.export.Dim("batch", min=1, max=8)}},
+                                 saved_model=False, out=tmp_path / "model.tpu")
+    assert artifact.manifest["verification"]["passed"]
+    torch.testing.assert_close(artifact.run(x), GaussianTopK()(x), rtol=1e-5, atol=1e-5)
+
+
 def test_an_audio_encoder_taking_time_major_features_gets_them_so(capfd):
     """Parakeet (and the other FastConformer encoders: LASR, Nemotron's ASR encoders) read mel
     features as [batch, frames, mel bins], Whisper as [batch, mel bins, frames]: given the latter,
