@@ -325,6 +325,32 @@ def test_assertions_on_constants_are_checked_at_conversion_and_dropped(tmp_path)
     torch.testing.assert_close(artifact.run(x), GaussianTopK()(x), rtol=1e-5, atol=1e-5)
 
 
+class ResizesAntialiased(torch.nn.Module):
+    """Resizes a learned 8 x 8 grid to the image's 6 x 6 and 12 x 12 with antialiasing, as TIPSv2
+    (bilinear) and DINOv2 with registers (bicubic) interpolate their position embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.grid = torch.nn.Parameter(torch.randn(1, 4, 8, 8))
+
+    def forward(self, x):
+        smaller = torch.nn.functional.interpolate(self.grid, size=(6, 6), mode="bilinear", align_corners=False, antialias=True)
+        larger = torch.nn.functional.interpolate(self.grid, size=(12, 12), mode="bicubic", align_corners=False, antialias=True)
+        return x + smaller.sum() * larger
+
+
+def test_antialiased_interpolation_converts(tmp_path):
+    """tipsv2_dpt was refused: "lowering failed at aten._upsample_bilinear2d_aa.default ...: TypeError:
+    'tuple' object is not callable" (torchax's copy of JAX's resampling; the sweep, session 19)."""
+    torch.manual_seed(0)
+    model = ResizesAntialiased().eval()
+    x = torch.randn(2, 4, 12, 12)
+    artifact = tpuexport.convert(model, (x,), {"x": {0: torch.export.Dim("batch", min=1, max=8)}}, saved_model=False, out=tmp_path / "model.tpu")
+    assert artifact.manifest["verification"]["passed"]
+    with torch.no_grad():
+        torch.testing.assert_close(artifact.run(x), model(x), rtol=1e-4, atol=1e-4)
+
+
 def test_an_audio_encoder_taking_time_major_features_gets_them_so(capfd):
     """Parakeet (and the other FastConformer encoders: LASR, Nemotron's ASR encoders) read mel
     features as [batch, frames, mel bins], Whisper as [batch, mel bins, frames]: given the latter,
