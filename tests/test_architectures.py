@@ -417,6 +417,9 @@ def test_a_video_tower_gets_a_clip_of_the_frames_its_config_records(tmp_path):
     ("depth_anything", lambda model: model.config.backbone_config.out_indices == [1, 2, 3, 4]),
     # The causal LM table lists Qwen3_5MoeForCausalLM under the multimodal type, whose config has no vocab_size: built from its text config.
     ("qwen3_5_moe", lambda model: model.config.model_type == "qwen3_5_moe_text"),
+    # EfficientNet's (and ALIGN's vision tower's) defaults are B7's compound scaling, 2.0 wide and 3.1 deep: 47M parameters
+    # at every level (not built). The base network's 1.0 and 1.0.
+    ("efficientnet", lambda model: (model.config.width_coefficient, model.config.depth_coefficient) == (1.0, 1.0)),
 ], ids=lambda value: value if isinstance(value, str) else "")
 def test_the_sweeps_shrink_builds_configs_whose_defaults_do_not_shrink_as_they_are(model_type, check):
     """benchmarks/architectures.py: an MoE config whose defaults leave its counts unset gets them;
