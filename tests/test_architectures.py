@@ -351,6 +351,21 @@ def test_antialiased_interpolation_converts(tmp_path):
         torch.testing.assert_close(artifact.run(x), model(x), rtol=1e-4, atol=1e-4)
 
 
+def test_a_causal_lm_listed_under_its_multimodal_type_infers_its_task(tmp_path):
+    """transformers lists Emu3ForCausalLM under "emu3" while it takes Emu3TextConfig ("emu3_text_model",
+    which no table lists); saved alone, `convert DIR --task auto` was refused with "cannot infer the
+    task ...: its config names architectures ['Emu3ForCausalLM'], which no task builds; pass --task,
+    one of: none" (the sweep, session 19). The table listing its architecture builds it."""
+    from tpuexport.export.huggingface import load_huggingface
+
+    config = transformers.Emu3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    transformers.Emu3ForCausalLM(config).save_pretrained(tmp_path / "emu3")
+    loaded = load_huggingface(str(tmp_path / "emu3"), "auto")
+    assert (loaded.huggingface.task, loaded.huggingface.architecture) == ("text-generation", "Emu3ForCausalLM")
+
+
 def test_an_audio_encoder_taking_time_major_features_gets_them_so(capfd):
     """Parakeet (and the other FastConformer encoders: LASR, Nemotron's ASR encoders) read mel
     features as [batch, frames, mel bins], Whisper as [batch, mel bins, frames]: given the latter,
