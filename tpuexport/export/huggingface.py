@@ -284,12 +284,13 @@ def _listed_type(config, table: str) -> str | None:
     if config.model_type in entries:
         return config.model_type
     architectures = list(getattr(config, "architectures", None) or [])
-    transformers = _import_transformers()
-    for model_type, entry in entries.items():
-        names = (entry,) if isinstance(entry, str) else tuple(entry)
-        if architectures[:1] and architectures[0] in names and getattr(getattr(transformers, architectures[0], None), "config_class", None) is type(config):
-            return model_type
-    return None
+    if not architectures:
+        return None
+    model_class = getattr(_import_transformers(), architectures[0], None)
+    if getattr(model_class, "config_class", None) is not type(config):
+        return None
+    return next((model_type for model_type, entry in entries.items()
+                 if architectures[0] in ((entry,) if isinstance(entry, str) else tuple(entry))), None)
 
 
 def auto_model_class(name: str, config):
