@@ -139,6 +139,9 @@ OVERRIDES: dict[str, dict] = {
     # Its attention reads rope_theta, which DbrxAttentionConfig has no default for, and clamps by clip_qkv, failing when it is
     # None (its default): DBRX's checkpoint's values.
     "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},
+    # Its text model's rotary embedding takes one row of positions per mrope_section axis, which its config leaves unset:
+    # HunYuan-VL's four axes (xdrope_section), summing to half the tiny head dim.
+    "hunyuan_vl_text": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2, 2]}},
     "efficientnet": {"hidden_dim": 1280},  # its top conv is 1280 x width_coefficient wide, its batch norm hidden_dim
     "align": {"projection_dim": 320},  # its image embeddings are the vision tower's last stage, unprojected: 320 wide at width 1.0
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},  # no default
