@@ -288,7 +288,7 @@ class ReshapesIntoBlocks(torch.nn.Module):
 
 
 def test_a_refusal_guarded_at_many_lines_names_the_first_and_counts_the_rest(tmp_path):
-    """PEGASUS-X's refusal named all 18 lines torch.export guarded its padded length at, 4000
+    """PEGASUS-X's refusal named all 17 lines torch.export guarded its padded length at, 4000
     characters in one line (session 18's sweep). The line names the first and how many more,
     and keeps the declaration that exports."""
     seq = torch.export.Dim("seq", min=2, max=32)

@@ -164,8 +164,8 @@ def explain(model: torch.nn.Module, args, dynamic_shapes, message: str) -> str |
 
 
 def _where(sources: list[str]) -> str:
-    """The line's ", at file.py:12 (code) and 17 more lines": the first source line torch.export guarded
-    at, and how many more. Blocked attention reshapes a padded length at every step (PEGASUS-X: 18
+    """The line's ", at file.py:12 (code) and 16 more lines": the first source line torch.export guarded
+    at, and how many more. Blocked attention reshapes a padded length at every step (PEGASUS-X: 17
     lines, 4000 characters in one message); the first is where the size is first needed."""
     if not sources:
         return ""
