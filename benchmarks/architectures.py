@@ -126,6 +126,9 @@ STAGE_WIDTHS = ("hidden_sizes", "embed_dims", "embed_dim_per_stage", "neck_hidde
                 "stage_mid_channels", "encoder_hidden_sizes", "conv_dim", "tdnn_dim", "stem_channels", "backbone_channel_list")
 STAGE_HEADS = ("num_heads", "num_attention_heads", "num_attention_heads_per_stage", "attention_heads")
 STAGE_DEPTHS = ("depths", "stage_num_blocks", "blocks_per_stage", "num_block_repeats", "stage_numb_of_layers")
+# Compound-scaling multipliers of EfficientNet-style backbones (ALIGN's and EfficientNet's defaults are B7's, 2.0 wide and
+# 3.1 deep: 45M parameters at every shrink level), brought down to the base network's 1.0.
+COEFFICIENTS = ("width_coefficient", "depth_coefficient")
 LEVELS = ("everything", "image size kept", "layers and vocabulary only")
 
 GLM_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
@@ -133,6 +136,14 @@ GLM_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 
 OVERRIDES: dict[str, dict] = {
     "fun_asr_nano": {"adaptor_config": {"intermediate_size": WIDTH // 4}},  # the text width / 4, checked by its config
     "chameleon": {"vocabulary_map": {"<image>": 500}},  # the image token's id in its (absent) tokenizer
+    # Its attention reads rope_theta, which DbrxAttentionConfig has no default for, and clamps by clip_qkv, failing when it is
+    # None (its default): DBRX's checkpoint's values.
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},
+    # Its text model's rotary embedding takes one row of positions per mrope_section axis, which its config leaves unset:
+    # HunYuan-VL's four axes (xdrope_section), summing to half the tiny head dim.
+    "hunyuan_vl_text": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2, 2]}},
+    "efficientnet": {"hidden_dim": 1280},  # its top conv is 1280 x width_coefficient wide, its batch norm hidden_dim
+    "align": {"projection_dim": 320},  # its image embeddings are the vision tower's last stage, unprojected: 320 wide at width 1.0
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},  # no default
     # GLM-4V's rotary sections default to [8, 12, 12] in its code, not its config: they sum to half the tiny head dim.
     **{name: {"rope_parameters": GLM_ROPE} for name in ("glm4v_text", "glm4v_moe_text", "glm_image_text", "glm_ocr_text")},
@@ -205,6 +216,8 @@ def shrink(config: dict, level: int) -> dict:
                            for index, item in value.items()}  # per-layer settings, their sizes shrunk as the model's
         elif isinstance(value, bool) or value is None:
             continue
+        elif isinstance(value, float) and key in COEFFICIENTS:
+            config[key] = min(value, 1.0)
         elif isinstance(value, int) and key in SHRUNK and (level < 2 or key in COUNTS):
             config[key] = min(value, SHRUNK[key])
         elif isinstance(value, int) and ("vocab_size" in key or key.endswith("_vocab")):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -275,6 +276,96 @@ def test_a_size_the_models_code_rules_out_names_it_and_a_range_without_it(tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
+class ReshapesIntoBlocks(torch.nn.Module):
+    """Reshapes its length into blocks of 4 on three lines, as PEGASUS-X's blocked local attention
+    does on eighteen."""
+
+    def forward(self, x):
+        batch, seq = x.shape
+        blocks = x.view(batch, seq // 4, 4)
+        flat = (blocks * 2).view(batch, seq)
+        return (flat + 1).view(batch, seq // 4, 4).sum(-1)
+
+
+def test_a_refusal_guarded_at_many_lines_names_the_first_and_counts_the_rest(tmp_path):
+    """PEGASUS-X's refusal named all 17 lines torch.export guarded its padded length at, 4000
+    characters in one line (session 18's sweep). The line names the first and how many more,
+    and keeps the declaration that exports."""
+    seq = torch.export.Dim("seq", min=2, max=32)
+    with pytest.raises(TpuExportError) as refused:
+        tpuexport.convert(ReshapesIntoBlocks(), (torch.randn(2, 8),), {"x": {1: seq}}, out=tmp_path / "m.tpu")
+    assert re.fullmatch(r"torch.export: the model's code needs seq = 4\*_seq with _seq in 1..8, at \S*test_architectures.py:\d+ "
+                        r"\(blocks = x.view\(batch, seq // 4, 4\)\) and 2 more lines; declare seq as that derived "
+                        r"torch.export.Dim in dynamic_shapes, or change that code to work for every declared size", str(refused.value))
+    assert list(tmp_path.iterdir()) == []
+
+
+class GaussianTopK(torch.nn.Module):
+    """Keeps the activations above mean + std x the standard normal's 0.95 quantile, as Gemma 3n's
+    MLP does: `Normal(0, 1)` checks its parameters when built, which torch.export records as
+    runtime assertions on constants."""
+
+    def __init__(self, sparsity: float = 0.95):
+        super().__init__()
+        self.sparsity = sparsity
+
+    def forward(self, x):
+        quantile = torch.distributions.normal.Normal(0, 1).icdf(torch.tensor(self.sparsity, device=x.device))
+        return torch.relu(x - (x.mean(-1, keepdim=True) + x.std(-1, keepdim=True, unbiased=False) * quantile))
+
+
+def test_assertions_on_constants_are_checked_at_conversion_and_dropped(tmp_path):
+    """gemma3n_text was refused: "2 operator(s) have no TPU lowering: aten._is_all_true.default ...;
+    aten._assert_async.msg" (the sweep, session 19). An assertion on values fixed at export holds
+    for every input or for none: it is evaluated once, and the program converts and verifies."""
+    x = torch.randn(3, 16)
+    artifact = tpuexport.convert(GaussianTopK().eval(), (x,), {"x": {0: torch.export.Dim("batch", min=1, max=8)}},
+                                 saved_model=False, out=tmp_path / "model.tpu")
+    assert artifact.manifest["verification"]["passed"]
+    torch.testing.assert_close(artifact.run(x), GaussianTopK()(x), rtol=1e-5, atol=1e-5)
+
+
+class ResizesAntialiased(torch.nn.Module):
+    """Resizes a learned 8 x 8 grid to the image's 6 x 6 and 12 x 12 with antialiasing, as TIPSv2
+    (bilinear) and DINOv2 with registers (bicubic) interpolate their position embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.grid = torch.nn.Parameter(torch.randn(1, 4, 8, 8))
+
+    def forward(self, x):
+        smaller = torch.nn.functional.interpolate(self.grid, size=(6, 6), mode="bilinear", align_corners=False, antialias=True)
+        larger = torch.nn.functional.interpolate(self.grid, size=(12, 12), mode="bicubic", align_corners=False, antialias=True)
+        return x + smaller.sum() * larger
+
+
+def test_antialiased_interpolation_converts(tmp_path):
+    """tipsv2_dpt was refused: "lowering failed at aten._upsample_bilinear2d_aa.default ...: TypeError:
+    'tuple' object is not callable" (torchax's copy of JAX's resampling; the sweep, session 19)."""
+    torch.manual_seed(0)
+    model = ResizesAntialiased().eval()
+    x = torch.randn(2, 4, 12, 12)
+    artifact = tpuexport.convert(model, (x,), {"x": {0: torch.export.Dim("batch", min=1, max=8)}}, saved_model=False, out=tmp_path / "model.tpu")
+    assert artifact.manifest["verification"]["passed"]
+    with torch.no_grad():
+        torch.testing.assert_close(artifact.run(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_a_causal_lm_listed_under_its_multimodal_type_infers_its_task(tmp_path):
+    """transformers lists Emu3ForCausalLM under "emu3" while it takes Emu3TextConfig ("emu3_text_model",
+    which no table lists); saved alone, `convert DIR --task auto` was refused with "cannot infer the
+    task ...: its config names architectures ['Emu3ForCausalLM'], which no task builds; pass --task,
+    one of: none" (the sweep, session 19). The table listing its architecture builds it."""
+    from tpuexport.export.huggingface import load_huggingface
+
+    config = transformers.Emu3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    transformers.Emu3ForCausalLM(config).save_pretrained(tmp_path / "emu3")
+    loaded = load_huggingface(str(tmp_path / "emu3"), "auto")
+    assert (loaded.huggingface.task, loaded.huggingface.architecture) == ("text-generation", "Emu3ForCausalLM")
+
+
 def test_an_audio_encoder_taking_time_major_features_gets_them_so(capfd):
     """Parakeet (and the other FastConformer encoders: LASR, Nemotron's ASR encoders) read mel
     features as [batch, frames, mel bins], Whisper as [batch, mel bins, frames]: given the latter,
@@ -341,6 +432,9 @@ def test_a_video_tower_gets_a_clip_of_the_frames_its_config_records(tmp_path):
     ("depth_anything", lambda model: model.config.backbone_config.out_indices == [1, 2, 3, 4]),
     # The causal LM table lists Qwen3_5MoeForCausalLM under the multimodal type, whose config has no vocab_size: built from its text config.
     ("qwen3_5_moe", lambda model: model.config.model_type == "qwen3_5_moe_text"),
+    # EfficientNet's (and ALIGN's vision tower's) defaults are B7's compound scaling, 2.0 wide and 3.1 deep: 47M parameters
+    # at every level (not built). The base network's 1.0 and 1.0.
+    ("efficientnet", lambda model: (model.config.width_coefficient, model.config.depth_coefficient) == (1.0, 1.0)),
 ], ids=lambda value: value if isinstance(value, str) else "")
 def test_the_sweeps_shrink_builds_configs_whose_defaults_do_not_shrink_as_they_are(model_type, check):
     """benchmarks/architectures.py: an MoE config whose defaults leave its counts unset gets them;

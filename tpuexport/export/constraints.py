@@ -150,8 +150,7 @@ def explain(model: torch.nn.Module, args, dynamic_shapes, message: str) -> str |
     excluded = excluded_sizes(message)
     if not needs and not excluded:
         return None
-    sources = guard_sources(model, args, dynamic_shapes)
-    where = f", at {' and '.join(sources)}" if sources else ""
+    where = _where(guard_sources(model, args, dynamic_shapes))
     if not needs:  # no range can say "every size but k": the line names the size and a range without it
         declared = _declared_ranges(dynamic_shapes)
         what = " and ".join(f"{name} = {size}" for name, size in excluded.items())
@@ -162,6 +161,16 @@ def explain(model: torch.nn.Module, args, dynamic_shapes, message: str) -> str |
     declarations = [_declaration(name, need) for name, need in needs.items()]
     return (f"torch.export: the model's code {what}{where}; declare {' and '.join(declarations)}, "
             "or change that code to work for every declared size")
+
+
+def _where(sources: list[str]) -> str:
+    """The line's ", at file.py:12 (code) and 16 more lines": the first source line torch.export guarded
+    at, and how many more. Blocked attention reshapes a padded length at every step (PEGASUS-X: 17
+    lines, 4000 characters in one message); the first is where the size is first needed."""
+    if not sources:
+        return ""
+    more = f" and {len(sources) - 1} more line{'s' if len(sources) > 2 else ''}" if len(sources) > 1 else ""
+    return f", at {sources[0]}{more}"
 
 
 def _declaration(name: str, need: str) -> str:

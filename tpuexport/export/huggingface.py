@@ -266,12 +266,31 @@ def _cached_snapshot(reference: str) -> tuple[pathlib.Path, str]:
 
 def _auto_class(task: Task, config) -> str | None:
     """The AutoModelFor... class name that builds the config's model for the task, or None."""
-    from transformers.models.auto import modeling_auto
-
     for auto_class, table in task.auto_classes:
-        if config.model_type in getattr(modeling_auto, table, {}):
+        if _listed_type(config, table) is not None:
             return auto_class
     return None
+
+
+def _listed_type(config, table: str) -> str | None:
+    """The model type under which transformers' table `table` lists the config's model: its own, or,
+    for a model whose config type no table lists, the type listing its first architecture built from
+    that config class (transformers 5.24 lists Emu3ForCausalLM, MllamaForCausalLM and Musicgen's
+    causal LM under their multimodal types, while they take a text config: saved alone, the
+    directory names a type, "emu3_text_model", that no task was found for)."""
+    from transformers.models.auto import modeling_auto
+
+    entries = getattr(modeling_auto, table, {})
+    if config.model_type in entries:
+        return config.model_type
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not architectures:
+        return None
+    model_class = getattr(_import_transformers(), architectures[0], None)
+    if getattr(model_class, "config_class", None) is not type(config):
+        return None
+    return next((model_type for model_type, entry in entries.items()
+                 if architectures[0] in ((entry,) if isinstance(entry, str) else tuple(entry))), None)
 
 
 def auto_model_class(name: str, config):
@@ -280,9 +299,10 @@ def auto_model_class(name: str, config):
     An auto class finds a config's model through the config mapping read backwards, by the config
     class's name. Where that mapping lists one config class under two keys (transformers 5.24 has
     EvollaConfig under "evolla" and under "EvollaModel"), the lookup lands on the alias, which no
-    model table lists, and from_config refuses a config whose model type the table does list. The
-    table's class for the model type is then registered for the config class, as transformers'
-    own `register` adds a model.
+    model table lists, and from_config refuses a config whose model type the table does list; a
+    model whose config type no table lists (`_listed_type`) has no entry at all. The table's class
+    for the model type is then registered for the config class, as transformers' own `register`
+    adds a model.
     """
     from transformers.models.auto import modeling_auto
 
@@ -290,7 +310,7 @@ def auto_model_class(name: str, config):
     auto_class = getattr(transformers, name)
     if type(config) not in auto_class._model_mapping:
         table = next(table for task in _tasks().values() for auto, table in task.auto_classes if auto == name)
-        entry = getattr(modeling_auto, table).get(config.model_type)
+        entry = getattr(modeling_auto, table).get(_listed_type(config, table))
         names = (entry,) if isinstance(entry, str) else tuple(entry or ())
         architectures = list(getattr(config, "architectures", None) or [])
         chosen = next((candidate for candidate in names if candidate in architectures[:1]), names[0] if names else None)
@@ -304,7 +324,7 @@ def _class_names(task: Task, config) -> set[str]:
 
     names = set()
     for _, table in task.auto_classes:
-        entry = getattr(modeling_auto, table, {}).get(config.model_type, ())
+        entry = getattr(modeling_auto, table, {}).get(_listed_type(config, table), ())
         names.update((entry,) if isinstance(entry, str) else entry)
     return names
 

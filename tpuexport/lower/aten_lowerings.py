@@ -101,6 +101,37 @@ def _ceil_mode_window(size: int, kernel: int, stride: int, padding: int) -> tupl
     return kernel, max((windows - 1) * stride + kernel - (size + 2 * padding), 0)
 
 
+@register_lowering(aten._upsample_bilinear2d_aa.default)
+def upsample_bilinear_antialiased(inputs, output_size, align_corners, scales_h=None, scales_w=None):
+    """`F.interpolate(..., mode="bilinear", antialias=True)`: TIPSv2's and Siglip2's position embeddings."""
+    return _resample_antialiased(aten._upsample_bilinear2d_aa.default, "linear", inputs, output_size, align_corners, scales_h, scales_w)
+
+
+@register_lowering(aten._upsample_bicubic2d_aa.default)
+def upsample_bicubic_antialiased(inputs, output_size, align_corners, scales_h=None, scales_w=None):
+    """`F.interpolate(..., mode="bicubic", antialias=True)`: DINOv2-with-registers' position embeddings."""
+    return _resample_antialiased(aten._upsample_bicubic2d_aa.default, "cubic", inputs, output_size, align_corners, scales_h, scales_w)
+
+
+def _resample_antialiased(operator, method: str, inputs, output_size, align_corners, scales_h, scales_w):
+    """torch's antialiased resampling of the last two dims, by jax.image.scale_and_translate.
+
+    torchax's lowering calls a copy of JAX's resampling that predates JAX's kernel table holding
+    (kernel, radius) pairs, and fails with "'tuple' object is not callable". jax.image's own
+    function is torch's antialiased resampling: a triangle (bilinear) or Keys cubic with a = -0.5
+    (bicubic) filter, widened by the scale when downsampling, sampled at pixel centres and
+    normalized over the input. align_corners and symbolic sizes go to torchax's lowering.
+    """
+    spatial = inputs.shape[-2:]
+    if align_corners or not all(isinstance(size, int) for size in (*spatial, *output_size)):
+        return torchax_lowering(operator)(inputs, output_size, align_corners, None, scales_h, scales_w)
+    # torch's scale is output over input unless the call gave its own (scale_factor without recompute).
+    scale = [given if given else out / size for given, out, size in zip((scales_h, scales_w), output_size, spatial)]
+    return jax.image.scale_and_translate(inputs, (*inputs.shape[:-2], *output_size), (inputs.ndim - 2, inputs.ndim - 1),
+                                         jnp.asarray(scale, jnp.float32), jnp.zeros(2, jnp.float32), method,
+                                         antialias=True, precision=jax.lax.Precision.HIGHEST)
+
+
 @register_lowering(aten._grouped_mm.default)
 def grouped_mm(inputs, weights, offsets=None, bias=None, out_dtype=None):
     """`torch._grouped_mm` as mixture-of-experts layers call it: rows of `inputs` (M, K), sorted by

@@ -6,6 +6,8 @@ Passes, in order:
                      definitions), then torchax's own; scaled_dot_product_attention is kept
                      whole and lowered by attention.py
   expand_convolution_arguments  one stride/padding/dilation per spatial dim
+  fold_constant_assertions  runtime assertions on the program's constants (torch.distributions'
+                     parameter checks) evaluated once and dropped (assertions.py)
   check_operators    every operator without a lowering, reported at once with user source lines
   unmerge_batched_matmuls  bmm over merged (batch, heads) dims back to one matmul over both, so
                      that sharding propagation sees them (after the FLOPs are counted on the bmm)
@@ -49,6 +51,7 @@ from tpuexport.arrays import to_numpy
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError
 from tpuexport.export.guards import narrowed_range
 from tpuexport.lower import aten_lowerings, attention, control_flow, symbolic_ops  # noqa: F401  (they register tpuexport's own lowerings)
+from tpuexport.lower.assertions import fold_constant_assertions
 from tpuexport.lower.cost import matmul_flops_expression
 from tpuexport.lower.cpu_program import cpu_program, state_positions
 from tpuexport.lower.custom_ops import custom_operator_decompositions
@@ -347,7 +350,7 @@ def lower(
         raise TpuExportError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     if matmul_precision not in MATMUL_PRECISIONS:
         raise TpuExportError(f"unknown matmul precision {matmul_precision!r}; use one of {', '.join(MATMUL_PRECISIONS)}")
-    decomposed = expand_convolution_arguments(decompose(reshape_views(program)))
+    decomposed = fold_constant_assertions(expand_convolution_arguments(decompose(reshape_views(program))))
     check_operators(decomposed)
     # torch's FLOP counter knows bmm, not the matmul the next pass makes of it.
     flops = matmul_flops_expression(decomposed, signature)
