@@ -30,7 +30,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": f"--xla_force_host_pl
 # A tensor-parallel split of the example MLP's first two layers, with the batch over data.
 RULES = [r"layers\.0\.weight=model,None", r"layers\.0\.bias=model", r"layers\.2\.weight=None,model"]
 PROMPTS = [[5, 17, 42, 7, 9], [3, 1]]
-TIMEOUT = 20
+TIMEOUT = 12
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,8 @@ from tpuexport.arrays import load_arrays
 from tpuexport.export.paged import PagedKVCache, paged_mask
 from tpuexport.lower.generation import cpu_runner
 from tpuexport.lower.paged import PagedSession
+from tpuexport.runtime.entry_points import choose_bucket, entry_points
+from tpuexport.runtime.runner import Runner
 from tpuexport.verify.generation import compare_run, stored_cases
 from tpuexport.verify.paged_generation import teacher_forced_logits
 from tpuexport.verify.tolerances import default_tolerances
@@ -33,6 +35,13 @@ PAGED = dict(task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATC
              buckets={"tokens": [TOKENS], "rows": [MAX_BATCH]})
 # A 4-chip v5e slice, tensor-parallel over model=2 (the tiny Llama's 2 kv heads) with 2 replicas, and its CPU twin.
 SLICE = dict(sharding="tensor-parallel", mesh="model=2,replica=2")
+LLAMA_FACTORY = """import torch, transformers
+
+def build():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)).eval()
+"""
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +130,7 @@ def test_a_slice_steps_with_each_chip_holding_its_heads_pages(paged):
         plan = manifest["targets"][target]["sharding"]["step"]
         assert plan["inputs"]["cache_kv"] == [None, None, None, "model"] and plan["inputs"]["tokens"] == []
         [step] = [bucket for bucket in manifest["targets"][target]["buckets"] if bucket["entry_point"] == "step"]
-        # A chip's heads' share of its target's pages: v5e-4's as many as a chip's HBM holds (tests/test_paged_pages.py), the
+        # A chip's heads' share of its target's pages: v5e-4's as many as a chip's HBM holds (below), the
         # CPU twins' the verified count.
         pages, verified = step["sizes"]["pages"], manifest["generation"]["num_pages"]
         assert (pages > 1000 * verified) if target == "v5e-4" else (pages == verified)
@@ -134,6 +143,61 @@ def test_a_slice_steps_with_each_chip_holding_its_heads_pages(paged):
     assert state["target"] == "cpu-4" and state["devices"] == 4 and state["compilations"] == 0
     sharded, single = state["tokens"]
     assert sharded == single and [list(row) for row in zip(*sharded)] == artifact.generate(prompts, 6, ignore_eos=True)
+
+
+def step_record(artifact, target: str) -> dict:
+    (record,) = [bucket for bucket in artifact.manifest["targets"][target]["buckets"] if bucket["entry_point"] == "step"]
+    return record
+
+
+def test_a_tpu_target_gets_the_pages_its_hbm_holds(paged):
+    """Each v5e-4 chip's step compiled at the largest count that fitted among its probes (each larger one
+    refused by XLA or past the chip's HBM), far above the verified count (tasks/page_count.py); its record
+    and `inspect` say why; a v5e-4 host's runner (its executables not loaded: no TPU here) drives a session
+    over those pages, whose step inputs pick the bucket compiled at that count."""
+    artifact, _ = paged
+    record = step_record(artifact, "v5e-4")
+    pages, sized, verified = record["sizes"]["pages"], record["paged_step"]["num_pages_sized"], artifact.manifest["generation"]["num_pages"]
+    hbm = 16 * 2**30
+    assert record["paged_step"]["num_pages"] == sized["num_pages"] == record["paged_step"]["pages_fit"] == pages > 1000 * verified
+    assert record["memory"]["total_bytes"] <= hbm == sized["hbm_bytes"]
+    probes = sized["probes"]
+    assert probes[0] == [verified, probes[0][1]] and max(count for count, total in probes if total is not None and total <= hbm) == pages
+    assert all(total is None or total > hbm for count, total in probes if count > pages)
+    assert sized["temp_bytes"] == record["memory"]["temp_bytes"]
+    inspected = tpuexport_in_process("inspect", artifact.path, cwd=artifact.path.parent)
+    assert inspected.returncode == 0 and f"v5e-4: {pages} pages (fit v5e-4's HBM of 16.0 GiB per device" in inspected.stdout.replace("\n", " ")
+    v5e = Runner(artifact, "v5e-4", entry_points(artifact.records, "v5e-4"), {}, [], None, 0.0, (), 0)
+    assert v5e.generation_program.spec.num_pages == pages and v5e.generation_program.spec.cache_shape[1] == pages
+    assert choose_bucket(v5e.entry_points["step"], {"tokens": TOKENS, "rows": MAX_BATCH, "pages": pages}).sizes["pages"] == pages
+
+
+def test_a_cpu_target_keeps_the_verified_count_and_generates_as_generate(paged):
+    """The cpu target's step takes the verified count (the manifest's num_pages: max batch rows of max
+    context), its runner's session holds that many pages, and it generates generate()'s greedy tokens."""
+    artifact, model = paged
+    verified = MAX_BATCH * MAX_CONTEXT // PAGE_SIZE
+    assert artifact.manifest["generation"]["num_pages"] == verified == step_record(artifact, "cpu")["sizes"]["pages"]
+    assert step_record(artifact, "cpu")["paged_step"]["num_pages_sized"] is None
+    runner = tpuexport.runner(artifact, target="cpu")
+    assert runner.generation_program.spec.num_pages == verified
+    prompts = [[3, 9, 27, 81, 243, 1, 2, 3, 4, 5, 6], [7, 8]]
+    expected = [model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+                for prompt in prompts]
+    assert [[token for token in row if token is not None] for row in zip(*runner.stream(prompts, 6))] == expected
+
+
+def test_num_pages_given_is_every_targets_count(tmp_path):
+    """--num-pages N (a plan here: no weights, nothing verified) compiles v5e at N too, with no probe, and
+    the convert summary says so."""
+    (tmp_path / "lm.py").write_text(LLAMA_FACTORY)
+    result = tpuexport_in_process("convert", f"{tmp_path / 'lm.py'}:build", "--task", "text-generation", "--max-context", MAX_CONTEXT,
+                                  "--max-batch", MAX_BATCH, "--kv-cache", "paged", "--page-size", PAGE_SIZE, "--num-pages", 40,
+                                  "--bucket", f"tokens={TOKENS}", "--target", "v5e", "--no-weights", "-o", tmp_path / "lm.tpu", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    record = step_record(tpuexport.load(tmp_path / "lm.tpu"), "v5e")
+    assert record["sizes"]["pages"] == record["paged_step"]["num_pages"] == 40 and record["paged_step"]["num_pages_sized"] is None
+    assert "KV cache pages on v5e: 40 pages" in result.stderr.replace("\n", " ")
 
 
 def test_two_hosts_step_over_the_pages_as_one_device_does(paged):

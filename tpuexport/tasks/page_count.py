@@ -6,7 +6,7 @@ are compiled at that target's own count, found here in the target's compile thre
 executables compile. The largest step bucket is compiled at the small count first; the rest of the
 device's HBM, at the bytes a page takes there (XLA's aliased cache bytes: the TPU pads a page's lanes),
 gives a first count. Its compile is the check: XLA's temporaries are not independent of the count
-(the tiny Llama of tests/test_paged_pages.py on v5e: 1.5 MiB of temporaries up to 16384 pages, then
+(the tiny Llama of tests/test_paged.py on v5e: 1.5 MiB of temporaries up to 16384 pages, then
 about twice the cache, as XLA stops updating the cache in place), so a count that does not fit is
 narrowed by regula falsi between the largest count that fitted and the smallest that did not, a few
 compiles at most. The count kept always fitted when compiled. CPU targets (and CPU twins) keep the
