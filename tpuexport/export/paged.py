@@ -273,14 +273,14 @@ class PagedKVCache:
         _, kv_heads, count, head_dim = new_keys.shape
         # [tokens, kv_heads, 2, head_dim]: per head, its keys then its values (the lanes' order).
         new = torch.stack([new_keys[0].transpose(0, 1), new_values[0].transpose(0, 1)], dim=2)
-        gathered = self.cache[layer][self.page_indices].reshape(-1, 2 * kv_heads * head_dim)
+        gathered = _layer_pages(self.cache, layer, self.page_indices).reshape(-1, 2 * kv_heads * head_dim)
         if self.scales is None:
             self.pending.append((layer, new.reshape(count, -1).to(self.cache.dtype), None))
         else:
             stored, scale = quantize_kv(new, self.scales.dtype)
             self.pending.append((layer, stored.reshape(count, -1), scale.reshape(count, -1)))
             new = dequantize_kv(stored, scale, new_keys.dtype)
-            scales = self.scales[layer][self.page_indices].reshape(-1, 2 * kv_heads)
+            scales = _layer_pages(self.scales, layer, self.page_indices).reshape(-1, 2 * kv_heads)
             gathered = dequantize_kv(gathered.reshape(-1, 2 * kv_heads, head_dim), scales, new_keys.dtype)
         gathered = gathered.reshape(-1, kv_heads, 2 * head_dim)
         keys, values = (part.transpose(0, 1)[None].to(new_keys.dtype) for part in gathered.split(head_dim, dim=2))
@@ -295,6 +295,14 @@ class PagedKVCache:
             if scale is not None:
                 scales = write_pages(scales, scale, layer, self.slots)
         return [cache] if scales is None else [cache, scales]
+
+
+def _layer_pages(cache: torch.Tensor, layer: int, page_indices: torch.Tensor) -> torch.Tensor:
+    """`cache[layer][page_indices]` as one gather from the whole cache (its layers and pages merged: a
+    bitcast). Sliced per layer first, XLA puts every layer's slice in a buffer of its own (the writes
+    after the last layer may come before its reads): a cache-sized temporary on the TPU once the cache
+    outgrows VMEM (benchmarks/studies/paged_cache_layout.py)."""
+    return cache.flatten(0, 1)[page_indices + layer * cache.shape[1]]
 
 
 def paged_mask(token_rows: torch.Tensor, positions: torch.Tensor, kv_lens: torch.Tensor, row_positions: int,
