@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -22,6 +24,8 @@ import tpuexport
 from tpuexport.cli import describe_memory_budget, describe_peak_memory
 from tpuexport.errors import TpuExportError
 from conftest import build_example
+from tpuexport.lower.cpu_dots import fold_transposes_into_dots
+from tpuexport.lower.stablehlo_rewrite import rewrite_module
 from tpuexport.export import LoadedSource, SourceInfo, load_source, open_checkpoint
 from tpuexport.memory import UNKNOWN_PEAK, MemoryMonitor, PeakMemory, memory_budget, resident_bytes
 from tpuexport.pipeline import ConversionOptions, lower_forward, passes
@@ -341,3 +345,44 @@ def test_a_hugging_face_directorys_checkpoint_is_unmapped_when_released(tmp_path
     checkpoint.release()
     assert weights not in mapped_files()
     assert checkpoint[name].numel() and weights in mapped_files()
+
+
+def test_cpu_runs_read_a_transposed_weight_in_place(tmp_path):
+    """torch's linear is x @ weight.T: XLA:CPU wrote each transposed weight out, in f32 for a bfloat16
+    one (1 GiB for Llama-3.2-1B's head, per run). The CPU program's dots read the weight as it is
+    (lower/cpu_dots.py): the run's temporaries are below the weight's own size, where the program as
+    exported needs its f32 transposed copy, and the outputs are the same products summed in f32."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 8192, bias=False).to(torch.bfloat16).eval()
+    batch = torch.export.Dim("batch", min=1, max=8)
+    example = torch.randn(4, 256, dtype=torch.bfloat16)
+    loaded = LoadedSource(model, (example,), {"input": {0: batch}}, None, SourceInfo("api"))
+    options = ConversionOptions(("cpu",), tmp_path / "linear.tpu", saved_model=False)
+    with passes(loaded, options, "lower") as conversion:
+        lowered = lower_forward(conversion.captured["serving_default"], options).lowered
+    weight_bytes = 8192 * 256 * 2
+    inputs = [jax.ShapeDtypeStruct((4, 256), jnp.bfloat16)]
+    as_exported = jax.jit(lowered.exported.call).lower(list(lowered.weights), inputs).compile()
+    assert as_exported.memory_analysis().temp_size_in_bytes >= 2 * weight_bytes  # the f32 transposed copy this removes
+
+    assert lowered.run_temporary_bytes({"batch": 4}) < weight_bytes / 8
+
+    (output,) = lowered.run([example.float().numpy()])
+    expected = torch.nn.functional.linear(example.double(), model.weight.detach().double()).numpy()
+    np.testing.assert_allclose(output.astype(np.float64), expected, rtol=2**-7, atol=1e-3)
+
+
+def test_a_transpose_folds_into_a_dot_only_where_the_result_keeps_its_dim_order():
+    """A dot lists its operands' free dims in their own order: a transposed weight's single free dim
+    folds; swapped free dims of a 3-d operand would reorder the result, so that transpose stays."""
+    generator = np.random.default_rng(0)
+    x = generator.standard_normal((3, 16)).astype(np.float32)
+    w = generator.standard_normal((5, 7, 16)).astype(np.float32)
+    folds_expected = {lambda x, w: jax.lax.dot_general(x, w[0].T, (((1,), (0,)), ((), ()))): 1,
+                      lambda x, w: jax.lax.dot_general(x, jnp.transpose(w, (1, 0, 2)), (((1,), (2,)), ((), ()))): 0}
+    for function, expected in folds_expected.items():
+        exported = jax.export.export(jax.jit(function))(x, w)
+        folds = []
+        rewritten = rewrite_module(exported, lambda module: folds.append(fold_transposes_into_dots(module)))
+        assert folds == [expected]
+        np.testing.assert_allclose(rewritten.call(x, w), exported.call(x, w), rtol=1e-5)

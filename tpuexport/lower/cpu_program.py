@@ -16,6 +16,9 @@ an update carries that array as ui16, and the program's state arrays (an input a
 same name, the KV cache) are taken and returned as ui16: the bitcast pairs between them cancel, so
 XLA:CPU sees ui16 updates of an argument and does them in place. It is the same function, bit for
 bit. TPUs compile the artifact's own program; this one is never written to an artifact.
+
+Its dots also read transposed weights in place (cpu_dots.py) instead of XLA:CPU writing each
+transposed weight out in f32 first.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 
+from tpuexport.lower.cpu_dots import fold_transposes_into_dots
 from tpuexport.lower.stablehlo_rewrite import ops_named, rewrite_module
 
 
@@ -56,7 +60,8 @@ def state_positions(input_names: Sequence[str], output_names: Sequence[str], inp
 
 
 def cpu_program(exported: jax.export.Exported, weights: int, state: Sequence[tuple[int, int]]) -> CpuProgram:
-    """The program with its bfloat16 updates done on bit patterns (module docstring).
+    """The program with its bfloat16 updates done on bit patterns and its dots reading transposed
+    operands in place (module docstring).
 
     Args:
       exported: the program, called as (weights, inputs).
@@ -64,28 +69,33 @@ def cpu_program(exported: jax.export.Exported, weights: int, state: Sequence[tup
       state: (input position, output position) pairs taken and returned as bit patterns
         (state_positions).
     Returns:
-      The CpuProgram; `exported` itself, unchanged, when it updates no bfloat16 array.
+      The CpuProgram; `exported` itself, unchanged, when it updates no bfloat16 array and has no
+      transposed dot operand.
     """
     kept = sorted(exported.module_kept_var_idx)
     state = [(position, output) for position, output in state if weights + position in kept]  # an unused input stays as it is
     updates: list[ir.Operation] = []
+    folded: list[int] = []
 
     def edit(module: ir.Module) -> None:
+        folded.append(fold_transposes_into_dots(module))
         updates.extend(op for op in ops_named(module, ("stablehlo.dynamic_update_slice",))
                        if isinstance(ir.RankedTensorType(op.result.type).element_type, ir.BF16Type))
         for update in updates:
             _update_as_bits(update)
         for loop in ops_named(module, ("stablehlo.while",)):
             _carry_updates_as_bits(loop)
-        _state_as_bits(_main(module), [weights + position for position, _ in state], [output for _, output in state], kept)
+        if updates:
+            _state_as_bits(_main(module), [weights + position for position, _ in state], [output for _, output in state], kept)
 
     avals_in, avals_out = list(exported.in_avals), list(exported.out_avals)
     for position, output in state:
         avals_in[weights + position] = avals_in[weights + position].update(dtype=np.dtype(np.uint16))
         avals_out[output] = avals_out[output].update(dtype=np.dtype(np.uint16))
     rewritten = rewrite_module(exported, edit, in_avals=tuple(avals_in), out_avals=tuple(avals_out))
-    if not updates:
-        return CpuProgram(exported)
+    if not updates:  # the state stays bfloat16, as the Exported's own signature has it
+        return CpuProgram(dataclasses.replace(rewritten, in_avals=exported.in_avals, out_avals=exported.out_avals)
+                          if folded[0] else exported)
     return CpuProgram(rewritten, tuple(position for position, _ in state), tuple(output for _, output in state))
 
 
