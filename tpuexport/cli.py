@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import logging
 import pathlib
 import sys
 import warnings
@@ -27,10 +26,8 @@ def handles_errors(command):
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        # torch and jax warn about their own internals; a user of the command cannot act on it. torch
-        # also logs them: its pytree registry on every conversion, as transformers imports torchao.
+        # torch and jax warn about their own internals; a user of the command cannot act on it.
         warnings.filterwarnings("ignore")
-        logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
         try:
             return command(*args, **kwargs)
         except TpuExportError as error:
