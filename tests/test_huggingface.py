@@ -11,10 +11,11 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
-from tpuexport import TpuExportError
+from tpuexport import TpuExportError, convert
 from tpuexport.export import load_source
 from tpuexport.export.huggingface import longest_positions
 from test_cli import tpuexport_in_process  # the command line, in this process (the hf: sources below run the command itself)
@@ -249,3 +250,21 @@ def test_an_encoder_decoder_exports_without_a_cache_from_its_directory(tmp_path,
     eager = captured.reference(*captured.example_inputs)
     assert eager["last_hidden_state"].shape[:2] == captured.example_inputs[2].shape
     assert not any("past_key_values" in name for name in eager)
+
+
+def test_a_model_in_memory_converts_its_forward_as_its_directory_would(models, tmp_path):
+    """A causal LM handed to convert() with example args returns a cache object from its own forward,
+    which torch.export cannot output: it is called as a directory's model is (inputs by name, no
+    cache built, its output tensors by field name), and the user's model is left as it was."""
+    model = transformers.LlamaForCausalLM.from_pretrained(models["llama"]).eval()
+    assert model.config.use_cache
+    input_ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    seq = torch.export.Dim("seq", min=2, max=16)
+    artifact = convert(model, (input_ids,), {"input_ids": {1: seq}}, target="cpu", out=tmp_path / "llama.tpu", saved_model=False,
+                       verify_budget_flops=0)
+    assert [spec["name"] for spec in artifact.manifest["entry_points"]["serving_default"]["signature"]["outputs"]] == ["logits"]
+    assert artifact.manifest["verification"]["passed"] and model.config.use_cache
+    tokens = input_ids[:, :5]
+    outputs = artifact.run(tokens)
+    with torch.no_grad():
+        np.testing.assert_allclose(outputs["logits"].numpy(), model(tokens).logits.numpy(), rtol=1e-4, atol=1e-4)

@@ -13,6 +13,7 @@ from tpuexport.artifact import Artifact
 from tpuexport.compile import make_request
 from tpuexport.errors import TpuExportError
 from tpuexport.export import DEFAULT_CACHE_LAYOUT, LoadedSource, SourceInfo, open_checkpoint
+from tpuexport.export.huggingface import forward_without_cache
 from tpuexport.memory import memory_budget
 from tpuexport.pipeline import ConversionOptions, run_conversion
 from tpuexport.verify import DEFAULT_BUDGET_FLOPS, DEFAULT_NEW_TOKENS
@@ -66,7 +67,9 @@ def convert(
 
     Args:
       model: an nn.Module (with `args` and `dynamic_shapes` in torch.export's own format) or a
-        torch.export.ExportedProgram (which carries its own example inputs and dims).
+        torch.export.ExportedProgram (which carries its own example inputs and dims). A transformers
+        model's forward is called as a directory's is: `args` are its first forward arguments by
+        name, no cache is built, and the outputs are its output tensors by field name ("logits").
       args: example positional inputs for an nn.Module.
       dynamic_shapes: torch.export dynamic_shapes (torch.export.Dim objects name the dims).
       target: a TPU target name or a list of them: single chips ("v4", "v5e", "v5p", "v6e", "7x")
@@ -154,6 +157,8 @@ def convert(
     if task != "text-generation" and not isinstance(model, torch.export.ExportedProgram) and args is None:
         raise TpuExportError("convert(model) needs args=(example inputs,) for an nn.Module")
     opened = open_checkpoint(checkpoint) if checkpoint is not None else None
+    if task == "forward" and opened is None:  # with a checkpoint, the model's own names are the checkpoint's
+        model = forward_without_cache(model, len(args or ()))
     loaded = LoadedSource(model, tuple(args) if args is not None else None, dynamic_shapes, None,
                           SourceInfo("api", checkpoint=opened.name if opened else None), checkpoint=opened)
     targets = (target,) if isinstance(target, str) else tuple(target)

@@ -39,6 +39,7 @@ import logging
 import os
 import pathlib
 import re
+import sys
 from typing import Callable
 
 import torch
@@ -748,6 +749,17 @@ def named_forward(model: torch.nn.Module, input_names: tuple[str, ...]) -> torch
     forward.__signature__ = inspect.Signature(parameters)
     named = type(type(model).__name__ + "Forward", (_NamedForward,), {"forward": forward})
     return named(model, input_names)
+
+
+def forward_without_cache(model, positional: int):
+    """A transformers model handed to `tpuexport.convert` with example args, called as a directory's
+    model is (named_forward: its first `positional` forward arguments by name, no cache built, its
+    output tensors by field name): its own forward returns a cache object torch.export cannot
+    output. Any other model is returned as it is."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return model
+    return named_forward(model, tuple(list(inspect.signature(model.forward).parameters)[:positional]))
 
 
 class _Renamed(Checkpoint):
