@@ -31,6 +31,7 @@ from tpuexport.export.huggingface import generation_context
 from tpuexport.lower import generation as lowered_generation
 from tpuexport.lower.cpu_dots import fold_transposes_into_dots
 from tpuexport.lower.cpu_program import cpu_program, state_positions
+from tpuexport.lower.lowering import DeviceState
 from tpuexport.lower.stablehlo_rewrite import rewrite_module
 from tpuexport.verify import verify_generation
 from tpuexport.verify.generation import cpu_runs, plan_prompts, teacher_forced_runs
@@ -372,6 +373,7 @@ def test_cpu_runs_write_a_bf16_cache_in_place():
         actual = lowered.run(arrays)
 
         for output, reference in zip(actual, expected):
+            output = np.asarray(output)  # the cache: a DeviceState
             np.testing.assert_array_equal(output.view(np.uint16) if output.dtype == jax.numpy.bfloat16 else output,
                                           np.asarray(reference).view(np.uint16) if reference.dtype == jax.numpy.bfloat16 else reference)
         specs = lowered.signature.inputs
@@ -381,6 +383,25 @@ def test_cpu_runs_write_a_bf16_cache_in_place():
         state_args = [jax.numpy.asarray(array.view(np.uint16)) if position in cpu.bits_inputs else array for position, array in enumerate(args)]
         compiled = jax.jit(cpu.exported.call).lower(weights, state_args).compile()
         assert set(cache_updates.findall(compiled.as_text())) == {("ROOT ", "u16")}
+
+
+def test_a_cpu_runs_cache_is_updated_where_it_lies():
+    """A decode step's bfloat16 cache comes back on the device (a DeviceState) and, passed to the next
+    step, is donated to it: the step writes into the same buffer, so verification holds one cache,
+    not the step's input and its output (2 GiB at Llama-3.2-1B's 8 x 4096 context)."""
+    model = tiny_llama().to(torch.bfloat16)
+    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
+    decode = lowered_entry_point(export_stage.entry_point_modules(model, spec)["decode"], spec, "decode")
+    cache = np.random.default_rng(0).standard_normal(spec.cache_shape).astype(jax.numpy.bfloat16)
+    tokens, positions = np.array([3, 4]), np.array([16, 5])
+    _, *first = decode.run([tokens, positions, cache, cache])
+    assert all(isinstance(state, DeviceState) for state in first)
+    buffers = [state.bits.unsafe_buffer_pointer() for state in first]
+    logits, *second = decode.run([tokens, positions + 1, *first])
+    assert all(state.bits.is_deleted() for state in first)  # donated
+    assert [state.bits.unsafe_buffer_pointer() for state in second] == buffers
+    _, *again = decode.run([tokens, positions + 1, *decode.run([tokens, positions, cache, cache])[1:]])
+    np.testing.assert_array_equal(np.asarray(second[0]).view(np.uint16), np.asarray(again[0]).view(np.uint16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

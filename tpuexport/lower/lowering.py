@@ -90,6 +90,31 @@ RUN_COMPILER_OPTIONS = {**CPU_COMPILER_OPTIONS, "xla_cpu_scheduler_type": "CPU_S
 
 
 @dataclasses.dataclass(frozen=True)
+class DeviceState:
+    """Updated bfloat16 state a CPU run returns (LoweredProgram.run): its bit patterns, still on the
+    device, for the next run to take and update in place.
+
+    Attributes:
+      bits: the uint16 bit patterns, a jax.Array (donated to the run it is passed to).
+    """
+
+    bits: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.bits.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(ml_dtypes.bfloat16)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """The values as numpy bfloat16 (a copy: the state stays usable)."""
+        values = np.array(self.bits).view(ml_dtypes.bfloat16)
+        return values if dtype is None else values.astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
 class LoweredProgram:
     """The lowering stage's result: a portable program and the weights it is called with.
 
@@ -208,15 +233,21 @@ class LoweredProgram:
         # weights memory-mapped from the artifact are not held twice.
         return [jax.device_put(weight) for weight in self.weights]
 
-    def run(self, inputs: Sequence[np.ndarray], program: jax.export.Exported | None = None) -> list[np.ndarray]:
+    def run(self, inputs: Sequence[np.ndarray], program: jax.export.Exported | None = None) -> list:
         """Runs the program on CPU.
 
+        State the program updates (a bfloat16 KV cache: an input and an output of the same name,
+        cpu_program.py) comes back as a `DeviceState`; passed back as the next run's input it is
+        donated to that run, which updates it in place: a session's cache exists once, not once as
+        the input and again as the output of every step.
+
         Args:
-          inputs: one array per signature input (cast to the artifact dtype here).
+          inputs: one array per signature input (cast to the artifact dtype here), or for state a
+            DeviceState an earlier run returned.
           program: another Exported with this one's signature and weights to run instead (e.g.
             its TPU-faithful rewrite), or None.
         Returns:
-          One numpy array per output, in the model's output dtypes.
+          One numpy array per output, in the model's output dtypes; a DeviceState for updated state.
         Raises:
           TpuExportError: a plan without weights, wrong number of inputs, or sizes outside the
             dims' ranges.
@@ -227,22 +258,24 @@ class LoweredProgram:
         specs = self.signature.inputs
         if len(inputs) != len(specs):
             raise TpuExportError(f"the program takes {len(specs)} inputs ({', '.join(s.name for s in specs)}), got {len(inputs)}")
-        arrays = [np.asarray(value) for value in inputs]
+        arrays = [value if isinstance(value, DeviceState) else np.asarray(value) for value in inputs]
         try:
             self.signature.sizes_of([array.shape for array in arrays])
         except ValueError as error:
             raise TpuExportError(f"input shapes do not fit the program: {error}") from None
         for array, spec in zip(arrays, specs):
-            _check_dtype_kind(array, spec)
-            _check_integer_range(array, spec)
-        inputs = [array.astype(spec.dtype, copy=False) for array, spec in zip(arrays, specs)]
-        executable, cpu = self._compiled(program or self.exported, tuple((a.shape, a.dtype) for a in inputs))
-        # The state goes in as bit patterns (cpu_program.py), without a copy (device_put runs an aligned array in place).
-        state = [jax.device_put(inputs[position].view(np.uint16)) for position in cpu.bits_inputs]
+            if not isinstance(array, DeviceState):
+                _check_dtype_kind(array, spec)
+                _check_integer_range(array, spec)
+        inputs = [array if isinstance(array, DeviceState) else array.astype(spec.dtype, copy=False) for array, spec in zip(arrays, specs)]
+        executable, cpu = self._compiled(program or self.exported, tuple((a.shape, np.dtype(s.dtype)) for a, s in zip(inputs, specs)))
+        # The state goes in as bit patterns (cpu_program.py): numpy's copied once onto the device, a
+        # DeviceState's as it is (then donated: it is used up).
+        state = [inputs[position].bits if isinstance(inputs[position], DeviceState) else jax.device_put(inputs[position].view(np.uint16))
+                 for position in cpu.bits_inputs]
         others = [None if position in cpu.bits_inputs else jnp.asarray(array) for position, array in enumerate(inputs)]
         outputs = executable(self._device_weights, others, state)
-        return [np.asarray(output).view(ml_dtypes.bfloat16) if position in cpu.bits_outputs else np.asarray(output)
-                for position, output in enumerate(outputs)]
+        return [DeviceState(output) if position in cpu.bits_outputs else np.asarray(output) for position, output in enumerate(outputs)]
 
     def run_temporary_bytes(self, sizes: dict[str, int], program: jax.export.Exported | None = None) -> int:
         """The temporaries XLA:CPU's executable of a `run` at these dim sizes needs (its memory
@@ -275,7 +308,7 @@ class LoweredProgram:
                          for position, (shape, dtype) in enumerate(input_types)]
             others = [None if position in cpu.bits_inputs else argument for position, argument in enumerate(arguments)]
             state = [arguments[position] for position in cpu.bits_inputs]
-            executable = (jax.jit(call).lower(self._device_weights, others, state)
+            executable = (jax.jit(call, donate_argnums=2).lower(self._device_weights, others, state)
                           .compile(compiler_options=RUN_COMPILER_OPTIONS))
             self._executables[key] = (program, executable, cpu)
         return self._executables[key][1:]
