@@ -474,3 +474,40 @@ def test_a_guard_sympy_cannot_evaluate_still_gives_the_one_line_explanation():
                "Not all values of batch = L['y'].size()[0] in the specified range batch <= 64 satisfy the generated guard "
                "((-1) + L['y'].size()[0]) != 1")
     assert excluded_sizes(message) == {"batch": 2}
+
+
+class VanishingThenNormalized(torch.nn.Module):
+    """Activations of about 1e-30 divided by their L2 norm, as ALIGN's random tiny image tower gives
+    its embeddings (each block scales them by ~1e-4 down to 1e-24): the squares underflow in f32, the
+    norm is 0 and eager PyTorch's output is +-inf everywhere. Pairs of weight rows differ below
+    bfloat16's resolution, so the TPU's one-pass products cancel where f32's do not (NaN for +-inf)."""
+
+    def __init__(self):
+        super().__init__()
+        rows = torch.randn(4, 8).to(torch.bfloat16).float()  # exact in bfloat16: the + 1e-4 share rounds away
+        self.linear = torch.nn.Linear(8, 8, bias=False)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.stack([rows, rows * (1 + 1e-4)], dim=1).reshape(8, 8))
+
+    def forward(self, x):
+        y = self.linear(x)
+        vanished = (y[:, 1::2] - y[:, 0::2]) * 1e-25
+        return vanished / vanished.norm(dim=-1, keepdim=True)
+
+
+def test_a_departure_only_where_eager_pytorch_is_not_finite_says_so(tmp_path):
+    """ALIGN's tiny model failed verification in the TPU run only, with the hint to raise the matmul
+    precision; but its reference itself was inf (a norm underflowing to 0), and the TPU run departed
+    where an infinity's sign flipped. The failure now says eager PyTorch's own output is inf or NaN
+    there, and blames no matmul precision."""
+    torch.manual_seed(0)
+    model = VanishingThenNormalized().eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert not torch.isfinite(model(x)).any()
+    with pytest.raises(tpuexport.VerificationError) as failure:
+        tpuexport.convert(model, (x,), saved_model=False, out=tmp_path / "model.tpu")
+    message = str(failure.value)
+    assert "(tpu run)" in message and "(cpu run)" not in message, message
+    assert "eager PyTorch's own 'output_0' is inf or NaN at 8 of the elements the runs depart at (static shapes)" in message, message
+    assert "--matmul-precision" not in message, message
