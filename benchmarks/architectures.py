@@ -343,7 +343,10 @@ def tiny_config(model_type: str, level: int):
 
 
 def _eager_check(model, task: str) -> None:
-    """One eager forward on the inputs tpuexport gives the model (a causal LM: a short prompt)."""
+    """One eager forward on the inputs tpuexport gives the model (a causal LM: a short prompt), whose
+    float outputs must be finite: a random tiny model can overflow or underflow where a trained one
+    does not (ALIGN's image tower scales its activations by ~1e-4 a block to 1e-24, and the L2 norm of
+    its embeddings underflows to 0: every embedding +-inf), and verification cannot check such outputs."""
     import torch
 
     from tpuexport.export.huggingface import forward_program
@@ -351,10 +354,16 @@ def _eager_check(model, task: str) -> None:
     with torch.no_grad():
         if task == "text-generation":
             vocab = model.config.get_text_config().vocab_size
-            model(input_ids=torch.randint(1, vocab, (1, 8)), use_cache=False)
+            outputs = model(input_ids=torch.randint(1, vocab, (1, 8)), use_cache=False)
         else:
             wrapped, args, _ = forward_program(model)
-            wrapped(*args)
+            outputs = wrapped(*args)
+    pytree = torch.utils._pytree
+    leaves, _ = pytree.tree_flatten_with_path(dict(outputs) if isinstance(outputs, dict) else outputs)
+    not_finite = [pytree.keystr(path) for path, leaf in leaves
+                  if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and not torch.isfinite(leaf).all()]
+    if not_finite:
+        raise FloatingPointError(f"eager outputs {', '.join(not_finite)} hold inf or NaN at the tiny config")
 
 
 def tiny_model(model_type: str):

@@ -511,3 +511,51 @@ def test_a_departure_only_where_eager_pytorch_is_not_finite_says_so(tmp_path):
     assert "(tpu run)" in message and "(cpu run)" not in message, message
     assert "eager PyTorch's own 'output_0' is inf or NaN at 8 of the elements the runs depart at (static shapes)" in message, message
     assert "--matmul-precision" not in message, message
+
+
+def test_a_decoder_whose_layers_keep_no_kv_cache_names_the_full_sequence_workaround(tmp_path):
+    """MiniMax's linear-attention layers keep no KV cache: refused for text generation in one line that
+    names the workaround, its full-sequence forward (which converts: the test below)."""
+    config = transformers.MiniMaxConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+                                        max_position_embeddings=32, layer_types=["linear_attention", "full_attention"])
+    with pytest.raises(TpuExportError, match=r"MiniMaxForCausalLM has linear_attention layers, .* do not support yet .*; "
+                                             r"its full-sequence forward may convert \(--task feature-extraction\)$"):
+        tpuexport.convert(transformers.MiniMaxForCausalLM(config).eval(), task="text-generation", out=tmp_path / "lm.tpu")
+
+
+class BlockLoop(torch.nn.Module):
+    """Walks the sequence in blocks as MiniMax's lightning attention does, each ending at
+    `min(start + block, seq_len)` (torch.sym_min of a symbolic size; FLOPs in `Min(256, seq)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        end = min(0 + 256, x.shape[1])
+        return self.linear(x[:, :end]).softmax(-1)
+
+
+def test_sizes_made_with_min_of_a_symbolic_size_convert(tmp_path):
+    """MiniMax's full-sequence forward (--task feature-extraction) was refused: "lowering failed at
+    sym_min ... got <class '_DimExpr'>", and once lowered, the FLOPs expression `Min(256, seq)` did
+    not parse ("'Symbol' object is not callable"). A min or max of sizes is a size (JAX's min_dim)."""
+    torch.manual_seed(0)
+    model, x = BlockLoop().eval(), torch.randn(2, 12, 8)
+    artifact = tpuexport.convert(model, (x,), {"x": {1: torch.export.Dim("seq", min=2, max=32)}}, saved_model=False,
+                                 verify_budget_flops=0, out=tmp_path / "model.tpu")
+    assert artifact.manifest["verification"]["passed"]
+    torch.testing.assert_close(artifact.run(x[:, :5]), model(x[:, :5]), rtol=1e-2, atol=1e-3)
+
+
+def test_the_sweeps_eager_check_flags_a_tiny_model_whose_outputs_are_not_finite():
+    """ALIGN's random tiny image tower scales its activations by ~1e-4 a block, to 1e-24; the L2 norm
+    of its embeddings underflows to 0 and every embedding is +-inf in eager PyTorch, at every shrink
+    level. The sweep's row says the tiny model's eager forward is not usable (its `eager` column), so
+    that its verification failure is not read as the conversion's."""
+    import architectures
+
+    _, record = architectures.tiny_model("align")
+    assert record["eager"] == ("FloatingPointError: eager outputs ['logits_per_image'], ['logits_per_text'], ['image_embeds'] hold "
+                               "inf or NaN at the tiny config")
