@@ -559,3 +559,41 @@ def test_the_sweeps_eager_check_flags_a_tiny_model_whose_outputs_are_not_finite(
     _, record = architectures.tiny_model("align")
     assert record["eager"] == ("FloatingPointError: eager outputs ['logits_per_image'], ['logits_per_text'], ['image_embeds'] hold "
                                "inf or NaN at the tiny config")
+
+
+class ThresholdMask(torch.nn.Module):
+    """An additive mask from predicted logits thresholded, as Mask2Former's masked attention makes
+    with `sigmoid(mask_logits) < 0.5`. The logits are differences of weight rows equal in bfloat16:
+    +-1e-4 in f32, exactly 0 in one bf16 pass, so every pixel's side of the threshold is a near-tie."""
+
+    def __init__(self):
+        super().__init__()
+        rows = torch.randn(4, 8).to(torch.bfloat16).float()
+        self.mask_logits = torch.nn.Linear(8, 8, bias=False)
+        with torch.no_grad():
+            self.mask_logits.weight.copy_(torch.stack([rows, rows * (1 + 1e-4)], dim=1).reshape(8, 8))
+        self.values = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        logits = self.mask_logits(x)
+        masked = (logits[:, 1::2] - logits[:, 0::2]).sigmoid() < 0.5
+        return torch.where(masked, -1.0, 0.0) + self.values(x)
+
+
+def test_matmuls_feeding_a_threshold_mask_are_pinned_as_decisions(tmp_path):
+    """Mask2Former failed verification in the TPU run only (17 of 12,800 decoder outputs, max abs
+    error 0.7): one bf16 pass moved mask logits across 0.5 and a query attended to other pixels. A
+    comparison whose boolean selects between values not computed from what it compares is a decision
+    like a top-k: the matmuls computing its inputs are pinned to highest. An activation's comparison
+    (softplus: `where(x > 20, x, log1p(exp(x)))`) is continuous and pins nothing."""
+    torch.manual_seed(0)
+    model, x = ThresholdMask().eval(), torch.randn(16, 8)
+    artifact = tpuexport.convert(model, (x,), saved_model=False, out=tmp_path / "model.tpu")
+    assert artifact.manifest["verification"]["passed"]
+    assert artifact.manifest["entry_points"]["serving_default"]["decision_matmuls"] == [
+        {"op": "mm", "module": "mask_logits", "feeds": "aten.lt.Scalar", "precision": "highest"}]
+
+    from tpuexport.lower.matmul_precision import decision_matmuls
+
+    softplus = torch.export.export(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Softplus()), (x,)).run_decompositions()
+    assert decision_matmuls(softplus.graph) == {}
