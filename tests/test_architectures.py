@@ -597,3 +597,19 @@ def test_matmuls_feeding_a_threshold_mask_are_pinned_as_decisions(tmp_path):
 
     softplus = torch.export.export(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Softplus()), (x,)).run_decompositions()
     assert decision_matmuls(softplus.graph) == {}
+
+
+def test_a_size_a_hugging_face_models_code_rules_out_names_the_architecture(tmp_path):
+    """The lines explaining a size torch.export's guards rule out named the file, not the model
+    (PP-DocLayout-V3, D-FINE, DEIMv2: "torch.export: the model's code fixes batch at 2, at ..."), unlike
+    every other refusal of torch.export's. MobileBERT's embeddings cannot take seq = 2."""
+    from tpuexport.export import capture, load_source
+
+    config = transformers.MobileBertConfig(vocab_size=64, hidden_size=32, embedding_size=16, num_hidden_layers=1, num_attention_heads=4,
+                                           intermediate_size=32, intra_bottleneck_size=16, true_hidden_size=16,
+                                           num_feedforward_networks=1, max_position_embeddings=32)
+    transformers.MobileBertModel(config).save_pretrained(tmp_path / "mobilebert")
+    with pytest.raises(TpuExportError, match=r"^torch.export on MobileBertModel \(mobilebert, given input_ids, attention_mask, "
+                                             r"token_type_ids\): the model's code cannot take seq = 2, at \S*modeling_mobilebert.py:\d+ .*"
+                                             r"declare seq that range \(--dim seq=3:32"):
+        capture(load_source(str(tmp_path / "mobilebert")))

@@ -219,8 +219,8 @@ def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.Export
     except Exception as error:  # torch.export raises UserError, ConstraintViolationError, TypeError, ...
         with _quiet_export():
             explained = constraints.explain(model, args, dynamic_shapes, str(error))
-        if explained:
-            raise TpuExportError(explained) from None
+        if explained:  # the line names the architecture, as every other refusal of torch.export's does
+            raise TpuExportError(explained.replace("torch.export:", f"torch.export{_described(model)}:", 1)) from None
         message = " ".join(str(error).split())
         if isinstance(error, GuardOnDataDependentSymNode):
             raise TpuExportError(
