@@ -80,7 +80,7 @@ SIZES = {  # group: (size, keys)
         "pooler_hidden_size", "fusion_hidden_size", "backbone_hidden_size", "classifier_proj_size", "vision_output_dim",
         "encoder_hidden_dim", "hidden_size_global", "mask_feature_size", "fpn_hidden_size", "conv_output_size", "output_dim",
         "latent_dim", "xvector_output_dim", "codevector_dim", "proj_codevector_dim", "vision_feature_dim", "text_embed_dim",
-        "reassemble_hidden_size", "bottleneck_features")),
+        "reassemble_hidden_size", "bottleneck_features", "d_latents")),
     "ffn": (128, (
         "intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim", "moe_intermediate_size",
         "shared_expert_intermediate_size", "mlp_dim", "dim_feedforward", "decoder_intermediate_size", "ffn_hidden_size",
@@ -90,7 +90,8 @@ SIZES = {  # group: (size, keys)
         "expert_ffn_hidden_size")),
     "layers": (LAYERS, (
         "num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers", "n_layers", "num_decoder_layers",
-        "num_encoder_layers", "speech_encoder_layers", "text_encoder_layers", "num_text_layers", "max_window_layers")),
+        "num_encoder_layers", "speech_encoder_layers", "text_encoder_layers", "num_text_layers", "max_window_layers",
+        "num_self_attends_per_block")),
     "heads": (ATTENTION_HEADS, (
         "num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads", "attention_heads",
         "cross_num_attention_heads", "decoder_cross_attention_heads", "index_n_heads", "swa_num_attention_heads", "num_heads")),

@@ -435,6 +435,8 @@ def test_a_video_tower_gets_a_clip_of_the_frames_its_config_records(tmp_path):
     # EfficientNet's (and ALIGN's vision tower's) defaults are B7's compound scaling, 2.0 wide and 3.1 deep: 47M parameters
     # at every level (not built). The base network's 1.0 and 1.0.
     ("efficientnet", lambda model: (model.config.width_coefficient, model.config.depth_coefficient) == (1.0, 1.0)),
+    # Perceiver's latents are d_latents wide through num_self_attends_per_block layers (1280 and 26): 260M parameters at every level.
+    ("perceiver", lambda model: (model.config.d_latents, model.config.num_self_attends_per_block) == (64, 2)),
 ], ids=lambda value: value if isinstance(value, str) else "")
 def test_the_sweeps_shrink_builds_configs_whose_defaults_do_not_shrink_as_they_are(model_type, check):
     """benchmarks/architectures.py: an MoE config whose defaults leave its counts unset gets them;
