@@ -140,12 +140,12 @@ def compare_output(name: str, actual: np.ndarray, expected: np.ndarray, toleranc
         far = ~np.isclose(a, e, atol=atol, rtol=tolerances.rtol, equal_nan=True)
         not_close += int(np.count_nonzero(far))
         reference_not_finite += int(np.count_nonzero(far & ~np.isfinite(e)))
-        with np.errstate(invalid="ignore"):  # inf - inf: NaN, set just below
+        with np.errstate(invalid="ignore"):  # inf - inf and inf / inf: NaN, an infinite error below
             difference = np.abs(a - e)
-        difference[(np.isnan(a) & np.isnan(e)) | (a == e)] = 0.0  # equal infinities differ by nothing, as equal NaNs
-        nonzero = e != 0
-        relative = np.nan_to_num(difference[nonzero] / np.abs(e[nonzero]), nan=np.inf)
-        difference = np.nan_to_num(difference, nan=np.inf)
+            difference[(np.isnan(a) & np.isnan(e)) | (a == e)] = 0.0  # equal infinities differ by nothing, as equal NaNs
+            nonzero = e != 0
+            relative = np.nan_to_num(difference[nonzero] / np.abs(e[nonzero]), nan=np.inf, posinf=np.inf)
+        difference = np.nan_to_num(difference, nan=np.inf, posinf=np.inf)
         max_abs = max(max_abs, float(difference.max(initial=0.0)))
         max_relative = max(max_relative, float(relative.max(initial=0.0)))
         squared_error += float(np.sum(np.square(difference)))
