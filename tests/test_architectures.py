@@ -621,3 +621,20 @@ def test_a_size_a_hugging_face_models_code_rules_out_names_the_architecture(tmp_
                                              r"token_type_ids\): the model's code cannot take seq = 2, at \S*modeling_mobilebert.py:\d+ .*"
                                              r"declare seq that range \(--dim seq=3:32"):
         capture(load_source(str(tmp_path / "mobilebert")))
+
+
+def test_inputs_a_model_cannot_take_are_refused_as_such_whatever_sizes_the_messages_name(tmp_path):
+    """Siglip2 takes flattened patches, not images: torch.export's error names a symbolic size
+    ("[672*s99, 224] X [768, 64]"), the eager run's its value ("[1344, 224] X ..."), and the line was
+    torch.export's failure with "check the example args" instead of the model's own forward failing."""
+    from tpuexport.export import capture, load_source
+
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, num_patches=16, patch_size=8)
+    text = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, max_position_embeddings=16)
+    config = transformers.Siglip2Config(text_config=text, vision_config=vision)
+    transformers.Siglip2ForImageClassification(config).save_pretrained(tmp_path / "siglip2")
+    with pytest.raises(TpuExportError, match=r"^the model's own forward fails on Siglip2ForImageClassification \(siglip2, given "
+                                             r"pixel_values\) at the example sizes \(\[2, 3, 224, 224\]\), run without torch.export: a "
+                                             r"and b must have same reduction dim, but got \[1344, 224\] X \[192, 32\]\.; these inputs do "
+                                             r"not suit it"):
+        capture(load_source(str(tmp_path / "siglip2")))

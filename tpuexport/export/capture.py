@@ -227,10 +227,11 @@ def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.Export
                 f"torch.export failed{_described(model)}: its forward branches on tensor values ({message[:300]}), which torch.export "
                 "cannot trace (e.g. a Python loop over the experts that tokens chose); that code needs tensor ops or torch.cond"
             ) from None
-        if _fails_eagerly_alike(model, args, error):
+        eager_error = _eager_failure_alike(model, args, error)
+        if eager_error is not None:
             raise TpuExportError(
                 f"the model's own forward fails{_described(model)} at the example sizes ({_shapes(args)}), run without "
-                f"torch.export: {message[:300]}; these inputs do not suit it (it may take others, or other sizes): give them "
+                f"torch.export: {eager_error[:300]}; these inputs do not suit it (it may take others, or other sizes): give them "
                 "with --dim, or its own inputs from a file.py:factory") from None
         raise TpuExportError(
             f"torch.export failed{_described(model)}: {message[:400]}; check the example args and dynamic_shapes / --dim ranges"
@@ -257,16 +258,23 @@ def _refuse_sizes_from_values(model: torch.nn.Module, program: torch.export.Expo
                 "that code needs fixed-size tensor ops (e.g. every expert over every token, weighted by the router)")
 
 
-def _fails_eagerly_alike(model: torch.nn.Module, args, error: Exception) -> bool:
-    """Whether the model run eagerly at the example args (on the meta device when its weights are
-    there: shapes only) raises what torch.export raised: then the inputs do not suit the model, and
-    no tracing is to blame."""
+def _eager_failure_alike(model: torch.nn.Module, args, error: Exception) -> str | None:
+    """What the model run eagerly at the example args (on the meta device when its weights are
+    there: shapes only) raises, in one line, when it is what torch.export raised: then the inputs do
+    not suit the model, and no tracing is to blame. Sizes do not count in the comparison: where
+    torch.export's message names a symbolic size (Siglip2 given images for its flattened patches:
+    "[672*s99, 224] X [768, 64]"), the eager run's names its value ("[1344, 224] X [768, 64]")."""
     try:
         with torch.no_grad(), _quiet_export():
             model(*args)
     except Exception as eager_error:  # whatever the model raises, compared with torch.export's
-        return type(eager_error) is type(error) and str(eager_error) == str(error)
-    return False
+        if type(eager_error) is type(error) and _SIZES.sub("#", str(eager_error)) == _SIZES.sub("#", str(error)):
+            return " ".join(str(eager_error).split())
+    return None
+
+
+# A size in an error message, concrete (1344) or symbolic (672*s99, s99 + 1).
+_SIZES = re.compile(r"\w*\d[\w*+\-/]*(?: [+\-] [\w*]*\d[\w*]*)*")
 
 
 def _shapes(args) -> str:
