@@ -641,3 +641,29 @@ def test_inputs_a_model_cannot_take_are_refused_as_such_whatever_sizes_the_messa
                                              r"and b must have same reduction dim, but got \[1344, 224\] X \[192, 32\]\.; these inputs do "
                                              r"not suit it"):
         capture(load_source(str(tmp_path / "siglip2")))
+
+
+class MasksAtRandom(torch.nn.Module):
+    """Drops a random half of its patches, as ViTMAE's random masking does with torch.rand noise;
+    and has a dropout layer, which in eval mode draws nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.dropout = torch.nn.Linear(8, 8), torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        noise = torch.rand(x.shape[:2], device=x.device)
+        return self.dropout(self.linear(x)) * (noise > 0.5).unsqueeze(-1)
+
+
+def test_a_forward_that_draws_random_numbers_is_refused_in_one_line(tmp_path):
+    """ViTMAE was refused as "lowering failed at aten.rand.default ... AttributeError: 'NoneType'
+    object has no attribute 'get_and_rotate_prng_key'; this op or shape pattern is not supported yet"."""
+    with pytest.raises(TpuExportError, match=r"^torch.export: its forward draws random numbers \(aten.rand.default\) at "
+                                             r"\S*test_architectures.py:\d+ \(noise = torch.rand\(x.shape\[:2\], .*\)\), so no two runs "
+                                             r"agree .*as ViTMAE's takes noise=\)$"):
+        tpuexport.convert(MasksAtRandom().eval(), (torch.randn(2, 4, 8),), out=tmp_path / "m.tpu")
+    assert list(tmp_path.iterdir()) == []
+    dropout_only = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1)).eval()
+    assert tpuexport.convert(dropout_only, (torch.randn(2, 8),), saved_model=False, verify_budget_flops=0,
+                             out=tmp_path / "dropout.tpu").manifest["verification"]["passed"]

@@ -237,7 +237,33 @@ def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.Export
             f"torch.export failed{_described(model)}: {message[:400]}; check the example args and dynamic_shapes / --dim ranges"
         ) from None
     _refuse_sizes_from_values(model, program)
+    _refuse_random_draws(model, program)
     return program
+
+
+def _refuse_random_draws(model: torch.nn.Module, program: torch.export.ExportedProgram) -> None:
+    """Refuses a forward that draws random numbers (an op torch tags nondeterministic_seeded: ViTMAE's
+    masking noise, `torch.rand` at modeling_vit_mae.py:264, was refused as "lowering failed ...
+    'NoneType' object has no attribute 'get_and_rotate_prng_key'"): no two runs agree, so the program
+    cannot be verified against eager PyTorch. Dropout and RReLU in eval mode (their `train` or
+    `training` argument false) draw nothing.
+
+    Raises:
+      TpuExportError: naming the first such op's line of the model's code.
+    """
+    for node in program.graph.nodes:
+        tags = getattr(node.target, "tags", ())
+        if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in tags:
+            continue
+        schema = node.target._schema.arguments
+        arguments = ({a.name: a.default_value for a in schema if a.has_default_value()} | dict(zip((a.name for a in schema), node.args))
+                     | node.kwargs)
+        if arguments.get("train", arguments.get("training", True)) is False:
+            continue
+        raise TpuExportError(
+            f"torch.export{_described(model)}: its forward draws random numbers ({node.target}) at {user_source(node)}, so no two "
+            "runs agree and the program cannot be verified against eager PyTorch; give those values as an input instead (a "
+            "file.py:factory whose forward takes them, as ViTMAE's takes noise=)")
 
 
 def _refuse_sizes_from_values(model: torch.nn.Module, program: torch.export.ExportedProgram) -> None:
