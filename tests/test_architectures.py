@@ -667,3 +667,35 @@ def test_a_forward_that_draws_random_numbers_is_refused_in_one_line(tmp_path):
     dropout_only = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1)).eval()
     assert tpuexport.convert(dropout_only, (torch.randn(2, 8),), saved_model=False, verify_budget_flops=0,
                              out=tmp_path / "dropout.tpu").manifest["verification"]["passed"]
+
+
+class FixesBatchBehindACheck(torch.nn.Module):
+    """Checks a tensor it makes on its weights' device with transformers' torch_compilable_check, then
+    takes len() of its input (fixing the batch), as D-FINE's and RT-DETR's decoders do."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        from transformers.utils.import_utils import torch_compilable_check
+
+        torch_compilable_check(torch.tensor(True, device=self.linear.weight.device), "never raised")
+        rows = len(x)
+        return self.linear(x).reshape(rows, -1)
+
+
+def test_a_forward_reading_a_constant_on_its_weights_device_is_explained_when_weights_stream(tmp_path):
+    """Exported on the meta device (weights streamed from a checkpoint), such a forward was refused
+    with "torch.export failed: Cannot cast tensor(False) to number" (or, as D-FINE and DEIMv2, its
+    fixed batch with no line of the model's code): it is exported again with the checkpoint's tensors,
+    and refused as with its weights in memory."""
+    torch.manual_seed(0)
+    safetensors.torch.save_file(FixesBatchBehindACheck().state_dict(), str(tmp_path / "weights.safetensors"))
+    with tpuexport.parameters_on_meta():
+        on_meta = FixesBatchBehindACheck().eval()
+    batch = torch.export.Dim("batch", min=1, max=8)
+    with pytest.raises(TpuExportError, match=r"^torch.export: the model's code fixes batch at 2, at \S*test_architectures.py:\d+ "
+                                             r"\(rows = len\(x\)\); declare batch static \(--dim batch=2:2"):
+        tpuexport.convert(on_meta, (torch.randn(2, 4),), {"x": {0: batch}}, checkpoint=tmp_path / "weights.safetensors",
+                          out=tmp_path / "model.tpu")

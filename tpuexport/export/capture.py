@@ -96,9 +96,15 @@ def _capture_with_checkpoint(source: LoadedSource) -> CapturedModel:
                              "give the module that the checkpoint's state_dict belongs to")
     reference = with_checkpoint_weights(source.model, source.checkpoint)
     on_meta = on_meta_device(dataclasses.replace(source, model=source.model.eval(), checkpoint=None))
-    program = _export(on_meta.model, on_meta.args, on_meta.dynamic_shapes)
-    weights = _program_weights(program, reference)
-    if any(isinstance(tensor, torch.Tensor) and tensor.is_meta for tensor in weights.values()):
+    try:
+        program = _export(on_meta.model, on_meta.args, on_meta.dynamic_shapes)
+        weights = _program_weights(program, reference)
+    except TpuExportError:
+        # A forward that reads a constant it makes on its weights' device (transformers' torch_compilable_check of a
+        # tensor, D-FINE's and RT-DETR's) cannot run on the meta device: its refusal said "Cannot cast tensor(False) to
+        # number", or named no line of the model's code. The export with the checkpoint's tensors says what it says.
+        program = None
+    if program is None or any(isinstance(tensor, torch.Tensor) and tensor.is_meta for tensor in weights.values()):
         # The forward makes tensor constants on its weights' device (Mask2Former's offset normalizer, GPT-Neo's
         # mask value, ...): exported with the checkpoint's tensors (memory-mapped, not copied), they have values.
         # Example args made on the meta device (a generation KV cache, which can exceed memory) join them on the
