@@ -252,7 +252,7 @@ def _refuse_random_draws(model: torch.nn.Module, program: torch.export.ExportedP
     masking noise, `torch.rand` at modeling_vit_mae.py:264, was refused as "lowering failed ...
     'NoneType' object has no attribute 'get_and_rotate_prng_key'"): no two runs agree, so the program
     cannot be verified against eager PyTorch. Dropout and RReLU in eval mode (their `train` or
-    `training` argument false) draw nothing.
+    `training` argument false) and attention without dropout (`dropout_p` 0) draw nothing.
 
     Raises:
       TpuExportError: naming the first such op's line of the model's code.
@@ -264,7 +264,7 @@ def _refuse_random_draws(model: torch.nn.Module, program: torch.export.ExportedP
         schema = node.target._schema.arguments
         arguments = ({a.name: a.default_value for a in schema if a.has_default_value()} | dict(zip((a.name for a in schema), node.args))
                      | node.kwargs)
-        if arguments.get("train", arguments.get("training", True)) is False:
+        if arguments.get("train") is False or arguments.get("training") is False or arguments.get("dropout_p") == 0:
             continue
         raise TpuExportError(
             f"torch.export{_described(model)}: its forward draws random numbers ({node.target}) at {user_source(node)}, so no two "
