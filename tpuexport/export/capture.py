@@ -291,13 +291,15 @@ def _refuse_sizes_from_values(model: torch.nn.Module, program: torch.export.Expo
 
 
 def _eager_failure_alike(model: torch.nn.Module, args, error: Exception) -> str | None:
-    """What the model run eagerly at the example args (on the meta device when its weights are
-    there: shapes only) raises, in one line, when it is what torch.export raised: then the inputs do
-    not suit the model, and no tracing is to blame. Sizes do not count in the comparison: where
+    """What the model run eagerly at the example args (on fake tensors: shapes only) raises, in one
+    line, when it is what torch.export raised: then the inputs do not suit the model, and no tracing
+    is to blame. Sizes do not count in the comparison: where
     torch.export's message names a symbolic size (Siglip2 given images for its flattened patches:
     "[672*s99, 224] X [768, 64]"), the eager run's names its value ("[1344, 224] X [768, 64]")."""
-    try:
-        with torch.no_grad(), _quiet_export():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:  # on fake tensors, as torch.export traces: the same kernels' messages, whether the weights are in memory or not
+        with torch.no_grad(), _quiet_export(), FakeTensorMode(allow_non_fake_inputs=True):
             model(*args)
     except Exception as eager_error:  # whatever the model raises, compared with torch.export's
         if type(eager_error) is type(error) and _SIZES.sub("#", str(eager_error)) == _SIZES.sub("#", str(error)):
