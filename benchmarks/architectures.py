@@ -80,7 +80,7 @@ SIZES = {  # group: (size, keys)
         "pooler_hidden_size", "fusion_hidden_size", "backbone_hidden_size", "classifier_proj_size", "vision_output_dim",
         "encoder_hidden_dim", "hidden_size_global", "mask_feature_size", "fpn_hidden_size", "conv_output_size", "output_dim",
         "latent_dim", "xvector_output_dim", "codevector_dim", "proj_codevector_dim", "vision_feature_dim", "text_embed_dim",
-        "reassemble_hidden_size", "bottleneck_features")),
+        "reassemble_hidden_size", "bottleneck_features", "d_latents")),
     "ffn": (128, (
         "intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim", "moe_intermediate_size",
         "shared_expert_intermediate_size", "mlp_dim", "dim_feedforward", "decoder_intermediate_size", "ffn_hidden_size",
@@ -90,7 +90,8 @@ SIZES = {  # group: (size, keys)
         "expert_ffn_hidden_size")),
     "layers": (LAYERS, (
         "num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers", "n_layers", "num_decoder_layers",
-        "num_encoder_layers", "speech_encoder_layers", "text_encoder_layers", "num_text_layers", "max_window_layers")),
+        "num_encoder_layers", "speech_encoder_layers", "text_encoder_layers", "num_text_layers", "max_window_layers",
+        "num_self_attends_per_block")),
     "heads": (ATTENTION_HEADS, (
         "num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads", "attention_heads",
         "cross_num_attention_heads", "decoder_cross_attention_heads", "index_n_heads", "swa_num_attention_heads", "num_heads")),
@@ -121,6 +122,8 @@ MOE_UNSET = SIZES["experts"][1] + ("num_experts_per_tok", "n_shared_experts")
 LAYER_COUNTS = ("num_kv_shared_layers",)
 KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num", "cross_num_key_value_heads",
             "swa_num_key_value_heads", "linear_num_key_heads")
+# Per-layer lists of key/value heads (Sapiens2's), cut with the layers and shrunk as KV_HEADS.
+KV_HEADS_PER_LAYER = ("num_key_value_heads_per_layer",)
 # Per-stage lists of vision backbones: widths scaled down together, heads divided by the first stage's.
 STAGE_WIDTHS = ("hidden_sizes", "embed_dims", "embed_dim_per_stage", "neck_hidden_sizes", "stage_out_channels", "stage_in_channels",
                 "stage_mid_channels", "encoder_hidden_sizes", "conv_dim", "tdnn_dim", "stem_channels", "backbone_channel_list")
@@ -145,6 +148,8 @@ OVERRIDES: dict[str, dict] = {
     "efficientnet": {"hidden_dim": 1280},  # its top conv is 1280 x width_coefficient wide, its batch norm hidden_dim
     "align": {"projection_dim": 320},  # its image embeddings are the vision tower's last stage, unprojected: 320 wide at width 1.0
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},  # no default
+    # Its segmentation head's channels have no default (its head reads upsample_out_channels[:-1] of None): a small head.
+    "sapiens2": {"head_config": {"upsample_out_channels": [32, 32], "conv_out_channels": [32]}},
     # GLM-4V's rotary sections default to [8, 12, 12] in its code, not its config: they sum to half the tiny head dim.
     **{name: {"rope_parameters": GLM_ROPE} for name in ("glm4v_text", "glm4v_moe_text", "glm_image_text", "glm_ocr_text")},
     **{name: {"text_config": {"rope_parameters": GLM_ROPE}} for name in ("glm4v", "glm4v_moe", "glm_image", "glm_ocr")},
@@ -225,8 +230,10 @@ def shrink(config: dict, level: int) -> dict:
         elif isinstance(value, int) and key in LAYER_COUNTS and layers_before:
             config[key] = value * LAYERS // layers_before  # all layers stay all; a few of many, none of the cut ones
         elif isinstance(value, int) and key in KV_HEADS and heads_before:
-            heads = min(heads_before, ATTENTION_HEADS) if level < 2 else heads_before
-            config[key] = heads if value >= heads_before else 1 if value == 1 else min(2, heads)
+            config[key] = _kv_heads(value, heads_before, level)
+        elif isinstance(value, list) and key in KV_HEADS_PER_LAYER and heads_before:
+            cut = _per_layer(value, LAYERS) if layers_before and len(value) == layers_before > LAYERS else value
+            config[key] = [_kv_heads(item, heads_before, level) for item in cut]
         elif isinstance(value, list) and layers_before and len(value) == layers_before and layers_before > LAYERS:
             config[key] = _per_layer(value, LAYERS)
         elif level < 2 and isinstance(value, list) and value and all(isinstance(item, int) for item in value):
@@ -252,6 +259,12 @@ def shrink(config: dict, level: int) -> dict:
     vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else SIZES["vocab"][0]
     _token_ids(config, vocab)
     return config
+
+
+def _kv_heads(value: int, heads_before: int, level: int) -> int:
+    """A layer's key/value heads after the shrink: all the query heads where it had all, one where it had one, else 2."""
+    heads = min(heads_before, ATTENTION_HEADS) if level < 2 else heads_before
+    return heads if value >= heads_before else 1 if value == 1 else min(2, heads)
 
 
 def _keep_tapped_layers(before: dict, after: dict, layers_before: int | None) -> None:
@@ -343,7 +356,10 @@ def tiny_config(model_type: str, level: int):
 
 
 def _eager_check(model, task: str) -> None:
-    """One eager forward on the inputs tpuexport gives the model (a causal LM: a short prompt)."""
+    """One eager forward on the inputs tpuexport gives the model (a causal LM: a short prompt), whose
+    float outputs must be finite: a random tiny model can overflow or underflow where a trained one
+    does not (ALIGN's image tower scales its activations by ~1e-4 a block to 1e-24, and the L2 norm of
+    its embeddings underflows to 0: every embedding +-inf), and verification cannot check such outputs."""
     import torch
 
     from tpuexport.export.huggingface import forward_program
@@ -351,10 +367,16 @@ def _eager_check(model, task: str) -> None:
     with torch.no_grad():
         if task == "text-generation":
             vocab = model.config.get_text_config().vocab_size
-            model(input_ids=torch.randint(1, vocab, (1, 8)), use_cache=False)
+            outputs = model(input_ids=torch.randint(1, vocab, (1, 8)), use_cache=False)
         else:
             wrapped, args, _ = forward_program(model)
-            wrapped(*args)
+            outputs = wrapped(*args)
+    pytree = torch.utils._pytree
+    leaves, _ = pytree.tree_flatten_with_path(dict(outputs) if isinstance(outputs, dict) else outputs)
+    not_finite = [pytree.keystr(path) for path, leaf in leaves
+                  if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and not torch.isfinite(leaf).all()]
+    if not_finite:
+        raise FloatingPointError(f"eager outputs {', '.join(not_finite)} hold inf or NaN at the tiny config")
 
 
 def tiny_model(model_type: str):

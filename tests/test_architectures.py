@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
@@ -57,8 +58,11 @@ def test_a_forward_torch_export_cannot_trace_is_one_line_naming_the_architecture
     transformers.Ernie4_5_MoeForCausalLM(config).save_pretrained(tmp_path / "moe")
     result = convert_directory(tmp_path / "moe", tmp_path / "moe.tpu", *QUICK)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert error_lines(result.stderr) == ["error: torch.export failed on Ernie4_5_MoeForCausalLM (ernie4_5_moe): k not in range for "
-                                          "dimension; check the example args and dynamic_shapes / --dim ranges"]
+    # Eager PyTorch fails alike on these inputs (on fake tensors, as torch.export traces): the model's own forward is named.
+    assert error_lines(result.stderr) == ["error: the model's own forward fails on Ernie4_5_MoeForCausalLM (ernie4_5_moe) at the example "
+                                          "sizes ([1, 32], [1], [1], [2, 1, 2, 32, 8], [2, 1, 2, 32, 8]), run without torch.export: k not in "
+                                          "range for dimension; these inputs do not suit it (it may take others, or other sizes): give them "
+                                          "with --dim, or its own inputs from a file.py:factory"]
     assert not (tmp_path / "moe.tpu").exists()
 
 
@@ -435,6 +439,11 @@ def test_a_video_tower_gets_a_clip_of_the_frames_its_config_records(tmp_path):
     # EfficientNet's (and ALIGN's vision tower's) defaults are B7's compound scaling, 2.0 wide and 3.1 deep: 47M parameters
     # at every level (not built). The base network's 1.0 and 1.0.
     ("efficientnet", lambda model: (model.config.width_coefficient, model.config.depth_coefficient) == (1.0, 1.0)),
+    # Perceiver's latents are d_latents wide through num_self_attends_per_block layers (1280 and 26): 260M parameters at every level.
+    ("perceiver", lambda model: (model.config.d_latents, model.config.num_self_attends_per_block) == (64, 2)),
+    # Sapiens2's per-layer key/value heads (16 and 8 of 16 heads) stayed above the 4 heads left: its attention's shapes did not
+    # match at any level but the last (34M parameters). Its segmentation head's channels have no default (not built): overrides.
+    ("sapiens2", lambda model: model.config.num_key_value_heads_per_layer == [4, 2]),
 ], ids=lambda value: value if isinstance(value, str) else "")
 def test_the_sweeps_shrink_builds_configs_whose_defaults_do_not_shrink_as_they_are(model_type, check):
     """benchmarks/architectures.py: an MoE config whose defaults leave its counts unset gets them;
@@ -474,3 +483,225 @@ def test_a_guard_sympy_cannot_evaluate_still_gives_the_one_line_explanation():
                "Not all values of batch = L['y'].size()[0] in the specified range batch <= 64 satisfy the generated guard "
                "((-1) + L['y'].size()[0]) != 1")
     assert excluded_sizes(message) == {"batch": 2}
+
+
+class VanishingThenNormalized(torch.nn.Module):
+    """Activations of about 1e-30 divided by their L2 norm, as ALIGN's random tiny image tower gives
+    its embeddings (each block scales them by ~1e-4 down to 1e-24): the squares underflow in f32, the
+    norm is 0 and eager PyTorch's output is +-inf everywhere. Pairs of weight rows differ below
+    bfloat16's resolution, so the TPU's one-pass products cancel where f32's do not (NaN for +-inf)."""
+
+    def __init__(self):
+        super().__init__()
+        rows = torch.randn(4, 8).to(torch.bfloat16).float()  # exact in bfloat16: the + 1e-4 share rounds away
+        self.linear = torch.nn.Linear(8, 8, bias=False)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.stack([rows, rows * (1 + 1e-4)], dim=1).reshape(8, 8))
+
+    def forward(self, x):
+        y = self.linear(x)
+        vanished = (y[:, 1::2] - y[:, 0::2]) * 1e-25
+        return vanished / vanished.norm(dim=-1, keepdim=True)
+
+
+def test_a_departure_only_where_eager_pytorch_is_not_finite_says_so(tmp_path):
+    """ALIGN's tiny model failed verification in the TPU run only, with the hint to raise the matmul
+    precision; but its reference itself was inf (a norm underflowing to 0), and the TPU run departed
+    where an infinity's sign flipped. The failure now says eager PyTorch's own output is inf or NaN
+    there, and blames no matmul precision."""
+    torch.manual_seed(0)
+    model = VanishingThenNormalized().eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert not torch.isfinite(model(x)).any()
+    with pytest.raises(tpuexport.VerificationError) as failure:
+        tpuexport.convert(model, (x,), saved_model=False, out=tmp_path / "model.tpu")
+    message = str(failure.value)
+    assert "(tpu run)" in message and "(cpu run)" not in message, message
+    assert "eager PyTorch's own 'output_0' is inf or NaN at 8 of the elements the runs depart at (static shapes)" in message, message
+    assert "--matmul-precision" not in message and "max abs error inf" in message, message
+    # ALIGN's departures were infinities of flipped sign: an infinite error (numpy's nan_to_num made it 1.8e+308), equal ones none.
+    from tpuexport.verify.compare import Tolerances, compare_output
+
+    flipped = compare_output("embeds", np.array([-np.inf, np.inf, 1.0]), np.array([np.inf, np.inf, 1.0]), Tolerances(atol=1e-5, rtol=1e-5))
+    assert (flipped.max_abs_error, flipped.mismatched, flipped.reference_not_finite) == (np.inf, 1, 1)
+
+
+def test_a_decoder_whose_layers_keep_no_kv_cache_names_the_full_sequence_workaround(tmp_path):
+    """MiniMax's linear-attention layers keep no KV cache: refused for text generation in one line that
+    names the workaround, its full-sequence forward (which converts: the test below)."""
+    config = transformers.MiniMaxConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+                                        max_position_embeddings=32, layer_types=["linear_attention", "full_attention"])
+    with pytest.raises(TpuExportError, match=r"MiniMaxForCausalLM has linear_attention layers, .* do not support yet .*; "
+                                             r"its full-sequence forward may convert \(--task feature-extraction\)$"):
+        tpuexport.convert(transformers.MiniMaxForCausalLM(config).eval(), task="text-generation", out=tmp_path / "lm.tpu")
+
+
+class BlockLoop(torch.nn.Module):
+    """Walks the sequence in blocks as MiniMax's lightning attention does, each ending at
+    `min(start + block, seq_len)` (torch.sym_min of a symbolic size; FLOPs in `Min(256, seq)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        end = min(0 + 256, x.shape[1])
+        return self.linear(x[:, :end]).softmax(-1)
+
+
+def test_sizes_made_with_min_of_a_symbolic_size_convert(tmp_path):
+    """MiniMax's full-sequence forward (--task feature-extraction) was refused: "lowering failed at
+    sym_min ... got <class '_DimExpr'>", and once lowered, the FLOPs expression `Min(256, seq)` did
+    not parse ("'Symbol' object is not callable"). A min or max of sizes is a size (JAX's min_dim)."""
+    torch.manual_seed(0)
+    model, x = BlockLoop().eval(), torch.randn(2, 12, 8)
+    artifact = tpuexport.convert(model, (x,), {"x": {1: torch.export.Dim("seq", min=2, max=32)}}, saved_model=False,
+                                 verify_budget_flops=0, out=tmp_path / "model.tpu")
+    assert artifact.manifest["verification"]["passed"]
+    torch.testing.assert_close(artifact.run(x[:, :5]), model(x[:, :5]), rtol=1e-2, atol=1e-3)
+
+
+def test_the_sweeps_eager_check_flags_a_tiny_model_whose_outputs_are_not_finite():
+    """ALIGN's random tiny image tower scales its activations by ~1e-4 a block, to 1e-24; the L2 norm
+    of its embeddings underflows to 0 and every embedding is +-inf in eager PyTorch, at every shrink
+    level. The sweep's row says the tiny model's eager forward is not usable (its `eager` column), so
+    that its verification failure is not read as the conversion's."""
+    import architectures
+
+    _, record = architectures.tiny_model("align")
+    assert record["eager"] == ("FloatingPointError: eager outputs ['logits_per_image'], ['logits_per_text'], ['image_embeds'] hold "
+                               "inf or NaN at the tiny config")
+
+
+class ThresholdMask(torch.nn.Module):
+    """An additive mask from predicted logits thresholded, as Mask2Former's masked attention makes
+    with `sigmoid(mask_logits) < 0.5`. The logits are differences of weight rows equal in bfloat16:
+    +-1e-4 in f32, exactly 0 in one bf16 pass, so every pixel's side of the threshold is a near-tie."""
+
+    def __init__(self):
+        super().__init__()
+        rows = torch.randn(4, 8).to(torch.bfloat16).float()
+        self.mask_logits = torch.nn.Linear(8, 8, bias=False)
+        with torch.no_grad():
+            self.mask_logits.weight.copy_(torch.stack([rows, rows * (1 + 1e-4)], dim=1).reshape(8, 8))
+        self.values = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        logits = self.mask_logits(x)
+        masked = (logits[:, 1::2] - logits[:, 0::2]).sigmoid() < 0.5
+        return torch.where(masked, -1.0, 0.0) + self.values(x)
+
+
+def test_matmuls_feeding_a_threshold_mask_are_pinned_as_decisions(tmp_path):
+    """Mask2Former failed verification in the TPU run only (17 of 12,800 decoder outputs, max abs
+    error 0.7): one bf16 pass moved mask logits across 0.5 and a query attended to other pixels. A
+    comparison whose boolean selects between values not computed from what it compares is a decision
+    like a top-k: the matmuls computing its inputs are pinned to highest. An activation's comparison
+    (softplus: `where(x > 20, x, log1p(exp(x)))`) is continuous and pins nothing."""
+    torch.manual_seed(0)
+    model, x = ThresholdMask().eval(), torch.randn(16, 8)
+    artifact = tpuexport.convert(model, (x,), saved_model=False, out=tmp_path / "model.tpu")
+    assert artifact.manifest["verification"]["passed"]
+    assert artifact.manifest["entry_points"]["serving_default"]["decision_matmuls"] == [
+        {"op": "mm", "module": "mask_logits", "feeds": "aten.lt.Scalar", "precision": "highest"}]
+
+    from tpuexport.lower.matmul_precision import decision_matmuls
+
+    softplus = torch.export.export(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Softplus()), (x,)).run_decompositions()
+    assert decision_matmuls(softplus.graph) == {}
+
+
+def test_a_size_a_hugging_face_models_code_rules_out_names_the_architecture(tmp_path):
+    """The lines explaining a size torch.export's guards rule out named the file, not the model
+    (PP-DocLayout-V3, D-FINE, DEIMv2: "torch.export: the model's code fixes batch at 2, at ..."), unlike
+    every other refusal of torch.export's. MobileBERT's embeddings cannot take seq = 2."""
+    from tpuexport.export import capture, load_source
+
+    config = transformers.MobileBertConfig(vocab_size=64, hidden_size=32, embedding_size=16, num_hidden_layers=1, num_attention_heads=4,
+                                           intermediate_size=32, intra_bottleneck_size=16, true_hidden_size=16,
+                                           num_feedforward_networks=1, max_position_embeddings=32)
+    transformers.MobileBertModel(config).save_pretrained(tmp_path / "mobilebert")
+    with pytest.raises(TpuExportError, match=r"^torch.export on MobileBertModel \(mobilebert, given input_ids, attention_mask, "
+                                             r"token_type_ids\): the model's code cannot take seq = 2, at \S*modeling_mobilebert.py:\d+ .*"
+                                             r"declare seq that range \(--dim seq=3:32"):
+        capture(load_source(str(tmp_path / "mobilebert")))
+
+
+def test_inputs_a_model_cannot_take_are_refused_as_such_whatever_sizes_the_messages_name(tmp_path):
+    """Siglip2 takes flattened patches, not images: torch.export's error names a symbolic size
+    ("[672*s99, 224] X [768, 64]"), the eager run's its value ("[1344, 224] X ..."), and the line was
+    torch.export's failure with "check the example args" instead of the model's own forward failing."""
+    from tpuexport.export import capture, load_source
+
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, num_patches=16, patch_size=8)
+    text = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, max_position_embeddings=16)
+    config = transformers.Siglip2Config(text_config=text, vision_config=vision)
+    transformers.Siglip2ForImageClassification(config).save_pretrained(tmp_path / "siglip2")
+    with pytest.raises(TpuExportError, match=r"^the model's own forward fails on Siglip2ForImageClassification \(siglip2, given "
+                                             r"pixel_values\) at the example sizes \(\[2, 3, 224, 224\]\), run without torch.export: a "
+                                             r"and b must have same reduction dim, but got \[1344, 224\] X \[192, 32\]\.; these inputs do "
+                                             r"not suit it"):
+        capture(load_source(str(tmp_path / "siglip2")))
+
+
+class MasksAtRandom(torch.nn.Module):
+    """Drops a random half of its patches, as ViTMAE's random masking does with torch.rand noise;
+    and has a dropout layer, which in eval mode draws nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.dropout = torch.nn.Linear(8, 8), torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        noise = torch.rand(x.shape[:2], device=x.device)
+        return self.dropout(self.linear(x)) * (noise > 0.5).unsqueeze(-1)
+
+
+def test_a_forward_that_draws_random_numbers_is_refused_in_one_line(tmp_path):
+    """ViTMAE was refused as "lowering failed at aten.rand.default ... AttributeError: 'NoneType'
+    object has no attribute 'get_and_rotate_prng_key'; this op or shape pattern is not supported yet"."""
+    with pytest.raises(TpuExportError, match=r"^torch.export: its forward draws random numbers \(aten.rand.default\) at "
+                                             r"\S*test_architectures.py:\d+ \(noise = torch.rand\(x.shape\[:2\], .*\)\), so no two runs "
+                                             r"agree .*as ViTMAE's takes noise=\)$"):
+        tpuexport.convert(MasksAtRandom().eval(), (torch.randn(2, 4, 8),), out=tmp_path / "m.tpu")
+    assert list(tmp_path.iterdir()) == []
+    # Dropout in eval mode and attention without dropout (torch tags both ops nondeterministic_seeded) draw nothing.
+    attention = transformers.BertModel(transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                                               intermediate_size=32, attn_implementation="sdpa")).eval()
+    artifact = tpuexport.convert(attention, (torch.randint(0, 64, (2, 8)),), saved_model=False, verify_budget_flops=0,
+                                 out=tmp_path / "attention.tpu")
+    assert artifact.manifest["verification"]["passed"]
+
+
+class FixesBatchBehindACheck(torch.nn.Module):
+    """Checks a tensor it makes on its weights' device with transformers' torch_compilable_check, then
+    takes len() of its input (fixing the batch), as D-FINE's and RT-DETR's decoders do."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        from transformers.utils.import_utils import torch_compilable_check
+
+        torch_compilable_check(torch.tensor(True, device=self.linear.weight.device), "never raised")
+        rows = len(x)
+        return self.linear(x).reshape(rows, -1)
+
+
+def test_a_forward_reading_a_constant_on_its_weights_device_is_explained_when_weights_stream(tmp_path):
+    """Exported on the meta device (weights streamed from a checkpoint), such a forward was refused
+    with "torch.export failed: Cannot cast tensor(False) to number" (or, as D-FINE and DEIMv2, its
+    fixed batch with no line of the model's code): it is exported again with the checkpoint's tensors,
+    and refused as with its weights in memory."""
+    torch.manual_seed(0)
+    safetensors.torch.save_file(FixesBatchBehindACheck().state_dict(), str(tmp_path / "weights.safetensors"))
+    with tpuexport.parameters_on_meta():
+        on_meta = FixesBatchBehindACheck().eval()
+    batch = torch.export.Dim("batch", min=1, max=8)
+    with pytest.raises(TpuExportError, match=r"^torch.export: the model's code fixes batch at 2, at \S*test_architectures.py:\d+ "
+                                             r"\(rows = len\(x\)\); declare batch static \(--dim batch=2:2"):
+        tpuexport.convert(on_meta, (torch.randn(2, 4),), {"x": {0: batch}}, checkpoint=tmp_path / "weights.safetensors",
+                          out=tmp_path / "model.tpu")

@@ -68,15 +68,22 @@ class TensorSpec:
         return tuple(d if isinstance(d, int) else evaluate_dim(d, sizes) for d in self.shape)
 
 
+# The functions of sizes torch's (Min, FloorDiv, ...) and JAX's (min, floordiv, ...) dim expressions call.
+_SIZE_FUNCTIONS = {"Min": sympy.Min, "Max": sympy.Max, "min": sympy.Min, "max": sympy.Max, "Mod": sympy.Mod, "mod": sympy.Mod,
+                   "FloorDiv": lambda a, b: sympy.floor(a / b), "floordiv": lambda a, b: sympy.floor(a / b)}
+
+
 @functools.lru_cache(maxsize=None)
 def parse_dim_expression(expression: str) -> sympy.Expr:
     """A dim expression ("2*seq + 1") as a sympy expression whose every name is a plain symbol.
 
     Plain `sympy.sympify` reads some names as its own functions and constants (`sequence`, `beta`,
-    `gamma`, `N`, `E`, `I`, ...), so a dim of that name would not be a symbol.
+    `gamma`, `N`, `E`, `I`, ...), so a dim of that name would not be a symbol. A name called is a
+    function: torch's and JAX's min, max, floor division and modulo of sizes (a block loop's
+    `Min(256, seq)`, MiniMax's lightning attention).
     """
-    names = {name: sympy.Symbol(name) for name in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", expression)}
-    return sympy.sympify(expression, locals=names)
+    names = {name: sympy.Symbol(name) for name in re.findall(r"\b([A-Za-z_]\w*)\b(?!\s*\()", expression)}
+    return sympy.sympify(expression, locals={**_SIZE_FUNCTIONS, **names})
 
 
 def evaluate_dim(expression: str, sizes: dict[str, int]) -> int:

@@ -96,9 +96,15 @@ def _capture_with_checkpoint(source: LoadedSource) -> CapturedModel:
                              "give the module that the checkpoint's state_dict belongs to")
     reference = with_checkpoint_weights(source.model, source.checkpoint)
     on_meta = on_meta_device(dataclasses.replace(source, model=source.model.eval(), checkpoint=None))
-    program = _export(on_meta.model, on_meta.args, on_meta.dynamic_shapes)
-    weights = _program_weights(program, reference)
-    if any(isinstance(tensor, torch.Tensor) and tensor.is_meta for tensor in weights.values()):
+    try:
+        program = _export(on_meta.model, on_meta.args, on_meta.dynamic_shapes)
+        weights = _program_weights(program, reference)
+    except TpuExportError:
+        # A forward that reads a constant it makes on its weights' device (transformers' torch_compilable_check of a
+        # tensor, D-FINE's and RT-DETR's) cannot run on the meta device: its refusal said "Cannot cast tensor(False) to
+        # number", or named no line of the model's code. The export with the checkpoint's tensors says what it says.
+        program = None
+    if program is None or any(isinstance(tensor, torch.Tensor) and tensor.is_meta for tensor in weights.values()):
         # The forward makes tensor constants on its weights' device (Mask2Former's offset normalizer, GPT-Neo's
         # mask value, ...): exported with the checkpoint's tensors (memory-mapped, not copied), they have values.
         # Example args made on the meta device (a generation KV cache, which can exceed memory) join them on the
@@ -219,24 +225,51 @@ def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.Export
     except Exception as error:  # torch.export raises UserError, ConstraintViolationError, TypeError, ...
         with _quiet_export():
             explained = constraints.explain(model, args, dynamic_shapes, str(error))
-        if explained:
-            raise TpuExportError(explained) from None
+        if explained:  # the line names the architecture, as every other refusal of torch.export's does
+            raise TpuExportError(explained.replace("torch.export:", f"torch.export{_described(model)}:", 1)) from None
         message = " ".join(str(error).split())
         if isinstance(error, GuardOnDataDependentSymNode):
             raise TpuExportError(
                 f"torch.export failed{_described(model)}: its forward branches on tensor values ({message[:300]}), which torch.export "
                 "cannot trace (e.g. a Python loop over the experts that tokens chose); that code needs tensor ops or torch.cond"
             ) from None
-        if _fails_eagerly_alike(model, args, error):
+        eager_error = _eager_failure_alike(model, args, error)
+        if eager_error is not None:
             raise TpuExportError(
                 f"the model's own forward fails{_described(model)} at the example sizes ({_shapes(args)}), run without "
-                f"torch.export: {message[:300]}; these inputs do not suit it (it may take others, or other sizes): give them "
+                f"torch.export: {eager_error[:300]}; these inputs do not suit it (it may take others, or other sizes): give them "
                 "with --dim, or its own inputs from a file.py:factory") from None
         raise TpuExportError(
             f"torch.export failed{_described(model)}: {message[:400]}; check the example args and dynamic_shapes / --dim ranges"
         ) from None
     _refuse_sizes_from_values(model, program)
+    _refuse_random_draws(model, program)
     return program
+
+
+def _refuse_random_draws(model: torch.nn.Module, program: torch.export.ExportedProgram) -> None:
+    """Refuses a forward that draws random numbers (an op torch tags nondeterministic_seeded: ViTMAE's
+    masking noise, `torch.rand` at modeling_vit_mae.py:264, was refused as "lowering failed ...
+    'NoneType' object has no attribute 'get_and_rotate_prng_key'"): no two runs agree, so the program
+    cannot be verified against eager PyTorch. Dropout and RReLU in eval mode (their `train` or
+    `training` argument false) and attention without dropout (`dropout_p` 0) draw nothing.
+
+    Raises:
+      TpuExportError: naming the first such op's line of the model's code.
+    """
+    for node in program.graph.nodes:
+        tags = getattr(node.target, "tags", ())
+        if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in tags:
+            continue
+        schema = node.target._schema.arguments
+        arguments = ({a.name: a.default_value for a in schema if a.has_default_value()} | dict(zip((a.name for a in schema), node.args))
+                     | node.kwargs)
+        if arguments.get("train") is False or arguments.get("training") is False or arguments.get("dropout_p") == 0:
+            continue
+        raise TpuExportError(
+            f"torch.export{_described(model)}: its forward draws random numbers ({node.target}) at {user_source(node)}, so no two "
+            "runs agree and the program cannot be verified against eager PyTorch; give those values as an input instead (a "
+            "file.py:factory whose forward takes them, as ViTMAE's takes noise=)")
 
 
 def _refuse_sizes_from_values(model: torch.nn.Module, program: torch.export.ExportedProgram) -> None:
@@ -257,16 +290,25 @@ def _refuse_sizes_from_values(model: torch.nn.Module, program: torch.export.Expo
                 "that code needs fixed-size tensor ops (e.g. every expert over every token, weighted by the router)")
 
 
-def _fails_eagerly_alike(model: torch.nn.Module, args, error: Exception) -> bool:
-    """Whether the model run eagerly at the example args (on the meta device when its weights are
-    there: shapes only) raises what torch.export raised: then the inputs do not suit the model, and
-    no tracing is to blame."""
-    try:
-        with torch.no_grad(), _quiet_export():
+def _eager_failure_alike(model: torch.nn.Module, args, error: Exception) -> str | None:
+    """What the model run eagerly at the example args (on fake tensors: shapes only) raises, in one
+    line, when it is what torch.export raised: then the inputs do not suit the model, and no tracing
+    is to blame. Sizes do not count in the comparison: where
+    torch.export's message names a symbolic size (Siglip2 given images for its flattened patches:
+    "[672*s99, 224] X [768, 64]"), the eager run's names its value ("[1344, 224] X [768, 64]")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:  # on fake tensors, as torch.export traces: the same kernels' messages, whether the weights are in memory or not
+        with torch.no_grad(), _quiet_export(), FakeTensorMode(allow_non_fake_inputs=True):
             model(*args)
     except Exception as eager_error:  # whatever the model raises, compared with torch.export's
-        return type(eager_error) is type(error) and str(eager_error) == str(error)
-    return False
+        if type(eager_error) is type(error) and _SIZES.sub("#", str(eager_error)) == _SIZES.sub("#", str(error)):
+            return " ".join(str(eager_error).split())
+    return None
+
+
+# A size in an error message, concrete (1344) or symbolic (672*s99, s99 + 1).
+_SIZES = re.compile(r"\w*\d[\w*+\-/]*(?: [+\-] [\w*]*\d[\w*]*)*")
 
 
 def _shapes(args) -> str:

@@ -552,7 +552,8 @@ def attention_windows(model: nn.Module) -> dict[str, int | None]:
     unknown = sorted(set(layer_types) - set(_MASKED_LAYER_TYPES))
     if unknown:
         raise TpuExportError(f"--task text-generation: {type(model).__name__} has {unknown[0]} layers, which the KV-cache entry points "
-                             f"do not support yet (only {' and '.join(_MASKED_LAYER_TYPES)})")
+                             f"do not support yet (only {' and '.join(_MASKED_LAYER_TYPES)}); its full-sequence forward may convert "
+                             "(--task feature-extraction)")
     return {layer_type: window if layer_type == "sliding_attention" else None for layer_type in sorted(set(layer_types))}
 
 

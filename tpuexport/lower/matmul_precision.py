@@ -19,7 +19,9 @@ Integer dots (int8 x int8 -> int32) have no precision and are left alone.
 
 Matmuls that feed a discrete decision are pinned to HIGHEST whatever the setting: every matmul
 whose result reaches a top-k, sort, argmax/argmin or max/min-with-indices (a mixture of experts'
-router, a scoring head), directly or through other ops and matmuls. One bf16 pass anywhere in that
+router, a scoring head), or a threshold that masks (a comparison whose boolean selects between
+values not computed from what it compares: Mask2Former's `sigmoid(mask_logits) < 0.5` attention
+mask), directly or through other ops and matmuls. One bf16 pass anywhere in that
 cone moves the decision's inputs by ~1e-3, and near-ties flip (a token routed to another expert
 changes that expert's whole output), so the TPU would not compute what the model does. Pinning the
 routers alone is not enough: a Mixtral-shaped model (f32, batch 64 x seq 128) still routed tokens
@@ -55,6 +57,8 @@ _DECISION_OWNER = re.compile(re.escape(DECISION_SCOPE) + r"([^/\"]+)")
 _aten = torch.ops.aten
 DECISIONS = frozenset({_aten.topk.default, _aten.sort.default, _aten.sort.stable, _aten.argmax.default, _aten.argmin.default,
                        _aten.max.dim, _aten.min.dim})
+# Comparisons that decide when their boolean selects between values not computed from what they compare (_is_threshold_mask).
+THRESHOLDS = frozenset(getattr(getattr(_aten, name), overload) for name in ("lt", "le", "gt", "ge") for overload in ("Scalar", "Tensor"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +102,7 @@ def decision_matmuls(graph: torch.fx.Graph) -> dict[torch.fx.Node, str]:
     """
     found: dict[torch.fx.Node, str] = {}
     for decision in graph.nodes:
-        if decision.op != "call_function" or decision.target not in DECISIONS:
+        if decision.op != "call_function" or not (decision.target in DECISIONS or _is_threshold_mask(decision)):
             continue
         pending = list(decision.all_input_nodes)
         while pending:
@@ -108,6 +112,50 @@ def decision_matmuls(graph: torch.fx.Graph) -> dict[torch.fx.Node, str]:
             found[node] = str(decision.target)
             pending.extend(node.all_input_nodes)
     return found
+
+
+def _is_threshold_mask(comparison: torch.fx.Node) -> bool:
+    """Whether a comparison of computed floats is a discrete decision: its boolean (through boolean
+    ops) chooses, in a `where`, between values neither of which is computed from the compared floats
+    (Mask2Former's attention mask `sigmoid(mask_logits) < 0.5` selects -inf or 0 for each pixel: one
+    bf16 pass in its cone flipped pixels near 0.5 and moved whole queries' outputs). Activations that
+    compare (softplus, mish, PReLU, CELU, threshold: `where(x > t, x, f(x))`) select values of the
+    compared tensor itself and are continuous across the threshold: not decisions, or every matmul
+    before a softplus would be pinned."""
+    if comparison.target not in THRESHOLDS or not _is_float(comparison.args[0]):
+        return False
+    compared = {arg for arg in comparison.args[:2] if isinstance(arg, torch.fx.Node)}
+    pending, seen = [comparison], set()
+    while pending:
+        node = pending.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.target == _aten.where.self and user.args[0] is node:
+                if not any(_computed_from(branch, compared, comparison) for branch in user.args[1:]):
+                    return True
+            elif getattr(user.meta.get("val"), "dtype", None) == torch.bool:
+                pending.append(user)
+    return False
+
+
+def _is_float(node) -> bool:
+    return isinstance(node, torch.fx.Node) and getattr(node.meta.get("val"), "is_floating_point", lambda: False)()
+
+
+def _computed_from(value, sources: set, comparison: torch.fx.Node) -> bool:
+    """Whether a graph value is computed from any of `sources` other than through `comparison`."""
+    pending, seen = [value], set()
+    while pending:
+        node = pending.pop()
+        if not isinstance(node, torch.fx.Node) or node in seen or node is comparison:
+            continue
+        if node in sources:
+            return True
+        seen.add(node)
+        pending.extend(node.all_input_nodes)
+    return False
 
 
 def is_decision_matmul(op: ir.Operation) -> bool:

@@ -38,3 +38,20 @@ def sym_float(size):
     """A size as a float (`F.interpolate(scale_factor=...)` on a symbolic image side computes its
     sampling step so): a float32 scalar array for a symbolic dim."""
     return jnp.asarray(size, jnp.float32) if jax.export.is_symbolic_dim(size) else float(size)
+
+
+# JAX's min and max of dim expressions (private to JAX, what jnp's shape functions use): a symbolic
+# size stays a size (a slice bound), decided by the dims' ranges where they decide it.
+from jax._src.core import max_dim, min_dim  # noqa: E402
+
+
+@register_lowering(torch.sym_min)
+def sym_min(left, right):
+    """`min(start + block, seq_len)` of a block loop (MiniMax's lightning attention): a size."""
+    return min_dim(left, right)
+
+
+@register_lowering(torch.sym_max)
+def sym_max(left, right):
+    """`max(...)` of sizes: a size."""
+    return max_dim(left, right)

@@ -79,6 +79,8 @@ class OutputComparison:
       elements: number of elements.
       allowed_mismatches: mismatched elements tolerated (0 unless Tolerances.min_fraction < 1).
       min_sqnr_db: the SQNR the output must reach, or None.
+      reference_not_finite: of the mismatched elements, those whose expected value is an infinity or
+        a NaN (no arithmetic is checked there: the reference itself overflowed or divided by zero).
     """
 
     name: str
@@ -91,6 +93,7 @@ class OutputComparison:
     elements: int
     allowed_mismatches: int = 0
     min_sqnr_db: float | None = None
+    reference_not_finite: int = 0
 
     @property
     def passed(self) -> bool:
@@ -130,15 +133,19 @@ def compare_output(name: str, actual: np.ndarray, expected: np.ndarray, toleranc
     scale = math.sqrt(finite_squares / finite_count) if finite_count else 0.0
     atol = tolerances.atol + tolerances.scale_tol * scale + tolerances.quantization_steps * finite_largest / 127.0
     not_close, max_abs, max_relative, squared_error, signal, noise = 0, 0.0, 0.0, 0.0, 0.0, 0.0
+    reference_not_finite = 0
     lost_a_number = False  # a NaN or an infinity where a number was expected
     for a, e in _chunks(actual, expected):
         a, e = a.astype(np.float64), e.astype(np.float64)
-        not_close += int(np.count_nonzero(~np.isclose(a, e, atol=atol, rtol=tolerances.rtol, equal_nan=True)))
-        difference = np.abs(a - e)
-        difference[np.isnan(a) & np.isnan(e)] = 0.0
-        nonzero = e != 0
-        relative = np.nan_to_num(difference[nonzero] / np.abs(e[nonzero]), nan=np.inf)
-        difference = np.nan_to_num(difference, nan=np.inf)
+        far = ~np.isclose(a, e, atol=atol, rtol=tolerances.rtol, equal_nan=True)
+        not_close += int(np.count_nonzero(far))
+        reference_not_finite += int(np.count_nonzero(far & ~np.isfinite(e)))
+        with np.errstate(invalid="ignore"):  # inf - inf and inf / inf: NaN, an infinite error below
+            difference = np.abs(a - e)
+            difference[(np.isnan(a) & np.isnan(e)) | (a == e)] = 0.0  # equal infinities differ by nothing, as equal NaNs
+            nonzero = e != 0
+            relative = np.nan_to_num(difference[nonzero] / np.abs(e[nonzero]), nan=np.inf, posinf=np.inf)
+        difference = np.nan_to_num(difference, nan=np.inf, posinf=np.inf)
         max_abs = max(max_abs, float(difference.max(initial=0.0)))
         max_relative = max(max_relative, float(relative.max(initial=0.0)))
         squared_error += float(np.sum(np.square(difference)))
@@ -156,6 +163,7 @@ def compare_output(name: str, actual: np.ndarray, expected: np.ndarray, toleranc
         # Outliers may be rounding's flipped decisions, never a NaN or an infinity where a number was expected.
         0 if lost_a_number else int((1.0 - tolerances.min_fraction) * expected.size),
         tolerances.min_sqnr_db,
+        reference_not_finite,
     )
 
 

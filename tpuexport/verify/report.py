@@ -83,6 +83,19 @@ def tpu_arithmetic_hint(matmul_precision: str) -> str:
             "passes), or loosen --rtol/--scale-tol if this error is acceptable")
 
 
+def _not_finite_reference_clause(failed: list) -> str:
+    """Says that eager PyTorch's own output is an infinity or a NaN where a run departs from it: the
+    model overflowed or divided by about zero in f32 at the verification's inputs (ALIGN's random tiny
+    model: image activations of 1e-24 whose squares underflow, an L2 norm of 0, every embedding +-inf;
+    one bf16-rounded product then flips an infinity's sign), which says nothing of the conversion."""
+    names = ", ".join(dict.fromkeys(repr(output.name) for _, output in failed if output.reference_not_finite))
+    where = ", ".join(dict.fromkeys(case.describe_sizes() for case, output in failed if output.reference_not_finite))
+    count = sum(output.reference_not_finite for _, output in failed)
+    return (f"eager PyTorch's own {names} is inf or NaN at {count} of the elements the runs depart at ({where}): the model "
+            "overflows or divides by about zero in f32 at these inputs (random or untrained weights can), and no precision "
+            "reproduces such a value's sign; that is the model's arithmetic, not the conversion's: check its weights")
+
+
 def summary_section(report) -> dict:
     """What the manifest's "verification" block says of any report (forward or generation): outcome,
     reference, arithmetic, tolerances, and where the report and golden data are."""
@@ -138,10 +151,15 @@ class VerificationReport:
                     if not output.passed:
                         clauses.append(f"output {output.name!r} at {case.describe_sizes()} ({run} run): "
                                        f"{output.describe_failure()} [{tolerances.describe()}]")
-        if self._only_the_tpu_run_failed():
-            clauses.append(tpu_arithmetic_hint(self.matmul_precision))
-        elif self._the_cpu_run_failed():
-            clauses.append(_CPU_RUN_FIXES.get(self.precision, _CPU_RUN_FIXES["f32"]))
+        failed = [(case, output) for case in self.cases for outputs in case.runs.values() for output in outputs if not output.passed]
+        if any(output.reference_not_finite for _, output in failed):
+            clauses.append(_not_finite_reference_clause(failed))
+        # Departures only from the reference's infinities and NaNs name no arithmetic of the program's.
+        if not (failed and all(output.mismatched - output.reference_not_finite <= output.allowed_mismatches for _, output in failed)):
+            if self._only_the_tpu_run_failed():
+                clauses.append(tpu_arithmetic_hint(self.matmul_precision))
+            elif self._the_cpu_run_failed():
+                clauses.append(_CPU_RUN_FIXES.get(self.precision, _CPU_RUN_FIXES["f32"]))
         return "; ".join(clauses) or "all outputs match"
 
     def _the_cpu_run_failed(self) -> bool:
