@@ -286,7 +286,7 @@ def compared_whole(actual: np.ndarray, expected: np.ndarray, tolerances: Toleran
     scale = float(np.sqrt(np.mean(np.square(expected[finite]))))
     atol = tolerances.atol + tolerances.scale_tol * scale + tolerances.quantization_steps * float(np.abs(expected[finite]).max()) / 127
     close = np.isclose(actual, expected, atol=atol, rtol=tolerances.rtol, equal_nan=True)
-    difference = np.where(np.isnan(actual) & np.isnan(expected), 0.0, np.abs(actual - expected))
+    difference = np.where((np.isnan(actual) & np.isnan(expected)) | (actual == expected), 0.0, np.abs(actual - expected))
     nonzero = expected != 0
     relative = np.nan_to_num(difference[nonzero] / np.abs(expected[nonzero]), nan=np.inf)
     difference = np.nan_to_num(difference, nan=np.inf)
@@ -317,7 +317,7 @@ def test_comparing_in_chunks_gives_the_whole_array_figures(broken):
     flat_actual[::8191] = 0.0
     flat_actual[3 * CHUNK_ELEMENTS + 17] += 50.0  # an outlier in the fourth chunk
     if broken:
-        # Matching infinities count as matches, but their difference (inf - inf) is NaN: errors of inf, as before.
+        # Matching infinities match, and differ by nothing (not inf - inf = NaN); opposite infinities differ by inf.
         flat_expected[11] = flat_actual[11] = np.inf
         flat_expected[boundary] = np.nan  # a number where NaN was expected
         flat_expected[boundary + 1], flat_actual[boundary + 1] = -np.inf, np.inf
