@@ -9,6 +9,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -613,20 +614,22 @@ def test_matmuls_feeding_a_threshold_mask_are_pinned_as_decisions(tmp_path):
     assert decision_matmuls(softplus.graph) == {}
 
 
+class ConfiguredShiftsByOne(ShiftsByOne):
+    """ShiftsByOne with a Hugging Face-style config, as the line names a model by its config's model_type."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(model_type="shifter")
+
+
 def test_a_size_a_hugging_face_models_code_rules_out_names_the_architecture(tmp_path):
     """The lines explaining a size torch.export's guards rule out named the file, not the model
     (PP-DocLayout-V3, D-FINE, DEIMv2: "torch.export: the model's code fixes batch at 2, at ..."), unlike
-    every other refusal of torch.export's. MobileBERT's embeddings cannot take seq = 2."""
-    from tpuexport.export import capture, load_source
-
-    config = transformers.MobileBertConfig(vocab_size=64, hidden_size=32, embedding_size=16, num_hidden_layers=1, num_attention_heads=4,
-                                           intermediate_size=32, intra_bottleneck_size=16, true_hidden_size=16,
-                                           num_feedforward_networks=1, max_position_embeddings=32)
-    transformers.MobileBertModel(config).save_pretrained(tmp_path / "mobilebert")
-    with pytest.raises(TpuExportError, match=r"^torch.export on MobileBertModel \(mobilebert, given input_ids, attention_mask, "
-                                             r"token_type_ids\): the model's code cannot take seq = 2, at \S*modeling_mobilebert.py:\d+ .*"
-                                             r"declare seq that range \(--dim seq=3:32"):
-        capture(load_source(str(tmp_path / "mobilebert")))
+    every other refusal of torch.export's (MobileBERT's embeddings, which cannot take seq = 2, as this module)."""
+    seq = torch.export.Dim("seq", min=2, max=16)
+    with pytest.raises(TpuExportError, match=r"^torch.export on ConfiguredShiftsByOne \(shifter\): the model's code cannot take seq = 2, "
+                                             r"at .*test_architectures.py:\d+ .*declare seq that range \(--dim seq=3:16"):
+        tpuexport.convert(ConfiguredShiftsByOne(), (torch.randn(2, 8),), {"x": {1: seq}}, out=tmp_path / "m.tpu")
 
 
 def test_inputs_a_model_cannot_take_are_refused_as_such_whatever_sizes_the_messages_name(tmp_path):
