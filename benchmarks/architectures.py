@@ -109,7 +109,7 @@ SIZES = {  # group: (size, keys)
     "experts": (4, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "zero_expert_num")),
     "top_k": (2, ("num_experts_per_tok", "moe_topk", "n_group", "moe_k", "moe_top_k", "num_experts_per_token", "experts_per_token")),
     "window": (32, ("sliding_window", "attention_chunk_size", "sliding_window_size", "kv_lora_rank", "q_lora_rank", "o_lora_rank")),
-    "small": (8, ("qk_rope_head_dim", "time_step_rank", "block_size", "attention_window", "num_conv_pos_embeddings", "mamba_chunk_size")),
+    "small": (8, ("qk_rope_head_dim", "rotary_dim", "time_step_rank", "block_size", "attention_window", "num_conv_pos_embeddings", "mamba_chunk_size")),
     "one": (1, ("n_shared_experts", "topk_group", "first_k_dense_replace", "num_shared_experts", "moe_num_shared_experts",
                 "moe_layer_start_index", "moe_layer_end_index")),
 }
