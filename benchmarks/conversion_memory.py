@@ -100,7 +100,7 @@ def convert_case(request: dict) -> None:
         starting(clock, name)
 
     conversion.StageClock.start = start
-    measure_verification_cases(write)
+    measure_verification_cases(write, request["arrays"])
 
     def ended(stage: str, seconds: float, detail: str) -> None:
         peak = clocks[0].memory.get(stage) if clocks else None
@@ -129,10 +129,11 @@ def convert_case(request: dict) -> None:
     write(event="done", seconds=time.perf_counter() - start_time, verified=[case["sizes"] for case in manifest["verification"].get("cases", [])])
 
 
-def measure_verification_cases(write) -> None:
+def measure_verification_cases(write, arrays: bool) -> None:
     """Each forward verification case (verification.run_case), the position check and each
     generation run (a fill bucket's teacher-forced logits in a session of its own) measured on its
-    own, reported as "case" events: which case of the verify stage holds the memory."""
+    own, reported as "case" events: which case of the verify stage holds the memory (with `arrays`,
+    the largest arrays alive as the case ends: a generation run's session still holds its cache)."""
     from tpuexport.memory import MemoryMonitor
     from tpuexport.verify import generation, verification
 
@@ -143,7 +144,8 @@ def measure_verification_cases(write) -> None:
         window = monitor.open()
         start = time.perf_counter()
         outcome = run()
-        write(event="case", label=label, sizes=sizes, seconds=time.perf_counter() - start, memory=monitor.close(window).to_json())
+        write(event="case", label=label, sizes=sizes, seconds=time.perf_counter() - start, memory=monitor.close(window).to_json(),
+              arrays=largest_arrays() if arrays else [])
         return outcome
 
     verification.run_case = lambda runs, reference, inputs, planned, tolerances: measured(
@@ -155,7 +157,7 @@ def measure_verification_cases(write) -> None:
         lambda: teacher_forced_logits(session, prompts, slots, seq, eager_tokens))
 
 
-def largest_arrays(count: int = 4) -> list[str]:
+def largest_arrays(count: int = 6) -> list[str]:
     """The largest live JAX arrays and torch tensors (one per storage), as "jax bf16[16,2048,8192] 0.50 GiB"."""
     import gc
 
@@ -308,6 +310,8 @@ def print_verification_cases(cases: list[dict]) -> None:
         peak = case["memory"]
         print(f"    {'case ' + case['label'] + (' ' + str(case['sizes']) if case['sizes'] else ''):<26}{case['seconds']:>9.1f}"
               f"{gib(peak.get('process_bytes')):>13}{gib(peak.get('anonymous_bytes')):>8}{gib(peak.get('mapped_bytes')):>8}")
+        for line in case.get("arrays", []):
+            print(f"        {line}")
 
 
 def summary_row(result: dict) -> str:

@@ -193,6 +193,12 @@ def load_huggingface(reference: str, task: str | None, dims: list[DimSpec] = (),
       TpuExportError: transformers missing, a missing directory or cached model, an unreadable
         config, an unknown task or one the architecture does not support, a bad --dim.
     """
+    # Reading a directory imports transformers' model classes, and with them torchao (logs.py).
+    with quiet_loggers(*TORCHAO_LOGGERS):
+        return _load_huggingface(reference, task, dims, weights_in_memory, memory_budget)
+
+
+def _load_huggingface(reference: str, task: str | None, dims: list[DimSpec], weights_in_memory: bool, memory_budget) -> LoadedSource:
     transformers = _import_transformers()
     directory, revision = _resolve(reference)
     config_path = directory / "config.json"
@@ -354,7 +360,7 @@ def _forward_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_mem
     config = resolved.config
     auto_class = auto_model_class(resolved.auto_class, config)
     dtype = _config_dtype(config)
-    with parameters_on_meta(), quiet_loggers(*TORCHAO_LOGGERS):
+    with parameters_on_meta():
         model = auto_class.from_config(config, dtype=dtype).eval()
     wrapped, args, dynamic_shapes = forward_program(model, dims)
     checkpoint = _checkpoint(resolved.directory, wrapped.model, "model.")
@@ -394,7 +400,7 @@ def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_
     dtype = _config_dtype(resolved.config)
     checkpoint = None
     if not weights_in_memory:
-        with parameters_on_meta(), quiet_loggers(*TORCHAO_LOGGERS):
+        with parameters_on_meta():
             model = auto_class.from_config(resolved.config, dtype=dtype).eval()
         checkpoint = _checkpoint(resolved.directory, model)
     if checkpoint is None:
@@ -822,7 +828,7 @@ def _from_pretrained(auto_class, directory: pathlib.Path, dtype: torch.dtype) ->
     progress_bar = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()
     try:
-        with _offline(), quiet_loggers(*TORCHAO_LOGGERS):
+        with _offline():
             model, loading = auto_class.from_pretrained(str(directory), dtype=dtype, local_files_only=True, output_loading_info=True)
     finally:
         if progress_bar:

@@ -27,7 +27,6 @@ import sys
 import torch
 
 from tpuexport.errors import TpuExportError
-from tpuexport.logs import TORCHAO_LOGGERS, quiet_loggers
 from tpuexport.memory import MemoryBudget
 from tpuexport.export import huggingface
 from tpuexport.export.checkpoints import Checkpoint, check_weights_fit, open_checkpoint, parameters_on_meta
@@ -72,9 +71,7 @@ def load_source(
         if inputs or checkpoint is not None:
             raise TpuExportError("--input and --checkpoint do not apply to a Hugging Face source (its config names the inputs, "
                                  "its directory holds the weights); drop them, and use --dim to change a dim's range")
-        # Reading a directory imports transformers' model classes, and with them torchao (logs.py).
-        with quiet_loggers(*TORCHAO_LOGGERS):
-            return huggingface.load_huggingface(reference, task, dims, weights_in_memory, memory_budget)
+        return huggingface.load_huggingface(reference, task, dims, weights_in_memory, memory_budget)
     if task not in (None, "auto"):
         raise TpuExportError(f"--task applies to a Hugging Face model directory or hf:ORG/NAME, not {reference}; drop it")
     path_text, _, factory = reference.partition(":") if ".py:" in reference else (reference, "", "")
