@@ -158,22 +158,38 @@ def measure_verification_cases(write, arrays: bool) -> None:
 
 
 def largest_arrays(count: int = 6) -> list[str]:
-    """The largest live JAX arrays and torch tensors (one per storage), as "jax bf16[16,2048,8192] 0.50 GiB"."""
+    """The largest live JAX arrays and torch tensors (one per storage), as "jax bf16[16,2048,8192] 0.50 GiB
+    in model.weights" (the file mapped where the data lies) or "... anonymous"."""
     import gc
 
     import jax
     import torch
 
-    found = [(array.nbytes, f"jax {array.dtype}{list(array.shape)}") for array in jax.live_arrays() if array.nbytes >= LISTED_ARRAY_BYTES]
+    mappings = file_mappings()
+    found = [(array.nbytes, f"jax {array.dtype}{list(array.shape)}", array.unsafe_buffer_pointer()) for array in jax.live_arrays()
+             if array.nbytes >= LISTED_ARRAY_BYTES and len(array.devices()) == 1]
     storages = {}
     for thing in gc.get_objects():
         # Real tensors only: export's fake and functional tensors have no data.
         if type(thing) in (torch.Tensor, torch.nn.Parameter) and thing.device.type == "cpu":
             storage = thing.untyped_storage()
             if storage.nbytes() >= LISTED_ARRAY_BYTES:
-                storages[storage.data_ptr()] = (storage.nbytes(), f"torch {str(thing.dtype).removeprefix('torch.')}{list(thing.shape)}")
+                storages[storage.data_ptr()] = (storage.nbytes(), f"torch {str(thing.dtype).removeprefix('torch.')}{list(thing.shape)}",
+                                                storage.data_ptr())
     found += storages.values()
-    return [f"{text} {size / 2**30:.2f} GiB" for size, text in sorted(found, reverse=True)[:count]]
+    where = lambda address: next((f"in {name}" for start, end, name in mappings if start <= address < end), "anonymous")  # noqa: E731
+    return [f"{text} {size / 2**30:.2f} GiB {where(address)}" for size, text, address in sorted(found, reverse=True)[:count]]
+
+
+def file_mappings() -> list[tuple[int, int, str]]:
+    """The process's file-backed mappings: (start, end, file name)."""
+    mappings = []
+    for line in pathlib.Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            mappings.append((start, end, pathlib.Path(fields[5]).name))
+    return mappings
 
 
 def write_checkpoint(shape: str, layers: int, work: pathlib.Path) -> pathlib.Path:

@@ -535,12 +535,15 @@ def test_runtime_generates_from_the_cpu_executables_with_the_cache_on_the_device
 def test_cpu_executables_update_a_bf16_cache_as_bit_patterns(tmp_path):
     """The cpu target's executables take and return a bf16 KV cache as uint16 bit patterns (the form
     XLA:CPU updates in place, lower/cpu_program.py); the runner hands them from step to step and
-    generates what the artifact's own CPU run does."""
+    generates what the artifact's own CPU run does. A decode step's temporaries stay below the
+    cache's size: its writes wait for its reads, so XLA:CPU makes no copy of the cache."""
     model = tiny_llama().to(torch.bfloat16)
-    artifact = tpuexport.convert(model, task="text-generation", max_context=32, max_batch=MAX_BATCH, buckets={"seq": [8], "batch": [MAX_BATCH]},
+    artifact = tpuexport.convert(model, task="text-generation", max_context=128, max_batch=MAX_BATCH, buckets={"seq": [8], "batch": [MAX_BATCH]},
                                  target="cpu", out=tmp_path / "llama.tpu", saved_model=False, verify_new_tokens=4)
     buckets = artifact.manifest["targets"]["cpu"]["buckets"]
     assert all(bucket["state_as_bits"] == ["cache_k", "cache_v"] for bucket in buckets if bucket["entry_point"] != "sample")
+    (decode,) = [bucket for bucket in buckets if bucket["entry_point"] == "decode"]
+    assert decode["memory"]["temp_bytes"] < artifact.generation_program.spec.cache_bytes  # 103,554 with the copy; the cache 65,536
 
     runner = tpuexport.runner(artifact.path)
     prompts = [[5, 17, 42, 7], [99, 3]]

@@ -347,11 +347,14 @@ def test_a_hugging_face_directorys_checkpoint_is_unmapped_when_released(tmp_path
     assert checkpoint[name].numel() and weights in mapped_files()
 
 
-def test_cpu_runs_read_a_transposed_weight_in_place(tmp_path):
+def test_cpu_runs_read_a_weight_in_place_transposed_or_by_a_single_row(tmp_path):
     """torch's linear is x @ weight.T: XLA:CPU wrote each transposed weight out, in f32 for a bfloat16
-    one (1 GiB for Llama-3.2-1B's head, per run). The CPU program's dots read the weight as it is
-    (lower/cpu_dots.py): the run's temporaries are below the weight's own size, where the program as
-    exported needs its f32 transposed copy, and the outputs are the same products summed in f32."""
+    one (1 GiB for Llama-3.2-1B's head, per run), and converted the whole weight to f32 for a
+    product with a single row once it reads the weight untransposed (a batch-1 prefill's head, a
+    batch-1 decode step's every matmul). The CPU program's dots read the weight as it is
+    (lower/cpu_dots.py): the run's temporaries are below the weight's own size at batch 4 and at
+    batch 1, where those programs need an f32 copy, the outputs are the same products summed in f32, and a single row's are that row's of a
+    larger batch, bit for bit."""
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 8192, bias=False).to(torch.bfloat16).eval()
     batch = torch.export.Dim("batch", min=1, max=8)
@@ -365,11 +368,18 @@ def test_cpu_runs_read_a_transposed_weight_in_place(tmp_path):
     as_exported = jax.jit(lowered.exported.call).lower(list(lowered.weights), inputs).compile()
     assert as_exported.memory_analysis().temp_size_in_bytes >= 2 * weight_bytes  # the f32 transposed copy this removes
 
+    folded_only = rewrite_module(lowered.exported, fold_transposes_into_dots)
+    single_row = jax.jit(folded_only.call).lower(list(lowered.weights), [jax.ShapeDtypeStruct((1, 256), jnp.bfloat16)]).compile()
+    assert single_row.memory_analysis().temp_size_in_bytes >= 2 * weight_bytes  # the f32 copy of the weight the padded row removes
+
     assert lowered.run_temporary_bytes({"batch": 4}) < weight_bytes / 8
+    assert lowered.run_temporary_bytes({"batch": 1}) < weight_bytes / 8
 
     (output,) = lowered.run([example.float().numpy()])
     expected = torch.nn.functional.linear(example.double(), model.weight.detach().double()).numpy()
     np.testing.assert_allclose(output.astype(np.float64), expected, rtol=2**-7, atol=1e-3)
+    (first_row,) = lowered.run([example[:1].float().numpy()])
+    np.testing.assert_array_equal(first_row, output[:1])
 
 
 def test_a_transpose_folds_into_a_dot_only_where_the_result_keeps_its_dim_order():

@@ -17,8 +17,10 @@ same name, the KV cache) are taken and returned as ui16: the bitcast pairs betwe
 XLA:CPU sees ui16 updates of an argument and does them in place. It is the same function, bit for
 bit. TPUs compile the artifact's own program; this one is never written to an artifact.
 
-Its dots also read transposed weights in place (cpu_dots.py) instead of XLA:CPU writing each
-transposed weight out in f32 first.
+Its dots also read transposed weights in place, and products of a single row take a second, zero
+row (cpu_dots.py), instead of XLA:CPU writing each such weight out in f32 first. The first write
+into the state waits for the program's other results (_writes_after_reads), so that XLA:CPU updates
+the state in place instead of copying it whole.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 
-from tpuexport.lower.cpu_dots import fold_transposes_into_dots
+from tpuexport.lower.cpu_dots import fold_transposes_into_dots, pad_single_row_dots
 from tpuexport.lower.stablehlo_rewrite import ops_named, rewrite_module
 
 
@@ -78,7 +80,7 @@ def cpu_program(exported: jax.export.Exported, weights: int, state: Sequence[tup
     folded: list[int] = []
 
     def edit(module: ir.Module) -> None:
-        folded.append(fold_transposes_into_dots(module))
+        folded.append(fold_transposes_into_dots(module) + pad_single_row_dots(module))
         updates.extend(op for op in ops_named(module, ("stablehlo.dynamic_update_slice",))
                        if isinstance(ir.RankedTensorType(op.result.type).element_type, ir.BF16Type))
         for update in updates:
@@ -86,7 +88,8 @@ def cpu_program(exported: jax.export.Exported, weights: int, state: Sequence[tup
         for loop in ops_named(module, ("stablehlo.while",)):
             _carry_updates_as_bits(loop)
         if updates:
-            _state_as_bits(_main(module), [weights + position for position, _ in state], [output for _, output in state], kept)
+            arguments = _state_as_bits(_main(module), [weights + position for position, _ in state], [output for _, output in state], kept)
+            _writes_after_reads(_main(module), arguments, [output for _, output in state])
 
     avals_in, avals_out = list(exported.in_avals), list(exported.out_avals)
     for position, output in state:
@@ -128,8 +131,8 @@ def _carry_updates_as_bits(loop: ir.Operation) -> None:
         _result_as_bits(loop.results[position], loop)
 
 
-def _state_as_bits(main: ir.Operation, arguments: list[int], results: list[int], kept: Sequence[int]) -> None:
-    """The main function's state arguments and results as ui16.
+def _state_as_bits(main: ir.Operation, arguments: list[int], results: list[int], kept: Sequence[int]) -> list[ir.BlockArgument]:
+    """The main function's state arguments and results as ui16; returns those block arguments.
 
     Args:
       main: the module's public main function.
@@ -139,14 +142,52 @@ def _state_as_bits(main: ir.Operation, arguments: list[int], results: list[int],
     """
     block = main.regions[0].blocks[0]
     leading = len(block.arguments) - len(kept)  # the platform index, when the program has several platforms
-    for argument in arguments:
-        _argument_as_bits(block.arguments[leading + kept.index(argument)], block)
+    state = [block.arguments[leading + kept.index(argument)] for argument in arguments]
+    for argument in state:
+        _argument_as_bits(argument, block)
     terminator = _terminator(block)
     with ir.InsertionPoint(terminator):
         for result in results:
             terminator.operands[result] = _bitcast(terminator.operands[result], _unsigned16())
     main.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
         [argument.type for argument in block.arguments], [operand.type for operand in terminator.operands]))
+    return state
+
+
+def _writes_after_reads(main: ir.Operation, state: list[ir.BlockArgument], results: list[int]) -> None:
+    """Makes the first write into each state argument wait for the program's other results (an
+    optimization_barrier of the written array with them).
+
+    A decode step reads every layer's cache as it received it and writes the step's keys after its
+    last layer (export/generation.py), so the writes can update the donated cache in place. A TPU
+    compiles it so; XLA:CPU's copy insertion orders ops by their data alone, finds no path from the
+    last layer's read to the first write, and copies the whole cache first (the Llama-3.2-1B decode
+    step's 1 GiB of temporaries at batch 8 x 4096). The logits depend on every layer's read, so a
+    write that depends on them comes after every read.
+    """
+    block = main.regions[0].blocks[0]
+    order = {op: index for index, op in enumerate(block.operations)}
+    terminator = _terminator(block)
+    others = [value for position, value in enumerate(terminator.operands) if position not in results]
+    for argument in state:
+        writes = [op for op in block.operations if op.operation.name == "stablehlo.dynamic_update_slice"
+                  and _bits_of(op.operation.operands[0]) == argument]
+        if not writes:
+            continue
+        first = min(writes, key=order.__getitem__).operation
+        before = [value for value in others if (producer := _producer(value)) is not None and order.get(producer, len(order)) < order[first]]
+        if not before:
+            continue
+        with ir.InsertionPoint(first):
+            barrier = stablehlo.OptimizationBarrierOp([first.operands[0], *before])
+        first.operands[0] = barrier.results[0]
+
+
+def _bits_of(value: ir.Value) -> ir.Value:
+    """The value `value` is a chain of bitcast_converts of (itself when it is none)."""
+    while (producer := _producer(value)) is not None and producer.name == "stablehlo.bitcast_convert":
+        value = producer.operands[0]
+    return value
 
 
 def _argument_as_bits(argument: ir.BlockArgument, block: ir.Block) -> None:
