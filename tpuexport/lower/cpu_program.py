@@ -184,7 +184,8 @@ def _writes_after_reads(main: ir.Operation, state: list[ir.BlockArgument], resul
 
 
 def _bits_of(value: ir.Value) -> ir.Value:
-    """The value `value` is a chain of bitcast_converts of (itself when it is none)."""
+    """The value that `value` reinterprets through a chain of bitcast_converts (`value` itself when it
+    is not a bitcast_convert's result)."""
     while (producer := _producer(value)) is not None and producer.name == "stablehlo.bitcast_convert":
         value = producer.operands[0]
     return value
