@@ -457,6 +457,25 @@ def test_the_sweeps_shrink_builds_configs_whose_defaults_do_not_shrink_as_they_a
     assert check(model)
 
 
+@pytest.mark.parametrize("model_type, check", [
+    # ESM's defaults record no vocabulary and no padding id, which its embeddings and positions read (None: not built).
+    ("esm", lambda model: (model.config.vocab_size, model.config.pad_token_id) == (512, 1)),
+    # DiffusionGemma always builds its MoE block, whose counts its defaults leave None (not built).
+    ("diffusion_gemma", lambda model: (model.config.text_config.num_experts, model.config.text_config.top_k_experts) == (4, 2)),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_the_sweeps_last_level_gives_sizes_a_config_leaves_unset(model_type, check):
+    """benchmarks/architectures.py: when no level builds and runs, the last gives the sizes (and
+    padding id) a config leaves None; earlier levels keep None, which elsewhere means none."""
+    import architectures
+
+    model_class = getattr(transformers, architectures.model_types()[model_type][1])
+    with pytest.raises(TypeError, match="NoneType"):
+        model_class(architectures.tiny_config(model_type, 0))
+    model, record = architectures.tiny_model(model_type)
+    assert record["eager"] == "ok" and record["level"] == "everything, unset sizes given"
+    assert check(model)
+
+
 def test_a_video_model_taking_pixel_values_videos_gets_clips():
     """V-JEPA 2 and VideoPrism name their clips pixel_values_videos: they were refused as taking
     "none of input_ids, pixel_values, input_values, input_features". They get clips of the config's
