@@ -140,6 +140,7 @@ LEVELS = ("everything", "image size kept", "layers and vocabulary only", "everyt
 # elsewhere None may mean "none" (a dense model's experts, a decoder's padding).
 UNSET_GIVEN = ("width", "ffn", "layers", "heads", "vocab", "experts", "top_k")
 UNSET_TOKEN_IDS = {"pad_token_id": 1}  # RoBERTa's and ESM's
+# Key/value heads left None (Nemotron's) are as many as the query heads, as Llama's config reads None.
 
 GLM_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
 # Per-type overrides, applied after the generic shrink (only where it cannot build): {type: {key: value}}.
@@ -367,9 +368,11 @@ def tiny_config(model_type: str, level: int):
 
 
 def _give_unset_sizes(config: dict) -> None:
-    """Sizes of the UNSET_GIVEN groups a config (and its sub-configs) leaves None get their shrunk values, and
-    UNSET_TOKEN_IDS theirs."""
-    sizes = {**{key: SIZES[group][0] for group in UNSET_GIVEN for key in SIZES[group][1]}, **UNSET_TOKEN_IDS}
+    """Sizes of the UNSET_GIVEN groups a config (and its sub-configs) leaves None get their shrunk values,
+    UNSET_TOKEN_IDS theirs and key/value heads the query heads'."""
+    heads = next((config[key] for key in SIZES["heads"][1] if isinstance(config.get(key), int)), None)
+    sizes = {**{key: SIZES[group][0] for group in UNSET_GIVEN for key in SIZES[group][1]}, **UNSET_TOKEN_IDS,
+             **dict.fromkeys(KV_HEADS if heads else (), heads)}
     for key, value in config.items():
         if _is_config(value):
             _give_unset_sizes(value)

@@ -462,6 +462,8 @@ def test_the_sweeps_shrink_builds_configs_whose_defaults_do_not_shrink_as_they_a
     ("esm", lambda model: (model.config.vocab_size, model.config.pad_token_id) == (512, 1)),
     # DiffusionGemma always builds its MoE block, whose counts its defaults leave None (not built).
     ("diffusion_gemma", lambda model: (model.config.text_config.num_experts, model.config.text_config.top_k_experts) == (4, 2)),
+    # Nemotron's leave its key/value heads None, which its attention divides by: as many as the query heads, as Llama reads None.
+    ("nemotron", lambda model: model.config.num_key_value_heads == model.config.num_attention_heads == 4),
 ], ids=lambda value: value if isinstance(value, str) else "")
 def test_the_sweeps_last_level_gives_sizes_a_config_leaves_unset(model_type, check):
     """benchmarks/architectures.py: when no level builds and runs, the last gives the sizes (and
