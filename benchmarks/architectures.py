@@ -207,12 +207,14 @@ def _per_layer(values: list, layers: int) -> list:
 
 def shrink(config: dict, level: int) -> dict:
     """One config dict (and its sub-configs) shrunk in place at `level` (an index of LEVELS)."""
-    staged = any(isinstance(config.get(key), list) for key in STAGE_DEPTHS)  # a backbone's num_layers counts its stages
+    # A backbone's num_layers counts its stages, as does a layer count equal to its stages' (MuseSpark's audio num_hidden_layers).
+    stages = next((len(config[key]) for key in STAGE_DEPTHS if isinstance(config.get(key), list)), None)
+    staged = stages is not None
     layers_before = None if staged else next((config[key] for key in SIZES["layers"][1] if isinstance(config.get(key), int)), None)
     heads_before = next((config[key] for key in SIZES["heads"][1] if isinstance(config.get(key), int)), None)
     before = dict(config)
     for key, value in list(config.items()):
-        if staged and key == "num_layers":
+        if staged and (key == "num_layers" or (key in SIZES["layers"][1] and value == stages)):
             continue
         if key in ("out_features", "out_indices") and layers_before and not staged and "out_features" in config:
             config[key] = None  # a transformer backbone's stages are its layers: the default (the last) after the cut

@@ -478,6 +478,16 @@ def test_the_sweeps_last_level_gives_sizes_a_config_leaves_unset(model_type, che
     assert check(model)
 
 
+def test_the_sweeps_shrink_keeps_a_layer_count_that_counts_stages():
+    """MuseSpark's audio encoder counts its 4 stages in num_hidden_layers, beside per-stage depths and
+    widths: cut to 2 layers, its config refused the 4 stages left (not built at any level)."""
+    import architectures
+
+    config = architectures.tiny_config("muse_spark_audio", 0)
+    assert config.num_hidden_layers == len(config.depths) == len(config.hidden_sizes) == 4
+    assert max(config.depths) <= 2
+
+
 def test_a_video_model_taking_pixel_values_videos_gets_clips():
     """V-JEPA 2 and VideoPrism name their clips pixel_values_videos: they were refused as taking
     "none of input_ids, pixel_values, input_values, input_features". They get clips of the config's
