@@ -739,3 +739,24 @@ def test_a_forward_reading_a_constant_on_its_weights_device_is_explained_when_we
                                              r"\(rows = len\(x\)\); declare batch static \(--dim batch=2:2"):
         tpuexport.convert(on_meta, (torch.randn(2, 4),), {"x": {0: batch}}, checkpoint=tmp_path / "weights.safetensors",
                           out=tmp_path / "model.tpu")
+
+
+class FramesOfFour(torch.nn.Module):
+    """An audio encoder taking waveforms of whole frames, checked as transformers checks them
+    (`torch_compilable_check`: a bare `torch._check` under torch.export, a ValueError with its message
+    eagerly), as MuseSpark's audio encoder takes multiples of 1920 samples."""
+
+    def forward(self, input_values):
+        from transformers.utils.import_utils import torch_compilable_check
+
+        torch_compilable_check(input_values.shape[1] % 4 == 0, f"length {input_values.shape[1]} is not a multiple of 4")
+        return input_values.view(input_values.shape[0], -1, 4).sum(-1)
+
+
+def test_a_check_that_fails_bare_under_torch_export_is_refused_with_the_models_message(tmp_path):
+    """torch.export's error was "Expected cond to be True, but got False" with "check the example args";
+    the line says what the model's check says, eagerly."""
+    with pytest.raises(TpuExportError, match=r"^the model's own forward fails at the example sizes \(\[2, 10\]\), run without "
+                                             r"torch.export: ValueError: length 10 is not a multiple of 4; these inputs do not suit it"):
+        tpuexport.convert(FramesOfFour(), (torch.randn(2, 10),), {"input_values": {1: torch.export.Dim("frames", max=64)}},
+                          out=tmp_path / "m.tpu")

@@ -292,8 +292,9 @@ def _refuse_sizes_from_values(model: torch.nn.Module, program: torch.export.Expo
 
 def _eager_failure_alike(model: torch.nn.Module, args, error: Exception) -> str | None:
     """What the model run eagerly at the example args (on fake tensors: shapes only) raises, in one
-    line, when it is what torch.export raised: then the inputs do not suit the model, and no tracing
-    is to blame. Sizes do not count in the comparison: where
+    line, when it is what torch.export raised (or what a check that failed bare under torch.export
+    says, _BARE_CHECK): then the inputs do not suit the model, and no tracing is to blame. Sizes do
+    not count in the comparison: where
     torch.export's message names a symbolic size (Siglip2 given images for its flattened patches:
     "[672*s99, 224] X [768, 64]"), the eager run's names its value ("[1344, 224] X [768, 64]")."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -304,7 +305,15 @@ def _eager_failure_alike(model: torch.nn.Module, args, error: Exception) -> str 
     except Exception as eager_error:  # whatever the model raises, compared with torch.export's
         if type(eager_error) is type(error) and _SIZES.sub("#", str(eager_error)) == _SIZES.sub("#", str(error)):
             return " ".join(str(eager_error).split())
+        if _BARE_CHECK in str(error):
+            return f"{type(eager_error).__name__}: {' '.join(str(eager_error).split())}"
     return None
+
+
+# A check failing under torch.export at the example sizes: transformers' `torch_compilable_check` traces as a bare
+# `torch._check(cond)` and raises its message (MuseSpark's audio: "`input_values` length 16000 is not a multiple of
+# 1920") only when run eagerly, so the eager run's error is what the check says.
+_BARE_CHECK = "Expected cond to be True, but got False"
 
 
 # A size in an error message, concrete (1344) or symbolic (672*s99, s99 + 1).
