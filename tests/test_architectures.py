@@ -760,3 +760,28 @@ def test_a_check_that_fails_bare_under_torch_export_is_refused_with_the_models_m
                                              r"torch.export: ValueError: length 10 is not a multiple of 4; these inputs do not suit it"):
         tpuexport.convert(FramesOfFour(), (torch.randn(2, 10),), {"input_values": {1: torch.export.Dim("frames", max=64)}},
                           out=tmp_path / "m.tpu")
+
+
+class CastsItsRouter(torch.nn.Module):
+    """A router cast to its dtype in forward, as Switch Transformers' (`self.classifier = self.classifier.to(self.dtype)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.classifier = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        self.classifier = self.classifier.to(torch.float32)
+        return self.classifier(x)
+
+
+def test_a_forward_casting_its_own_module_to_the_dtype_it_has_exports():
+    """torch.export failed with "_apply(): Couldn't swap Linear.weight" (refused as "check the example
+    args"); the unchanged cast is skipped while exporting, and a cast that changes the weights still fails."""
+    from tpuexport.export import LoadedSource, SourceInfo, capture
+
+    x, model = torch.randn(2, 8), CastsItsRouter().eval()
+    captured = capture(LoadedSource(model, (x,), None, None, SourceInfo("api")))
+    torch.testing.assert_close(captured.program.module()(x), model(x))
+    assert torch.nn.Module._apply.__name__ == "_apply"  # the process is left as it was
+    with pytest.raises(TpuExportError, match="Couldn't swap Linear.weight"):
+        capture(LoadedSource(CastsItsRouter().double().eval(), (x.double(),), None, None, SourceInfo("api")))

@@ -218,9 +218,30 @@ def _quiet_export():
         yield
 
 
+@contextlib.contextmanager
+def _unchanged_module_casts_skipped():
+    """A forward that casts one of its own modules to the dtype and device it already has (Switch
+    Transformers' router: `self.classifier = self.classifier.to(self.dtype)`, modeling_switch_transformers.py:99)
+    is a no-op eagerly, but under torch.export `Module._apply` swaps each parameter for its converted
+    self and fails ("_apply(): Couldn't swap Linear.weight"). Such a cast is skipped while exporting; one
+    that changes a tensor still fails as before."""
+    original = torch.nn.Module._apply
+
+    def apply_unless_unchanged(module, fn, recurse=True):
+        if all(fn(tensor) is tensor for tensor in (*module.parameters(recurse=recurse), *module.buffers(recurse=recurse))):
+            return module
+        return original(module, fn, recurse)
+
+    torch.nn.Module._apply = apply_unless_unchanged
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = original
+
+
 def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.ExportedProgram:
     try:
-        with torch.no_grad(), _quiet_export():
+        with torch.no_grad(), _quiet_export(), _unchanged_module_casts_skipped():
             program = torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
     except Exception as error:  # torch.export raises UserError, ConstraintViolationError, TypeError, ...
         with _quiet_export():
