@@ -404,6 +404,21 @@ def test_an_audio_encoder_taking_waveforms_with_a_channel_axis_gets_one():
     assert args[wrapped.input_names.index("input_values")].shape[1:] == (1, 16000)
 
 
+def test_an_audio_model_whose_input_values_are_a_spectrogram_gets_one():
+    """The Audio Spectrogram Transformer's input_values are mel frames, [batch, max_length, mel bins]:
+    given a waveform it was refused with "Dimension out of range (expected to be in range of [-3, 2],
+    but got 3)"."""
+    from tpuexport.export.checkpoints import parameters_on_meta
+    from tpuexport.export.huggingface import forward_program
+
+    config = transformers.ASTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                    max_length=64, num_mel_bins=32)
+    with parameters_on_meta():
+        model = transformers.ASTForAudioClassification(config).eval()
+    _, args, _ = forward_program(model)
+    assert [tuple(arg.shape) for arg in args] == [(2, 64, 32)]
+
+
 def test_a_video_tower_gets_a_clip_of_the_frames_its_config_records(tmp_path):
     """VideoMAE, ViViT, TimeSformer, V-JEPA 2 and VideoPrism read pixel_values as [batch, frames,
     channels, height, width]: given a batch of images they were refused with "not enough values to
