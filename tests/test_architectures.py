@@ -419,6 +419,23 @@ def test_an_audio_model_whose_input_values_are_a_spectrogram_gets_one():
     assert [tuple(arg.shape) for arg in args] == [(2, 64, 32)]
 
 
+def test_a_speech_encoder_decoder_is_given_the_audio_input_its_encoder_reads():
+    """SpeechEncoderDecoderModel's forward takes input_values and input_features, for whichever its
+    encoder reads; given both it was refused with its own "You cannot specify both input_values and
+    input_features at the same time"."""
+    from tpuexport.export.checkpoints import parameters_on_meta
+    from tpuexport.export.huggingface import forward_program
+
+    encoder = transformers.Wav2Vec2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    decoder = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=64,
+                                      is_decoder=True, add_cross_attention=True)
+    config = transformers.SpeechEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    with parameters_on_meta():
+        model = transformers.SpeechEncoderDecoderModel(config).eval()
+    wrapped, _, _ = forward_program(model)
+    assert wrapped.input_names == ("decoder_input_ids", "input_values")
+
+
 def test_a_video_tower_gets_a_clip_of_the_frames_its_config_records(tmp_path):
     """VideoMAE, ViViT, TimeSformer, V-JEPA 2 and VideoPrism read pixel_values as [batch, frames,
     channels, height, width]: given a batch of images they were refused with "not enough values to

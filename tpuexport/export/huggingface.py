@@ -592,6 +592,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
         "input_features_mask": ModelInput("input_features_mask", ("batch", "frames"), torch.long, 2),
         "decoder_input_ids": ModelInput("decoder_input_ids", ("batch", "decoder_seq"), torch.long, decoder_vocab),
     }
+    both_audio = ("input_values", "input_features") if {"input_values", "input_features"} <= set(parameters) else ()
+    audio_input = getattr(getattr(model, "encoder", None), "main_input_name", None)
     chosen = []
     for name in parameters:
         if name not in candidates:
@@ -604,6 +606,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
             continue
         if name == "decoder_input_ids" and not getattr(config, "is_encoder_decoder", False):
             continue
+        if name in both_audio and audio_input in both_audio and name != audio_input:
+            continue  # a speech encoder-decoder's forward takes either, for whichever its encoder reads: only that one
         chosen.append(candidates[name])
     if not any(spec.name in ("input_ids", *MEDIA_INPUTS) for spec in chosen):
         raise TpuExportError(f"{type(model).__name__} takes none of input_ids, {', '.join(MEDIA_INPUTS)}; write a file.py:factory for it")
