@@ -136,8 +136,8 @@ COEFFICIENTS = ("width_coefficient", "depth_coefficient")
 LEVELS = ("everything", "image size kept", "layers and vocabulary only", "everything, unset sizes given")
 # The last level shrinks as the first and gives the sizes of these groups that the config leaves None their shrunk
 # values: defaults that record no vocabulary (ESM's) or no experts (DiffusionGemma's MoE, always built), which no model
-# builds with, or no padding id (ESM's, which numbers its positions from it). Only when no other level builds and runs:
-# elsewhere None may mean "none" (a dense model's experts, a decoder's padding).
+# builds with, or no padding id (ESM's, which numbers its positions from it). Only when no other level builds: elsewhere
+# None may mean "none" (a dense model's experts, a decoder's padding).
 UNSET_GIVEN = ("width", "ffn", "layers", "heads", "vocab", "experts", "top_k")
 UNSET_TOKEN_IDS = {"pad_token_id": 1}  # RoBERTa's and ESM's
 # Key/value heads left None (Nemotron's) are as many as the query heads, as Llama's config reads None.
@@ -422,6 +422,8 @@ def tiny_model(model_type: str):
     model_class = getattr(transformers, class_name)
     first, reasons = None, []
     for level in range(len(LEVELS)):
+        if LEVELS[level] == "everything, unset sizes given" and first is not None:
+            break  # a level built: its sizes were set, only its eager forward failed
         torch.manual_seed(0)
         try:
             config = tiny_config(model_type, level)

@@ -498,7 +498,7 @@ def test_the_sweeps_shrink_builds_configs_whose_defaults_do_not_shrink_as_they_a
     ("nemotron", lambda model: model.config.num_key_value_heads == model.config.num_attention_heads == 4),
 ], ids=lambda value: value if isinstance(value, str) else "")
 def test_the_sweeps_last_level_gives_sizes_a_config_leaves_unset(model_type, check):
-    """benchmarks/architectures.py: when no level builds and runs, the last gives the sizes (and
+    """benchmarks/architectures.py: when no other level builds, the last gives the sizes (and
     padding id) a config leaves None; earlier levels keep None, which elsewhere means none."""
     import architectures
 
