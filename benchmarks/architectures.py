@@ -80,7 +80,8 @@ SIZES = {  # group: (size, keys)
         "pooler_hidden_size", "fusion_hidden_size", "backbone_hidden_size", "classifier_proj_size", "vision_output_dim",
         "encoder_hidden_dim", "hidden_size_global", "mask_feature_size", "fpn_hidden_size", "conv_output_size", "output_dim",
         "latent_dim", "xvector_output_dim", "codevector_dim", "proj_codevector_dim", "vision_feature_dim", "text_embed_dim",
-        "reassemble_hidden_size", "bottleneck_features", "d_latents")),
+        "reassemble_hidden_size", "bottleneck_features", "d_latents",
+        "upsample_groups")),  # Mimi's depthwise upsampling: as many groups as channels, the hidden size (kept equal to it)
     "ffn": (128, (
         "intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim", "moe_intermediate_size",
         "shared_expert_intermediate_size", "mlp_dim", "dim_feedforward", "decoder_intermediate_size", "ffn_hidden_size",

@@ -510,6 +510,19 @@ def test_the_sweeps_last_level_gives_sizes_a_config_leaves_unset(model_type, che
     assert check(model)
 
 
+def test_the_sweeps_shrink_keeps_mimis_upsampling_groups_its_channels():
+    """Mimi's depthwise upsampling has as many groups as the hidden size has channels (512): with the
+    hidden size shrunk and the groups not, "in_channels must be divisible by groups" at every level
+    that builds under the parameter cap (Mimi, and CSM's and Kyutai's codecs: not built)."""
+    import architectures
+    from tpuexport.export.checkpoints import parameters_on_meta
+
+    config = architectures.tiny_config("mimi", 0)
+    assert config.upsample_groups == config.hidden_size == 64
+    with parameters_on_meta():
+        transformers.MimiModel(config)
+
+
 def test_the_sweeps_shrink_keeps_a_layer_count_that_counts_stages():
     """MuseSpark's audio encoder counts its 4 stages in num_hidden_layers, beside per-stage depths and
     widths: cut to 2 layers, its config refused the 4 stages left (not built at any level)."""
