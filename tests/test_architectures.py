@@ -515,12 +515,9 @@ def test_the_sweeps_shrink_keeps_mimis_upsampling_groups_its_channels():
     hidden size shrunk and the groups not, "in_channels must be divisible by groups" at every level
     that builds under the parameter cap (Mimi, and CSM's and Kyutai's codecs: not built)."""
     import architectures
-    from tpuexport.export.checkpoints import parameters_on_meta
 
     config = architectures.tiny_config("mimi", 0)
     assert config.upsample_groups == config.hidden_size == 64
-    with parameters_on_meta():
-        transformers.MimiModel(config)
 
 
 def test_the_sweeps_shrink_keeps_a_layer_count_that_counts_stages():
