@@ -80,7 +80,8 @@ SIZES = {  # group: (size, keys)
         "pooler_hidden_size", "fusion_hidden_size", "backbone_hidden_size", "classifier_proj_size", "vision_output_dim",
         "encoder_hidden_dim", "hidden_size_global", "mask_feature_size", "fpn_hidden_size", "conv_output_size", "output_dim",
         "latent_dim", "xvector_output_dim", "codevector_dim", "proj_codevector_dim", "vision_feature_dim", "text_embed_dim",
-        "reassemble_hidden_size", "bottleneck_features", "d_latents")),
+        "reassemble_hidden_size", "bottleneck_features", "d_latents",
+        "upsample_groups")),  # Mimi's depthwise upsampling: as many groups as channels, the hidden size (kept equal to it)
     "ffn": (128, (
         "intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim", "moe_intermediate_size",
         "shared_expert_intermediate_size", "mlp_dim", "dim_feedforward", "decoder_intermediate_size", "ffn_hidden_size",
@@ -107,7 +108,8 @@ SIZES = {  # group: (size, keys)
         "max_2d_position_embeddings")),
     "frames": (4, ("num_frames", "frames_per_clip")),  # a video clip's (a multiple of the usual tubelets, 1 and 2)
     "experts": (4, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "zero_expert_num")),
-    "top_k": (2, ("num_experts_per_tok", "moe_topk", "n_group", "moe_k", "moe_top_k", "num_experts_per_token", "experts_per_token")),
+    "top_k": (2, ("num_experts_per_tok", "moe_topk", "n_group", "moe_k", "moe_top_k", "num_experts_per_token", "experts_per_token",
+                  "top_k_experts")),
     "window": (32, ("sliding_window", "attention_chunk_size", "sliding_window_size", "kv_lora_rank", "q_lora_rank", "o_lora_rank")),
     "small": (8, ("qk_rope_head_dim", "rotary_dim", "time_step_rank", "block_size", "attention_window", "num_conv_pos_embeddings", "mamba_chunk_size")),
     "one": (1, ("n_shared_experts", "topk_group", "first_k_dense_replace", "num_shared_experts", "moe_num_shared_experts",
@@ -132,7 +134,14 @@ STAGE_DEPTHS = ("depths", "stage_num_blocks", "blocks_per_stage", "num_block_rep
 # Compound-scaling multipliers of EfficientNet-style backbones (ALIGN's and EfficientNet's defaults are B7's, 2.0 wide and
 # 3.1 deep: 45M parameters at every shrink level), brought down to the base network's 1.0.
 COEFFICIENTS = ("width_coefficient", "depth_coefficient")
-LEVELS = ("everything", "image size kept", "layers and vocabulary only")
+LEVELS = ("everything", "image size kept", "layers and vocabulary only", "everything, unset sizes given")
+# The last level shrinks as the first and gives the sizes of these groups that the config leaves None their shrunk
+# values: defaults that record no vocabulary (ESM's) or no experts (DiffusionGemma's MoE, always built), which no model
+# builds with, or no padding id (ESM's, which numbers its positions from it). Only when no other level builds: elsewhere
+# None may mean "none" (a dense model's experts, a decoder's padding).
+UNSET_GIVEN = ("width", "ffn", "layers", "heads", "vocab", "experts", "top_k")
+UNSET_TOKEN_IDS = {"pad_token_id": 1}  # RoBERTa's and ESM's
+# Key/value heads left None (Nemotron's) are as many as the query heads, as Llama's config reads None.
 
 GLM_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
 # Per-type overrides, applied after the generic shrink (only where it cannot build): {type: {key: value}}.
@@ -199,12 +208,14 @@ def _per_layer(values: list, layers: int) -> list:
 
 def shrink(config: dict, level: int) -> dict:
     """One config dict (and its sub-configs) shrunk in place at `level` (an index of LEVELS)."""
-    staged = any(isinstance(config.get(key), list) for key in STAGE_DEPTHS)  # a backbone's num_layers counts its stages
+    # A backbone's num_layers counts its stages, as does a layer count equal to its stages' (MuseSpark's audio num_hidden_layers).
+    stages = next((len(config[key]) for key in STAGE_DEPTHS if isinstance(config.get(key), list)), None)
+    staged = stages is not None
     layers_before = None if staged else next((config[key] for key in SIZES["layers"][1] if isinstance(config.get(key), int)), None)
     heads_before = next((config[key] for key in SIZES["heads"][1] if isinstance(config.get(key), int)), None)
     before = dict(config)
     for key, value in list(config.items()):
-        if staged and key == "num_layers":
+        if staged and (key == "num_layers" or (key in SIZES["layers"][1] and value == stages)):
             continue
         if key in ("out_features", "out_indices") and layers_before and not staged and "out_features" in config:
             config[key] = None  # a transformer backbone's stages are its layers: the default (the last) after the cut
@@ -346,13 +357,30 @@ def tiny_config(model_type: str, level: int):
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    values = shrink(config_class().to_dict(), level)
+    values = config_class().to_dict()
+    if LEVELS[level] == "everything, unset sizes given":
+        _give_unset_sizes(values)
+        level = 0
+    values = shrink(values, level)
     for key, value in OVERRIDES.get(model_type, {}).items():
         if isinstance(value, dict) and isinstance(values.get(key), dict):
             values[key].update(value)
         else:
             values[key] = value
     return config_class.from_dict(values)
+
+
+def _give_unset_sizes(config: dict) -> None:
+    """Sizes of the UNSET_GIVEN groups a config (and its sub-configs) leaves None get their shrunk values,
+    UNSET_TOKEN_IDS theirs and key/value heads the query heads'."""
+    heads = next((config[key] for key in SIZES["heads"][1] if isinstance(config.get(key), int)), None)
+    sizes = {**{key: SIZES[group][0] for group in UNSET_GIVEN for key in SIZES[group][1]}, **UNSET_TOKEN_IDS,
+             **dict.fromkeys(KV_HEADS if heads else (), heads)}
+    for key, value in config.items():
+        if _is_config(value):
+            _give_unset_sizes(value)
+        elif value is None and key in sizes:
+            config[key] = sizes[key]
 
 
 def _eager_check(model, task: str) -> None:
@@ -395,6 +423,8 @@ def tiny_model(model_type: str):
     model_class = getattr(transformers, class_name)
     first, reasons = None, []
     for level in range(len(LEVELS)):
+        if LEVELS[level] == "everything, unset sizes given" and first is not None:
+            break  # a level built: its sizes were set, only its eager forward failed
         torch.manual_seed(0)
         try:
             config = tiny_config(model_type, level)

@@ -404,6 +404,38 @@ def test_an_audio_encoder_taking_waveforms_with_a_channel_axis_gets_one():
     assert args[wrapped.input_names.index("input_values")].shape[1:] == (1, 16000)
 
 
+def test_an_audio_model_whose_input_values_are_a_spectrogram_gets_one():
+    """The Audio Spectrogram Transformer's input_values are mel frames, [batch, max_length, mel bins]:
+    given a waveform it was refused with "Dimension out of range (expected to be in range of [-3, 2],
+    but got 3)"."""
+    from tpuexport.export.checkpoints import parameters_on_meta
+    from tpuexport.export.huggingface import forward_program
+
+    config = transformers.ASTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                    max_length=64, num_mel_bins=32)
+    with parameters_on_meta():
+        model = transformers.ASTForAudioClassification(config).eval()
+    _, args, _ = forward_program(model)
+    assert [tuple(arg.shape) for arg in args] == [(2, 64, 32)]
+
+
+def test_a_speech_encoder_decoder_is_given_the_audio_input_its_encoder_reads():
+    """SpeechEncoderDecoderModel's forward takes input_values and input_features, for whichever its
+    encoder reads; given both it was refused with its own "You cannot specify both input_values and
+    input_features at the same time"."""
+    from tpuexport.export.checkpoints import parameters_on_meta
+    from tpuexport.export.huggingface import forward_program
+
+    encoder = transformers.Wav2Vec2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    decoder = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=64,
+                                      is_decoder=True, add_cross_attention=True)
+    config = transformers.SpeechEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    with parameters_on_meta():
+        model = transformers.SpeechEncoderDecoderModel(config).eval()
+    wrapped, _, _ = forward_program(model)
+    assert wrapped.input_names == ("decoder_input_ids", "input_values")
+
+
 def test_a_video_tower_gets_a_clip_of_the_frames_its_config_records(tmp_path):
     """VideoMAE, ViViT, TimeSformer, V-JEPA 2 and VideoPrism read pixel_values as [batch, frames,
     channels, height, width]: given a batch of images they were refused with "not enough values to
@@ -455,6 +487,47 @@ def test_the_sweeps_shrink_builds_configs_whose_defaults_do_not_shrink_as_they_a
     model, record = architectures.tiny_model(model_type)
     assert record["eager"] == "ok" and record["level"] == "everything"
     assert check(model)
+
+
+@pytest.mark.parametrize("model_type, check", [
+    # ESM's defaults record no vocabulary and no padding id, which its embeddings and positions read (None: not built).
+    ("esm", lambda model: (model.config.vocab_size, model.config.pad_token_id) == (512, 1)),
+    # DiffusionGemma always builds its MoE block, whose counts its defaults leave None (not built).
+    ("diffusion_gemma", lambda model: (model.config.text_config.num_experts, model.config.text_config.top_k_experts) == (4, 2)),
+    # Nemotron's leave its key/value heads None, which its attention divides by: as many as the query heads, as Llama reads None.
+    ("nemotron", lambda model: model.config.num_key_value_heads == model.config.num_attention_heads == 4),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_the_sweeps_last_level_gives_sizes_a_config_leaves_unset(model_type, check):
+    """benchmarks/architectures.py: when no other level builds, the last gives the sizes (and
+    padding id) a config leaves None; earlier levels keep None, which elsewhere means none."""
+    import architectures
+
+    model_class = getattr(transformers, architectures.model_types()[model_type][1])
+    with pytest.raises(TypeError, match="NoneType"):
+        model_class(architectures.tiny_config(model_type, 0))
+    model, record = architectures.tiny_model(model_type)
+    assert record["eager"] == "ok" and record["level"] == "everything, unset sizes given"
+    assert check(model)
+
+
+def test_the_sweeps_shrink_keeps_mimis_upsampling_groups_its_channels():
+    """Mimi's depthwise upsampling has as many groups as the hidden size has channels (512): with the
+    hidden size shrunk and the groups not, "in_channels must be divisible by groups" at every level
+    that builds under the parameter cap (Mimi, and CSM's and Kyutai's codecs: not built)."""
+    import architectures
+
+    config = architectures.tiny_config("mimi", 0)
+    assert config.upsample_groups == config.hidden_size == 64
+
+
+def test_the_sweeps_shrink_keeps_a_layer_count_that_counts_stages():
+    """MuseSpark's audio encoder counts its 4 stages in num_hidden_layers, beside per-stage depths and
+    widths: cut to 2 layers, its config refused the 4 stages left (not built at any level)."""
+    import architectures
+
+    config = architectures.tiny_config("muse_spark_audio", 0)
+    assert config.num_hidden_layers == len(config.depths) == len(config.hidden_sizes) == 4
+    assert max(config.depths) <= 2
 
 
 def test_a_video_model_taking_pixel_values_videos_gets_clips():
@@ -708,3 +781,49 @@ def test_a_forward_reading_a_constant_on_its_weights_device_is_explained_when_we
                                              r"\(rows = len\(x\)\); declare batch static \(--dim batch=2:2"):
         tpuexport.convert(on_meta, (torch.randn(2, 4),), {"x": {0: batch}}, checkpoint=tmp_path / "weights.safetensors",
                           out=tmp_path / "model.tpu")
+
+
+class FramesOfFour(torch.nn.Module):
+    """An audio encoder taking waveforms of whole frames, checked as transformers checks them
+    (`torch_compilable_check`: a bare `torch._check` under torch.export, a ValueError with its message
+    eagerly), as MuseSpark's audio encoder takes multiples of 1920 samples."""
+
+    def forward(self, input_values):
+        from transformers.utils.import_utils import torch_compilable_check
+
+        torch_compilable_check(input_values.shape[1] % 4 == 0, f"length {input_values.shape[1]} is not a multiple of 4")
+        return input_values.view(input_values.shape[0], -1, 4).sum(-1)
+
+
+def test_a_check_that_fails_bare_under_torch_export_is_refused_with_the_models_message(tmp_path):
+    """torch.export's error was "Expected cond to be True, but got False" with "check the example args";
+    the line says what the model's check says, eagerly."""
+    with pytest.raises(TpuExportError, match=r"^the model's own forward fails at the example sizes \(\[2, 10\]\), run without "
+                                             r"torch.export: ValueError: length 10 is not a multiple of 4; these inputs do not suit it"):
+        tpuexport.convert(FramesOfFour(), (torch.randn(2, 10),), {"input_values": {1: torch.export.Dim("frames", max=64)}},
+                          out=tmp_path / "m.tpu")
+
+
+class CastsItsRouter(torch.nn.Module):
+    """A router cast to its dtype in forward, as Switch Transformers' (`self.classifier = self.classifier.to(self.dtype)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.classifier = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        self.classifier = self.classifier.to(torch.float32)
+        return self.classifier(x)
+
+
+def test_a_forward_casting_its_own_module_to_the_dtype_it_has_exports():
+    """torch.export failed with "_apply(): Couldn't swap Linear.weight" (refused as "check the example
+    args"); the unchanged cast is skipped while exporting, and a cast that changes the weights still fails."""
+    from tpuexport.export import LoadedSource, SourceInfo, capture
+
+    x, model = torch.randn(2, 8), CastsItsRouter().eval()
+    captured = capture(LoadedSource(model, (x,), None, None, SourceInfo("api")))
+    torch.testing.assert_close(captured.program.module()(x), model(x))
+    assert torch.nn.Module._apply.__name__ == "_apply"  # the process is left as it was
+    with pytest.raises(TpuExportError, match="Couldn't swap Linear.weight"):
+        capture(LoadedSource(CastsItsRouter().double().eval(), (x.double(),), None, None, SourceInfo("api")))

@@ -133,3 +133,27 @@ def test_attention_gets_the_unrepeated_key_value_heads():
     with torch.no_grad():
         expected = model.reference(x, padding).numpy()
     np.testing.assert_allclose(lowered.run([x.numpy(), padding.numpy()])[0], expected, rtol=1e-5, atol=1e-5)
+
+
+class FilledPositionIds(torch.nn.Module):
+    """Position ids started as `torch.full(size, fill_value=0)` (an int64 tensor, no dtype given) and
+    overwritten where a bool mask filled with True holds, indexing an embedding (Idefics3's vision
+    embeddings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(8, 4)
+
+    def forward(self, x):
+        start = torch.full((x.shape[0], 3), 0)
+        keep = torch.full((x.shape[0], 3), True) & (x > 0)
+        return self.embedding(torch.where(keep, torch.arange(3) + 1, start)), keep
+
+
+def test_full_without_a_dtype_takes_its_fill_values():
+    x = torch.tensor([[1.0, -1.0, 2.0], [-3.0, 4.0, 0.0]])
+    model = captured(FilledPositionIds().eval(), (x,), {"x": {0: torch.export.Dim("batch", max=8)}})
+    embedded, keep = lower(model.program, model.signature).run([x.numpy()])
+    expected_embedded, expected_keep = model.reference(x)
+    np.testing.assert_array_equal(embedded, expected_embedded.detach().numpy())
+    assert keep.dtype == np.bool_ and (keep == expected_keep.numpy()).all()

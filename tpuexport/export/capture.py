@@ -218,9 +218,30 @@ def _quiet_export():
         yield
 
 
+@contextlib.contextmanager
+def _unchanged_module_casts_skipped():
+    """A forward that casts one of its own modules to the dtype and device it already has (Switch
+    Transformers' router: `self.classifier = self.classifier.to(self.dtype)`, modeling_switch_transformers.py:99)
+    is a no-op eagerly, but under torch.export `Module._apply` swaps each parameter for its converted
+    self and fails ("_apply(): Couldn't swap Linear.weight"). Such a cast is skipped while exporting; one
+    that changes a tensor still fails as before."""
+    original = torch.nn.Module._apply
+
+    def apply_unless_unchanged(module, fn, recurse=True):
+        if all(fn(tensor) is tensor for tensor in (*module.parameters(recurse=recurse), *module.buffers(recurse=recurse))):
+            return module
+        return original(module, fn, recurse)
+
+    torch.nn.Module._apply = apply_unless_unchanged
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = original
+
+
 def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.ExportedProgram:
     try:
-        with torch.no_grad(), _quiet_export():
+        with torch.no_grad(), _quiet_export(), _unchanged_module_casts_skipped():
             program = torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
     except Exception as error:  # torch.export raises UserError, ConstraintViolationError, TypeError, ...
         with _quiet_export():
@@ -292,8 +313,9 @@ def _refuse_sizes_from_values(model: torch.nn.Module, program: torch.export.Expo
 
 def _eager_failure_alike(model: torch.nn.Module, args, error: Exception) -> str | None:
     """What the model run eagerly at the example args (on fake tensors: shapes only) raises, in one
-    line, when it is what torch.export raised: then the inputs do not suit the model, and no tracing
-    is to blame. Sizes do not count in the comparison: where
+    line, when it is what torch.export raised (or what a check that failed bare under torch.export
+    says, _BARE_CHECK): then the inputs do not suit the model, and no tracing is to blame. Sizes do
+    not count in the comparison: where
     torch.export's message names a symbolic size (Siglip2 given images for its flattened patches:
     "[672*s99, 224] X [768, 64]"), the eager run's names its value ("[1344, 224] X [768, 64]")."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -304,7 +326,15 @@ def _eager_failure_alike(model: torch.nn.Module, args, error: Exception) -> str 
     except Exception as eager_error:  # whatever the model raises, compared with torch.export's
         if type(eager_error) is type(error) and _SIZES.sub("#", str(eager_error)) == _SIZES.sub("#", str(error)):
             return " ".join(str(eager_error).split())
+        if _BARE_CHECK in str(error):
+            return f"{type(eager_error).__name__}: {' '.join(str(eager_error).split())}"
     return None
+
+
+# A check failing under torch.export at the example sizes: transformers' `torch_compilable_check` traces as a bare
+# `torch._check(cond)` and raises its message (MuseSpark's audio: "`input_values` length 16000 is not a multiple of
+# 1920") only when run eagerly, so the eager run's error is what the check says.
+_BARE_CHECK = "Expected cond to be True, but got False"
 
 
 # A size in an error message, concrete (1344) or symbolic (672*s99, s99 + 1).

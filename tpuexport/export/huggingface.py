@@ -497,29 +497,37 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     dim_ranges = _dims(inputs, config, list(dims), text_max)
     args, dynamic_shapes = _example_inputs(inputs, dim_ranges, _config_dtype(config))
     wrapped = named_forward(model, tuple(spec.name for spec in inputs))
-    other_layouts = [_other_layout(spec, config) for spec in inputs]
+    other_layouts = [_other_layouts(spec, config) for spec in inputs]
     if any(other_layouts) and not _runs_shape_only(wrapped, args):
-        other = [layout or spec for spec, layout in zip(inputs, other_layouts)]
-        other_args, other_shapes = _example_inputs(other, dim_ranges, _config_dtype(config))
-        if _runs_shape_only(wrapped, other_args):
-            args, dynamic_shapes = other_args, other_shapes
+        for index in range(max(map(len, other_layouts))):  # the first other layout of each input, then the second, ...
+            other = [layouts[index] if index < len(layouts) else spec for spec, layouts in zip(inputs, other_layouts)]
+            other_args, other_shapes = _example_inputs(other, dim_ranges, _config_dtype(config))
+            if _runs_shape_only(wrapped, other_args):
+                args, dynamic_shapes = other_args, other_shapes
+                break
     return wrapped, args, dynamic_shapes
 
 
-def _other_layout(spec: ModelInput, config) -> ModelInput | None:
-    """The other way some models lay out an input, tried when the first does not run: mel features
-    time-major, [batch, frames, mel bins] (Parakeet and the other FastConformer encoders); waveforms
-    with a channel axis, [batch, channels, samples] (Mimi's and PE-Audio's encoders); a clip of the
-    frames a video model's config records, [batch, frames, channels, height, width] (VideoMAE,
-    ViViT, V-JEPA 2, ...); None for other inputs."""
+def _other_layouts(spec: ModelInput, config) -> tuple[ModelInput, ...]:
+    """The other ways some models lay out an input, tried in order when the first does not run: mel
+    features time-major, [batch, frames, mel bins] (Parakeet and the other FastConformer encoders);
+    waveforms with a channel axis, [batch, channels, samples] (Mimi's and PE-Audio's encoders), or
+    input_values that are a spectrogram, [batch, frames, mel bins] at the frames its config records
+    (the Audio Spectrogram Transformer's max_length, 1024); a clip of the frames a video model's config
+    records, [batch, frames, channels, height, width] (VideoMAE, ViViT, V-JEPA 2, ...); none for other inputs."""
     if spec.name == "pixel_values":
         video = isinstance(_setting(config, "num_frames", "vision_config") or _setting(config, "frames_per_clip", "vision_config"), int)
-        return dataclasses.replace(spec, axes=(spec.axes[0], _video_frames(config), *spec.axes[1:])) if video else None
+        return (dataclasses.replace(spec, axes=(spec.axes[0], _video_frames(config), *spec.axes[1:])),) if video else ()
     if spec.name == "input_features":
-        return dataclasses.replace(spec, axes=(spec.axes[0], spec.axes[2], spec.axes[1]))
+        return (dataclasses.replace(spec, axes=(spec.axes[0], spec.axes[2], spec.axes[1])),)
     if spec.name == "input_values":
-        return dataclasses.replace(spec, axes=(spec.axes[0], int(_setting(config, "audio_channels", "audio_config") or 1), spec.axes[1]))
-    return None
+        channels = dataclasses.replace(spec, axes=(spec.axes[0], int(_setting(config, "audio_channels", "audio_config") or 1), spec.axes[1]))
+        mel_bins, frames = _setting(config, "num_mel_bins", "audio_config"), _setting(config, "max_length", "audio_config")
+        if not isinstance(mel_bins, int):
+            return (channels,)
+        spectrogram = (spec.axes[0], frames if isinstance(frames, int) else DEFAULT_MEL_FRAMES, mel_bins)
+        return channels, dataclasses.replace(spec, axes=spectrogram)
+    return ()
 
 
 def _runs_shape_only(forward: torch.nn.Module, args: tuple) -> bool:
@@ -590,6 +598,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
         "input_features_mask": ModelInput("input_features_mask", ("batch", "frames"), torch.long, 2),
         "decoder_input_ids": ModelInput("decoder_input_ids", ("batch", "decoder_seq"), torch.long, decoder_vocab),
     }
+    both_audio = ("input_values", "input_features") if {"input_values", "input_features"} <= set(parameters) else ()
+    audio_input = getattr(getattr(model, "encoder", None), "main_input_name", None)
     chosen = []
     for name in parameters:
         if name not in candidates:
@@ -602,6 +612,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
             continue
         if name == "decoder_input_ids" and not getattr(config, "is_encoder_decoder", False):
             continue
+        if name in both_audio and audio_input in both_audio and name != audio_input:
+            continue  # a speech encoder-decoder's forward takes either, for whichever its encoder reads: only that one
         chosen.append(candidates[name])
     if not any(spec.name in ("input_ids", *MEDIA_INPUTS) for spec in chosen):
         raise TpuExportError(f"{type(model).__name__} takes none of input_ids, {', '.join(MEDIA_INPUTS)}; write a file.py:factory for it")

@@ -162,6 +162,21 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
     return jnp.take(weight, indices, axis=0, mode="clip")
 
 
+@register_lowering(aten.full.default)
+def full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """`torch.full` without a dtype takes its fill value's: int64 for an int, bool for a bool.
+
+    torchax gives every such fill the default float dtype, so position ids started as
+    `torch.full(size, fill_value=0)` and indexing an embedding (Idefics3's vision embeddings) became
+    floats the gather refuses.
+    """
+    if dtype is None and isinstance(fill_value, (bool, np.bool_)):
+        dtype = torch.bool
+    elif dtype is None and _is_integer(fill_value):
+        dtype = torch.int64
+    return torchax_lowering(aten.full.default)(size, fill_value, dtype=dtype)
+
+
 @register_lowering(aten.max_pool2d_with_indices.default)
 @register_lowering(aten.max_pool3d_with_indices.default)
 def max_pool_with_indices(inputs, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
