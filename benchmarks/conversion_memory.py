@@ -6,7 +6,7 @@ resident memory per stage (the manifest's build.stage_memory, tpuexport/memory.p
     python benchmarks/conversion_memory.py --cpu-plan [--layers N] [--max-context C]
 
 The cases (issue #36), Llama models with random weights (studies/streamed_conversion.py's shapes and
-checkpoint writer; nothing is downloaded), target v5e, no SavedModel, verification on:
+checkpoint writer; nothing is downloaded), target v5e (--target), no SavedModel, verification on:
   llama1b-forward-memory          Llama-3.2-1B-shaped, bf16, built in memory; dims batch <= 64, seq <= 8192
                                   (--max-batch, --max-seq), one bucket batch 8 x seq 2048
   llama1b-forward-checkpoint      the same, its weights streamed from a bf16 safetensors checkpoint
@@ -113,7 +113,7 @@ def convert_case(request: dict) -> None:
     else:
         model, _ = streamed_conversion.llama(config, "bfloat16")
     write(event="model", weight_bytes=sum(tensor.numel() * tensor.element_size() for tensor in model.parameters()))  # tied: once
-    options = dict(target="v5e", out=pathlib.Path(request["out"]), overwrite=True, saved_model=False, progress=ended,
+    options = dict(target=request["target"], out=pathlib.Path(request["out"]), overwrite=True, saved_model=False, progress=ended,
                    checkpoint=pathlib.Path(request["checkpoint"]) if case.checkpoint else None, quantize=case.quantize)
     start_time = time.perf_counter()
     if case.task == "text-generation":
@@ -269,7 +269,7 @@ def measure(name: str, options, work: pathlib.Path) -> dict:
     scratch = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-", dir=work))
     progress = scratch / "progress.jsonl"
     request = {"case": name, "layers": layers, "max_batch": options.max_batch, "max_seq": options.max_seq, "max_context": options.max_context,
-               "arrays": options.arrays, "checkpoint": str(checkpoint) if checkpoint else None, "out": str(scratch / "model.tpu"),
+               "arrays": options.arrays, "target": options.target, "checkpoint": str(checkpoint) if checkpoint else None, "out": str(scratch / "model.tpu"),
                "progress": str(progress)}
     progress.touch()
     log = open(scratch / "log.txt", "w+")
@@ -356,6 +356,8 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=64, help="forward: the batch dim's largest size")
     parser.add_argument("--max-seq", type=int, default=8192, help="forward: the seq dim's largest size")
     parser.add_argument("--max-context", type=int, default=4096, help="text-generation: the KV cache's positions")
+    parser.add_argument("--target", default="v5e", help="the TPU target compiled for (the 8B bf16 case's 15 GiB of weights need "
+                                                         "more HBM than v5e's 16 GiB at the bucket: v6e or v5p)")
     parser.add_argument("--cap", type=float, default=20.0, help="GB a case's processes may hold before it is killed")
     parser.add_argument("--arrays", action="store_true", help="list the largest live arrays at the end of each stage")
     parser.add_argument("--work", type=pathlib.Path, help="keep checkpoints here (default: a temporary directory)")
@@ -370,7 +372,7 @@ def main() -> None:
     load = os.getloadavg()
     print(f"{datetime.datetime.now():%Y-%m-%d %H:%M}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores; "
           f"layers {options.layers or 'full'}, forward dims batch <= {options.max_batch}, seq <= {options.max_seq} (bucket 8 x 2048), "
-          f"generation max context {options.max_context}, batch 8; cap {options.cap:g} GB", flush=True)
+          f"generation max context {options.max_context}, batch 8; target {options.target}; cap {options.cap:g} GB", flush=True)
     results = []
     try:
         for name in options.cases or list(CASES):
