@@ -25,7 +25,7 @@ import numpy as np
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 
-from tpuexport.lower.stablehlo_rewrite import ops_named
+from tpuexport.lower.stablehlo_rewrite import ops_named, producer
 
 
 def fold_transposes_into_dots(module: ir.Module) -> int:
@@ -56,10 +56,8 @@ def fold_transposes_into_dots(module: ir.Module) -> int:
 
 
 def _transpose_producing(value: ir.Value) -> ir.Operation | None:
-    owner = value.owner
-    if isinstance(owner, (ir.Operation, ir.OpView)) and owner.operation.name == "stablehlo.transpose":
-        return owner.operation
-    return None
+    op = producer(value)
+    return op if op is not None and op.name == "stablehlo.transpose" else None
 
 
 def pad_single_row_dots(module: ir.Module) -> int:

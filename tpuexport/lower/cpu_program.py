@@ -34,7 +34,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 
 from tpuexport.lower.cpu_dots import fold_transposes_into_dots, pad_single_row_dots
-from tpuexport.lower.stablehlo_rewrite import ops_named, rewrite_module
+from tpuexport.lower.stablehlo_rewrite import ops_named, producer, rewrite_module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +62,8 @@ def state_positions(input_names: Sequence[str], output_names: Sequence[str], inp
 
 
 def cpu_program(exported: jax.export.Exported, weights: int, state: Sequence[tuple[int, int]]) -> CpuProgram:
-    """The program with its bfloat16 updates done on bit patterns and its dots reading transposed
-    operands in place (module docstring).
+    """The program with its bfloat16 updates done on bit patterns and its dots reading their weights
+    in place (module docstring).
 
     Args:
       exported: the program, called as (weights, inputs).
@@ -71,16 +71,16 @@ def cpu_program(exported: jax.export.Exported, weights: int, state: Sequence[tup
       state: (input position, output position) pairs taken and returned as bit patterns
         (state_positions).
     Returns:
-      The CpuProgram; `exported` itself, unchanged, when it updates no bfloat16 array and has no
-      transposed dot operand.
+      The CpuProgram; `exported` itself, unchanged, when it updates no bfloat16 array and rewrites
+      no dot.
     """
     kept = sorted(exported.module_kept_var_idx)
     state = [(position, output) for position, output in state if weights + position in kept]  # an unused input stays as it is
     updates: list[ir.Operation] = []
-    folded: list[int] = []
+    dots_rewritten: list[int] = []
 
     def edit(module: ir.Module) -> None:
-        folded.append(fold_transposes_into_dots(module) + pad_single_row_dots(module))
+        dots_rewritten.append(fold_transposes_into_dots(module) + pad_single_row_dots(module))
         updates.extend(op for op in ops_named(module, ("stablehlo.dynamic_update_slice",))
                        if isinstance(ir.RankedTensorType(op.result.type).element_type, ir.BF16Type))
         for update in updates:
@@ -88,8 +88,8 @@ def cpu_program(exported: jax.export.Exported, weights: int, state: Sequence[tup
         for loop in ops_named(module, ("stablehlo.while",)):
             _carry_updates_as_bits(loop)
         if updates:
-            arguments = _state_as_bits(_main(module), [weights + position for position, _ in state], [output for _, output in state], kept)
-            _writes_after_reads(_main(module), arguments, [output for _, output in state])
+            main, results = _main(module), [output for _, output in state]
+            _writes_after_reads(main, _state_as_bits(main, [weights + position for position, _ in state], results, kept), results)
 
     avals_in, avals_out = list(exported.in_avals), list(exported.out_avals)
     for position, output in state:
@@ -98,7 +98,7 @@ def cpu_program(exported: jax.export.Exported, weights: int, state: Sequence[tup
     rewritten = rewrite_module(exported, edit, in_avals=tuple(avals_in), out_avals=tuple(avals_out))
     if not updates:  # the state stays bfloat16, as the Exported's own signature has it
         return CpuProgram(dataclasses.replace(rewritten, in_avals=exported.in_avals, out_avals=exported.out_avals)
-                          if folded[0] else exported)
+                          if dots_rewritten[0] else exported)
     return CpuProgram(rewritten, tuple(position for position, _ in state), tuple(output for _, output in state))
 
 
@@ -117,8 +117,8 @@ def _carry_updates_as_bits(loop: ir.Operation) -> None:
     body = loop.regions[1].blocks[0]
     returned = list(_terminator(body).operands)
     for position, value in enumerate(returned):
-        producer = _producer(value)
-        if producer is None or producer.name != "stablehlo.bitcast_convert" or not isinstance(
+        made_by = producer(value)
+        if made_by is None or made_by.name != "stablehlo.bitcast_convert" or not isinstance(
                 ir.RankedTensorType(value.type).element_type, ir.BF16Type):
             continue
         with ir.InsertionPoint(loop):
@@ -175,7 +175,7 @@ def _writes_after_reads(main: ir.Operation, state: list[ir.BlockArgument], resul
         if not writes:
             continue
         first = min(writes, key=order.__getitem__).operation
-        before = [value for value in others if (producer := _producer(value)) is not None and order.get(producer, len(order)) < order[first]]
+        before = [value for value in others if (made_by := producer(value)) is not None and order.get(made_by, len(order)) < order[first]]
         if not before:
             continue
         with ir.InsertionPoint(first):
@@ -186,8 +186,8 @@ def _writes_after_reads(main: ir.Operation, state: list[ir.BlockArgument], resul
 def _bits_of(value: ir.Value) -> ir.Value:
     """The value that `value` reinterprets through a chain of bitcast_converts (`value` itself when it
     is not a bitcast_convert's result)."""
-    while (producer := _producer(value)) is not None and producer.name == "stablehlo.bitcast_convert":
-        value = producer.operands[0]
+    while (made_by := producer(value)) is not None and made_by.name == "stablehlo.bitcast_convert":
+        value = made_by.operands[0]
     return value
 
 
@@ -196,7 +196,7 @@ def _argument_as_bits(argument: ir.BlockArgument, block: ir.Block) -> None:
     argument.set_type(_retyped(argument.type, _unsigned16()))
     with ir.InsertionPoint.at_block_begin(block):
         value = _bitcast(argument, ir.BF16Type.get())
-    argument.replace_all_uses_except(value, _producer(value))
+    argument.replace_all_uses_except(value, producer(value))
 
 
 def _result_as_bits(result: ir.OpResult, op: ir.Operation) -> None:
@@ -204,7 +204,7 @@ def _result_as_bits(result: ir.OpResult, op: ir.Operation) -> None:
     result.set_type(_retyped(result.type, _unsigned16()))
     with ir.InsertionPoint(op):
         value = _bitcast(result, ir.BF16Type.get())
-    cast = _producer(value)
+    cast = producer(value)
     cast.move_after(op)
     result.replace_all_uses_except(value, cast)
 
@@ -217,12 +217,6 @@ def _main(module: ir.Module) -> ir.Operation:
 def _terminator(block: ir.Block) -> ir.Operation:
     operations = block.operations
     return operations[len(operations) - 1].operation
-
-
-def _producer(value: ir.Value) -> ir.Operation | None:
-    """The op that defines `value`, None for a block argument."""
-    owner = value.owner
-    return owner.operation if isinstance(owner, (ir.Operation, ir.OpView)) else None
 
 
 def _unsigned16() -> ir.Type:

@@ -81,3 +81,8 @@ def operand_element_types(op: ir.Operation) -> list[ir.Type]:
     """The element types of a dot's or convolution's two operands."""
     return [ir.RankedTensorType(operand.type).element_type for operand in list(op.operands)[:2]]
 
+
+def producer(value: ir.Value) -> ir.Operation | None:
+    """The op that defines `value`, None for a block argument."""
+    owner = value.owner
+    return owner.operation if isinstance(owner, (ir.Operation, ir.OpView)) else None
