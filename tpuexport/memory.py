@@ -21,7 +21,9 @@ read into memory that alone exceed it are refused before they are read (export/s
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import math
 import os
 import pathlib
@@ -131,6 +133,27 @@ def resident_bytes() -> int | None:
     """The process's resident memory now (anonymous + mapped + shared), None where /proc cannot be read."""
     reading = _read_status()
     return None if reading is None else reading["RssAnon"] + reading["RssFile"] + reading["RssShmem"]
+
+
+def return_freed_memory() -> None:
+    """Gives the pages of the heap's freed blocks back to the system: glibc's malloc_trim(0), nothing
+    where the C library has none.
+
+    XLA:CPU's buffers of a few MiB come from the heap, whose freed pages glibc keeps for the next
+    allocation of the same size rather than returning them. A verification case sized differently from
+    the one before it cannot reuse them, so they add up: measured on the 1B text-generation
+    conversion, anonymous memory rose from 2.65 to 4.18 GiB between two cases that each freed all they
+    held. Trimming between stages and cases gives the next one back its room. It sets nothing (unlike
+    mallopt or MALLOC_MMAP_THRESHOLD_, which would change the user's process for good).
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
 def _mem_available(path: pathlib.Path = _MEMINFO) -> int | None:

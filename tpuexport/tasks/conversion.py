@@ -18,7 +18,7 @@ from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
 from tpuexport.errors import TpuExportError
-from tpuexport.memory import MemoryBudget, MemoryMonitor, PeakMemory, memory_budget
+from tpuexport.memory import MemoryBudget, MemoryMonitor, PeakMemory, memory_budget, return_freed_memory
 
 if TYPE_CHECKING:
     from tpuexport.tasks.spec import ProgramSpec, Task, Verified
@@ -155,6 +155,7 @@ class StageClock:
         yield
         self.seconds[name] = time.perf_counter() - start
         self._close(name)
+        return_freed_memory()  # what the stage freed is the next one's (memory.return_freed_memory)
         self.event(name, self.seconds[name], detail())
 
     def start(self, name: str) -> None:

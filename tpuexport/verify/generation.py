@@ -39,6 +39,7 @@ import torch
 from tpuexport.lower.generation import GenerationProgram, GenerationSession, cpu_runner
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
 from tpuexport.lower.program import EntryPoints
+from tpuexport.memory import return_freed_memory
 from tpuexport.verify.compare import OutputComparison, Tolerances, compare_output, sqnr_db
 from tpuexport.verify.report import RUNS, summary_section, tpu_arithmetic_hint
 from tpuexport.verify.sizes import MAX_FILL_TEMPORARY_BYTES
@@ -454,6 +455,8 @@ def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolera
         divergence = None if float_reference is None else float_divergence(actual["tpu"], eager_tokens, float_reference[index])
         stored = store_golden_case(golden, index, prompts, slots, sizes["seq"], eager_tokens, expected)
         cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, golden=stored, float_divergence=divergence, note=note))
+        del actual, expected, eager
+        return_freed_memory()  # the next case's sizes differ: it cannot reuse this one's freed blocks
     return GenerationReport(decode.resolved_precision, decode.matmul_precision, tolerances, tuple(cases), golden)
 
 
