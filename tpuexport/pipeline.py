@@ -205,10 +205,14 @@ def weights(conversion: Conversion) -> None:
 
         stored = StoredWeights(shared.quantized, conversion.weight_only)
 
+    checkpoint = conversion.loaded.checkpoint if isinstance(conversion.loaded.checkpoint, export_stage.Checkpoint) else None
+
     def parts(name: str):
         layout = shared.weight_layouts.get(name)
         tensors = (lower_stage.in_stored_layout(as_tensor(state[part]), layout) for part in shared.weight_parts[name])
-        return stored.parts(name, tensors) if stored is not None else tensors
+        yield from stored.parts(name, tensors) if stored is not None else tensors
+        if checkpoint is not None:  # written: its pages are the checkpoint's, read once (export/mapped_pages.py)
+            export_stage.MappedTensors(checkpoint, [state[part] for part in shared.weight_parts[name]]).drop()
 
     streamed = captured.checkpoint_state is not None
     with conversion.clock.stage("weights", lambda: f"{len(shared.weight_names)} arrays, {written / 2**30:.2f} GiB {origin}"
@@ -248,6 +252,10 @@ def _share_with_references(conversion: Conversion, shared: lower_stage.LoweredPr
     references = [captured.reference for captured in conversion.captured.values() if isinstance(captured.reference, torch.nn.Module)]
     shared_bytes = export_stage.share_parameters([*references, *conversion.spec.eager_models], replacements)
     if isinstance(conversion.loaded.checkpoint, export_stage.Checkpoint):
+        # What the references still read from the checkpoint (weights stored cast, transposed or quantized) is
+        # read at every forward: each module drops its pages after its own (export/mapped_pages.py).
+        handles = export_stage.drop_pages_after_use([*references, *conversion.spec.eager_models], conversion.loaded.checkpoint)
+        conversion.running.callback(lambda: [handle.remove() for handle in handles])
         conversion.loaded.checkpoint.release()
     return shared_bytes
 

@@ -10,6 +10,7 @@ from tpuexport.export.seq2seq import entry_point_modules as seq2seq_entry_point_
 from tpuexport.export.seq2seq import example_arguments as seq2seq_example_arguments
 from tpuexport.export.checkpoints import Checkpoint, open_checkpoint, parameters_on_meta, share_parameters, with_checkpoint_weights
 from tpuexport.export.loaded import LoadedSource, SourceInfo
+from tpuexport.export.mapped_pages import MappedTensors, drop_pages_after_use
 from tpuexport.export.sources import load_source
 from tpuexport.export.specs import DimSpec, InputSpec, example_args, parse_dim, parse_input
 
@@ -47,9 +48,11 @@ __all__ = [
     "DimSpec",
     "InputSpec",
     "LoadedSource",
+    "MappedTensors",
     "SourceInfo",
     "capture",
     "describe",
+    "drop_pages_after_use",
     "example_args",
     "load_source",
     "on_meta_device",

@@ -71,6 +71,11 @@ class Checkpoint(Mapping):
         if isinstance(self._tensors, _SafetensorsFiles):
             self._tensors.release()
 
+    def mapped_regions(self) -> list[tuple[int, int]]:
+        """(start, end) addresses of the file maps its tensors are views of now (safetensors files'; a
+        Mapping the user gave, or a pickled state_dict, has none this package knows)."""
+        return self._tensors.mapped_regions() if isinstance(self._tensors, _SafetensorsFiles) else []
+
 
 class _SafetensorsFiles(Mapping):
     """Tensors of safetensors files by name, as views into one private memory map per file."""
@@ -103,6 +108,9 @@ class _SafetensorsFiles(Mapping):
 
     def release(self) -> None:
         self._maps.clear()
+
+    def mapped_regions(self) -> list[tuple[int, int]]:
+        return [(data.data_ptr(), data.data_ptr() + data.numel()) for data, _ in self._maps.values()]
 
     def _mapped(self, path: pathlib.Path) -> tuple[torch.Tensor, dict]:
         if path not in self._maps:
