@@ -266,6 +266,31 @@ def test_a_checkpoints_pages_are_given_back_once_read(tmp_path):
     assert not any(module._forward_hooks for module in reference.modules())
 
 
+def test_a_weight_only_reference_drops_only_the_checkpoints_pages(tmp_path):
+    """Verification runs a weight-only program's reference under a torch function mode that answers
+    for each quantized weight with a rounded copy, its data_ptr() included. The pages dropped after
+    each module's forward are those the checkpoint's tensors had when the hooks were made: dropping
+    the copies' would zero the process's own heap (glibc aborted: "corrupted size vs. prev_size")."""
+    import safetensors.torch
+    import transformers
+
+    config = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaModel(transformers.LlamaConfig(**config)).to(torch.bfloat16).eval()
+    checkpoint = tmp_path / "llama.safetensors"
+    safetensors.torch.save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, str(checkpoint))
+    with tpuexport.parameters_on_meta():
+        on_meta = transformers.LlamaModel(transformers.LlamaConfig(**config)).to(torch.bfloat16).eval()
+    args = (torch.randint(3, 1000, (2, 16)),)
+    dims = {"input_ids": {0: torch.export.Dim("batch", min=1, max=4), 1: torch.export.Dim("seq", min=2, max=64)}}
+    loaded = LoadedSource(on_meta, args, dims, None, SourceInfo("api"), checkpoint=open_checkpoint(checkpoint))
+    options = ConversionOptions(("v5e",), tmp_path / "llama.tpu", saved_model=False, quantize="int4-weight-only")
+    with passes(loaded, options, "verify") as conversion:
+        assert conversion.verified.report.passed
+        assert resident_bytes_of(checkpoint) < checkpoint.stat().st_size / 8
+
+
 def resident_bytes_of(path: pathlib.Path) -> int:
     """The process's resident bytes of its maps of `path` (/proc/self/smaps)."""
     total, inside = 0, False

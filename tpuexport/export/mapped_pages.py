@@ -41,19 +41,20 @@ class MappedTensors:
 
     def __init__(self, checkpoint: Checkpoint, tensors: Iterable[torch.Tensor]):
         regions = checkpoint.mapped_regions()
-        self.tensors = [tensor for tensor in {id(tensor): tensor for tensor in tensors}.values()
-                        if any(start <= tensor.data_ptr() and _end(tensor) <= end for start, end in regions)]
+        inside = [tensor for tensor in {id(tensor): tensor for tensor in tensors}.values()
+                  if any(start <= tensor.data_ptr() and _end(tensor) <= end for start, end in regions)]
+        # Views hold the maps; the page ranges are read now, once. At a drop, the tensors given may be
+        # other memory: a Parameter pointed elsewhere (`.data =`), or one a torch function mode active
+        # in the forward substitutes (verification's DequantizedWeights answers its data_ptr() with a
+        # rounded copy's), where dropping pages would zero memory the process owns.
+        self.tensors = [tensor.detach() for tensor in inside]
+        self.pages = [(first, last - first) for first, last in map(_whole_pages, inside) if last > first]
 
     def drop(self) -> None:
         """Drops the resident pages wholly inside each tensor."""
         advise = _madvise()
-        if advise is None:
-            return
-        for tensor in self.tensors:
-            first = -(-tensor.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
-            last = _end(tensor) // mmap.PAGESIZE * mmap.PAGESIZE
-            if last > first:
-                advise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+        for start, length in self.pages if advise is not None else ():
+            advise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_DONTNEED)
 
 
 def drop_pages_after_use(modules: Iterable[torch.nn.Module], checkpoint: Checkpoint) -> list:
@@ -66,9 +67,14 @@ def drop_pages_after_use(modules: Iterable[torch.nn.Module], checkpoint: Checkpo
     handles = []
     for module in {id(module): module for root in modules for module in root.modules()}.values():
         mapped = MappedTensors(checkpoint, [*module.parameters(recurse=False), *module.buffers(recurse=False)])
-        if mapped.tensors:
+        if mapped.pages:
             handles.append(module.register_forward_hook(lambda *_, mapped=mapped: mapped.drop()))
     return handles
+
+
+def _whole_pages(tensor: torch.Tensor) -> tuple[int, int]:
+    """The first and past-the-last addresses of the whole pages a tensor's bytes cover."""
+    return -(-tensor.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE, _end(tensor) // mmap.PAGESIZE * mmap.PAGESIZE
 
 
 def _end(tensor: torch.Tensor) -> int:
