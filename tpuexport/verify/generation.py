@@ -446,6 +446,7 @@ def verify_generation(program: GenerationProgram, model: torch.nn.Module, tolera
             continue
         eager_tokens = [tokens for tokens, _ in eager]
         expected = np.stack([logits for _, logits in eager])
+        return_freed_memory()  # what generate() freed is in this thread's heap; XLA:CPU allocates from its own threads'
         try:
             actual = teacher_forced_runs(program, runs_programs, prompts, slots, sizes["seq"], eager_tokens)
         except Exception as error:  # XLA runtime errors, shape assertions
