@@ -52,6 +52,16 @@ def tiny_gpt2() -> transformers.PreTrainedModel:
     return transformers.GPT2LMHeadModel(config).eval()
 
 
+def tiny_mllama_text() -> transformers.PreTrainedModel:
+    """A causal LM whose `base_model` is itself: its base_model_prefix "language_model" names no attribute
+    (its text model is `model`), as Llama4ForCausalLM's does too."""
+    torch.manual_seed(0)
+    config = transformers.MllamaTextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, cross_attention_layers=[1], max_position_embeddings=128, pad_token_id=0,
+                                           bos_token_id=1, eos_token_id=2)
+    return transformers.MllamaForCausalLM(config).eval()
+
+
 def tiny_opt() -> transformers.PreTrainedModel:
     torch.manual_seed(0)
     return transformers.OPTForCausalLM(transformers.OPTConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -658,12 +668,15 @@ def test_the_logits_base_model_answer_puts_back_a_forward_the_instance_held():
     assert "forward" not in plain.__dict__ and plain(torch.zeros(2)).shape == (2,)
 
 
-@pytest.mark.parametrize("family", [tiny_opt, tiny_llama], ids=["opt-decoder-called-directly", "llama"])
+@pytest.mark.parametrize("family", [tiny_opt, tiny_llama, tiny_mllama_text],
+                         ids=["opt-decoder-called-directly", "llama", "mllama-base-model-prefix-names-no-attribute"])
 def test_the_entry_points_logits_are_the_lm_heads_of_the_chosen_rows(family):
     """OPT's causal LM calls its decoder (`self.model.decoder`), not its base model OPTModel: answering
     only the base model ran the decoder a second time over the hidden rows given as embeddings (logits
     off by up to 0.03 on a tiny f32 OPT; coverage's opt generate-f32 failed verification, session 18).
-    The part of the base model the LM's forward calls answers too."""
+    The part of the base model the LM's forward calls answers too. MllamaForCausalLM's `base_model` is
+    the LM itself (answering it gave no logits; calling it gave no last_hidden_state: the sweep's mllama
+    was refused, issue 35): its text model answers."""
     model = family()
     spec = export_stage.generation_spec(model, 2, 32, prefill_buckets=(16,))
     hidden = torch.randn(3, model.config.hidden_size)

@@ -428,6 +428,21 @@ class GroupedKVCache:
         return tuple(tensor for cache in self.groups for tensor in cache.written())
 
 
+def base_model(model: nn.Module) -> nn.Module:
+    """The base model a causal LM's forward calls for its hidden states: transformers' `base_model`,
+    unless that is the LM itself, as it is when `base_model_prefix` names no attribute of the LM
+    (MllamaForCausalLM's and Llama4ForCausalLM's "language_model", while they hold their text model as
+    `model`: calling the LM there returns logits, not `last_hidden_state`); then the LM's one child that
+    is a Hugging Face model."""
+    from transformers import PreTrainedModel
+
+    base = model.base_model
+    if base is not model:
+        return base
+    children = [child for child in model.children() if isinstance(child, PreTrainedModel)]
+    return children[0] if len(children) == 1 else base
+
+
 def _transformers_cache(functional: FunctionalKVCache | GroupedKVCache):
     """A transformers Cache whose update is `functional.update` (what the attention layers call)."""
     from transformers.cache_utils import Cache
@@ -504,8 +519,8 @@ def cached_shapes(model: nn.Module) -> tuple[int, int]:
     mask = _causal_masks(attention_windows(model), positions[None, :], positions, parameter.dtype)
     try:
         with torch.no_grad(), buffers_kept(model):  # as the entry points call it (Prefill.hidden_states)
-            model.base_model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=parameter.device), attention_mask=mask,
-                             position_ids=positions[None, :], past_key_values=_transformers_cache(_ProbeCache()), use_cache=True)
+            base_model(model)(input_ids=torch.zeros((1, 2), dtype=torch.long, device=parameter.device), attention_mask=mask,
+                              position_ids=positions[None, :], past_key_values=_transformers_cache(_ProbeCache()), use_cache=True)
     except _Cached as cached:
         keys, values = cached.keys, cached.values
     except Exception:  # the forward fails before any layer writes (so will its export, which says why): the config's sizes
@@ -689,8 +704,8 @@ class _EntryPoint(nn.Module):
         """The model's last hidden states; `keys`: the positions of the keys attention reads [k], for
         the modules that mask with a buffer of their own (`masks_as_bias`)."""
         with masks_as_bias(self.bias_windows, positions, keys):
-            output = self.model.base_model(input_ids=tokens, attention_mask=mask, position_ids=positions,
-                                           past_key_values=_transformers_cache(cache), use_cache=True)
+            output = base_model(self.model)(input_ids=tokens, attention_mask=mask, position_ids=positions,
+                                            past_key_values=_transformers_cache(cache), use_cache=True)
         return output.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -703,7 +718,7 @@ class _EntryPoint(nn.Module):
         if "output_router_logits" in inspect.signature(self.model.forward).parameters:
             options["output_router_logits"] = False  # no load-balancing loss: it would read every token's router logits
         # The base model, or the part of it the LM's forward calls (OPT's calls its decoder, not OPTModel).
-        base = self.model.base_model
+        base = base_model(self.model)
         answered = []
         with _answering([base, *base.children()], _BaseOutput(hidden[:, None]), answered):
             logits = self.model(inputs_embeds=hidden[:, None], **options).logits
