@@ -683,3 +683,14 @@ def test_the_entry_points_logits_are_the_lm_heads_of_the_chosen_rows(family):
     with torch.no_grad():
         logits = Decode(model, spec).logits(hidden)
         torch.testing.assert_close(logits, model.lm_head(hidden).float(), atol=0, rtol=0)
+
+
+def test_a_causal_lm_that_takes_no_kv_cache_is_refused_in_one_line():
+    """OpenAI GPT's forward takes no cache (generate() recomputes the whole sequence each step) and reads
+    the entry points' 4D mask as a 2D one: torch.export failed in its own code ("permute a tensor of rank
+    6"). It is refused naming why, before any export."""
+    torch.manual_seed(0)
+    model = transformers.OpenAIGPTLMHeadModel(transformers.OpenAIGPTConfig(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=32))
+    with pytest.raises(tpuexport.TpuExportError, match=r"^--task text-generation: OpenAIGPTLMHeadModel \(openai-gpt\) takes no KV cache "
+                       r".*--task feature-extraction\)$"):
+        export_stage.generation_spec(model.eval(), 1, 16)

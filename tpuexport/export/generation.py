@@ -577,13 +577,21 @@ def check_decoder(model: nn.Module) -> None:
 
     Raises:
       TpuExportError: a model that keeps a recurrent state (transformers' `_is_stateful`: Mamba,
-        RWKV, Jamba, Zamba, Qwen3-Next, ...), or one that attends bidirectionally.
+        RWKV, Jamba, Zamba, Qwen3-Next, ...), one whose forward takes no cache, or one that
+        attends bidirectionally.
     """
     name = type(model).__name__
     if getattr(model, "_is_stateful", False):
         raise TpuExportError(f"--task text-generation: {name} keeps a recurrent state (state-space or linear-attention layers) besides or "
                              "instead of a KV cache, which the prefill/decode entry points do not hold yet; its full-sequence forward "
                              "may convert at a fixed length (--task feature-extraction --dim seq=N:N)")
+    # The LM's forward, not its base model's: a base model may be a wrapper passing on *args, **kwargs (TrOCR's).
+    if not {"past_key_values", "cache"} & set(inspect.signature(model.forward).parameters):
+        # OpenAI GPT's base model swallows the cache in **kwargs and reads the entry points' 4D mask as
+        # a 2D one (torch.export then failed in its merge_heads: "permute a tensor of rank 6").
+        raise TpuExportError(f"--task text-generation: {name} ({model.config.model_type}) takes no KV cache (its forward has no "
+                             "past_key_values): its generate() recomputes the whole sequence at every step, which the "
+                             "prefill/decode entry points do not; its full-sequence forward may convert (--task feature-extraction)")
     if _attends_bidirectionally(model):
         raise TpuExportError(f"--task text-generation: {name} attends bidirectionally (its config's is_decoder is false), "
                              "so earlier tokens' keys change as tokens are added and no KV cache can hold them; set is_decoder true "
