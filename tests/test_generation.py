@@ -685,6 +685,34 @@ def test_the_entry_points_logits_are_the_lm_heads_of_the_chosen_rows(family):
         torch.testing.assert_close(logits, model.lm_head(hidden).float(), atol=0, rtol=0)
 
 
+def tiny_trocr() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.TrOCRConfig(vocab_size=256, d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128,
+                                      max_position_embeddings=128, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    return transformers.TrOCRForCausalLM(config).eval()
+
+
+def test_a_decoder_numbering_positions_from_its_cache_length_decodes_each_token_at_its_position():
+    """TrOCR's decoder (and BART-style ForCausalLM decoders) takes no position_ids: it numbers positions
+    from the cache's length, which the entry points' caches do not report, so every decode step embedded
+    position 0 (the sweep's trocr failed verification, decode logits' relative RMS error 0.85). Its
+    learned position embedding gets each token's position: the eager entry points' logits, prefill
+    then decode steps, are the model's own over the whole prefix."""
+    model = tiny_trocr()
+    spec = export_stage.generation_spec(model, 1, 32, prefill_buckets=(8,))
+    modules = export_stage.entry_point_modules(model, spec)
+    tokens = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = [torch.zeros(shape, dtype=getattr(torch, dtype)) for shape, dtype in spec.cache_tensors().values()]
+    with torch.no_grad():
+        output = modules["prefill"](tokens[:, :8], torch.tensor([8]), torch.tensor([0]), *cache)
+        steps = [output["logits"]]
+        for position in range(8, 12):
+            output = modules["decode"](tokens[:, position], torch.tensor([position]), *[output[name] for name in spec.cache_inputs])
+            steps.append(output["logits"])
+        expected = model(tokens).logits[0, 7:].float()
+    torch.testing.assert_close(torch.cat(steps), expected, atol=1e-4, rtol=1e-4)
+
+
 def test_a_causal_lm_that_takes_no_kv_cache_is_refused_in_one_line():
     """OpenAI GPT's forward takes no cache (generate() recomputes the whole sequence each step) and reads
     the entry points' 4D mask as a 2D one: torch.export failed in its own code ("permute a tensor of rank

@@ -675,6 +675,36 @@ def bias_mask_windows(model: nn.Module) -> dict[nn.Module, int | None]:
 
 
 @contextlib.contextmanager
+def positions_given(model: nn.Module, positions: torch.Tensor):
+    """While open, a decoder whose forward takes no position_ids embeds `positions` [batch, seq] with
+    its learned position embedding (an nn.Embedding with an int `offset`: TrOCR's, and the ForCausalLM
+    decoders of BART, mBART, PLBart). Such a decoder numbers its positions from the cache's length,
+    which the entry points' caches do not report (their get_seq_length is 0): every decode step
+    embedded position 0 (TrOCR's decode logits failed verification). A model taking position_ids, or
+    embedding none (ALiBi), is left as it is; one with another position embedding (Marian's and
+    Pegasus's sinusoidal, Blenderbot's without an offset) still fails verification."""
+    embed = None if "position_ids" in inspect.signature(model.forward).parameters else _offset_position_embedding(model)
+    if embed is None:
+        yield
+        return
+    own = embed.__dict__.get("forward")
+    embed.forward = lambda *args, **kwargs: nn.functional.embedding(positions + embed.offset, embed.weight)
+    try:
+        yield
+    finally:
+        if own is None:
+            del embed.forward
+        else:
+            embed.forward = own
+
+
+def _offset_position_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The decoder's learned position embedding with an offset (positions p at rows p + offset), or None."""
+    embed = getattr(model.get_decoder(), "embed_positions", None) if hasattr(model, "get_decoder") else None
+    return embed if isinstance(embed, nn.Embedding) and isinstance(getattr(embed, "offset", None), int) else None
+
+
+@contextlib.contextmanager
 def masks_as_bias(windows: dict[nn.Module, int | None], queries: torch.Tensor, keys: torch.Tensor):
     """Within it each module of `bias_mask_windows` reads as `bias` its mask for queries at
     positions `queries` [batch, q] over keys at positions `keys` [k], laid out as the module slices
@@ -711,7 +741,7 @@ class _EntryPoint(nn.Module):
     def hidden_states(self, tokens, mask, positions, cache, keys) -> torch.Tensor:
         """The model's last hidden states; `keys`: the positions of the keys attention reads [k], for
         the modules that mask with a buffer of their own (`masks_as_bias`)."""
-        with masks_as_bias(self.bias_windows, positions, keys):
+        with masks_as_bias(self.bias_windows, positions, keys), positions_given(self.model, positions):
             output = base_model(self.model)(input_ids=tokens, attention_mask=mask, position_ids=positions,
                                             past_key_values=_transformers_cache(cache), use_cache=True)
         return output.last_hidden_state

@@ -46,7 +46,8 @@ import torch
 
 from tpuexport.errors import TpuExportError
 from tpuexport.export.generation import (_EntryPoint, _masked_value, _text_config, _transformers_cache, attention_windows, base_model, cached_shapes,
-                                         check_decoder, decoder_layers, dequantize_kv, masks_as_bias, quantize_kv)
+                                         check_decoder, decoder_layers, dequantize_kv, masks_as_bias, positions_given,
+                                         quantize_kv)
 
 # --kv-cache: "static" is [layers, max_batch, kv_heads, max_context, head_dim] (export/generation.py);
 # "paged" is pages a row takes as it grows (this module).
@@ -340,7 +341,7 @@ class Step(_EntryPoint):
         # The positions of the keys PagedKVCache gives attention (rows' cached positions, then the step's
         # tokens'), for models masking with a buffer of their own; paged_mask keeps each row to its keys.
         keys = torch.cat([torch.arange(rows * row_positions, device=tokens.device) % row_positions, safe_positions])
-        with masks_as_bias(self.bias_windows, safe_positions[None], keys):
+        with masks_as_bias(self.bias_windows, safe_positions[None], keys), positions_given(self.model, safe_positions[None]):
             hidden = base_model(self.model)(input_ids=tokens[None], attention_mask=mask, position_ids=safe_positions[None],
                                             past_key_values=_transformers_cache(cache), use_cache=True).last_hidden_state[0]
         index = torch.arange(count, device=tokens.device)
