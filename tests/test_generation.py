@@ -52,6 +52,16 @@ def tiny_gpt2() -> transformers.PreTrainedModel:
     return transformers.GPT2LMHeadModel(config).eval()
 
 
+def tiny_mllama_text() -> transformers.PreTrainedModel:
+    """A causal LM whose `base_model` is itself: its base_model_prefix "language_model" names no attribute
+    (its text model is `model`), as Llama4ForCausalLM's does too."""
+    torch.manual_seed(0)
+    config = transformers.MllamaTextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, cross_attention_layers=[1], max_position_embeddings=128, pad_token_id=0,
+                                           bos_token_id=1, eos_token_id=2)
+    return transformers.MllamaForCausalLM(config).eval()
+
+
 def tiny_opt() -> transformers.PreTrainedModel:
     torch.manual_seed(0)
     return transformers.OPTForCausalLM(transformers.OPTConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -658,15 +668,57 @@ def test_the_logits_base_model_answer_puts_back_a_forward_the_instance_held():
     assert "forward" not in plain.__dict__ and plain(torch.zeros(2)).shape == (2,)
 
 
-@pytest.mark.parametrize("family", [tiny_opt, tiny_llama], ids=["opt-decoder-called-directly", "llama"])
+@pytest.mark.parametrize("family", [tiny_opt, tiny_llama, tiny_mllama_text],
+                         ids=["opt-decoder-called-directly", "llama", "mllama-base-model-prefix-names-no-attribute"])
 def test_the_entry_points_logits_are_the_lm_heads_of_the_chosen_rows(family):
     """OPT's causal LM calls its decoder (`self.model.decoder`), not its base model OPTModel: answering
     only the base model ran the decoder a second time over the hidden rows given as embeddings (logits
     off by up to 0.03 on a tiny f32 OPT; coverage's opt generate-f32 failed verification, session 18).
-    The part of the base model the LM's forward calls answers too."""
+    The part of the base model the LM's forward calls answers too. MllamaForCausalLM's `base_model` is
+    the LM itself (answering it gave no logits; calling it gave no last_hidden_state: the sweep's mllama
+    was refused, issue 35): its text model answers."""
     model = family()
     spec = export_stage.generation_spec(model, 2, 32, prefill_buckets=(16,))
     hidden = torch.randn(3, model.config.hidden_size)
     with torch.no_grad():
         logits = Decode(model, spec).logits(hidden)
         torch.testing.assert_close(logits, model.lm_head(hidden).float(), atol=0, rtol=0)
+
+
+def tiny_trocr() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.TrOCRConfig(vocab_size=256, d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128,
+                                      max_position_embeddings=128, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    return transformers.TrOCRForCausalLM(config).eval()
+
+
+def test_a_decoder_numbering_positions_from_its_cache_length_decodes_each_token_at_its_position():
+    """TrOCR's decoder (and BART-style ForCausalLM decoders) takes no position_ids: it numbers positions
+    from the cache's length, which the entry points' caches do not report, so every decode step embedded
+    position 0 (the sweep's trocr failed verification, decode logits' relative RMS error 0.85). Its
+    learned position embedding gets each token's position: the eager entry points' logits, prefill
+    then decode steps, are the model's own over the whole prefix."""
+    model = tiny_trocr()
+    spec = export_stage.generation_spec(model, 1, 32, prefill_buckets=(8,))
+    modules = export_stage.entry_point_modules(model, spec)
+    tokens = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = [torch.zeros(shape, dtype=getattr(torch, dtype)) for shape, dtype in spec.cache_tensors().values()]
+    with torch.no_grad():
+        output = modules["prefill"](tokens[:, :8], torch.tensor([8]), torch.tensor([0]), *cache)
+        steps = [output["logits"]]
+        for position in range(8, 12):
+            output = modules["decode"](tokens[:, position], torch.tensor([position]), *[output[name] for name in spec.cache_inputs])
+            steps.append(output["logits"])
+        expected = model(tokens).logits[0, 7:].float()
+    torch.testing.assert_close(torch.cat(steps), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_causal_lm_that_takes_no_kv_cache_is_refused_in_one_line():
+    """OpenAI GPT's forward takes no cache (generate() recomputes the whole sequence each step) and reads
+    the entry points' 4D mask as a 2D one: torch.export failed in its own code ("permute a tensor of rank
+    6"). It is refused naming why, before any export."""
+    torch.manual_seed(0)
+    model = transformers.OpenAIGPTLMHeadModel(transformers.OpenAIGPTConfig(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=32))
+    with pytest.raises(tpuexport.TpuExportError, match=r"^--task text-generation: OpenAIGPTLMHeadModel \(openai-gpt\) takes no KV cache "
+                       r".*--task feature-extraction\)$"):
+        export_stage.generation_spec(model.eval(), 1, 16)

@@ -428,6 +428,21 @@ class GroupedKVCache:
         return tuple(tensor for cache in self.groups for tensor in cache.written())
 
 
+def base_model(model: nn.Module) -> nn.Module:
+    """The base model a causal LM's forward calls for its hidden states: transformers' `base_model`,
+    unless that is the LM itself, as it is when `base_model_prefix` names no attribute of the LM
+    (MllamaForCausalLM's and Llama4ForCausalLM's "language_model", while they hold their text model as
+    `model`: calling the LM there returns logits, not `last_hidden_state`); then the LM's one child that
+    is a Hugging Face model."""
+    from transformers import PreTrainedModel
+
+    base = model.base_model
+    if base is not model:
+        return base
+    children = [child for child in model.children() if isinstance(child, PreTrainedModel)]
+    return children[0] if len(children) == 1 else base
+
+
 def _transformers_cache(functional: FunctionalKVCache | GroupedKVCache):
     """A transformers Cache whose update is `functional.update` (what the attention layers call)."""
     from transformers.cache_utils import Cache
@@ -504,8 +519,8 @@ def cached_shapes(model: nn.Module) -> tuple[int, int]:
     mask = _causal_masks(attention_windows(model), positions[None, :], positions, parameter.dtype)
     try:
         with torch.no_grad(), buffers_kept(model):  # as the entry points call it (Prefill.hidden_states)
-            model.base_model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=parameter.device), attention_mask=mask,
-                             position_ids=positions[None, :], past_key_values=_transformers_cache(_ProbeCache()), use_cache=True)
+            base_model(model)(input_ids=torch.zeros((1, 2), dtype=torch.long, device=parameter.device), attention_mask=mask,
+                              position_ids=positions[None, :], past_key_values=_transformers_cache(_ProbeCache()), use_cache=True)
     except _Cached as cached:
         keys, values = cached.keys, cached.values
     except Exception:  # the forward fails before any layer writes (so will its export, which says why): the config's sizes
@@ -562,13 +577,21 @@ def check_decoder(model: nn.Module) -> None:
 
     Raises:
       TpuExportError: a model that keeps a recurrent state (transformers' `_is_stateful`: Mamba,
-        RWKV, Jamba, Zamba, Qwen3-Next, ...), or one that attends bidirectionally.
+        RWKV, Jamba, Zamba, Qwen3-Next, ...), one whose forward takes no cache, or one that
+        attends bidirectionally.
     """
     name = type(model).__name__
     if getattr(model, "_is_stateful", False):
         raise TpuExportError(f"--task text-generation: {name} keeps a recurrent state (state-space or linear-attention layers) besides or "
                              "instead of a KV cache, which the prefill/decode entry points do not hold yet; its full-sequence forward "
                              "may convert at a fixed length (--task feature-extraction --dim seq=N:N)")
+    # The LM's forward, not its base model's: a base model may be a wrapper passing on *args, **kwargs (TrOCR's).
+    if not {"past_key_values", "cache"} & set(inspect.signature(model.forward).parameters):
+        # OpenAI GPT's base model swallows the cache in **kwargs and reads the entry points' 4D mask as
+        # a 2D one (torch.export then failed in its merge_heads: "permute a tensor of rank 6").
+        raise TpuExportError(f"--task text-generation: {name} ({model.config.model_type}) takes no KV cache (its forward has no "
+                             "past_key_values): its generate() recomputes the whole sequence at every step, which the "
+                             "prefill/decode entry points do not; its full-sequence forward may convert (--task feature-extraction)")
     if _attends_bidirectionally(model):
         raise TpuExportError(f"--task text-generation: {name} attends bidirectionally (its config's is_decoder is false), "
                              "so earlier tokens' keys change as tokens are added and no KV cache can hold them; set is_decoder true "
@@ -652,6 +675,36 @@ def bias_mask_windows(model: nn.Module) -> dict[nn.Module, int | None]:
 
 
 @contextlib.contextmanager
+def positions_given(model: nn.Module, positions: torch.Tensor):
+    """While open, a decoder whose forward takes no position_ids embeds `positions` [batch, seq] with
+    its learned position embedding (an nn.Embedding with an int `offset`: TrOCR's, and the ForCausalLM
+    decoders of BART, mBART, PLBart). Such a decoder numbers its positions from the cache's length,
+    which the entry points' caches do not report (their get_seq_length is 0): every decode step
+    embedded position 0 (TrOCR's decode logits failed verification). A model taking position_ids, or
+    embedding none (ALiBi), is left as it is; one with another position embedding (Marian's and
+    Pegasus's sinusoidal, Blenderbot's without an offset) still fails verification."""
+    embed = None if "position_ids" in inspect.signature(model.forward).parameters else _offset_position_embedding(model)
+    if embed is None:
+        yield
+        return
+    own = embed.__dict__.get("forward")
+    embed.forward = lambda *args, **kwargs: nn.functional.embedding(positions + embed.offset, embed.weight)
+    try:
+        yield
+    finally:
+        if own is None:
+            del embed.forward
+        else:
+            embed.forward = own
+
+
+def _offset_position_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The decoder's learned position embedding with an offset (positions p at rows p + offset), or None."""
+    embed = getattr(model.get_decoder(), "embed_positions", None) if hasattr(model, "get_decoder") else None
+    return embed if isinstance(embed, nn.Embedding) and isinstance(getattr(embed, "offset", None), int) else None
+
+
+@contextlib.contextmanager
 def masks_as_bias(windows: dict[nn.Module, int | None], queries: torch.Tensor, keys: torch.Tensor):
     """Within it each module of `bias_mask_windows` reads as `bias` its mask for queries at
     positions `queries` [batch, q] over keys at positions `keys` [k], laid out as the module slices
@@ -688,9 +741,9 @@ class _EntryPoint(nn.Module):
     def hidden_states(self, tokens, mask, positions, cache, keys) -> torch.Tensor:
         """The model's last hidden states; `keys`: the positions of the keys attention reads [k], for
         the modules that mask with a buffer of their own (`masks_as_bias`)."""
-        with masks_as_bias(self.bias_windows, positions, keys):
-            output = self.model.base_model(input_ids=tokens, attention_mask=mask, position_ids=positions,
-                                           past_key_values=_transformers_cache(cache), use_cache=True)
+        with masks_as_bias(self.bias_windows, positions, keys), positions_given(self.model, positions):
+            output = base_model(self.model)(input_ids=tokens, attention_mask=mask, position_ids=positions,
+                                            past_key_values=_transformers_cache(cache), use_cache=True)
         return output.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -703,7 +756,7 @@ class _EntryPoint(nn.Module):
         if "output_router_logits" in inspect.signature(self.model.forward).parameters:
             options["output_router_logits"] = False  # no load-balancing loss: it would read every token's router logits
         # The base model, or the part of it the LM's forward calls (OPT's calls its decoder, not OPTModel).
-        base = self.model.base_model
+        base = base_model(self.model)
         answered = []
         with _answering([base, *base.children()], _BaseOutput(hidden[:, None]), answered):
             logits = self.model(inputs_embeds=hidden[:, None], **options).logits

@@ -45,8 +45,9 @@ import math
 import torch
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export.generation import (_EntryPoint, _masked_value, _text_config, _transformers_cache, attention_windows, cached_shapes, masks_as_bias,
-                                         check_decoder, decoder_layers, dequantize_kv, quantize_kv)
+from tpuexport.export.generation import (_EntryPoint, _masked_value, _text_config, _transformers_cache, attention_windows, base_model, cached_shapes,
+                                         check_decoder, decoder_layers, dequantize_kv, masks_as_bias, positions_given,
+                                         quantize_kv)
 
 # --kv-cache: "static" is [layers, max_batch, kv_heads, max_context, head_dim] (export/generation.py);
 # "paged" is pages a row takes as it grows (this module).
@@ -340,9 +341,9 @@ class Step(_EntryPoint):
         # The positions of the keys PagedKVCache gives attention (rows' cached positions, then the step's
         # tokens'), for models masking with a buffer of their own; paged_mask keeps each row to its keys.
         keys = torch.cat([torch.arange(rows * row_positions, device=tokens.device) % row_positions, safe_positions])
-        with masks_as_bias(self.bias_windows, safe_positions[None], keys):
-            hidden = self.model.base_model(input_ids=tokens[None], attention_mask=mask, position_ids=safe_positions[None],
-                                           past_key_values=_transformers_cache(cache), use_cache=True).last_hidden_state[0]
+        with masks_as_bias(self.bias_windows, safe_positions[None], keys), positions_given(self.model, safe_positions[None]):
+            hidden = base_model(self.model)(input_ids=tokens[None], attention_mask=mask, position_ids=safe_positions[None],
+                                            past_key_values=_transformers_cache(cache), use_cache=True).last_hidden_state[0]
         index = torch.arange(count, device=tokens.device)
         last = torch.where(token_rows[None, :] == torch.arange(rows, device=tokens.device)[:, None], index[None, :], -1).amax(1).clamp(min=0)
         return {"logits": self.logits(hidden[last]), **dict(zip(spec.cache_inputs, cache.written(), strict=True))}
