@@ -515,7 +515,7 @@ def run_row(model_type: str, options) -> dict:
     dtype = "bfloat16" if options.bf16_checkpoint else "float32"
     with tempfile.TemporaryDirectory(prefix="tpuexport-architectures-") as scratch:
         scratch = pathlib.Path(scratch)
-        directory = scratch / model_type
+        directory = scratch / f"{model_type}-tiny"  # not an importable name: the cwd must not shadow a package (xlstm)
         try:
             built = subprocess.run([sys.executable, __file__, "--build", model_type, str(directory), dtype], capture_output=True,
                                    text=True, timeout=BUILD_TIMEOUT_SECONDS, env=environment, cwd=scratch)

@@ -28,11 +28,11 @@ REVISION = "0123456789abcdef0123456789abcdef01234567"
 QUICK = ("--target", "v5e", "--no-saved-model", "--verify-budget", "0")
 
 
-def tpuexport(*args, env=None) -> subprocess.CompletedProcess:
+def tpuexport(*args, env=None, cwd=None) -> subprocess.CompletedProcess:
     """The command in its own process, with `env` added (a Hugging Face cache of the test's own)."""
     environment = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "tpuexport.cli", *map(str, args)], capture_output=True, text=True, timeout=900,
-                          env=environment)
+                          env=environment, cwd=cwd)
 
 
 def save(model: torch.nn.Module, directory: pathlib.Path) -> pathlib.Path:
@@ -187,6 +187,19 @@ def test_a_model_missing_from_the_cache_is_one_line_exit_2(hf_home, tmp_path):
     assert missing.returncode == 2 and len(lines) == 1 and "Traceback" not in missing.stderr, missing.stderr
     assert str(hf_home / "hub" / "models--tiny-org--absent") in lines[0] and "never downloads" in lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_config_whose_code_cannot_be_imported_is_one_line_exit_2(tmp_path):
+    """A model type whose code imports an optional package fails in transformers' AutoConfig when that
+    package is missing or, as here, shadowed by a directory of its name where the command runs (the
+    model's own directory named after its type: "xlstm")."""
+    (tmp_path / "xlstm").mkdir()
+    (tmp_path / "xlstm" / "config.json").write_text(json.dumps({"model_type": "xlstm"}))
+    failed = tpuexport("convert", "xlstm", "-o", "x.tpu", cwd=tmp_path)
+    lines = failed.stderr.strip().splitlines()
+    assert failed.returncode == 2 and len(lines) == 1 and "Traceback" not in failed.stderr, failed.stderr
+    assert "cannot import the code" in lines[0] and "'xlstm'" in lines[0] and "xLSTMConfig" in lines[0]
+    assert not (tmp_path / "x.tpu").exists()
 
 
 @pytest.mark.parametrize("source, task, expected", [

@@ -208,6 +208,10 @@ def _load_huggingface(reference: str, task: str | None, dims: list[DimSpec], wei
     except (OSError, ValueError, KeyError) as error:
         raise TpuExportError(f"cannot read {config_path} as a transformers config ({type(error).__name__}: {_first_line(error)}); "
                              "give a directory written by save_pretrained") from None
+    except ImportError as error:  # the model type's code imports a package that is missing, or shadowed by a directory
+        raise TpuExportError(f"transformers cannot import the code of {config_path}'s model type {config_json.get('model_type')!r} "
+                             f"({_first_line(error)}); install the package it names, and run from a directory with no folder of "
+                             "that package's name") from None
     tasks = _tasks()
     supported = [name for name, entry in tasks.items() if _auto_class(entry, config) is not None]
     task = _choose_task(task, config, tasks, supported, directory)
