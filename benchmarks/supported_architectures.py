@@ -16,8 +16,8 @@ import pathlib
 import re
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "architectures"
-# A row of architectures.py's table: type, task, outcome, eager, seconds, first line of any failure.
-ROW = re.compile(r"^(\S+)\s+(\S+)\s+(passed|refused|failed|crashed|not built)\s+(?:yes|no|-)\s+[\d.]+\s*(.*)$")
+# A row of architectures.py's table: type, task, outcome, eager (a column since session 14's runs), seconds, first line of any failure.
+ROW = re.compile(r"^(\S+)\s+(\S+)\s+(passed|refused|failed|crashed|not built)\s+(?:(?:yes|no|-)\s+)?[\d.]+\s*(.*)$")
 HEADINGS = {"passed": "Converted and verified", "refused": "Refused in one line", "failed": "Failed verification",
             "crashed": "Crashed", "not built": "Not built tiny by the sweep (not a judgement of the architecture)"}
 
