@@ -21,6 +21,37 @@ ROW = re.compile(r"^(\S+)\s+(\S+)\s+(passed|refused|failed|crashed|not built)\s+
 HEADINGS = {"passed": "Converted and verified", "refused": "Refused in one line", "failed": "Failed verification",
             "crashed": "Crashed", "not built": "Not built tiny by the sweep (not a judgement of the architecture)"}
 
+# The refusals' classes, first match wins: (class, why tpuexport refuses it and what converts instead, pattern of the line).
+REFUSAL_CLASSES = (
+    ("multimodal with placeholder tokens", "the model merges image or audio features into its text at placeholder tokens, which is "
+     "not converted yet; its language model (--task text-generation) or one tower (a file.py:factory) converts alone",
+     r"multimodal model that puts image or audio features"),
+    ("decoder layers keeping no KV cache", "recurrent (state-space, linear attention), hybrid, chunked or indexed attention layers: the "
+     "prefill/decode entry points hold a KV cache only; the full-sequence forward may convert at a fixed length",
+     r"keeps a recurrent state|has \w+ layers, which the|takes no KV cache|no num_hidden_layers"),
+    ("none of the known inputs", "the model takes none of input_ids, pixel_values, input_values, input_features (trackers, "
+     "time series, VQ models, towers wanting grid sizes); a file.py:factory gives its inputs", r"takes none of"),
+    ("inputs the forward needs that tpuexport does not make", "the forward requires more arguments than the known inputs "
+     "(image grid sizes, queries, labels); a file.py:factory gives them", r"missing \d+ required positional argument"),
+    ("the tiny model's forward fails on the inputs", "the model's own eager forward fails at the example sizes, before tpuexport "
+     "does anything: the tiny config or the inputs do not suit it (extra inputs such as bbox or grid_thw; other sizes)",
+     r"the model's own forward fails"),
+    ("a size the model's code fixes or bounds", "torch.export found the model's code taking one size, or a range, of a dim "
+     "declared dynamic; the line names the code and the --dim range that converts",
+     r"fixes \w+ at|cannot take|needs \w+ in|needs \w+ = |declare \w+ (static|that range)"),
+    ("sizes or branches from tensor values", "the model's code computes a size or takes a branch from tensor values (MoE loops "
+     "over routed experts, value-dependent splits), which one exported program cannot hold; the line names the code",
+     r"tensor values|on values|value-dependent|data-dependent|random numbers"),
+    ("a decoder attending bidirectionally", "earlier tokens' keys change as tokens are added, so no KV cache can hold them",
+     r"attends bidirectionally"),
+    ("no maximum position", "the config records no longest input; --max-context N (or --dim) gives it", r"no maximum position"),
+)
+
+
+def refusal_class(message: str) -> str:
+    """The class of a refusal's line (REFUSAL_CLASSES), or "other"."""
+    return next((name for name, _, pattern in REFUSAL_CLASSES if re.search(pattern, message)), "other")
+
 
 def latest_rows() -> dict[str, tuple[str, str, str]]:
     """{model type: (task, outcome, first line of any failure)} from the recorded runs (module docstring)."""
@@ -58,9 +89,24 @@ def main() -> None:
             for task, names in sorted(tasks.items()):
                 print(f"- **{task}** ({len(names)}): {', '.join(names)}")
         else:
+            if outcome == "refused":
+                print_refusal_classes(by_outcome[outcome])
             for model_type, task, message in by_outcome[outcome]:
                 print(f"- `{model_type}` ({task}): {message[:200].replace('|', '/')}")
         print()
+
+
+def print_refusal_classes(refused: list[tuple[str, str, str]]) -> None:
+    """The refusals counted by class, each with why it is refused; "other" lists its types."""
+    classes = collections.defaultdict(list)
+    for model_type, _, message in refused:
+        classes[refusal_class(message)].append(model_type)
+    print("| class | types | why |")
+    print("| --- | --- | --- |")
+    for name, why, _ in REFUSAL_CLASSES:
+        print(f"| {name} | {len(classes[name])} | {why} |")
+    print(f"| other | {len(classes['other'])} | torch.export or the lowering stopping inside the model's code at the example sizes, "
+          "with the torch or JAX message (each below; not looked into one by one) |\n")
 
 
 if __name__ == "__main__":
