@@ -602,6 +602,25 @@ def test_a_guard_that_holds_at_every_size_but_torch_cannot_prove_asks_for_a_stat
         tpuexport.convert(RelativeToAbsolute(), (torch.randn(2, 8),), {"x": {1: seq}}, out=tmp_path / "m.tpu")
 
 
+class DrawsNoiseWithAGenerator(torch.nn.Module):
+    """Draws noise of its input's shape through randn's generator overload, as UnivNet does."""
+
+    def forward(self, x):
+        return x + torch.randn(x.shape, generator=None)
+
+
+def test_an_op_that_takes_only_fixed_sizes_names_the_line_and_the_dims(tmp_path):
+    """UnivNet was refused with torch's raw "SymIntArrayRef expected to contain only concrete integers
+    ... Found symbolic SymInt at index 0: s6" (session 22's sweep): the line names the op, the dims its
+    size comes from, the model's line, and the static sizes that export."""
+    batch, seq = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("seq", min=2, max=64)
+    with pytest.raises(TpuExportError, match=r"^torch.export: the model's code passes a size from batch and seq to "
+                                             r"aten.randn.generator, which takes only fixed sizes, at .*test_architectures.py:\d+ "
+                                             r"\(return x \+ torch.randn\(x.shape, generator=None\)\); declare batch static "
+                                             r"\(--dim batch=2:2, .*\) and seq static \(--dim seq=8:8"):
+        tpuexport.convert(DrawsNoiseWithAGenerator(), (torch.randn(2, 8),), {"x": {0: batch, 1: seq}}, out=tmp_path / "m.tpu")
+
+
 class VanishingThenNormalized(torch.nn.Module):
     """Activations of about 1e-30 divided by their L2 norm, as ALIGN's random tiny image tower gives
     its embeddings (each block scales them by ~1e-4 down to 1e-24): the squares underflow in f32, the
