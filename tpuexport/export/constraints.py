@@ -107,7 +107,7 @@ def guarded_sizes(message: str, declared: dict[str, tuple[int, int | None]]) -> 
         low, high = declared[name]
         checked = range(low, (high if high is not None else low + _UNBOUNDED_SCAN) + 1)
         try:
-            holds = [[bool(_evaluate(text, name, size)) for size in checked] for text in texts]
+            holds = [[bool(_evaluate(code, name, size)) for size in checked] for code in map(_compiled, texts)]
         # The guard is torch's Python text; what torch prints but plain ints cannot run (PEGASUS-X's
         # `(seq).sym_max(8)`: AttributeError) gives no range.
         except Exception:
@@ -117,8 +117,13 @@ def guarded_sizes(message: str, declared: dict[str, tuple[int, int | None]]) -> 
     return sizes
 
 
-def _evaluate(guard: str, name: str, size: int):
-    """A guard's Python text at one size of its dim: torch's printer writes sizes' max and min as
+def _compiled(guard: str):
+    """A guard's Python text compiled once: a range as long as a context (131072 sizes) is checked size by size."""
+    return compile(guard, "<guard>", "eval")
+
+
+def _evaluate(guard, name: str, size: int):
+    """A compiled guard at one size of its dim: torch's printer writes sizes' max and min as
     torch.sym_max / torch.sym_min and nothing else from outside the expression."""
     return eval(guard, {"__builtins__": {}, "torch": torch, "math": math}, {name: size})  # noqa: S307 (torch's own guard text)
 
