@@ -544,19 +544,81 @@ def test_a_video_model_taking_pixel_values_videos_gets_clips():
         assert wrapped(*args)["last_hidden_state"].shape == (2, 2 * 4 * 4, 32)
 
 
-def test_a_guard_sympy_cannot_evaluate_still_gives_the_one_line_explanation():
+def test_a_guard_python_cannot_evaluate_still_gives_the_one_line_explanation():
     """PEGASUS-X pads its input to whole blocks: torch.export's guard text calls `.sym_max(...)` on a
-    size, which sympy's parser evaluates and fails on with an AttributeError, and its conversion
+    size, which evaluating it at plain ints fails on with an AttributeError, and its conversion
     crashed with that traceback (the sweep, session 18; `convert DIR --task auto` of a tiny
     PEGASUS-X now ends in one line, "the model's code needs seq = 8*_seq with _seq in 1..8, at ...").
-    Such a guard gives no explanation, and the others in the message are still read."""
-    from tpuexport.export.constraints import excluded_sizes
+    Such a guard gives no sizes, and the others in the message are still read."""
+    from tpuexport.export.constraints import guarded_sizes
 
     message = ("Not all values of seq = L['x'].size()[1] in the specified range seq <= 64 satisfy the generated guard "
                "(L['x'].size()[1]).sym_max(8) != 1\n"
                "Not all values of batch = L['y'].size()[0] in the specified range batch <= 64 satisfy the generated guard "
                "((-1) + L['y'].size()[0]) != 1")
-    assert excluded_sizes(message) == {"batch": 2}
+    assert guarded_sizes(message, {"seq": (2, 64), "batch": (2, 64)}) == {"batch": (list(range(3, 65)), [])}
+
+
+class PadsPastAWindow(torch.nn.Module):
+    """Pads only past a window of 5, as VITS's relative position embeddings do: torch.export's guard
+    `torch.sym_max(0, (-5) + seq) > 0` comes with no suggested fix."""
+
+    def forward(self, x):
+        pad = max(x.shape[1] - 5, 0)
+        if pad > 0:
+            x = torch.nn.functional.pad(x, [pad, pad])
+        return x * 2
+
+
+def test_a_lower_bound_from_a_max_guard_names_the_range_that_exports(tmp_path):
+    """VITS was refused with torch's raw "Constraints violated (seq)! ... satisfy the generated guard
+    torch.sym_max(0, (-5) + L['input_ids'].size()[1]) > 0" (session 22's sweep). The guards are evaluated
+    at each declared size: the line names the range where they hold and how to declare it."""
+    seq = torch.export.Dim("seq", min=2, max=64)
+    with pytest.raises(TpuExportError, match=r"^torch.export: the model's code needs seq in 6..64, at .*test_architectures.py:\d+ "
+                                             r"\(if pad > 0:\); declare seq that range \(--dim seq=6:64, or "
+                                             r"torch.export.Dim\('seq', min=6, max=64\)\)"):
+        tpuexport.convert(PadsPastAWindow(), (torch.randn(2, 8),), {"x": {1: seq}}, out=tmp_path / "m.tpu")
+
+
+class RelativeToAbsolute(torch.nn.Module):
+    """VITS's relative-to-absolute positions: seq * (2 seq - 1) scores padded and viewed as seq + 1 rows,
+    which torch.export guards with `(2 seq^2 + seq - 1) % (seq + 1) == 0`, true at every seq, and cannot prove."""
+
+    def forward(self, x):
+        batch, length = x.shape
+        relative = torch.nn.functional.pad(x[:, :, None] * x.new_ones(1, 1, 2 * length - 1), [0, 1])
+        flat = torch.nn.functional.pad(relative.reshape(batch, 2 * length * length), [0, length - 1])
+        return flat.view(batch, length + 1, 2 * length - 1)[:, :length, length - 1:]
+
+
+def test_a_guard_that_holds_at_every_size_but_torch_cannot_prove_asks_for_a_static_size(tmp_path):
+    """With VITS's range declared (--dim seq=6:512) torch.export still raised its raw message for a guard
+    that holds at every size: no range exports, the size it traced at does."""
+    seq = torch.export.Dim("seq", min=2, max=64)
+    with pytest.raises(TpuExportError, match=r"^torch.export: the model's code has a guard \(\(\(-1\) \+ seq \+ 2\*seq\*seq\) % "
+                                             r"\(1 \+ seq\)\) == 0 that holds at every declared seq but torch.export cannot prove "
+                                             r"for a range, at .*test_architectures.py:\d+ .*; declare seq static \(--dim seq=8:8"):
+        tpuexport.convert(RelativeToAbsolute(), (torch.randn(2, 8),), {"x": {1: seq}}, out=tmp_path / "m.tpu")
+
+
+class DrawsNoiseWithAGenerator(torch.nn.Module):
+    """Draws noise of its input's shape through randn's generator overload, as UnivNet does."""
+
+    def forward(self, x):
+        return x + torch.randn(x.shape, generator=None)
+
+
+def test_an_op_that_takes_only_fixed_sizes_names_the_line_and_the_dims(tmp_path):
+    """UnivNet was refused with torch's raw "SymIntArrayRef expected to contain only concrete integers
+    ... Found symbolic SymInt at index 0: s6" (session 22's sweep): the line names the op, the dims its
+    size comes from, the model's line, and the static sizes that export."""
+    batch, seq = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("seq", min=2, max=64)
+    with pytest.raises(TpuExportError, match=r"^torch.export: the model's code passes a size from batch and seq to "
+                                             r"aten.randn.generator, which takes only fixed sizes, at .*test_architectures.py:\d+ "
+                                             r"\(return x \+ torch.randn\(x.shape, generator=None\)\); declare batch static "
+                                             r"\(--dim batch=2:2, .*\) and seq static \(--dim seq=8:8"):
+        tpuexport.convert(DrawsNoiseWithAGenerator(), (torch.randn(2, 8),), {"x": {0: batch, 1: seq}}, out=tmp_path / "m.tpu")
 
 
 class VanishingThenNormalized(torch.nn.Module):

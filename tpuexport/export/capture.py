@@ -16,7 +16,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, f
 from torch.utils import _pytree as pytree
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export import constraints
+from tpuexport.export import constraints, symbolic_sizes
 from tpuexport.export.checkpoints import with_checkpoint_weights
 from tpuexport.export.loaded import LoadedSource, SourceInfo
 from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
@@ -245,7 +245,7 @@ def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.Export
             program = torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
     except Exception as error:  # torch.export raises UserError, ConstraintViolationError, TypeError, ...
         with _quiet_export():
-            explained = constraints.explain(model, args, dynamic_shapes, str(error))
+            explained = constraints.explain(model, args, dynamic_shapes, str(error)) or symbolic_sizes.explain(error)
         if explained:  # the line names the architecture, as every other refusal of torch.export's does
             raise TpuExportError(explained.replace("torch.export:", f"torch.export{_described(model)}:", 1)) from None
         message = " ".join(str(error).split())

@@ -14,11 +14,13 @@ failure path.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
+import math
 import os
 import re
+import sys
 
-import sympy
 import torch
 from torch._logging import structured
 from torch.utils import _pytree as pytree
@@ -29,8 +31,11 @@ from tpuexport.source_lines import is_user_code
 _FIX = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.+?)\s*$")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SPECIALIZED = re.compile(r"You marked (\S+) as dynamic but your code specialized it to be a constant \((\d+)\)")
-_EXCLUDED = re.compile(r"Not all values of (\w+) = (\S+) in the specified range .*? satisfy the generated guard (.+) != (-?\d+)\.?\s*$",
-                       re.MULTILINE)
+# One line per guard: "Not all values of seq = L['x'].size()[1] in the specified range seq <= 64 satisfy the generated guard G."
+_GUARD = re.compile(r"Not all values of (\w+) = (\S+) in the specified range .*? satisfy the generated guard (.+?)\.?\s*$", re.MULTILINE)
+# How far past its minimum an unbounded dim's guards are checked: the sizes guards single out (a window, a
+# block, one length) are a few tokens or patches, far below this.
+_UNBOUNDED_SCAN = 4096
 _DIM = re.compile(r"Dim\(\s*['\"]([A-Za-z_][A-Za-z0-9_]*)['\"]\s*(?:,\s*min\s*=\s*(\d+))?\s*(?:,\s*max\s*=\s*(\d+))?\s*\)")
 
 
@@ -71,36 +76,87 @@ def suggested_fixes(message: str) -> dict[str, str]:
     return declared
 
 
-def excluded_sizes(message: str) -> dict[str, int]:
-    """Sizes a guard of the form "EXPR != k" rules out of a declared range, which torch.export
-    reports without a suggested fix ("Not all values of seq = L['x'].size()[1] in the specified
-    range seq <= 64 satisfy the generated guard ((-1) + L['x'].size()[1]) != 1"): {"seq": 2}."""
-    excluded: dict[str, int] = {}
-    for name, source, expression, value in _EXCLUDED.findall(message):
-        symbol = sympy.Symbol(name, integer=True)
+def guarded_sizes(message: str, declared: dict[str, tuple[int, int | None]]) -> dict[str, tuple[list[int], list[str]]]:
+    """The sizes of each declared range at which the guards torch.export reports without a suggested fix hold.
+
+    Such a guard rules out one size ("((-1) + L['x'].size()[1]) != 1", MobileBERT's trigram embedding at
+    seq 2), or bounds a size through torch.sym_max ("torch.sym_max(0, (-5) + L['input_ids'].size()[1]) > 0",
+    VITS pads its relative positions only past its window: seq >= 6), which torch's solver turns into no
+    range; or it holds at every size and torch cannot prove it ("((-1) + seq + 2*seq*seq) % (1 + seq) == 0",
+    VITS's reshape of (2 seq - 1)(seq + 1) elements into seq + 1 rows). Evaluating each guard at each size
+    tells these apart.
+
+    Args:
+      message: the text of torch.export's constraint violation.
+      declared: {dim name: (min, max or None when unbounded)}; a dim the message names but `declared`
+        lacks is not read.
+    Returns:
+      {dim: (the sizes checked at which every guard on it holds, the guards that hold at every size checked,
+      with the dim's name for its source)}, for each dim whose guards name it alone and evaluate as
+      Python at sizes (an unbounded range is checked up to _UNBOUNDED_SCAN past its minimum).
+    """
+    guards: dict[str, list[str]] = {}
+    unreadable: set[str] = set()
+    for name, source, guard in _GUARD.findall(message):
+        if name not in declared or "L[" in guard.replace(source, ""):  # a guard relating two dims: no range of one says it
+            unreadable.add(name)
+            continue
+        guards.setdefault(name, []).append(" ".join(guard.replace(source, name).split()))
+    sizes: dict[str, tuple[list[int], list[str]]] = {}
+    for name, texts in guards.items():
+        low, high = declared[name]
+        checked = range(low, (high if high is not None else low + _UNBOUNDED_SCAN) + 1)
         try:
-            solutions = sympy.solve(sympy.sympify(expression.replace(source, name), locals={name: symbol}) - int(value), symbol)
-        # sympify evaluates the guard's Python text, so whatever it holds can raise (PEGASUS-X's guard calls
-        # `.sym_max(...)` on a size: AttributeError): an expression sympy cannot read or solve gives no explanation.
+            holds = [[bool(_evaluate(code, name, size)) for size in checked] for code in map(_compiled, texts)]
+        # The guard is torch's Python text; what torch prints but plain ints cannot run (PEGASUS-X's
+        # `(seq).sym_max(8)`: AttributeError) gives no range.
         except Exception:
             continue
-        if len(solutions) == 1 and solutions[0].is_integer:
-            excluded[name] = int(solutions[0])
-    return excluded
+        if name not in unreadable:
+            sizes[name] = ([size for size, *each in zip(checked, *holds) if all(each)], [text for text, row in zip(texts, holds) if all(row)])
+    return sizes
 
 
-def _declared_ranges(dynamic_shapes) -> dict[str, tuple[int, int]]:
-    """{dim name: (min, max)} of the torch.export.Dims in dynamic_shapes."""
+def _compiled(guard: str):
+    """A guard's Python text compiled once: a range as long as a context (131072 sizes) is checked size by size."""
+    return compile(guard, "<guard>", "eval")
+
+
+def _evaluate(guard, name: str, size: int):
+    """A compiled guard at one size of its dim: torch's printer writes sizes' max and min as
+    torch.sym_max / torch.sym_min and nothing else from outside the expression."""
+    return eval(guard, {"__builtins__": {}, "torch": torch, "math": math}, {name: size})  # noqa: S307 (torch's own guard text)
+
+
+def _declared_ranges(dynamic_shapes) -> dict[str, tuple[int, int | None]]:
+    """{dim name: (min, max, or None for a Dim declared without one)} of the torch.export.Dims in dynamic_shapes."""
     leaves = pytree.tree_leaves(dynamic_shapes, is_leaf=lambda leaf: hasattr(leaf, "min") and hasattr(leaf, "max"))
-    return {leaf.__name__: (int(leaf.min), int(leaf.max)) for leaf in leaves if hasattr(leaf, "min") and hasattr(leaf, "max")}
+    return {leaf.__name__: (int(leaf.min), int(leaf.max) if leaf.max < sys.maxsize else None)
+            for leaf in leaves if hasattr(leaf, "min") and hasattr(leaf, "max")}
 
 
-def _range_without(declared: tuple[int, int] | None, size: int) -> str:
+def _example_sizes(model: torch.nn.Module, args, message: str) -> dict[str, int]:
+    """{dim name: its size in the example args}, from the source each guard line names (L['input_ids'].size()[1]:
+    the forward's arguments by name)."""
+    try:
+        arguments = inspect.signature(model.forward).bind(*args).arguments
+    except (TypeError, ValueError):
+        return {}
+    sizes: dict[str, int] = {}
+    for name, source, _ in _GUARD.findall(message):
+        try:
+            sizes[name] = int(eval(source, {"__builtins__": {}}, {"L": arguments}))  # noqa: S307 (torch's own source text)
+        except Exception:  # a source naming what the forward's signature does not: no size
+            continue
+    return sizes
+
+
+def _range_without(declared: tuple[int, int | None], size: int) -> str:
     """A `suggested_fixes`-style need: the declared range less `size` at either end."""
-    if declared is None:
-        return f"at least {size + 1}"
     low, high = declared
-    return f"in {size + 1}..{high}" if size <= low else f"in {low}..{size - 1}"
+    if size > low and high is not None:
+        return f"in {low}..{size - 1}"
+    return f"in {size + 1}..{high}" if high is not None else f"at least {size + 1}"
 
 
 def guard_sources(model: torch.nn.Module, args, dynamic_shapes) -> list[str]:
@@ -147,20 +203,45 @@ def explain(model: torch.nn.Module, args, dynamic_shapes, message: str) -> str |
     if "Constraints violated" not in message:
         return None
     needs = suggested_fixes(message)
-    excluded = excluded_sizes(message)
-    if not needs and not excluded:
-        return None
+    if needs:
+        what = ", ".join(f"fixes {name} at {need[2:]}" if re.fullmatch(r"= \d+", need) else f"needs {name} {need}"
+                         for name, need in needs.items())
+        declarations = [declaration(name, need) for name, need in needs.items()]
+    else:
+        what, declarations = _guarded_needs(model, args, dynamic_shapes, message)
+        if not declarations:
+            return None
     where = _where(guard_sources(model, args, dynamic_shapes))
-    if not needs:  # no range can say "every size but k": the line names the size and a range without it
-        declared = _declared_ranges(dynamic_shapes)
-        what = " and ".join(f"{name} = {size}" for name, size in excluded.items())
-        declarations = [_declaration(name, _range_without(declared.get(name), size)) for name, size in excluded.items()]
-        return (f"torch.export: the model's code cannot take {what}{where}; declare {' and '.join(declarations)}, "
-                "or change that code to work for every declared size")
-    what = ", ".join(f"fixes {name} at {need[2:]}" if re.fullmatch(r"= \d+", need) else f"needs {name} {need}" for name, need in needs.items())
-    declarations = [_declaration(name, need) for name, need in needs.items()]
     return (f"torch.export: the model's code {what}{where}; declare {' and '.join(declarations)}, "
             "or change that code to work for every declared size")
+
+
+def _guarded_needs(model: torch.nn.Module, args, dynamic_shapes, message: str) -> tuple[str, list[str]]:
+    """What the guards of a message without suggested fixes need ("cannot take seq = 2", "needs seq in
+    6..512") and the declarations that export, from `guarded_sizes`; ("", []) when they say nothing."""
+    declared = _declared_ranges(dynamic_shapes)
+    examples = _example_sizes(model, args, message)
+    phrases, declarations = [], []
+    for name, (allowed, unproven) in guarded_sizes(message, declared).items():
+        low, high = declared[name]
+        checked_high = high if high is not None else low + _UNBOUNDED_SCAN
+        if not allowed or allowed != list(range(allowed[0], allowed[-1] + 1)) and len(allowed) != checked_high - low:
+            continue  # the sizes that pass are not one range nor all but one: no declaration says them
+        if len(allowed) == checked_high - low:  # a guard like `seq - 1 != 1` rules out one size
+            size = next(size for size in range(low, checked_high + 1) if size not in set(allowed))
+            phrase, need = f"cannot take {name} = {size}", _range_without(declared[name], size)
+        elif len(allowed) < checked_high - low:
+            top = allowed[-1] if allowed[-1] < checked_high or high is not None else None
+            need = f"in {allowed[0]}..{top}" if top is not None else f"at least {allowed[0]}"
+            phrase = f"needs {name} {need}"
+        elif name in examples:  # every guard holds at every size, and no range lets torch.export prove it: one size exports
+            phrase = f"has a guard {unproven[0]} that holds at every declared {name} but torch.export cannot prove for a range"
+            need = f"= {examples[name]}"
+        else:
+            continue
+        phrases.append(phrase)
+        declarations.append(declaration(name, need))
+    return " and ".join(phrases), declarations
 
 
 def _where(sources: list[str]) -> str:
@@ -173,7 +254,7 @@ def _where(sources: list[str]) -> str:
     return f", at {sources[0]}{more}"
 
 
-def _declaration(name: str, need: str) -> str:
+def declaration(name: str, need: str) -> str:
     """How a user declares what `suggested_fixes` says a dim needs (both ways dims are given)."""
     ranged = re.fullmatch(r"in (\d+)\.\.(\d+)", need)
     if ranged:
