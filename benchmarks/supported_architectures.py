@@ -2,7 +2,7 @@
 
     python benchmarks/supported_architectures.py > docs/supported-architectures.md
 
-Reads the sweep's recorded runs (benchmarks/results/architectures/history/*.txt): the shards' runs
+Reads the sweep's recorded f32 runs (benchmarks/results/architectures/history/*.txt but bf16_*): the shards' runs
 in the order benchmarks/results/architectures/summary.md lists them, then the re-runs after fixes
 (fixes_*, rerun_*, fixed_*) in the same order, so that a type's row after a fix replaces the row a
 shard's run gave it with older code (within one file, a later row replaces an earlier one). Prints
@@ -56,7 +56,9 @@ def refusal_class(message: str) -> str:
 def latest_rows() -> dict[str, tuple[str, str, str]]:
     """{model type: (task, outcome, first line of any failure)} from the recorded runs (module docstring)."""
     linked = list(dict.fromkeys(re.findall(r"\(history/([^)]+\.txt)\)", (RESULTS / "summary.md").read_text())))
-    files = linked + sorted(path.name for path in (RESULTS / "history").glob("*.txt") if path.name not in linked)
+    # The f32 runs only: a --bf16-checkpoint run's rows (bf16_*) are another mode's.
+    files = [name for name in linked + sorted(path.name for path in (RESULTS / "history").glob("*.txt") if path.name not in linked)
+             if not name.startswith("bf16")]
     rows = {}
     for name in sorted(files, key=lambda name: (name.startswith(("fix", "rerun")), files.index(name))):
         for line in (RESULTS / "history" / name).read_text().splitlines():
