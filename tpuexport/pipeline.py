@@ -207,12 +207,17 @@ def weights(conversion: Conversion) -> None:
 
     checkpoint = conversion.loaded.checkpoint if isinstance(conversion.loaded.checkpoint, export_stage.Checkpoint) else None
 
+    def sources(name: str):
+        for part in shared.weight_parts[name]:
+            tensor = as_tensor(state[part])
+            yield tensor
+            if checkpoint is not None:  # consumed: its pages are the checkpoint's, read once (export/mapped_pages.py)
+                export_stage.MappedTensors(checkpoint, [tensor]).drop()
+
     def parts(name: str):
         layout = shared.weight_layouts.get(name)
-        tensors = (lower_stage.in_stored_layout(as_tensor(state[part]), layout) for part in shared.weight_parts[name])
-        yield from stored.parts(name, tensors) if stored is not None else tensors
-        if checkpoint is not None:  # written: its pages are the checkpoint's, read once (export/mapped_pages.py)
-            export_stage.MappedTensors(checkpoint, [state[part] for part in shared.weight_parts[name]]).drop()
+        tensors = (lower_stage.in_stored_layout(tensor, layout) for tensor in sources(name))
+        return stored.parts(name, tensors) if stored is not None else tensors
 
     streamed = captured.checkpoint_state is not None
     with conversion.clock.stage("weights", lambda: f"{len(shared.weight_names)} arrays, {written / 2**30:.2f} GiB {origin}"
