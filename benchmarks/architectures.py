@@ -23,6 +23,7 @@ decoder-only causal LM, a masked LM before an encoder's causal LM head), AutoMod
     nice -n 10 python benchmarks/architectures.py --shard 1/8 --jobs 1 --json shard1.json
     python benchmarks/architectures.py --only roberta,llama,vit
     python benchmarks/architectures.py --bf16-checkpoint      # the text-generation types, written in bfloat16
+    python benchmarks/architectures.py --language-models      # multimodal types' language models (--task text-generation)
     python benchmarks/architectures.py --table a.json b.json  # one table from the shards' JSON
 
 Each row's build runs in a child (`--build TYPE DIR DTYPE`), which tries the shrink levels in
@@ -176,6 +177,28 @@ def model_types() -> dict[str, tuple[str, str]]:
         for model_type, names in getattr(modeling_auto, table).items():
             name = names if isinstance(names, str) else names[0]
             chosen.setdefault(model_type, (task, name))
+    return dict(sorted(chosen.items()))
+
+
+def language_model_types() -> dict[str, tuple[str, str]]:
+    """{multimodal model type: ("text-generation", its image-text-to-text class name)} for the types whose
+    language model `--task text-generation` converts alone (export/language_model.py: a text config
+    a causal LM builds), leaving out the types a causal LM table lists themselves (Gemma 3's)."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    from tpuexport.export.language_model import language_model_config
+
+    chosen: dict[str, tuple[str, str]] = {}
+    for model_type, names in modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.items():
+        if model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            continue
+        try:
+            config = transformers.AutoConfig.for_model(model_type)
+        except Exception:  # a config class that needs arguments to build: not listed
+            continue
+        if language_model_config(config) is not None:
+            chosen[model_type] = ("text-generation", names if isinstance(names, str) else names[0])
     return dict(sorted(chosen.items()))
 
 
@@ -409,8 +432,9 @@ def _eager_check(model, task: str) -> None:
         raise FloatingPointError(f"eager outputs {', '.join(not_finite)} hold inf or NaN at the tiny config")
 
 
-def tiny_model(model_type: str):
-    """The tiny model of a type, at the first shrink level that builds and runs eagerly.
+def tiny_model(model_type: str, language_models: bool = False):
+    """The tiny model of a type (`language_models`: its image-text-to-text model, language_model_types),
+    at the first shrink level that builds and runs eagerly.
 
     Returns:
       (model, {"task", "class", "level", "parameters", "eager"}): the shrink level kept and, when no
@@ -421,7 +445,7 @@ def tiny_model(model_type: str):
     import torch
     import transformers
 
-    task, class_name = model_types()[model_type]
+    task, class_name = (language_model_types() if language_models else model_types())[model_type]
     model_class = getattr(transformers, class_name)
     first, reasons = None, []
     for level in range(len(LEVELS)):
@@ -469,12 +493,12 @@ def _untie_zero_weights(model) -> None:
                 parameter.normal_(0.0, 0.02)
 
 
-def build(model_type: str, directory: pathlib.Path, dtype_name: str) -> dict:
+def build(model_type: str, directory: pathlib.Path, dtype_name: str, language_models: bool = False) -> dict:
     """Writes the tiny model of a type with save_pretrained in `dtype_name` (run in a child process);
     returns tiny_model's record."""
     import torch
 
-    model, record = tiny_model(model_type)
+    model, record = tiny_model(model_type, language_models)
     model.to(getattr(torch, dtype_name)).save_pretrained(directory)
     return record
 
@@ -508,7 +532,7 @@ def outcome(returncode: int, stderr: str) -> tuple[str, str]:
 
 def run_row(model_type: str, options) -> dict:
     """Builds one type's tiny directory and converts it; returns its row."""
-    task, class_name = model_types()[model_type]
+    task, class_name = (language_model_types() if options.language_models else model_types())[model_type]
     row = {"type": model_type, "class": class_name, "task": task, "seconds": 0.0, "message": ""}
     environment = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -517,7 +541,8 @@ def run_row(model_type: str, options) -> dict:
         scratch = pathlib.Path(scratch)
         directory = scratch / f"{model_type}-tiny"  # not an importable name: the cwd must not shadow a package (xlstm)
         try:
-            built = subprocess.run([sys.executable, __file__, "--build", model_type, str(directory), dtype], capture_output=True,
+            built = subprocess.run([sys.executable, __file__, "--build", model_type, str(directory), dtype,
+                                    *(["--language-models"] if options.language_models else [])], capture_output=True,
                                    text=True, timeout=BUILD_TIMEOUT_SECONDS, env=environment, cwd=scratch)
         except subprocess.TimeoutExpired:
             return {**row, "outcome": "not built", "message": f"building took over {BUILD_TIMEOUT_SECONDS} s"}
@@ -525,7 +550,8 @@ def run_row(model_type: str, options) -> dict:
             lines = [line for line in built.stderr.strip().splitlines() if not _noise(line)]
             return {**row, "outcome": "not built", "message": (lines or ["?"])[-1][:300]}
         row.update(json.loads(built.stdout.strip().splitlines()[-1]))
-        command = [sys.executable, "-m", "tpuexport.cli", "convert", str(directory), "--task", "auto", "--target", "v5e",
+        command = [sys.executable, "-m", "tpuexport.cli", "convert", str(directory), "--task", task if options.language_models else "auto",
+                   "--target", "v5e",
                    "--no-saved-model", "-o", str(scratch / "out.tpu")]
         start = time.perf_counter()
         try:
@@ -567,6 +593,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="conversions at once")
     parser.add_argument("--timeout", type=int, default=CHILD_TIMEOUT_SECONDS, help="seconds per conversion")
     parser.add_argument("--bf16-checkpoint", action="store_true", help="the text-generation types only, written in bfloat16")
+    parser.add_argument("--language-models", action="store_true",
+                        help="multimodal types' language models alone: their image-text-to-text model, --task text-generation")
     parser.add_argument("--json", type=pathlib.Path, help="also write the rows here")
     parser.add_argument("--table", nargs="+", type=pathlib.Path,
                         help="print one table from rows written with --json (a later file's row of a type replaces an earlier one)")
@@ -575,7 +603,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     if options.build:
         try:
-            record = build(options.build[0], pathlib.Path(options.build[1]), options.build[2])
+            record = build(options.build[0], pathlib.Path(options.build[1]), options.build[2], options.language_models)
         except Exception as error:
             print(f"could not be built tiny: {type(error).__name__}: {_first_line(error)}", file=sys.stderr)
             sys.exit(3)
@@ -587,7 +615,7 @@ def main() -> None:
         print_table(list(rows.values()), "; ".join(f"{run['started']} {run['mode']} shard {run['shard']} at {run.get('commit', '?')}"
                                                   for run in runs))
         return
-    types = model_types()
+    types = language_model_types() if options.language_models else model_types()
     names = [name.strip() for name in options.only.split(",")] if options.only else list(types)
     unknown = [name for name in names if name not in types]
     if unknown:
@@ -603,7 +631,7 @@ def main() -> None:
         for row in pool.map(lambda name: run_row(name, options), names):
             rows.append(row)
             print(format_row(row), flush=True)
-    mode = "bf16 checkpoint" if options.bf16_checkpoint else "f32"
+    mode = ("bf16 checkpoint" if options.bf16_checkpoint else "f32") + (", language models" if options.language_models else "")
     print_table(rows, f"{started}, {mode}, shard {options.shard}, jobs {options.jobs}, tpuexport {commit}, transformers {_transformers_version()}")
     if options.json:
         options.json.write_text(json.dumps({"started": started, "mode": mode, "shard": options.shard, "commit": commit, "rows": rows},

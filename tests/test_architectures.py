@@ -117,8 +117,8 @@ def test_a_multimodal_forward_with_placeholder_tokens_is_refused_in_one_line(tmp
     result = convert_directory(tmp_path / "llava", tmp_path / "llava.tpu", *QUICK)
     assert result.returncode == 2 and error_lines(result.stderr) == [
         "error: LlavaModel (llava) is a multimodal model that puts image or audio features into its text at placeholder tokens "
-        "(image_token_index), which tpuexport does not convert yet; convert its language model alone (--task text-generation where "
-        "the architecture has one) or one tower from a file.py:factory"], result.stderr[-2000:]
+        "(image_token_index), which tpuexport does not convert yet; convert its language model alone with --task text-generation "
+        "(text in, text out), or one tower from a file.py:factory"], result.stderr[-2000:]
 
 
 class LoopOverChosenRows(torch.nn.Module):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpuexport import TpuExportError, convert
+from tpuexport import TpuExportError, convert, load
 from tpuexport.export import load_source
 from tpuexport.export.huggingface import longest_positions
 from test_cli import tpuexport_in_process  # the command line, in this process (the hf: sources below run the command itself)
@@ -128,6 +128,35 @@ def test_decoder_lm_with_task_auto_is_a_generation_artifact(models, tmp_path):
     assert "streamed from the checkpoint" in result.stderr and manifest["source"]["checkpoint"] == "llama"
     refused = tpuexport_in_process("convert", models["llama"], "--dim", "batch=1:2", "-o", tmp_path / "x.tpu", *QUICK)
     assert refused.returncode == 2 and "--dim does not apply to --task text-generation" in refused.stderr
+
+
+def test_a_multimodal_models_language_model_converts_alone_for_text_generation(tmp_path):
+    """LLaVA's directory holds a vision tower, a projector and a Llama. --task text-generation converts
+    the Llama alone (text in, text out), its tensors streamed from the LLaVA checkpoint under the
+    Llama's names: here written in transformers' older layout (language_model.model.*), its LM head tied
+    to the embeddings and so absent from the file. Its greedy tokens are LLaVA's own generate() on a
+    text prompt (verification compares the Llama with itself: only this shows the right tensors were
+    taken). --task auto names the task that converts it."""
+    text = transformers.LlamaConfig(**TEXT, num_key_value_heads=2, tie_word_embeddings=True)
+    vision = transformers.CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, projection_dim=32)
+    torch.manual_seed(0)
+    llava = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=99, tie_word_embeddings=True)).eval()
+    directory = save(llava, tmp_path / "llava")
+    out = tmp_path / "llava.tpu"
+    result = tpuexport_in_process("convert", directory, "--task", "text-generation", "--max-batch", "1", "--max-context", "32",
+                                  "--bucket", "seq=8", "--verify-new-tokens", "4", "-o", out, "--target", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert "streamed from the checkpoint" in result.stderr
+    huggingface = manifest_of(out)["huggingface"]
+    assert (huggingface["architecture"], huggingface["model_type"]) == ("LlamaForCausalLM", "llava")
+    prompt = torch.randint(5, 99, (1, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = llava.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, 8:].tolist()
+    assert load(out).generate(prompt, 12, ignore_eos=True) == [expected]
+    refused = tpuexport_in_process("convert", directory, "-o", tmp_path / "auto.tpu", "--target", "cpu")
+    assert refused.returncode == 2 and "--task text-generation converts its language model alone" in refused.stderr
 
 
 def test_vision_classifier_with_task_auto(models, tmp_path):

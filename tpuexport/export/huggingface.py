@@ -49,6 +49,7 @@ from tpuexport.logs import EXPORT_LOGGERS, TORCHAO_LOGGERS, quiet_loggers
 from tpuexport.export.checkpoints import (Checkpoint, check_weights_fit, open_checkpoint, parameters_on_meta, stored_weight_bytes,
                                           with_checkpoint_weights)
 from tpuexport.export.generation import check_decoder
+from tpuexport.export.language_model import language_model_config, language_model_names, tied_names
 from tpuexport.export.loaded import LoadedSource, SourceInfo, file_sha256
 from tpuexport.export.specs import DimSpec
 
@@ -214,7 +215,13 @@ def _load_huggingface(reference: str, task: str | None, dims: list[DimSpec], wei
                              "that package's name") from None
     tasks = _tasks()
     supported = [name for name, entry in tasks.items() if _auto_class(entry, config) is not None]
-    task = _choose_task(task, config, tasks, supported, directory)
+    language_model = "text-generation" not in supported and language_model_config(config) is not None
+    if language_model:
+        supported.append("text-generation")
+    task = _choose_task(task, config, tasks, supported, directory, language_model)
+    if language_model and task == "text-generation":
+        resolved = ResolvedModel(directory, reference, config, config_json, task, "AutoModelForCausalLM", revision, memory_budget)
+        return _language_model_source(resolved, list(dims), weights_in_memory)
     resolved = ResolvedModel(directory, reference, config, config_json, task, _auto_class(tasks[task], config), revision, memory_budget)
     return tasks[task].build(resolved, list(dims), weights_in_memory)
 
@@ -340,17 +347,21 @@ def _class_names(task: Task, config) -> set[str]:
     return names
 
 
-def _choose_task(task: str | None, config, tasks: dict[str, Task], supported: list[str], directory: pathlib.Path) -> str:
+def _choose_task(task: str | None, config, tasks: dict[str, Task], supported: list[str], directory: pathlib.Path,
+                 language_model: bool = False) -> str:
     """The task to convert: the one asked for if the architecture supports it, or the task of the
-    config's first architecture for "auto"."""
+    config's first architecture for "auto" (`language_model`: text-generation converts a multimodal
+    model's language model alone, which "auto" never chooses: the artifact would not take images)."""
     listing = ", ".join(supported) or "none"
     if task in (None, "auto"):
         architectures = list(getattr(config, "architectures", None) or [])
         for name in supported:
-            if architectures and architectures[0] in _class_names(tasks[name], config):
+            if architectures and architectures[0] in _class_names(tasks[name], config) and not (language_model and name == "text-generation"):
                 return name
+        alone = (f"; --task text-generation converts its language model alone (text in, text out: the image or audio towers are not "
+                 f"converted)") if language_model else ""
         raise TpuExportError(f"cannot infer the task of {directory}: its config names architectures {architectures or 'none'}, "
-                             f"which no task builds; pass --task, one of: {listing}")
+                             f"which no task builds; pass --task, one of: {listing}{alone}")
     if task not in tasks:
         raise TpuExportError(f"unknown task {task!r}; {config.model_type} supports: {listing} (or auto)")
     if task not in supported:
@@ -392,9 +403,7 @@ def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_
     Raises:
       TpuExportError: a --dim was given.
     """
-    if dims:
-        raise TpuExportError("--dim does not apply to --task text-generation (its entry points' sizes are --max-batch, "
-                             "--max-context and the --bucket seq=... prompt lengths); drop it")
+    _no_dims_for_generation(dims)
     encoder_decoder = bool(getattr(resolved.config, "is_encoder_decoder", False))
     # BART's model type is in both tables: its encoder-decoder configs generate as encoder-decoders, read
     # in memory (their entry points do not stream a checkpoint yet). Whisper's is in the causal LM table
@@ -414,6 +423,48 @@ def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_
         model = _from_pretrained(auto_class, resolved.directory, dtype)
     traceable_experts(model)
     record = HuggingFaceInfo(resolved.task, type(model).__name__, resolved.config.model_type, resolved.revision, resolved.config_json,
+                             {name: resolved.directory / name for name in SERVING_FILES if (resolved.directory / name).is_file()})
+    return LoadedSource(model.eval(), None, None, None, _source_info(resolved), checkpoint=checkpoint, huggingface=record)
+
+
+def _no_dims_for_generation(dims: list[DimSpec]) -> None:
+    if dims:
+        raise TpuExportError("--dim does not apply to --task text-generation (its entry points' sizes are --max-batch, "
+                             "--max-context and the --bucket seq=... prompt lengths); drop it")
+
+
+def _language_model_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_memory: bool) -> LoadedSource:
+    """A multimodal model's language model as a causal LM for text generation (export/language_model.py):
+    built from its text config on the meta device, its tensors streamed from the multimodal
+    checkpoint under the causal LM's names, or copied from the multimodal model transformers reads
+    (weights in memory, or tensors transformers converts when loading). The other towers are not
+    converted: the artifact takes and gives text."""
+    _no_dims_for_generation(dims)
+    transformers = _import_transformers()
+    config, text_config = resolved.config, language_model_config(resolved.config)
+    dtype = _config_dtype(config)
+    architectures = list(getattr(config, "architectures", None) or [])
+    multimodal_class = getattr(transformers, architectures[0], None) if architectures else None
+    if getattr(multimodal_class, "config_class", None) is not type(config):
+        multimodal_class = transformers.AutoModelForImageTextToText
+    with parameters_on_meta():
+        model = auto_model_class("AutoModelForCausalLM", text_config).from_config(text_config, dtype=dtype).eval()
+        multimodal = multimodal_class._from_config(config, dtype=dtype).eval()
+    names = language_model_names(multimodal, model)
+    checkpoint = None if weights_in_memory else _checkpoint(resolved.directory, multimodal)
+    if checkpoint is not None:
+        tensors = checkpoint._tensors  # the multimodal model's names -> the file's keys
+        siblings = tied_names(multimodal)
+        checkpoint = _Renamed(checkpoint._checkpoint, {
+            name: next(tensors[sibling] for sibling in siblings[multimodal_name] if sibling in tensors)
+            for name, multimodal_name in names.items()})
+    else:
+        _check_in_memory_fit(resolved, "--quantize int8/int8-dynamic reads them in" if weights_in_memory else
+                             "transformers converts some of its tensors as it loads them")
+        loaded = _from_pretrained(multimodal_class, resolved.directory, dtype).state_dict()  # tied tensors under each name
+        model.load_state_dict({name: loaded[multimodal_name] for name, multimodal_name in names.items()}, strict=False, assign=True)
+    traceable_experts(model)
+    record = HuggingFaceInfo(resolved.task, type(model).__name__, config.model_type, resolved.revision, resolved.config_json,
                              {name: resolved.directory / name for name in SERVING_FILES if (resolved.directory / name).is_file()})
     return LoadedSource(model.eval(), None, None, None, _source_info(resolved), checkpoint=checkpoint, huggingface=record)
 
@@ -624,9 +675,11 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
     names = {spec.name for spec in chosen}
     placeholders = [key for key in config.to_dict() if re.fullmatch(r"(image|video|audio|vision)_token_(id|index)", key)]
     if "input_ids" in names and names & set(MEDIA_INPUTS) and placeholders:
+        alone = ("its language model alone with --task text-generation (text in, text out), or " if language_model_config(config) is not None
+                 else "")
         raise TpuExportError(f"{type(model).__name__} ({config.model_type}) is a multimodal model that puts image or audio features into its "
-                             f"text at placeholder tokens ({placeholders[0]}), which tpuexport does not convert yet; convert its language "
-                             "model alone (--task text-generation where the architecture has one) or one tower from a file.py:factory")
+                             f"text at placeholder tokens ({placeholders[0]}), which tpuexport does not convert yet; convert {alone}one tower "
+                             "from a file.py:factory")
     return chosen
 
 

@@ -1,0 +1,62 @@
+"""The language model of a multimodal model, converted alone for `--task text-generation`.
+
+LLaVA, Mistral 3, PaliGemma, Idefics and their kind put image (or audio) features into a causal
+language model's text at placeholder tokens; their directories hold one checkpoint of every tower.
+Text in, text out, the language model is an ordinary causal LM: the class transformers builds from
+the multimodal config's text config (LlamaForCausalLM for LLaVA), whose tensors are the multimodal
+model's language-model and LM-head tensors under other names. Those names are found by module
+identity in the multimodal model, built on the meta device: its decoder (`get_decoder()`) is the
+causal LM's base model, its output embeddings the causal LM's; nothing is read twice and the other
+towers' tensors are never read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpuexport.errors import TpuExportError
+
+
+def language_model_config(config):
+    """A multimodal config's text config when a causal LM of transformers builds it, else None (a
+    model whose own type is a causal LM's, an encoder-decoder such as Florence-2's BART, or a text
+    config no causal LM class takes: Qwen2-VL's, whose positions are three-dimensional)."""
+    from transformers.models.auto import modeling_auto
+
+    if not hasattr(config, "get_text_config") or getattr(config, "is_encoder_decoder", False):
+        return None
+    text = config.get_text_config(decoder=True)
+    if text is config or getattr(text, "is_encoder_decoder", False) or text.model_type not in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None
+    return text
+
+
+def language_model_names(multimodal: torch.nn.Module, model: torch.nn.Module) -> dict[str, str]:
+    """{each parameter name of the causal LM `model` (tied names too): the multimodal model's name
+    of the same tensor}.
+
+    Raises:
+      TpuExportError: the multimodal model has no decoder or no LM head to take them from.
+    """
+    decoder, head = multimodal.get_decoder(), multimodal.get_output_embeddings()
+    if decoder is None or decoder is multimodal or head is None:
+        raise TpuExportError(f"{type(multimodal).__name__} has no LM head to generate text with (the directory holds a base "
+                             "model); --task text-generation converts the language model of a directory written from the model with its "
+                             "head (...ForConditionalGeneration)")
+    paths = {id(module): name for name, module in multimodal.named_modules(remove_duplicate=False)}
+    own = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+    prefixes = [(own[id(model.get_decoder())], paths[id(decoder)]), (own[id(model.get_output_embeddings())], paths[id(head)])]
+    names = {}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        for own_prefix, multimodal_prefix in prefixes:
+            if name.startswith(own_prefix + "."):
+                names[name] = multimodal_prefix + name[len(own_prefix):]
+    return names
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, list[str]]:
+    """{each parameter name: every name of that tensor} (an LM head tied to the embeddings has two)."""
+    groups: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(parameter), []).append(name)
+    return {name: group for group in groups.values() for name in group}
