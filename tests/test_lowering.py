@@ -60,6 +60,27 @@ def test_dim_names_fall_back_to_input_and_axis_for_reloaded_programs(tmp_path):
     assert [s.shape for s in reloaded.signature.inputs] == [("a_dim0", 4, 3), ("a_dim0", 4, 3)]
 
 
+class MixesTokensByFFT(torch.nn.Module):
+    """FNet's token mixing: a Fourier transform over the sequence."""
+
+    def forward(self, x):
+        return torch.fft.fft(x, dim=1).real
+
+
+def test_an_op_jax_lowers_at_fixed_sizes_only_names_the_dims_to_make_static():
+    """JAX lowers an FFT over a symbolic length for the CPU but not for the TPU (the sweep's fnet,
+    refused with JAX's bare message and "not supported yet"): the line names --dim that makes the
+    dim static, and at a static length the program lowers and computes the transform."""
+    seq = torch.export.Dim("seq", min=2, max=64)
+    model = captured(MixesTokensByFFT(), (torch.randn(2, 8, 4),), {"x": {1: seq}})
+    with pytest.raises(tpuexport.TpuExportError, match=r"FFT .* JAX lowers that op at fixed sizes only: make the dims it runs over "
+                       r"static \(--dim seq=64:64, or several; any one size each\)$"):
+        lower(model.program, model.signature)
+    static = captured(MixesTokensByFFT(), (torch.randn(2, 64, 4),), None)
+    x = np.random.randn(2, 64, 4).astype(np.float32)
+    np.testing.assert_allclose(lower(static.program, static.signature).run([x])[0], np.fft.fft(x, axis=1).real, rtol=1e-4, atol=1e-4)
+
+
 class UsesUnsupportedOps(torch.nn.Module):
     def forward(self, x):
         determinant = torch.linalg.det(x[:, :, :3])

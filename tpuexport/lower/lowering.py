@@ -854,7 +854,14 @@ def trace_and_export(program, signature, placeholder_names, weight_names, weight
         # torch.fx appends the node and a traceback ("While executing %expand ..."), both named here already.
         message = " ".join(str(error).split()).split(" While executing ")[0][:300]
         narrowed = narrowed_range(program, signature)
-        fix = (f"torch.export fixed a size computed from the example inputs, so its program only holds at some sizes ({narrowed}): "
-               "give example inputs where no such size is 1 (a sliced or pooled length), or narrow the dim's range"
-               if narrowed else "this op or shape pattern is not supported yet")
+        if "shape polymorphism" in message.lower() and signature.dims:
+            # JAX traced the program but cannot lower one of its ops over symbolic sizes (FNet's FFT over seq).
+            where = " in JAX's lowering of the traced program" if node is not None and node.op == "output" else where
+            static = " or ".join(f"--dim {dim.name}={dim.max}:{dim.max}" for dim in signature.dims)
+            fix = f"JAX lowers that op at fixed sizes only: make the dims it runs over static ({static}, or several; any one size each)"
+        elif narrowed:
+            fix = (f"torch.export fixed a size computed from the example inputs, so its program only holds at some sizes ({narrowed}): "
+                   "give example inputs where no such size is 1 (a sliced or pooled length), or narrow the dim's range")
+        else:
+            fix = "this op or shape pattern is not supported yet"
         raise TpuExportError(f"lowering failed{where}: {type(error).__name__}: {message}; {fix}") from None
