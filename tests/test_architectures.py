@@ -259,6 +259,25 @@ def test_inputs_the_model_itself_cannot_take_are_refused_as_such_with_their_size
     assert list(tmp_path.iterdir()) == []
 
 
+class SplitsMoreThanItHas(torch.nn.Module):
+    """Splits its last dim into sizes that add up to more than it holds (a tiny GLM-4V MoE text model's
+    rotary sections, [2, 3, 3] of 4)."""
+
+    def forward(self, x):
+        return torch.split(x, [2, 3, 3], dim=-1)[0]
+
+
+def test_a_forward_failing_eagerly_in_other_words_than_torch_export_is_refused_as_the_models_own(tmp_path):
+    """torch.export says "Split sizes add up to 8 but got the tensor's size of 4", the kernel run eagerly
+    "split_with_sizes expects split_sizes to sum exactly to 4": the messages differ, and the line was
+    "torch.export failed ... check the example args" (the sweep's glm4v_moe_text, fun_asr_nano_encoder,
+    clvp). The forward fails without torch.export: the line says so."""
+    with pytest.raises(TpuExportError, match=r"^the model's own forward fails at the example sizes \(\[2, 4\]\), run without "
+                                             r"torch.export: RuntimeError: split_with_sizes expects split_sizes to sum exactly to 4"):
+        tpuexport.convert(SplitsMoreThanItHas(), (torch.randn(2, 4),), out=tmp_path / "m.tpu")
+    assert list(tmp_path.iterdir()) == []
+
+
 class ShiftsByOne(torch.nn.Module):
     """Pairs each position with the next, zero-padded, and branches on one sequence length, as
     MobileBERT's trigram embedding makes torch.export guard `seq - 1 != 1`."""

@@ -318,16 +318,25 @@ def _eager_failure_alike(model: torch.nn.Module, args, error: Exception) -> str 
     not count in the comparison: where
     torch.export's message names a symbolic size (Siglip2 given images for its flattened patches:
     "[672*s99, 224] X [768, 64]"), the eager run's names its value ("[1344, 224] X [768, 64]")."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses import fake_tensor
 
     try:  # on fake tensors, as torch.export traces: the same kernels' messages, whether the weights are in memory or not
-        with torch.no_grad(), _quiet_export(), FakeTensorMode(allow_non_fake_inputs=True):
+        with torch.no_grad(), _quiet_export(), fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
             model(*args)
     except Exception as eager_error:  # whatever the model raises, compared with torch.export's
+        message = " ".join(str(eager_error).split())
         if type(eager_error) is type(error) and _SIZES.sub("#", str(eager_error)) == _SIZES.sub("#", str(error)):
-            return " ".join(str(eager_error).split())
+            return message
         if _BARE_CHECK in str(error):
-            return f"{type(eager_error).__name__}: {' '.join(str(eager_error).split())}"
+            return f"{type(eager_error).__name__}: {message}"
+        # A kernel refusing the shapes eagerly, in other words than torch.export's trace did (split_with_sizes'
+        # "expects split_sizes to sum exactly to 4" where torch.export says "Split sizes add up to 8"): the inputs
+        # do not suit the model. What fake tensors cannot run (values read in Python) is no such failure.
+        fake_limits = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
+                       fake_tensor.UnsupportedOperatorException, fake_tensor.UnsupportedFakeTensorException)
+        if isinstance(eager_error, (RuntimeError, ValueError, IndexError)) and not isinstance(eager_error, fake_limits) \
+                and not re.search(r"meta|fake|data.dependent|symbolic|unbacked", message, re.IGNORECASE):
+            return f"{type(eager_error).__name__}: {message}"
     return None
 
 
