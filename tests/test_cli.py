@@ -91,12 +91,13 @@ NEW_SIZE_INPUTS = {
 
 @pytest.mark.parametrize("example", list(NEW_SIZE_INPUTS))
 def test_every_example_converts_for_v5e_and_v6e_and_runs_at_a_new_size(example, tmp_path, request):
-    """The CNN through the command line; the MLP and the transformer are the session's shared
+    """The CNN through the command line (in this process); the MLP and the transformer are the session's shared
     conversions of the same examples for the same targets (tests/conftest.py). Nothing here reads the
     CNN's SavedModel (test_saved_model.py converts the CNN with one through the command line)."""
     if example == "cnn":
         out = tmp_path / f"{example}.tpu"
-        result = tpuexport("convert", f"{EXAMPLES / example}.py:build", "--target", "v5e", "--target", "v6e", "-o", out, "--no-saved-model")
+        result = tpuexport_in_process("convert", f"{EXAMPLES / example}.py:build", "--target", "v5e", "--target", "v6e", "-o", out,
+                                      "--no-saved-model")
         assert result.returncode == 0, result.stderr
         artifact = tpuexport_api.load(out)
     else:
