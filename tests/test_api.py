@@ -134,7 +134,7 @@ def test_mismatched_sizes_between_inputs_sharing_a_dim_fail(transformer_artifact
 def test_exported_program_is_accepted_as_model(tmp_path):
     built = build_example("cnn")
     program = torch.export.export(built["model"].eval(), built["args"], dynamic_shapes=built["dynamic_shapes"])
-    artifact = tpuexport.convert(program, out=tmp_path / "cnn.tpu", target=["v5e", "v6e"])
+    artifact = tpuexport.convert(program, out=tmp_path / "cnn.tpu", target=["v5e", "v6e"], saved_model=False)  # SavedModels: test_saved_model.py
     assert list(artifact.manifest["targets"]) == ["v5e", "v6e"]
     image = torch.randn(5, 3, 32, 32)
     torch.testing.assert_close(artifact.run(image), eager(built["model"], image), atol=1e-4, rtol=1e-4)
@@ -142,7 +142,8 @@ def test_exported_program_is_accepted_as_model(tmp_path):
 
 
 def test_bf16_keeps_weights_in_bfloat16_and_outputs_in_float32(tmp_path):
-    artifact = convert_example("cnn", tmp_path / "cnn_bf16.tpu", target="v5e", precision="bf16")
+    # (The bf16 CNN's SavedModel: test_saved_model.py's test_cli_names_the_model_and_keeps_bf16_weights.)
+    artifact = convert_example("cnn", tmp_path / "cnn_bf16.tpu", target="v5e", precision="bf16", saved_model=False)
     assert artifact.manifest["precision"] == "bf16"
     assert {str(w.dtype) for w in artifact.program.weights if w.ndim > 1} == {"bfloat16"}
     tolerances = artifact.manifest["verification"]["tolerances"]

@@ -17,6 +17,7 @@ import safetensors.torch
 import torch
 
 import tpuexport
+from test_cli import tpuexport_in_process  # the command line, in this process
 from tpuexport import TpuExportError
 
 transformers = pytest.importorskip("transformers")
@@ -26,7 +27,8 @@ QUICK = ("--target", "v5e", "--no-saved-model", "--verify-budget", "0")
 
 
 def convert_directory(directory: pathlib.Path, out: pathlib.Path, *options: str) -> subprocess.CompletedProcess:
-    """`tpuexport convert DIR --task auto` as a user runs it."""
+    """`tpuexport convert DIR --task auto` as a user runs it, in its own process: what torch logs on the
+    process's stderr reaches the user too (elsewhere the command runs in this process, tpuexport_in_process)."""
     environment = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
     return subprocess.run([sys.executable, "-m", "tpuexport.cli", "convert", str(directory), "-o", str(out), *options],
                           capture_output=True, text=True, timeout=900, env=environment)
@@ -114,7 +116,7 @@ def test_a_multimodal_forward_with_placeholder_tokens_is_refused_in_one_line(tmp
                        "num_attention_heads": 4, "image_size": 32, "patch_size": 8, "projection_dim": 32},
         image_token_index=63)
     transformers.LlavaModel(config).save_pretrained(tmp_path / "llava")
-    result = convert_directory(tmp_path / "llava", tmp_path / "llava.tpu", *QUICK)
+    result = tpuexport_in_process("convert", tmp_path / "llava", "-o", tmp_path / "llava.tpu", *QUICK)
     assert result.returncode == 2 and error_lines(result.stderr) == [
         "error: LlavaModel (llava) is a multimodal model that puts image or audio features into its text at placeholder tokens "
         "(image_token_index), which tpuexport does not convert yet; convert its language model alone with --task text-generation "
@@ -463,7 +465,7 @@ def test_a_video_tower_gets_a_clip_of_the_frames_its_config_records(tmp_path):
     config = transformers.VideoMAEConfig(image_size=32, patch_size=8, num_frames=4, tubelet_size=2, hidden_size=32, num_hidden_layers=1,
                                          num_attention_heads=4, intermediate_size=64)
     transformers.VideoMAEModel(config).save_pretrained(tmp_path / "videomae")
-    result = convert_directory(tmp_path / "videomae", tmp_path / "videomae.tpu", *QUICK)
+    result = tpuexport_in_process("convert", tmp_path / "videomae", "-o", tmp_path / "videomae.tpu", *QUICK)
     assert result.returncode == 0, result.stderr[-2000:]
     manifest = json.loads((tmp_path / "videomae.tpu" / "manifest.json").read_text())
     assert manifest["verification"]["passed"]

@@ -8,8 +8,6 @@ import importlib.metadata
 import json
 import pathlib
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,6 +16,7 @@ import tpuexport
 from tpuexport.artifact import layout
 from tpuexport.artifact.records import Manifest
 from tpuexport.errors import TpuExportError
+from test_cli import tpuexport_in_process  # the command line, in this process
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "format_v2"
 
@@ -69,8 +68,8 @@ def test_the_runtime_loads_version_2_executables_where_they_were_built_for():
 
 
 def test_inspect_reads_a_version_2_artifact():
-    shown = subprocess.run([sys.executable, "-m", "tpuexport.cli", "inspect", str(FIXTURES / "tiny_llama.tpu"), "--json"],
-                           capture_output=True, text=True, check=True)
+    shown = tpuexport_in_process("inspect", FIXTURES / "tiny_llama.tpu", "--json")
+    assert shown.returncode == 0, shown.stderr
     summary = json.loads(shown.stdout)
     assert summary["format_version"] == 3 and set(summary["entry_points"]) == {"prefill", "decode"}
 

@@ -78,7 +78,7 @@ def test_convert_factory_source_with_buckets_and_json(tmp_path):
 
     inspected = tpuexport_in_process("inspect", out)
     assert inspected.returncode == 0 and "batch: 1..256" in inspected.stdout and "batch16" in inspected.stdout
-    inspected_json = json.loads(tpuexport("inspect", out, "--json").stdout)
+    inspected_json = json.loads(tpuexport_in_process("inspect", out, "--json").stdout)
     assert inspected_json["targets"] == summary["targets"]
 
 
@@ -91,11 +91,13 @@ NEW_SIZE_INPUTS = {
 
 @pytest.mark.parametrize("example", list(NEW_SIZE_INPUTS))
 def test_every_example_converts_for_v5e_and_v6e_and_runs_at_a_new_size(example, tmp_path, request):
-    """The CNN through the command line; the MLP and the transformer are the session's shared
-    conversions of the same examples for the same targets (tests/conftest.py)."""
+    """The CNN through the command line (in this process); the MLP and the transformer are the session's shared
+    conversions of the same examples for the same targets (tests/conftest.py). Nothing here reads the
+    CNN's SavedModel (test_saved_model.py converts the CNN with one through the command line)."""
     if example == "cnn":
         out = tmp_path / f"{example}.tpu"
-        result = tpuexport("convert", f"{EXAMPLES / example}.py:build", "--target", "v5e", "--target", "v6e", "-o", out)
+        result = tpuexport_in_process("convert", f"{EXAMPLES / example}.py:build", "--target", "v5e", "--target", "v6e", "-o", out,
+                                      "--no-saved-model")
         assert result.returncode == 0, result.stderr
         artifact = tpuexport_api.load(out)
     else:
@@ -291,7 +293,7 @@ def test_a_crashed_compiler_process_is_one_error_line(tmp_path):
     conversion's compile process once it runs. (libtpu 0.0.42.1 used to segfault by itself on the
     example transformer for 7x at batch 8 x seq 256; the lowering's rank-4 attention matmuls no
     longer trigger it.)"""
-    command = [sys.executable, "-m", "tpuexport.cli", "convert", f"{EXAMPLES / 'cnn.py'}:build", "--target", "v5e", "--no-saved-model"]
+    command = [sys.executable, "-m", "tpuexport.cli", "convert", MLP, "--target", "v5e", "--no-saved-model"]
     conversion = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     compiler = None
     while compiler is None and conversion.poll() is None:

@@ -63,6 +63,22 @@ def model():
     return TwoLayers().eval()
 
 
+@pytest.fixture(scope="module")
+def in_memory(model, tmp_path_factory):
+    """The model converted for v5e (scanning requested, the default) without quantization or in a weight-only
+    mode, each once for the tests that read it: a function of `quantize` giving that artifact."""
+    converted = {}
+
+    def artifact(quantize: str | None) -> tpuexport.Artifact:
+        if quantize not in converted:
+            converted[quantize] = tpuexport.convert(model, (torch.randn(12, WIDTH),), {"x": {0: TOKENS}}, target="v5e",
+                                                    out=tmp_path_factory.mktemp("moe") / "moe.tpu", saved_model=False, kernels="none",
+                                                    quantize=quantize)
+        return converted[quantize]
+
+    return artifact
+
+
 def stored_by_state_name(artifact) -> dict[str, np.ndarray]:
     """The artifact's weights by state_dict name, a scanned stack split into its blocks."""
     lowered = artifact.program
@@ -74,10 +90,10 @@ def stored_by_state_name(artifact) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scan-requested", "unrolled"])
-def test_expert_weights_are_stored_transposed_and_the_program_reads_them_in_place(model, tmp_path, scan):
+def test_expert_weights_are_stored_transposed_and_the_program_reads_them_in_place(model, in_memory, tmp_path, scan):
     args = (torch.randn(12, WIDTH),)
-    artifact = tpuexport.convert(model, args, {"x": {0: TOKENS}}, target="v5e", out=tmp_path / "moe.tpu", scan=scan,
-                                 saved_model=False, kernels="none")
+    artifact = in_memory(None) if scan else tpuexport.convert(model, args, {"x": {0: TOKENS}}, target="v5e", out=tmp_path / "moe.tpu",
+                                                               scan=False, saved_model=False, kernels="none")
 
     assert artifact.manifest["verification"]["passed"]
     # Scanning is asked for where it pays: mixture-of-experts layers stay unrolled (lower/scan.py), since
@@ -98,20 +114,19 @@ def test_expert_weights_are_stored_transposed_and_the_program_reads_them_in_plac
 
 
 @pytest.mark.parametrize("quantize", [None, "int8-weight-only"])
-def test_a_checkpoint_streams_the_expert_weights_in_the_stored_layout(model, tmp_path, quantize):
+def test_a_checkpoint_streams_the_expert_weights_in_the_stored_layout(model, in_memory, tmp_path, quantize):
     args = (torch.randn(12, WIDTH),)
     save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, tmp_path / "moe.safetensors")
     with tpuexport.parameters_on_meta():
         empty = TwoLayers().eval()
     streamed = tpuexport.convert(empty, args, {"x": {0: TOKENS}}, target="v5e", out=tmp_path / "streamed.tpu",
                                  checkpoint=tmp_path / "moe.safetensors", saved_model=False, kernels="none", quantize=quantize)
-    in_memory = tpuexport.convert(model, args, {"x": {0: TOKENS}}, target="v5e", out=tmp_path / "memory.tpu", saved_model=False,
-                                  kernels="none", quantize=quantize)
+    held = in_memory(quantize)
 
     assert streamed.manifest["verification"]["passed"]
-    assert streamed.manifest["program"]["weight_layouts"] == in_memory.manifest["program"]["weight_layouts"] != {}
-    assert streamed.program.weight_names == in_memory.program.weight_names
-    for name, array, expected in zip(streamed.program.weight_names, streamed.program.weights, in_memory.program.weights):
+    assert streamed.manifest["program"]["weight_layouts"] == held.manifest["program"]["weight_layouts"] != {}
+    assert streamed.program.weight_names == held.program.weight_names
+    for name, array, expected in zip(streamed.program.weight_names, streamed.program.weights, held.program.weights):
         np.testing.assert_array_equal(array, expected, err_msg=name)
 
 
@@ -129,10 +144,9 @@ def test_a_shard_rule_names_the_state_dict_dims_of_a_transposed_expert_weight(mo
         assert specs[f"layers.{layer}.down_proj"] == ("expert",)
 
 
-def test_int8_weight_only_experts_are_s8_parameters_of_the_tpu_grouped_matmul(model, tmp_path):
+def test_int8_weight_only_experts_are_s8_parameters_of_the_tpu_grouped_matmul(model, in_memory):
     args = (torch.randn(12, WIDTH),)
-    artifact = tpuexport.convert(model, args, {"x": {0: TOKENS}}, target="v5e", out=tmp_path / "int8.tpu", saved_model=False,
-                                 kernels="none", quantize="int8-weight-only")
+    artifact = in_memory("int8-weight-only")
 
     assert artifact.manifest["verification"]["passed"]
     quantized = artifact.manifest["quantization"]["weights"]

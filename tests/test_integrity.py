@@ -7,8 +7,6 @@ import json
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ from tpuexport.artifact import layout
 # The default entry point's jax.export program.
 PROGRAM = layout.entry_point_program("serving_default", layout.EXPORTED)
 
-from conftest import ROOT
+from test_cli import tpuexport_in_process  # the command line, in this process
 
 
 @pytest.fixture
@@ -117,8 +115,7 @@ def test_an_executable_path_leaving_the_artifact_is_refused(artifact_copy):
 
 def test_cli_verify_refuses_a_traversal_manifest_with_one_line(artifact_copy):
     edit_manifest(artifact_copy, lambda m: m["entry_points"]["serving_default"].update(exported="../../../etc/hostname"))
-    result = subprocess.run([sys.executable, "-m", "tpuexport.cli", "verify", str(artifact_copy)], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400"})
+    result = tpuexport_in_process("verify", artifact_copy)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "leaves the artifact directory" in lines[0] and "Traceback" not in result.stderr

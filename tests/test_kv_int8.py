@@ -5,8 +5,6 @@ eagerly; planted scale bugs fail that verification; the runtime and CLI carry th
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -14,6 +12,7 @@ import pytest
 import torch
 
 import tpuexport
+from test_cli import tpuexport_in_process  # the command line, in this process
 from test_generation import MAX_BATCH, MAX_CONTEXT, lowered_entry_point, tiny_gpt2, tiny_llama
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
@@ -107,8 +106,7 @@ def test_generate_runtime_and_cli_carry_the_scales(llama_int8_kv):
     assert all(isinstance(prefill[name], jax.Array) for name in spec.cache_inputs)  # the scales stay on the device too
     assert float(np.asarray(prefill["cache_k_scale"])[:, :, :, :4].min()) > 0
 
-    result = subprocess.run([sys.executable, "-m", "tpuexport.cli", "generate", str(artifact.path), "--tokens", "5,17,42,7",
-                             "--tokens", "99,3", "--max-new-tokens", "6"], capture_output=True, text=True, timeout=600)
+    result = tpuexport_in_process("generate", artifact.path, "--tokens", "5,17,42,7", "--tokens", "99,3", "--max-new-tokens", 6)
     assert result.returncode == 0, result.stderr
     assert [[int(token) for token in line.split()] for line in result.stdout.strip().splitlines()] == [list(p) for p in zip(*expected)]
 

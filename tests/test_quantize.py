@@ -4,6 +4,8 @@ the API and the CLI, and one-line errors for bad calibration data."""
 from __future__ import annotations
 
 import json
+import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -112,13 +114,22 @@ def test_matmul_and_bmm_of_activations_run_as_int8(tmp_path):
     assert len(artifact.manifest["verification"]["cases"]) >= 3  # several batch sizes verified
 
 
-@pytest.mark.parametrize("mode", ["int8", "int8-dynamic"])  # weight-only modes: tests/test_weight_only.py
-def test_api_modes_write_report_and_chart(tmp_path, mode):
+def quantized_mlp(out: pathlib.Path, mode: str, **options) -> tpuexport.Artifact:
+    """examples/mlp.py quantized in `mode` with its calibration samples, without the SavedModel."""
     built = build_example("mlp")
-    artifact = tpuexport.convert(
-        built["model"], built["args"], built["dynamic_shapes"], out=tmp_path / "mlp.tpu",
-        quantize=mode, calibration=built["calibration"], saved_model=False,
-    )
+    return tpuexport.convert(built["model"], built["args"], built["dynamic_shapes"], out=out, quantize=mode,
+                             calibration=built["calibration"], saved_model=False, **options)
+
+
+@pytest.fixture(scope="module")
+def static_int8_mlp(tmp_path_factory) -> tpuexport.Artifact:
+    """quantized_mlp in static int8, converted once for the two tests that read it."""
+    return quantized_mlp(tmp_path_factory.mktemp("int8_mlp") / "mlp.tpu", "int8")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-dynamic"])  # weight-only modes: tests/test_weight_only.py
+def test_api_modes_write_report_and_chart(tmp_path, mode, request):
+    artifact = request.getfixturevalue("static_int8_mlp") if mode == "int8" else quantized_mlp(tmp_path / "mlp.tpu", mode)
     manifest = artifact.manifest
     report = json.loads((artifact.path / manifest["quantization"]["report"]).read_text())
     assert report["mode"] == mode and not report["warnings"]
@@ -187,12 +198,13 @@ def test_cli_bad_calibration_files_give_one_line_errors(tmp_path, case, message)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4-weight-only"])
-def test_gate_against_the_float_source_checks_quantized_sqnr(tmp_path, mode):
+def test_gate_against_the_float_source_checks_quantized_sqnr(tmp_path, mode, request):
     """`verify --against` on a quantized artifact compares SQNR vs the float model with convert
     time's, and names the artifact's quantization mode."""
-    built = build_example("mlp")
-    artifact = tpuexport.convert(built["model"], built["args"], built["dynamic_shapes"], out=tmp_path / "mlp.tpu",
-                                 quantize=mode, group_size=32, calibration=built["calibration"], saved_model=False)
+    if mode == "int8":  # a copy: its manifest is edited below (group_size is int4's only)
+        artifact = tpuexport.load(shutil.copytree(request.getfixturevalue("static_int8_mlp").path, tmp_path / "mlp.tpu"))
+    else:
+        artifact = quantized_mlp(tmp_path / "mlp.tpu", mode, group_size=32)
     source = f"{EXAMPLES / 'mlp.py'}:build"
     report = tpuexport.verify_artifact(artifact.path, against=source)
     against = next(c for c in report.checks if c.name == "against")
