@@ -159,6 +159,30 @@ def test_a_multimodal_models_language_model_converts_alone_for_text_generation(t
     assert refused.returncode == 2 and "--task text-generation converts its language model alone" in refused.stderr
 
 
+def test_a_multimodal_model_holding_the_whole_causal_lm_gives_its_tensors_under_one_prefix():
+    """BLIP-2 holds a whole OPTForCausalLM (its LM head inside), where LLaVA holds a base model beside a
+    head of its own (the test above): each of the causal LM's tensors, the tied head's name too, is the
+    multimodal model's tensor of the same shape under `language_model.` (its decoder was once taken
+    for the base model: a KeyError in the sweep's blip-2)."""
+    from tpuexport.export.language_model import language_model_config, language_model_names
+
+    config = transformers.Blip2Config(
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "image_size": 32,
+                       "patch_size": 8},
+        qformer_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                        "encoder_hidden_size": 32},
+        text_config={"model_type": "opt", "vocab_size": 100, "hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 1,
+                     "num_attention_heads": 4, "word_embed_proj_dim": 32}, num_query_tokens=4)
+    with torch.device("meta"):
+        multimodal = transformers.Blip2ForConditionalGeneration(config)
+        model = transformers.AutoModelForCausalLM.from_config(language_model_config(config))
+    names = language_model_names(multimodal, model)
+    theirs = dict(multimodal.named_parameters(remove_duplicate=False))
+    ours = dict(model.named_parameters(remove_duplicate=False))
+    assert set(names) == set(ours) and "lm_head.weight" in names
+    assert all(names[name] == f"language_model.{name}" and theirs[names[name]].shape == ours[name].shape for name in names)
+
+
 def test_vision_classifier_with_task_auto(models, tmp_path):
     out = tmp_path / "vit.tpu"
     result = tpuexport_in_process("convert", models["vit"], "--task", "auto", "--dim", "batch=1:2", "-o", out, *QUICK)

@@ -450,11 +450,14 @@ def _language_model_source(resolved: ResolvedModel, dims: list[DimSpec], weights
     with parameters_on_meta():
         model = auto_model_class("AutoModelForCausalLM", text_config).from_config(text_config, dtype=dtype).eval()
         multimodal = multimodal_class._from_config(config, dtype=dtype).eval()
-    names = language_model_names(multimodal, model)
+    names, siblings = language_model_names(multimodal, model), tied_names(multimodal)
+    unknown = sorted(set(names.values()) - set(siblings))
+    if unknown:
+        raise TpuExportError(f"{type(multimodal).__name__}'s language model does not hold the tensors of {type(model).__name__} "
+                             f"({', '.join(unknown[:3])}); convert one tower from a file.py:factory")
     checkpoint = None if weights_in_memory else _checkpoint(resolved.directory, multimodal)
     if checkpoint is not None:
         tensors = checkpoint._tensors  # the multimodal model's names -> the file's keys
-        siblings = tied_names(multimodal)
         checkpoint = _Renamed(checkpoint._checkpoint, {
             name: next(tensors[sibling] for sibling in siblings[multimodal_name] if sibling in tensors)
             for name, multimodal_name in names.items()})

@@ -4,10 +4,9 @@ LLaVA, Mistral 3, PaliGemma, Idefics and their kind put image (or audio) feature
 language model's text at placeholder tokens; their directories hold one checkpoint of every tower.
 Text in, text out, the language model is an ordinary causal LM: the class transformers builds from
 the multimodal config's text config (LlamaForCausalLM for LLaVA), whose tensors are the multimodal
-model's language-model and LM-head tensors under other names. Those names are found by module
-identity in the multimodal model, built on the meta device: its decoder (`get_decoder()`) is the
-causal LM's base model, its output embeddings the causal LM's; nothing is read twice and the other
-towers' tensors are never read.
+model's language-model and LM-head tensors under other names. Those names are found by class in
+the multimodal model, built on the meta device: it holds the whole causal LM (BLIP-2), or the causal
+LM's base model beside its own LM head (LLaVA); the other towers' tensors are never read.
 """
 
 from __future__ import annotations
@@ -33,19 +32,25 @@ def language_model_config(config):
 
 def language_model_names(multimodal: torch.nn.Module, model: torch.nn.Module) -> dict[str, str]:
     """{each parameter name of the causal LM `model` (tied names too): the multimodal model's name
-    of the same tensor}.
+    of the same tensor}. The multimodal model holds either the whole causal LM (BLIP-2's OPTForCausalLM)
+    or its base model (LLaVA's LlamaModel) beside an LM head of its own: found by class, one of each.
 
     Raises:
-      TpuExportError: the multimodal model has no decoder or no LM head to take them from.
+      TpuExportError: the multimodal model holds neither once, or has no LM head.
     """
-    decoder, head = multimodal.get_decoder(), multimodal.get_output_embeddings()
-    if decoder is None or decoder is multimodal or head is None:
-        raise TpuExportError(f"{type(multimodal).__name__} has no LM head to generate text with (the directory holds a base "
-                             "model); --task text-generation converts the language model of a directory written from the model with its "
-                             "head (...ForConditionalGeneration)")
-    paths = {id(module): name for name, module in multimodal.named_modules(remove_duplicate=False)}
+    paths = {}
+    for name, module in multimodal.named_modules(remove_duplicate=False):
+        paths.setdefault(type(module), []).append(name)
+    if len(paths.get(type(model), [])) == 1:
+        return {name: f"{paths[type(model)][0]}.{name}" for name, _ in model.named_parameters(remove_duplicate=False)}
+    base, head = model.get_decoder(), multimodal.get_output_embeddings()
+    if len(paths.get(type(base), [])) != 1 or head is None:
+        raise TpuExportError(f"{type(multimodal).__name__} holds no {type(base).__name__} with an LM head to generate text with (a base "
+                             "model's directory, or towers of one class); --task text-generation converts the language model of a "
+                             "directory written from the model with its head (...ForConditionalGeneration)")
     own = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
-    prefixes = [(own[id(model.get_decoder())], paths[id(decoder)]), (own[id(model.get_output_embeddings())], paths[id(head)])]
+    head_path = next(name for name, module in multimodal.named_modules(remove_duplicate=False) if module is head)
+    prefixes = [(own[id(base)], paths[type(base)][0]), (own[id(model.get_output_embeddings())], head_path)]
     names = {}
     for name, _ in model.named_parameters(remove_duplicate=False):
         for own_prefix, multimodal_prefix in prefixes:
