@@ -27,6 +27,7 @@ import sys
 import torch
 
 from tpuexport.errors import TpuExportError
+from tpuexport.logs import TORCHAO_LOGGERS, quiet_loggers
 from tpuexport.memory import MemoryBudget
 from tpuexport.export import huggingface
 from tpuexport.export.checkpoints import Checkpoint, check_weights_fit, open_checkpoint, parameters_on_meta
@@ -125,8 +126,9 @@ def _load_factory(path: pathlib.Path, factory: str, reference: str, checkpoint: 
     sys.path.insert(0, str(path.parent.resolve()))
     # Registered while it runs, as an import would: dataclasses (and typing) look their module up there.
     sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
+    try:  # a factory importing transformers imports torchao, whose import-time warnings are noise (logs.py)
+        with quiet_loggers(*TORCHAO_LOGGERS):
+            spec.loader.exec_module(module)
     except Exception as error:
         raise TpuExportError(f"importing {path} failed ({type(error).__name__}: {_first_line(error)}); fix the file") from None
     finally:
@@ -136,7 +138,7 @@ def _load_factory(path: pathlib.Path, factory: str, reference: str, checkpoint: 
     if not callable(function):
         raise TpuExportError(f"{path} has no function {factory!r}; name a function defined in that file")
     try:
-        with parameters_on_meta() if checkpoint is not None else contextlib.nullcontext():
+        with parameters_on_meta() if checkpoint is not None else contextlib.nullcontext(), quiet_loggers(*TORCHAO_LOGGERS):
             produced = function()
     except Exception as error:
         raise TpuExportError(f"{reference}() raised {type(error).__name__}: {_first_line(error)}; fix the factory") from None

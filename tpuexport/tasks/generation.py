@@ -26,11 +26,13 @@ import pathlib
 import torch
 
 from tpuexport import artifact as artifact_stage
+from tpuexport import compile as compile_stage
 from tpuexport.arrays import load_arrays
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
 from tpuexport.errors import TpuExportError, VerificationError
+from tpuexport.export.generation import cached_shapes
 from tpuexport.export.huggingface import generation_context
 from tpuexport.export.paged import PAGES_DIM
 from tpuexport.tasks.conversion import (META_WEIGHTS_ERROR, PT2E_CHECKPOINT_ERROR, Conversion, describe_precision, verification_tolerances,
@@ -249,6 +251,10 @@ def _check_paged(conversion: Conversion) -> None:
                    if given]
     if unsupported:
         raise TpuExportError(f"--kv-cache paged does not support {unsupported[0]} yet; use --kv-cache static for it")
+    if conversion.slices:  # before any export: the pages' layout on each slice's mesh
+        kv_heads = cached_shapes(loaded.model)[0]
+        for target in conversion.slices:
+            _check_paged_mesh(kv_heads, options.sharding.preset, dict(compile_stage.resolve_mesh(options.sharding, target)))
 
 
 def _paged_input_rules(spec: export_stage.PagedSpec, preset: str, mesh: dict[str, int], inputs: list[str]) -> tuple:
@@ -260,18 +266,24 @@ def _paged_input_rules(spec: export_stage.PagedSpec, preset: str, mesh: dict[str
       TpuExportError: a data axis or a data-parallel preset (every row's pages are in one pool, so no axis
         splits the rows; other axes hold replicas), or kv heads that do not split evenly over the model axis.
     """
+    _check_paged_mesh(spec.kv_heads, preset, mesh)
+    if preset != "tensor-parallel" or mesh.get("model", 1) == 1:
+        return ()
+    lanes = (None,) * (len(spec.cache_shape) - 1) + ("model",)
+    return tuple((name, lanes) for name in spec.cache_inputs if name in inputs)
+
+
+def _check_paged_mesh(kv_heads: int, preset: str, mesh: dict[str, int]) -> None:
+    """Refuses a data axis or a data-parallel preset (every row's pages are in one pool, so no axis
+    splits the rows), and kv heads that do not split evenly over the model axis."""
     split = {axis: size for axis, size in mesh.items() if size > 1}
     if "data" in split or preset in ("data-parallel", "fsdp"):
         raise TpuExportError(f"--kv-cache paged does not split rows over a data axis (every row's pages are in one pool): --sharding "
                              f"{preset} with mesh {','.join(f'{axis}={size}' for axis, size in mesh.items())}; use --sharding tensor-parallel "
                              "with --mesh model=N (other axes hold replicas), or --kv-cache static")
-    if preset != "tensor-parallel" or "model" not in split:
-        return ()
-    if spec.kv_heads % split["model"]:
-        raise TpuExportError(f"--kv-cache paged with tensor-parallel: the model's {spec.kv_heads} kv heads do not split over model="
-                             f"{split['model']}; use a slice whose device count divides {spec.kv_heads}, or --kv-cache static")
-    lanes = (None,) * (len(spec.cache_shape) - 1) + ("model",)
-    return tuple((name, lanes) for name in spec.cache_inputs if name in inputs)
+    if preset == "tensor-parallel" and "model" in split and kv_heads % split["model"]:
+        raise TpuExportError(f"--kv-cache paged with tensor-parallel: the model's {kv_heads} kv heads do not split over model="
+                             f"{split['model']}; use a slice whose device count divides {kv_heads}, or --kv-cache static")
 
 
 def _paged_spec(conversion: Conversion, requested: dict[str, list[int]]) -> ProgramSpec:
