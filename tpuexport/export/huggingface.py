@@ -356,10 +356,11 @@ def _choose_task(task: str | None, config, tasks: dict[str, Task], supported: li
     if task in (None, "auto"):
         architectures = list(getattr(config, "architectures", None) or [])
         for name in supported:
-            if architectures and architectures[0] in _class_names(tasks[name], config) and not (language_model and name == "text-generation"):
+            own_task = not (language_model and name == "text-generation")
+            if architectures and architectures[0] in _class_names(tasks[name], config) and own_task:
                 return name
-        alone = (f"; --task text-generation converts its language model alone (text in, text out: the image or audio towers are not "
-                 f"converted)") if language_model else ""
+        alone = ("; --task text-generation converts its language model alone (text in, text out: the image or audio towers are not "
+                 "converted)") if language_model else ""
         raise TpuExportError(f"cannot infer the task of {directory}: its config names architectures {architectures or 'none'}, "
                              f"which no task builds; pass --task, one of: {listing}{alone}")
     if task not in tasks:
@@ -678,8 +679,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
     names = {spec.name for spec in chosen}
     placeholders = [key for key in config.to_dict() if re.fullmatch(r"(image|video|audio|vision)_token_(id|index)", key)]
     if "input_ids" in names and names & set(MEDIA_INPUTS) and placeholders:
-        alone = ("its language model alone with --task text-generation (text in, text out), or " if language_model_config(config) is not None
-                 else "")
+        language_model = language_model_config(config) is not None
+        alone = "its language model alone with --task text-generation (text in, text out), or " if language_model else ""
         raise TpuExportError(f"{type(model).__name__} ({config.model_type}) is a multimodal model that puts image or audio features into its "
                              f"text at placeholder tokens ({placeholders[0]}), which tpuexport does not convert yet; convert {alone}one tower "
                              "from a file.py:factory")

@@ -25,9 +25,8 @@ def language_model_config(config):
     if not hasattr(config, "get_text_config") or getattr(config, "is_encoder_decoder", False):
         return None
     text = config.get_text_config(decoder=True)
-    if text is config or getattr(text, "is_encoder_decoder", False) or text.model_type not in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return None
-    return text
+    causal = text.model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return text if causal and text is not config and not getattr(text, "is_encoder_decoder", False) else None
 
 
 def language_model_names(multimodal: torch.nn.Module, model: torch.nn.Module) -> dict[str, str]:
@@ -56,6 +55,10 @@ def language_model_names(multimodal: torch.nn.Module, model: torch.nn.Module) ->
         for own_prefix, multimodal_prefix in prefixes:
             if name.startswith(own_prefix + "."):
                 names[name] = multimodal_prefix + name[len(own_prefix):]
+    outside = [name for name, _ in model.named_parameters(remove_duplicate=False) if name not in names]
+    if outside:
+        raise TpuExportError(f"{type(model).__name__} has tensors outside its base model and LM head ({', '.join(outside[:3])}), which "
+                             f"{type(multimodal).__name__} does not hold as such; convert one tower from a file.py:factory")
     return names
 
 
