@@ -2,11 +2,12 @@
 
     python benchmarks/supported_architectures.py > docs/supported-architectures.md
 
-Reads the sweep's recorded f32 runs (benchmarks/results/architectures/history/*.txt but bf16_*): the shards' runs
-in the order benchmarks/results/architectures/summary.md lists them, then the re-runs after fixes
-(fixes_*, rerun_*, fixed_*) in the same order, so that a type's row after a fix replaces the row a
-shard's run gave it with older code (within one file, a later row replaces an earlier one). Prints
-each outcome's types with the task `--task auto` chose, and the counts.
+Reads the sweep's recorded f32 runs (benchmarks/results/architectures/history/*.txt but bf16_* and
+language_models_*): the shards' runs in the order benchmarks/results/architectures/summary.md lists
+them, then the re-runs after fixes (fixes_*, rerun_*, fixed_*) in the same order, so that a type's row
+after a fix replaces the row a shard's run gave it with older code (within one file, a later row
+replaces an earlier one). Prints each outcome's types with the task `--task auto` chose, and the
+counts; then the multimodal types' language models (`--language-models` runs, language_models_*).
 """
 
 from __future__ import annotations
@@ -55,12 +56,13 @@ def refusal_class(message: str) -> str:
     return next((name for name, _, pattern in REFUSAL_CLASSES if re.search(pattern, message)), "other")
 
 
-def latest_rows() -> dict[str, tuple[str, str, str]]:
-    """{model type: (task, outcome, first line of any failure)} from the recorded runs (module docstring)."""
+def latest_rows(language_models: bool = False) -> dict[str, tuple[str, str, str]]:
+    """{model type: (task, outcome, first line of any failure)} from the recorded runs (module docstring):
+    the f32 `--task auto` runs, or with `language_models` the `--language-models` runs."""
     linked = list(dict.fromkeys(re.findall(r"\(history/([^)]+\.txt)\)", (RESULTS / "summary.md").read_text())))
-    # The f32 runs only: a --bf16-checkpoint run's rows (bf16_*) are another mode's.
+    # The f32 --task auto runs only: a --bf16-checkpoint run's rows (bf16_*) and a --language-models run's are other modes'.
     files = [name for name in linked + sorted(path.name for path in (RESULTS / "history").glob("*.txt") if path.name not in linked)
-             if not name.startswith("bf16")]
+             if name.startswith("language_models") == language_models and not name.startswith("bf16")]
     rows = {}
     for name in sorted(files, key=lambda name: (name.startswith(("fix", "rerun")), files.index(name))):
         for line in (RESULTS / "history" / name).read_text().splitlines():
@@ -98,6 +100,21 @@ def main() -> None:
             for model_type, task, message in by_outcome[outcome]:
                 print(f"- `{model_type}` ({task}): {message[:200].replace('|', '/')}")
         print()
+    print_language_models(latest_rows(language_models=True))
+
+
+def print_language_models(rows: dict[str, tuple[str, str, str]]) -> None:
+    """The multimodal types whose language model `--task text-generation` converts alone, by outcome."""
+    if not rows:
+        return
+    outcomes = collections.Counter(outcome for _, outcome, _ in rows.values())
+    print(f"## Language models of multimodal types ({len(rows)})\n")
+    print("`--task text-generation` on the directory of a multimodal model's `...ForConditionalGeneration` converts its language")
+    print("model alone, text in and text out (`benchmarks/architectures.py --language-models`; docs/huggingface.md): "
+          f"{', '.join(f'{outcomes[outcome]} {outcome}' for outcome in HEADINGS)}.\n")
+    for model_type, (_, outcome, message) in sorted(rows.items()):
+        print(f"- `{model_type}`: {outcome}" + (f": {message[:200].replace('|', '/')}" if message else ""))
+    print()
 
 
 def print_refusal_classes(refused: list[tuple[str, str, str]]) -> None:

@@ -52,6 +52,17 @@ def test_a_bidirectional_decoder_is_refused_for_text_generation(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_decoder_seeing_its_prompt_whole_is_refused_naming_the_field_that_says_so(tmp_path):
+    """PaliGemma's Gemma sees its prompt (a prefix) whole: its config says so with
+    use_bidirectional_attention, not is_decoder, which the line named ("set is_decoder true")."""
+    config = transformers.GemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=1, head_dim=8, use_bidirectional_attention=True)
+    with pytest.raises(TpuExportError, match=r"GemmaForCausalLM attends bidirectionally \(its config's use_bidirectional_attention is "
+                                             r"true\), .* set use_bidirectional_attention false in config.json"):
+        tpuexport.convert(transformers.GemmaForCausalLM(config).eval(), task="text-generation", max_context=16, out=tmp_path / "lm.tpu")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_forward_torch_export_cannot_trace_is_one_line_naming_the_architecture(tmp_path):
     """torch's fake tensors log the traceback of an operator that fails on them before torch.export
     raises; the user sees only tpuexport's line, which names the architecture."""

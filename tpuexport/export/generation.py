@@ -593,9 +593,13 @@ def check_decoder(model: nn.Module) -> None:
                              "past_key_values): its generate() recomputes the whole sequence at every step, which the "
                              "prefill/decode entry points do not; its full-sequence forward may convert (--task feature-extraction)")
     if _attends_bidirectionally(model):
-        raise TpuExportError(f"--task text-generation: {name} attends bidirectionally (its config's is_decoder is false), "
-                             "so earlier tokens' keys change as tokens are added and no KV cache can hold them; set is_decoder true "
-                             "in config.json if it was trained as a decoder, or convert --task feature-extraction")
+        # BERT-style decoders say so with is_decoder; PaliGemma's Gemma with use_bidirectional_attention (its prompt, a prefix).
+        field, value = ("use_bidirectional_attention", "true") if getattr(model.config, "use_bidirectional_attention", False) \
+            else ("is_decoder", "false")
+        fix = {"true": "false", "false": "true"}[value]
+        raise TpuExportError(f"--task text-generation: {name} attends bidirectionally (its config's {field} is {value}), "
+                             f"so earlier tokens' keys change as tokens are added and no KV cache can hold them; set {field} {fix} "
+                             "in config.json if it was trained as a causal decoder, or convert --task feature-extraction")
 
 
 def _attends_bidirectionally(model: nn.Module) -> bool:
