@@ -183,6 +183,24 @@ def test_a_multimodal_model_holding_the_whole_causal_lm_gives_its_tensors_under_
     assert all(names[name] == f"language_model.{name}" and theirs[names[name]].shape == ours[name].shape for name in names)
 
 
+def test_a_multimodal_model_is_built_as_the_class_its_directory_was_saved_from():
+    """PP-Chart2Table saves a GotOcr2ForConditionalGeneration over a config class of its own, which no
+    auto class maps to it: the language model was looked for in the image-text-to-text auto class,
+    and the sweep's pp_chart2table crashed ("type object 'AutoModelForImageTextToText' has no
+    attribute '_from_config'"). The saved class is built, and its Qwen2 found."""
+    from tpuexport.export.language_model import language_model_config, language_model_names, multimodal_model
+
+    config = transformers.AutoConfig.for_model("pp_chart2table", architectures=["GotOcr2ForConditionalGeneration"])
+    config.text_config.update(dict(TEXT, num_key_value_heads=2))
+    with torch.device("meta"):
+        multimodal = multimodal_model(config, torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(language_model_config(config))
+    assert type(multimodal).__name__ == "GotOcr2ForConditionalGeneration" and type(model).__name__ == "Qwen2ForCausalLM"
+    theirs, ours = dict(multimodal.named_parameters(remove_duplicate=False)), dict(model.named_parameters(remove_duplicate=False))
+    names = language_model_names(multimodal, model)
+    assert set(names) == set(ours) and all(theirs[mapped].shape == ours[name].shape for name, mapped in names.items())
+
+
 def test_vision_classifier_with_task_auto(models, tmp_path):
     out = tmp_path / "vit.tpu"
     result = tpuexport_in_process("convert", models["vit"], "--task", "auto", "--dim", "batch=1:2", "-o", out, *QUICK)

@@ -49,7 +49,7 @@ from tpuexport.logs import EXPORT_LOGGERS, TORCHAO_LOGGERS, quiet_loggers
 from tpuexport.export.checkpoints import (Checkpoint, check_weights_fit, open_checkpoint, parameters_on_meta, stored_weight_bytes,
                                           with_checkpoint_weights)
 from tpuexport.export.generation import check_decoder
-from tpuexport.export.language_model import language_model_config, language_model_names, tied_names
+from tpuexport.export.language_model import language_model_config, language_model_names, multimodal_model, tied_names
 from tpuexport.export.loaded import LoadedSource, SourceInfo, file_sha256
 from tpuexport.export.specs import DimSpec
 
@@ -441,16 +441,13 @@ def _language_model_source(resolved: ResolvedModel, dims: list[DimSpec], weights
     (weights in memory, or tensors transformers converts when loading). The other towers are not
     converted: the artifact takes and gives text."""
     _no_dims_for_generation(dims)
-    transformers = _import_transformers()
+    _import_transformers()
     config, text_config = resolved.config, language_model_config(resolved.config)
     dtype = _config_dtype(config)
-    architectures = list(getattr(config, "architectures", None) or [])
-    multimodal_class = getattr(transformers, architectures[0], None) if architectures else None
-    if getattr(multimodal_class, "config_class", None) is not type(config):
-        multimodal_class = transformers.AutoModelForImageTextToText
     with parameters_on_meta():
         model = auto_model_class("AutoModelForCausalLM", text_config).from_config(text_config, dtype=dtype).eval()
-        multimodal = multimodal_class._from_config(config, dtype=dtype).eval()
+        multimodal = multimodal_model(config, dtype)
+    multimodal_class = type(multimodal)
     names, siblings = language_model_names(multimodal, model), tied_names(multimodal)
     unknown = sorted(set(names.values()) - set(siblings))
     if unknown:

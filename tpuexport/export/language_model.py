@@ -29,6 +29,20 @@ def language_model_config(config):
     return text if causal and text is not config and not getattr(text, "is_encoder_decoder", False) else None
 
 
+def multimodal_model(config, dtype: torch.dtype) -> torch.nn.Module:
+    """The multimodal model as the directory was saved: the class its config's `architectures` names
+    (PP-Chart2Table's is GotOcr2ForConditionalGeneration, over a config class of its own, which the
+    auto classes do not map), else transformers' image-text-to-text auto class for the config. Built
+    in the caller's device context (the meta device: nothing is allocated)."""
+    import transformers
+
+    architectures = list(getattr(config, "architectures", None) or [])
+    named = getattr(transformers, architectures[0], None) if architectures else None
+    if isinstance(named, type) and issubclass(named, transformers.PreTrainedModel):
+        return named._from_config(config, dtype=dtype).eval()
+    return transformers.AutoModelForImageTextToText.from_config(config, dtype=dtype).eval()
+
+
 def language_model_names(multimodal: torch.nn.Module, model: torch.nn.Module) -> dict[str, str]:
     """{each parameter name of the causal LM `model` (tied names too): the multimodal model's name
     of the same tensor}. The multimodal model holds either the whole causal LM (BLIP-2's OPTForCausalLM)
