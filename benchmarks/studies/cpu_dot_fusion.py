@@ -1,7 +1,8 @@
-"""The time cost of giving XLA:CPU's dot library (YNNPACK) each dot alone, as CPU runs do
-(lower/lowering.py RUN_COMPILER_OPTIONS, session 23): a Llama-3.2-1B-shaped decoder layer's prefill
+"""The time cost of giving XLA:CPU's dot library (YNNPACK) each dot alone, as CPU runs with large
+temporaries do (lower/lowering.py LARGE_RUN_OPTIONS, session 23): a Llama-3.2-1B-shaped decoder layer's prefill
 (bf16, hidden 2048, 32 heads, 8 kv heads, MLP 8192) at 2048 tokens, compiled with the CPU runs'
-options with and without `xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT`,
+options (RUN_COMPILER_OPTIONS) and with LARGE_RUN_OPTIONS, which add
+`xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT`,
 run alternately; the median of each and their ratio printed, with XLA's planned temporaries.
 
     nice -n 10 python benchmarks/studies/cpu_dot_fusion.py [--tokens 2048] [--repeats 7]
@@ -20,10 +21,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from tpuexport.lower.lowering import RUN_COMPILER_OPTIONS  # noqa: E402
+from tpuexport.lower.lowering import LARGE_RUN_OPTIONS, RUN_COMPILER_OPTIONS  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 2048, 32, 8, 64, 8192
-YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
 
 
 def layer(weights, x):
@@ -51,9 +51,8 @@ def main() -> None:
               (HIDDEN, MLP), (HIDDEN, MLP), (MLP, HIDDEN)]
     weights = [(0.02 * jax.random.normal(key, shape)).astype(jnp.bfloat16) for key, shape in zip(keys, shapes)]
     x = jax.random.normal(keys[-1], (options.tokens, HIDDEN)).astype(jnp.bfloat16)
-    fused = {name: value for name, value in RUN_COMPILER_OPTIONS.items() if name != YNN_OPTION}
     compiled = {label: jax.jit(layer).lower(weights, x).compile(compiler_options=chosen)
-                for label, chosen in (("fused (XLA's default)", fused), ("each dot alone", RUN_COMPILER_OPTIONS))}
+                for label, chosen in (("fused (XLA's default)", RUN_COMPILER_OPTIONS), ("each dot alone", LARGE_RUN_OPTIONS))}
     times = {label: [] for label in compiled}
     outputs = {label: function(weights, x).block_until_ready() for label, function in compiled.items()}
     for _ in range(options.repeats):

@@ -85,16 +85,21 @@ CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-mot
 # (jax 0.12: llama 5.5 -> 4.6, bert 6.0 -> 4.8, vit 5.8 -> 5.5, resnet 6.2 -> 5.6), with outputs
 # equal bit for bit, f32 and TPU-faithful (benchmarks/studies/cpu_compile_options.py); matmuls and
 # convolutions are library calls, optimized either way.
-# YNNPACK (XLA:CPU's library for dots) is given each dot on its own: by default XLA:CPU hands it
-# whole subgraphs around a dot, and an attention's (the scores' dot, the scale, the mask, the softmax,
-# the second dot) then needs every broadcast operand written out in f32 at the scores' size (the
-# scale and the mask: 1 GiB at a 2048-token Llama-3.2-1B prefill) plus YNNPACK's own buffers for the
-# scores, which XLA's memory analysis does not count (another 0.7-1.3 GiB measured). With dots only,
-# XLA fuses the elementwise ops itself: that fill's run peaks 0.75 GiB lower and within its planned
-# temporaries, which verification sizes its cases by (verify/generation.py verified_fills). The
-# elementwise ops then round as XLA's own kernels do, within a bfloat16 step of YNNPACK's.
 RUN_COMPILER_OPTIONS = {**CPU_COMPILER_OPTIONS, "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
-                        "xla_backend_optimization_level": 1, "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+                        "xla_backend_optimization_level": 1}
+# A run whose planned temporaries pass LARGE_RUN_TEMPORARIES is compiled again giving YNNPACK (XLA:CPU's
+# library for dots) each dot on its own: by default XLA:CPU hands it whole subgraphs around a dot, and
+# an attention's (the scores' dot, the scale, the mask, the softmax, the second dot) then needs every
+# broadcast operand written out in f32 at the scores' size (the scale and the mask: 1 GiB at a
+# 2048-token Llama-3.2-1B prefill) plus YNNPACK's own buffers for the scores, which XLA's memory
+# analysis does not count (another 0.7-1.3 GiB measured). With dots only, XLA fuses the elementwise ops
+# itself: that fill's run peaks 0.75 GiB lower and within its planned temporaries, which verification
+# sizes its cases by (verify/generation.py verified_fills); its elementwise ops round as XLA's own
+# kernels do, within a bfloat16 step of YNNPACK's. Only large runs: at small sizes the fused
+# subgraphs are about 10% faster (tests/test_huggingface.py's RoBERTa conversion 10.7 -> 12.2 s with
+# every run so compiled), and a 2048-token fill about 1.5x slower (benchmarks/studies/cpu_dot_fusion.py).
+LARGE_RUN_OPTIONS = {**RUN_COMPILER_OPTIONS, "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+LARGE_RUN_TEMPORARIES = 256 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,8 +321,10 @@ class LoweredProgram:
                          for position, (shape, dtype) in enumerate(input_types)]
             others = [None if position in cpu.bits_inputs else argument for position, argument in enumerate(arguments)]
             state = [arguments[position] for position in cpu.bits_inputs]
-            executable = (jax.jit(call, donate_argnums=2).lower(self._device_weights, others, state)
-                          .compile(compiler_options=RUN_COMPILER_OPTIONS))
+            traced = jax.jit(call, donate_argnums=2).lower(self._device_weights, others, state)
+            executable = traced.compile(compiler_options=RUN_COMPILER_OPTIONS)
+            if executable.memory_analysis().temp_size_in_bytes > LARGE_RUN_TEMPORARIES:
+                executable = traced.compile(compiler_options=LARGE_RUN_OPTIONS)
             self._executables[key] = (program, executable, cpu)
         return self._executables[key][1:]
 
