@@ -320,6 +320,8 @@ def _eager_failure_alike(model: torch.nn.Module, args, error: Exception) -> str 
     "[672*s99, 224] X [768, 64]"), the eager run's names its value ("[1344, 224] X [768, 64]")."""
     from torch._subclasses import fake_tensor
 
+    from tpuexport.export.generation import _EntryPoint
+
     try:  # on fake tensors, as torch.export traces: the same kernels' messages, whether the weights are in memory or not
         with torch.no_grad(), _quiet_export(), fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
             model(*args)
@@ -332,10 +334,12 @@ def _eager_failure_alike(model: torch.nn.Module, args, error: Exception) -> str 
         # A kernel refusing the shapes eagerly, in other words than torch.export's trace did (split_with_sizes'
         # "expects split_sizes to sum exactly to 4" where torch.export says "Split sizes add up to 8"): the inputs
         # do not suit the model. What fake tensors cannot run (values read in Python) is no such failure.
+        # Only the model's own forward: a generation entry point's failure may be tpuexport's (its cache's shapes).
         fake_limits = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
                        fake_tensor.UnsupportedOperatorException, fake_tensor.UnsupportedFakeTensorException)
         if isinstance(eager_error, (RuntimeError, ValueError, IndexError)) and not isinstance(eager_error, fake_limits) \
-                and not re.search(r"meta|fake|data.dependent|symbolic|unbacked", message, re.IGNORECASE):
+                and not re.search(r"meta|fake|data.dependent|symbolic|unbacked", message, re.IGNORECASE) \
+                and not isinstance(model, _EntryPoint):
             return f"{type(eager_error).__name__}: {message}"
     return None
 
