@@ -441,7 +441,6 @@ def _language_model_source(resolved: ResolvedModel, dims: list[DimSpec], weights
     (weights in memory, or tensors transformers converts when loading). The other towers are not
     converted: the artifact takes and gives text."""
     _no_dims_for_generation(dims)
-    _import_transformers()
     config, text_config = resolved.config, language_model_config(resolved.config)
     dtype = _config_dtype(config)
     with parameters_on_meta():

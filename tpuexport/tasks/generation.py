@@ -262,11 +262,8 @@ def _paged_input_rules(spec: export_stage.PagedSpec, preset: str, mesh: dict[str
     each device holds its heads' keys and values of every page; whole otherwise (and for an entry point
     without the cache among its `inputs`).
 
-    Raises:
-      TpuExportError: a data axis or a data-parallel preset (every row's pages are in one pool, so no axis
-        splits the rows; other axes hold replicas), or kv heads that do not split evenly over the model axis.
+    A mesh the pages cannot take was refused before any export (`_check_paged`).
     """
-    _check_paged_mesh(spec.kv_heads, preset, mesh)
     if preset != "tensor-parallel" or mesh.get("model", 1) == 1:
         return ()
     lanes = (None,) * (len(spec.cache_shape) - 1) + ("model",)
