@@ -11,7 +11,9 @@ import torch
 
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
+from tpuexport.export import sampling as export_sampling
 from tpuexport.export.sampling import Sample, sample_example_arguments
+from tpuexport.lower.lowering import decompose
 from tpuexport.lower.sampling import Draw, Sampling, sample_reference, sampling_inputs
 from tpuexport.verify.sampling import DESIGNS, DRAWS, EXACT_ROWS, verify_sampling
 
@@ -65,3 +67,13 @@ def test_planted_sampling_bugs_fail_verification(planted, design):
     check = report.distributions[design]
     assert not report.passed and not check.passed and check.distance > 2 * check.bound, check.describe()
     assert not report.exact_passed  # the reference draws otherwise too
+
+
+def test_one_sample_program_and_decomposition_per_vocabulary_in_a_process():
+    """Every text-generation conversion of a vocabulary takes the process's one sample program, and its
+    decomposition is made once; a program that holds weights is decomposed anew each time."""
+    program = export_sampling.sample_program(VOCAB)
+    assert export_sampling.sample_program(VOCAB) is program and export_sampling.sample_program(VOCAB + 1) is not program
+    assert decompose(program) is decompose(program)
+    with_weights = torch.export.export(torch.nn.Linear(4, 4), (torch.zeros(2, 4),))
+    assert decompose(with_weights) is not decompose(with_weights)

@@ -4,7 +4,7 @@ from tpuexport.export.capture import CapturedModel, capture, describe, on_meta_d
 from tpuexport.export.generation import (CACHE_INPUTS, CACHE_LAYOUTS, CACHE_SCALE_INPUTS, WINDOW_CACHE_INPUTS, DEFAULT_CACHE_LAYOUT, ENTRY_POINTS, KV_CACHE_DTYPES,
                                          SLIDING_WINDOW_CACHES, GenerationSpec, check_kv_cache_dtype, check_sliding_window_cache, entry_point_modules, example_arguments, generation_spec)
 from tpuexport.export.paged import KV_CACHES, PagedSpec, Step, check_kv_cache, check_page_options, paged_spec, step_example_arguments
-from tpuexport.export.sampling import Sample, sample_example_arguments
+from tpuexport.export.sampling import Sample, sample_example_arguments, sample_program
 from tpuexport.export.seq2seq import Seq2SeqSpec, is_encoder_decoder, seq2seq_spec
 from tpuexport.export.seq2seq import entry_point_modules as seq2seq_entry_point_modules
 from tpuexport.export.seq2seq import example_arguments as seq2seq_example_arguments
@@ -24,6 +24,7 @@ __all__ = [
     "step_example_arguments",
     "Sample",
     "sample_example_arguments",
+    "sample_program",
     "CACHE_INPUTS",
     "CACHE_LAYOUTS",
     "CACHE_SCALE_INPUTS",

@@ -31,6 +31,8 @@ reports them by default): the drawn token's, and the N largest with their ids (t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -187,3 +189,16 @@ def sample_example_arguments(vocab: int) -> tuple[tuple, dict]:
     args = (torch.zeros((2, vocab)), torch.ones(2), torch.ones(2), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
             torch.zeros(2, dtype=torch.long))
     return args, tuple({0: rows} for _ in args)
+
+
+@functools.cache
+def sample_program(vocab: int) -> torch.export.ExportedProgram:
+    """The sample entry point's program over `vocab` tokens, exported once per process and vocabulary size.
+
+    It depends on nothing else (it holds no weights), and exporting it costs as much as exporting a tiny
+    model (0.85 s, most of it torch.cond tracing its branches); every text-generation conversion of
+    that vocabulary in the process takes this one program, and lower/lowering.py decomposes it once.
+    """
+    args, dynamic_shapes = sample_example_arguments(vocab)
+    with torch.no_grad():
+        return torch.export.export(Sample(vocab), args, dynamic_shapes=dynamic_shapes)

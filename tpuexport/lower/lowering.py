@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import weakref
 from typing import Sequence
 
 import jax
@@ -541,14 +542,30 @@ def tied_weights(program: torch.export.ExportedProgram, runs: tuple[ScannedRun, 
     return tied
 
 
+# Decompositions of programs that hold no weights, by program object: the sample entry point's program
+# is one object per vocabulary size in a process (export/sampling.py sample_program), and decomposing it
+# (retracing torch.cond's branches) takes about a second in every text-generation conversion. No pass
+# changes a program (each returns a copy), so one decomposition serves them all.
+_DECOMPOSED_WITHOUT_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """Runs torch's default decompositions, with library custom operators decomposed through what
-    defines them (lower/custom_ops.py), and torchax's extra ones (`_torchax_extra_decompositions`).
+    defines them (lower/custom_ops.py), and torchax's extra ones (`_torchax_extra_decompositions`);
+    once per program object for a program holding no weights.
 
     Raises:
       TpuExportError: decomposition failed; when it is a custom operator's decomposition that fails
         (the rest decompose without it), the message names the operator.
     """
+    if program.state_dict or program.constants:
+        return _decompose(program)
+    if program not in _DECOMPOSED_WITHOUT_WEIGHTS:
+        _DECOMPOSED_WITHOUT_WEIGHTS[program] = _decompose(program)
+    return _DECOMPOSED_WITHOUT_WEIGHTS[program]
+
+
+def _decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     custom = custom_operator_decompositions(program)
 
     def decomposed(extra: dict) -> torch.export.ExportedProgram:

@@ -218,15 +218,20 @@ def _decoder_spec(conversion: Conversion, seq: tuple[int, ...] | None, batches: 
         entry_points[name] = EntryPointSpec(source, sizes if name == "prefill" else None, DECODE_KERNEL_REASON if name == "decode" else None)
     # Draws the next tokens from prefill's logits (a prefill batch's rows) or decode's (max batch).
     sample_rows = sorted({*batches, spec.max_batch})
-    sample_args, sample_shapes = export_stage.sample_example_arguments(spec.vocab)
-    entry_points["sample"] = EntryPointSpec(export_stage.LoadedSource(export_stage.Sample(spec.vocab), sample_args, sample_shapes, None, loaded.info),
-                                            {"rows": sample_rows}, SAMPLE_KERNEL_REASON, reads_weights=False, precision="f32")
+    entry_points["sample"] = _sample_entry_point(spec.vocab, sample_rows, loaded.info)
     cache = f"{f'int8 + {spec.scale_dtype} scales' if spec.quantized else spec.dtype}"
     description = (f"entry points prefill (batch {list(batches)} x seq {list(spec.prefill_buckets)}), decode (batch {spec.max_batch}) and "
                    f"sample (rows {sample_rows}); cache {spec.layout} {list(spec.cache_shape)} {_describe_window_cache(spec)}{cache}")
     return ProgramSpec(entry_points, lambda lowered: lower_stage.GenerationProgram(spec, lowered, batches), True, description,
                        GenerationSources(spec, model, modules, checkpoint_model),
                        (checkpoint_model,) if checkpoint_model is not None else ())
+
+
+def _sample_entry_point(vocab: int, rows: list[int], info: export_stage.SourceInfo) -> EntryPointSpec:
+    """The sample entry point over `vocab` tokens at `rows` buckets: the process's one program for that
+    vocabulary (export_stage.sample_program), reading none of the model's weights."""
+    source = export_stage.LoadedSource(export_stage.sample_program(vocab), None, None, None, info)
+    return EntryPointSpec(source, {"rows": rows}, SAMPLE_KERNEL_REASON, reads_weights=False, precision="f32")
 
 
 def _streamed_weights(conversion: Conversion) -> tuple[torch.nn.Module | None, export_stage.Checkpoint | None]:
@@ -301,10 +306,8 @@ def _paged_spec(conversion: Conversion, requested: dict[str, list[int]]) -> Prog
     source = export_stage.LoadedSource(module, args, shapes, None, loaded.info, checkpoint=state)
     source = export_stage.on_meta_device(source) if conversion.plan_only else source
     sizes = {"tokens": list(spec.token_buckets), "rows": list(spec.row_buckets)}
-    sample_args, sample_shapes = export_stage.sample_example_arguments(spec.vocab)
     entry_points = {"step": EntryPointSpec(source, sizes, PAGED_KERNEL_REASON),
-                    "sample": EntryPointSpec(export_stage.LoadedSource(export_stage.Sample(spec.vocab), sample_args, sample_shapes, None, loaded.info),
-                                             {"rows": list(spec.row_buckets)}, SAMPLE_KERNEL_REASON, reads_weights=False, precision="f32")}
+                    "sample": _sample_entry_point(spec.vocab, list(spec.row_buckets), loaded.info)}
     description = (f"entry points step (tokens {list(spec.token_buckets)} x rows {list(spec.row_buckets)}) and sample (rows "
                    f"{list(spec.row_buckets)}); paged cache {list(spec.cache_shape)} "
                    f"{f'int8 + {spec.dtype} scales' if spec.quantized else spec.dtype} ({spec.num_pages} pages of {spec.page_size}, "
