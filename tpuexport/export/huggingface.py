@@ -882,10 +882,7 @@ def _checkpoint(directory: pathlib.Path, model: torch.nn.Module, prefix: str = "
             return None
         if renamed in state:
             names[prefix + renamed] = key
-    groups: dict[int, list[str]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(parameter), []).append(prefix + name)
-    if any(not any(name in names for name in group) for group in groups.values()):
+    if any(not any(prefix + name in names for name in group) for group in tied_names(model).values()):
         return None
     return _Renamed(checkpoint, names)
 
