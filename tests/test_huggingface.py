@@ -239,6 +239,25 @@ def test_a_roberta_directory_converts_with_default_dims(tmp_path):
     assert {"batch": 64, "seq": 64} in [case["sizes"] for case in manifest["verification"]["cases"]]
 
 
+def test_a_directory_converts_at_the_seq_range_its_models_code_takes(tmp_path):
+    """MobileBERT's trigram embedding pads a shifted copy of the sequence, which torch.export cannot
+    trace at seq 2 (a guard `seq - 1 != 1`): the default range 2..64 is narrowed to what the code
+    takes, 3..64, and the export line says so with the line of code (the batch the user gave stays).
+    A --dim seq the user gave is not changed: it is refused in one line naming the range that converts."""
+    config = transformers.MobileBertConfig(vocab_size=100, hidden_size=32, embedding_size=16, num_hidden_layers=1, num_attention_heads=4,
+                                           intermediate_size=32, intra_bottleneck_size=16, true_hidden_size=16, max_position_embeddings=64,
+                                           num_feedforward_networks=1)
+    directory = save(transformers.MobileBertForMaskedLM(config), tmp_path / "mobilebert")
+    out = tmp_path / "mobilebert.tpu"
+    result = tpuexport_in_process("convert", directory, "--dim", "batch=1:2", "-o", out, "--target", "cpu", "--no-saved-model")
+    assert result.returncode == 0, result.stderr
+    manifest = manifest_of(out)
+    assert signature(manifest)[2] == {"batch": (1, 2), "seq": (3, 64)} and manifest["verification"]["passed"]
+    assert "dims seq 3..64: the model's code cannot take seq = 2, at " in result.stderr and "modeling_mobilebert.py" in result.stderr
+    refused = tpuexport_in_process("convert", directory, "--dim", "seq=2:32", "-o", tmp_path / "given.tpu", *QUICK)
+    assert refused.returncode == 2 and "cannot take seq = 2" in refused.stderr and "--dim seq=3:32" in refused.stderr
+
+
 def test_a_position_table_of_the_models_own_class_bounds_the_seq_range_too():
     """I-BERT keeps RoBERTa's offset positions in its own QuantEmbedding (not a torch.nn.Embedding):
     its longest input is found the same way, and it is exact (eager runs there, and fails one past)."""

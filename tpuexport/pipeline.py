@@ -148,12 +148,18 @@ def passes(loaded: export_stage.LoadedSource, options: ConversionOptions, throug
 
 def export(conversion: Conversion) -> None:
     """The task's entry points, captured; their buckets."""
-    with conversion.clock.stage("export", lambda: conversion.spec.description or describe_dims(next(iter(conversion.captured.values())).signature)):
+    with conversion.clock.stage("export", lambda: _describe_export(conversion)):
         conversion.spec = conversion.task.specify(conversion)
         conversion.captured = {name: export_stage.capture(entry.source) for name, entry in conversion.spec.entry_points.items()}
     conversion.buckets = {name: compile_stage.make_buckets(conversion.captured[name].signature, entry.bucket_sizes)
                           for name, entry in conversion.spec.entry_points.items()}
     conversion.task.check_captured(conversion)
+
+
+def _describe_export(conversion: Conversion) -> str:
+    """The export line: the task's description (or the dims), then what the export decided (CapturedModel.notes)."""
+    described = conversion.spec.description or describe_dims(next(iter(conversion.captured.values())).signature)
+    return "; ".join([described, *(note for captured in conversion.captured.values() for note in captured.notes)])
 
 
 def quantize(conversion: Conversion) -> None:

@@ -42,6 +42,7 @@ class CapturedModel:
         checkpoint's program are on the meta device.
       keep_f32: state names of the weights of modules a Hugging Face model keeps in f32 on purpose
         (`_keep_in_fp32_modules`); --precision bf16 leaves them f32.
+      notes: what the export decided for the user, one line each (dims narrowed to what the model's code takes).
     """
 
     program: torch.export.ExportedProgram
@@ -52,10 +53,26 @@ class CapturedModel:
     calibration: Any = None
     checkpoint_state: dict[str, torch.Tensor] | None = None
     keep_f32: frozenset[str] = frozenset()
+    notes: tuple[str, ...] = ()
+
+
+class DimsNarrowed(TpuExportError):
+    """torch.export's refusal of dims the model's code takes only narrower ranges of (constraints.Explanation).
+
+    Attributes:
+      needs: what the code needs and where ("needs seq in 6..512, at modeling_vits.py:1220 (...)").
+      ranges: {dim: (min, max)} that export instead.
+    """
+
+    def __init__(self, line: str, needs: str, ranges: dict[str, tuple[int, int]]):
+        super().__init__(line)
+        self.needs, self.ranges = needs, ranges
 
 
 def capture(source: LoadedSource) -> CapturedModel:
-    """Exports the model with torch.export (if it is not an ExportedProgram already).
+    """Exports the model with torch.export (if it is not an ExportedProgram already); a source whose
+    dims the user did not give (`LoadedSource.at_ranges`) is exported again at the ranges the model's
+    code takes when torch.export finds it narrows them, which the CapturedModel's notes say.
 
     Args:
       source: what `load_source` (or the Python API) provided.
@@ -65,6 +82,18 @@ def capture(source: LoadedSource) -> CapturedModel:
       TpuExportError: torch.export refused the model or its dynamic_shapes; the checkpoint lacks
         some of the model's weights or holds one of another shape.
     """
+    try:
+        return _capture(source)
+    except DimsNarrowed as narrowed:
+        remade = source.at_ranges(narrowed.ranges) if source.at_ranges is not None else None
+        if remade is None:
+            raise
+        captured = _capture(dataclasses.replace(source, args=remade[0], dynamic_shapes=remade[1], at_ranges=None))
+        ranges = ", ".join(f"{name} {low}..{high}" for name, (low, high) in narrowed.ranges.items())
+        return dataclasses.replace(captured, notes=(f"dims {ranges}: the model's code {narrowed.needs}",))
+
+
+def _capture(source: LoadedSource) -> CapturedModel:
     if source.checkpoint is not None:
         return _capture_with_checkpoint(source)
     if isinstance(source.model, torch.export.ExportedProgram):
@@ -245,9 +274,13 @@ def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.Export
             program = torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
     except Exception as error:  # torch.export raises UserError, ConstraintViolationError, TypeError, ...
         with _quiet_export():
-            explained = constraints.explain(model, args, dynamic_shapes, str(error)) or symbolic_sizes.explain(error)
+            explanation = constraints.explain(model, args, dynamic_shapes, str(error))
+            explained = explanation.line if explanation else symbolic_sizes.explain(error)
         if explained:  # the line names the architecture, as every other refusal of torch.export's does
-            raise TpuExportError(explained.replace("torch.export:", f"torch.export{_described(model)}:", 1)) from None
+            line = explained.replace("torch.export:", f"torch.export{_described(model)}:", 1)
+            if explanation and explanation.ranges:
+                raise DimsNarrowed(line, explanation.needs, explanation.ranges) from None
+            raise TpuExportError(line) from None
         message = " ".join(str(error).split())
         if isinstance(error, GuardOnDataDependentSymNode):
             raise TpuExportError(

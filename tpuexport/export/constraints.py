@@ -14,6 +14,7 @@ failure path.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import math
@@ -189,16 +190,31 @@ def guard_sources(model: torch.nn.Module, args, dynamic_shapes) -> list[str]:
     return sources
 
 
-def explain(model: torch.nn.Module, args, dynamic_shapes, message: str) -> str | None:
-    """One line saying what torch.export's constraint violation needs, or None if it is not one.
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """What a constraint violation needs.
+
+    Attributes:
+      line: the one line, e.g. "torch.export: the model's code needs seq in 5..16, at model.py:8 (if
+        x.shape[1] > 4:); declare seq that range (--dim seq=5:16, or torch.export.Dim('seq', min=5,
+        max=16)), or change that code to work for every declared size".
+      needs: the middle of the line: what the code needs and where ("needs seq in 5..16, at model.py:8 (...)").
+      ranges: {dim: (min, max)} when every dim it names is narrowed to a range of two sizes or more
+        within the declared one (not fixed to one size, not a derived dim), else {}: declaring those
+        ranges instead exports.
+    """
+
+    line: str
+    needs: str
+    ranges: dict[str, tuple[int, int]]
+
+
+def explain(model: torch.nn.Module, args, dynamic_shapes, message: str) -> Explanation | None:
+    """What torch.export's constraint violation needs (see Explanation), or None if it is not one.
 
     Args:
       model, args, dynamic_shapes: what torch.export.export was given.
       message: the text torch.export raised.
-    Returns:
-      e.g. "torch.export: the model's code needs seq in 5..16, at model.py:8 (if x.shape[1] > 4:);
-      declare seq that range (--dim seq=5:16, or torch.export.Dim('seq', min=5, max=16)), or change
-      that code to work for every declared size".
     """
     if "Constraints violated" not in message:
         return None
@@ -206,22 +222,42 @@ def explain(model: torch.nn.Module, args, dynamic_shapes, message: str) -> str |
     if needs:
         what = ", ".join(f"fixes {name} at {need[2:]}" if re.fullmatch(r"= \d+", need) else f"needs {name} {need}"
                          for name, need in needs.items())
-        declarations = [declaration(name, need) for name, need in needs.items()]
     else:
-        what, declarations = _guarded_needs(model, args, dynamic_shapes, message)
-        if not declarations:
+        what, needs = _guarded_needs(model, args, dynamic_shapes, message)
+        if not needs:
             return None
+    declarations = [declaration(name, need) for name, need in needs.items()]
     where = _where(guard_sources(model, args, dynamic_shapes))
-    return (f"torch.export: the model's code {what}{where}; declare {' and '.join(declarations)}, "
+    line = (f"torch.export: the model's code {what}{where}; declare {' and '.join(declarations)}, "
             "or change that code to work for every declared size")
+    return Explanation(line, f"{what}{where}", _ranges(needs, _declared_ranges(dynamic_shapes)))
 
 
-def _guarded_needs(model: torch.nn.Module, args, dynamic_shapes, message: str) -> tuple[str, list[str]]:
+def _ranges(needs: dict[str, str], declared: dict[str, tuple[int, int | None]]) -> dict[str, tuple[int, int]]:
+    """Explanation.ranges of `suggested_fixes`-style needs."""
+    ranges = {}
+    for name, need in needs.items():
+        bounded = re.fullmatch(r"in (\d+)\.\.(\d+)", need)
+        at_least = re.fullmatch(r"at least (\d+)", need)
+        if bounded:
+            low, high = map(int, bounded.groups())
+        elif at_least and declared.get(name, (0, None))[1] is not None:
+            low, high = int(at_least.group(1)), declared[name][1]
+        else:
+            return {}
+        if name not in declared or high <= low:
+            return {}
+        ranges[name] = (low, high)
+    return ranges
+
+
+def _guarded_needs(model: torch.nn.Module, args, dynamic_shapes, message: str) -> tuple[str, dict[str, str]]:
     """What the guards of a message without suggested fixes need ("cannot take seq = 2", "needs seq in
-    6..512") and the declarations that export, from `guarded_sizes`; ("", []) when they say nothing."""
+    6..512") and, per dim, the need that exports (as `suggested_fixes` says them), from `guarded_sizes`;
+    ("", {}) when they say nothing."""
     declared = _declared_ranges(dynamic_shapes)
     examples = _example_sizes(model, args, message)
-    phrases, declarations = [], []
+    phrases, needs = [], {}
     for name, (allowed, unproven) in guarded_sizes(message, declared).items():
         low, high = declared[name]
         checked_high = high if high is not None else low + _UNBOUNDED_SCAN
@@ -240,8 +276,8 @@ def _guarded_needs(model: torch.nn.Module, args, dynamic_shapes, message: str) -
         else:
             continue
         phrases.append(phrase)
-        declarations.append(declaration(name, need))
-    return " and ".join(phrases), declarations
+        needs[name] = need
+    return " and ".join(phrases), needs
 
 
 def _where(sources: list[str]) -> str:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -392,7 +393,17 @@ def _forward_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_mem
     elif weights_in_memory:
         _check_in_memory_fit(resolved, "--quantize int8/int8-dynamic rounds them there")
         wrapped, checkpoint = with_checkpoint_weights(wrapped, checkpoint), None
-    return LoadedSource(wrapped, args, dynamic_shapes, None, info, checkpoint=checkpoint, huggingface=record)
+    return LoadedSource(wrapped, args, dynamic_shapes, None, info, checkpoint=checkpoint, huggingface=record,
+                        at_ranges=functools.partial(_at_ranges, model, dims))
+
+
+def _at_ranges(model: torch.nn.Module, given: list[DimSpec], ranges: dict[str, tuple[int, int]]) -> tuple[tuple, dict] | None:
+    """LoadedSource.at_ranges of a directory's forward: its example inputs with `ranges` in place of the
+    config's, or None when the user gave one of those dims (--dim)."""
+    if any(spec.name in ranges for spec in given):
+        return None
+    _, args, dynamic_shapes = forward_program(model, [*given, *(DimSpec(name, low, high) for name, (low, high) in ranges.items())])
+    return args, dynamic_shapes
 
 
 def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_memory: bool) -> LoadedSource:

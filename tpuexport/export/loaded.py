@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
 from tpuexport.export.checkpoints import Checkpoint
 
@@ -49,6 +49,9 @@ class LoadedSource:
         typically on the meta device; None when the model holds its weights.
       huggingface: for a Hugging Face source, its export.huggingface.HuggingFaceInfo (task,
         config, revision, tokenizer/processor files for the artifact); None otherwise.
+      at_ranges: for dims the source chose itself (a Hugging Face directory's, from its config),
+        called with {dim: (min, max)} narrower ranges its model's code takes: (args, dynamic_shapes)
+        made at them, or None when one of those dims is the user's (`capture` then refuses in one line).
     """
 
     model: Any
@@ -59,6 +62,7 @@ class LoadedSource:
     input_names: tuple[str, ...] | None = None
     checkpoint: Checkpoint | None = None
     huggingface: Any = None
+    at_ranges: Callable[[dict[str, tuple[int, int]]], tuple[tuple, Any] | None] | None = None
 
 
 def file_sha256(path: pathlib.Path) -> str:
