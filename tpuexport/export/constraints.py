@@ -245,7 +245,11 @@ def _ranges(needs: dict[str, str], declared: dict[str, tuple[int, int | None]]) 
             low, high = int(at_least.group(1)), declared[name][1]
         else:
             return {}
-        if name not in declared or high <= low:
+        if name not in declared:
+            return {}
+        declared_low, declared_high = declared[name]  # within the declared range: narrowed, never widened
+        low, high = max(low, declared_low), min(high, declared_high) if declared_high is not None else high
+        if high <= low:
             return {}
         ranges[name] = (low, high)
     return ranges
