@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tpuexport import TpuExportError, convert, load
-from tpuexport.export import load_source
+from tpuexport.export import load_source, parse_dim
 from tpuexport.export.huggingface import longest_positions
 from test_cli import tpuexport_in_process  # the command line, in this process (the hf: sources below run the command itself)
 
@@ -203,7 +203,7 @@ def test_a_multimodal_model_is_built_as_the_class_its_directory_was_saved_from()
 
 def test_vision_classifier_with_task_auto(models, tmp_path):
     out = tmp_path / "vit.tpu"
-    result = tpuexport_in_process("convert", models["vit"], "--task", "auto", "--dim", "batch=1:2", "-o", out, *QUICK)
+    result = tpuexport_in_process("convert", models["vit"], "--task", "auto", "--dim", "batch=2:4", "-o", out, *QUICK)
     assert result.returncode == 0, result.stderr
     manifest = manifest_of(out)
     inputs, outputs, dims = signature(manifest)
@@ -243,19 +243,22 @@ def test_a_directory_converts_at_the_seq_range_its_models_code_takes(tmp_path):
     """MobileBERT's trigram embedding pads a shifted copy of the sequence, which torch.export cannot
     trace at seq 2 (a guard `seq - 1 != 1`): the default range 2..64 is narrowed to what the code
     takes, 3..64, and the export line says so with the line of code (the batch the user gave stays).
-    A --dim seq the user gave is not changed: it is refused in one line naming the range that converts."""
+    A --dim seq the user gave is not changed (the export's one-line refusal stands)."""
     config = transformers.MobileBertConfig(vocab_size=100, hidden_size=32, embedding_size=16, num_hidden_layers=1, num_attention_heads=4,
                                            intermediate_size=32, intra_bottleneck_size=16, true_hidden_size=16, max_position_embeddings=64,
                                            num_feedforward_networks=1)
     directory = save(transformers.MobileBertForMaskedLM(config), tmp_path / "mobilebert")
     out = tmp_path / "mobilebert.tpu"
-    result = tpuexport_in_process("convert", directory, "--dim", "batch=1:2", "-o", out, "--target", "cpu", "--no-saved-model")
+    result = tpuexport_in_process("convert", directory, "--dim", "batch=2:4", "-o", out, "--target", "cpu", "--no-saved-model")
     assert result.returncode == 0, result.stderr
     manifest = manifest_of(out)
-    assert signature(manifest)[2] == {"batch": (1, 2), "seq": (3, 64)} and manifest["verification"]["passed"]
+    assert signature(manifest)[2] == {"batch": (2, 4), "seq": (3, 64)} and manifest["verification"]["passed"]
     assert "dims seq 3..64: the model's code cannot take seq = 2, at " in result.stderr and "modeling_mobilebert.py" in result.stderr
-    refused = tpuexport_in_process("convert", directory, "--dim", "seq=2:32", "-o", tmp_path / "given.tpu", *QUICK)
-    assert refused.returncode == 2 and "cannot take seq = 2" in refused.stderr and "--dim seq=3:32" in refused.stderr
+    # The ranges a source may narrow are the ones it chose: with --dim seq given, the export's refusal stands.
+    given = load_source(str(directory), dims=[parse_dim("seq=2:32")])
+    assert given.at_ranges({"seq": (3, 32)}) is None
+    args, dynamic_shapes = load_source(str(directory), dims=[parse_dim("batch=2:4")]).at_ranges({"seq": (3, 32)})
+    assert args[0].shape[1] >= 3 and dynamic_shapes["input_ids"][1].min == 3 and dynamic_shapes["input_ids"][0].max == 4
 
 
 def test_a_position_table_of_the_models_own_class_bounds_the_seq_range_too():

@@ -128,6 +128,11 @@ def _capture_with_checkpoint(source: LoadedSource) -> CapturedModel:
     try:
         program = _export(on_meta.model, on_meta.args, on_meta.dynamic_shapes)
         weights = _program_weights(program, reference)
+    except DimsNarrowed:
+        if source.at_ranges is None:
+            program = None
+        else:  # sizes, not values: `capture` exports again at the ranges the code takes (explaining again costs a trace)
+            raise
     except TpuExportError:
         # A forward that reads a constant it makes on its weights' device (transformers' torch_compilable_check of a
         # tensor, D-FINE's and RT-DETR's) cannot run on the meta device: its refusal said "Cannot cast tensor(False) to
