@@ -128,12 +128,9 @@ def _capture_with_checkpoint(source: LoadedSource) -> CapturedModel:
     try:
         program = _export(on_meta.model, on_meta.args, on_meta.dynamic_shapes)
         weights = _program_weights(program, reference)
-    except DimsNarrowed:
-        if source.at_ranges is None:
-            program = None
-        else:  # sizes, not values: `capture` exports again at the ranges the code takes (explaining again costs a trace)
-            raise
-    except TpuExportError:
+    except TpuExportError as error:
+        if isinstance(error, DimsNarrowed) and source.at_ranges is not None:
+            raise  # sizes, not values: `capture` exports again at the ranges the code takes (explaining again costs a trace)
         # A forward that reads a constant it makes on its weights' device (transformers' torch_compilable_check of a
         # tensor, D-FINE's and RT-DETR's) cannot run on the meta device: its refusal said "Cannot cast tensor(False) to
         # number", or named no line of the model's code. The export with the checkpoint's tensors says what it says.
