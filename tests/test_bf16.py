@@ -184,7 +184,7 @@ def test_the_coverage_benchmark_writes_bf16_checkpoints_that_load_as_users_load_
     bfloat16 and its rotary table (not in a checkpoint, computed by the model) f32."""
     from families import FAMILIES
 
-    from tpuexport.arrays import read_safetensors_header
+    from tpuexport.safetensors_files import read_safetensors_header
     from tpuexport.export import load_source
 
     FAMILIES["llama"].save(tmp_path / "llama", torch.bfloat16)

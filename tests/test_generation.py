@@ -26,12 +26,13 @@ from test_cli import tpuexport_in_process  # the command line, in this process
 from tpuexport.pipeline import ConversionOptions, passes
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
-from tpuexport.export.generation import CACHE_LAYOUTS, Decode, DecodeCache, write_decode_cache, write_prefill_cache
+from tpuexport.export.generation import Decode, DecodeCache, write_decode_cache, write_prefill_cache
+from tpuexport.export.cache_specs import CACHE_LAYOUTS
 from tpuexport.export.huggingface import generation_context
 from tpuexport.lower import generation as lowered_generation
 from tpuexport.lower.cpu_dots import fold_transposes_into_dots
 from tpuexport.lower.cpu_program import cpu_program, state_positions
-from tpuexport.lower.lowering import DeviceState
+from tpuexport.lower.lowered import DeviceState
 from tpuexport.lower.stablehlo_rewrite import rewrite_module
 from tpuexport.verify import verify_generation
 from tpuexport.verify.generation import cpu_runs, plan_prompts, teacher_forced_runs

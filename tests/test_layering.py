@@ -4,6 +4,7 @@ stages below it and the shared modules; nothing below imports what composes the 
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 
 import pytest
@@ -142,3 +143,14 @@ def test_a_cycle_is_found(tmp_path, monkeypatch):
     (package / "second.py").write_text("def f():\n    from tpuexport.example.first import thing\n")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "tpuexport")
     assert cycles_within_packages() == [["tpuexport.example.first", "tpuexport.example.second", "tpuexport.example.first"]]
+
+
+@pytest.mark.parametrize("package", [*STAGES, ""])
+def test_no_lazily_imported_name_is_a_module_of_its_package(package):
+    """A package's names come from its modules on first use (tpuexport/lazy.py); importing a module
+    of the same name would set the package's attribute to that module, hiding the name for good."""
+    namespace = importlib.import_module(f"tpuexport.{package}" if package else "tpuexport")
+    directory = PACKAGE / package
+    assert namespace.__all__
+    shadowed = [name for name in namespace.__all__ if (directory / f"{name}.py").is_file() or (directory / name / "__init__.py").is_file()]
+    assert not shadowed, f"tpuexport{'.' + package if package else ''} exports {shadowed}, also modules of it: rename the modules"

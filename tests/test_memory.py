@@ -27,7 +27,7 @@ from tpuexport.errors import TpuExportError
 from conftest import build_example
 from tpuexport.lower.attention import scaled_dot_product_attention
 from tpuexport.lower.cpu_dots import fold_transposes_into_dots
-from tpuexport.lower.lowering import LARGE_RUN_OPTIONS, RUN_COMPILER_OPTIONS
+from tpuexport.lower.lowered import LARGE_RUN_OPTIONS, RUN_COMPILER_OPTIONS
 from tpuexport.lower.stablehlo_rewrite import rewrite_module
 from tpuexport.export import LoadedSource, SourceInfo, load_source, open_checkpoint
 from tpuexport.memory import UNKNOWN_PEAK, MemoryMonitor, PeakMemory, memory_budget, resident_bytes
@@ -509,7 +509,7 @@ def test_a_cpu_runs_attention_gives_the_dot_library_its_dots_alone():
     """XLA:CPU hands YNNPACK whole subgraphs around a dot by default: an attention's scale and mask
     are then written out in f32 at the scores' size, and YNNPACK holds the scores in buffers XLA's
     memory analysis does not count (a 2048-token Llama-3.2-1B prefill peaked 0.75 GiB above its
-    plan). A run with large temporaries is compiled again with lowering.LARGE_RUN_OPTIONS, which give
+    plan). A run with large temporaries is compiled again with lowered.LARGE_RUN_OPTIONS, which give
     it each dot alone."""
     query = jax.ShapeDtypeStruct((1, 32, 256, 64), jnp.bfloat16)
     key = value = jax.ShapeDtypeStruct((1, 8, 256, 64), jnp.bfloat16)

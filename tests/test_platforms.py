@@ -90,16 +90,20 @@ def test_a_process_that_chose_its_platform_keeps_it_and_still_converts(tmp_path)
     assert state["runner_error"] < 1e-4 and state["cpu_run_error"] < 1e-4
 
 
-def test_the_runtime_in_a_fresh_process_runs_on_the_cpu_without_probing_for_a_tpu_or_compiling(mlp_cpu_artifact):
+def test_the_runtime_in_a_fresh_process_runs_on_the_cpu_without_probing_for_a_tpu_compiling_or_importing_torch(mlp_cpu_artifact):
     result = run_python(
-        "import json, numpy as np, jax, tpuexport\n"
+        "import json, sys, numpy as np, jax, tpuexport, tpuexport.serve.server\n"
         f"runner = tpuexport.runner({str(mlp_cpu_artifact.path)!r})\n"
         "runner.run({'x': np.ones((2, 32), np.float32)})\n"
         "print(json.dumps({'platform': runner.devices[0].platform, 'compilations': runner.compilations_at_start,\n"
-        "                  'describe': runner.describe()}))\n")
+        "                  'describe': runner.describe(),\n"
+        "                  'frameworks': sorted(name for name in ('torch', 'tensorflow', 'transformers') if name in sys.modules)}))\n")
     state = json.loads(result.stdout.splitlines()[-1])
 
     assert state["platform"] == "cpu" and state["compilations"] == 0
+    # Serving a forward model imports no torch (about 2 s and 400 MB at every start): the runtime reads
+    # the artifact with what lazy.py, lower/lowered.py and export/cache_specs.py keep apart from torch.
+    assert state["frameworks"] == []
     assert "compilations_at_start: 0" in state["describe"] and "on 1 cpu device" in state["describe"]
     assert not [line for line in result.stderr.splitlines() if any(warning in line for warning in PROBE_WARNINGS)], result.stderr
 

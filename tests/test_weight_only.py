@@ -20,7 +20,7 @@ from tpuexport import compile as compile_stage
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
-from tpuexport.arrays import read_safetensors_header
+from tpuexport.safetensors_files import read_safetensors_header
 from tpuexport.cli import main
 from tpuexport.errors import EXIT_BAD_INPUT, TpuExportError
 from tpuexport.lower.quantized_weights import QuantizedArray, quantized_matmul

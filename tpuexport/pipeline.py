@@ -203,7 +203,7 @@ def weights(conversion: Conversion) -> None:
     if captured.checkpoint_state is not None:
         state, origin = captured.checkpoint_state, f"streamed from the checkpoint {captured.source.checkpoint}"
     else:
-        state, origin = conversion.program.entry_points[reader].stored_state(), "written from the model's tensors"
+        state, origin = lower_stage.stored_state(conversion.program.entry_points[reader]), "written from the model's tensors"
     path = conversion.scratch / "weights.safetensors"
     stored = None
     if conversion.weight_only is not None:

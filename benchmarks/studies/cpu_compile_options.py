@@ -1,4 +1,4 @@
-"""XLA:CPU compile options for the runs verification makes (lower/lowering.py RUN_COMPILER_OPTIONS):
+"""XLA:CPU compile options for the runs verification makes (lower/lowered.py RUN_COMPILER_OPTIONS):
 per coverage family, the CPU seconds of compiling and running the program and its TPU-faithful
 rewrite at three sizes under each option set (the lower of two rounds, the sets alternating), and
 whether the outputs equal the first set's bit for bit.
@@ -22,11 +22,11 @@ from families import FAMILIES  # noqa: E402
 from tpuexport import export as export_stage  # noqa: E402
 from tpuexport import lower as lower_stage  # noqa: E402
 from tpuexport.inputs import make_inputs  # noqa: E402
-from tpuexport.lower import lowering  # noqa: E402
+from tpuexport.lower import lowered  # noqa: E402
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS  # noqa: E402
 from tpuexport.verify.tpu_numerics import tpu_faithful  # noqa: E402
 
-BASE = {name: value for name, value in lowering.RUN_COMPILER_OPTIONS.items() if name != "xla_backend_optimization_level"}
+BASE = {name: value for name, value in lowered.RUN_COMPILER_OPTIONS.items() if name != "xla_backend_optimization_level"}
 OPTION_SETS = {"LLVM -O2 (XLA's default)": BASE, "LLVM -O1": {**BASE, "xla_backend_optimization_level": 1}}
 
 
@@ -49,7 +49,7 @@ def main(names: list[str]) -> None:
         first, seconds, equal = None, {label: [] for label in OPTION_SETS}, {}
         for _ in range(2):
             for label, options in OPTION_SETS.items():
-                lowering.RUN_COMPILER_OPTIONS = options
+                lowered.RUN_COMPILER_OPTIONS = options
                 lowered._executables.clear()
                 start = time.process_time()
                 outputs = [output for case in inputs for program in programs for output in lowered.run(case, program=program)]

@@ -1,5 +1,5 @@
 """The time cost of giving XLA:CPU's dot library (YNNPACK) each dot alone, as CPU runs with large
-temporaries do (lower/lowering.py LARGE_RUN_OPTIONS, session 23): a Llama-3.2-1B-shaped decoder layer's prefill
+temporaries do (lower/lowered.py LARGE_RUN_OPTIONS, session 23): a Llama-3.2-1B-shaped decoder layer's prefill
 (bf16, hidden 2048, 32 heads, 8 kv heads, MLP 8192) at 2048 tokens, compiled with the CPU runs'
 options (RUN_COMPILER_OPTIONS) and with LARGE_RUN_OPTIONS, which add
 `xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT`,
@@ -21,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from tpuexport.lower.lowering import LARGE_RUN_OPTIONS, RUN_COMPILER_OPTIONS  # noqa: E402
+from tpuexport.lower.lowered import LARGE_RUN_OPTIONS, RUN_COMPILER_OPTIONS  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 2048, 32, 8, 64, 8192
 

@@ -1,9 +1,12 @@
-"""Artifact stage: layout, manifest, hashes, atomic writes, and reading artifacts back."""
+"""Artifact stage: layout, manifest, hashes, atomic writes, and reading artifacts back.
 
-from tpuexport.artifact.artifact import Artifact, load
-from tpuexport.artifact.huggingface import huggingface_writer
-from tpuexport.artifact.weights import ALIGNMENT, map_weights, write_weights
-from tpuexport.artifact.writer import check_destination, kernels_writer, sibling_prefix, write_artifact
+Names are imported from their modules on first use (tpuexport/lazy.py)."""
 
-__all__ = ["ALIGNMENT", "Artifact", "check_destination", "huggingface_writer", "kernels_writer", "load", "map_weights", "sibling_prefix", "write_artifact",
-           "write_weights"]
+from tpuexport.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "artifact": ["Artifact", "load"],
+    "huggingface": ["huggingface_writer"],
+    "weights": ["ALIGNMENT", "map_weights", "write_weights"],
+    "writer": ["check_destination", "kernels_writer", "sibling_prefix", "write_artifact"],
+})

@@ -15,14 +15,12 @@ import hashlib
 import json
 import pathlib
 import posixpath
+import sys
 from typing import Iterator
 
 import jax
 import numpy as np
-import torch
-from torch.utils import _pytree as pytree
 
-from tpuexport.arrays import load_arrays, to_numpy, to_torch
 from tpuexport.artifact.weights import map_weights
 from tpuexport.artifact import layout
 from tpuexport.artifact.manifest import sha256_file
@@ -30,8 +28,8 @@ from tpuexport.artifact.records import Manifest
 from tpuexport.artifact.upgrade import upgraded
 from tpuexport.devices import on_host_cpu, runs_on_host_cpu, steps_on_host_cpu
 from tpuexport.errors import TpuExportError
-from tpuexport.export.huggingface import ARTIFACT_DIRECTORY as HF_DIRECTORY
-from tpuexport.lower import LoweredProgram, generation_program
+from tpuexport.lower.lowered import LoweredProgram
+from tpuexport.lower.programs import generation_program
 from tpuexport.lower.program import DEFAULT_ENTRY_POINT
 from tpuexport.lower.sampling import GREEDY, Sampling
 from tpuexport.lower.seq2seq import FEATURES_USAGE, source_rows
@@ -167,7 +165,7 @@ class Artifact:
         for an artifact without them (a model converted from Python: generation runs to the end)."""
         huggingface = self.manifest.get("huggingface") or {}
         if "generation_config.json" in huggingface.get("files", {}):
-            value = json.loads(self.read_checked(f"{HF_DIRECTORY}/generation_config.json")).get("eos_token_id")
+            value = json.loads(self.read_checked(huggingface["files"]["generation_config.json"])).get("eos_token_id")
         else:
             config = huggingface.get("config") or {}
             value = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
@@ -180,15 +178,14 @@ class Artifact:
         Raises:
           TpuExportError: the artifact has no tokenizer files.
         """
-        files = self.manifest.get("huggingface", {}).get("files", [])
+        files = self.manifest.get("huggingface", {}).get("files", {})
         if not any(name.startswith("tokenizer") or name in ("vocab.txt", "vocab.json", "spiece.model") for name in files):
             raise TpuExportError(f"{self.path} carries no tokenizer (its source was not a Hugging Face directory with tokenizer files); "
                                  "pass token ids with --tokens")
         from transformers import AutoTokenizer
 
-        for name in files:
-            self.checked_path(f"{HF_DIRECTORY}/{name}")
-        return AutoTokenizer.from_pretrained(str(self.path / HF_DIRECTORY), local_files_only=True, trust_remote_code=False)
+        paths = [self.checked_path(relative) for relative in files.values()]
+        return AutoTokenizer.from_pretrained(str(paths[0].parent), local_files_only=True, trust_remote_code=False)
 
     def generate(self, tokens=None, max_new_tokens: int = 32, *, features=None, sampling: Sampling = GREEDY,
                  ignore_eos: bool = False) -> list[list[int]]:
@@ -261,6 +258,11 @@ class Artifact:
           TpuExportError: a plan (no weights), wrong number of inputs or sizes outside the dims' ranges,
             or a program or weights file that does not match its sha256 in the manifest.
         """
+        import torch  # the outputs are torch's; reading and serving an artifact need no torch
+        from torch.utils import _pytree as pytree
+
+        from tpuexport.arrays import to_torch
+
         arrays = [_input_array(value, spec.name) for value, spec in zip(inputs, self.signature.inputs)]
         outputs = self.program.run(arrays + list(inputs[len(arrays):]))
         tensors = [to_torch(array).to(getattr(torch, spec.torch_dtype)) for array, spec in zip(outputs, self.signature.outputs)]
@@ -306,6 +308,8 @@ class Artifact:
         signature order (none for a plan)."""
         if self.plan_only:
             return []
+        from tpuexport.arrays import load_arrays  # torch's safetensors reader: only golden data needs it
+
         arrays = load_arrays(self.read_checked(self.manifest["verification"]["golden"]))
         cases = []
         for index, case in enumerate(self.manifest["verification"]["cases"]):
@@ -322,7 +326,9 @@ def _input_array(value, name: str) -> np.ndarray:
     Raises:
       TpuExportError: a value numpy cannot make an array of (ragged nested lists, ...).
     """
-    if isinstance(value, torch.Tensor):
+    if _is_torch_tensor(value):
+        from tpuexport.arrays import to_numpy
+
         return to_numpy(value.detach().cpu())
     try:
         return np.asarray(value)
@@ -422,10 +428,16 @@ def _token_lists(tokens):
     Raises:
       TpuExportError: an array of floats or of more than 2 dims.
     """
-    if not isinstance(tokens, (torch.Tensor, np.ndarray)):
+    if not (_is_torch_tensor(tokens) or isinstance(tokens, np.ndarray)):
         return tokens
-    array = tokens.detach().cpu().numpy() if isinstance(tokens, torch.Tensor) else tokens
+    array = tokens.detach().cpu().numpy() if _is_torch_tensor(tokens) else tokens
     if array.ndim not in (1, 2) or not np.issubdtype(array.dtype, np.integer):
         raise TpuExportError(f"token ids as an array must be integers of shape [batch, length] or [length]; got {array.dtype} "
                              f"{list(array.shape)}")
     return array.tolist()
+
+
+def _is_torch_tensor(value) -> bool:
+    """Whether `value` is a torch tensor, without importing torch: a process that made one has it."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)

@@ -10,7 +10,7 @@ import copy
 
 from tpuexport.errors import TpuExportError
 from tpuexport.signature import ProgramSignature
-from tpuexport.verify.padding import padding_policy
+from tpuexport.verify.row_padding import padding_policy
 
 # Version 2 (tpuexport before 2026-11-27): a forward artifact held one program (top-level "signature",
 # program files under "program"); a text-generation one its "entry_points". Both are entry points now.

@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 import pathlib
 import struct
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
-import torch
 
-from tpuexport.arrays import SAFETENSORS_CODES, SAFETENSORS_DTYPES, numpy_dtype, read_safetensors_header, torch_view
 from tpuexport.errors import TpuExportError
+from tpuexport.safetensors_files import SAFETENSORS_CODES, SAFETENSORS_DTYPES, numpy_dtype, read_safetensors_header
+
+# Writing weights (a conversion) casts torch tensors; reading them (`map_weights`, the runtime) needs no torch.
+if TYPE_CHECKING:
+    import torch
 
 # XLA:CPU takes host arrays aligned to this many bytes without a copy.
 ALIGNMENT = 64
@@ -39,6 +42,8 @@ def write_weights(path: pathlib.Path, names: Sequence[str], specs: Sequence, par
     Raises:
       TpuExportError: a weight's parts do not hold as many elements as its shape.
     """
+    import torch  # only writing needs torch (the module imports it for annotations alone)
+
     sizes = [int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize for spec in specs]
     # Tensors whose size keeps the next one aligned first: every tensor then starts aligned up to
     # the first odd-sized one.
@@ -74,6 +79,8 @@ def write_arrays(path: pathlib.Path, names: Sequence[str], arrays: Sequence[np.n
     Returns:
       The bytes of tensor data written.
     """
+    from tpuexport.arrays import torch_view  # torch, which only writing needs
+
     by_name = dict(zip(names, arrays))
     return write_weights(path, names, arrays, lambda name: (torch_view(by_name[name]),))
 

@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import jax
 
@@ -54,8 +54,10 @@ from tpuexport.compile.targets import Target
 from tpuexport.errors import TpuExportError
 from tpuexport.lower import DEFAULT_ENTRY_POINT, LoweredProgram
 from tpuexport.lower.cpu_program import cpu_program, state_positions
-from tpuexport.lower.kernels import BucketKernels
-from tpuexport.lower.lowering import CPU_COMPILER_OPTIONS
+from tpuexport.lower.lowered import CPU_COMPILER_OPTIONS
+
+if TYPE_CHECKING:  # kernels.py imports torch; the runtime imports this module without it
+    from tpuexport.lower.kernels import BucketKernels
 
 CHILD_SCRIPT = pathlib.Path(__file__).with_name("compile_child.py")
 # The slowest compile measured (Llama-3-70B planned for v5p-128, docs/checkpoints-and-plans.md) takes 151 s: ten times that,
@@ -465,7 +467,7 @@ def _kernel_programs(target: Target, buckets: list[Bucket], kernels: dict | None
 
 def compiler_options(target: Target) -> dict:
     """XLA options the target's executables are compiled with: XLA:CPU's are the ones every CPU run
-    of the program uses (lowering.CPU_COMPILER_OPTIONS); TPUs use XLA's defaults."""
+    of the program uses (lowered.CPU_COMPILER_OPTIONS); TPUs use XLA's defaults."""
     return dict(CPU_COMPILER_OPTIONS) if target.platform == "cpu" else {}
 
 

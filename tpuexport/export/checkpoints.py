@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tpuexport.arrays import SAFETENSORS_DTYPES, read_safetensors_header
+from tpuexport.safetensors_files import SAFETENSORS_DTYPES, read_safetensors_header
 from tpuexport.errors import TpuExportError
 from tpuexport.memory import MemoryBudget, gib
 

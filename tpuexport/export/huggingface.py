@@ -602,7 +602,7 @@ def _runs_shape_only(forward: torch.nn.Module, args: tuple) -> bool:
     (`_other_layout`) is known by which layout it takes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tpuexport.export.capture import meta_copy
+    from tpuexport.export.capturing import meta_copy
 
     on_meta = any(parameter.is_meta for parameter in forward.parameters())
     if on_meta:  # the buffers its init computed too (they stay real beside meta parameters)

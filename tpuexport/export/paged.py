@@ -39,12 +39,12 @@ shape, v5e, 8 tokens x 8 rows at context 4096; benchmarks/studies/paged_cache.py
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 
 from tpuexport.errors import TpuExportError
+from tpuexport.export.cache_specs import DEFAULT_PAGE_SIZE, PAGES_DIM, PagedSpec, max_pages
 from tpuexport.export.generation import (_EntryPoint, _masked_value, _text_config, _transformers_cache, attention_windows, base_model, cached_shapes,
                                          check_decoder, decoder_layers, dequantize_kv, masks_as_bias, positions_given,
                                          quantize_kv)
@@ -52,105 +52,6 @@ from tpuexport.export.generation import (_EntryPoint, _masked_value, _text_confi
 # --kv-cache: "static" is [layers, max_batch, kv_heads, max_context, head_dim] (export/generation.py);
 # "paged" is pages a row takes as it grows (this module).
 KV_CACHES = ("static", "paged")
-# The pages, then (--kv-cache-dtype int8) their scales: inputs and outputs of the step, donated.
-PAGED_CACHE_INPUTS = ("cache_kv", "cache_kv_scale")
-# vLLM's default block size; JAX's tuned kernel table starts at 16 too.
-DEFAULT_PAGE_SIZE = 16
-# The cache's page count is a dim of the exported step ("pages"): the portable program runs at any count
-# (verification at a small one), and each target's executables are compiled at that target's count.
-PAGES_DIM = "pages"
-
-
-def max_pages(page_size: int) -> int:
-    """The most pages a cache may have: its slots (and the one past the end a padding token writes to,
-    lower/paged.py) are int32 on the device."""
-    return (2**31 - 1) // page_size - 1
-
-
-@dataclasses.dataclass(frozen=True)
-class PagedSpec:
-    """What a paged text-generation artifact's step shares with its runtime: the pages and their limits.
-
-    Attributes:
-      max_batch: rows a step can hold (page_indices' largest row count).
-      max_context: positions a row can reach.
-      layers, kv_heads, head_dim, vocab: the model's sizes (head_dim: the cached width).
-      dtype: the cache's dtype (the model's, torch name).
-      page_size: positions per page.
-      num_pages: pages in the cache (shared by all rows): the portable program's, which verification and
-        CPU targets run at; a TPU target's executables may take another count (its step buckets' "pages").
-      token_buckets: the step's token budgets (T) compiled.
-      row_buckets: the step's row counts compiled (max_batch among them).
-      kv_cache_dtype: "model" (pages in `dtype`) or "int8" (int8 pages and a scale per position, kv head,
-        keys and values, in `dtype`: export/generation.py's quantize_kv, as the static cache's).
-    """
-
-    max_batch: int
-    max_context: int
-    layers: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    dtype: str
-    page_size: int
-    num_pages: int
-    token_buckets: tuple[int, ...]
-    row_buckets: tuple[int, ...]
-    kv_cache_dtype: str = "model"
-
-    @property
-    def quantized(self) -> bool:
-        """Whether the pages hold int8 keys and values with scales."""
-        return self.kv_cache_dtype == "int8"
-
-    @property
-    def cache_inputs(self) -> tuple[str, ...]:
-        """The cache's tensors, in the step's input (and output) order."""
-        return PAGED_CACHE_INPUTS if self.quantized else PAGED_CACHE_INPUTS[:1]
-
-    @property
-    def pages_per_row(self) -> int:
-        """Page-table entries per row: the pages max_context positions take."""
-        return math.ceil(self.max_context / self.page_size)
-
-    @property
-    def cache_shape(self) -> tuple[int, ...]:
-        return (self.layers, self.num_pages, self.page_size, 2 * self.kv_heads * self.head_dim)
-
-    @property
-    def scale_shape(self) -> tuple[int, ...]:
-        """An int8 cache's scales: per position, per kv head, its keys' scale then its values'."""
-        return (self.layers, self.num_pages, self.page_size, 2 * self.kv_heads)
-
-    def cache_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        if not self.quantized:
-            return {PAGED_CACHE_INPUTS[0]: (self.cache_shape, self.dtype)}
-        return {PAGED_CACHE_INPUTS[0]: (self.cache_shape, "int8"), PAGED_CACHE_INPUTS[1]: (self.scale_shape, self.dtype)}
-
-    @property
-    def cache_bytes(self) -> int:
-        """Bytes of the pages (and of their scales, for an int8 cache)."""
-        return sum(math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size() for shape, dtype in self.cache_tensors().values())
-
-    @property
-    def capacity_tokens(self) -> int:
-        """Positions the cache holds over all rows."""
-        return self.num_pages * self.page_size
-
-    def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "kind": "paged", "token_buckets": list(self.token_buckets), "row_buckets": list(self.row_buckets),
-                "cache_shape": list(self.cache_shape), "pages_per_row": self.pages_per_row, "capacity_tokens": self.capacity_tokens,
-                "cache_layout": "layer_page_offset_head_kv (per position, per kv head: its keys [head_dim], then its values)",
-                **({"scale_shape": list(self.scale_shape), "scale_layout": "layer_page_offset_head_kv (per position, per kv head: its keys' "
-                                                                           "scale, then its values')"} if self.quantized else {})}
-
-    @classmethod
-    def from_json(cls, data: dict) -> "PagedSpec":
-        fields = {field.name for field in dataclasses.fields(cls)}
-        values = {key: value for key, value in data.items() if key in fields}
-        return cls(**{**values, "token_buckets": tuple(values["token_buckets"]), "row_buckets": tuple(values["row_buckets"])})
-
-
 def check_kv_cache(kv_cache: str) -> None:
     """Raises TpuExportError (one line) for a --kv-cache not in KV_CACHES."""
     if kv_cache not in KV_CACHES:

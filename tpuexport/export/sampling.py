@@ -36,8 +36,8 @@ import functools
 import torch
 from torch import nn
 
-# The alternatives returned per row (OpenAI's chat API allows up to 20 top_logprobs).
-TOP_LOGPROBS = 20
+from tpuexport.sampling_constants import BISECTION_STEPS, TOP_LOGPROBS
+
 # The rows one call may take: decode's max batch at serving time; the statistical verification
 # draws thousands of rows in one call (the compiled buckets are the serving sizes only).
 MAX_ROWS = 1 << 16
@@ -46,9 +46,6 @@ _MULTIPLIERS = (0x7FEB352D, 0x846CA68B - (1 << 32))
 # A uniform is 23 hashed bits m as (m + 0.5) * 2^-23: exact in float32, within [2^-24, 1 - 2^-24]
 # (24 bits would round the largest to 1.0, whose Gumbel noise is infinite).
 _UNIFORM_SCALE = 1.0 / (1 << 23)
-# Halvings of a row's value range that find a top-k or top-p threshold: adjacent float32 values for
-# logits within a few hundred of each other (values closer than the range / 2^40 count as tied).
-BISECTION_STEPS = 40
 
 
 def _shifted_right(bits: torch.Tensor, shift: int) -> torch.Tensor:

@@ -43,106 +43,21 @@ embedding (no offset).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 from torch import nn
 
 from tpuexport.errors import TpuExportError
+from tpuexport.export.cache_specs import SEQ2SEQ_LAYOUT, Seq2SeqSpec
 from tpuexport.export.generation import (DecodeCache, FunctionalKVCache, _causal_masks, _masked_value, _transformers_cache,
                                          write_prefill_cache)
 
 ENTRY_POINTS = ("encode", "decode")
-LAYOUT = "layer_batch_head_pos"
-# The state: inputs returned as the output of the same name, donated when compiled (token sources;
-# audio features have no source lengths).
-STATE_INPUTS = ("cache_k", "cache_v", "cross_k", "cross_v", "source_lengths")
-
-
-@dataclasses.dataclass(frozen=True)
-class Seq2SeqSpec:
-    """What an encoder-decoder artifact's entry points share: the caches and their limits.
-
-    Attributes:
-      max_batch: cache slots (decode's batch; encode's largest batch).
-      max_context: decoder positions per slot (generated tokens, the start token included).
-      max_source: source positions per slot (the longest source bucket).
-      layers, heads, head_dim: the decoder's sizes (both caches).
-      vocab: logits per row.
-      dtype: the caches' dtype (the model's, torch name).
-      source_buckets: the source lengths encode is compiled for.
-      decoder_start_token_id: the first token decode is fed.
-      source: what encode reads: "tokens" (source[batch, seq] ids with lengths, padded to a source
-        bucket) or "features" (input_features[batch, mel_bins, frames], every source filling all
-        max_source positions: no source lengths, decode's cross attention sees every position).
-      features: (mel bins, frames) of an audio source (frames static), else ().
-    """
-
-    max_batch: int
-    max_context: int
-    max_source: int
-    layers: int
-    heads: int
-    head_dim: int
-    vocab: int
-    dtype: str
-    source_buckets: tuple[int, ...]
-    decoder_start_token_id: int
-    source: str = "tokens"
-    features: tuple[int, ...] = ()
-    kind: str = "encoder-decoder"
-    layout: str = LAYOUT
-
-    @property
-    def masks_sources(self) -> bool:
-        """Whether sources have lengths (decode masks cross keys at and after them): token sources."""
-        return self.source == "tokens"
-
-    @property
-    def state_inputs(self) -> tuple[str, ...]:
-        """The state tensors, in the entry points' order (source_lengths only where sources have lengths)."""
-        return STATE_INPUTS if self.masks_sources else STATE_INPUTS[:-1]
-
-    @property
-    def cache_shape(self) -> tuple[int, ...]:
-        """The decoder self-attention cache (cache_k, cache_v)."""
-        return (self.layers, self.max_batch, self.heads, self.max_context, self.head_dim)
-
-    @property
-    def cross_shape(self) -> tuple[int, ...]:
-        """The cross-attention cache (cross_k, cross_v)."""
-        return (self.layers, self.max_batch, self.heads, self.max_source, self.head_dim)
-
-    @property
-    def cache_bytes(self) -> int:
-        """Bytes of both caches, keys and values (the source lengths are negligible)."""
-        size = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        count = sum(_product(shape) for shape in (self.cache_shape, self.cross_shape))
-        return 2 * count * size
-
-    def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "source_buckets": list(self.source_buckets), "features": list(self.features),
-                "cache_shape": list(self.cache_shape), "cross_shape": list(self.cross_shape)}
-
-    @classmethod
-    def from_json(cls, data: dict) -> "Seq2SeqSpec":
-        fields = {field.name for field in dataclasses.fields(cls)}
-        values = {key: value for key, value in data.items() if key in fields}
-        return cls(**{**values, "source_buckets": tuple(values["source_buckets"]), "features": tuple(values.get("features", ()))})
-
-
-def _product(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
 class CrossWrite(FunctionalKVCache):
     """Encode: row r's cross keys (all src positions) go to slot slots[r]; attention reads them as given."""
 
     def __init__(self, keys, values, slots: torch.Tensor):
-        super().__init__(keys, values, LAYOUT)
+        super().__init__(keys, values, SEQ2SEQ_LAYOUT)
         self.slots = slots
 
     def write(self, cache, new, layer):
@@ -156,7 +71,7 @@ class _SelfAttentionUnused(FunctionalKVCache):
     """Encode's decoder step: its self-attention keys are not kept (decode writes position 0 itself)."""
 
     def __init__(self):
-        super().__init__(None, None, LAYOUT)
+        super().__init__(None, None, SEQ2SEQ_LAYOUT)
 
     def update(self, new_keys, new_values, layer):
         return new_keys, new_values
@@ -317,7 +232,7 @@ class Decode(_EntryPoint):
         dtype = cache_k.dtype
         keys = torch.arange(self.spec.max_context, device=tokens.device)
         mask = _causal_masks({"full_attention": None}, positions[:, None], keys, dtype)
-        cache = self.cache_type(cache_k, cache_v, LAYOUT, positions)
+        cache = self.cache_type(cache_k, cache_v, SEQ2SEQ_LAYOUT, positions)
         # The layers read the cross cache, never these states; they only tell them to attend across.
         encoder_states = torch.zeros((tokens.shape[0], 1, self.model.config.d_model), dtype=dtype, device=tokens.device)
         past = _encoder_decoder_cache(cache, None, (cross_k, cross_v), self.spec.layers)

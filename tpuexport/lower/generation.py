@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export.generation import GenerationSpec
-from tpuexport.lower.lowering import LoweredProgram
+from tpuexport.export.cache_specs import GenerationSpec
+from tpuexport.lower.lowered import LoweredProgram
 from tpuexport.lower.program import EntryPoints
 from tpuexport.lower.registry import register_lowering
 from tpuexport.lower.sampling import GREEDY, Draw, SampledTokens, Sampling, draw_tokens

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from tpuexport.errors import TpuExportError
 from tpuexport.lower.attention import KERNEL_MIN_KEYS, recording_kernel_uses
 from tpuexport.lower.graph_passes import attention_nodes
-from tpuexport.lower.lowering import LoweredProgram, lower_decomposed
+from tpuexport.lower.lowered import LoweredProgram
+from tpuexport.lower.lowering import lower_decomposed
 from tpuexport.lower.matmul_precision import decision_matmuls
 from tpuexport.signature import ProgramSignature
 

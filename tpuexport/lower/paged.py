@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export.paged import PAGES_DIM, PagedSpec
+from tpuexport.export.cache_specs import PAGES_DIM, PagedSpec
 from tpuexport.lower.generation import Runner, check_token_rows, cpu_runner
-from tpuexport.lower.lowering import LoweredProgram
+from tpuexport.lower.lowered import LoweredProgram
 from tpuexport.lower.program import EntryPoints
 from tpuexport.lower.registry import register_lowering
 from tpuexport.lower.sampling import GREEDY, Draw, SampledTokens, Sampling, draw_tokens

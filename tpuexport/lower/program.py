@@ -9,11 +9,14 @@ records of its cache ("generation").
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 
 from tpuexport.errors import TpuExportError
-from tpuexport.lower.lowering import LoweredProgram
+
+if TYPE_CHECKING:  # lowering.py imports torch, which the runtime (importing this module) does without
+    from tpuexport.lower.lowered import LoweredProgram
 
 DEFAULT_ENTRY_POINT = "serving_default"
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tpuexport.lower.generation import GenerationProgram
-from tpuexport.lower.lowering import LoweredProgram
+from tpuexport.lower.lowered import LoweredProgram
 from tpuexport.lower.paged import PagedGenerationProgram
 from tpuexport.lower.seq2seq import Seq2SeqProgram
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tpuexport.lower.mixed_precision import is_quantization_op
-
 OWN_LOWERINGS: dict[object, Callable] = {}
 
 
@@ -36,6 +34,10 @@ def own_lowering(target) -> Callable | None:
     name = getattr(target, "_name", None)  # an OpOverload's qualified name, "namespace::name"
     if getattr(target, "_overloadname", None) == "default" and name in OWN_LOWERINGS:
         return OWN_LOWERINGS[name]
+    # Imported here, not at the top: the runtime imports modules that register lowerings (sampling.py)
+    # without importing torch, which mixed_precision.py needs.
+    from tpuexport.lower.mixed_precision import is_quantization_op
+
     if is_quantization_op(target):
         from tpuexport.quantize.ops import JAX_LOWERINGS  # torchao loads only for quantized programs
 

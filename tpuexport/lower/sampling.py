@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export.sampling import BISECTION_STEPS, TOP_LOGPROBS
 from tpuexport.lower.registry import register_lowering
+from tpuexport.sampling_constants import BISECTION_STEPS, TOP_LOGPROBS
 
 _MULTIPLIERS = (np.int32(0x7FEB352D), np.int32(0x846CA68B - (1 << 32)))
 

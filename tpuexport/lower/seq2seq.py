@@ -14,10 +14,10 @@ from typing import Collection, Iterator, Sequence
 import numpy as np
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export.seq2seq import Seq2SeqSpec
+from tpuexport.export.cache_specs import Seq2SeqSpec
 from tpuexport.lower.generation import FilledRows, Runner, check_slots, check_token_rows, cpu_runner, right_padded, stream_tokens
 from tpuexport.lower.sampling import GREEDY, Draw, SampledTokens, Sampling, draw_tokens
-from tpuexport.lower.lowering import LoweredProgram
+from tpuexport.lower.lowered import LoweredProgram
 from tpuexport.lower.program import EntryPoints
 
 

@@ -45,7 +45,7 @@ from tpuexport.artifact.manifest import sha256_file
 from tpuexport.compile.aot import compiler_options, cpu_executable_program
 from tpuexport.compile.slices import resolve_targets
 from tpuexport.devices import runtime_devices
-from tpuexport.export.paged import PAGES_DIM
+from tpuexport.export.cache_specs import PAGES_DIM
 from tpuexport.errors import TpuExportError
 from tpuexport.lower.sampling import GREEDY, Sampling
 from tpuexport.lower.seq2seq import source_rows
@@ -55,7 +55,7 @@ from tpuexport.runtime.selection import choose, refusal
 from tpuexport.runtime.processes import DEFAULT_TIMEOUT_SECONDS, Cluster, Mirror, Step, device_order_difference, join
 from tpuexport.lower.program import DEFAULT_ENTRY_POINT
 from tpuexport.runtime.entry_points import BucketEntry, EntryPoint, choose_bucket, entry_points
-from tpuexport.verify.padding import pad_rows
+from tpuexport.verify.row_padding import pad_rows
 
 
 @dataclasses.dataclass(frozen=True)

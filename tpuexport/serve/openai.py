@@ -35,8 +35,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export.sampling import TOP_LOGPROBS
 from tpuexport.lower.sampling import Sampling
+from tpuexport.sampling_constants import TOP_LOGPROBS
 from tpuexport.runtime.processes import ProcessLost
 from tpuexport.serve.batching import ShuttingDown
 from tpuexport.serve.generation import PROMPTS, GenerationStream, Step

@@ -34,7 +34,7 @@ from tpuexport import verify as verify_stage
 from tpuexport.errors import TpuExportError, VerificationError
 from tpuexport.export.generation import cached_shapes
 from tpuexport.export.huggingface import generation_context
-from tpuexport.export.paged import PAGES_DIM
+from tpuexport.export.cache_specs import PAGES_DIM
 from tpuexport.tasks.conversion import (META_WEIGHTS_ERROR, PT2E_CHECKPOINT_ERROR, Conversion, describe_precision, verification_tolerances,
                                         write_failed_report)
 from tpuexport.tasks.page_count import PageSizing
@@ -447,7 +447,7 @@ def _dequantized_checkpoint_model(conversion: Conversion) -> torch.nn.Module:
     """
     import jax
 
-    from tpuexport.arrays import numpy_dtype
+    from tpuexport.safetensors_files import numpy_dtype
     from tpuexport.quantize.weight_only import fake_quantized, scheme_for
 
     sources, scheme, lowered = conversion.spec.state, conversion.weight_only, conversion.program.weights_program

@@ -20,7 +20,7 @@ import threading
 
 from tpuexport.compile.aot import EntryPointCompile, at_sizes, compile_target
 from tpuexport.errors import TpuExportError
-from tpuexport.export.paged import PAGES_DIM, PagedSpec, max_pages
+from tpuexport.export.cache_specs import PAGES_DIM, PagedSpec, max_pages
 
 # Compiles of the largest bucket per target, the first included; the count stops within 1% of the fit.
 MAX_PROBES = 6

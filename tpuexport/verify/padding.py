@@ -27,13 +27,12 @@ import torch
 from tpuexport.compile import Bucket
 from tpuexport.lower import LoweredProgram
 from tpuexport.verify.compare import OutputComparison, compare_output
+from tpuexport.verify.row_padding import PAD_VALUE, pad_rows
 from tpuexport.memory import gib
 from tpuexport.verify.sizes import FIXED_RUN_MEMORY, RunMemory, output_bytes, within_memory_bound
 from tpuexport.verify.tolerances import VerificationTolerances
 from tpuexport.verify.verification import ProgramRuns, eager_outputs, make_inputs, short_error, to_numpy
 
-# The value padded rows hold, in every input (the runtime pads with the same).
-PAD_VALUE = 0
 # Keeps the inputs of the padding case apart from the verification cases' (seeds 0..).
 PADDING_SEED = 5_000
 
@@ -154,29 +153,3 @@ def verify_padding(lowered: LoweredProgram, reference, example_inputs: Sequence[
         for run in ("tpu", "cpu")
     }
     return PaddingCheck(dim, rows, bucket, comparisons, sizes=sizes, note=note)
-
-
-def padding_policy(signature, passed: bool | None) -> tuple[str | None, str]:
-    """(the dim a runtime may pad to the next bucket, or None; why not, or "") for a program whose
-    padded-bucket run `passed` (None: no padded run, no bucket is ever padded).
-
-    Args:
-      signature: the program's signature (a ProgramSignature).
-      passed: PaddingCheck.passed, or None.
-    """
-    dim = signature.batch_dim()
-    if dim is None:
-        return None, "the program has no batch dim shared by every input and output"
-    if passed is None:
-        return None, "no padded bucket was verified (the artifact predates padding checks, or no bucket is ever padded)"
-    if not passed:
-        return None, "padding the batch dim failed verification (manifest padding)"
-    return dim, ""
-
-
-def pad_rows(array: np.ndarray, size: int) -> np.ndarray:
-    """`array` with rows of PAD_VALUE appended along axis 0 up to `size` rows."""
-    if array.shape[0] == size:
-        return array
-    padding = np.full((size - array.shape[0], *array.shape[1:]), PAD_VALUE, dtype=array.dtype)
-    return np.concatenate([array, padding])

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tpuexport.verify.compare import OutputComparison
-from tpuexport.verify.conformance import OpConformance
 from tpuexport.verify.tolerances import VerificationTolerances
+
+if TYPE_CHECKING:  # conformance.py imports torch; artifacts are read (artifact/layout.py imports this module) without it
+    from tpuexport.verify.conformance import OpConformance
 
 RUNS = {
     "tpu": "the lowered program on CPU with the TPU's matmul arithmetic (operands rounded as the pinned precision rounds them)",

@@ -35,7 +35,7 @@ from tpuexport.compile.hlo import collectives
 from tpuexport.compile.sharding import ShardingPlan, spec_axes
 from tpuexport.errors import TpuExportError
 from tpuexport.lower import LoweredProgram
-from tpuexport.lower.lowering import CPU_COMPILER_OPTIONS
+from tpuexport.lower.lowered import CPU_COMPILER_OPTIONS
 from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS
 from tpuexport.verify.compare import compare_output
 from tpuexport.verify.report import VerificationCase, VerificationReport

@@ -31,7 +31,7 @@ import numpy as np
 from tpuexport.compile.hlo import collectives
 from tpuexport.compile.sharding import ShardingPlan
 from tpuexport.lower.generation import GenerationProgram, right_padded
-from tpuexport.lower.lowering import CPU_COMPILER_OPTIONS
+from tpuexport.lower.lowered import CPU_COMPILER_OPTIONS
 from tpuexport.verify.compare import Tolerances, compare_output
 from tpuexport.verify.generation import GenerationCase, GenerationReport, compare_run, cpu_runs, stored_cases
 from tpuexport.verify.report import RUNS

@@ -29,7 +29,7 @@ import dataclasses
 
 import numpy as np
 
-from tpuexport.arrays import numpy_dtype
+from tpuexport.safetensors_files import numpy_dtype
 from tpuexport.defaults import DEFAULT_BUDGET_FLOPS
 from tpuexport.errors import TpuExportError
 from tpuexport.lower.cost import flops_at

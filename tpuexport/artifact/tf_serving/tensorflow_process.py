@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from tpuexport.errors import TpuExportError
-from tpuexport.lower.lowering import CPU_COMPILER_OPTIONS
+from tpuexport.lower.lowered import CPU_COMPILER_OPTIONS
 
 CHILD_SCRIPT = pathlib.Path(__file__).with_name("tensorflow_child.py")
 TIMEOUT_SECONDS = 900
@@ -27,7 +27,7 @@ TIMEOUT_SECONDS = 900
 
 def with_cpu_compiler_options(environment) -> dict:
     """The environment with XLA_FLAGS carrying how the converting process compiles for CPU
-    (lowering.CPU_COMPILER_OPTIONS), so TensorFlow's XLA runs the program in the same memory."""
+    (lowered.CPU_COMPILER_OPTIONS), so TensorFlow's XLA runs the program in the same memory."""
     flags = " ".join(f"--{name}={value}" for name, value in CPU_COMPILER_OPTIONS.items())
     # TensorFlow's C++ logging at errors only (its stderr is read only when it fails).
     return {"TF_CPP_MIN_LOG_LEVEL": "2", **environment, "XLA_FLAGS": f"{environment.get('XLA_FLAGS', '')} {flags}".strip()}
