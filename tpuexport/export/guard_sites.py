@@ -60,6 +60,13 @@ class _GuardSites(logging.Filter):
         self.lines, self.level = lines, level
 
     def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            self._read(record)
+        except Exception:  # a filter's exception would reach the guard torch is adding, failing the export it only watches
+            pass
+        return record.levelno >= self.level
+
+    def _read(self, record: logging.LogRecord) -> None:
         # ShapeEnv._log_guard: "%s %s [guard added] %s%s%s" % (prefix, guard, where, ...); a runtime assertion
         # is checked when the program runs, it narrows no range.
         if isinstance(record.msg, str) and "[guard added]" in record.msg and isinstance(record.args, tuple) and len(record.args) > 1:
@@ -68,7 +75,6 @@ class _GuardSites(logging.Filter):
                 line = _user_line()
                 if line is not None and line not in self.lines:
                     self.lines.append(line)
-        return record.levelno >= self.level
 
 
 def _user_line() -> str | None:
