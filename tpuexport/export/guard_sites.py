@@ -67,11 +67,12 @@ class _GuardSites(logging.Filter):
         return record.levelno >= self.level
 
     def _read(self, record: logging.LogRecord) -> None:
-        # ShapeEnv._log_guard: "%s %s [guard added] %s%s%s" % (prefix, guard, where, ...); a runtime assertion
-        # is checked when the program runs, it narrows no range.
+        # ShapeEnv._log_guard: "%s %s [guard added] %s%s%s" % (prefix, guard, where, ...). Neither a runtime
+        # assertion (checked when the program runs) nor a guard logged "[guard suppressed]" (never added:
+        # PEGASUS-X's einsums log three lines of them) narrows a range.
         if isinstance(record.msg, str) and "[guard added]" in record.msg and isinstance(record.args, tuple) and len(record.args) > 1:
             prefix, guard = map(str, record.args[:2])
-            if not prefix.startswith("runtime_assert") and _INPUT_SIZE.search(guard):
+            if prefix.startswith("eval") and "[guard suppressed]" not in prefix and _INPUT_SIZE.search(guard):
                 line = _user_line()
                 if line is not None and line not in self.lines:
                     self.lines.append(line)
