@@ -4,6 +4,7 @@ per class that tpuexport converts, or refuses in one line, where it once crashed
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import re
@@ -311,6 +312,25 @@ def test_a_size_the_models_code_rules_out_names_it_and_a_range_without_it(tmp_pa
                                              r"torch.export.Dim\('seq', min=3, max=16\)\)"):
         tpuexport.convert(ShiftsByOne(), (torch.randn(2, 8),), {"x": {1: seq}}, out=tmp_path / "m.tpu")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_lines_a_refusal_names_are_read_from_torchs_guard_log_of_that_export_which_stays_quiet(capfd):
+    """The refusal's lines came from tracing the model again with torch.export.draft_export, only on
+    this path: 403 s on Grounding DINO, past the sweep's 900 s limit on MM Grounding DINO. They are read
+    from the guards torch logs at INFO during tpuexport's own export: none of that log reaches stderr,
+    and the logger is left as it was."""
+    from tpuexport.export import guard_sites
+
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    before = (logger.level, list(logger.filters), logger.getEffectiveLevel())
+    lines: list[str] = []
+    seq = torch.export.Dim("seq", min=2, max=16)
+    with pytest.raises(Exception, match="Constraints violated"), guard_sites.recorded(lines):
+        torch.export.export(ShiftsByOne(), (torch.randn(2, 8),), dynamic_shapes={"x": {1: seq}})
+    assert [re.sub(r"^.*test_architectures.py:\d+ ", "", line) for line in lines] == [
+        "(if x.shape[1] - 1 == 1:)", "(return x + torch.nn.functional.pad(x[:, 1:], [0, 1]))"]
+    assert (logger.level, list(logger.filters), logger.getEffectiveLevel()) == before
+    assert "guard added" not in capfd.readouterr().err
 
 
 class ReshapesIntoBlocks(torch.nn.Module):

@@ -16,7 +16,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, f
 from torch.utils import _pytree as pytree
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export import constraints, symbolic_sizes
+from tpuexport.export import constraints, guard_sites, symbolic_sizes
 from tpuexport.export.checkpoints import with_checkpoint_weights
 from tpuexport.export.loaded import LoadedSource, SourceInfo
 from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
@@ -271,12 +271,13 @@ def _unchanged_module_casts_skipped():
 
 
 def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.ExportedProgram:
+    guarded_at: list[str] = []  # where the model's code guarded the sizes, should torch.export refuse a declared range
     try:
-        with torch.no_grad(), _quiet_export(), _unchanged_module_casts_skipped():
+        with torch.no_grad(), _quiet_export(), _unchanged_module_casts_skipped(), guard_sites.recorded(guarded_at):
             program = torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
     except Exception as error:  # torch.export raises UserError, ConstraintViolationError, TypeError, ...
         with _quiet_export():
-            explanation = constraints.explain(model, args, dynamic_shapes, str(error))
+            explanation = constraints.explain(model, args, dynamic_shapes, str(error), guarded_at)
             explained = explanation.line if explanation else symbolic_sizes.explain(error)
         if explained:  # the line names the architecture, as every other refusal of torch.export's does
             line = explained.replace("torch.export:", f"torch.export{_described(model)}:", 1)

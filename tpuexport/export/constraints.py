@@ -6,31 +6,23 @@ pairs needs a multiple of 2, a ceil-mode pool over a free length fixes it to the
 Its message ends with the declaration that would export ("Suggested fixes:") but not the line of
 the model that needs it, and it is several lines long. A guard that rules out one size ("seq - 1 !=
 1", MobileBERT's trigram embedding at seq 2) comes with no suggested fix at all: the line names the
-size and the declared range without it. The line comes from tracing once more with
-`torch.export.draft_export`, which records where each guard was added; that happens only on this
-failure path.
+size and the declared range without it. The line names where the model's code guarded the sizes,
+from what `guard_sites.recorded` kept during that export.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
-import logging
 import math
-import os
 import re
 import sys
 
 import torch
-from torch._logging import structured
 from torch.utils import _pytree as pytree
-
-from tpuexport.source_lines import is_user_code
 
 # "seq = 6", "seq = Dim('seq', min=5, max=16)", "seq = 2*_seq": one declaration per line.
 _FIX = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.+?)\s*$")
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SPECIALIZED = re.compile(r"You marked (\S+) as dynamic but your code specialized it to be a constant \((\d+)\)")
 # One line per guard: "Not all values of seq = L['x'].size()[1] in the specified range seq <= 64 satisfy the generated guard G."
 _GUARD = re.compile(r"Not all values of (\w+) = (\S+) in the specified range .*? satisfy the generated guard (.+?)\.?\s*$", re.MULTILINE)
@@ -160,36 +152,6 @@ def _range_without(declared: tuple[int, int | None], size: int) -> str:
     return f"in {size + 1}..{high}" if high is not None else f"at least {size + 1}"
 
 
-def guard_sources(model: torch.nn.Module, args, dynamic_shapes) -> list[str]:
-    """The user's source lines where torch.export added guards that narrow the declared ranges.
-
-    Args:
-      model, args, dynamic_shapes: what torch.export.export was given.
-    Returns:
-      ["file.py:12 (code)", ...], each line once, in trace order; empty when tracing again does not
-      say (the explanation must not fail).
-    """
-    sources: list[str] = []
-    try:
-        with _quiet_draft_export(), torch.no_grad():
-            report = torch.export.draft_export(model, args, dynamic_shapes=dynamic_shapes)._report
-        # The report names only the files first seen in this trace; the process's table has them all.
-        filenames = {index: name for name, index in structured.INTERN_TABLE.items()} | report.str_to_filename
-        for failure in report.failures:
-            files = [filenames.get(frame.get("filename"), "<unknown>") for frame in failure.data.get("user_stack") or ()]
-            # The stack of a guard torch adds outside the model's code ends in tpuexport's call: not the user's line.
-            frames = [(path, frame) for path, frame in zip(files, failure.data.get("user_stack") or ())
-                      if is_user_code(path) and not os.path.abspath(path).startswith(_PACKAGE_DIR)]
-            if frames:
-                path, frame = frames[-1]
-                source = f"{path}:{frame['line']} ({frame['loc'].strip()})"
-                if source not in sources:
-                    sources.append(source)
-    except Exception:  # draft_export is another trace of the user's model: anything may go wrong in it
-        return sources
-    return sources
-
-
 @dataclasses.dataclass(frozen=True)
 class Explanation:
     """What a constraint violation needs.
@@ -209,12 +171,14 @@ class Explanation:
     ranges: dict[str, tuple[int, int]]
 
 
-def explain(model: torch.nn.Module, args, dynamic_shapes, message: str) -> Explanation | None:
+def explain(model: torch.nn.Module, args, dynamic_shapes, message: str, guarded_at: list[str]) -> Explanation | None:
     """What torch.export's constraint violation needs (see Explanation), or None if it is not one.
 
     Args:
       model, args, dynamic_shapes: what torch.export.export was given.
       message: the text torch.export raised.
+      guarded_at: the user's source lines where that export guarded the input sizes, in trace order
+        (`guard_sites.recorded`); the line names the first.
     """
     if "Constraints violated" not in message:
         return None
@@ -227,7 +191,7 @@ def explain(model: torch.nn.Module, args, dynamic_shapes, message: str) -> Expla
         if not needs:
             return None
     declarations = [declaration(name, need) for name, need in needs.items()]
-    where = _where(guard_sources(model, args, dynamic_shapes))
+    where = _where(guarded_at)
     line = (f"torch.export: the model's code {what}{where}; declare {' and '.join(declarations)}, "
             "or change that code to work for every declared size")
     return Explanation(line, f"{what}{where}", _ranges(needs, _declared_ranges(dynamic_shapes)))
@@ -309,15 +273,3 @@ def declaration(name: str, need: str) -> str:
     if fixed:
         return f"{name} static (--dim {name}={fixed.group(1)}:{fixed.group(1)}, or the int {fixed.group(1)} in dynamic_shapes)"
     return f"{name} as that derived torch.export.Dim in dynamic_shapes"
-
-
-@contextlib.contextmanager
-def _quiet_draft_export():
-    """draft_export logs its report as warnings; the explanation is the one line the user sees."""
-    logger = logging.getLogger("torch.export._draft_export")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
