@@ -94,7 +94,7 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
       row_buckets: row counts (max_batch is always one: a session's rows are its slots 0..max_batch-1).
       kv_cache_dtype: "model" or "int8" (PagedSpec).
     Raises:
-      TpuExportError: a model or option the paged step does not take (sliding windows), or sizes out of range.
+      TpuExportError: a model or option the paged step does not take, or sizes out of range.
     """
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "base_model") or model.get_output_embeddings() is None:
@@ -105,9 +105,7 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
         raise TpuExportError(f"--max-batch {max_batch} / --max-context {max_context} out of range for --kv-cache paged; give max batch >= 2 "
                              "(rows of a step) and max context >= 2, or --kv-cache static for one row")
     check_decoder(model)
-    if any(window is not None for window in attention_windows(model).values()):
-        raise TpuExportError(f"--kv-cache paged: {type(model).__name__} has sliding-window layers, which the paged step does not mask yet; "
-                             "use --kv-cache static")
+    attention_windows(model)  # refuses layer types no causal mask describes
     text = _text_config(config)
     positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     if positions is not None and max_context > positions:
@@ -207,12 +205,14 @@ def _layer_pages(cache: torch.Tensor, layer: int, page_indices: torch.Tensor) ->
     return cache.flatten(0, 1)[page_indices + layer * cache.shape[1]]
 
 
-def paged_mask(token_rows: torch.Tensor, positions: torch.Tensor, kv_lens: torch.Tensor, row_positions: int,
-               dtype: torch.dtype) -> torch.Tensor:
+def paged_mask(token_rows: torch.Tensor, positions: torch.Tensor, kv_lens: torch.Tensor, row_positions: int, dtype: torch.dtype,
+               windows: dict[str, int | None] | None = None):
     """The additive mask [1, 1, tokens, rows * row_positions + tokens] of the step's tokens over the
     keys PagedKVCache gives attention: token t of row r sees the cached positions of row r before the
     step's (< kv_lens[r] - its tokens in the step) and the step's tokens of row r at positions <=
-    positions[t]. A padding token (row -1) sees no cached key."""
+    positions[t]; within a sliding window W (`attention_windows`) only the keys at positions >
+    positions[t] - W. A padding token (row -1) sees no cached key. One tensor when every layer attends
+    alike, else {layer type: mask} (what transformers' models with mixed layer types take)."""
     rows = kv_lens.shape[0]
     keys = torch.arange(rows * row_positions, device=positions.device)
     key_rows, key_positions = keys // row_positions, keys % row_positions
@@ -220,7 +220,12 @@ def paged_mask(token_rows: torch.Tensor, positions: torch.Tensor, kv_lens: torch
     cached = (key_rows[None, :] == token_rows[:, None]) & (key_positions < kv_lens[key_rows] - in_step[key_rows])[None, :]
     own = (token_rows[None, :] == token_rows[:, None]) & (positions[None, :] <= positions[:, None])
     visible = torch.cat([cached, own], dim=1)
-    return torch.where(visible, 0.0, _masked_value(dtype)).to(dtype)[None, None]
+    every_key_position = torch.cat([key_positions, positions])
+    masks = {}
+    for layer_type, window in (windows or {"full_attention": None}).items():
+        seen = visible if window is None else visible & (every_key_position[None, :] > positions[:, None] - window)
+        masks[layer_type] = torch.where(seen, 0.0, _masked_value(dtype)).to(dtype)[None, None]
+    return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
 class Step(_EntryPoint):
@@ -233,7 +238,7 @@ class Step(_EntryPoint):
         torch._check(kv_lens.shape[0] == rows)
         spec = self.spec
         row_positions = spec.pages_per_row * spec.page_size
-        mask = paged_mask(token_rows, positions, kv_lens, row_positions, self.model_dtype)
+        mask = paged_mask(token_rows, positions, kv_lens, row_positions, self.model_dtype, self.windows)
         padding = token_rows < 0
         safe_rows, safe_positions = token_rows.clamp(min=0), positions.clamp(0, row_positions - 1)
         pages = page_indices[safe_rows, safe_positions // spec.page_size]
