@@ -178,3 +178,27 @@ def test_full_without_a_dtype_takes_its_fill_values():
     expected_embedded, expected_keep = model.reference(x)
     np.testing.assert_array_equal(embedded, expected_embedded.detach().numpy())
     assert keep.dtype == np.bool_ and (keep == expected_keep.numpy()).all()
+
+
+def test_a_fresh_process_asking_for_a_lowering_sees_every_one_tpuexport_registers():
+    """The lower package imports its modules lazily (tpuexport/lazy.py); op_support.py imports every
+    module that registers a lowering, so that a process which imports it first (the conformance check,
+    planted_bugs.py) finds tpuexport's own lowerings, its entry points' cache and sampling ops among them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    script = ("import json, torch\n"
+              "import tpuexport.export.paged, tpuexport.export.generation, tpuexport.export.sampling  # define tpuexport's ops\n"
+              "from tpuexport.lower.op_support import lowering_for\n"
+              "ops = {'arange': torch.ops.aten.arange.start, 'cond': torch.ops.higher_order.cond,\n"
+              "       'write_pages': torch.ops.tpuexport.write_pages.default, 'write_decode_cache': torch.ops.tpuexport.write_decode_cache.default,\n"
+              "       'top_k_floor': torch.ops.tpuexport.top_k_floor.default}\n"
+              "print(json.dumps({name: lowering_for(op) is not None for name, op in ops.items()}))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == dict.fromkeys(["arange", "cond", "write_pages", "write_decode_cache", "top_k_floor"], True)

@@ -49,7 +49,6 @@ import torch
 from tpuexport.arrays import to_numpy
 from tpuexport.errors import TpuExportError, UnsupportedOperatorsError
 from tpuexport.export.guards import narrowed_range
-from tpuexport.lower import aten_lowerings, attention, control_flow, symbolic_ops  # noqa: F401  (they register tpuexport's own lowerings)
 from tpuexport.lower.assertions import fold_constant_assertions
 from tpuexport.lower.cost import matmul_flops_expression
 from tpuexport.lower.custom_ops import custom_operator_decompositions

@@ -6,6 +6,10 @@ import dataclasses
 
 import torch
 
+# Every module that registers tpuexport's own lowerings, so that a lookup sees them all whichever of
+# them the process imported first (the lower package imports its modules lazily, tpuexport/lazy.py).
+from tpuexport.lower import (aten_lowerings, attention, control_flow, custom_ops, generation, paged, sampling,  # noqa: F401
+                             symbolic_ops)
 from tpuexport.lower.registry import own_lowering
 from tpuexport.source_lines import user_source
 from tpuexport.lower.torchax_import import import_torchax
