@@ -140,13 +140,7 @@ class GenerationSpec:
     @property
     def cache_bytes(self) -> int:
         """Bytes of the keys and values together (and of their scales, for an int8 cache)."""
-        total = 0
-        for shape, dtype in self.cache_tensors().values():
-            count = 1
-            for size in shape:
-                count *= size
-            total += count * numpy_dtype(dtype).itemsize
-        return total
+        return sum(math.prod(shape) * numpy_dtype(dtype).itemsize for shape, dtype in self.cache_tensors().values())
 
     def to_json(self) -> dict:
         data = {**dataclasses.asdict(self), "prefill_buckets": list(self.prefill_buckets), "cache_shape": list(self.cache_shape)}
@@ -333,7 +327,7 @@ class Seq2SeqSpec:
     def cache_bytes(self) -> int:
         """Bytes of both caches, keys and values (the source lengths are negligible)."""
         size = numpy_dtype(self.dtype).itemsize
-        count = sum(_product(shape) for shape in (self.cache_shape, self.cross_shape))
+        count = sum(math.prod(shape) for shape in (self.cache_shape, self.cross_shape))
         return 2 * count * size
 
     def to_json(self) -> dict:
@@ -345,10 +339,3 @@ class Seq2SeqSpec:
         fields = {field.name for field in dataclasses.fields(cls)}
         values = {key: value for key, value in data.items() if key in fields}
         return cls(**{**values, "source_buckets": tuple(values["source_buckets"]), "features": tuple(values.get("features", ()))})
-
-
-def _product(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
