@@ -119,7 +119,7 @@ def one_row_request(artifact: pathlib.Path) -> dict:
 
     manifest = json.loads((artifact / "manifest.json").read_text())
     golden = load_arrays((artifact / manifest["verification"]["golden"]).read_bytes())
-    row = {spec["name"]: golden[f"0/input/{spec['name']}"][0].tolist() for spec in manifest["signature"]["inputs"]}
+    row = {spec["name"]: golden[f"0/input/{spec['name']}"][0].tolist() for spec in manifest["entry_points"]["serving_default"]["signature"]["inputs"]}
     return {"instances": [row]}
 
 
