@@ -48,6 +48,27 @@ class SymbolicDim:
 
 
 @dataclasses.dataclass(frozen=True)
+class Placeholder:
+    """Tokens a multimodal model replaces by the features of one image, clip or audio clip.
+
+    Attributes:
+      token: the token id (the config's image_token_id, video_token_id, audio_token_id, ...).
+      count: how many of it each row of the token input holds: the features one item of `media`
+        makes, a number the program cannot check (it depends on the tokens' values).
+      media: the input whose features they stand for ("pixel_values", "input_features", ...).
+    """
+
+    token: int
+    count: int
+    media: str
+
+    def count_error(self, row: int, found: int) -> str:
+        """One line for a row holding `found` of the token instead of `count`."""
+        return (f"input_ids row {row} holds {found} placeholder tokens {self.token} (where {self.media}'s features go); "
+                f"the model takes exactly {self.count} per row, as its processor writes them")
+
+
+@dataclasses.dataclass(frozen=True)
 class TensorSpec:
     """One input or output tensor.
 
@@ -56,12 +77,14 @@ class TensorSpec:
       shape: ints and dim expressions over SymbolicDim names.
       dtype: dtype inside the artifact (numpy name, e.g. "float32", "int32", "bool").
       torch_dtype: dtype the PyTorch model uses (e.g. "int64"); outputs are returned in it.
+      placeholders: a multimodal model's token input: the media tokens each of its rows holds.
     """
 
     name: str
     shape: tuple[int | str, ...]
     dtype: str
     torch_dtype: str
+    placeholders: tuple[Placeholder, ...] = ()
 
     def concrete_shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
         """The shape at the given dim sizes (every dim this tensor uses must be in `sizes`)."""
@@ -182,7 +205,8 @@ class ProgramSignature:
     @classmethod
     def from_json(cls, data: dict) -> "ProgramSignature":
         def tensor(entry):
-            return TensorSpec(entry["name"], tuple(entry["shape"]), entry["dtype"], entry["torch_dtype"])
+            placeholders = tuple(Placeholder(**placeholder) for placeholder in entry.get("placeholders", ()))
+            return TensorSpec(entry["name"], tuple(entry["shape"]), entry["dtype"], entry["torch_dtype"], placeholders)
 
         return cls(
             inputs=tuple(tensor(t) for t in data["inputs"]),

@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import io
 import logging
+import os
 import re
 from typing import Any, Callable
 
@@ -20,7 +21,7 @@ from tpuexport.export import constraints, guard_sites, symbolic_sizes
 from tpuexport.export.checkpoints import with_checkpoint_weights
 from tpuexport.export.loaded import LoadedSource, SourceInfo
 from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
-from tpuexport.signature import ProgramSignature, SymbolicDim, TensorSpec, artifact_dtype, parse_dim_expression
+from tpuexport.signature import Placeholder, ProgramSignature, SymbolicDim, TensorSpec, artifact_dtype, parse_dim_expression
 from tpuexport.source_lines import user_source
 
 
@@ -82,15 +83,36 @@ def capture(source: LoadedSource) -> CapturedModel:
       TpuExportError: torch.export refused the model or its dynamic_shapes; the checkpoint lacks
         some of the model's weights or holds one of another shape.
     """
+    with _placeholder_checks_left_to_runtime(source):
+        try:
+            return _capture(source)
+        except DimsNarrowed as narrowed:
+            remade = source.at_ranges(narrowed.ranges) if source.at_ranges is not None else None
+            if remade is None:
+                raise
+            captured = _capture(dataclasses.replace(source, args=remade[0], dynamic_shapes=remade[1], at_ranges=None))
+    ranges = ", ".join(f"{name} {low}..{high}" for name, (low, high) in narrowed.ranges.items())
+    return dataclasses.replace(captured, notes=(f"dims {ranges}: the model's code {narrowed.needs}",))
+
+
+@contextlib.contextmanager
+def _placeholder_checks_left_to_runtime(source: LoadedSource):
+    """For a multimodal model (LoadedSource.placeholders), transformers' checks of tensor values
+    (`torch_compilable_check`: that the placeholder tokens are as many as the media's features) are
+    left out of the exported program, as transformers' TRANSFORMERS_DISABLE_TORCH_CHECK does: XLA
+    raises no errors, so the program could not hold them. The count they check is in the signature,
+    and the runtime refuses a row that breaks it; the eager reference still checks its inputs."""
+    if not source.placeholders or os.environ.get(_TORCH_CHECKS_OFF) is not None:
+        yield
+        return
+    os.environ[_TORCH_CHECKS_OFF] = "1"
     try:
-        return _capture(source)
-    except DimsNarrowed as narrowed:
-        remade = source.at_ranges(narrowed.ranges) if source.at_ranges is not None else None
-        if remade is None:
-            raise
-        captured = _capture(dataclasses.replace(source, args=remade[0], dynamic_shapes=remade[1], at_ranges=None))
-        ranges = ", ".join(f"{name} {low}..{high}" for name, (low, high) in narrowed.ranges.items())
-        return dataclasses.replace(captured, notes=(f"dims {ranges}: the model's code {narrowed.needs}",))
+        yield
+    finally:
+        del os.environ[_TORCH_CHECKS_OFF]
+
+
+_TORCH_CHECKS_OFF = "TRANSFORMERS_DISABLE_TORCH_CHECK"
 
 
 def _capture(source: LoadedSource) -> CapturedModel:
@@ -106,7 +128,7 @@ def _capture(source: LoadedSource) -> CapturedModel:
         reference = model
         example_args = source.args
     example_inputs = tuple(pytree.tree_leaves(example_args))
-    signature = describe(program, example_inputs, source.input_names)
+    signature = describe(program, example_inputs, source.input_names, source.placeholders)
     return CapturedModel(program, reference, signature, example_inputs, source.info, source.calibration,
                          keep_f32=kept_in_f32(reference))
 
@@ -145,7 +167,7 @@ def _capture_with_checkpoint(source: LoadedSource) -> CapturedModel:
         program = _export(reference.eval(), args, source.dynamic_shapes)
         weights = _program_weights(program, reference)
     example_inputs = tuple(pytree.tree_leaves(source.args))
-    signature = describe(program, example_inputs, source.input_names)
+    signature = describe(program, example_inputs, source.input_names, source.placeholders)
     unknown = [name for name, tensor in weights.items() if isinstance(tensor, torch.Tensor) and tensor.is_meta]
     if unknown:
         raise TpuExportError(f"the model's tensor constant(s) {', '.join(unknown)} are on the meta device, so their values are "
@@ -420,6 +442,7 @@ def describe(
     program: torch.export.ExportedProgram,
     example_inputs: tuple[torch.Tensor, ...],
     input_names: tuple[str, ...] | None = None,
+    placeholders: dict[str, tuple[Placeholder, ...]] | None = None,
 ) -> ProgramSignature:
     """Reads the named signature out of an ExportedProgram.
 
@@ -427,11 +450,12 @@ def describe(
       program: the exported program.
       example_inputs: flat example inputs (their sizes are the dims' example values).
       input_names: names that replace the forward parameter names, or None.
+      placeholders: LoadedSource.placeholders, recorded on their inputs.
     Returns:
       The ProgramSignature.
     """
-    placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
-    user_nodes = [placeholders[name] for name in program.graph_signature.user_inputs]
+    graph_inputs = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+    user_nodes = [graph_inputs[name] for name in program.graph_signature.user_inputs]
     names = list(input_names) if input_names else [node.name for node in user_nodes]
     if len(names) != len(user_nodes) or len(example_inputs) != len(user_nodes):
         raise TpuExportError(
@@ -444,7 +468,8 @@ def describe(
         torch_dtype = str(value.dtype).removeprefix("torch.")
         return TensorSpec(name, shape, artifact_dtype(torch_dtype), torch_dtype)
 
-    inputs = tuple(spec(name, node.meta["val"]) for name, node in zip(names, user_nodes))
+    inputs = tuple(dataclasses.replace(spec(name, node.meta["val"]), placeholders=(placeholders or {}).get(name, ()))
+                   for name, node in zip(names, user_nodes))
     output_node = next(node for node in program.graph.nodes if node.op == "output")
     mutated = len(program.graph_signature.buffers_to_mutate)
     output_values = [node.meta["val"] for node in output_node.args[0][mutated:]]
@@ -485,7 +510,9 @@ def _name_symbols(program, user_nodes, input_names) -> dict[sympy.Symbol, str]:
                     fallback = f"{input_name}_dim{axis}" if expression == symbol else f"{input_name}_dim{axis}_{symbol}"
                     names[symbol] = _identifier(debug_names.get(symbol) or fallback)
     for symbol in program.range_constraints:
-        if isinstance(symbol, sympy.Symbol) and symbol not in names:
+        # An unbacked symbol is a value the program computes (a multimodal model's count of placeholder
+        # tokens), not a size of its inputs: no dim.
+        if isinstance(symbol, sympy.Symbol) and symbol not in names and not free_unbacked_symbols(symbol):
             names[symbol] = _identifier(debug_names.get(symbol) or str(symbol))
     taken: set[str] = set()
     declared = {debug_names[symbol] for symbol in names if symbol in user_named}

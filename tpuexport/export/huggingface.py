@@ -52,7 +52,10 @@ from tpuexport.export.checkpoints import (Checkpoint, check_weights_fit, open_ch
 from tpuexport.export.generation import check_decoder
 from tpuexport.export.language_model import language_model_config, language_model_names, multimodal_model, tied_names
 from tpuexport.export.loaded import LoadedSource, SourceInfo, file_sha256
+from tpuexport.export.placeholders import count_placeholders, placeholder_keys
 from tpuexport.export.specs import DimSpec
+from tpuexport.inputs import with_placeholders
+from tpuexport.signature import Placeholder
 
 HF_PREFIX = "hf:"
 INSTALL_HINT = "pip install 'tpuexport[hf]'"
@@ -110,6 +113,7 @@ class ModelInput:
     axes: tuple[str | int, ...]
     dtype: torch.dtype
     high: int = 0  # integer inputs: examples drawn from [0, high); 0 for floats
+    placeholders: tuple[Placeholder, ...] = ()  # a multimodal model's token ids: the media tokens each row holds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,12 +393,12 @@ def _forward_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_mem
         loaded = _from_pretrained(auto_class, resolved.directory, dtype)
         loaded.config.use_cache = False
         traceable_experts(loaded)
-        wrapped = named_forward(loaded, wrapped.input_names)
+        wrapped = named_forward(loaded, wrapped.input_names, wrapped.placeholders)
     elif weights_in_memory:
         _check_in_memory_fit(resolved, "--quantize int8/int8-dynamic rounds them there")
         wrapped, checkpoint = with_checkpoint_weights(wrapped, checkpoint), None
     return LoadedSource(wrapped, args, dynamic_shapes, None, info, checkpoint=checkpoint, huggingface=record,
-                        at_ranges=functools.partial(_at_ranges, model, dims))
+                        at_ranges=functools.partial(_at_ranges, model, dims), placeholders=wrapped.placeholders)
 
 
 def _at_ranges(model: torch.nn.Module, given: list[DimSpec], ranges: dict[str, tuple[int, int]]) -> tuple[tuple, dict] | None:
@@ -562,7 +566,11 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     text_max = longest_positions(model, recorded_positions(config) or DEFAULT_MAX_SEQUENCE)
     dim_ranges = _dims(inputs, config, list(dims), text_max)
     args, dynamic_shapes = _example_inputs(inputs, dim_ranges, _config_dtype(config))
-    wrapped = named_forward(model, tuple(spec.name for spec in inputs))
+    names = [spec.name for spec in inputs]
+    if placeholder_keys(config) and "input_ids" in names and set(names) & set(MEDIA_INPUTS):
+        inputs, dim_ranges = _with_placeholders(model, inputs, dim_ranges, list(dims), args)
+        args, dynamic_shapes = _example_inputs(inputs, dim_ranges, _config_dtype(config))
+    wrapped = named_forward(model, tuple(spec.name for spec in inputs), {spec.name: spec.placeholders for spec in inputs if spec.placeholders})
     other_layouts = [_other_layouts(spec, config) for spec in inputs]
     if any(other_layouts) and not _runs_shape_only(wrapped, args):
         for index in range(max(map(len, other_layouts))):  # the first other layout of each input, then the second, ...
@@ -572,6 +580,32 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
                 args, dynamic_shapes = other_args, other_shapes
                 break
     return wrapped, args, dynamic_shapes
+
+
+def _with_placeholders(model: torch.nn.Module, inputs: list[ModelInput], dims: dict[str, DimSpec], given: list[DimSpec],
+                       args: tuple) -> tuple[list[ModelInput], dict[str, DimSpec]]:
+    """A multimodal model's inputs with the placeholder tokens its token ids hold (export/placeholders.py),
+    and its dims: seq long enough for them, and one row a call unless --dim gives batch (most such models
+    list their media's features per item, which fixes the batch torch.export traced at).
+
+    Raises:
+      TpuExportError: the placeholders cannot be counted, or --dim seq leaves no room for them.
+    """
+    media = {spec.name: arg[:1] for spec, arg in zip(inputs, args) if spec.name in MEDIA_INPUTS}
+    placeholders = count_placeholders(model, media)
+    needed = 1 + sum(placeholder.count for placeholder in placeholders)
+    seq = dims["seq"]
+    if any(spec.name == "seq" for spec in given) and seq.min < needed:
+        raise TpuExportError(f"--dim seq={seq.min}:{seq.max}: the model's token ids hold {needed - 1} placeholder tokens a row "
+                             f"(where its media's features go) and a text token; give --dim seq={needed}:{max(seq.max, needed)}")
+    if seq.max < needed:
+        raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}) takes at most {seq.max} tokens but one "
+                             f"row holds {needed - 1} placeholder tokens for its media's features; no sequence fits")
+    dims = {**dims, "seq": DimSpec("seq", max(seq.min, needed), seq.max)}
+    if not any(spec.name == "batch" for spec in given):
+        dims["batch"] = DimSpec("batch", 1, 1)
+    inputs = [dataclasses.replace(spec, placeholders=placeholders) if spec.name == "input_ids" else spec for spec in inputs]
+    return inputs, dims
 
 
 def _other_layouts(spec: ModelInput, config) -> tuple[ModelInput, ...]:
@@ -683,14 +717,6 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
         chosen.append(candidates[name])
     if not any(spec.name in ("input_ids", *MEDIA_INPUTS) for spec in chosen):
         raise TpuExportError(f"{type(model).__name__} takes none of input_ids, {', '.join(MEDIA_INPUTS)}; write a file.py:factory for it")
-    names = {spec.name for spec in chosen}
-    placeholders = [key for key in config.to_dict() if re.fullmatch(r"(image|video|audio|vision)_token_(id|index)", key)]
-    if "input_ids" in names and names & set(MEDIA_INPUTS) and placeholders:
-        language_model = language_model_config(config) is not None
-        alone = "its language model alone with --task text-generation (text in, text out), or " if language_model else ""
-        raise TpuExportError(f"{type(model).__name__} ({config.model_type}) is a multimodal model that puts image or audio features into its "
-                             f"text at placeholder tokens ({placeholders[0]}), which tpuexport does not convert yet; convert {alone}one tower "
-                             "from a file.py:factory")
     return chosen
 
 
@@ -766,6 +792,8 @@ def _example_inputs(inputs: list[ModelInput], dims: dict[str, DimSpec], dtype: t
             tensor = torch.randn(shape, generator=generator).to(dtype)
         else:
             tensor = torch.randint(0, max(spec.high, 1), shape, generator=generator, dtype=spec.dtype)
+            if spec.placeholders:
+                tensor = with_placeholders(tensor, spec.placeholders, max(spec.high, 1))
         args.append(tensor)
         dynamic_shapes[spec.name] = {axis: torch_dims[name] for axis, name in enumerate(spec.axes) if name in torch_dims} or None
     return tuple(args), dynamic_shapes
@@ -775,10 +803,11 @@ class _NamedForward(torch.nn.Module):
     """Calls a transformers model with its inputs by name and returns its output's tensors as a dict
     (logits, last_hidden_state, pooler_output, ...): the artifact's output names."""
 
-    def __init__(self, model: torch.nn.Module, input_names: tuple[str, ...]):
+    def __init__(self, model: torch.nn.Module, input_names: tuple[str, ...], placeholders: dict[str, tuple[Placeholder, ...]]):
         super().__init__()
         self.model = model.eval()
         self.input_names = input_names
+        self.placeholders = placeholders  # LoadedSource.placeholders
         # Asked per call, not only through model.config: encoder-decoders (T5) give their decoder a
         # copy of the config, whose use_cache would otherwise keep building a cache in the forward.
         self.options = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
@@ -817,13 +846,15 @@ def attention_masks_applied():
         masking_utils._ignore_causal_mask_sdpa = dropped
 
 
-def named_forward(model: torch.nn.Module, input_names: tuple[str, ...]) -> torch.nn.Module:
+def named_forward(model: torch.nn.Module, input_names: tuple[str, ...],
+                  placeholders: dict[str, tuple[Placeholder, ...]] | None = None) -> torch.nn.Module:
     """A module whose forward takes `input_names` positionally (so torch.export and the artifact
     name the inputs as the family does) and returns the model's output tensors by field name.
 
     Args:
       model: a transformers model.
       input_names: its inputs, in the order the artifact takes them.
+      placeholders: a multimodal model's placeholder tokens by token input (its `placeholders`).
     Returns:
       The wrapping module (the model is its `model` submodule).
     """
@@ -834,7 +865,7 @@ def named_forward(model: torch.nn.Module, input_names: tuple[str, ...]) -> torch
 
     forward.__signature__ = inspect.Signature(parameters)
     named = type(type(model).__name__ + "Forward", (_NamedForward,), {"forward": forward})
-    return named(model, input_names)
+    return named(model, input_names, placeholders or {})
 
 
 def forward_without_cache(model, positional: int):

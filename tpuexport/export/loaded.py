@@ -9,6 +9,7 @@ import pathlib
 from typing import Any, Callable
 
 from tpuexport.export.checkpoints import Checkpoint
+from tpuexport.signature import Placeholder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,8 @@ class LoadedSource:
       at_ranges: for dims the source chose itself (a Hugging Face directory's, from its config),
         called with {dim: (min, max)} narrower ranges its model's code takes: (args, dynamic_shapes)
         made at them, or None when one of those dims is the user's (`capture` then refuses in one line).
+      placeholders: a multimodal model's token inputs by name: the placeholder tokens each row holds
+        (signature.Placeholder), which the signature records.
     """
 
     model: Any
@@ -63,6 +66,7 @@ class LoadedSource:
     checkpoint: Checkpoint | None = None
     huggingface: Any = None
     at_ranges: Callable[[dict[str, tuple[int, int]]], tuple[tuple, Any] | None] | None = None
+    placeholders: dict[str, tuple[Placeholder, ...]] = dataclasses.field(default_factory=dict)
 
 
 def file_sha256(path: pathlib.Path) -> str:

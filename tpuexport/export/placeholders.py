@@ -1,0 +1,100 @@
+"""Multimodal models' placeholder tokens: where their image, clip or audio features go in the text.
+
+LLaVA, PaliGemma, Idefics, Qwen2-Audio and the other multimodal models of transformers take token
+ids in which a processor wrote one placeholder token per feature of each image (clip, audio clip),
+and put the media's features into the text embeddings at those positions. How many there are is
+fixed by the model and the media's size, and the model checks it from the tokens' values, which an
+exported program cannot (XLA raises no errors). So the count is measured here once, on shapes alone,
+the example token ids hold exactly that many, and the signature records it (signature.Placeholder)
+for every stage that makes or takes inputs: verification, calibration and warm-up draw rows that
+hold it, and the runtime refuses a row that does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+
+from tpuexport.errors import TpuExportError
+from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
+from tpuexport.signature import Placeholder
+
+# Each media input, the model method that gives its features, and the config keys of its placeholder token.
+_MEDIA = {
+    "pixel_values": ("get_image_features", ("image_token_id", "image_token_index")),
+    "pixel_values_videos": ("get_video_features", ("video_token_id", "video_token_index")),
+    "input_features": ("get_audio_features", ("audio_token_id", "audio_token_index")),
+    "input_values": ("get_audio_features", ("audio_token_id", "audio_token_index")),
+}
+_TOKEN_KEY = re.compile(r"(image|video|audio|vision)_token_(id|index)")
+
+
+def placeholder_keys(config) -> list[str]:
+    """The config's placeholder token fields (image_token_id, audio_token_index, ...)."""
+    return [key for key in config.to_dict() if _TOKEN_KEY.fullmatch(key)]
+
+
+def count_placeholders(model: torch.nn.Module, media: dict[str, torch.Tensor]) -> tuple[Placeholder, ...]:
+    """The placeholder tokens one row of the model's token input holds for one item of each media
+    input, measured on shapes alone (on the meta device with weights there, else with fake tensors).
+
+    Args:
+      model: a transformers multimodal model.
+      media: the example media inputs by name (each of batch 1: one item).
+    Returns:
+      One Placeholder per media input whose token the config records.
+    Raises:
+      TpuExportError: the model has no method giving a media input's features, or it fails on the
+        example (one line naming the model and what to do instead).
+    """
+    placeholders = []
+    for name, example in media.items():
+        method_name, keys = _MEDIA[name]
+        token = next((getattr(model.config, key) for key in keys if isinstance(getattr(model.config, key, None), int)), None)
+        if token is None:
+            continue
+        method = getattr(model, method_name, None)
+        if method is None:
+            raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}) puts {name}'s features into its text at placeholder "
+                                 f"tokens but has no {method_name} to count them; convert one tower from a file.py:factory")
+        try:
+            features = _shape_only(method, name, example)
+        except Exception as error:  # whatever the model raises on media it does not take this way
+            text = " ".join(str(error).split())[:200] or type(error).__name__
+            raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}): its {method_name} fails on {name} of shape "
+                                 f"{list(example.shape)} ({text}), so its placeholder tokens cannot be counted; convert one tower "
+                                 "from a file.py:factory, or its language model alone with --task text-generation") from None
+        placeholders.append(Placeholder(int(token), _rows_of(features), name))
+    return tuple(placeholders)
+
+
+def _shape_only(method, name: str, example: torch.Tensor):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = method.__self__
+    if any(parameter.is_meta for parameter in model.parameters()):
+        from tpuexport.export.capturing import meta_copy
+
+        method, example = getattr(meta_copy(model), method.__name__), example.to("meta")
+    # Fake tensors log the traceback of an operator that fails on them: a failure here is an answer, not news.
+    with torch.no_grad(), quiet_loggers(*EXPORT_LOGGERS, level=logging.CRITICAL), FakeTensorMode(allow_non_fake_inputs=True):
+        output = method(**{name: example})
+        return _feature_tensors(output)
+
+
+def _feature_tensors(output) -> list[torch.Tensor]:
+    """The feature tensors a get_*_features returned: transformers 5's output's pooler_output (a
+    tensor, or one per image), or the tensor or tuple itself."""
+    features = getattr(output, "pooler_output", None)
+    features = output if features is None else features
+    if isinstance(features, torch.Tensor):
+        return [features]
+    return [tensor for item in features for tensor in _feature_tensors(item)]
+
+
+def _rows_of(features: list[torch.Tensor]) -> int:
+    """Feature vectors in all: each is one placeholder token (the last axis is the width)."""
+    return sum(tensor.numel() // tensor.shape[-1] for tensor in features)
+
