@@ -27,6 +27,10 @@ REFUSAL_CLASSES = (
     ("multimodal with placeholder tokens", "the model merges image or audio features into its text at placeholder tokens, which is "
      "not converted yet; its language model (--task text-generation) or one tower (a file.py:factory) converts alone",
      r"multimodal model that puts image or audio features"),
+    ("multimodal placeholders not countable", "the model's features method (get_image_features, ...), which counts the placeholder "
+     "tokens a row holds, needs inputs tpuexport does not make (image sizes, tile grids, masks), fails at the tiny config, or makes "
+     "a number of features that depends on its inputs' values; its language model or one tower converts alone",
+     r"placeholder tokens cannot be counted|to count them"),
     ("decoder layers keeping no KV cache", "recurrent (state-space, linear attention), hybrid, chunked or indexed attention layers: the "
      "prefill/decode entry points hold a KV cache only; the full-sequence forward may convert at a fixed length",
      r"keeps a recurrent state|has \w+ layers, which the|takes no KV cache|no num_hidden_layers"),

@@ -3,17 +3,22 @@ per class that tpuexport converts, or refuses in one line, where it once crashed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import pathlib
 import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 import types
 
 import numpy as np
 import pytest
+import requests
 import safetensors.torch
 import torch
 
@@ -118,21 +123,111 @@ def test_a_decoder_with_a_recurrent_state_is_refused_for_text_generation(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_multimodal_forward_with_placeholder_tokens_is_refused_in_one_line(tmp_path):
-    """A vision-language model's forward puts image features into its text at image tokens: refused
-    naming the architecture (its text and vision sizes once produced a bare eager error)."""
+def test_a_multimodal_forward_takes_the_placeholder_tokens_its_processor_writes_and_refuses_other_counts(tmp_path):
+    """A vision-language model's forward puts each image's features into its text at image tokens,
+    as many as the image has features (16 here), which it checks from the tokens' values: the count
+    is measured at conversion and recorded in the signature, verification draws rows that hold it,
+    and the runner and Artifact.run refuse a row that does not (XLA cannot raise on values: the
+    program would silently give that row another row's features). It was refused before."""
     config = transformers.LlavaConfig(
         text_config={"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                      "num_attention_heads": 4, "max_position_embeddings": 32},
         vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                        "num_attention_heads": 4, "image_size": 32, "patch_size": 8, "projection_dim": 32},
         image_token_index=63)
-    transformers.LlavaModel(config).save_pretrained(tmp_path / "llava")
-    result = tpuexport_in_process("convert", tmp_path / "llava", "-o", tmp_path / "llava.tpu", *QUICK)
+    torch.manual_seed(0)
+    model = transformers.LlavaModel(config).eval()
+    model.save_pretrained(tmp_path / "llava")
+    result = tpuexport_in_process("convert", tmp_path / "llava", "-o", tmp_path / "llava.tpu", *QUICK, "--target", "cpu",
+                                  "--bucket", "seq=20")
+    assert result.returncode == 0, result.stderr[-2000:]
+    artifact = tpuexport.load(tmp_path / "llava.tpu")
+    input_ids = next(spec for spec in artifact.signature.inputs if spec.name == "input_ids")
+    assert input_ids.placeholders == (tpuexport.signature.Placeholder(63, 16, "pixel_values"),)
+    assert artifact.signature.dim("seq").min == 17  # the image's tokens and one of text
+
+    ids = torch.randint(0, 63, (1, 20))
+    ids[0, 2:18] = 63  # a prompt, the image's 16 tokens, more prompt
+    pixel_values = torch.randn(1, 3, 32, 32)
+    mask = torch.ones(1, 20, dtype=torch.long)
+    order = [spec.name for spec in artifact.signature.inputs]
+    named = {"input_ids": ids, "pixel_values": pixel_values, "attention_mask": mask}
+    with torch.no_grad():
+        expected = model(**named).last_hidden_state
+    outputs = artifact.run(*(named[name] for name in order))
+    torch.testing.assert_close(outputs["last_hidden_state"], expected, atol=1e-4, rtol=1e-4)
+    runner = tpuexport.runner(tmp_path / "llava.tpu", target="cpu")
+    served = runner.run({name: value.numpy() for name, value in named.items()})
+    np.testing.assert_allclose(served["last_hidden_state"], expected.numpy(), atol=1e-4, rtol=1e-4)
+
+    short = ids.clone()
+    short[0, 2] = 5  # 15 image tokens: eager PyTorch raises; the program would not
+    message = ("input_ids row 0 holds 15 placeholder tokens 63 (where pixel_values's features go); the model takes exactly 16 "
+               "per row, as its processor writes them")
+    with pytest.raises(TpuExportError) as refused:
+        artifact.run(*({**named, "input_ids": short}[name] for name in order))
+    assert str(refused.value) == message
+    with pytest.raises(TpuExportError) as refused:
+        runner.run({**{name: value.numpy() for name, value in named.items()}, "input_ids": short.numpy()})
+    assert str(refused.value) == message
+
+    with served_over_rest(tmp_path / "llava.tpu") as rest:
+        predict = f"{rest}/v1/models/llava:predict"
+        answer = requests.post(predict, json={"inputs": {name: value.tolist() for name, value in named.items()}}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        np.testing.assert_allclose(np.array(answer.json()["outputs"]), expected.numpy(), atol=1e-4, rtol=1e-4)
+        refused = requests.post(predict, json={"inputs": {**{name: value.tolist() for name, value in named.items()},
+                                                          "input_ids": short.tolist()}}, timeout=60)
+        assert refused.status_code == 400 and message in refused.json()["error"], refused.text
+        assert requests.post(predict, json={"inputs": {name: value.tolist() for name, value in named.items()}}, timeout=60).ok
+
+
+def loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served_over_rest(artifact: pathlib.Path):
+    """`tpuexport serve ARTIFACT` on a loopback port, until the block ends: its REST address."""
+    port, grpc_port = loopback_port(), loopback_port()
+    log = artifact.parent / "server.log"
+    with open(log, "w") as output:
+        process = subprocess.Popen([sys.executable, "-m", "tpuexport.cli", "serve", str(artifact), "--port", str(port), "--grpc-port",
+                                    str(grpc_port)], stdout=output, stderr=subprocess.STDOUT)
+    rest = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if requests.get(f"{rest}/readyz", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                time.sleep(0.3)
+        yield rest
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+def test_a_multimodal_model_whose_features_cannot_be_counted_is_refused_in_one_line(tmp_path):
+    """Mistral 3's image features need each image's size (image_sizes), an input tpuexport does not
+    make: its placeholder tokens cannot be counted, which one line says, naming what converts."""
+    config = transformers.Mistral3Config(
+        text_config={"model_type": "mistral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 32},
+        vision_config={"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                       "num_attention_heads": 4, "image_size": 32, "patch_size": 8, "head_dim": 8},
+        image_token_index=63, spatial_merge_size=2)
+    transformers.Mistral3Model(config).save_pretrained(tmp_path / "mistral3")
+    result = tpuexport_in_process("convert", tmp_path / "mistral3", "-o", tmp_path / "mistral3.tpu", *QUICK)
     assert result.returncode == 2 and error_lines(result.stderr) == [
-        "error: LlavaModel (llava) is a multimodal model that puts image or audio features into its text at placeholder tokens "
-        "(image_token_index), which tpuexport does not convert yet; convert its language model alone with --task text-generation "
-        "(text in, text out), or one tower from a file.py:factory"], result.stderr[-2000:]
+        "error: Mistral3Model (mistral3): its get_image_features fails on pixel_values of shape [1, 3, 32, 32] (missing a required "
+        "argument: 'image_sizes'), so its placeholder tokens cannot be counted; convert one tower from a file.py:factory, or its "
+        "language model alone with --task text-generation"], result.stderr[-2000:]
+    assert not (tmp_path / "mistral3.tpu").exists()
 
 
 class LoopOverChosenRows(torch.nn.Module):

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import re
 
+import numpy as np
 import sympy
 
 # JAX runs with 32-bit defaults, like the TPU: 64-bit model inputs become 32-bit in the artifact.
@@ -62,10 +63,6 @@ class Placeholder:
     count: int
     media: str
 
-    def count_error(self, row: int, found: int) -> str:
-        """One line for a row holding `found` of the token instead of `count`."""
-        return (f"input_ids row {row} holds {found} placeholder tokens {self.token} (where {self.media}'s features go); "
-                f"the model takes exactly {self.count} per row, as its processor writes them")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +82,20 @@ class TensorSpec:
     dtype: str
     torch_dtype: str
     placeholders: tuple[Placeholder, ...] = ()
+
+    def placeholder_error(self, array) -> str | None:
+        """Why the rows of `array` (this input's values) do not hold the placeholder tokens they must,
+        in one line naming the first such row; None when they do (or there are none). The program
+        cannot check it (a multimodal model checks it from the tokens' values, which XLA cannot
+        raise on), and a row that broke it would be given another row's media features, or none."""
+        for placeholder in self.placeholders:
+            found = (np.asarray(array) == placeholder.token).sum(axis=-1).reshape(-1)
+            wrong = np.flatnonzero(found != placeholder.count)
+            if wrong.size:
+                return (f"{self.name} row {wrong[0]} holds {found[wrong[0]]} placeholder tokens {placeholder.token} (where "
+                        f"{placeholder.media}'s features go); the model takes exactly {placeholder.count} per row, as its processor "
+                        "writes them")
+        return None
 
     def concrete_shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
         """The shape at the given dim sizes (every dim this tensor uses must be in `sizes`)."""
@@ -200,7 +211,11 @@ class ProgramSignature:
         return {d.name: d.example for d in self.dims}
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        for entry in (*data["inputs"], *data["outputs"]):
+            if not entry["placeholders"]:
+                del entry["placeholders"]  # only a multimodal model's token input has them
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "ProgramSignature":

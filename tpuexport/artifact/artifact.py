@@ -256,7 +256,8 @@ class Artifact:
           in the model's dtypes (a bfloat16 model's logits as torch.bfloat16).
         Raises:
           TpuExportError: a plan (no weights), wrong number of inputs or sizes outside the dims' ranges,
-            or a program or weights file that does not match its sha256 in the manifest.
+            token rows without the placeholder tokens the signature records (a multimodal model's), or a
+            program or weights file that does not match its sha256 in the manifest.
         """
         import torch  # the outputs are torch's; reading and serving an artifact need no torch
         from torch.utils import _pytree as pytree
@@ -264,6 +265,9 @@ class Artifact:
         from tpuexport.arrays import to_torch
 
         arrays = [_input_array(value, spec.name) for value, spec in zip(inputs, self.signature.inputs)]
+        problem = next(filter(None, (spec.placeholder_error(array) for array, spec in zip(arrays, self.signature.inputs))), None)
+        if problem:
+            raise TpuExportError(problem)
         outputs = self.program.run(arrays + list(inputs[len(arrays):]))
         tensors = [to_torch(array).to(getattr(torch, spec.torch_dtype)) for array, spec in zip(outputs, self.signature.outputs)]
         return pytree.tree_unflatten(tensors, pytree.treespec_loads(self.signature.output_tree))

@@ -591,8 +591,9 @@ def _with_placeholders(model: torch.nn.Module, inputs: list[ModelInput], dims: d
     Raises:
       TpuExportError: the placeholders cannot be counted, or --dim seq leaves no room for them.
     """
-    media = {spec.name: arg[:1] for spec, arg in zip(inputs, args) if spec.name in MEDIA_INPUTS}
-    placeholders = count_placeholders(model, media)
+    placeholders = count_placeholders(model, {spec.name: arg[:1] for spec, arg in zip(inputs, args)})
+    if not placeholders:
+        return inputs, dims
     needed = 1 + sum(placeholder.count for placeholder in placeholders)
     seq = dims["seq"]
     if any(spec.name == "seq" for spec in given) and seq.min < needed:
@@ -753,7 +754,7 @@ def _dims(inputs: list[ModelInput], config, overrides: list[DimSpec], text_max: 
     used = [axis for spec in inputs for axis in spec.axes if isinstance(axis, str)]
     decoder_max = int(getattr(config, "max_target_positions", 0) or text_max)
     image = _size(_setting(config, "image_size", "vision_config") or _setting(config, "crop_size", "vision_config") or DEFAULT_IMAGE_SIZE)
-    frames = 2 * int(getattr(config, "max_source_positions", 0)) or DEFAULT_MEL_FRAMES
+    frames = 2 * int(_setting(config, "max_source_positions", "audio_config", "encoder_config") or 0) or DEFAULT_MEL_FRAMES
     defaults = {
         "batch": DEFAULT_BATCH,
         "seq": DimSpec("seq", 2, text_max),

@@ -12,10 +12,12 @@ hold it, and the runtime refuses a row that does not.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from tpuexport.errors import TpuExportError
 from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
@@ -36,13 +38,14 @@ def placeholder_keys(config) -> list[str]:
     return [key for key in config.to_dict() if _TOKEN_KEY.fullmatch(key)]
 
 
-def count_placeholders(model: torch.nn.Module, media: dict[str, torch.Tensor]) -> tuple[Placeholder, ...]:
+def count_placeholders(model: torch.nn.Module, examples: dict[str, torch.Tensor]) -> tuple[Placeholder, ...]:
     """The placeholder tokens one row of the model's token input holds for one item of each media
     input, measured on shapes alone (on the meta device with weights there, else with fake tensors).
 
     Args:
       model: a transformers multimodal model.
-      media: the example media inputs by name (each of batch 1: one item).
+      examples: one row of each example input by name; a media input's features method is given
+        the media and the other inputs it names (an audio model's input_features_mask).
     Returns:
       One Placeholder per media input whose token the config records.
     Raises:
@@ -50,7 +53,9 @@ def count_placeholders(model: torch.nn.Module, media: dict[str, torch.Tensor]) -
         example (one line naming the model and what to do instead).
     """
     placeholders = []
-    for name, example in media.items():
+    for name, example in examples.items():
+        if name not in _MEDIA:
+            continue
         method_name, keys = _MEDIA[name]
         token = next((getattr(model.config, key) for key in keys if isinstance(getattr(model.config, key, None), int)), None)
         if token is None:
@@ -59,10 +64,14 @@ def count_placeholders(model: torch.nn.Module, media: dict[str, torch.Tensor]) -
         if method is None:
             raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}) puts {name}'s features into its text at placeholder "
                                  f"tokens but has no {method_name} to count them; convert one tower from a file.py:factory")
+        named = inspect.signature(method).parameters
         try:
-            features = _shape_only(method, name, example)
+            features = _shape_only(method, {name: example, **{other: value for other, value in examples.items()
+                                                              if other in named and other not in _MEDIA and other != "input_ids"}})
         except Exception as error:  # whatever the model raises on media it does not take this way
             text = " ".join(str(error).split())[:200] or type(error).__name__
+            if isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)):
+                text = f"how many features it makes depends on its inputs' values: {text}"
             raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}): its {method_name} fails on {name} of shape "
                                  f"{list(example.shape)} ({text}), so its placeholder tokens cannot be counted; convert one tower "
                                  "from a file.py:factory, or its language model alone with --task text-generation") from None
@@ -70,18 +79,18 @@ def count_placeholders(model: torch.nn.Module, media: dict[str, torch.Tensor]) -
     return tuple(placeholders)
 
 
-def _shape_only(method, name: str, example: torch.Tensor):
+def _shape_only(method, arguments: dict[str, torch.Tensor]):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     model = method.__self__
     if any(parameter.is_meta for parameter in model.parameters()):
         from tpuexport.export.capturing import meta_copy
 
-        method, example = getattr(meta_copy(model), method.__name__), example.to("meta")
+        method = getattr(meta_copy(model), method.__name__)
+        arguments = {name: value.to("meta") for name, value in arguments.items()}
     # Fake tensors log the traceback of an operator that fails on them: a failure here is an answer, not news.
     with torch.no_grad(), quiet_loggers(*EXPORT_LOGGERS, level=logging.CRITICAL), FakeTensorMode(allow_non_fake_inputs=True):
-        output = method(**{name: example})
-        return _feature_tensors(output)
+        return _feature_tensors(method(**arguments))
 
 
 def _feature_tensors(output) -> list[torch.Tensor]:

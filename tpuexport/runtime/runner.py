@@ -190,7 +190,8 @@ class Runner:
         Raises:
           TpuExportError: unknown or missing input names, a dtype that does not cast to the
             program's (same kind: float to float, int to int or float), integers out of range,
-            wrong ranks or sizes, or sizes outside every bucket; one line naming the problem.
+            wrong ranks or sizes, sizes outside every bucket, or token rows without the placeholder
+            tokens a multimodal model's signature records; one line naming the problem.
         """
         entry = self.entry_point(entry_point)
         specs = entry.signature.inputs
@@ -211,6 +212,9 @@ class Runner:
             sizes = entry.signature.sizes_of([array.shape for array in arrays])
         except ValueError as error:
             raise TpuExportError(f"input shapes do not fit the model: {error}") from None
+        problem = next(filter(None, (spec.placeholder_error(array) for array, spec in zip(arrays, specs))), None)
+        if problem:
+            raise TpuExportError(problem)
         return PreparedRequest(entry, arrays, sizes, choose_bucket(entry, sizes))
 
     def execute(self, request: PreparedRequest, on_device: bool = False) -> Execution:
