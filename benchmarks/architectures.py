@@ -35,9 +35,11 @@ then refuse it in one line or convert it).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -146,7 +148,12 @@ UNSET_TOKEN_IDS = {"pad_token_id": 1}  # RoBERTa's and ESM's
 
 GLM_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
 # Per-type overrides, applied after the generic shrink (only where it cannot build): {type: {key: value}}.
+# A multimodal model's placeholder token fields, and the positions its text keeps for them.
+PLACEHOLDER_TOKEN = re.compile(r"(image|video|audio|vision)_token_(id|index)")
+MEDIA_POSITIONS = 1024
 OVERRIDES: dict[str, dict] = {
+    # Their configs leave the image token unset (None), which their checkpoints set (BLIP-2 OPT's 50265).
+    **{name: {"image_token_index": 500} for name in ("blip-2", "instructblip", "instructblipvideo")},
     "fun_asr_nano": {"adaptor_config": {"intermediate_size": WIDTH // 4}},  # the text width / 4, checked by its config
     "chameleon": {"vocabulary_map": {"<image>": 500}},  # the image token's id in its (absent) tokenizer
     # Its attention reads rope_theta, which DbrxAttentionConfig has no default for, and clamps by clip_qkv, failing when it is
@@ -386,13 +393,26 @@ def tiny_config(model_type: str, level: int):
     if LEVELS[level] == "everything, unset sizes given":
         _give_unset_sizes(values)
         level = 0
+    original = copy.deepcopy(values)
     values = shrink(values, level)
+    if any(PLACEHOLDER_TOKEN.fullmatch(key) for key in values):
+        _room_for_media_tokens(original, values)
     for key, value in OVERRIDES.get(model_type, {}).items():
         if isinstance(value, dict) and isinstance(values.get(key), dict):
             values[key].update(value)
         else:
             values[key] = value
     return config_class.from_dict(values)
+
+
+def _room_for_media_tokens(before: dict, after: dict) -> None:
+    """A multimodal config's positions shrunk no further than MEDIA_POSITIONS: its text holds an
+    image's (clip's, audio's) placeholder tokens, one per feature, often more than POSITIONS."""
+    for key, value in after.items():
+        if _is_config(value) and _is_config(before.get(key)):
+            _room_for_media_tokens(before[key], value)
+        elif key in SIZES["positions"][1] and isinstance(value, int) and isinstance(before.get(key), int):
+            after[key] = max(value, min(before[key], MEDIA_POSITIONS))
 
 
 def _give_unset_sizes(config: dict) -> None:

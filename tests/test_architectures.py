@@ -225,8 +225,8 @@ def test_a_multimodal_model_whose_features_cannot_be_counted_is_refused_in_one_l
     result = tpuexport_in_process("convert", tmp_path / "mistral3", "-o", tmp_path / "mistral3.tpu", *QUICK)
     assert result.returncode == 2 and error_lines(result.stderr) == [
         "error: Mistral3Model (mistral3): its get_image_features fails on pixel_values of shape [1, 3, 32, 32] (missing a required "
-        "argument: 'image_sizes'), so its placeholder tokens cannot be counted; convert one tower from a file.py:factory, or its "
-        "language model alone with --task text-generation"], result.stderr[-2000:]
+        "argument: 'image_sizes'); it also takes image_sizes, which tpuexport does not make, so its placeholder tokens cannot be "
+        "counted; convert one tower from a file.py:factory, or its language model alone with --task text-generation"], result.stderr[-2000:]
     assert not (tmp_path / "mistral3.tpu").exists()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import types
 
 import numpy as np
 import pytest
@@ -78,6 +79,17 @@ def test_weights_files_are_aligned_and_memory_mapped_when_read_back(transformer_
     assert all(isinstance(array, np.memmap) for array in arrays.values())
     reread = tpuexport.load(transformer_artifact.path).program.weights
     assert all(isinstance(array, np.memmap) for array in reread)
+
+
+def test_an_empty_weight_writes_no_bytes_whatever_its_strides(tmp_path):
+    """PT2E's quantized Llama attention lifts an empty constant whose stride is 0, which torch cannot view
+    as bytes: writing a tiny LLaVA's int8 artifact stopped there with a RuntimeError."""
+    path = tmp_path / "weights.safetensors"
+    empty = torch.zeros(()).expand(0)
+    specs = [types.SimpleNamespace(shape=(0,), dtype="float32"), types.SimpleNamespace(shape=(2,), dtype="float32")]
+    tpuexport.artifact.write_weights(path, ["empty", "pair"], specs, lambda name: [empty if name == "empty" else torch.ones(2)])
+    arrays = tpuexport.artifact.map_weights(path)
+    assert arrays["empty"].shape == (0,) and arrays["pair"].tolist() == [1.0, 1.0]
 
 
 class TiedDecoder(nn.Module):

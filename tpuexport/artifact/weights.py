@@ -62,7 +62,10 @@ def write_weights(path: pathlib.Path, names: Sequence[str], specs: Sequence, par
             dtype = getattr(torch, np.dtype(specs[index].dtype).name)
             written = 0
             for part in parts(names[index]):
-                data = part.detach().to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
+                flat = part.detach().to(dtype).contiguous().reshape(-1)
+                if not flat.numel():
+                    continue  # an empty tensor (a constant the model's code lifts empty) has no bytes, and stride 0
+                data = flat.view(torch.uint8).numpy()
                 stream.write(data)
                 written += data.nbytes
             if written != sizes[index]:

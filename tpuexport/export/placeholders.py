@@ -64,17 +64,23 @@ def count_placeholders(model: torch.nn.Module, examples: dict[str, torch.Tensor]
         if method is None:
             raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}) puts {name}'s features into its text at placeholder "
                                  f"tokens but has no {method_name} to count them; convert one tower from a file.py:factory")
-        named = inspect.signature(method).parameters
+        parameters = inspect.signature(method).parameters
+        given = {name: example, **{other: value for other, value in examples.items()
+                                   if other in parameters and other not in _MEDIA and other != "input_ids"}}
         try:
-            features = _shape_only(method, {name: example, **{other: value for other, value in examples.items()
-                                                              if other in named and other not in _MEDIA and other != "input_ids"}})
+            features = _shape_only(method, given)
         except Exception as error:  # whatever the model raises on media it does not take this way
             text = " ".join(str(error).split())[:200] or type(error).__name__
             if isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)):
                 text = f"how many features it makes depends on its inputs' values: {text}"
+            others = [other for other, parameter in parameters.items()
+                      if other not in given and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)]
+            required = [other for other in others if parameters[other].default is inspect.Parameter.empty]
+            others = required or others  # what it cannot do without, else what it may have wanted
+            also = f"; it also takes {', '.join(others)}, which tpuexport does not make" if others else ""
             raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}): its {method_name} fails on {name} of shape "
-                                 f"{list(example.shape)} ({text}), so its placeholder tokens cannot be counted; convert one tower "
-                                 "from a file.py:factory, or its language model alone with --task text-generation") from None
+                                 f"{list(example.shape)} ({text}){also}, so its placeholder tokens cannot be counted; convert one "
+                                 "tower from a file.py:factory, or its language model alone with --task text-generation") from None
         placeholders.append(Placeholder(int(token), _rows_of(features), name))
     return tuple(placeholders)
 

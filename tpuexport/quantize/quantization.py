@@ -126,7 +126,7 @@ def quantize(
     integer_nodes = set(rewrite_integer_ops(integer_module))
     program = _reexport(integer_module, captured)
     names = tuple(spec.name for spec in captured.signature.inputs)
-    signature = describe(program, captured.example_inputs, names)
+    signature = describe(program, captured.example_inputs, names, {spec.name: spec.placeholders for spec in captured.signature.inputs})
     _check_same_interface(captured.signature, signature)
     quantized = dataclasses.replace(captured, program=program, reference=converted, signature=signature)
     evaluation = (tuple(captured.example_inputs), *[tuple(s) for s in samples[:MAX_EVALUATION_SAMPLES]])
