@@ -914,6 +914,24 @@ def test_a_size_a_hugging_face_models_code_rules_out_names_the_architecture(tmp_
         tpuexport.convert(ConfiguredShiftsByOne(), (torch.randn(2, 8),), {"x": {1: seq}}, out=tmp_path / "m.tpu")
 
 
+def test_a_directory_whose_code_fixes_the_batch_converts_one_row_a_call(tmp_path):
+    """Pixtral's vision tower lists each image's size per row (`[(height, width)] * batch_size`), fixing
+    the batch torch.export traced at (2); RT-DETR, D-FINE and ZoeDepth do the same. A directory's
+    model, whose batch range tpuexport chose, converts with batch 1 (one image a call), the export line
+    naming the code; a dim other than batch fixed to one size, or a batch the user gave, stays refused."""
+    config = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                              head_dim=8, image_size=32, patch_size=16)
+    torch.manual_seed(0)
+    transformers.PixtralVisionModel(config).eval().save_pretrained(tmp_path / "pixtral")
+    result = tpuexport_in_process("convert", tmp_path / "pixtral", "-o", tmp_path / "pixtral.tpu", *QUICK)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.search(r"dims batch 1\.\.1: the model's code fixes batch at 2, at \S*modeling_pixtral.py:\d+ \(image_sizes = ", result.stderr)
+    artifact = tpuexport.load(tmp_path / "pixtral.tpu")
+    assert artifact.signature.inputs[0].shape[0] == 1 and artifact.manifest["verification"]["passed"]
+    given = tpuexport_in_process("convert", tmp_path / "pixtral", "-o", tmp_path / "given.tpu", *QUICK, "--dim", "batch=1:4")
+    assert given.returncode == 2 and "the model's code fixes batch at 2" in error_lines(given.stderr)[0], given.stderr[-2000:]
+
+
 def test_inputs_a_model_cannot_take_are_refused_as_such_whatever_sizes_the_messages_name(tmp_path):
     """Siglip2 takes flattened patches, not images: torch.export's error names a symbolic size
     ("[672*s99, 224] X [768, 64]"), the eager run's its value ("[1344, 224] X ..."), and the line was

@@ -257,7 +257,8 @@ def test_a_directory_converts_at_the_seq_range_its_models_code_takes(tmp_path):
     # The ranges a source may narrow are the ones it chose: with --dim seq given, the export's refusal stands.
     given = load_source(str(directory), dims=[parse_dim("seq=2:32")])
     assert given.at_ranges({"seq": (3, 32)}) is None
-    args, dynamic_shapes = load_source(str(directory), dims=[parse_dim("batch=2:4")]).at_ranges({"seq": (3, 32)})
+    args, dynamic_shapes, ranges = load_source(str(directory), dims=[parse_dim("batch=2:4")]).at_ranges({"seq": (3, 32)})
+    assert ranges == {"seq": (3, 32)}
     assert args[0].shape[1] >= 3 and dynamic_shapes["input_ids"][1].min == 3 and dynamic_shapes["input_ids"][0].max == 4
 
 

@@ -90,9 +90,10 @@ def capture(source: LoadedSource) -> CapturedModel:
             remade = source.at_ranges(narrowed.ranges) if source.at_ranges is not None else None
             if remade is None:
                 raise
-            captured = _capture(dataclasses.replace(source, args=remade[0], dynamic_shapes=remade[1], at_ranges=None))
-    ranges = ", ".join(f"{name} {low}..{high}" for name, (low, high) in narrowed.ranges.items())
-    return dataclasses.replace(captured, notes=(f"dims {ranges}: the model's code {narrowed.needs}",))
+            args, dynamic_shapes, exported = remade
+            captured = _capture(dataclasses.replace(source, args=args, dynamic_shapes=dynamic_shapes, at_ranges=None))
+            ranges = ", ".join(f"{name} {low}..{high}" for name, (low, high) in exported.items())
+            return dataclasses.replace(captured, notes=(f"dims {ranges}: the model's code {narrowed.needs}",))
 
 
 @contextlib.contextmanager

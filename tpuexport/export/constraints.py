@@ -161,9 +161,9 @@ class Explanation:
         x.shape[1] > 4:); declare seq that range (--dim seq=5:16, or torch.export.Dim('seq', min=5,
         max=16)), or change that code to work for every declared size".
       needs: the middle of the line: what the code needs and where ("needs seq in 5..16, at model.py:8 (...)").
-      ranges: {dim: (min, max)} when every dim it names is narrowed to a range of two sizes or more
-        within the declared one (not fixed to one size, not a derived dim), else {}: declaring those
-        ranges instead exports.
+      ranges: {dim: (min, max)} when every dim it names is narrowed within the declared range (min ==
+        max where the code fixes it to one size; not a derived dim), else {}: declaring those ranges
+        instead exports (a source decides whether it takes them: LoadedSource.at_ranges).
     """
 
     line: str
@@ -203,8 +203,11 @@ def _ranges(needs: dict[str, str], declared: dict[str, tuple[int, int | None]]) 
     for name, need in needs.items():
         bounded = re.fullmatch(r"in (\d+)\.\.(\d+)", need)
         at_least = re.fullmatch(r"at least (\d+)", need)
+        fixed = re.fullmatch(r"= (\d+)", need)
         if bounded:
             low, high = map(int, bounded.groups())
+        elif fixed:
+            low = high = int(fixed.group(1))
         elif at_least and declared.get(name, (0, None))[1] is not None:
             low, high = int(at_least.group(1)), declared[name][1]
         else:
@@ -213,7 +216,7 @@ def _ranges(needs: dict[str, str], declared: dict[str, tuple[int, int | None]]) 
             return {}
         declared_low, declared_high = declared[name]  # within the declared range: narrowed, never widened
         low, high = max(low, declared_low), min(high, declared_high) if declared_high is not None else high
-        if high <= low:
+        if high < low or (high == low and not fixed):
             return {}
         ranges[name] = (low, high)
     return ranges

@@ -401,13 +401,19 @@ def _forward_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_mem
                         at_ranges=functools.partial(_at_ranges, model, dims), placeholders=wrapped.placeholders)
 
 
-def _at_ranges(model: torch.nn.Module, given: list[DimSpec], ranges: dict[str, tuple[int, int]]) -> tuple[tuple, dict] | None:
+def _at_ranges(model: torch.nn.Module, given: list[DimSpec], ranges: dict[str, tuple[int, int]]
+               ) -> tuple[tuple, dict, dict[str, tuple[int, int]]] | None:
     """LoadedSource.at_ranges of a directory's forward: its example inputs with `ranges` in place of the
-    config's, or None when the user gave one of those dims (--dim)."""
+    config's; None when the user gave one of those dims (--dim) or the code fixes a dim other than
+    batch to one size (the artifact would take that size only). A batch the code fixes (RT-DETR's
+    `batch_size = len(source_flatten)` at the example's 2) becomes one row a call: batch 1."""
     if any(spec.name in ranges for spec in given):
         return None
+    if any(low == high and name != "batch" for name, (low, high) in ranges.items()):
+        return None
+    ranges = {name: (1, 1) if name == "batch" and low == high else (low, high) for name, (low, high) in ranges.items()}
     _, args, dynamic_shapes = forward_program(model, [*given, *(DimSpec(name, low, high) for name, (low, high) in ranges.items())])
-    return args, dynamic_shapes
+    return args, dynamic_shapes, ranges
 
 
 def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_memory: bool) -> LoadedSource:

@@ -51,8 +51,9 @@ class LoadedSource:
       huggingface: for a Hugging Face source, its export.huggingface.HuggingFaceInfo (task,
         config, revision, tokenizer/processor files for the artifact); None otherwise.
       at_ranges: for dims the source chose itself (a Hugging Face directory's, from its config),
-        called with {dim: (min, max)} narrower ranges its model's code takes: (args, dynamic_shapes)
-        made at them, or None when one of those dims is the user's (`capture` then refuses in one line).
+        called with {dim: (min, max)} narrower ranges its model's code takes (min == max: one size it
+        fixes): (args, dynamic_shapes, the ranges they are made at), or None when the source does not
+        take them (one of those dims is the user's; `capture` then refuses in one line).
       placeholders: a multimodal model's token inputs by name: the placeholder tokens each row holds
         (signature.Placeholder), which the signature records.
     """
@@ -65,7 +66,7 @@ class LoadedSource:
     input_names: tuple[str, ...] | None = None
     checkpoint: Checkpoint | None = None
     huggingface: Any = None
-    at_ranges: Callable[[dict[str, tuple[int, int]]], tuple[tuple, Any] | None] | None = None
+    at_ranges: Callable[[dict[str, tuple[int, int]]], tuple[tuple, Any, dict[str, tuple[int, int]]] | None] | None = None
     placeholders: dict[str, tuple[Placeholder, ...]] = dataclasses.field(default_factory=dict)
 
 
