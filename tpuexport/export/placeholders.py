@@ -60,7 +60,9 @@ def count_placeholders(model: torch.nn.Module, examples: dict[str, torch.Tensor]
         token = next((getattr(model.config, key) for key in keys if isinstance(getattr(model.config, key, None), int)), None)
         if token is None:
             continue
-        method = getattr(model, method_name, None)
+        # A task head over a multimodal model (ShieldGemma 2's classifier, ModernVBERT's masked LM) leaves it to that model.
+        method = next((getattr(owner, method_name) for owner in (model, getattr(model, "base_model", None), *model.children())
+                       if hasattr(owner, method_name)), None)
         if method is None:
             raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}) puts {name}'s features into its text at placeholder "
                                  f"tokens but has no {method_name} to count them; convert one tower from a file.py:factory")
