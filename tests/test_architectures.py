@@ -3,17 +3,13 @@ per class that tpuexport converts, or refuses in one line, where it once crashed
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import pathlib
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
 import types
 
 import numpy as np
@@ -23,6 +19,7 @@ import safetensors.torch
 import torch
 
 import tpuexport
+from conftest import served
 from test_cli import tpuexport_in_process  # the command line, in this process
 from tpuexport import TpuExportError
 
@@ -157,8 +154,8 @@ def test_a_multimodal_forward_takes_the_placeholder_tokens_its_processor_writes_
     outputs = artifact.run(*(named[name] for name in order))
     torch.testing.assert_close(outputs["last_hidden_state"], expected, atol=1e-4, rtol=1e-4)
     runner = tpuexport.runner(tmp_path / "llava.tpu", target="cpu")
-    served = runner.run({name: value.numpy() for name, value in named.items()})
-    np.testing.assert_allclose(served["last_hidden_state"], expected.numpy(), atol=1e-4, rtol=1e-4)
+    answered = runner.run({name: value.numpy() for name, value in named.items()})
+    np.testing.assert_allclose(answered["last_hidden_state"], expected.numpy(), atol=1e-4, rtol=1e-4)
 
     short = ids.clone()
     short[0, 2] = 5  # 15 image tokens: eager PyTorch raises; the program would not
@@ -171,7 +168,7 @@ def test_a_multimodal_forward_takes_the_placeholder_tokens_its_processor_writes_
         runner.run({**{name: value.numpy() for name, value in named.items()}, "input_ids": short.numpy()})
     assert str(refused.value) == message
 
-    with served_over_rest(tmp_path / "llava.tpu") as rest:
+    with served(tmp_path / "llava.tpu", tmp_path / "server.log") as rest:
         predict = f"{rest}/v1/models/llava:predict"
         answer = requests.post(predict, json={"inputs": {name: value.tolist() for name, value in named.items()}}, timeout=60)
         assert answer.status_code == 200, answer.text
@@ -180,36 +177,6 @@ def test_a_multimodal_forward_takes_the_placeholder_tokens_its_processor_writes_
                                                           "input_ids": short.tolist()}}, timeout=60)
         assert refused.status_code == 400 and message in refused.json()["error"], refused.text
         assert requests.post(predict, json={"inputs": {name: value.tolist() for name, value in named.items()}}, timeout=60).ok
-
-
-def loopback_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextlib.contextmanager
-def served_over_rest(artifact: pathlib.Path):
-    """`tpuexport serve ARTIFACT` on a loopback port, until the block ends: its REST address."""
-    port, grpc_port = loopback_port(), loopback_port()
-    log = artifact.parent / "server.log"
-    with open(log, "w") as output:
-        process = subprocess.Popen([sys.executable, "-m", "tpuexport.cli", "serve", str(artifact), "--port", str(port), "--grpc-port",
-                                    str(grpc_port)], stdout=output, stderr=subprocess.STDOUT)
-    rest = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                if requests.get(f"{rest}/readyz", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                time.sleep(0.3)
-        yield rest
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
 
 
 def test_a_multimodal_model_whose_features_cannot_be_counted_is_refused_in_one_line(tmp_path):
