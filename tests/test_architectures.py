@@ -142,6 +142,8 @@ def test_a_multimodal_forward_takes_the_placeholder_tokens_its_processor_writes_
     input_ids = next(spec for spec in artifact.signature.inputs if spec.name == "input_ids")
     assert input_ids.placeholders == (tpuexport.signature.Placeholder(63, 16, "pixel_values"),)
     assert artifact.signature.dim("seq").min == 17  # the image's tokens and one of text
+    shown = tpuexport_in_process("inspect", tmp_path / "llava.tpu").stdout
+    assert "input input_ids: int32[1, seq]; each row holds 16 x token 63 for pixel_values" in shown, shown
 
     ids = torch.randint(0, 63, (1, 20))
     ids[0, 2:18] = 63  # a prompt, the image's 16 tokens, more prompt

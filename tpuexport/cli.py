@@ -410,7 +410,8 @@ def inspect(artifact_dir, as_json):
         for kind, specs in (("input", signature.inputs), ("output", signature.outputs)):
             for spec in specs:
                 # Printed without markup: rich would take "[batch, seq]" for a style tag and drop it.
-                console.print(f"  {prefix}{kind} {spec.name}: {spec.dtype}[{', '.join(map(str, spec.shape))}]", markup=False)
+                held = "".join(f"; each row holds {held.count} x token {held.token} for {held.media}" for held in spec.placeholders)
+                console.print(f"  {prefix}{kind} {spec.name}: {spec.dtype}[{', '.join(map(str, spec.shape))}]{held}", markup=False)
     for name, plan in ((f"{target} {entry}" if named else target, plan) for target, plans in data.get("sharding", {}).items()
                        for entry, plan in plans.items()):
         split = {weight: spec for weight, spec in plan["weights"].items() if any(entry is not None for entry in spec)}
