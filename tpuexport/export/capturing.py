@@ -7,7 +7,6 @@ import copy
 import dataclasses
 import io
 import logging
-import os
 import re
 from typing import Any, Callable
 
@@ -20,6 +19,7 @@ from tpuexport.errors import TpuExportError
 from tpuexport.export import constraints, guard_sites, symbolic_sizes
 from tpuexport.export.checkpoints import with_checkpoint_weights
 from tpuexport.export.loaded import LoadedSource, SourceInfo
+from tpuexport.export.placeholders import value_checks_off
 from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
 from tpuexport.signature import Placeholder, ProgramSignature, SymbolicDim, TensorSpec, artifact_dtype, parse_dim_expression
 from tpuexport.source_lines import user_source
@@ -98,22 +98,15 @@ def capture(source: LoadedSource) -> CapturedModel:
 
 @contextlib.contextmanager
 def _placeholder_checks_left_to_runtime(source: LoadedSource):
-    """For a multimodal model (LoadedSource.placeholders), transformers' checks of tensor values
-    (`torch_compilable_check`: that the placeholder tokens are as many as the media's features) are
-    left out of the exported program, as transformers' TRANSFORMERS_DISABLE_TORCH_CHECK does: XLA
-    raises no errors, so the program could not hold them. The count they check is in the signature,
-    and the runtime refuses a row that breaks it; the eager reference still checks its inputs."""
-    if not source.placeholders or os.environ.get(_TORCH_CHECKS_OFF) is not None:
+    """For a multimodal model (LoadedSource.placeholders), transformers' checks of tensor values are
+    left out of the exported program (placeholders.value_checks_off): XLA raises no errors, so the
+    program could not hold them. The count they check is in the signature, and the runtime refuses a
+    row that breaks it; the eager reference still checks its inputs."""
+    if not source.placeholders:
         yield
         return
-    os.environ[_TORCH_CHECKS_OFF] = "1"
-    try:
+    with value_checks_off():
         yield
-    finally:
-        del os.environ[_TORCH_CHECKS_OFF]
-
-
-_TORCH_CHECKS_OFF = "TRANSFORMERS_DISABLE_TORCH_CHECK"
 
 
 def _capture(source: LoadedSource) -> CapturedModel:

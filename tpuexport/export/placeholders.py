@@ -4,20 +4,26 @@ LLaVA, PaliGemma, Idefics, Qwen2-Audio and the other multimodal models of transf
 ids in which a processor wrote one placeholder token per feature of each image (clip, audio clip),
 and put the media's features into the text embeddings at those positions. How many there are is
 fixed by the model and the media's size, and the model checks it from the tokens' values, which an
-exported program cannot (XLA raises no errors). So the count is measured here once, on shapes alone,
-the example token ids hold exactly that many, and the signature records it (signature.Placeholder)
-for every stage that makes or takes inputs: verification, calibration and warm-up draw rows that
-hold it, and the runtime refuses a row that does not.
+exported program cannot (XLA raises no errors). So the count is measured here once, on shapes alone
+(the rows of the features the model's forward scatters into its text; else the rows its
+get_image_features / get_video_features / get_audio_features gives), the example token ids hold
+exactly that many, and the signature records it (signature.Placeholder) for every stage that makes
+or takes inputs: verification, calibration and warm-up draw rows that hold it, and the runtime
+refuses a row that does not. transformers' checks of tensor values are off while the forward is
+traced (`value_checks_off`), as the program cannot hold them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import os
 import re
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.overrides import TorchFunctionMode
 
 from tpuexport.errors import TpuExportError
 from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
@@ -31,6 +37,7 @@ _MEDIA = {
     "input_values": ("get_audio_features", ("audio_token_id", "audio_token_index")),
 }
 _TOKEN_KEY = re.compile(r"(image|video|audio|vision)_token_(id|index)")
+_VALUE_CHECKS_OFF = "TRANSFORMERS_DISABLE_TORCH_CHECK"
 
 
 def placeholder_keys(config) -> list[str]:
@@ -40,12 +47,14 @@ def placeholder_keys(config) -> list[str]:
 
 def count_placeholders(model: torch.nn.Module, examples: dict[str, torch.Tensor]) -> tuple[Placeholder, ...]:
     """The placeholder tokens one row of the model's token input holds for one item of each media
-    input, measured on shapes alone (on the meta device with weights there, else with fake tensors).
+    input, measured on shapes alone (on the meta device with weights there, else with fake tensors):
+    the rows of the features its forward scatters into the text, given that media alone, else the
+    rows its features method gives.
 
     Args:
       model: a transformers multimodal model.
-      examples: one row of each example input by name; a media input's features method is given
-        the media and the other inputs it names (an audio model's input_features_mask).
+      examples: one row of each example input by name (token ids without placeholders); a features
+        method is given the media and the other inputs it names (an audio model's input_features_mask).
     Returns:
       One Placeholder per media input whose token the config records.
     Raises:
@@ -56,40 +65,92 @@ def count_placeholders(model: torch.nn.Module, examples: dict[str, torch.Tensor]
     for name, example in examples.items():
         if name not in _MEDIA:
             continue
-        method_name, keys = _MEDIA[name]
-        token = next((getattr(model.config, key) for key in keys if isinstance(getattr(model.config, key, None), int)), None)
+        token = next((getattr(model.config, key) for key in _MEDIA[name][1] if isinstance(getattr(model.config, key, None), int)), None)
         if token is None:
             continue
-        # A task head over a multimodal model (ShieldGemma 2's classifier, ModernVBERT's masked LM) leaves it to that model.
-        method = next((getattr(owner, method_name) for owner in (model, getattr(model, "base_model", None), *model.children())
-                       if hasattr(owner, method_name)), None)
-        if method is None:
-            raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}) puts {name}'s features into its text at placeholder "
-                                 f"tokens but has no {method_name} to count them; convert one tower from a file.py:factory")
-        parameters = inspect.signature(method).parameters
-        given = {name: example, **{other: value for other, value in examples.items()
-                                   if other in parameters and other not in _MEDIA and other != "input_ids"}}
-        try:
-            features = _shape_only(method, given)
-        except Exception as error:  # whatever the model raises on media it does not take this way
-            text = " ".join(str(error).split())[:200] or type(error).__name__
-            if isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)):
-                text = f"how many features it makes depends on its inputs' values: {text}"
-            others = [other for other, parameter in parameters.items()
-                      if other not in given and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)]
-            required = [other for other in others if parameters[other].default is inspect.Parameter.empty]
-            others = required or others  # what it cannot do without, else what it may have wanted
-            also = f"; it also takes {', '.join(others)}, which tpuexport does not make" if others else ""
-            raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}): its {method_name} fails on {name} of shape "
-                                 f"{list(example.shape)} ({text}){also}, so its placeholder tokens cannot be counted; convert one "
-                                 "tower from a file.py:factory, or its language model alone with --task text-generation") from None
-        placeholders.append(Placeholder(int(token), _rows_of(features), name))
+        others = {other: value for other, value in examples.items() if other not in _MEDIA}
+        rows = _scattered_rows(model, {**others, name: example})
+        placeholders.append(Placeholder(int(token), rows if rows is not None else _feature_rows(model, name, example, others), name))
     return tuple(placeholders)
 
 
-def _shape_only(method, arguments: dict[str, torch.Tensor]):
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def _scattered_rows(model: torch.nn.Module, arguments: dict[str, torch.Tensor]) -> int | None:
+    """The rows of the first features the model's forward scatters into its text embeddings
+    (`masked_scatter`, as transformers' multimodal models merge them: BLIP-2's Q-Former queries, not
+    its vision tower's patches), run on shapes alone with one item of one media and no placeholder
+    token; None when the forward fails so or merges otherwise."""
+    scatters = _Scatters()
+    try:
+        with value_checks_off(), scatters:
+            _shape_only(model.forward, arguments)
+    except Exception:  # whatever the model raises on inputs it does not take: the features method says more
+        return None
+    return scatters.rows[0] if scatters.rows else None
 
+
+class _Scatters(TorchFunctionMode):
+    """Records the rows of every `masked_scatter` source (the last axis is the width)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.masked_scatter:
+            source = args[2] if len(args) > 2 else kwargs["source"]
+            self.rows.append(source.numel() // source.shape[-1])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def value_checks_off():
+    """transformers' checks of tensor values (`torch_compilable_check`: that the placeholder tokens are
+    as many as the media's features) left out, as its TRANSFORMERS_DISABLE_TORCH_CHECK does, and the
+    variable restored after (a value the user set is kept)."""
+    if os.environ.get(_VALUE_CHECKS_OFF) is not None:
+        yield
+        return
+    os.environ[_VALUE_CHECKS_OFF] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[_VALUE_CHECKS_OFF]
+
+
+def _feature_rows(model: torch.nn.Module, name: str, example: torch.Tensor, others: dict[str, torch.Tensor]) -> int:
+    """The rows the model's features method (get_image_features, ...) gives for one item of `name`.
+
+    Raises:
+      TpuExportError: it has no such method, or the method fails on the example (naming what else it takes).
+    """
+    method_name = _MEDIA[name][0]
+    # A task head over a multimodal model (ShieldGemma 2's classifier, ModernVBERT's masked LM) leaves it to that model.
+    method = next((getattr(owner, method_name) for owner in (model, getattr(model, "base_model", None), *model.children())
+                   if hasattr(owner, method_name)), None)
+    if method is None:
+        raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}) puts {name}'s features into its text at placeholder "
+                             f"tokens but has no {method_name} to count them; convert one tower from a file.py:factory")
+    parameters = inspect.signature(method).parameters
+    given = {name: example, **{other: value for other, value in others.items() if other in parameters and other != "input_ids"}}
+    try:
+        return _rows_of(_feature_tensors(_shape_only(method, given)))
+    except Exception as error:  # whatever the model raises on media it does not take this way
+        text = " ".join(str(error).split())[:200] or type(error).__name__
+        if isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)):
+            text = f"how many features it makes depends on its inputs' values: {text}"
+        missing = [other for other, parameter in parameters.items()
+                   if other not in given and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)]
+        required = [other for other in missing if parameters[other].default is inspect.Parameter.empty]
+        missing = required or missing  # what it cannot do without, else what it may have wanted
+        also = f"; it also takes {', '.join(missing)}, which tpuexport does not make" if missing else ""
+        raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}): its {method_name} fails on {name} of shape "
+                             f"{list(example.shape)} ({text}){also}, so its placeholder tokens cannot be counted; convert one "
+                             "tower from a file.py:factory, or its language model alone with --task text-generation") from None
+
+
+def _shape_only(method, arguments: dict[str, torch.Tensor]):
+    """`method(**arguments)` on shapes alone: on the meta device when the weights are there, with fake tensors."""
     model = method.__self__
     if any(parameter.is_meta for parameter in model.parameters()):
         from tpuexport.export.capturing import meta_copy
@@ -98,7 +159,7 @@ def _shape_only(method, arguments: dict[str, torch.Tensor]):
         arguments = {name: value.to("meta") for name, value in arguments.items()}
     # Fake tensors log the traceback of an operator that fails on them: a failure here is an answer, not news.
     with torch.no_grad(), quiet_loggers(*EXPORT_LOGGERS, level=logging.CRITICAL), FakeTensorMode(allow_non_fake_inputs=True):
-        return _feature_tensors(method(**arguments))
+        return method(**arguments)
 
 
 def _feature_tensors(output) -> list[torch.Tensor]:
