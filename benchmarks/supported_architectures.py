@@ -24,9 +24,6 @@ HEADINGS = {"passed": "Converted and verified", "refused": "Refused in one line"
 
 # The refusals' classes, first match wins: (class, why tpuexport refuses it and what converts instead, pattern of the line).
 REFUSAL_CLASSES = (
-    ("multimodal with placeholder tokens", "the model merges image or audio features into its text at placeholder tokens, which is "
-     "not converted yet; its language model (--task text-generation) or one tower (a file.py:factory) converts alone",
-     r"multimodal model that puts image or audio features"),
     ("multimodal placeholders not countable", "the model's features method (get_image_features, ...), which counts the placeholder "
      "tokens a row holds, needs inputs tpuexport does not make (image sizes, tile grids, masks), fails at the tiny config, or makes "
      "a number of features that depends on its inputs' values; its language model or one tower converts alone",
