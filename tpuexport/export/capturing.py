@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import io
 import logging
+import os
 import re
 from typing import Any, Callable
 
@@ -19,7 +20,6 @@ from tpuexport.errors import TpuExportError
 from tpuexport.export import constraints, guard_sites, symbolic_sizes
 from tpuexport.export.checkpoints import with_checkpoint_weights
 from tpuexport.export.loaded import LoadedSource, SourceInfo
-from tpuexport.export.placeholders import value_checks_off
 from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
 from tpuexport.signature import Placeholder, ProgramSignature, SymbolicDim, TensorSpec, artifact_dtype, parse_dim_expression
 from tpuexport.source_lines import user_source
@@ -99,7 +99,7 @@ def capture(source: LoadedSource) -> CapturedModel:
 @contextlib.contextmanager
 def _placeholder_checks_left_to_runtime(source: LoadedSource):
     """For a multimodal model (LoadedSource.placeholders), transformers' checks of tensor values are
-    left out of the exported program (placeholders.value_checks_off): XLA raises no errors, so the
+    left out of the exported program (value_checks_off): XLA raises no errors, so the
     program could not hold them. The count they check is in the signature, and the runtime refuses a
     row that breaks it; the eager reference still checks its inputs."""
     if not source.placeholders:
@@ -107,6 +107,24 @@ def _placeholder_checks_left_to_runtime(source: LoadedSource):
         return
     with value_checks_off():
         yield
+
+
+@contextlib.contextmanager
+def value_checks_off():
+    """transformers' checks of tensor values (`torch_compilable_check`: that the placeholder tokens are
+    as many as the media's features) left out, as its TRANSFORMERS_DISABLE_TORCH_CHECK does, and the
+    variable restored after (a value the user set is kept)."""
+    if os.environ.get(_VALUE_CHECKS_OFF) is not None:
+        yield
+        return
+    os.environ[_VALUE_CHECKS_OFF] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[_VALUE_CHECKS_OFF]
+
+
+_VALUE_CHECKS_OFF = "TRANSFORMERS_DISABLE_TORCH_CHECK"
 
 
 def _capture(source: LoadedSource) -> CapturedModel:

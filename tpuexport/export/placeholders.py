@@ -10,15 +10,13 @@ get_image_features / get_video_features / get_audio_features gives), the example
 exactly that many, and the signature records it (signature.Placeholder) for every stage that makes
 or takes inputs: verification, calibration and warm-up draw rows that hold it, and the runtime
 refuses a row that does not. transformers' checks of tensor values are off while the forward is
-traced (`value_checks_off`), as the program cannot hold them.
+traced (capturing.value_checks_off), as the program cannot hold them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
-import os
 import re
 
 import torch
@@ -26,6 +24,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.overrides import TorchFunctionMode
 
 from tpuexport.errors import TpuExportError
+from tpuexport.export.capturing import meta_copy, value_checks_off
 from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
 from tpuexport.signature import Placeholder
 
@@ -37,7 +36,6 @@ _MEDIA = {
     "input_values": ("get_audio_features", ("audio_token_id", "audio_token_index")),
 }
 _TOKEN_KEY = re.compile(r"(image|video|audio|vision)_token_(id|index)")
-_VALUE_CHECKS_OFF = "TRANSFORMERS_DISABLE_TORCH_CHECK"
 
 
 def placeholder_keys(config) -> list[str]:
@@ -103,21 +101,6 @@ class _Scatters(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def value_checks_off():
-    """transformers' checks of tensor values (`torch_compilable_check`: that the placeholder tokens are
-    as many as the media's features) left out, as its TRANSFORMERS_DISABLE_TORCH_CHECK does, and the
-    variable restored after (a value the user set is kept)."""
-    if os.environ.get(_VALUE_CHECKS_OFF) is not None:
-        yield
-        return
-    os.environ[_VALUE_CHECKS_OFF] = "1"
-    try:
-        yield
-    finally:
-        del os.environ[_VALUE_CHECKS_OFF]
-
-
 def _feature_rows(model: torch.nn.Module, name: str, example: torch.Tensor, others: dict[str, torch.Tensor]) -> int:
     """The rows the model's features method (get_image_features, ...) gives for one item of `name`.
 
@@ -153,8 +136,6 @@ def _shape_only(method, arguments: dict[str, torch.Tensor]):
     """`method(**arguments)` on shapes alone: on the meta device when the weights are there, with fake tensors."""
     model = method.__self__
     if any(parameter.is_meta for parameter in model.parameters()):
-        from tpuexport.export.capturing import meta_copy
-
         method = getattr(meta_copy(model), method.__name__)
         arguments = {name: value.to("meta") for name, value in arguments.items()}
     # Fake tensors log the traceback of an operator that fails on them: a failure here is an answer, not news.
