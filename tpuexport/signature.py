@@ -64,7 +64,6 @@ class Placeholder:
     media: str
 
 
-
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     """One input or output tensor.
@@ -82,20 +81,6 @@ class TensorSpec:
     dtype: str
     torch_dtype: str
     placeholders: tuple[Placeholder, ...] = ()
-
-    def placeholder_error(self, array) -> str | None:
-        """Why the rows of `array` (this input's values) do not hold the placeholder tokens they must,
-        in one line naming the first such row; None when they do (or there are none). The program
-        cannot check it (a multimodal model checks it from the tokens' values, which XLA cannot
-        raise on), and a row that broke it would be given another row's media features, or none."""
-        for placeholder in self.placeholders:
-            found = (np.asarray(array) == placeholder.token).sum(axis=-1).reshape(-1)
-            wrong = np.flatnonzero(found != placeholder.count)
-            if wrong.size:
-                return (f"{self.name} row {wrong[0]} holds {found[wrong[0]]} placeholder tokens {placeholder.token} (where "
-                        f"{placeholder.media}'s features go); the model takes exactly {placeholder.count} per row, as its processor "
-                        "writes them")
-        return None
 
     def concrete_shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
         """The shape at the given dim sizes (every dim this tensor uses must be in `sizes`)."""
@@ -206,6 +191,22 @@ class ProgramSignature:
         if leading not in {dim.name for dim in self.dims}:
             return None
         return leading if all(spec.shape[0] == leading for spec in tensors) else None
+
+    def placeholder_error(self, arrays) -> str | None:
+        """Why the token rows among `arrays` (the inputs' values, in order) do not hold the placeholder
+        tokens their input must (TensorSpec.placeholders), in one line naming the first such row; None
+        when they do. The program cannot check it (a multimodal model checks it from the tokens'
+        values, which XLA cannot raise on), and a row that broke it would be given another row's media
+        features, or none."""
+        for spec, array in zip(self.inputs, arrays):
+            for placeholder in spec.placeholders:
+                found = (np.asarray(array) == placeholder.token).sum(axis=-1).reshape(-1)
+                wrong = np.flatnonzero(found != placeholder.count)
+                if wrong.size:
+                    return (f"{spec.name} row {wrong[0]} holds {found[wrong[0]]} placeholder tokens {placeholder.token} (where "
+                            f"{placeholder.media}'s features go); the model takes exactly {placeholder.count} per row, as its "
+                            "processor writes them")
+        return None
 
     def example_sizes(self) -> dict[str, int]:
         return {d.name: d.example for d in self.dims}

@@ -265,7 +265,7 @@ class Artifact:
         from tpuexport.arrays import to_torch
 
         arrays = [_input_array(value, spec.name) for value, spec in zip(inputs, self.signature.inputs)]
-        problem = next(filter(None, (spec.placeholder_error(array) for array, spec in zip(arrays, self.signature.inputs))), None)
+        problem = self.signature.placeholder_error(arrays)
         if problem:
             raise TpuExportError(problem)
         outputs = self.program.run(arrays + list(inputs[len(arrays):]))

@@ -83,7 +83,10 @@ def capture(source: LoadedSource) -> CapturedModel:
       TpuExportError: torch.export refused the model or its dynamic_shapes; the checkpoint lacks
         some of the model's weights or holds one of another shape.
     """
-    with _placeholder_checks_left_to_runtime(source):
+    # A multimodal model's checks of tensor values (that its placeholder tokens are as many as its media's
+    # features) are left out of its program: XLA raises no errors, so the program could not hold them. The
+    # count is in the signature, the runtime refuses a row that breaks it, and the eager reference checks.
+    with value_checks_off() if source.placeholders else contextlib.nullcontext():
         try:
             return _capture(source)
         except DimsNarrowed as narrowed:
@@ -96,17 +99,7 @@ def capture(source: LoadedSource) -> CapturedModel:
             return dataclasses.replace(captured, notes=(f"dims {ranges}: the model's code {narrowed.needs}",))
 
 
-@contextlib.contextmanager
-def _placeholder_checks_left_to_runtime(source: LoadedSource):
-    """For a multimodal model (LoadedSource.placeholders), transformers' checks of tensor values are
-    left out of the exported program (value_checks_off): XLA raises no errors, so the
-    program could not hold them. The count they check is in the signature, and the runtime refuses a
-    row that breaks it; the eager reference still checks its inputs."""
-    if not source.placeholders:
-        yield
-        return
-    with value_checks_off():
-        yield
+_VALUE_CHECKS_OFF = "TRANSFORMERS_DISABLE_TORCH_CHECK"
 
 
 @contextlib.contextmanager
@@ -122,9 +115,6 @@ def value_checks_off():
         yield
     finally:
         del os.environ[_VALUE_CHECKS_OFF]
-
-
-_VALUE_CHECKS_OFF = "TRANSFORMERS_DISABLE_TORCH_CHECK"
 
 
 def _capture(source: LoadedSource) -> CapturedModel:

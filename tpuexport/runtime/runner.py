@@ -212,7 +212,7 @@ class Runner:
             sizes = entry.signature.sizes_of([array.shape for array in arrays])
         except ValueError as error:
             raise TpuExportError(f"input shapes do not fit the model: {error}") from None
-        problem = next(filter(None, (spec.placeholder_error(array) for array, spec in zip(arrays, specs))), None)
+        problem = entry.signature.placeholder_error(arrays)
         if problem:
             raise TpuExportError(problem)
         return PreparedRequest(entry, arrays, sizes, choose_bucket(entry, sizes))
