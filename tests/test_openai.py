@@ -7,7 +7,10 @@ OpenAI's error objects and the server serves on; the LLM metrics are exposed."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 
 import openai
 import pytest
@@ -141,6 +144,31 @@ def test_malformed_json_and_metrics(chat):
         assert float(re.search(rf'{name}{{model="{MODEL}",version="1"}} (\S+)', metrics).group(1)) > 0, name
     for name in ("tpuexport_num_requests_running", "tpuexport_num_requests_waiting", "tpuexport_kv_cache_slots_used"):
         assert float(re.search(rf'{name}{{model="{MODEL}",version="1"}} (\S+)', metrics).group(1)) == 0, name  # all done: slots freed
+
+
+def test_the_server_loads_the_tokenizer_class_autotokenizer_picked_without_importing_torch(chat):
+    """The model repository `tpuexport serve` builds, in a fresh process: its tokenizer is the class
+    AutoTokenizer picks (recorded at conversion), encodes and decodes as AutoTokenizer's does, and
+    torch is never imported (AutoTokenizer's config lookup imports it: about 2 s and 550 MB)."""
+    artifact, _, tokenizer, _, _, _ = chat
+    assert artifact.manifest["huggingface"]["tokenizer_class"] == type(tokenizer).__name__ == "TokenizersBackend"
+    script = (
+        "import json, sys\n"
+        "from tpuexport.serve.metrics import Metrics\n"
+        "from tpuexport.serve.models import ModelRepository\n"
+        f"repository = ModelRepository([{str(artifact.path)!r}], 0, Metrics())\n"
+        "(model,) = repository\n"
+        f"ids = model.tokenizer.apply_chat_template({GREEDY_PROMPT!r}, add_generation_prompt=True, return_dict=True)['input_ids']\n"
+        "state = {'class': type(model.tokenizer).__name__, 'ids': ids, 'text': model.tokenizer.decode(ids[2:]),\n"
+        "         'frameworks': sorted(name for name in ('torch', 'tensorflow') if name in sys.modules)}\n"
+        "repository.close()\n"
+        "print(json.dumps(state))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = json.loads(result.stdout.splitlines()[-1])
+
+    expected = tokenizer.apply_chat_template(GREEDY_PROMPT, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert state == {"class": "TokenizersBackend", "ids": expected, "text": tokenizer.decode(expected[2:]), "frameworks": []}
 
 
 def test_generate_cli_samples_on_the_device_and_stops_at_eos(chat):

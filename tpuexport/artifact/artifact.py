@@ -28,6 +28,7 @@ from tpuexport.artifact.records import Manifest
 from tpuexport.artifact.upgrade import upgraded
 from tpuexport.devices import on_host_cpu, runs_on_host_cpu, steps_on_host_cpu
 from tpuexport.errors import TpuExportError
+from tpuexport.export.serving_files import is_tokenizer_file
 from tpuexport.lower.lowered import LoweredProgram
 from tpuexport.lower.programs import generation_program
 from tpuexport.lower.program import DEFAULT_ENTRY_POINT
@@ -178,14 +179,21 @@ class Artifact:
         Raises:
           TpuExportError: the artifact has no tokenizer files.
         """
-        files = self.manifest.get("huggingface", {}).get("files", {})
-        if not any(name.startswith("tokenizer") or name in ("vocab.txt", "vocab.json", "spiece.model") for name in files):
+        huggingface = self.manifest.get("huggingface", {})
+        files = huggingface.get("files", {})
+        if not any(is_tokenizer_file(name) for name in files):
             raise TpuExportError(f"{self.path} carries no tokenizer (its source was not a Hugging Face directory with tokenizer files); "
                                  "pass token ids with --tokens")
-        from transformers import AutoTokenizer
+        import transformers
 
+        # The class AutoTokenizer picked at conversion, loaded directly: AutoTokenizer itself reads the
+        # config through a module that imports torch (about 2 s and 550 MB at a server's start).
+        name = huggingface.get("tokenizer_class")
+        recorded = getattr(transformers, name, None) if name else None
+        tokenizer_class = (recorded if isinstance(recorded, type) and issubclass(recorded, transformers.PreTrainedTokenizerBase)
+                           else transformers.AutoTokenizer)
         paths = [self.checked_path(relative) for relative in files.values()]
-        return AutoTokenizer.from_pretrained(str(paths[0].parent), local_files_only=True, trust_remote_code=False)
+        return tokenizer_class.from_pretrained(str(paths[0].parent), local_files_only=True, trust_remote_code=False)
 
     def generate(self, tokens=None, max_new_tokens: int = 32, *, features=None, sampling: Sampling = GREEDY,
                  ignore_eos: bool = False) -> list[list[int]]:

@@ -7,7 +7,8 @@ import pathlib
 import shutil
 from typing import Callable
 
-from tpuexport.export.huggingface import ARTIFACT_DIRECTORY, HuggingFaceInfo
+from tpuexport.export.huggingface import HuggingFaceInfo
+from tpuexport.export.serving_files import ARTIFACT_DIRECTORY
 
 
 def huggingface_writer(record: HuggingFaceInfo) -> Callable[[pathlib.Path], dict]:

@@ -53,20 +53,13 @@ from tpuexport.export.generation import check_decoder
 from tpuexport.export.language_model import language_model_config, language_model_names, multimodal_model, tied_names
 from tpuexport.export.loaded import LoadedSource, SourceInfo, file_sha256
 from tpuexport.export.placeholders import count_placeholders, placeholder_keys
+from tpuexport.export.serving_files import ARTIFACT_DIRECTORY, SERVING_FILES, is_tokenizer_file
 from tpuexport.export.specs import DimSpec
 from tpuexport.inputs import with_placeholders
 from tpuexport.signature import Placeholder
 
 HF_PREFIX = "hf:"
 INSTALL_HINT = "pip install 'tpuexport[hf]'"
-# Files a serving stack needs beside the program (tokenizer, processor, generation defaults),
-# copied into the artifact's hf/ directory when the source has them.
-SERVING_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
-    "preprocessor_config.json", "processor_config.json", "chat_template.jinja", "chat_template.json",
-)
-ARTIFACT_DIRECTORY = "hf"
 DEFAULT_BATCH = DimSpec("batch", 1, 64)
 DEFAULT_MAX_SEQUENCE = 512
 DEFAULT_IMAGE_SIZE = 224
@@ -90,6 +83,9 @@ class HuggingFaceInfo:
       revision: the cache snapshot's commit, or None for a directory outside the cache.
       config: config.json as read.
       files: the serving files found in the source directory, by name (copied into hf/).
+      tokenizer_class: the class AutoTokenizer picks for the directory's tokenizer files (its name
+        in transformers), None without them. A server loads that class directly: AutoTokenizer
+        would read the config through transformers' configuration module, which imports torch.
     """
 
     task: str
@@ -98,11 +94,27 @@ class HuggingFaceInfo:
     revision: str | None
     config: dict
     files: dict[str, pathlib.Path]
+    tokenizer_class: str | None = None
 
     def manifest_section(self) -> dict:
         """The manifest's "huggingface" section (paths relative to the artifact)."""
         return {"task": self.task, "architecture": self.architecture, "model_type": self.model_type, "revision": self.revision,
-                "files": {name: f"{ARTIFACT_DIRECTORY}/{name}" for name in sorted(self.files)}, "config": self.config}
+                "files": {name: f"{ARTIFACT_DIRECTORY}/{name}" for name in sorted(self.files)}, "config": self.config,
+                **({"tokenizer_class": self.tokenizer_class} if self.tokenizer_class else {})}
+
+
+def serving_record(resolved: "ResolvedModel", architecture: str, model_type: str) -> HuggingFaceInfo:
+    """The HuggingFaceInfo of a directory source whose model class is `architecture`: its serving
+    files, and the tokenizer class AutoTokenizer picks for them."""
+    files = {name: resolved.directory / name for name in SERVING_FILES if (resolved.directory / name).is_file()}
+    tokenizer_class = None
+    if any(is_tokenizer_file(name) for name in files):
+        try:
+            tokenizer_class = type(_import_transformers().AutoTokenizer.from_pretrained(str(resolved.directory), local_files_only=True,
+                                                                              trust_remote_code=False)).__name__
+        except Exception:  # noqa: BLE001 (any failure of transformers') the server's AutoTokenizer meets it again, where it is needed
+            tokenizer_class = None
+    return HuggingFaceInfo(resolved.task, architecture, model_type, resolved.revision, resolved.config_json, files, tokenizer_class)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,8 +398,7 @@ def _forward_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_mem
     wrapped, args, dynamic_shapes = forward_program(model, dims)
     checkpoint = _checkpoint(resolved.directory, wrapped.model, "model.")
     info = _source_info(resolved)
-    record = HuggingFaceInfo(resolved.task, type(model).__name__, config.model_type, resolved.revision, resolved.config_json,
-                             {name: resolved.directory / name for name in SERVING_FILES if (resolved.directory / name).is_file()})
+    record = serving_record(resolved, type(model).__name__, config.model_type)
     if checkpoint is None:  # tensors transformers converts when loading (not only renames): its own loading reads them
         _check_in_memory_fit(resolved, "transformers converts some of its tensors as it loads them")
         loaded = _from_pretrained(auto_class, resolved.directory, dtype)
@@ -444,8 +455,7 @@ def _generation_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_
                              "transformers converts some of its tensors as it loads them")
         model = _from_pretrained(auto_class, resolved.directory, dtype)
     traceable_experts(model)
-    record = HuggingFaceInfo(resolved.task, type(model).__name__, resolved.config.model_type, resolved.revision, resolved.config_json,
-                             {name: resolved.directory / name for name in SERVING_FILES if (resolved.directory / name).is_file()})
+    record = serving_record(resolved, type(model).__name__, resolved.config.model_type)
     return LoadedSource(model.eval(), None, None, None, _source_info(resolved), checkpoint=checkpoint, huggingface=record)
 
 
@@ -485,8 +495,7 @@ def _language_model_source(resolved: ResolvedModel, dims: list[DimSpec], weights
         loaded = _from_pretrained(multimodal_class, resolved.directory, dtype).state_dict()  # tied tensors under each name
         model.load_state_dict({name: loaded[multimodal_name] for name, multimodal_name in names.items()}, strict=False, assign=True)
     traceable_experts(model)
-    record = HuggingFaceInfo(resolved.task, type(model).__name__, config.model_type, resolved.revision, resolved.config_json,
-                             {name: resolved.directory / name for name in SERVING_FILES if (resolved.directory / name).is_file()})
+    record = serving_record(resolved, type(model).__name__, config.model_type)
     return LoadedSource(model.eval(), None, None, None, _source_info(resolved), checkpoint=checkpoint, huggingface=record)
 
 
