@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 import tpuexport
+import transformers
 from conftest import free_port, served, twin_and_one_device_tokens
 from test_cli import assert_clean_bad_input, tpuexport_in_process
 from test_generation import tiny_llama
@@ -290,7 +291,7 @@ def test_reference_attention_is_ragged_paged_attention():
     (["--page-size", "8"], "--page-size applies to the paged KV cache; add --kv-cache paged"),
     (["--kv-cache", "pages"], "unknown --kv-cache 'pages'"),
     (["--kv-cache", "paged", "--quantize", "int8-dynamic"], "--kv-cache paged does not support --quantize int8-dynamic (PT2E) yet"),
-    (["--kv-cache", "paged", "--max-batch", "1"], "give max batch >= 2 (rows of a step)"),
+    (["--kv-cache", "paged", "--max-context", "8", "--page-size", "8", "--num-pages", "1"], "give --num-pages >= 2"),
     (["--kv-cache", "paged", "--target", "v5e-4", "--sharding", "data-parallel"], "--kv-cache paged does not split rows over a data axis"),
     (["--kv-cache", "paged", "--target", "v5e-4", "--sharding", "tensor-parallel"], "the model's 1 kv heads do not split over model=4"),
 ])
@@ -303,6 +304,23 @@ def test_bad_page_options_are_refused_in_one_line(tmp_path, options, expected):
     result = tpuexport_in_process("convert", f"{factory}:build", "--task", "text-generation", "--max-context", "64", "--max-batch", "2",
                                   "--target", "cpu", *options, "-o", tmp_path / "lm.tpu", cwd=tmp_path)
     assert_clean_bad_input(result, tmp_path, expected, before)
+
+
+def test_one_row_over_pages_prefills_in_chunks_and_generates_what_generate_does(tmp_path):
+    """--max-batch 1: the step's rows and pages stay dims (examples of 2: torch.export makes a dim whose
+    example is 1 static); a prompt longer than the step's budget is prefilled in chunks, verified at
+    conversion and generated as generate() does."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=64)).eval()
+    artifact = tpuexport.convert(model, task="text-generation", max_context=64, max_batch=1, kv_cache="paged", page_size=8,
+                                 buckets={"tokens": [8]}, target="cpu", out=tmp_path / "one_row.tpu")
+    verification = artifact.manifest["verification"]
+    assert verification["passed"] and {case["sizes"]["rows"] for case in verification["cases"]} == {1}
+    prompt = [5, 9, 3, 17, 40, 2, 8, 11, 30, 1, 6, 7, 19, 22, 23, 24, 25, 26, 27]
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert artifact.generate(prompt, 8, ignore_eos=True) == [expected[0, len(prompt):].tolist()]
 
 
 def test_sliding_window_layers_see_their_window_of_the_pages(tmp_path):

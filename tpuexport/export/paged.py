@@ -71,7 +71,8 @@ def check_page_options(page_size: int | None, num_pages: int | None, kv_cache: s
     if max_context is not None and page_size is not None and page_size > max_context:
         raise TpuExportError(f"--page-size {page_size} exceeds --max-context {max_context}; give a page size <= {max_context}")
     if num_pages is not None:
-        needed = math.ceil(max_context / (page_size or DEFAULT_PAGE_SIZE)) if max_context else 1
+        # At least 2 pages: the pages dim is dynamic, and torch.export makes a dim whose example is 1 static.
+        needed = max(2, math.ceil(max_context / (page_size or DEFAULT_PAGE_SIZE)) if max_context else 1)
         if not (isinstance(num_pages, int) and num_pages >= needed):
             raise TpuExportError(f"--num-pages {num_pages}: the cache must hold at least one row of max context ({needed} pages of "
                                  f"{page_size or DEFAULT_PAGE_SIZE} positions); give --num-pages >= {needed}")
@@ -99,11 +100,9 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "base_model") or model.get_output_embeddings() is None:
         raise TpuExportError(f"--kv-cache paged needs a Hugging Face causal LM (e.g. LlamaForCausalLM); got {type(model).__name__}")
-    if max_batch < 2 or max_context < 2:
-        # One row makes the rows static, and torch.export then cannot prove its own stride guard on the
-        # keys (min(16 T + 512, 32 T + 1024) == 16 T + 512 for a tiny Llama at context 32): refused.
-        raise TpuExportError(f"--max-batch {max_batch} / --max-context {max_context} out of range for --kv-cache paged; give max batch >= 2 "
-                             "(rows of a step) and max context >= 2, or --kv-cache static for one row")
+    if max_batch < 1 or max_context < 2:
+        raise TpuExportError(f"--max-batch {max_batch} / --max-context {max_context} out of range for --kv-cache paged; give max batch >= 1 "
+                             "(rows of a step) and max context >= 2")
     check_decoder(model)
     attention_windows(model)  # refuses layer types no causal mask describes
     text = _text_config(config)
@@ -114,7 +113,7 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
     page_size = page_size or min(DEFAULT_PAGE_SIZE, max_context)
     check_page_options(page_size, num_pages, "paged", max_context)
     pages_per_row = math.ceil(max_context / page_size)
-    num_pages = num_pages or max_batch * pages_per_row
+    num_pages = num_pages or max(2, max_batch * pages_per_row)
     row_buckets = tuple(sorted(set(row_buckets or ()) | {max_batch}))
     if not all(1 <= rows <= max_batch for rows in row_buckets):
         raise TpuExportError(f"--bucket rows={','.join(map(str, row_buckets))} is out of range: a step's rows are 1..{max_batch} (--max-batch)")
@@ -258,12 +257,14 @@ class Step(_EntryPoint):
 def step_example_arguments(spec: PagedSpec, device: str = "cpu") -> tuple[tuple, tuple]:
     """The step's example inputs and torch.export dynamic_shapes: tokens (1..largest budget) and rows
     (1..max_batch) are dims."""
-    rows = spec.max_batch
+    # Dims of at least 2: torch.export makes a dim whose example is 1 static (one row could not take a
+    # row count again, and its stride guards on the keys could not be proven).
+    rows = max(2, spec.max_batch)
     count = max(2, min(spec.token_buckets))
     caches = tuple(torch.zeros(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype in spec.cache_tensors().values())
     args = (torch.ones(count, dtype=torch.long), torch.arange(count, dtype=torch.long), torch.zeros(count, dtype=torch.long),
             torch.zeros((rows, spec.pages_per_row), dtype=torch.long), torch.full((rows,), count, dtype=torch.long), *caches)
     tokens = torch.export.Dim("tokens", min=1, max=max(max(spec.token_buckets), 2))
-    row_dim = {0: torch.export.Dim("rows", min=1, max=spec.max_batch)}
+    row_dim = {0: torch.export.Dim("rows", min=1, max=rows)}
     pages = {1: torch.export.Dim(PAGES_DIM, min=max(2, spec.pages_per_row), max=max_pages(spec.page_size))}
     return args, ({0: tokens}, {0: tokens}, {0: tokens}, row_dim, row_dim, *[pages] * len(caches))
