@@ -290,7 +290,6 @@ def test_reference_attention_is_ragged_paged_attention():
     (["--kv-cache", "paged", "--page-size", "8", "--num-pages", "7"], "give --num-pages >= 8"),
     (["--page-size", "8"], "--page-size applies to the paged KV cache; add --kv-cache paged"),
     (["--kv-cache", "pages"], "unknown --kv-cache 'pages'"),
-    (["--kv-cache", "paged", "--quantize", "int8-dynamic"], "--kv-cache paged does not support --quantize int8-dynamic (PT2E) yet"),
     (["--kv-cache", "paged", "--max-context", "8", "--page-size", "8", "--num-pages", "1"], "give --num-pages >= 2"),
     (["--kv-cache", "paged", "--target", "v5e-4", "--sharding", "data-parallel"], "--kv-cache paged does not split rows over a data axis"),
     (["--kv-cache", "paged", "--target", "v5e-4", "--sharding", "tensor-parallel"], "the model's 1 kv heads do not split over model=4"),

@@ -1,5 +1,6 @@
-"""PT2E int8 and int8-dynamic text generation (quantize/generation.py, verify/quantized_generation.py):
-both entry points quantized with one set of weights, calibrated as a serving engine drives them,
+"""PT2E int8 and int8-dynamic text generation (quantize/generation.py, verify/quantized_generation.py,
+verify/paged_generation.py): both entry points (or the paged step) quantized with one set of weights,
+calibrated as a serving engine drives them,
 s8 dots in the TPU executables, verified against the PT2E entry points (a planted int8 bug fails),
 SQNR and first divergence against the float model in the quantization report."""
 
@@ -38,14 +39,20 @@ def static_int8_entry_points():
     return model, spec, quantize_entry_points(captured_entry_points(model, spec), spec, "int8", random_calibration=True)
 
 
-@pytest.fixture(scope="session", params=["int8", "int8-dynamic"])
+# The static cache's prefill and decode, or the paged cache's step (calibrated on steps that mix prefill
+# chunks and decode tokens, export/step_work.py).
+CACHES = {"static": dict(buckets={"seq": [16], "batch": [MAX_BATCH]}),
+          "paged": dict(kv_cache="paged", page_size=4, buckets={"tokens": [8], "rows": [MAX_BATCH]})}
+
+
+@pytest.fixture(scope="session", params=[("int8", "static"), ("int8-dynamic", "static"), ("int8", "paged")], ids="-".join)
 def int8_generation(request, tmp_path_factory):
-    """The tiny Llama converted for text generation in each PT2E mode: (mode, artifact)."""
-    artifact = tpuexport.convert(tiny_llama(), task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH,
-                                 buckets={"seq": [16], "batch": [MAX_BATCH]}, target=["v5e"], quantize=request.param,
-                                 random_calibration=request.param == "int8", saved_model=False, verify_new_tokens=NEW_TOKENS,
-                                 out=tmp_path_factory.mktemp("int8-generation") / "llama.tpu")
-    return request.param, artifact
+    """The tiny Llama converted for text generation in a PT2E mode over a cache: (mode, cache, artifact)."""
+    mode, cache = request.param
+    artifact = tpuexport.convert(tiny_llama(), task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, **CACHES[cache],
+                                 target=["v5e"], quantize=mode, random_calibration=mode == "int8", saved_model=False,
+                                 verify_new_tokens=NEW_TOKENS, out=tmp_path_factory.mktemp("int8-generation") / "llama.tpu")
+    return mode, cache, artifact
 
 
 def test_entry_points_share_weights_and_decode_runs_s8_dots_on_tpu(static_int8_entry_points):
@@ -82,13 +89,15 @@ def test_planted_int8_bug_fails_generation_verification(static_int8_entry_points
 
 
 def test_int8_generation_artifact_verifies_and_reports_sqnr(int8_generation):
-    mode, artifact = int8_generation
+    mode, cache, artifact = int8_generation
+    entry_points = ["step"] if cache == "paged" else ["prefill", "decode"]
     manifest = artifact.manifest
     verification = manifest["verification"]
     assert verification["passed"] and verification["tokens_compared"] == MAX_BATCH * NEW_TOKENS
-    assert verification["against"].startswith("the PT2E-converted entry points")
+    assert verification["against"].startswith("the PT2E-converted step" if cache == "paged" else "the PT2E-converted entry points")
     assert verification["tolerances"]["cpu"]["quantization_steps"] > 0  # forward int8's rule
     report = json.loads((artifact.path / manifest["verification"]["report"]).read_text())
+    assert sorted(report["conformance"]) == sorted(entry_points)
     assert all(check["passed"] and check["ops"] > 100 for check in report["conformance"].values())
     # The quantization section carries what the forward int8 path's does (coverage.py reads it).
     section = manifest["quantization"]
@@ -96,10 +105,10 @@ def test_int8_generation_artifact_verifies_and_reports_sqnr(int8_generation):
     [logits] = section["outputs"]
     assert logits["name"] == "logits" and 25.0 < logits["sqnr_db"] < 80.0
     quantization = json.loads((artifact.path / section["report"]).read_text())
-    assert set(quantization["entry_points"]) == {"prefill", "decode"}
-    assert quantization["integer_flops"]["by_entry_point"] == {"prefill": 1.0, "decode": 1.0}
+    assert quantization["integer_flops"]["by_entry_point"] == dict.fromkeys(entry_points, 1.0)
     assert quantization["weight_bytes"]["ratio"] < 0.3
-    assert len(quantization["first_divergence"]) == MAX_BATCH
+    # Per row (static), or the earliest of any row (paged, as weight-only's), if the float model departs.
+    assert len(quantization["first_divergence"]) == MAX_BATCH if cache == "static" else len(quantization["first_divergence"]) <= 1
     assert all(entry["step"] is None or 0 <= entry["step"] < NEW_TOKENS for entry in quantization["first_divergence"])
     # The artifact generates, and `tpuexport verify` replays its stored cases.
     [tokens] = list(artifact.generate([[1, 2, 3, 4]], max_new_tokens=3))

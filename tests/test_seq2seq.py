@@ -175,6 +175,8 @@ def test_what_encoder_decoders_do_not_support_yet_is_one_line(tmp_path):
         tpuexport.convert(tiny_bart(), task="text-generation", max_context=MAX_CONTEXT, quantize="int8-weight-only", out=tmp_path / "a.tpu")
     with pytest.raises(tpuexport.TpuExportError, match=r"does not support --kv-cache-dtype int8 yet"):
         tpuexport.convert(tiny_bart(), task="text-generation", max_context=MAX_CONTEXT, kv_cache_dtype="int8", out=tmp_path / "a.tpu")
+    with pytest.raises(tpuexport.TpuExportError, match=r"^--kv-cache paged does not support an encoder-decoder yet; use --kv-cache static"):
+        tpuexport.convert(tiny_bart(), task="text-generation", max_context=MAX_CONTEXT, kv_cache="paged", out=tmp_path / "a.tpu")
     assert not (tmp_path / "a.tpu").exists()
 
 

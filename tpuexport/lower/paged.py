@@ -20,6 +20,7 @@ import numpy as np
 
 from tpuexport.errors import TpuExportError
 from tpuexport.export.cache_specs import PAGES_DIM, PagedSpec
+from tpuexport.export.step_work import plan_step, step_inputs
 from tpuexport.lower.generation import Runner, check_token_rows, cpu_runner
 from tpuexport.lower.lowered import LoweredProgram
 from tpuexport.lower.program import EntryPoints
@@ -192,25 +193,14 @@ class PagedSession:
             raise TpuExportError(f"a step of {count} tokens in rows up to {max(work)} fits no compiled bucket "
                                  f"{sizes or ''} (token budgets {list(spec.token_buckets)}, rows {list(spec.row_buckets)})")
         budget, rows = fitting[0], rows_fitting[0]
-        tokens, positions, token_rows = np.zeros(budget, np.int64), np.zeros(budget, np.int64), np.full(budget, -1, np.int64)
-        page_indices = np.zeros((rows, spec.pages_per_row), np.int64)
-        kv_lens = np.zeros(rows, np.int64)
-        start = 0
         for row in sorted(work):
-            new = list(work[row])
             first = self.lengths.get(row, 0)
-            if first + len(new) > spec.max_context:
-                raise TpuExportError(f"row {row} would reach {first + len(new)} positions, past max context {spec.max_context}")
-            self._grow(row, first + len(new))
-            self.lengths[row] = first + len(new)
-            end = start + len(new)
-            tokens[start:end], positions[start:end], token_rows[start:end] = new, range(first, first + len(new)), row
-            start = end
-        for row, pages in self.pages.items():
-            if row < rows:
-                page_indices[row, :len(pages)] = pages
-                kv_lens[row] = self.lengths[row]
-        arrays = [array.astype(dtype) for array, dtype in zip((tokens, positions, token_rows, page_indices, kv_lens), self.index_dtypes)]
+            if first + len(work[row]) > spec.max_context:
+                raise TpuExportError(f"row {row} would reach {first + len(work[row])} positions, past max context {spec.max_context}")
+            self._grow(row, first + len(work[row]))
+            self.lengths[row] = first + len(work[row])
+        inputs = step_inputs(spec, work, self.lengths, self.pages, budget, rows)
+        arrays = [array.astype(dtype) for array, dtype in zip(inputs, self.index_dtypes)]
         logits, *cache = self.run("step", [*arrays, *self.cache])
         self.cache = tuple(cache)
         return logits
@@ -218,28 +208,6 @@ class PagedSession:
     def sample(self, logits, draws: Sequence[Draw | None], top: bool = False) -> SampledTokens:
         """The next token of the first len(draws) rows of a step's logits (lower/sampling.draw_tokens)."""
         return draw_tokens(self.run, self.program.entry_points, logits, draws, top)
-
-
-def plan_step(prompts_left: dict[int, list[int]], decoding: dict[int, int], budget: int, chunk: int | None = None) -> dict[int, list[int]]:
-    """One step's work under a token budget: every decoding row's one token first, then prefill
-    chunks (at most `chunk` tokens per row, None: as many as the budget leaves) in `prompts_left`'s
-    order (a server's: the order it admitted them, oldest first).
-
-    Args:
-      prompts_left: {row: its prompt tokens not yet in the cache}; consumed here.
-      decoding: {row: its next token} of rows whose prompt is in.
-      budget: the step's largest token budget.
-    """
-    work = {row: [token] for row, token in list(decoding.items())[:budget]}
-    room = budget - len(work)
-    for row in prompts_left:
-        if room <= 0:
-            break
-        take = min(room, len(prompts_left[row]), chunk or room)
-        if take:
-            work[row], prompts_left[row] = prompts_left[row][:take], prompts_left[row][take:]
-            room -= take
-    return work
 
 
 def stream_paged(session: PagedSession, rows: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = GREEDY,

@@ -1,5 +1,5 @@
-"""The quantize pass of a text-generation conversion: PT2E int8 per entry point (prefill, decode),
-one set of quantized weights.
+"""The quantize pass of a text-generation conversion: PT2E int8 per entry point (prefill and decode, or
+the paged step), one set of quantized weights.
 
 Each entry point is quantized on its own (`quantization.quantize`, the same TpuQuantizer), with
 its own activation observers calibrated on what a serving engine feeds it:
@@ -8,6 +8,9 @@ its own activation observers calibrated on what a serving engine feeds it:
            written into its own cache slot;
   decode   DECODE_STEPS greedy steps after each prefill batch, over the cache prefill filled, every
            row at its own position (the other slots idle at position 0).
+  step     (--kv-cache paged) the prompts max batch rows at a time, prefilled in chunks that share the
+           largest token budget, each row then decoding DECODE_STEPS greedy tokens beside the other
+           rows' chunks: every step planned as the runtime plans it (export/step_work.py).
 
 The calibration run is the float model's (a prepared PT2E module computes in float), so the
 decode samples see the cache a float prefill writes. Weights are quantized per output channel by
@@ -24,6 +27,7 @@ the quantization report's evaluation samples.
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 from typing import Iterable
 
@@ -32,7 +36,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export import CapturedModel, GenerationSpec
+from tpuexport.export import CapturedModel, GenerationSpec, PagedSpec
+from tpuexport.export.step_work import plan_step, step_inputs
 from tpuexport.quantize.calibration import _read_arrays
 from tpuexport.quantize.quantization import MAX_EVALUATION_SAMPLES, RANDOM_CALIBRATION_WARNING, QuantizedModel, quantize
 
@@ -65,7 +70,9 @@ def quantize_entry_points(captured: dict[str, CapturedModel], spec: GenerationSp
         raise TpuExportError(f"--quantize {mode} does not apply to text generation here; use int8, int8-dynamic, "
                              "int8-weight-only or int4-weight-only")
     prompts, source = calibration_prompts(spec, mode, calibration, calibration_file, random_calibration)
-    samples = entry_point_samples({name: entry.reference for name, entry in captured.items()}, spec, prompts)
+    modules = {name: entry.reference for name, entry in captured.items()}
+    samples = ({"step": step_samples(modules["step"], spec, prompts)} if isinstance(spec, PagedSpec)
+               else entry_point_samples(modules, spec, prompts))
     quantized = {}
     for name, entry in captured.items():
         result = quantize(entry, mode, calibration=samples[name])
@@ -97,7 +104,8 @@ def calibration_prompts(spec: GenerationSpec, mode: str, calibration, calibratio
                              "'tokens' array [N, seq] and optional 'lengths' [N]), calibration=[[ids...], ...] in the API, or "
                              "--random-calibration to accept random tokens (or use --quantize int8-dynamic)")
     generator = np.random.default_rng(0)
-    longest = max(2, min(spec.prefill_buckets[0], spec.max_context - DECODE_STEPS))
+    first_budget = spec.token_buckets[-1] if isinstance(spec, PagedSpec) else spec.prefill_buckets[0]
+    longest = max(2, min(first_budget, spec.max_context - DECODE_STEPS))
     # Down to one token: decode's early positions (few keys) have their own activation ranges.
     lengths = np.linspace(longest, 1, RANDOM_PROMPTS).round().astype(int)
     return [[int(token) for token in generator.integers(0, spec.vocab, length)] for length in lengths], "random"
@@ -119,7 +127,8 @@ def _check_prompts(prompts: list[list[int]], spec: GenerationSpec, where: str) -
     """The prompts, at most MAX_PROMPTS, each clipped to what prefill and DECODE_STEPS leave room for."""
     if not prompts:
         raise TpuExportError(f"{where}: no prompt given; give at least one token-id sequence")
-    longest = min(spec.prefill_buckets[-1], spec.max_context - DECODE_STEPS)
+    # Over pages a prompt of any length is prefilled in chunks.
+    longest = spec.max_context - DECODE_STEPS if isinstance(spec, PagedSpec) else min(spec.prefill_buckets[-1], spec.max_context - DECODE_STEPS)
     for index, prompt in enumerate(prompts):
         if not prompt:
             raise TpuExportError(f"{where}: prompt {index} is empty; give at least one token per prompt")
@@ -161,6 +170,46 @@ def entry_point_samples(modules: dict, spec: GenerationSpec, prompts: list[list[
                 logits, *cache = _outputs(modules["decode"](step_tokens, positions, *cache))
                 step_tokens[:len(batch)] = logits[:len(batch)].argmax(-1)
                 positions[:len(batch)] += 1
+    return samples
+
+
+def step_samples(step: torch.nn.Module, spec: PagedSpec, prompts: list[list[int]]) -> list[tuple[torch.Tensor, ...]]:
+    """The paged step's inputs as a server drives it (module docstring), with the float step module.
+
+    Each group of rows gets pages of its own, as few as its prompts and decode steps take (the pages dim
+    is dynamic, at least one row of max context): each sample then holds a cache of that size, not the
+    artifact's.
+    """
+    samples = []
+    budget = spec.token_buckets[-1]
+    with torch.no_grad():
+        for start in range(0, len(prompts), spec.max_batch):
+            group = prompts[start:start + spec.max_batch]
+            pages, taken = {}, 0
+            for row, prompt in enumerate(group):
+                needed = math.ceil((len(prompt) + DECODE_STEPS) / spec.page_size)
+                pages[row], taken = list(range(taken, taken + needed)), taken + needed
+            cache = [torch.zeros((shape[0], max(2, spec.pages_per_row, taken), *shape[2:]), dtype=getattr(torch, name)) for shape, name in spec.cache_tensors().values()]
+            prompts_left, decoding = {row: list(prompt) for row, prompt in enumerate(group)}, {}
+            lengths, decoded = dict.fromkeys(pages, 0), dict.fromkeys(pages, 0)
+            rows = min(size for size in spec.row_buckets if size >= len(group))
+            while prompts_left or decoding:
+                work = plan_step(prompts_left, decoding, budget, max(1, budget // len(group)))
+                for row, tokens in work.items():
+                    lengths[row] += len(tokens)
+                count = sum(len(tokens) for tokens in work.values())
+                inputs = step_inputs(spec, work, lengths, pages, min(size for size in spec.token_buckets if size >= count), rows)
+                samples.append((*(torch.from_numpy(array) for array in inputs), *cache))
+                logits, *cache = _outputs(step(*samples[-1]))
+                for row in work:
+                    if prompts_left.get(row):
+                        continue
+                    prompts_left.pop(row, None)
+                    decoded[row] += 1
+                    if decoded[row] <= DECODE_STEPS:
+                        decoding[row] = int(logits[row].argmax())
+                    else:
+                        decoding.pop(row, None)
     return samples
 
 

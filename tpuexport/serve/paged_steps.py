@@ -19,7 +19,7 @@ ones, since it can no longer be handed out). Rows share only full pages, which n
 a row's tokens are those it gets without the cache (up to the floating-point rounding of a position
 computed in another chunk of the step).
 
-Each step (lower/paged.plan_step) takes one decode token of every running row first (more rows than
+Each step (export/step_work.plan_step) takes one decode token of every running row first (more rows than
 the largest token budget holds take turns, the longest waiting first), then fills the budget with the
 next chunks of the prompts still prefilling, oldest first: a prompt longer than the budget is
 prefilled over several steps while the other rows keep decoding.
@@ -34,7 +34,7 @@ import math
 from typing import Callable
 
 from tpuexport.errors import TpuExportError
-from tpuexport.lower.paged import plan_step
+from tpuexport.export.step_work import plan_step
 from tpuexport.runtime import Runner
 from tpuexport.serve.metrics import Metrics
 from tpuexport.serve.prefix_cache import ROOT_KEY, PrefixCache, page_keys

@@ -251,11 +251,8 @@ def _streamed_weights(conversion: Conversion) -> tuple[torch.nn.Module | None, e
 def _check_paged(conversion: Conversion) -> None:
     """Refuses, in one line, what the paged step does not take yet."""
     options, loaded = conversion.options, conversion.loaded
-    unsupported = [what for what, given in ((f"--quantize {options.quantize} (PT2E)", options.pt2e),
-                                             ("an encoder-decoder", export_stage.is_encoder_decoder(loaded.model)))
-                   if given]
-    if unsupported:
-        raise TpuExportError(f"--kv-cache paged does not support {unsupported[0]} yet; use --kv-cache static for it")
+    if export_stage.is_encoder_decoder(loaded.model):
+        raise TpuExportError("--kv-cache paged does not support an encoder-decoder yet; use --kv-cache static for it")
     if conversion.slices:  # before any export: the pages' layout on each slice's mesh
         kv_heads = cached_shapes(loaded.model)[0]
         for target in conversion.slices:
@@ -347,10 +344,14 @@ def _verify_generation(conversion: Conversion):
     fill_bytes = conversion.run_memory.fill_bytes  # the memory budget's bound on a fill case's CPU temporaries
     if isinstance(program, lower_stage.Seq2SeqProgram):
         return verify_stage.verify_seq2seq(program, sources.model, tolerances, options.new_tokens)
+    paged = isinstance(program, lower_stage.PagedGenerationProgram)
     if conversion.quantized:  # int8: against the PT2E entry points, as forward int8 programs are
         references = {name: result.captured.reference for name, result in conversion.quantized.items()}
+        if paged:
+            first_inputs = conversion.quantized["step"].evaluation_samples[0]
+            return verify_stage.verify_quantized_paged_generation(program, sources.model, references["step"], tolerances, options.new_tokens,
+                                                                  first_inputs)
         return verify_stage.verify_quantized_generation(program, sources.model, references, tolerances, options.new_tokens, fill_bytes)
-    paged = isinstance(program, lower_stage.PagedGenerationProgram)
     float_model = sources.model if sources.checkpoint_model is None else sources.checkpoint_model
     # A weight-only program is compared with generate() on the model with those weights dequantized;
     # its distance from the float model's generate() is measured too (an int8 cache's as well).

@@ -13,7 +13,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "row_padding": ["padding_policy"],
     "sampling": ["SamplingVerification", "verify_sampling"],
     "seq2seq": ["verify_seq2seq"],
-    "paged_generation": ["paged_eager_references=eager_references", "verify_paged_generation"],
+    "paged_generation": ["paged_eager_references=eager_references", "verify_paged_generation", "verify_quantized_paged_generation"],
     "quantized_generation": ["QuantizedGenerationReport", "verify_quantized_generation"],
     "report": ["VerificationCase", "VerificationReport"],
     "sharded": ["ShardedVerification", "verify_sharded"],

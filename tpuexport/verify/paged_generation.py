@@ -19,6 +19,12 @@ rounds them, and its distance from the float model's generate() measured, as the
 as the static int8 cache is (verify/int8_kv_generation.py), with the same step run eagerly in PyTorch
 and driven greedily in the same session steps (its argmax fed back), since generate()'s float cache does
 not round as the pages do; its distance from the float model's generate() is measured.
+
+An int8 (PT2E) step is compared the same way with the PT2E-converted step (its int8 rounding modelled
+in float) with the int8 tolerances, as an int8 static program is with its PT2E entry points
+(verify/quantized_generation.py); every op of the step against the PT2E model's own values at one
+calibration step's inputs; its distance from the float model's generate() measured as a weight-only
+step's (the SQNR of its logits up to each row's first divergence) for the quantization report.
 """
 
 from __future__ import annotations
@@ -29,11 +35,13 @@ import numpy as np
 import torch
 
 from tpuexport.lower.generation import cpu_runner
-from tpuexport.lower.paged import PagedGenerationProgram, PagedSession, plan_step
+from tpuexport.export.step_work import plan_step
+from tpuexport.lower.paged import PagedGenerationProgram, PagedSession
 from tpuexport.verify.generation import (DEFAULT_NEW_TOKENS, GenerationCase, GenerationReport, artifact_raised, compare_run, cpu_runs,
                                          eager_generate, float_divergence, store_golden_case, stored_cases)
 from tpuexport.verify.int8_kv_generation import INT8_KV_AGAINST
-from tpuexport.verify.quantized_generation import torch_runner
+from tpuexport.verify.conformance import check_ops
+from tpuexport.verify.quantized_generation import QuantizedGenerationReport, op_sizes, torch_runner
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
 
 
@@ -136,7 +144,7 @@ def eager_references(program: PagedGenerationProgram, model: torch.nn.Module, ne
 def verify_paged_generation(program: PagedGenerationProgram, model: torch.nn.Module, tolerances: VerificationTolerances | None = None,
                             new_tokens: int = DEFAULT_NEW_TOKENS,
                             float_reference: list[list[tuple[list[int], np.ndarray]]] | None = None,
-                            first_seed: int = 0, eager_step: torch.nn.Module | None = None) -> GenerationReport:
+                            first_seed: int = 0, eager_step: torch.nn.Module | None = None, against: str = INT8_KV_AGAINST) -> GenerationReport:
     """Generates with the step on CPU, case by case (module docstring), and compares with generate().
 
     Args:
@@ -148,8 +156,10 @@ def verify_paged_generation(program: PagedGenerationProgram, model: torch.nn.Mod
         first_seed, taken before the weights were rounded): each case then measures its FloatDivergence,
         as verify/generation.py's cases do.
       first_seed: the seed of the first bucket's prompts (each next bucket's is one more).
-      eager_step: an int8-cache program's step module (export/paged.py Step over `model`), the reference
-        instead of generate() (module docstring); None for generate().
+      eager_step: an int8-cache program's step module (export/paged.py Step over `model`), or an int8
+        (PT2E) program's converted step, the reference instead of generate() (module docstring); None
+        for generate().
+      against: what `eager_step` is (the report's `against`).
     Returns:
       The GenerationReport of PagedCases, passed or not, with golden data.
     """
@@ -167,7 +177,7 @@ def verify_paged_generation(program: PagedGenerationProgram, model: torch.nn.Mod
             else:
                 eager_tokens, expected = greedy_logits(PagedSession(program, torch_runner({"step": eager_step})), prompts, rows, chunk, sizes, steps)
         except Exception as error:  # the user's model may raise anything
-            raised = "eager generate()" if eager_step is None else "the eager int8-KV step"
+            raised = "eager generate()" if eager_step is None else f"the reference ({against})"
             cases.append(PagedCase(sizes, lengths, tuple(rows), steps, {}, f"{raised} raised {type(error).__name__}: {error}", chunk=chunk))
             continue
         try:
@@ -180,7 +190,45 @@ def verify_paged_generation(program: PagedGenerationProgram, model: torch.nn.Mod
         stored = store_golden_case(golden, number, prompts, rows, max(lengths), eager_tokens, expected)
         cases.append(PagedCase(sizes, lengths, tuple(rows), steps, runs, golden=stored, float_divergence=divergence, chunk=chunk))
     report = GenerationReport(step.resolved_precision, step.matmul_precision, tolerances, tuple(cases), golden)
-    return report if eager_step is None else dataclasses.replace(report, against=INT8_KV_AGAINST)
+    return report if eager_step is None else dataclasses.replace(report, against=against)
+
+
+PT2E_AGAINST = "the PT2E-converted step's greedy generation, eager PyTorch"
+
+
+def verify_quantized_paged_generation(program: PagedGenerationProgram, float_model: torch.nn.Module, reference_step: torch.nn.Module,
+                                      tolerances: VerificationTolerances, new_tokens: int,
+                                      first_inputs: tuple[torch.Tensor, ...]) -> QuantizedGenerationReport:
+    """Verifies an int8 (PT2E) paged program (module docstring).
+
+    Args:
+      program: the lowered int8 paged program (with weights).
+      float_model: the float Hugging Face causal LM.
+      reference_step: the PT2E-converted step module.
+      tolerances: the int8 tolerances (default_tolerances(..., quantized=True)).
+      new_tokens: tokens generated per prompt.
+      first_inputs: one calibration step's inputs (the op-by-op check's).
+    """
+    float_reference = eager_references(program, float_model, new_tokens)
+
+    def converted_step(*inputs):  # the session's index arrays are the lowered step's int32; the PT2E program's are int64
+        return reference_step(*(tensor.long() for tensor in inputs[:5]), *inputs[5:])
+
+    report = verify_paged_generation(program, float_model, tolerances, new_tokens, float_reference, eager_step=converted_step,
+                                     against=PT2E_AGAINST)
+    divergence = report.float_divergence() or {}
+    step = program.entry_points["step"]
+    comparison = {
+        "rule": "SQNR of the artifact's teacher-forced logits (TPU-faithful run) against the float model's generate() over each "
+                "row's steps up to its first divergence; first_divergence: the first step where the float model's greedy token is "
+                "not the int8 one (empty: none)",
+        "logits": {"sqnr_db": divergence.get("sqnr_db")},
+        "first_divergence": [divergence["first"]] if divergence.get("first") else [],
+    }
+    fields = {field.name: getattr(report, field.name) for field in dataclasses.fields(report)}
+    return QuantizedGenerationReport(**fields, float_comparison=comparison,
+                                     conformance={"step": check_ops(step.graph, list(first_inputs), op_sizes(step, list(first_inputs)))},
+                                     rule=" ".join(__doc__[__doc__.index("An int8 (PT2E) step"):].split()))
 
 
 def replay_golden(program: PagedGenerationProgram, golden: dict[str, np.ndarray], cases: list[dict],

@@ -126,22 +126,23 @@ def generation_report(quantized: dict[str, QuantizedModel], program, compiled: d
       compiled: {entry point: the matmul FLOPs of one of its compiled TPU executables}.
       float_comparison: QuantizedGenerationReport.float_comparison.
     Returns:
-      A JSON-ready dict with the keys of `build_report` (decode's layers, weights and integer
-      FLOPs at the top) plus "entry_points" and "first_divergence".
+      A JSON-ready dict with the keys of `build_report` (decode's or the step's layers, weights and
+      integer FLOPs at the top) plus "entry_points" and "first_divergence".
     """
     entry_points = {name: build_report(quantized[name], program.entry_points[name], compiled[name]) for name in quantized}
-    decode = entry_points["decode"]
-    logits = float_comparison["logits"]
-    outputs = [{"name": "logits", "sqnr_db": logits["sqnr_db"], "cpu_sqnr_db": logits["cpu_sqnr_db"], "pt2e_sqnr_db": logits["pt2e_sqnr_db"]}]
+    last = list(quantized)[-1]  # decode (prefill's weights are the same), or a paged program's step
+    main = entry_points[last]
+    # A paged step measures the TPU-faithful run's logits only (verify/paged_generation.py).
+    outputs = [{"name": "logits", **float_comparison["logits"]}]
     return {
-        **decode,
+        **main,
         # The entry points' own warnings (calibration) and the verified logits', not the entry points' per-sample outputs'.
-        "warnings": [*quantized["decode"].warnings, *low_sqnr_warnings(outputs, PT2E_FLOAT_FIX)],
+        "warnings": [*quantized[last].warnings, *low_sqnr_warnings(outputs, PT2E_FLOAT_FIX)],
         "evaluation_samples": "teacher-forced logits of every verified generation step (verification's cases)",
         "sqnr_rule": float_comparison["rule"],
         "outputs": outputs,
         "first_divergence": float_comparison["first_divergence"],
-        "integer_flops": {**decode["integer_flops"], "by_entry_point": {name: report["integer_flops"]["fraction"]
+        "integer_flops": {**main["integer_flops"], "by_entry_point": {name: report["integer_flops"]["fraction"]
                                                                          for name, report in entry_points.items()}},
         "entry_points": entry_points,
     }

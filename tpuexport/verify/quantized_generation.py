@@ -40,6 +40,9 @@ from tpuexport.verify.sizes import MAX_FILL_TEMPORARY_BYTES
 from tpuexport.verify.tolerances import VerificationTolerances
 
 
+RULE = " ".join(__doc__[__doc__.index("Greedy parity"):].split())
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantizedGenerationReport(GenerationReport):
     """A GenerationReport against the PT2E entry points, with the op-by-op checks and the float comparison.
@@ -48,10 +51,12 @@ class QuantizedGenerationReport(GenerationReport):
       conformance: {entry point: OpConformance}.
       float_comparison: {"logits": {"sqnr_db", "pt2e_sqnr_db", "cpu_sqnr_db"}, "first_divergence":
         [{"case", "row", "step"}]} (module docstring; step None: no divergence within the case's tokens).
+      rule: how the program was compared (this module's docstring, or a paged step's).
     """
 
     conformance: dict[str, OpConformance] = dataclasses.field(default_factory=dict)
     float_comparison: dict = dataclasses.field(default_factory=dict)
+    rule: str = RULE
 
     @property
     def passed(self) -> bool:
@@ -66,7 +71,7 @@ class QuantizedGenerationReport(GenerationReport):
         return "; ".join(clauses) or "generation matches"
 
     def to_json(self) -> dict:
-        return {**super().to_json(), "rule": " ".join(__doc__[__doc__.index("Greedy parity"):].split()),
+        return {**super().to_json(), "rule": self.rule,
                 "conformance": {name: check.to_json() for name, check in self.conformance.items()},
                 "float_comparison": self.float_comparison}
 
@@ -158,7 +163,7 @@ def verify_quantized_generation(program: GenerationProgram, model: torch.nn.Modu
             divergences.append({"case": index, "row": row, "step": departs[0] if departs else None})
         stored = store_golden_case(golden, index, prompts, slots, sizes["seq"], tokens, expected)
         cases.append(GenerationCase(sizes, lengths, tuple(slots), steps, runs, golden=stored, note=note))
-    conformance = {name: check_ops(program.entry_points[name].graph, inputs, _sizes(program.entry_points[name], inputs))
+    conformance = {name: check_ops(program.entry_points[name].graph, inputs, op_sizes(program.entry_points[name], inputs))
                    for name, inputs in first_inputs.items()}
     comparison = {
         "rule": "SQNR of the artifact's teacher-forced logits (TPU-faithful run; cpu: plain f32 run; pt2e: the PT2E model) against "
@@ -172,6 +177,6 @@ def verify_quantized_generation(program: GenerationProgram, model: torch.nn.Modu
                                      "the PT2E-converted entry points' greedy generation, eager PyTorch", conformance, comparison)
 
 
-def _sizes(lowered, inputs: list[torch.Tensor]) -> dict[str, int]:
+def op_sizes(lowered, inputs: list[torch.Tensor]) -> dict[str, int]:
     """The dim sizes of an entry point's inputs (for the op-by-op report)."""
     return lowered.signature.sizes_of([tuple(tensor.shape) for tensor in inputs])
