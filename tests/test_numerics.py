@@ -23,6 +23,7 @@ from tpuexport.lower import lower
 from tpuexport.signature import ProgramSignature, SymbolicDim, TensorSpec
 from tpuexport.verify import default_tolerances, plan_cases, verify
 from tpuexport.verify.compare import CHUNK_ELEMENTS, OutputComparison, Tolerances, compare_output, sqnr_db
+from tpuexport.verify.topk_ties import selection_ties
 from tpuexport.verify.sizes import resolve_requested_sizes
 
 
@@ -243,6 +244,32 @@ def test_a_discrete_output_the_tpu_would_change_fails_with_the_precision_named(t
     artifact = tpuexport.convert(BestItem(threshold=BETWEEN_THE_SCORES), (items,), {"items": {0: batch}}, out=tmp_path / "best.tpu",
                                  saved_model=False, matmul_precision="highest")
     assert artifact.run(items).tolist() == [[False, True]] * 2
+
+
+class TiedTopK(torch.nn.Module):
+    """Keeps 4 of 20 equal scores and gathers the items there: torch's CPU topk keeps other tied
+    candidates than XLA's (which keeps the lowest indices)."""
+
+    def forward(self, items):
+        scores = torch.zeros(items.shape[0], 20) + 0 * items.sum(-1, keepdim=True)
+        return torch.gather(items, 1, torch.topk(scores, 4).indices)
+
+
+def test_a_failure_after_a_tied_top_k_names_the_selection_not_the_arithmetic(tmp_path):
+    with pytest.raises(tpuexport.VerificationError) as failure:
+        tpuexport.convert(TiedTopK(), (torch.randn(2, 20),), out=tmp_path / "tied.tpu", saved_model=False)
+    message = str(failure.value)
+    assert "output 'output_0' at static shapes (cpu run)" in message
+    assert ("the reference selects with torch.topk at test_numerics.py:" in message and "torch.topk(scores, 4)" in message
+            and "in 2 of 2 row(s) its last choice (k=4 of 20) ties" in message)
+    assert "the plain CPU run departs too" not in message  # the arithmetic hint it makes moot
+    report = json.loads((tmp_path / "tied.tpu.verification-report.json").read_text())
+    assert [(tie["k"], tie["tied_rows"], tie["tied"], tie["dtype"]) for tie in report["selection_ties"]] == [(4, 2, 20, "float32")]
+    # Distinct scores are no tie; a bf16 model's near-equal values are, measured in bf16's units.
+    assert selection_ties(lambda: torch.topk(torch.arange(20.0) * 1e-3 + 1, 4)) == []
+    bf16_model = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    [tie] = selection_ties(lambda: torch.topk(torch.arange(20.0) * 1e-3 + 1, 4), bf16_model)
+    assert tie.dtype == "bfloat16" and tie.where.startswith("test_numerics.py:")
 
 
 def test_matmuls_feeding_a_decision_are_pinned_to_highest():

@@ -13,11 +13,13 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Iterable
 
+import torch
+
 from tpuexport import compile as compile_stage
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
-from tpuexport.errors import TpuExportError
+from tpuexport.errors import TpuExportError, VerificationError
 from tpuexport.memory import MemoryBudget, MemoryMonitor, PeakMemory, memory_budget, return_freed_memory
 
 if TYPE_CHECKING:
@@ -322,6 +324,16 @@ def write_failed_report(out: pathlib.Path, report: dict) -> pathlib.Path:
     report_path = out.parent / f"{out.name}.verification-report.json"
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     return report_path
+
+
+def verification_failure(report, out: pathlib.Path, reference, inputs: Callable[[], tuple]) -> VerificationError:
+    """The error of a failed verification, its report written next to `out`, with the tied top-k
+    selections of `reference` (verify/topk_ties.py: run once more on `inputs()`) named in its
+    line, in place of the arithmetic hints they make moot, and recorded in the report."""
+    ties = verify_stage.selection_ties(lambda: reference(*inputs()), reference if isinstance(reference, torch.nn.Module) else None)
+    failed = {**report.to_json(), **({"selection_ties": [tie.to_json() for tie in ties]} if ties else {})}
+    summary = "; ".join([report.failure_summary(hint=not ties), *(tie.describe() for tie in ties)])
+    return VerificationError(report, write_failed_report(out, failed), summary)
 
 
 def describe_precision(lowered: lower_stage.LoweredProgram) -> str:

@@ -19,7 +19,8 @@ from tpuexport.errors import TpuExportError, VerificationError
 from tpuexport.lower.program import DEFAULT_ENTRY_POINT
 from tpuexport.verify.verification import compare_case
 from tpuexport.tasks.conversion import (META_WEIGHTS_ERROR, PT2E_CHECKPOINT_ERROR, Conversion, ConversionOptions, StageClock, lower_entry_point,
-                                        verification_tolerances, weight_only_scheme, write_failed_report)
+                                        verification_failure, verification_tolerances, weight_only_scheme,
+                                        write_failed_report)
 from tpuexport.tasks.spec import EntryPointSpec, ProgramSpec, Task, Verified
 
 if TYPE_CHECKING:  # torchao loads only for quantized conversions
@@ -92,7 +93,7 @@ class ForwardTask(Task):
         with clock.stage("verify", lambda: describe_verification(report)):
             report = verify_forward(forward, options, requested, conversion.run_memory)
         if not report.passed:
-            raise VerificationError(report, write_failed_report(options.out, report.to_json()))
+            raise verification_failure(report, options.out, forward.captured.reference, lambda: captured.example_inputs)
         buckets, plans = conversion.buckets[DEFAULT_ENTRY_POINT], conversion.plans.get(DEFAULT_ENTRY_POINT, {})
         sharded = []
         for plan, names in _distinct_plans(plans):

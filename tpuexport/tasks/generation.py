@@ -36,7 +36,7 @@ from tpuexport.export.generation import cached_shapes
 from tpuexport.export.huggingface import generation_context
 from tpuexport.export.cache_specs import PAGES_DIM
 from tpuexport.tasks.conversion import (META_WEIGHTS_ERROR, PT2E_CHECKPOINT_ERROR, Conversion, describe_precision, verification_tolerances,
-                                        write_failed_report)
+                                        verification_failure, write_failed_report)
 from tpuexport.tasks.page_count import PageSizing
 from tpuexport.tasks.spec import EntryPointSpec, ProgramSpec, Task, Verified
 from tpuexport.verify.generation import replay_golden
@@ -159,7 +159,7 @@ class TextGenerationTask(Task):
         with clock.stage("verify", lambda: describe_generation(report, fill, fix)):
             report = _verify_generation(conversion)
         if not report.passed:
-            raise VerificationError(report, write_failed_report(options.out, report.to_json()))
+            raise verification_failure(report, options.out, conversion.spec.state.model, lambda: (_reference_prompt(conversion),))
         writers = _verify_sampling(conversion, report)
         sharded = _verify_slices(conversion, report)
         logits = _logits_sqnr(report.float_divergence())
@@ -382,6 +382,13 @@ def _generation_report(conversion: Conversion, model: torch.nn.Module, tolerance
         modules = sources.modules if model is sources.model else export_stage.entry_point_modules(model, program.spec)
         return verify_stage.verify_int8_kv_generation(program, modules, tolerances, float_reference, options.new_tokens, fill_bytes)
     return verify_stage.verify_generation(program, model, tolerances, options.new_tokens, float_reference, fill_bytes=fill_bytes)
+
+
+def _reference_prompt(conversion: Conversion) -> torch.Tensor:
+    """A seeded prompt of 64 tokens (at most max context), over which a failed verification runs the
+    model's forward looking for tied top-k selections (a mixture-of-experts router's)."""
+    spec = conversion.program.spec
+    return torch.randint(0, spec.vocab, (1, min(64, spec.max_context)), generator=torch.Generator().manual_seed(0))
 
 
 def _verify_sampling(conversion: Conversion, report) -> tuple:

@@ -21,5 +21,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "sharded_paged": ["verify_sharded_paged"],
     "sizes": ["DEFAULT_BUDGET_FLOPS", "PlannedCase", "RunMemory", "plan_cases", "resolve_requested_sizes", "run_memory"],
     "tolerances": ["VerificationTolerances", "default_tolerances", "with_overrides"],
+    "topk_ties": ["SelectionTie", "selection_ties"],
     "verification": ["ProgramRuns", "make_inputs", "verify"],
 })

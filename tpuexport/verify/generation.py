@@ -190,7 +190,8 @@ class GenerationReport:
         return {"against": "generate(do_sample=False) of the float model", "tokens_compared": sum(d.tokens_compared for _, d in measured),
                 "first": min(diverged, key=lambda first: first["step"], default=None), "sqnr_db": min(sqnrs, default=None)}
 
-    def failure_summary(self) -> str:
+    def failure_summary(self, hint: bool = True) -> str:
+        """Names every failed case and run, one clause each, and (with `hint`) what TPU arithmetic alone departing suggests."""
         clauses = []
         for case in self.cases:
             if case.error:
@@ -204,7 +205,7 @@ class GenerationReport:
                     clauses.append(f"{case.label} ({name} run): logits {run.logits.describe_failure()} "
                                    f"[{getattr(self.tolerances, name).describe()}]")
         failed_runs = {name for case in self.cases for name, run in case.runs.items() if not run.passed}
-        if failed_runs == {"tpu"} and self.matmul_precision != "highest" and not any(case.error for case in self.cases):
+        if hint and failed_runs == {"tpu"} and self.matmul_precision != "highest" and not any(case.error for case in self.cases):
             clauses.append(tpu_arithmetic_hint(self.matmul_precision))
         return "; ".join(clauses) or "generation matches"
 

@@ -62,8 +62,8 @@ class QuantizedGenerationReport(GenerationReport):
     def passed(self) -> bool:
         return super().passed and all(check.passed for check in self.conformance.values())
 
-    def failure_summary(self) -> str:
-        clauses = [] if super().passed else [super().failure_summary()]
+    def failure_summary(self, hint: bool = True) -> str:
+        clauses = [] if super().passed else [super().failure_summary(hint)]
         for name, check in self.conformance.items():
             if not check.passed:
                 clauses.append(f"{len(check.failures)} op(s) of {name} do not reproduce the reference given its own inputs: "

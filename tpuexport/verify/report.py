@@ -137,8 +137,9 @@ class VerificationReport:
     def passed(self) -> bool:
         return bool(self.cases) and all(case.passed for case in self.cases) and (self.conformance is None or self.conformance.passed)
 
-    def failure_summary(self) -> str:
-        """Names every mismatched output of every run, one clause each."""
+    def failure_summary(self, hint: bool = True) -> str:
+        """Names every mismatched output of every run, one clause each, and (with `hint`) what the
+        arithmetic that departs suggests doing."""
         clauses = []
         if self.conformance is not None and not self.conformance.passed:
             shown = "; ".join(self.conformance.failures[:5])
@@ -158,7 +159,8 @@ class VerificationReport:
         if any(output.reference_not_finite for _, output in failed):
             clauses.append(_not_finite_reference_clause(failed))
         # Departures only from the reference's infinities and NaNs name no arithmetic of the program's.
-        if not (failed and all(output.mismatched - output.reference_not_finite <= output.allowed_mismatches for _, output in failed)):
+        if hint and not (failed and all(output.mismatched - output.reference_not_finite <= output.allowed_mismatches
+                                        for _, output in failed)):
             if self._only_the_tpu_run_failed():
                 clauses.append(tpu_arithmetic_hint(self.matmul_precision))
             elif self._the_cpu_run_failed():
