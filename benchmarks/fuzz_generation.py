@@ -8,9 +8,13 @@ verified program does. `--kinds encoder-decoder` draws random small encoder-deco
 T5, Whisper: layers, heads, d_model, vocabulary, position limits, T5's relative buckets and
 feed-forward, Whisper's mel bins and source positions, dtype, cache slots and context, source and
 encode batch buckets, initializer or wider weights): encode + decode through verification with
-fresh sources, and the runtime's executables from a full batch of fresh sources.
+fresh sources, and the runtime's executables from a full batch of fresh sources. `--kinds paged`
+draws the decoder LMs converted with `--kv-cache paged` (page size, token budgets, max batch down to
+one row): the step driven as verification drives it, with fresh prompts prefilled in chunks beside
+another row's decode tokens, to the last position of the context, and the runtime's executables from
+a full batch of prompts longer than the largest budget.
 
-    python benchmarks/fuzz_generation.py --examples 40 [--seed 0] [--kinds decoder,encoder-decoder] [--log FILE]
+    python benchmarks/fuzz_generation.py --examples 40 [--seed 0] [--kinds decoder,encoder-decoder,paged] [--log FILE]
     python benchmarks/fuzz_generation.py --summarize FILE [FILE ...]
 
 Prints the cases run, the outcomes (ok, refused with one line, verify-failed, silent-mismatch,
@@ -42,7 +46,7 @@ from fuzz_models import Outcome, refusal_reason
 FRESH_SEED = 1000
 FAMILIES = ("llama", "qwen2", "mistral", "gemma", "gpt2")
 SEQ2SEQ_FAMILIES = ("bart", "t5", "whisper")
-KINDS = ("decoder", "encoder-decoder")
+KINDS = ("decoder", "encoder-decoder", "paged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,12 +66,14 @@ class GenerationCase:
     max_context: int
     prefill_seq: tuple[int, ...]
     seed: int
+    page_size: int | None = None  # --kv-cache paged: positions per page; prefill_seq then holds the token budgets
 
     def describe(self) -> str:
         window = f" window {self.window}" if self.window else ""
+        buckets = f"paged {self.page_size} tokens {list(self.prefill_seq)}" if self.page_size else f"prefill {list(self.prefill_seq)}"
         return (f"{self.family} {self.layers}L {self.heads}/{self.kv_heads}h x {self.head_dim} vocab {self.vocab}"
                 f"{' tied' if self.tied else ''}{window} {self.dtype} cache {self.max_batch}x{self.max_context} "
-                f"prefill {list(self.prefill_seq)} seed {self.seed}")
+                f"{buckets} seed {self.seed}")
 
 
 @st.composite
@@ -84,6 +90,15 @@ def generation_cases(draw) -> GenerationCase:
         head_dim=draw(st.sampled_from((8, 16, 32))), vocab=draw(st.integers(40, 300)), tied=draw(st.booleans()), window=window,
         dtype=draw(st.sampled_from(("float32", "bfloat16"))), max_batch=draw(st.integers(1, 3)), max_context=max_context,
         prefill_seq=tuple(seq for seq in prefill if seq < max_context), seed=draw(st.integers(0, 2**16)))
+
+
+@st.composite
+def paged_cases(draw) -> GenerationCase:
+    """A decoder case over pages: the page size divides max context or not, token budgets below it or above."""
+    case = draw(generation_cases())
+    page_size = draw(st.sampled_from([size for size in (2, 4, 8, 16) if size <= case.max_context]))
+    tokens = tuple(sorted(draw(st.sets(st.sampled_from((4, 8, 16)), min_size=1, max_size=2))))
+    return dataclasses.replace(case, max_batch=draw(st.integers(1, 3)), prefill_seq=tokens, page_size=page_size)
 
 
 def build(case: GenerationCase):
@@ -233,7 +248,8 @@ def runtime_mismatch(artifact, case: GenerationCase) -> str | None:
     import tpuexport
 
     generator = np.random.default_rng(case.seed + FRESH_SEED)
-    longest = max(case.prefill_seq or (case.max_context,))
+    # Over pages a prompt longer than the largest token budget is prefilled in chunks.
+    longest = case.max_context // 2 if case.page_size else max(case.prefill_seq or (case.max_context,))
     prompts = [generator.integers(0, case.vocab, int(generator.integers(2, longest + 1))).tolist() for _ in range(case.max_batch)]
     expected = list(artifact.stream(prompts, case.max_context))
     for step, (ran, verified) in enumerate(zip(tpuexport.runner(artifact.path).stream(prompts, case.max_context), expected)):
@@ -246,7 +262,7 @@ def check(case: GenerationCase | Seq2SeqFuzzCase) -> Outcome:
     """Converts a case for the cpu target and generates from fresh prompts (or sources) against generate()."""
     import tpuexport
     from tpuexport.errors import TpuExportError, VerificationError
-    from tpuexport.verify import verify_generation, verify_seq2seq
+    from tpuexport.verify import verify_generation, verify_paged_generation, verify_seq2seq
 
     encoder_decoder = isinstance(case, Seq2SeqFuzzCase)
     try:
@@ -258,12 +274,16 @@ def check(case: GenerationCase | Seq2SeqFuzzCase) -> Outcome:
                     buckets["batch"] = list(case.encode_batches)
             else:
                 model = build(case)
-                buckets = {"seq": list(case.prefill_seq)} if case.prefill_seq else {}
+                buckets = {"tokens" if case.page_size else "seq": list(case.prefill_seq)} if case.prefill_seq else {}
+            paged = dict(kv_cache="paged", page_size=case.page_size) if getattr(case, "page_size", None) else {}
             artifact = tpuexport.convert(model, task="text-generation", max_context=case.max_context, max_batch=case.max_batch,
-                                         buckets=buckets or None, target="cpu", out=pathlib.Path(scratch) / "case.tpu", saved_model=False)
+                                         buckets=buckets or None, target="cpu", out=pathlib.Path(scratch) / "case.tpu", saved_model=False,
+                                         **paged)
             # Fresh prompts, and as many new tokens as the context holds: the last positions are reached.
-            verify = verify_seq2seq if encoder_decoder else verify_generation
-            report = verify(artifact.generation_program, model, new_tokens=case.max_context, first_seed=FRESH_SEED)
+            verify = verify_seq2seq if encoder_decoder else verify_paged_generation if paged else verify_generation
+            # Over pages, half the context for prompts prefilled in chunks and half for new tokens.
+            new_tokens = case.max_context // 2 if paged else case.max_context
+            report = verify(artifact.generation_program, model, new_tokens=new_tokens, first_seed=FRESH_SEED)
             runtime = (seq2seq_runtime_mismatch if encoder_decoder else runtime_mismatch)(artifact, case) if report.passed else None
     except TpuExportError as error:
         return Outcome("refused", refusal_reason(error), str(error))
@@ -292,7 +312,7 @@ def main() -> None:
     kinds = args.kinds.split(",")
     if not kinds or set(kinds) - set(KINDS):
         parser.error(f"--kinds {args.kinds}: give some of {', '.join(KINDS)}")
-    strategies = {"decoder": generation_cases(), "encoder-decoder": seq2seq_cases()}
+    strategies = {"decoder": generation_cases(), "encoder-decoder": seq2seq_cases(), "paged": paged_cases()}
     warnings.filterwarnings("ignore")
     started = time.perf_counter()
 
