@@ -128,7 +128,9 @@ def _check_prompts(prompts: list[list[int]], spec: GenerationSpec, where: str) -
     if not prompts:
         raise TpuExportError(f"{where}: no prompt given; give at least one token-id sequence")
     # Over pages a prompt of any length is prefilled in chunks.
-    longest = spec.max_context - DECODE_STEPS if isinstance(spec, PagedSpec) else min(spec.prefill_buckets[-1], spec.max_context - DECODE_STEPS)
+    longest = spec.max_context - DECODE_STEPS
+    if not isinstance(spec, PagedSpec):
+        longest = min(spec.prefill_buckets[-1], longest)
     for index, prompt in enumerate(prompts):
         if not prompt:
             raise TpuExportError(f"{where}: prompt {index} is empty; give at least one token per prompt")
@@ -189,7 +191,8 @@ def step_samples(step: torch.nn.Module, spec: PagedSpec, prompts: list[list[int]
             for row, prompt in enumerate(group):
                 needed = math.ceil((len(prompt) + DECODE_STEPS) / spec.page_size)
                 pages[row], taken = list(range(taken, taken + needed)), taken + needed
-            cache = [torch.zeros((shape[0], max(2, spec.pages_per_row, taken), *shape[2:]), dtype=getattr(torch, name)) for shape, name in spec.cache_tensors().values()]
+            cache = [torch.zeros((shape[0], max(2, spec.pages_per_row, taken), *shape[2:]), dtype=getattr(torch, name))
+                     for shape, name in spec.cache_tensors().values()]
             prompts_left, decoding = {row: list(prompt) for row, prompt in enumerate(group)}, {}
             lengths, decoded = dict.fromkeys(pages, 0), dict.fromkeys(pages, 0)
             rows = min(size for size in spec.row_buckets if size >= len(group))
