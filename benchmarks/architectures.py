@@ -170,6 +170,9 @@ OVERRIDES: dict[str, dict] = {
     # GLM-4V's rotary sections default to [8, 12, 12] in its code, not its config: they sum to half the tiny head dim.
     **{name: {"rope_parameters": GLM_ROPE} for name in ("glm4v_text", "glm4v_moe_text", "glm_image_text", "glm_ocr_text")},
     **{name: {"text_config": {"rope_parameters": GLM_ROPE}} for name in ("glm4v", "glm4v_moe", "glm_image", "glm_ocr")},
+    # Its codebook_dim is derived (acoustic + semantic hidden sizes, 256 + 768) when None, but the default config records the sum:
+    # None again, so that it is derived from the shrunk sizes (else "mat1 and mat2 shapes cannot be multiplied (100x128 and 1024x512)").
+    "xcodec": {"codebook_dim": None},
     # Qwen2-VL's text models too: their mrope_section defaults to [16, 24, 24] in their code when the config leaves it unset.
     **{name: {"rope_parameters": GLM_ROPE} for name in ("qwen2_vl_text", "qwen2_5_vl_text")},
 }

@@ -627,7 +627,8 @@ def _with_placeholders(model: torch.nn.Module, inputs: list[ModelInput], dims: d
 def _other_layouts(spec: ModelInput, config) -> tuple[ModelInput, ...]:
     """The other ways some models lay out an input, tried in order when the first does not run: mel
     features time-major, [batch, frames, mel bins] (Parakeet and the other FastConformer encoders);
-    waveforms with a channel axis, [batch, channels, samples] (Mimi's and PE-Audio's encoders), or
+    waveforms with a channel axis, [batch, 1, samples] (PE-Audio's and DAC's encoders, whose configs record no
+    audio_channels: _audio_channels), or
     input_values that are a spectrogram, [batch, frames, mel bins] at the frames its config records
     (the Audio Spectrogram Transformer's max_length, 1024); a clip of the frames a video model's config
     records, [batch, frames, channels, height, width] (VideoMAE, ViViT, V-JEPA 2, ...); none for other inputs."""
@@ -636,8 +637,8 @@ def _other_layouts(spec: ModelInput, config) -> tuple[ModelInput, ...]:
         return (dataclasses.replace(spec, axes=(spec.axes[0], _video_frames(config), *spec.axes[1:])),) if video else ()
     if spec.name == "input_features":
         return (dataclasses.replace(spec, axes=(spec.axes[0], spec.axes[2], spec.axes[1])),)
-    if spec.name == "input_values":
-        channels = dataclasses.replace(spec, axes=(spec.axes[0], int(_setting(config, "audio_channels", "audio_config") or 1), spec.axes[1]))
+    if spec.name == "input_values" and len(spec.axes) == 2:
+        channels = dataclasses.replace(spec, axes=(spec.axes[0], 1, spec.axes[1]))  # mono: a config recording channels has its axis already
         mel_bins, frames = _setting(config, "num_mel_bins", "audio_config"), _setting(config, "max_length", "audio_config")
         if not isinstance(mel_bins, int):
             return (channels,)
@@ -707,7 +708,7 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
         "pixel_values": ModelInput("pixel_values", ("batch", _channels(config), "height", "width"), torch.float32),
         "pixel_values_videos": ModelInput("pixel_values_videos", ("batch", _video_frames(config), _channels(config), "height", "width"),
                                           torch.float32),
-        "input_values": ModelInput("input_values", ("batch", "samples"), torch.float32),
+        "input_values": ModelInput("input_values", ("batch", *_audio_channels(config), "samples"), torch.float32),
         "input_features": ModelInput("input_features", ("batch", int(_setting(config, "num_mel_bins", "audio_config", "encoder_config") or 80), "frames"),
                                      torch.float32),
         # Which mel frames are audio (1) and which padding (0); some audio encoders read it unconditionally.
@@ -749,6 +750,16 @@ def _video_frames(config) -> int:
     """The frames of a clip as a video model's config records them (num_frames, V-JEPA 2's frames_per_clip)."""
     frames = _setting(config, "num_frames", "vision_config") or _setting(config, "frames_per_clip", "vision_config")
     return int(frames) if isinstance(frames, int) else DEFAULT_VIDEO_FRAMES
+
+
+def _audio_channels(config) -> tuple[int, ...]:
+    """The channel axis of a waveform, (channels,), when the config records the channels its model
+    convolves (audio_channels: EnCodec's, Mimi's, Pocket TTS's audio tokenizer, which check the
+    waveform's dim 1 against it, as their feature extractors write [batch, channels, samples]); ()
+    otherwise (wav2vec2-style encoders take [batch, samples]; _other_layouts tries a channel axis
+    when that does not run)."""
+    channels = _setting(config, "audio_channels", "audio_config")
+    return (channels,) if isinstance(channels, int) and not isinstance(channels, bool) and channels > 0 else ()
 
 
 def _channels(config) -> int:
