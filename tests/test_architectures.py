@@ -520,6 +520,41 @@ def test_an_audio_encoder_taking_waveforms_with_a_channel_axis_gets_one():
     assert args[wrapped.input_names.index("input_values")].shape[1:] == (1, 16000)
 
 
+def test_an_audio_codec_gets_the_channels_its_config_records():
+    """EnCodec, Mimi and Pocket TTS's audio tokenizer read waveforms as [batch, audio_channels, samples]
+    and check dim 1 against their config's audio_channels. Given [batch, samples] they were refused as
+    "the model's own forward fails ...: not enough values to unpack (expected 3, got 2)": the layout
+    with a channel axis was tried on shapes alone, which their padding arithmetic on integer buffers
+    (`.item()` of a fake tensor) fails. The config says it: channels a fixed size, before any run."""
+    from tpuexport.export.checkpoints import parameters_on_meta
+    from tpuexport.export.huggingface import forward_program
+
+    for channels in (1, 2):
+        config = transformers.EncodecConfig(audio_channels=channels, hidden_size=32, num_filters=8, num_residual_layers=1,
+                                            codebook_size=64, codebook_dim=32)
+        with parameters_on_meta():
+            model = transformers.EncodecModel(config).eval()
+        wrapped, args, dynamic_shapes = forward_program(model)
+        assert wrapped.input_names == ("input_values",) and tuple(args[0].shape) == (2, channels, 16000)
+        assert 1 not in (dynamic_shapes["input_values"] or {})
+
+
+def test_a_forward_requiring_inputs_tpuexport_does_not_make_is_refused_before_it_runs(tmp_path):
+    """Siglip2's vision tower requires pixel_attention_mask and spatial_shapes (its images are
+    flattened patches), Gemma 4's pixel_position_ids, SegGPT's prompts, ...: called without them the
+    forward failed with Python's "missing 2 required positional arguments", reported as the model's
+    own forward failing. They are refused from the forward's signature, naming them and what converts."""
+    config = transformers.Siglip2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                              num_patches=16, patch_size=4)
+    transformers.Siglip2VisionModel(config).save_pretrained(tmp_path / "siglip2")
+    result = tpuexport_in_process("convert", tmp_path / "siglip2", "-o", tmp_path / "siglip2.tpu", *QUICK)
+    assert result.returncode == 2 and error_lines(result.stderr) == [
+        "error: Siglip2VisionModel (siglip2_vision_model) requires pixel_attention_mask, spatial_shapes in its forward, which tpuexport "
+        "does not make from a directory (it makes pixel_values); convert it from a file.py:factory whose module gives them (as "
+        "buffers or from its own inputs) and whose example args are the others"], result.stderr[-2000:]
+    assert not (tmp_path / "siglip2.tpu").exists()
+
+
 def test_an_audio_model_whose_input_values_are_a_spectrogram_gets_one():
     """The Audio Spectrogram Transformer's input_values are mel frames, [batch, max_length, mel bins]:
     given a waveform it was refused with "Dimension out of range (expected to be in range of [-3, 2],

@@ -696,9 +696,11 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
       encoder-decoders, pixel_values, pixel_values_videos, input_values or input_features for
       vision, video and audio (with input_features_mask where the forward takes one).
     Raises:
-      TpuExportError: the forward takes none of these.
+      TpuExportError: the forward takes none of these, or requires another input (grid sizes, prompts,
+        position ids) that tpuexport does not make.
     """
-    parameters = list(inspect.signature(model.forward).parameters)
+    signature = inspect.signature(model.forward).parameters
+    parameters = list(signature)
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     decoder_vocab = int(getattr(getattr(config, "get_text_config", lambda **_: config)(decoder=True), "vocab_size", vocab) or vocab)
     candidates = {
@@ -734,6 +736,14 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
         chosen.append(candidates[name])
     if not any(spec.name in ("input_ids", *MEDIA_INPUTS) for spec in chosen):
         raise TpuExportError(f"{type(model).__name__} takes none of input_ids, {', '.join(MEDIA_INPUTS)}; write a file.py:factory for it")
+    made = [spec.name for spec in chosen]
+    required = [name for name, parameter in signature.items() if parameter.default is inspect.Parameter.empty and name not in made
+                and parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    if required:  # refused here, before any forward runs: called without them, it fails with Python's "missing ... argument"
+        raise TpuExportError(
+            f"{type(model).__name__} ({getattr(config, 'model_type', '?')}) requires {', '.join(required)} in its forward, which "
+            f"tpuexport does not make from a directory (it makes {', '.join(made)}); convert it from a file.py:factory whose "
+            "module gives them (as buffers or from its own inputs) and whose example args are the others")
     return chosen
 
 
