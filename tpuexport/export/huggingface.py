@@ -711,8 +711,7 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
         "pixel_values_videos": ModelInput("pixel_values_videos", ("batch", _video_frames(config), _channels(config), "height", "width"),
                                           torch.float32),
         "input_values": ModelInput("input_values", ("batch", *_audio_channels(config), "samples"), torch.float32),
-        "input_features": ModelInput("input_features", ("batch", int(_setting(config, "num_mel_bins", "audio_config", "encoder_config") or 80), "frames"),
-                                     torch.float32),
+        "input_features": ModelInput("input_features", ("batch", _feature_width(config), "frames"), torch.float32),
         # Which mel frames are audio (1) and which padding (0); some audio encoders read it unconditionally.
         "input_features_mask": ModelInput("input_features_mask", ("batch", "frames"), torch.long, 2),
         "decoder_input_ids": ModelInput("decoder_input_ids", ("batch", "decoder_seq"), torch.long, decoder_vocab),
@@ -762,6 +761,16 @@ def _video_frames(config) -> int:
     return int(frames) if isinstance(frames, int) else DEFAULT_VIDEO_FRAMES
 
 
+def _feature_width(config) -> int:
+    """The features a frame of input_features has: the config's mel bins (Whisper's 80 or 128), else
+    the width the model's feature projection takes (wav2vec2-BERT's feature_projection_input_dim, 160:
+    80 mel bins stacked 2 frames at a time by its feature extractor; NeuCodec's and XCodec2's semantic
+    encoder is one), else 80."""
+    mel_bins = _setting(config, "num_mel_bins", "audio_config", "encoder_config")
+    width = mel_bins or _setting(config, "feature_projection_input_dim", "semantic_model_config")
+    return int(width) if isinstance(width, int) and not isinstance(width, bool) else 80
+
+
 def _audio_channels(config) -> tuple[int, ...]:
     """The channel axis of a waveform, (channels,), when the config records the channels its model
     convolves (audio_channels: EnCodec's, Mimi's, Pocket TTS's audio tokenizer, which check the
@@ -776,8 +785,11 @@ def _channels(config) -> int:
     return int(_setting(config, "num_channels", "vision_config") or 3)
 
 
-def _size(value) -> int:
-    return int(value[0] if isinstance(value, (list, tuple)) else value)
+def _image_size(value) -> tuple[int, int]:
+    """(height, width) of an image_size or crop_size: one number or [height, width]."""
+    if isinstance(value, (list, tuple)):
+        return int(value[0]), int(value[-1])
+    return int(value), int(value)
 
 
 def _dims(inputs: list[ModelInput], config, overrides: list[DimSpec], text_max: int) -> dict[str, DimSpec]:
@@ -789,14 +801,16 @@ def _dims(inputs: list[ModelInput], config, overrides: list[DimSpec], text_max: 
     """
     used = [axis for spec in inputs for axis in spec.axes if isinstance(axis, str)]
     decoder_max = int(getattr(config, "max_target_positions", 0) or text_max)
-    image = _size(_setting(config, "image_size", "vision_config") or _setting(config, "crop_size", "vision_config") or DEFAULT_IMAGE_SIZE)
+    # [height, width] where the config records two (MGP-STR's 32 x 128 text crops, YOLOS's 512 x 864), one size otherwise
+    height, width = _image_size(_setting(config, "image_size", "vision_config") or _setting(config, "crop_size", "vision_config")
+                                or DEFAULT_IMAGE_SIZE)
     frames = 2 * int(_setting(config, "max_source_positions", "audio_config", "encoder_config") or 0) or DEFAULT_MEL_FRAMES
     defaults = {
         "batch": DEFAULT_BATCH,
         "seq": DimSpec("seq", 2, text_max),
         "decoder_seq": DimSpec("decoder_seq", 2, decoder_max),
-        "height": DimSpec("height", image, image),
-        "width": DimSpec("width", image, image),
+        "height": DimSpec("height", height, height),
+        "width": DimSpec("width", width, width),
         "samples": DimSpec("samples", DEFAULT_AUDIO_SAMPLES, DEFAULT_AUDIO_SAMPLES),
         "frames": DimSpec("frames", frames, frames),
     }
