@@ -241,6 +241,34 @@ def test_a_size_made_from_tensor_values_is_one_line_naming_the_code(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+class PadsFromScalarBuffers(torch.nn.Module):
+    """Pads its input for a strided convolution by an amount computed from integer scalar buffers it
+    keeps out of its checkpoint, as EnCodec's, Mimi's and Pocket TTS's convolutions do."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(1, 4, kernel_size=4, stride=2)
+        self.stride = torch.nn.Buffer(torch.tensor(2), persistent=False)
+        self.kernel_size = torch.nn.Buffer(torch.tensor(4), persistent=False)
+
+    def forward(self, x):
+        frames = torch.ceil((x.shape[-1] - self.kernel_size) / self.stride + 1).to(torch.int64) - 1
+        return self.conv(torch.nn.functional.pad(x, (0, frames * self.stride + self.kernel_size - x.shape[-1])))
+
+
+def test_sizes_computed_from_a_models_scalar_constants_export_as_numbers(tmp_path):
+    """torch.export lifts buffers to program inputs whose values it does not know: the padding
+    EnCodec, Mimi, Pocket TTS's and WavTokenizer's encoders compute from their stride and kernel size
+    buffers was a size from tensor values, refused ("its forward branches on tensor values"). Such
+    buffers (integer scalars, not in the checkpoint) are read as numbers while exporting; the model
+    keeps them as they were."""
+    model = PadsFromScalarBuffers().eval()
+    artifact = tpuexport.convert(model, (torch.randn(2, 1, 17),), target="cpu", saved_model=False, out=tmp_path / "m.tpu")
+    x = torch.randn(2, 1, 17)
+    torch.testing.assert_close(artifact.run(x), model(x), rtol=1e-2, atol=1e-3)
+    assert type(model) is PadsFromScalarBuffers and [name for name, _ in model.named_buffers()] == ["stride", "kernel_size"]
+
+
 def test_a_mixture_of_experts_that_defaults_to_eager_experts_exports_with_grouped_ones(tmp_path):
     """The OpenAI privacy filter defaults to transformers' eager experts (a loop over the experts
     tokens chose, refused as above); its directory converts with the grouped-matmul experts."""
@@ -537,6 +565,29 @@ def test_an_audio_codec_gets_the_channels_its_config_records():
         wrapped, args, dynamic_shapes = forward_program(model)
         assert wrapped.input_names == ("input_values",) and tuple(args[0].shape) == (2, channels, 16000)
         assert 1 not in (dynamic_shapes["input_values"] or {})
+
+
+def test_example_inputs_take_the_sizes_the_config_records_for_them():
+    """wav2vec2-BERT's features are 160 wide (80 mel bins stacked 2 frames at a time: its feature
+    projection's feature_projection_input_dim), which its config records without num_mel_bins: given
+    80 it was refused with "Given normalized_shape=[160], ... but got input of size torch.Size([2, 80, 128])"
+    (NeuCodec and XCodec2, whose semantic encoder it is, too). MGP-STR's images are 32 x 128 (image_size
+    [height, width]): given 32 x 32, "Input image size (32*32) doesn't match model (32*128)"."""
+    from tpuexport.export.checkpoints import parameters_on_meta
+    from tpuexport.export.huggingface import forward_program
+
+    config = transformers.Wav2Vec2BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                                             feature_projection_input_dim=24, output_hidden_size=32)
+    with parameters_on_meta():
+        model = transformers.Wav2Vec2BertModel(config).eval()
+    _, args, _ = forward_program(model)
+    assert args[0].shape[0] == 2 and args[0].shape[2] == 24
+    config = transformers.MgpstrConfig(image_size=[16, 32], patch_size=4, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                       mlp_ratio=2.0, max_token_length=8)
+    with parameters_on_meta():
+        model = transformers.MgpstrForSceneTextRecognition(config).eval()
+    _, args, _ = forward_program(model)
+    assert tuple(args[0].shape) == (2, 3, 16, 32)
 
 
 def test_a_forward_requiring_inputs_tpuexport_does_not_make_is_refused_before_it_runs(tmp_path):
