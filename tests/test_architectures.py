@@ -269,6 +269,29 @@ def test_sizes_computed_from_a_models_scalar_constants_export_as_numbers(tmp_pat
     assert type(model) is PadsFromScalarBuffers and [name for name, _ in model.named_buffers()] == ["stride", "kernel_size"]
 
 
+class NearestCodes(torch.nn.Module):
+    """Distances of every frame of every row to a codebook with torch.cdist, as Mimi's quantizer: cdist
+    takes another path past 25 vectors, which bounds batch x 9 frames by 25."""
+
+    def __init__(self):
+        super().__init__()
+        self.codebook = torch.nn.Parameter(torch.randn(16, 4))
+
+    def forward(self, x):
+        return torch.cdist(x.reshape(-1, 4)[None], self.codebook[None])[0].argmin(-1)
+
+
+def test_a_bound_torch_export_fails_to_report_is_one_line_naming_the_range(tmp_path):
+    """torch.export's report of the bound (batch <= 25/9) fails in its own prettify_results ("Expected op
+    to be '==', got <= for batch <= 25/9"), which Mimi was refused with; the line names the range that
+    converts, as for any bound the code puts on a dim (a directory's dims are narrowed to it: Mimi
+    converts at batch 1..2)."""
+    batch = torch.export.Dim("batch", min=1, max=8)
+    with pytest.raises(TpuExportError, match=r"the model's code needs batch in 1\.\.2, at .*test_architectures.py:\d+ .*--dim batch=1:2"):
+        tpuexport.convert(NearestCodes().eval(), (torch.randn(2, 9, 4),), {"x": {0: batch}}, out=tmp_path / "m.tpu")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_mixture_of_experts_that_defaults_to_eager_experts_exports_with_grouped_ones(tmp_path):
     """The OpenAI privacy filter defaults to transformers' eager experts (a loop over the experts
     tokens chose, refused as above); its directory converts with the grouped-matmul experts."""
