@@ -170,6 +170,10 @@ OVERRIDES: dict[str, dict] = {
     # GLM-4V's rotary sections default to [8, 12, 12] in its code, not its config: they sum to half the tiny head dim.
     **{name: {"rope_parameters": GLM_ROPE} for name in ("glm4v_text", "glm4v_moe_text", "glm_image_text", "glm_ocr_text")},
     **{name: {"text_config": {"rope_parameters": GLM_ROPE}} for name in ("glm4v", "glm4v_moe", "glm_image", "glm_ocr")},
+    # Their encoders' positions bound the subsampled frames (tpuexport's 3000 mel frames / subsampling_factor 8: 376), which 64 broke
+    # ("Sequence Length: 376 has to be less or equal than config.max_position_embeddings 64", given time-major features).
+    "nemotron_asr_streaming_encoder": {"max_position_embeddings": 512},
+    **{name: {"encoder_config": {"max_position_embeddings": 512}} for name in ("nemotron_asr_streaming", "nemotron3_5_asr")},
     # Qwen2-VL's text models too: their mrope_section defaults to [16, 24, 24] in their code when the config leaves it unset.
     **{name: {"rope_parameters": GLM_ROPE} for name in ("qwen2_vl_text", "qwen2_5_vl_text")},
 }
@@ -395,6 +399,7 @@ def tiny_config(model_type: str, level: int):
         level = 0
     original = copy.deepcopy(values)
     values = shrink(values, level)
+    _keep_sums(original, values)
     if any(PLACEHOLDER_TOKEN.fullmatch(key) for key in values):
         _room_for_media_tokens(original, values)
     for key, value in OVERRIDES.get(model_type, {}).items():
@@ -403,6 +408,26 @@ def tiny_config(model_type: str, level: int):
         else:
             values[key] = value
     return config_class.from_dict(values)
+
+
+def _keep_sums(before: dict, after: dict) -> None:
+    """A size the shrink left that was the sum of two widths (the config's own and its sub-configs') stays
+    their sum: a codec's latent width is its acoustic and semantic encoders' widths concatenated (XCodec's
+    codebook_dim, 256 + 768; NeuCodec's and XCodec2's quantization_dim, 1024 + 1024), which the shrunk
+    widths broke ("mat1 and mat2 shapes cannot be multiplied (100x128 and 1024x512)")."""
+    widths = {}  # (sub-config key or "", width key): (before, after)
+    for prefix, old, new in [("", before, after)] + [(key, before[key], after[key]) for key in after
+                                                       if _is_config(after[key]) and _is_config(before.get(key))]:
+        for key in SIZES["width"][1]:
+            if isinstance(old.get(key), int) and isinstance(new.get(key), int) and old[key] != new[key]:
+                widths[prefix, key] = (old[key], new[key])
+    pairs = [(a, b) for index, a in enumerate(widths) for b in list(widths)[index:]]
+    for key, value in after.items():
+        if not (key.endswith("_dim") and isinstance(value, int) and not isinstance(value, bool) and value == before.get(key)):
+            continue
+        summed = next((widths[a][1] + widths[b][1] for a, b in pairs if a != b and widths[a][0] + widths[b][0] == value), None)
+        if summed is not None and summed < value:
+            after[key] = summed
 
 
 def _room_for_media_tokens(before: dict, after: dict) -> None:

@@ -34,7 +34,8 @@ REFUSAL_CLASSES = (
     ("none of the known inputs", "the model takes none of input_ids, pixel_values, input_values, input_features (trackers, "
      "time series, VQ models, towers wanting grid sizes); a file.py:factory gives its inputs", r"takes none of"),
     ("inputs the forward needs that tpuexport does not make", "the forward requires more arguments than the known inputs "
-     "(image grid sizes, queries, labels); a file.py:factory gives them", r"missing \d+ required positional argument"),
+     "(image grid sizes, queries, labels); a file.py:factory gives them",
+     r"missing \d+ required positional argument|in its forward, which tpuexport does not make"),
     ("the tiny model's forward fails on the inputs", "the model's own eager forward fails at the example sizes, before tpuexport "
      "does anything: the tiny config or the inputs do not suit it (extra inputs such as bbox or grid_thw; other sizes)",
      r"the model's own forward fails"),

@@ -241,6 +241,57 @@ def test_a_size_made_from_tensor_values_is_one_line_naming_the_code(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+class PadsFromScalarBuffers(torch.nn.Module):
+    """Pads its input for a strided convolution by an amount computed from integer scalar buffers it
+    keeps out of its checkpoint, as EnCodec's, Mimi's and Pocket TTS's convolutions do."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(1, 4, kernel_size=4, stride=2)
+        self.stride = torch.nn.Buffer(torch.tensor(2), persistent=False)
+        self.kernel_size = torch.nn.Buffer(torch.tensor(4), persistent=False)
+
+    def forward(self, x):
+        frames = torch.ceil((x.shape[-1] - self.kernel_size) / self.stride + 1).to(torch.int64) - 1
+        return self.conv(torch.nn.functional.pad(x, (0, frames * self.stride + self.kernel_size - x.shape[-1])))
+
+
+def test_sizes_computed_from_a_models_scalar_constants_export_as_numbers(tmp_path):
+    """torch.export lifts buffers to program inputs whose values it does not know: the padding
+    EnCodec, Mimi, Pocket TTS's and WavTokenizer's encoders compute from their stride and kernel size
+    buffers was a size from tensor values, refused ("its forward branches on tensor values"). Such
+    buffers (integer scalars, not in the checkpoint) are read as numbers while exporting; the model
+    keeps them as they were."""
+    model = PadsFromScalarBuffers().eval()
+    artifact = tpuexport.convert(model, (torch.randn(2, 1, 17),), target="cpu", saved_model=False, out=tmp_path / "m.tpu")
+    x = torch.randn(2, 1, 17)
+    torch.testing.assert_close(artifact.run(x), model(x), rtol=1e-2, atol=1e-3)
+    assert type(model) is PadsFromScalarBuffers and [name for name, _ in model.named_buffers()] == ["stride", "kernel_size"]
+
+
+class NearestCodes(torch.nn.Module):
+    """Distances of every frame of every row to a codebook with torch.cdist, as Mimi's quantizer: cdist
+    takes another path past 25 vectors, which bounds batch x 9 frames by 25."""
+
+    def __init__(self):
+        super().__init__()
+        self.codebook = torch.nn.Parameter(torch.randn(16, 4))
+
+    def forward(self, x):
+        return torch.cdist(x.reshape(-1, 4)[None], self.codebook[None])[0].argmin(-1)
+
+
+def test_a_bound_torch_export_fails_to_report_is_one_line_naming_the_range(tmp_path):
+    """torch.export's report of the bound (batch <= 25/9) fails in its own prettify_results ("Expected op
+    to be '==', got <= for batch <= 25/9"), which Mimi was refused with; the line names the range that
+    converts, as for any bound the code puts on a dim (a directory's dims are narrowed to it: Mimi
+    converts at batch 1..2)."""
+    batch = torch.export.Dim("batch", min=1, max=8)
+    with pytest.raises(TpuExportError, match=r"the model's code needs batch in 1\.\.2, at .*test_architectures.py:\d+ .*--dim batch=1:2"):
+        tpuexport.convert(NearestCodes().eval(), (torch.randn(2, 9, 4),), {"x": {0: batch}}, out=tmp_path / "m.tpu")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_mixture_of_experts_that_defaults_to_eager_experts_exports_with_grouped_ones(tmp_path):
     """The OpenAI privacy filter defaults to transformers' eager experts (a loop over the experts
     tokens chose, refused as above); its directory converts with the grouped-matmul experts."""
@@ -518,6 +569,64 @@ def test_an_audio_encoder_taking_waveforms_with_a_channel_axis_gets_one():
         model = transformers.PeAudioModel(transformers.PeAudioConfig()).eval()
     wrapped, args, _ = forward_program(model)
     assert args[wrapped.input_names.index("input_values")].shape[1:] == (1, 16000)
+
+
+def test_an_audio_codec_gets_the_channels_its_config_records():
+    """EnCodec, Mimi and Pocket TTS's audio tokenizer read waveforms as [batch, audio_channels, samples]
+    and check dim 1 against their config's audio_channels. Given [batch, samples] they were refused as
+    "the model's own forward fails ...: not enough values to unpack (expected 3, got 2)": the layout
+    with a channel axis was tried on shapes alone, which their padding arithmetic on integer buffers
+    (`.item()` of a fake tensor) fails. The config says it: channels a fixed size, before any run."""
+    from tpuexport.export.checkpoints import parameters_on_meta
+    from tpuexport.export.huggingface import forward_program
+
+    for channels in (1, 2):
+        config = transformers.EncodecConfig(audio_channels=channels, hidden_size=32, num_filters=8, num_residual_layers=1,
+                                            codebook_size=64, codebook_dim=32)
+        with parameters_on_meta():
+            model = transformers.EncodecModel(config).eval()
+        wrapped, args, dynamic_shapes = forward_program(model)
+        assert wrapped.input_names == ("input_values",) and tuple(args[0].shape) == (2, channels, 16000)
+        assert 1 not in (dynamic_shapes["input_values"] or {})
+
+
+def test_example_inputs_take_the_sizes_the_config_records_for_them():
+    """wav2vec2-BERT's features are 160 wide (80 mel bins stacked 2 frames at a time: its feature
+    projection's feature_projection_input_dim), which its config records without num_mel_bins: given
+    80 it was refused with "Given normalized_shape=[160], ... but got input of size torch.Size([2, 80, 128])"
+    (NeuCodec and XCodec2, whose semantic encoder it is, too). MGP-STR's images are 32 x 128 (image_size
+    [height, width]): given 32 x 32, "Input image size (32*32) doesn't match model (32*128)"."""
+    from tpuexport.export.checkpoints import parameters_on_meta
+    from tpuexport.export.huggingface import forward_program
+
+    config = transformers.Wav2Vec2BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                                             feature_projection_input_dim=24, output_hidden_size=32)
+    with parameters_on_meta():
+        model = transformers.Wav2Vec2BertModel(config).eval()
+    _, args, _ = forward_program(model)
+    assert args[0].shape[0] == 2 and args[0].shape[2] == 24
+    config = transformers.MgpstrConfig(image_size=[16, 32], patch_size=4, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                       mlp_ratio=2.0, max_token_length=8)
+    with parameters_on_meta():
+        model = transformers.MgpstrForSceneTextRecognition(config).eval()
+    _, args, _ = forward_program(model)
+    assert tuple(args[0].shape) == (2, 3, 16, 32)
+
+
+def test_a_forward_requiring_inputs_tpuexport_does_not_make_is_refused_before_it_runs(tmp_path):
+    """Siglip2's vision tower requires pixel_attention_mask and spatial_shapes (its images are
+    flattened patches), Gemma 4's pixel_position_ids, SegGPT's prompts, ...: called without them the
+    forward failed with Python's "missing 2 required positional arguments", reported as the model's
+    own forward failing. They are refused from the forward's signature, naming them and what converts."""
+    config = transformers.Siglip2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                              num_patches=16, patch_size=4)
+    transformers.Siglip2VisionModel(config).save_pretrained(tmp_path / "siglip2")
+    result = tpuexport_in_process("convert", tmp_path / "siglip2", "-o", tmp_path / "siglip2.tpu", *QUICK)
+    assert result.returncode == 2 and error_lines(result.stderr) == [
+        "error: Siglip2VisionModel (siglip2_vision_model) requires pixel_attention_mask, spatial_shapes in its forward, which tpuexport "
+        "does not make from a directory (it makes pixel_values); convert it from a file.py:factory whose module gives them (as "
+        "buffers or from its own inputs) and whose example args are the others"], result.stderr[-2000:]
+    assert not (tmp_path / "siglip2.tpu").exists()
 
 
 def test_an_audio_model_whose_input_values_are_a_spectrogram_gets_one():

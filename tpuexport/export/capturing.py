@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import io
 import logging
 import os
@@ -249,13 +250,16 @@ def on_meta_device(source: LoadedSource) -> LoadedSource:
 
 def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of the model with every parameter and buffer on the meta device, tied ones still one
-    tensor (Module.to("meta") makes a new Parameter per name, which unties them)."""
+    tensor (Module.to("meta") makes a new Parameter per name, which unties them), but the integer
+    scalars its code computes sizes from (_constant_scalar)."""
     model = copy.deepcopy(model)
     moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (original, kept alive so ids stay unique; meta)
     for module in model.modules():
         for slots in (module._parameters, module._buffers):
             for name, tensor in slots.items():
                 if tensor is not None and not tensor.is_meta:
+                    if slots is module._buffers and _constant_scalar(module, name, tensor):
+                        continue  # a constant of the code, read as a number while exporting (_scalar_buffers_as_constants)
                     if id(tensor) not in moved:
                         meta = tensor.to("meta")
                         if isinstance(tensor, torch.nn.Parameter):
@@ -271,6 +275,46 @@ def _quiet_export():
     failing fake-tensor operator: the error tpuexport reports says it in one line."""
     with quiet_loggers(*EXPORT_LOGGERS, level=logging.CRITICAL), contextlib.redirect_stderr(io.StringIO()):
         yield
+
+
+def _constant_scalar(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Whether a buffer is an integer scalar the model computed when it was built and keeps out of its
+    checkpoint (non-persistent): a constant of its code, such as the stride and kernel size EnCodec's,
+    Mimi's and Pocket TTS's convolutions compute their padding from."""
+    return (name in module._non_persistent_buffers_set and tensor.dim() == 0 and not tensor.is_meta
+            and not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool))
+
+
+def _scalar_value(value: int, dtype: torch.dtype, module: torch.nn.Module) -> torch.Tensor:
+    return torch.tensor(value, dtype=dtype)
+
+
+@contextlib.contextmanager
+def _scalar_buffers_as_constants(model: torch.nn.Module):
+    """Integer scalar buffers that are constants of the model's code (_constant_scalar) read, while
+    exporting, as tensors made in the forward from their numbers. torch.export lifts a buffer to an
+    input of the program, whose value it does not know: a size computed from one (EnCodec's
+    `F.pad(x, (padding_total, extra_padding))`, modeling_encodec.py:160, Mimi's, Pocket TTS's and
+    WavTokenizer's alike) was an unbacked symbol, and the model was refused as branching on tensor
+    values. A tensor made from a number is a constant: the sizes are numbers, as when run eagerly.
+    Each module's buffers and class are as they were afterwards."""
+    swapped = []  # (module, its class, its buffers)
+    for module in model.modules():
+        names = [name for name, tensor in module._buffers.items() if tensor is not None and _constant_scalar(module, name, tensor)]
+        if not names:
+            continue
+        swapped.append((module, type(module), dict(module._buffers)))
+        constants = {name: property(functools.partial(_scalar_value, module._buffers[name].item(), module._buffers[name].dtype))
+                     for name in names}
+        for name in names:
+            del module._buffers[name]
+        module.__class__ = type(type(module).__name__, (type(module),), constants)
+    try:
+        yield
+    finally:
+        for module, original, buffers in reversed(swapped):
+            module.__class__ = original
+            module._buffers = buffers
 
 
 @contextlib.contextmanager
@@ -297,7 +341,8 @@ def _unchanged_module_casts_skipped():
 def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.ExportedProgram:
     guarded_at: list[str] = []  # where the model's code guarded the sizes, should torch.export refuse a declared range
     try:
-        with torch.no_grad(), _quiet_export(), _unchanged_module_casts_skipped(), guard_sites.recorded(guarded_at):
+        with torch.no_grad(), _quiet_export(), _unchanged_module_casts_skipped(), _scalar_buffers_as_constants(model), \
+                guard_sites.recorded(guarded_at):
             program = torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
     except Exception as error:  # torch.export raises UserError, ConstraintViolationError, TypeError, ...
         with _quiet_export():

@@ -627,7 +627,8 @@ def _with_placeholders(model: torch.nn.Module, inputs: list[ModelInput], dims: d
 def _other_layouts(spec: ModelInput, config) -> tuple[ModelInput, ...]:
     """The other ways some models lay out an input, tried in order when the first does not run: mel
     features time-major, [batch, frames, mel bins] (Parakeet and the other FastConformer encoders);
-    waveforms with a channel axis, [batch, channels, samples] (Mimi's and PE-Audio's encoders), or
+    waveforms with a channel axis, [batch, 1, samples] (PE-Audio's and DAC's encoders, whose configs record no
+    audio_channels: _audio_channels), or
     input_values that are a spectrogram, [batch, frames, mel bins] at the frames its config records
     (the Audio Spectrogram Transformer's max_length, 1024); a clip of the frames a video model's config
     records, [batch, frames, channels, height, width] (VideoMAE, ViViT, V-JEPA 2, ...); none for other inputs."""
@@ -636,8 +637,8 @@ def _other_layouts(spec: ModelInput, config) -> tuple[ModelInput, ...]:
         return (dataclasses.replace(spec, axes=(spec.axes[0], _video_frames(config), *spec.axes[1:])),) if video else ()
     if spec.name == "input_features":
         return (dataclasses.replace(spec, axes=(spec.axes[0], spec.axes[2], spec.axes[1])),)
-    if spec.name == "input_values":
-        channels = dataclasses.replace(spec, axes=(spec.axes[0], int(_setting(config, "audio_channels", "audio_config") or 1), spec.axes[1]))
+    if spec.name == "input_values" and len(spec.axes) == 2:
+        channels = dataclasses.replace(spec, axes=(spec.axes[0], 1, spec.axes[1]))  # mono: a config recording channels has its axis already
         mel_bins, frames = _setting(config, "num_mel_bins", "audio_config"), _setting(config, "max_length", "audio_config")
         if not isinstance(mel_bins, int):
             return (channels,)
@@ -695,9 +696,11 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
       encoder-decoders, pixel_values, pixel_values_videos, input_values or input_features for
       vision, video and audio (with input_features_mask where the forward takes one).
     Raises:
-      TpuExportError: the forward takes none of these.
+      TpuExportError: the forward takes none of these, or requires another input (grid sizes, prompts,
+        position ids) that tpuexport does not make.
     """
-    parameters = list(inspect.signature(model.forward).parameters)
+    signature = inspect.signature(model.forward).parameters
+    parameters = list(signature)
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     decoder_vocab = int(getattr(getattr(config, "get_text_config", lambda **_: config)(decoder=True), "vocab_size", vocab) or vocab)
     candidates = {
@@ -707,9 +710,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
         "pixel_values": ModelInput("pixel_values", ("batch", _channels(config), "height", "width"), torch.float32),
         "pixel_values_videos": ModelInput("pixel_values_videos", ("batch", _video_frames(config), _channels(config), "height", "width"),
                                           torch.float32),
-        "input_values": ModelInput("input_values", ("batch", "samples"), torch.float32),
-        "input_features": ModelInput("input_features", ("batch", int(_setting(config, "num_mel_bins", "audio_config", "encoder_config") or 80), "frames"),
-                                     torch.float32),
+        "input_values": ModelInput("input_values", ("batch", *_audio_channels(config), "samples"), torch.float32),
+        "input_features": ModelInput("input_features", ("batch", _feature_width(config), "frames"), torch.float32),
         # Which mel frames are audio (1) and which padding (0); some audio encoders read it unconditionally.
         "input_features_mask": ModelInput("input_features_mask", ("batch", "frames"), torch.long, 2),
         "decoder_input_ids": ModelInput("decoder_input_ids", ("batch", "decoder_seq"), torch.long, decoder_vocab),
@@ -733,6 +735,14 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
         chosen.append(candidates[name])
     if not any(spec.name in ("input_ids", *MEDIA_INPUTS) for spec in chosen):
         raise TpuExportError(f"{type(model).__name__} takes none of input_ids, {', '.join(MEDIA_INPUTS)}; write a file.py:factory for it")
+    made = [spec.name for spec in chosen]
+    required = [name for name, parameter in signature.items() if parameter.default is inspect.Parameter.empty and name not in made
+                and parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    if required:  # refused here, before any forward runs: called without them, it fails with Python's "missing ... argument"
+        raise TpuExportError(
+            f"{type(model).__name__} ({getattr(config, 'model_type', '?')}) requires {', '.join(required)} in its forward, which "
+            f"tpuexport does not make from a directory (it makes {', '.join(made)}); convert it from a file.py:factory whose "
+            "module gives them (as buffers or from its own inputs) and whose example args are the others")
     return chosen
 
 
@@ -751,12 +761,35 @@ def _video_frames(config) -> int:
     return int(frames) if isinstance(frames, int) else DEFAULT_VIDEO_FRAMES
 
 
+def _feature_width(config) -> int:
+    """The features a frame of input_features has: the config's mel bins (Whisper's 80 or 128), else
+    the width the model's feature projection takes (wav2vec2-BERT's feature_projection_input_dim, 160:
+    80 mel bins stacked 2 frames at a time by its feature extractor; NeuCodec's and XCodec2's semantic
+    encoder is one), else 80."""
+    mel_bins = _setting(config, "num_mel_bins", "audio_config", "encoder_config")
+    width = mel_bins or _setting(config, "feature_projection_input_dim", "semantic_model_config")
+    return int(width) if isinstance(width, int) and not isinstance(width, bool) else 80
+
+
+def _audio_channels(config) -> tuple[int, ...]:
+    """The channel axis of a waveform, (channels,), when the config records the channels its model
+    convolves (audio_channels: EnCodec's, Mimi's, Pocket TTS's audio tokenizer, which check the
+    waveform's dim 1 against it, as their feature extractors write [batch, channels, samples]); ()
+    otherwise (wav2vec2-style encoders take [batch, samples]; _other_layouts tries a channel axis
+    when that does not run)."""
+    channels = _setting(config, "audio_channels", "audio_config")
+    return (channels,) if isinstance(channels, int) and not isinstance(channels, bool) and channels > 0 else ()
+
+
 def _channels(config) -> int:
     return int(_setting(config, "num_channels", "vision_config") or 3)
 
 
-def _size(value) -> int:
-    return int(value[0] if isinstance(value, (list, tuple)) else value)
+def _image_size(value) -> tuple[int, int]:
+    """(height, width) of an image_size or crop_size: one number or [height, width]."""
+    if isinstance(value, (list, tuple)):
+        return int(value[0]), int(value[-1])
+    return int(value), int(value)
 
 
 def _dims(inputs: list[ModelInput], config, overrides: list[DimSpec], text_max: int) -> dict[str, DimSpec]:
@@ -768,14 +801,16 @@ def _dims(inputs: list[ModelInput], config, overrides: list[DimSpec], text_max: 
     """
     used = [axis for spec in inputs for axis in spec.axes if isinstance(axis, str)]
     decoder_max = int(getattr(config, "max_target_positions", 0) or text_max)
-    image = _size(_setting(config, "image_size", "vision_config") or _setting(config, "crop_size", "vision_config") or DEFAULT_IMAGE_SIZE)
+    # [height, width] where the config records two (MGP-STR's 32 x 128 text crops, YOLOS's 512 x 864), one size otherwise
+    height, width = _image_size(_setting(config, "image_size", "vision_config") or _setting(config, "crop_size", "vision_config")
+                                or DEFAULT_IMAGE_SIZE)
     frames = 2 * int(_setting(config, "max_source_positions", "audio_config", "encoder_config") or 0) or DEFAULT_MEL_FRAMES
     defaults = {
         "batch": DEFAULT_BATCH,
         "seq": DimSpec("seq", 2, text_max),
         "decoder_seq": DimSpec("decoder_seq", 2, decoder_max),
-        "height": DimSpec("height", image, image),
-        "width": DimSpec("width", image, image),
+        "height": DimSpec("height", height, height),
+        "width": DimSpec("width", width, width),
         "samples": DimSpec("samples", DEFAULT_AUDIO_SAMPLES, DEFAULT_AUDIO_SAMPLES),
         "frames": DimSpec("frames", frames, frames),
     }
