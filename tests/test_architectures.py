@@ -676,6 +676,26 @@ def test_a_video_tower_gets_a_clip_of_the_frames_its_config_records(tmp_path):
     assert [spec["shape"] for spec in manifest["entry_points"]["serving_default"]["signature"]["inputs"]] == [["batch", 4, 3, 32, 32]]
 
 
+def test_a_time_series_model_gets_the_context_and_channels_its_config_records(tmp_path):
+    """PatchTST and PatchTSMixer read past_values [batch, context_length, num_input_channels] (TimesFM
+    [batch, context_length]): refused before as taking none of the known inputs. They convert at the
+    config's context and channels, and the artifact runs as eager does."""
+    config = transformers.PatchTSTConfig(num_input_channels=3, context_length=32, patch_length=8, patch_stride=8, d_model=16,
+                                         num_attention_heads=2, num_hidden_layers=1, ffn_dim=32)
+    torch.manual_seed(0)
+    model = transformers.PatchTSTModel(config).eval()
+    model.save_pretrained(tmp_path / "patchtst")
+    result = tpuexport_in_process("convert", tmp_path / "patchtst", "-o", tmp_path / "patchtst.tpu", *QUICK)
+    assert result.returncode == 0, result.stderr[-2000:]
+    artifact = tpuexport.load(tmp_path / "patchtst.tpu")
+    assert artifact.manifest["huggingface"]["task"] == "feature-extraction"
+    assert [spec["shape"] for spec in artifact.manifest["entry_points"]["serving_default"]["signature"]["inputs"]] == [["batch", 32, 3]]
+    series = torch.randn(3, 32, 3)
+    with torch.no_grad():
+        expected = model(past_values=series).last_hidden_state
+    np.testing.assert_allclose(artifact.run(series)["last_hidden_state"].numpy(), expected.numpy(), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("model_type, check", [
     # DeepSeek-V2's defaults leave num_experts_per_tok None: topk() "argument 'k' must be int, not NoneType".
     ("deepseek_v2", lambda model: model.config.num_experts_per_tok == 2),

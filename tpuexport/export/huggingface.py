@@ -66,8 +66,8 @@ DEFAULT_IMAGE_SIZE = 224
 DEFAULT_AUDIO_SAMPLES = 16000
 DEFAULT_MEL_FRAMES = 3000
 DEFAULT_VIDEO_FRAMES = 8
-# Inputs that carry images, clips or audio (beside or instead of token ids).
-MEDIA_INPUTS = ("pixel_values", "pixel_values_videos", "input_values", "input_features")
+# Inputs that carry images, clips, audio or a time series (beside or instead of token ids).
+MEDIA_INPUTS = ("pixel_values", "pixel_values_videos", "input_values", "input_features", "past_values")
 # Example sizes the model is traced and first verified at (clamped into the dims' ranges).
 EXAMPLE_SIZES = {"batch": 2, "seq": 16, "decoder_seq": 8}
 
@@ -183,6 +183,7 @@ def _tasks() -> dict[str, Task]:
                                           ("AutoModelForCTC", "MODEL_FOR_CTC_MAPPING_NAMES"))),
         ("audio-classification", (("AutoModelForAudioClassification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),)),
         ("audio-frame-classification", (("AutoModelForAudioFrameClassification", "MODEL_FOR_AUDIO_FRAME_CLASSIFICATION_MAPPING_NAMES"),)),
+        ("time-series-forecasting", (("AutoModelForTimeSeriesPrediction", "MODEL_FOR_TIME_SERIES_PREDICTION_MAPPING_NAMES"),)),
     ]
     return {name: Task(name, classes, _generation_source if name == "text-generation" else forward) for name, classes in entries}
 
@@ -712,6 +713,9 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
                                           torch.float32),
         "input_values": ModelInput("input_values", ("batch", *_audio_channels(config), "samples"), torch.float32),
         "input_features": ModelInput("input_features", ("batch", _feature_width(config), "frames"), torch.float32),
+        # A time series' last context_length values per channel (PatchTST, PatchTSMixer: [batch, context, channels];
+        # TimesFM: [batch, context]), as their configs fix them.
+        "past_values": ModelInput("past_values", ("batch", *_series_axes(config)), torch.float32),
         # Which mel frames are audio (1) and which padding (0); some audio encoders read it unconditionally.
         "input_features_mask": ModelInput("input_features_mask", ("batch", "frames"), torch.long, 2),
         "decoder_input_ids": ModelInput("decoder_input_ids", ("batch", "decoder_seq"), torch.long, decoder_vocab),
@@ -779,6 +783,13 @@ def _audio_channels(config) -> tuple[int, ...]:
     when that does not run)."""
     channels = _setting(config, "audio_channels", "audio_config")
     return (channels,) if isinstance(channels, int) and not isinstance(channels, bool) and channels > 0 else ()
+
+
+def _series_axes(config) -> tuple[int, ...]:
+    """A time series' axes after the batch: its context length and, where the config records them, its
+    channels."""
+    channels = getattr(config, "num_input_channels", None)
+    return (int(getattr(config, "context_length", 0) or 512), *((int(channels),) if isinstance(channels, int) else ()))
 
 
 def _channels(config) -> int:
