@@ -66,7 +66,6 @@ HEADS = (
     ("object-detection", "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES"),
     ("depth-estimation", "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES"),
     ("audio-frame-classification", "MODEL_FOR_AUDIO_FRAME_CLASSIFICATION_MAPPING_NAMES"),
-    ("time-series-forecasting", "MODEL_FOR_TIME_SERIES_PREDICTION_MAPPING_NAMES"),
     ("feature-extraction", "MODEL_MAPPING_NAMES"),
 )
 OUTCOMES = ("passed", "refused", "failed", "crashed", "not built")

@@ -677,9 +677,9 @@ def test_a_video_tower_gets_a_clip_of_the_frames_its_config_records(tmp_path):
 
 
 def test_a_time_series_model_gets_the_context_and_channels_its_config_records(tmp_path):
-    """PatchTST and PatchTSMixer read past_values [batch, context_length, num_input_channels] (TimesFM
-    [batch, context_length]): refused before as taking none of the known inputs. They convert at the
-    config's context and channels, and the artifact runs as eager does."""
+    """PatchTST and PatchTSMixer read past_values [batch, context_length, num_input_channels]: refused
+    before as taking none of the known inputs. They convert at the config's context and channels, and
+    the artifact runs as eager does."""
     config = transformers.PatchTSTConfig(num_input_channels=3, context_length=32, patch_length=8, patch_stride=8, d_model=16,
                                          num_attention_heads=2, num_hidden_layers=1, ffn_dim=32)
     torch.manual_seed(0)
