@@ -739,7 +739,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
             continue  # a speech encoder-decoder's forward takes either, for whichever its encoder reads: only that one
         chosen.append(candidates[name])
     if not any(spec.name in ("input_ids", *MEDIA_INPUTS) for spec in chosen):
-        raise TpuExportError(f"{type(model).__name__} takes none of input_ids, {', '.join(MEDIA_INPUTS)}; write a file.py:factory for it")
+        known = [name for name in ("input_ids", *MEDIA_INPUTS) if name in candidates]  # past_values only where the config has channels
+        raise TpuExportError(f"{type(model).__name__} takes none of {', '.join(known)}; write a file.py:factory for it")
     made = [spec.name for spec in chosen]
     required = [name for name, parameter in signature.items() if parameter.default is inspect.Parameter.empty and name not in made
                 and parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
