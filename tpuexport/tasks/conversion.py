@@ -13,8 +13,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Iterable
 
-import torch
-
 from tpuexport import compile as compile_stage
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
@@ -330,7 +328,7 @@ def verification_failure(report, out: pathlib.Path, reference, inputs: Callable[
     """The error of a failed verification, its report written next to `out`, with the tied top-k
     selections of `reference` (verify/topk_ties.py: run once more on `inputs()`) named in its
     line, in place of the arithmetic hints they make moot, and recorded in the report."""
-    ties = verify_stage.selection_ties(lambda: reference(*inputs()), reference if isinstance(reference, torch.nn.Module) else None)
+    ties = verify_stage.selection_ties(lambda: reference(*inputs()), reference)
     failed = {**report.to_json(), **({"selection_ties": [tie.to_json() for tie in ties]} if ties else {})}
     summary = "; ".join([report.failure_summary(hint=not ties), *(tie.describe() for tie in ties)])
     return VerificationError(report, write_failed_report(out, failed), summary)

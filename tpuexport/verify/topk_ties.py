@@ -67,15 +67,16 @@ class SelectionTie:
         return dataclasses.asdict(self)
 
 
-def selection_ties(run: Callable[[], object], model: torch.nn.Module | None = None) -> list[SelectionTie]:
+def selection_ties(run: Callable[[], object], model: object = None) -> list[SelectionTie]:
     """Runs `run` (the eager reference on some inputs) and returns its tied top-k selections, one per
     source line, in call order; [] when `run` raises (the failure is then explained elsewhere).
 
     Args:
-      model: the module `run` calls, whose weights' lowest-precision float dtype sets what counts as
-        tied (None: each selection's own dtype).
+      model: what `run` calls; an nn.Module's weights' lowest-precision float dtype sets what counts
+        as tied (anything else: each selection's own dtype).
     """
-    dtypes = {tensor.dtype for tensor in (model.parameters() if model is not None else ()) if tensor.dtype.is_floating_point}
+    weights = model.parameters() if isinstance(model, torch.nn.Module) else ()
+    dtypes = {tensor.dtype for tensor in weights if tensor.dtype.is_floating_point}
     watch = _TopkWatch(max(dtypes, key=lambda dtype: torch.finfo(dtype).eps, default=None))
     try:
         with torch.no_grad(), watch:
