@@ -165,6 +165,10 @@ OVERRIDES: dict[str, dict] = {
     "efficientnet": {"hidden_dim": 1280},  # its top conv is 1280 x width_coefficient wide, its batch norm hidden_dim
     "align": {"projection_dim": 320},  # its image embeddings are the vision tower's last stage, unprojected: 320 wide at width 1.0
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},  # no default
+    # Their configs' defaults have no short-convolution layer (LFM2's: all attention; LFM2-MoE's: none given), which every released
+    # checkpoint has: one of each, as the checkpoints begin (LFM2-MoE's first layer dense).
+    **{name: {"layer_types": ["conv", "full_attention"]} for name in ("lfm2", "lfm2_moe")},
+    "lfm3": {"num_hidden_layers": 3, "layer_types": ["conv", "sliding_attention", "full_attention"]},  # its default's first three
     # Its segmentation head's channels have no default (its head reads upsample_out_channels[:-1] of None): a small head.
     "sapiens2": {"head_config": {"upsample_out_channels": [32, 32], "conv_out_channels": [32]}},
     # GLM-4V's rotary sections default to [8, 12, 12] in its code, not its config: they sum to half the tiny head dim.

@@ -104,6 +104,13 @@ def source_and_target_options(command):
     return command
 
 
+def _describe_conv_state(generation: dict) -> str:
+    """The short-convolution layers' states beside the cache ('' for a model without them)."""
+    if not generation.get("conv_layers"):
+        return ""
+    return f" + conv state {generation['conv_state_shape']} (layers {','.join(map(str, generation['conv_layers']))})"
+
+
 def _describe_window_cache(generation: dict) -> str:
     """A text-generation manifest's window-bounded cache, for `inspect` ('' for a max-context cache)."""
     if "window_layers" in generation:
@@ -401,7 +408,7 @@ def inspect(artifact_dir, as_json):
         console.print(f"  text generation: max batch {generation['max_batch']}, max context {generation['max_context']}, cache "
                       f"{generation['layout']} {generation['cache_shape']} "
                       f"{'int8 x2 + ' + generation['scale_dtype'] + ' scales ' + str(generation['scale_shape']) + ' x2' if generation.get('kv_cache_dtype') == 'int8' else generation['dtype'] + ' x2'}"
-                      f"{cross} ({generation['cache_bytes'] / 2**20:.2f} MiB)"
+                      f"{cross}{_describe_conv_state(generation)} ({generation['cache_bytes'] / 2**20:.2f} MiB)"
                       f"{_describe_window_cache(generation)}")
     named = len(data["entry_points"]) > 1  # a forward model's one entry point goes without its name
     for entry_point, signature in data["entry_points"].items():

@@ -23,6 +23,9 @@ CACHE_INPUTS = ("cache_k", "cache_v")
 CACHE_SCALE_INPUTS = ("cache_k_scale", "cache_v_scale")
 # A model mixing full and sliding layers: the sliding layers' rings (GenerationSpec.window_layers), after the rest.
 WINDOW_CACHE_INPUTS = ("window_cache_k", "window_cache_v")
+# A model with short-convolution layers (LFM2's "conv" layers): each such layer's last inputs to its
+# causal convolution, per slot, in the model's dtype (GenerationSpec.conv_layers), after the rest.
+CONV_STATE_INPUTS = ("conv_state",)
 # --kv-cache-dtype: "model" stores keys and values in the model's dtype; "int8" stores them as
 # symmetric int8 per (layer, slot, kv-head, position), scale = absmax over head_dim / 127 (as
 # MaxText's kv_quant and vLLM store an int8 cache), the scales in the model's dtype.
@@ -67,6 +70,11 @@ class GenerationSpec:
         attention layers (Gemma 2/3, Qwen2's `layer_types`): those keep the ring in
         window_cache_k/window_cache_v, the others max_context positions in cache_k/cache_v (each
         group's layers in model order). Empty: every layer keeps the ring in cache_k/cache_v.
+      conv_layers: the layers that are causal short convolutions, not attention (LFM2's "conv"
+        layers): they keep no keys and values, but each slot's last `conv_kernel` inputs to the
+        convolution ([conv_channels, conv_kernel] per slot) in conv_state, a recurrent state that a
+        prefill replaces and every decode step shifts by one. Empty: every layer attends.
+      conv_channels, conv_kernel: a conv layer's state per slot (its channels, and the inputs it keeps).
     """
 
     max_batch: int
@@ -81,6 +89,9 @@ class GenerationSpec:
     kv_cache_dtype: str = "model"
     cache_window: int | None = None
     window_layers: tuple[int, ...] = ()
+    conv_layers: tuple[int, ...] = ()
+    conv_channels: int = 0
+    conv_kernel: int = 0
 
     @property
     def cache_positions(self) -> int:
@@ -90,7 +101,7 @@ class GenerationSpec:
     @property
     def full_layers(self) -> tuple[int, ...]:
         """The layers whose keys are in cache_k/cache_v."""
-        return tuple(layer for layer in range(self.layers) if layer not in self.window_layers)
+        return tuple(layer for layer in range(self.layers) if layer not in self.window_layers and layer not in self.conv_layers)
 
     def _cache_tensor_shape(self, layers: int, positions: int) -> tuple[int, ...]:
         if self.layout == "layer_batch_head_pos":
@@ -110,7 +121,8 @@ class GenerationSpec:
     @property
     def cache_inputs(self) -> tuple[str, ...]:
         """The cache's tensors, in the entry points' input (and output) order."""
-        return CACHE_INPUTS + (CACHE_SCALE_INPUTS if self.quantized else ()) + (WINDOW_CACHE_INPUTS if self.window_layers else ())
+        return (CACHE_INPUTS + (CACHE_SCALE_INPUTS if self.quantized else ()) + (WINDOW_CACHE_INPUTS if self.window_layers else ())
+                + (CONV_STATE_INPUTS if self.conv_layers else ()))
 
     @property
     def scale_shape(self) -> tuple[int, ...]:
@@ -130,7 +142,14 @@ class GenerationSpec:
             tensors.update({name: (self.scale_shape, self.scale_dtype) for name in CACHE_SCALE_INPUTS})
         if self.window_layers:
             tensors.update({name: (self.window_cache_shape, stored) for name in WINDOW_CACHE_INPUTS})
+        if self.conv_layers:
+            tensors[CONV_STATE_INPUTS[0]] = (self.conv_state_shape, self.dtype)
         return tensors
+
+    @property
+    def conv_state_shape(self) -> tuple[int, ...]:
+        """conv_state's shape: [conv layers, max_batch, conv_channels, conv_kernel]."""
+        return (len(self.conv_layers), self.max_batch, self.conv_channels, self.conv_kernel)
 
     @property
     def cache_shape(self) -> tuple[int, ...]:
@@ -150,6 +169,11 @@ class GenerationSpec:
             data.update(window_layers=list(self.window_layers), window_cache_shape=list(self.window_cache_shape))
         else:
             del data["window_layers"]
+        if self.conv_layers:
+            data.update(conv_layers=list(self.conv_layers), conv_state_shape=list(self.conv_state_shape))
+        else:  # a model without conv layers: the manifest is as it was before them
+            for name in ("conv_layers", "conv_channels", "conv_kernel"):
+                del data[name]
         if not self.quantized:  # a model-dtype cache's manifest is as it was before the option
             del data["kv_cache_dtype"]
             return data
@@ -159,7 +183,8 @@ class GenerationSpec:
     def from_json(cls, data: dict) -> "GenerationSpec":
         fields = {field.name for field in dataclasses.fields(cls)}
         values = {key: value for key, value in data.items() if key in fields}
-        return cls(**{**values, "prefill_buckets": tuple(values["prefill_buckets"]), "window_layers": tuple(values.get("window_layers", ()))})
+        return cls(**{**values, "prefill_buckets": tuple(values["prefill_buckets"]), "window_layers": tuple(values.get("window_layers", ())),
+                      "conv_layers": tuple(values.get("conv_layers", ()))})
 
 
 # Paged caches (paged.py)

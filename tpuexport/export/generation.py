@@ -270,6 +270,75 @@ class GroupedKVCache:
         return tuple(tensor for cache in self.groups for tensor in cache.written())
 
 
+class PrefillConvStates:
+    """Prefill's short-convolution states (GenerationSpec.conv_layers): a fresh prompt has none, and
+    row r's state after it is its last conv_kernel inputs to the convolution, positions
+    lengths[r] - kernel .. lengths[r] - 1 (zeros before position 0), written to slot slots[r]. The
+    prompt's padding, after its real tokens, never reaches the state: the convolution is causal."""
+
+    def __init__(self, states: torch.Tensor, layers: tuple[int, ...], lengths: torch.Tensor, slots: torch.Tensor):
+        self.states, self.index, self.lengths = states, {layer: index for index, layer in enumerate(layers)}, lengths
+        self.slots = slots.clamp(0, states.shape[1] - 1)
+
+    def conv_state(self, layer: int) -> torch.Tensor | None:
+        return None
+
+    def update_conv_state(self, inputs: torch.Tensor, layer: int, kernel: int | None = None) -> torch.Tensor:
+        """Keeps each row's last inputs ([batch, channels, steps]) of the layer; returns them all for its convolution."""
+        batch, channels, _ = inputs.shape
+        kept_inputs = self.states.shape[-1]  # the kernel size, as the spec records it
+        positions = self.lengths[:, None] - kept_inputs + torch.arange(kept_inputs, device=inputs.device)[None, :]
+        kept = inputs.gather(2, positions.clamp(min=0)[:, None, :].expand(batch, channels, kept_inputs))
+        kept = torch.where((positions >= 0)[:, None, :], kept, torch.zeros_like(kept))
+        layer_index = torch.full((1,), self.index[layer], dtype=torch.long, device=inputs.device)
+        self.states = self.states.index_put((layer_index, self.slots), kept.to(self.states.dtype))
+        return inputs
+
+    def written(self) -> tuple[torch.Tensor]:
+        return (self.states,)
+
+
+class DecodeConvStates:
+    """Decode's short-convolution states: each layer reads its slots' states, and the model's one-step
+    convolution (transformers' `causal_conv1d_update`) shifts the step's input into a copy of them,
+    which is the layer's state after the step."""
+
+    def __init__(self, states: torch.Tensor, layers: tuple[int, ...]):
+        self.states, self.index = states, {layer: index for index, layer in enumerate(layers)}
+        self.stepped: dict[int, torch.Tensor] = {}
+
+    def conv_state(self, layer: int) -> torch.Tensor:
+        index = self.index[layer]
+        self.stepped[index] = self.states[index].clone()  # the model updates it in place
+        return self.stepped[index]
+
+    def update_conv_state(self, inputs: torch.Tensor, layer: int, kernel: int | None = None) -> torch.Tensor:
+        raise TpuExportError("a decode step ran a short convolution over more than one token")
+
+    def written(self) -> tuple[torch.Tensor]:
+        return (torch.stack([self.stepped.get(index, self.states[index]) for index in range(self.states.shape[0])]),)
+
+
+class WithConvStates:
+    """A KV cache (FunctionalKVCache or GroupedKVCache) and the short-convolution states beside it:
+    `written` gives the KV cache's tensors, then conv_state (GenerationSpec.cache_inputs order)."""
+
+    def __init__(self, kv: "FunctionalKVCache | GroupedKVCache", conv: PrefillConvStates | DecodeConvStates):
+        self.kv, self.conv = kv, conv
+
+    def update(self, new_keys: torch.Tensor, new_values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv.update(new_keys, new_values, layer)
+
+    def conv_state(self, layer: int) -> torch.Tensor | None:
+        return self.conv.conv_state(layer)
+
+    def update_conv_state(self, inputs: torch.Tensor, layer: int, kernel: int | None = None) -> torch.Tensor:
+        return self.conv.update_conv_state(inputs, layer)
+
+    def written(self) -> tuple[torch.Tensor, ...]:
+        return self.kv.written() + self.conv.written()
+
+
 def base_model(model: nn.Module) -> nn.Module:
     """The base model a causal LM's forward calls for its hidden states: transformers' `base_model`,
     unless that is the LM itself, as it is when `base_model_prefix` names no attribute of the LM
@@ -285,7 +354,7 @@ def base_model(model: nn.Module) -> nn.Module:
     return children[0] if len(children) == 1 else base
 
 
-def _transformers_cache(functional: FunctionalKVCache | GroupedKVCache):
+def _transformers_cache(functional: "FunctionalKVCache | GroupedKVCache | WithConvStates"):
     """A transformers Cache whose update is `functional.update` (what the attention layers call)."""
     from transformers.cache_utils import Cache
 
@@ -295,6 +364,21 @@ def _transformers_cache(functional: FunctionalKVCache | GroupedKVCache):
 
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             return functional.update(key_states, value_states, layer_idx)
+
+        # What a short-convolution layer calls (LFM2's): its state before the step, and its inputs to keep.
+        def get_conv_state(self, layer_idx, state_idx=0):
+            return functional.conv_state(layer_idx)
+
+        def update_conv_state(self, conv_states, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
+            return functional.update_conv_state(conv_states, layer_idx, kernel=conv_kernel_size)
+
+        def is_recording_past(self, layer_idx):
+            return False
+
+        def update_recurrent_state(self, *args, **kwargs):
+            raise TpuExportError("--task text-generation: the model keeps a recurrent (state-space) state besides its short "
+                                 "convolutions, which the prefill/decode entry points do not hold yet; its full-sequence forward may "
+                                 "convert at a fixed length (--task feature-extraction --dim seq=N:N)")
 
         def get_seq_length(self, layer_idx: int = 0) -> int:
             return 0
@@ -313,6 +397,28 @@ class _Cached(Exception):
 class _ProbeCache:
     def update(self, new_keys, new_values, layer):
         raise _Cached(new_keys.shape, new_values.shape)
+
+    def conv_state(self, layer):
+        return None
+
+    def update_conv_state(self, inputs, layer, kernel=None):
+        return inputs
+
+
+class _ConvCached(Exception):
+    """Raised by the conv probe's cache at the first short convolution: its channels and the inputs it keeps."""
+
+    def __init__(self, channels: int, kernel: int | None):
+        super().__init__()
+        self.channels, self.kernel = channels, kernel
+
+
+class _ConvProbeCache(_ProbeCache):
+    def update(self, new_keys, new_values, layer):
+        return new_keys, new_values
+
+    def update_conv_state(self, inputs, layer, kernel=None):
+        raise _ConvCached(int(inputs.shape[1]), kernel)
 
 
 @contextlib.contextmanager
@@ -356,13 +462,8 @@ def cached_shapes(model: nn.Module) -> tuple[int, int]:
     Raises:
       TpuExportError: keys and values with different head counts.
     """
-    parameter = next(model.parameters())
-    positions = torch.arange(2, device=parameter.device)
-    mask = _causal_masks(attention_windows(model), positions[None, :], positions, parameter.dtype)
     try:
-        with torch.no_grad(), buffers_kept(model):  # as the entry points call it (Prefill.hidden_states)
-            base_model(model)(input_ids=torch.zeros((1, 2), dtype=torch.long, device=parameter.device), attention_mask=mask,
-                              position_ids=positions[None, :], past_key_values=_transformers_cache(_ProbeCache()), use_cache=True)
+        _probe_forward(model, _ProbeCache())
     except _Cached as cached:
         keys, values = cached.keys, cached.values
     except Exception:  # the forward fails before any layer writes (so will its export, which says why): the config's sizes
@@ -378,6 +479,50 @@ def cached_shapes(model: nn.Module) -> tuple[int, int]:
     return int(keys[1]), int(max(keys[-1], values[-1]))
 
 
+def _probe_forward(model: nn.Module, cache) -> None:
+    """The base model's forward over a 2-token prompt with `cache` as its cache (on the model's
+    device, the meta device too), as the entry points call it (Prefill.hidden_states)."""
+    parameter = next(model.parameters())
+    positions = torch.arange(2, device=parameter.device)
+    mask = _with_conv_layers(_causal_masks(attention_windows(model), positions[None, :], positions, parameter.dtype), bool(conv_layers(model)))
+    with torch.no_grad(), buffers_kept(model):
+        base_model(model)(input_ids=torch.zeros((1, 2), dtype=torch.long, device=parameter.device), attention_mask=mask,
+                          position_ids=positions[None, :], past_key_values=_transformers_cache(cache), use_cache=True)
+
+
+def _with_conv_layers(mask, conv: bool):
+    """A prepared mask per layer type ({layer type: mask}) with the short-convolution layers' None when
+    the model has them (`conv`): they mask nothing, as no padding reaches a causal convolution's kept
+    inputs. One mask for every attention layer is left as it is: the model gives its conv layers None."""
+    return {**mask, _CONV_LAYER_TYPE: None} if conv and isinstance(mask, dict) else mask
+
+
+def conv_layers(model: nn.Module) -> tuple[int, ...]:
+    """The decoder's short-convolution layers (LFM2's "conv" layer type), by index; () for none."""
+    return tuple(index for index, layer_type in enumerate(getattr(_text_config(model.config), "layer_types", None) or ())
+                 if layer_type == _CONV_LAYER_TYPE)
+
+
+def conv_state_shape(model: nn.Module) -> tuple[int, int]:
+    """(channels, kernel) of what a short-convolution layer keeps per slot, as the first one keeps it
+    for a 2-token prompt (the forward stops there).
+
+    Raises:
+      TpuExportError: the model's conv layers keep no state through the cache.
+    """
+    try:
+        _probe_forward(model, _ConvProbeCache())
+    except _ConvCached as cached:
+        if cached.kernel:
+            return cached.channels, int(cached.kernel)
+    except Exception as error:  # the forward fails before its first convolution: its export would too
+        raise TpuExportError(f"--task text-generation: {type(model).__name__}'s forward fails before its first short convolution "
+                             f"({type(error).__name__}: {' '.join(str(error).split())[:200]}); its full-sequence forward may convert "
+                             "(--task feature-extraction)") from None
+    raise TpuExportError(f"--task text-generation: {type(model).__name__}'s conv layers keep no state in the cache the way the "
+                         "entry points hold it (a kernel size per layer); its full-sequence forward may convert (--task feature-extraction)")
+
+
 def _masked_value(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
@@ -388,6 +533,8 @@ def _text_config(config):
 
 # Attention layer types whose keys a plain (optionally windowed) causal mask describes.
 _MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Layers that are causal short convolutions (LFM2's), whose state the cache holds beside the keys (conv_state).
+_CONV_LAYER_TYPE = "conv"
 
 
 def attention_windows(model: nn.Module) -> dict[str, int | None]:
@@ -406,6 +553,7 @@ def attention_windows(model: nn.Module) -> dict[str, int | None]:
     layer_types = getattr(config, "layer_types", None)
     if not layer_types:
         return {"full_attention": window}
+    layer_types = [layer_type for layer_type in layer_types if layer_type != _CONV_LAYER_TYPE]  # not attention: no mask
     unknown = sorted(set(layer_types) - set(_MASKED_LAYER_TYPES))
     if unknown:
         raise TpuExportError(f"--task text-generation: {type(model).__name__} has {unknown[0]} layers, which the KV-cache entry points "
@@ -423,7 +571,7 @@ def check_decoder(model: nn.Module) -> None:
         attends bidirectionally.
     """
     name = type(model).__name__
-    if getattr(model, "_is_stateful", False):
+    if getattr(model, "_is_stateful", False) and not _keeps_conv_states_only(model):
         raise TpuExportError(f"--task text-generation: {name} keeps a recurrent state (state-space or linear-attention layers) besides or "
                              "instead of a KV cache, which the prefill/decode entry points do not hold yet; its full-sequence forward "
                              "may convert at a fixed length (--task feature-extraction --dim seq=N:N)")
@@ -442,6 +590,14 @@ def check_decoder(model: nn.Module) -> None:
         raise TpuExportError(f"--task text-generation: {name} attends bidirectionally (its config's {field} is {value}), "
                              f"so earlier tokens' keys change as tokens are added and no KV cache can hold them; set {field} {fix} "
                              "in config.json if it was trained as a causal decoder, or convert --task feature-extraction")
+
+
+def _keeps_conv_states_only(model: nn.Module) -> bool:
+    """Whether the recurrent state of a stateful model is its short-convolution layers' alone (LFM2's):
+    every layer attends or is a "conv" layer (one that also updated a state-space state is refused
+    when its entry points are exported: `_transformers_cache`)."""
+    layer_types = getattr(_text_config(model.config), "layer_types", None) or ()
+    return _CONV_LAYER_TYPE in layer_types and set(layer_types) <= {*_MASKED_LAYER_TYPES, _CONV_LAYER_TYPE}
 
 
 def _attends_bidirectionally(model: nn.Module) -> bool:
@@ -587,6 +743,7 @@ class _EntryPoint(nn.Module):
     def hidden_states(self, tokens, mask, positions, cache, keys) -> torch.Tensor:
         """The model's last hidden states; `keys`: the positions of the keys attention reads [k], for
         the modules that mask with a buffer of their own (`masks_as_bias`)."""
+        mask = _with_conv_layers(mask, bool(self.spec.conv_layers))
         with masks_as_bias(self.bias_windows, positions, keys), positions_given(self.model, positions):
             output = base_model(self.model)(input_ids=tokens, attention_mask=mask, position_ids=positions,
                                             past_key_values=_transformers_cache(cache), use_cache=True)
@@ -650,12 +807,13 @@ def _answering(modules: list[nn.Module], output, answered: list):
 
 class Prefill(_EntryPoint):
     cache_type = PrefillCache
+    conv_type = PrefillConvStates
 
     def forward(self, tokens, lengths, slots, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None):
         return self.prefill(tokens, lengths, slots, cache_k, cache_v, cache_k_scale, cache_v_scale)
 
     def prefill(self, tokens, lengths, slots, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None, window_cache_k=None,
-                window_cache_v=None):
+                window_cache_v=None, conv_state=None):
         batch, steps = tokens.shape
         # One batch dim for the three inputs (torch.export may otherwise give each its own symbol).
         torch._check(lengths.shape[0] == batch)
@@ -665,7 +823,10 @@ class Prefill(_EntryPoint):
         mask = _causal_masks(self.windows, positions[None, :].expand(batch, steps), positions, dtype)
         window = self.spec.cache_window
         ring_positions = None if window is None else ring_prefill_positions(lengths, window)
-        if not self.spec.window_layers:
+        if self.spec.conv_layers:  # the attention layers' keys, the conv layers' states beside them
+            cache = WithConvStates(GroupedKVCache([(self.cache_type(cache_k, cache_v, self.spec.layout, slots), self.spec.full_layers)]),
+                                   self.conv_type(conv_state, self.spec.conv_layers, lengths, slots))
+        elif not self.spec.window_layers:
             cache = self.cache_type(cache_k, cache_v, self.spec.layout, slots, cache_k_scale, cache_v_scale, ring_positions)
         else:  # the full layers write every position, the sliding layers their rings
             cache = GroupedKVCache([(self.cache_type(cache_k, cache_v, self.spec.layout, slots), self.spec.full_layers),
@@ -674,6 +835,13 @@ class Prefill(_EntryPoint):
         hidden = self.hidden_states(tokens, mask, positions[None, :].expand(batch, steps), cache, positions)
         last = hidden[torch.arange(batch, device=tokens.device), lengths - 1]
         return {"logits": self.logits(last), **dict(zip(self.spec.cache_inputs, cache.written()))}
+
+
+class ConvPrefill(Prefill):
+    """Prefill of a model with short-convolution layers (GenerationSpec.conv_layers)."""
+
+    def forward(self, tokens, lengths, slots, cache_k, cache_v, conv_state):
+        return self.prefill(tokens, lengths, slots, cache_k, cache_v, conv_state=conv_state)
 
 
 class MixedPrefill(Prefill):
@@ -685,6 +853,7 @@ class MixedPrefill(Prefill):
 
 class Decode(_EntryPoint):
     cache_type = DecodeCache
+    conv_type = DecodeConvStates
 
     def ring_indexes(self, positions: torch.Tensor) -> torch.Tensor:
         """Where a ring cache keeps the keys of absolute `positions`: p mod W."""
@@ -694,10 +863,14 @@ class Decode(_EntryPoint):
         return self.decode(tokens, positions, cache_k, cache_v, cache_k_scale, cache_v_scale)
 
     def decode(self, tokens, positions, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None, window_cache_k=None,
-               window_cache_v=None):
+               window_cache_v=None, conv_state=None):
         window, layout = self.spec.cache_window, self.spec.layout
         keys = torch.arange(self.spec.max_context, device=tokens.device)
-        if window is None:
+        if self.spec.conv_layers:
+            mask = _causal_masks(self.windows, positions[:, None], keys, self.model_dtype)
+            cache = WithConvStates(GroupedKVCache([(self.cache_type(cache_k, cache_v, layout, positions), self.spec.full_layers)]),
+                                   self.conv_type(conv_state, self.spec.conv_layers))
+        elif window is None:
             mask = _causal_masks(self.windows, positions[:, None], keys, self.model_dtype)
             cache = self.cache_type(cache_k, cache_v, layout, positions, cache_k_scale, cache_v_scale)
         elif not self.spec.window_layers:  # a ring: the model's mask over its W indexes, the key written at index q mod W
@@ -711,6 +884,13 @@ class Decode(_EntryPoint):
                                      self.spec.window_layers)])
         hidden = self.hidden_states(tokens[:, None], mask, positions[:, None], cache, keys)
         return {"logits": self.logits(hidden[:, 0]), **dict(zip(self.spec.cache_inputs, cache.written()))}
+
+
+class ConvDecode(Decode):
+    """Decode of a model with short-convolution layers (GenerationSpec.conv_layers)."""
+
+    def forward(self, tokens, positions, cache_k, cache_v, conv_state):
+        return self.decode(tokens, positions, cache_k, cache_v, conv_state=conv_state)
 
 
 class MixedDecode(Decode):
@@ -775,8 +955,18 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
         if kv_cache_dtype == "int8":
             raise TpuExportError(f"--kv-cache-dtype int8 with the window-bounded cache of {type(model).__name__} (full and sliding layers) "
                                  "is not supported yet; add --sliding-window-cache full")
+    convs, conv_channels, conv_kernel = conv_layers(model), 0, 0
+    if convs:
+        if kv_cache_dtype == "int8":
+            raise TpuExportError(f"--task text-generation: {type(model).__name__}'s short-convolution layers with --kv-cache-dtype int8 "
+                                 "are not supported yet; convert it with the model-dtype cache")
+        if bounded:
+            raise TpuExportError(f"--task text-generation: {type(model).__name__}'s short-convolution layers beside a window-bounded cache "
+                                 f"(sliding window {window}) are not supported yet; add --sliding-window-cache full")
+        conv_channels, conv_kernel = conv_state_shape(model)
     return GenerationSpec(max_batch, max_context, layers, kv_heads, head_dim, model.get_output_embeddings().weight.shape[0], dtype,
-                          layout, tuple(sorted(set(prefill_buckets))), kv_cache_dtype, window if bounded else None, window_layers)
+                          layout, tuple(sorted(set(prefill_buckets))), kv_cache_dtype, window if bounded else None, window_layers,
+                          convs, conv_channels, conv_kernel)
 
 
 def check_sliding_window_cache(sliding_window_cache: str) -> None:
@@ -800,6 +990,9 @@ def entry_point_modules(model: nn.Module, spec: GenerationSpec, prefill: type[Pr
     if spec.window_layers:
         prefill = MixedPrefill if prefill is Prefill else prefill
         decode = MixedDecode if decode is Decode else decode
+    if spec.conv_layers:
+        prefill = ConvPrefill if prefill is Prefill else prefill
+        decode = ConvDecode if decode is Decode else decode
     return {"prefill": prefill(model.eval(), spec), "decode": decode(model.eval(), spec)}
 
 

@@ -46,7 +46,7 @@ import torch
 from tpuexport.errors import TpuExportError
 from tpuexport.export.cache_specs import DEFAULT_PAGE_SIZE, PAGES_DIM, PagedSpec, max_pages
 from tpuexport.export.generation import (_EntryPoint, _masked_value, _text_config, _transformers_cache, attention_windows, base_model, cached_shapes,
-                                         check_decoder, decoder_layers, dequantize_kv, masks_as_bias, positions_given,
+                                         check_decoder, conv_layers, decoder_layers, dequantize_kv, masks_as_bias, positions_given,
                                          quantize_kv)
 
 # --kv-cache: "static" is [layers, max_batch, kv_heads, max_context, head_dim] (export/generation.py);
@@ -105,6 +105,9 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
                              "(rows of a step) and max context >= 2")
     check_decoder(model)
     attention_windows(model)  # refuses layer types no causal mask describes
+    if conv_layers(model):
+        raise TpuExportError(f"--kv-cache paged: {type(model).__name__}'s short-convolution layers keep a state per row, which the "
+                             "pages do not hold yet; use --kv-cache static")
     text = _text_config(config)
     positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     if positions is not None and max_context > positions:

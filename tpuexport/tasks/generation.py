@@ -145,8 +145,11 @@ class TextGenerationTask(Task):
         scale_spec = [None, cache_spec[1], cache_spec[heads], None]
         # The sliding layers' rings (a model mixing full and sliding layers) split as the cache does.
         caches = export_stage.CACHE_INPUTS + export_stage.WINDOW_CACHE_INPUTS
+        # Short-convolution states ([conv layers, batch, channels, kernel]) split by rows only: a slot's state whole.
+        conv_spec = [None, cache_spec[1], None, None]
         return (tuple((name, tuple(cache_spec)) for name in spec.cache_inputs if name in caches and name in inputs)
-                + tuple((name, tuple(scale_spec)) for name in spec.cache_inputs if name not in caches and name in inputs))
+                + tuple((name, tuple(conv_spec)) for name in spec.cache_inputs if name in export_stage.CONV_STATE_INPUTS and name in inputs)
+                + tuple((name, tuple(scale_spec)) for name in spec.cache_inputs if name in export_stage.CACHE_SCALE_INPUTS and name in inputs))
 
     def verify(self, conversion: Conversion) -> Verified:
         program, options, clock = conversion.program, conversion.options, conversion.clock
@@ -221,7 +224,8 @@ def _decoder_spec(conversion: Conversion, seq: tuple[int, ...] | None, batches: 
     entry_points["sample"] = _sample_entry_point(spec.vocab, sample_rows, loaded.info)
     cache = f"{f'int8 + {spec.scale_dtype} scales' if spec.quantized else spec.dtype}"
     description = (f"entry points prefill (batch {list(batches)} x seq {list(spec.prefill_buckets)}), decode (batch {spec.max_batch}) and "
-                   f"sample (rows {sample_rows}); cache {spec.layout} {list(spec.cache_shape)} {_describe_window_cache(spec)}{cache}")
+                   f"sample (rows {sample_rows}); cache {spec.layout} {list(spec.cache_shape)} {_describe_window_cache(spec)}{cache}"
+                   f"{f' + conv state {list(spec.conv_state_shape)} (layers {_layer_list(spec.conv_layers)})' if spec.conv_layers else ''}")
     return ProgramSpec(entry_points, lambda lowered: lower_stage.GenerationProgram(spec, lowered, batches), True, description,
                        GenerationSources(spec, model, modules, checkpoint_model),
                        (checkpoint_model,) if checkpoint_model is not None else ())
@@ -557,8 +561,12 @@ def _describe_window_cache(spec) -> str:
     """The window-bounded cache in the export stage's line ('' for a max-context cache)."""
     if spec.window_layers:
         return (f"+ window cache {list(spec.window_cache_shape)} (rings of sliding window {spec.cache_window}, layers "
-                f"{','.join(map(str, spec.window_layers))}) ")
+                f"{_layer_list(spec.window_layers)}) ")
     return f"(a ring: sliding window {spec.cache_window}) " if spec.cache_window else ""
+
+
+def _layer_list(layers: tuple[int, ...]) -> str:
+    return ",".join(map(str, layers))
 
 
 def describe_generation(report, fill: str = "prefill", fix: str = "") -> str:
