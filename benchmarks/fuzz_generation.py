@@ -12,9 +12,10 @@ fresh sources, and the runtime's executables from a full batch of fresh sources.
 draws the decoder LMs converted with `--kv-cache paged` (page size, token budgets, max batch down to
 one row): the step driven as verification drives it, with fresh prompts prefilled in chunks beside
 another row's decode tokens, to the last position of the context, and the runtime's executables from
-a full batch of prompts longer than the largest budget.
+a full batch of prompts longer than the largest budget. `--kinds conv` draws LFM2s: short-convolution
+layers (kernel 2-4) among attention layers in any order, their states in the cache beside the keys.
 
-    python benchmarks/fuzz_generation.py --examples 40 [--seed 0] [--kinds decoder,encoder-decoder,paged] [--log FILE]
+    python benchmarks/fuzz_generation.py --examples 40 [--seed 0] [--kinds decoder,encoder-decoder,paged,conv] [--log FILE]
     python benchmarks/fuzz_generation.py --summarize FILE [FILE ...]
 
 Prints the cases run, the outcomes (ok, refused with one line, verify-failed, silent-mismatch,
@@ -46,7 +47,7 @@ from fuzz_models import Outcome, refusal_reason
 FRESH_SEED = 1000
 FAMILIES = ("llama", "qwen2", "mistral", "gemma", "gpt2")
 SEQ2SEQ_FAMILIES = ("bart", "t5", "whisper")
-KINDS = ("decoder", "encoder-decoder", "paged")
+KINDS = ("decoder", "encoder-decoder", "paged", "conv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +68,14 @@ class GenerationCase:
     prefill_seq: tuple[int, ...]
     seed: int
     page_size: int | None = None  # --kv-cache paged: positions per page; prefill_seq then holds the token budgets
+    conv_layers: tuple[int, ...] = ()  # an LFM2's short-convolution layers (the others attend)
+    conv_kernel: int = 0
 
     def describe(self) -> str:
         window = f" window {self.window}" if self.window else ""
         buckets = f"paged {self.page_size} tokens {list(self.prefill_seq)}" if self.page_size else f"prefill {list(self.prefill_seq)}"
+        if self.conv_layers:
+            window += f" conv layers {list(self.conv_layers)} kernel {self.conv_kernel}"
         return (f"{self.family} {self.layers}L {self.heads}/{self.kv_heads}h x {self.head_dim} vocab {self.vocab}"
                 f"{' tied' if self.tied else ''}{window} {self.dtype} cache {self.max_batch}x{self.max_context} "
                 f"{buckets} seed {self.seed}")
@@ -101,6 +106,16 @@ def paged_cases(draw) -> GenerationCase:
     return dataclasses.replace(case, max_batch=draw(st.integers(1, 3)), prefill_seq=tokens, page_size=page_size)
 
 
+@st.composite
+def conv_cases(draw) -> GenerationCase:
+    """An LFM2: short-convolution layers (kernel 2-4) among attention layers, at least one of each, in any order."""
+    case = draw(generation_cases())
+    layers = draw(st.integers(2, 4))
+    conv = draw(st.lists(st.booleans(), min_size=layers, max_size=layers).filter(lambda kinds: any(kinds) and not all(kinds)))
+    return dataclasses.replace(case, family="lfm2", layers=layers, window=None, conv_kernel=draw(st.integers(2, 4)),
+                               conv_layers=tuple(index for index, is_conv in enumerate(conv) if is_conv))
+
+
 def build(case: GenerationCase):
     """The case's transformers causal LM, random weights from its seed, in its dtype."""
     import torch
@@ -120,6 +135,9 @@ def build(case: GenerationCase):
             model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
         elif case.family == "gemma":
             model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**common))
+        elif case.family == "lfm2":
+            layer_types = ["conv" if index in case.conv_layers else "full_attention" for index in range(case.layers)]
+            model = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(**common, conv_L_cache=case.conv_kernel, layer_types=layer_types))
         elif case.family == "mistral":
             model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=case.window))
         else:
@@ -312,7 +330,7 @@ def main() -> None:
     kinds = args.kinds.split(",")
     if not kinds or set(kinds) - set(KINDS):
         parser.error(f"--kinds {args.kinds}: give some of {', '.join(KINDS)}")
-    strategies = {"decoder": generation_cases(), "encoder-decoder": seq2seq_cases(), "paged": paged_cases()}
+    strategies = {"decoder": generation_cases(), "encoder-decoder": seq2seq_cases(), "paged": paged_cases(), "conv": conv_cases()}
     warnings.filterwarnings("ignore")
     started = time.perf_counter()
 

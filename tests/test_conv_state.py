@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 import tpuexport
 from test_generation import lowered_entry_point
+from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.cli import main
 from tpuexport.errors import TpuExportError
@@ -108,7 +109,7 @@ def test_planted_conv_state_bugs_fail_verification(lfm2, buggy):
 
 
 def tiny_lfm3() -> transformers.PreTrainedModel:
-    """A convolution, a sliding layer (window 8) and a full one."""
+    """A convolution, a sliding layer (window 8) and a full one, as LFM3's layers begin."""
     torch.manual_seed(0)
     config = transformers.Lfm3Config(vocab_size=256, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                                      num_key_value_heads=2, max_position_embeddings=128, conv_L_cache=KERNEL, sliding_window=8, pad_token_id=0,
@@ -116,14 +117,27 @@ def tiny_lfm3() -> transformers.PreTrainedModel:
     return transformers.Lfm3ForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("family, options, refusal", [
-    (tiny_lfm2, {"kv_cache": "paged"}, r"--kv-cache paged: Lfm2ForCausalLM's short-convolution layers keep a state per row, .*use --kv-cache static"),
-    (tiny_lfm2, {"kv_cache_dtype": "int8"}, r"Lfm2ForCausalLM's short-convolution layers with --kv-cache-dtype int8 are not supported yet"),
-    (tiny_lfm3, {}, r"Lfm3ForCausalLM's short-convolution layers beside a window-bounded cache \(sliding window 8\) are not supported yet; "
-                    r"add --sliding-window-cache full"),
-], ids=["paged", "int8-kv", "window-bounded"])
-def test_what_the_conv_state_does_not_hold_yet_is_refused_in_one_line(tmp_path, family, options, refusal):
+def test_conv_states_beside_the_sliding_layers_rings_generate_what_generate_does():
+    """LFM3's layers: a convolution, a sliding layer whose window (8) is shorter than the 16-token
+    prompts, whose keys are a ring apart, and a full layer; entry points lowered and verified over 8
+    new tokens, rows of different lengths in one prefill batch."""
+    model = tiny_lfm3()
+    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
+    assert (spec.conv_layers, spec.window_layers, spec.cache_window) == ((0,), (1,), 8)
+    assert spec.cache_inputs == ("cache_k", "cache_v", "window_cache_k", "window_cache_v", "conv_state")
+    modules = export_stage.entry_point_modules(model, spec)
+    entry_points = {name: lowered_entry_point(modules[name], spec, name) for name in ("prefill", "decode")}
+    report = verify_generation(lower_stage.GenerationProgram(spec, entry_points, (MAX_BATCH,)), model, new_tokens=NEW_TOKENS)
+    assert report.passed, report.failure_summary()
+    assert report.tokens_compared() == MAX_BATCH * NEW_TOKENS and len(set(report.cases[0].lengths)) == MAX_BATCH
+
+
+@pytest.mark.parametrize("options, refusal", [
+    ({"kv_cache": "paged"}, r"--kv-cache paged: Lfm2ForCausalLM's short-convolution layers keep a state per row, .*use --kv-cache static"),
+    ({"kv_cache_dtype": "int8"}, r"Lfm2ForCausalLM's short-convolution layers with --kv-cache-dtype int8 are not supported yet"),
+], ids=["paged", "int8-kv"])
+def test_what_the_conv_state_does_not_hold_yet_is_refused_in_one_line(tmp_path, options, refusal):
     with pytest.raises(TpuExportError, match=refusal):
-        tpuexport.convert(family(), task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, target="cpu",
+        tpuexport.convert(tiny_lfm2(), task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, target="cpu",
                           out=tmp_path / "lfm.tpu", **options)
     assert not (tmp_path / "lfm.tpu").exists()

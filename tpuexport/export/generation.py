@@ -319,6 +319,12 @@ class DecodeConvStates:
         return (torch.stack([self.stepped.get(index, self.states[index]) for index in range(self.states.shape[0])]),)
 
 
+def _by_attention_layer(cache: "FunctionalKVCache | GroupedKVCache", spec: GenerationSpec) -> "GroupedKVCache":
+    """The KV cache addressed by the model's layer index when conv layers hold no keys: one cache of
+    every attention layer becomes a group of them (a grouped cache already maps its layers)."""
+    return cache if isinstance(cache, GroupedKVCache) else GroupedKVCache([(cache, spec.full_layers)])
+
+
 class WithConvStates:
     """A KV cache (FunctionalKVCache or GroupedKVCache) and the short-convolution states beside it:
     `written` gives the KV cache's tensors, then conv_state (GenerationSpec.cache_inputs order)."""
@@ -823,15 +829,14 @@ class Prefill(_EntryPoint):
         mask = _causal_masks(self.windows, positions[None, :].expand(batch, steps), positions, dtype)
         window = self.spec.cache_window
         ring_positions = None if window is None else ring_prefill_positions(lengths, window)
-        if self.spec.conv_layers:  # the attention layers' keys, the conv layers' states beside them
-            cache = WithConvStates(GroupedKVCache([(self.cache_type(cache_k, cache_v, self.spec.layout, slots), self.spec.full_layers)]),
-                                   self.conv_type(conv_state, self.spec.conv_layers, lengths, slots))
-        elif not self.spec.window_layers:
+        if not self.spec.window_layers:
             cache = self.cache_type(cache_k, cache_v, self.spec.layout, slots, cache_k_scale, cache_v_scale, ring_positions)
         else:  # the full layers write every position, the sliding layers their rings
             cache = GroupedKVCache([(self.cache_type(cache_k, cache_v, self.spec.layout, slots), self.spec.full_layers),
                                     (self.cache_type(window_cache_k, window_cache_v, self.spec.layout, slots, ring_positions=ring_positions),
                                      self.spec.window_layers)])
+        if self.spec.conv_layers:  # the conv layers' states beside the attention layers' keys
+            cache = WithConvStates(_by_attention_layer(cache, self.spec), self.conv_type(conv_state, self.spec.conv_layers, lengths, slots))
         hidden = self.hidden_states(tokens, mask, positions[None, :].expand(batch, steps), cache, positions)
         last = hidden[torch.arange(batch, device=tokens.device), lengths - 1]
         return {"logits": self.logits(last), **dict(zip(self.spec.cache_inputs, cache.written()))}
@@ -866,11 +871,7 @@ class Decode(_EntryPoint):
                window_cache_v=None, conv_state=None):
         window, layout = self.spec.cache_window, self.spec.layout
         keys = torch.arange(self.spec.max_context, device=tokens.device)
-        if self.spec.conv_layers:
-            mask = _causal_masks(self.windows, positions[:, None], keys, self.model_dtype)
-            cache = WithConvStates(GroupedKVCache([(self.cache_type(cache_k, cache_v, layout, positions), self.spec.full_layers)]),
-                                   self.conv_type(conv_state, self.spec.conv_layers))
-        elif window is None:
+        if window is None:
             mask = _causal_masks(self.windows, positions[:, None], keys, self.model_dtype)
             cache = self.cache_type(cache_k, cache_v, layout, positions, cache_k_scale, cache_v_scale)
         elif not self.spec.window_layers:  # a ring: the model's mask over its W indexes, the key written at index q mod W
@@ -882,6 +883,8 @@ class Decode(_EntryPoint):
             cache = GroupedKVCache([(self.cache_type(cache_k, cache_v, layout, positions), self.spec.full_layers),
                                     (self.cache_type(window_cache_k, window_cache_v, layout, self.ring_indexes(positions)),
                                      self.spec.window_layers)])
+        if self.spec.conv_layers:  # the conv layers' states beside the attention layers' keys
+            cache = WithConvStates(_by_attention_layer(cache, self.spec), self.conv_type(conv_state, self.spec.conv_layers))
         hidden = self.hidden_states(tokens[:, None], mask, positions[:, None], cache, keys)
         return {"logits": self.logits(hidden[:, 0]), **dict(zip(self.spec.cache_inputs, cache.written()))}
 
@@ -898,6 +901,22 @@ class MixedDecode(Decode):
 
     def forward(self, tokens, positions, cache_k, cache_v, window_cache_k, window_cache_v):
         return self.decode(tokens, positions, cache_k, cache_v, window_cache_k=window_cache_k, window_cache_v=window_cache_v)
+
+
+class MixedConvPrefill(Prefill):
+    """Prefill of a model with sliding layers keeping their rings apart and short-convolution layers (LFM3's)."""
+
+    def forward(self, tokens, lengths, slots, cache_k, cache_v, window_cache_k, window_cache_v, conv_state):
+        return self.prefill(tokens, lengths, slots, cache_k, cache_v, window_cache_k=window_cache_k, window_cache_v=window_cache_v,
+                            conv_state=conv_state)
+
+
+class MixedConvDecode(Decode):
+    """Decode of a model with sliding layers keeping their rings apart and short-convolution layers (LFM3's)."""
+
+    def forward(self, tokens, positions, cache_k, cache_v, window_cache_k, window_cache_v, conv_state):
+        return self.decode(tokens, positions, cache_k, cache_v, window_cache_k=window_cache_k, window_cache_v=window_cache_v,
+                           conv_state=conv_state)
 
 
 def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: str = DEFAULT_CACHE_LAYOUT,
@@ -960,9 +979,6 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
         if kv_cache_dtype == "int8":
             raise TpuExportError(f"--task text-generation: {type(model).__name__}'s short-convolution layers with --kv-cache-dtype int8 "
                                  "are not supported yet; convert it with the model-dtype cache")
-        if bounded:
-            raise TpuExportError(f"--task text-generation: {type(model).__name__}'s short-convolution layers beside a window-bounded cache "
-                                 f"(sliding window {window}) are not supported yet; add --sliding-window-cache full")
         conv_channels, conv_kernel = conv_state_shape(model)
     return GenerationSpec(max_batch, max_context, layers, kv_heads, head_dim, model.get_output_embeddings().weight.shape[0], dtype,
                           layout, tuple(sorted(set(prefill_buckets))), kv_cache_dtype, window if bounded else None, window_layers,
@@ -986,13 +1002,14 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
 def entry_point_modules(model: nn.Module, spec: GenerationSpec, prefill: type[Prefill] = Prefill,
                         decode: type[Decode] = Decode) -> dict[str, nn.Module]:
     """The entry points as modules over the one model: {"prefill": ..., "decode": ...} (their
-    Mixed variants, whose inputs name the sliding layers' rings, for a spec with window_layers)."""
-    if spec.window_layers:
-        prefill = MixedPrefill if prefill is Prefill else prefill
-        decode = MixedDecode if decode is Decode else decode
-    if spec.conv_layers:
-        prefill = ConvPrefill if prefill is Prefill else prefill
-        decode = ConvDecode if decode is Decode else decode
+    variants whose inputs name the sliding layers' rings and the conv layers' states, for a spec with
+    window_layers, conv_layers or both)."""
+    if prefill is Prefill:  # the variant whose inputs name the spec's caches
+        prefill = {(True, True): MixedConvPrefill, (True, False): MixedPrefill, (False, True): ConvPrefill}.get(
+            (bool(spec.window_layers), bool(spec.conv_layers)), Prefill)
+    if decode is Decode:
+        decode = {(True, True): MixedConvDecode, (True, False): MixedDecode, (False, True): ConvDecode}.get(
+            (bool(spec.window_layers), bool(spec.conv_layers)), Decode)
     return {"prefill": prefill(model.eval(), spec), "decode": decode(model.eval(), spec)}
 
 
