@@ -29,7 +29,7 @@ REFUSAL_CLASSES = (
      "a number of features that depends on its inputs' values; its language model or one tower converts alone",
      r"placeholder tokens cannot be counted|to count them"),
     ("decoder layers keeping no KV cache", "recurrent (state-space, linear attention), hybrid, chunked or indexed attention layers: the "
-     "prefill/decode entry points hold a KV cache only; the full-sequence forward may convert at a fixed length",
+     "prefill/decode entry points hold a KV cache and short-convolution states (LFM2's) only; the full-sequence forward may convert at a fixed length",
      r"keeps a recurrent state|has \w+ layers, which the|takes no KV cache|no num_hidden_layers"),
     ("none of the known inputs", "the model takes none of input_ids, pixel_values, input_values, input_features (trackers, "
      "time series, VQ models, towers wanting grid sizes); a file.py:factory gives its inputs", r"takes none of"),
