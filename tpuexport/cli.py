@@ -793,10 +793,11 @@ def targets(as_json):
 def run() -> None:
     """The `tpuexport` program: main(), then out without the interpreter's teardown.
 
-    Python's exit collects every reference cycle of the libraries a command imported (1-1.5 s after a
-    conversion, and jax's bindings then report the objects frozen in them as leaks). The exit handlers
-    still run and the streams are flushed; only the teardown is left to the OS. A traceback (a bug)
-    exits as Python does. Only the program does this, not `main` called inside a process.
+    Python's exit collects every reference cycle of the libraries a command imported: 1-1.5 s after a
+    conversion (gc.freeze() would skip the collection, but jax's nanobind bindings then print every
+    object it left as a leak). The exit handlers still run and the streams are flushed; only the
+    teardown is left to the OS. A traceback (a bug) exits as Python does. Only the program does this,
+    not `main` called inside a process.
     """
     try:
         main()
