@@ -104,13 +104,6 @@ def source_and_target_options(command):
     return command
 
 
-def _describe_conv_state(generation: dict) -> str:
-    """The short-convolution layers' states beside the cache ('' for a model without them)."""
-    if not generation.get("conv_layers"):
-        return ""
-    return f" + conv state {generation['conv_state_shape']} (layers {','.join(map(str, generation['conv_layers']))})"
-
-
 def _describe_window_cache(generation: dict) -> str:
     """A text-generation manifest's window-bounded cache, for `inspect` ('' for a max-context cache)."""
     if "window_layers" in generation:
@@ -405,10 +398,14 @@ def inspect(artifact_dir, as_json):
     elif "generation" in data:
         generation = data["generation"]
         cross = (f" + cross {generation['cross_shape']} x2 (max source {generation['max_source']})" if "cross_shape" in generation else "")
+        from tpuexport.export.cache_specs import GenerationSpec
+
+        # An encoder-decoder's generation record is not a GenerationSpec's; only a decoder's has conv layers.
+        conv = GenerationSpec.from_json(generation).describe_conv_state() if "conv_layers" in generation else ""
         console.print(f"  text generation: max batch {generation['max_batch']}, max context {generation['max_context']}, cache "
                       f"{generation['layout']} {generation['cache_shape']} "
                       f"{'int8 x2 + ' + generation['scale_dtype'] + ' scales ' + str(generation['scale_shape']) + ' x2' if generation.get('kv_cache_dtype') == 'int8' else generation['dtype'] + ' x2'}"
-                      f"{cross}{_describe_conv_state(generation)} ({generation['cache_bytes'] / 2**20:.2f} MiB)"
+                      f"{cross}{conv} ({generation['cache_bytes'] / 2**20:.2f} MiB)"
                       f"{_describe_window_cache(generation)}")
     named = len(data["entry_points"]) > 1  # a forward model's one entry point goes without its name
     for entry_point, signature in data["entry_points"].items():

@@ -151,6 +151,12 @@ class GenerationSpec:
         """conv_state's shape: [conv layers, max_batch, conv_channels, conv_kernel]."""
         return (len(self.conv_layers), self.max_batch, self.conv_channels, self.conv_kernel)
 
+    def describe_conv_state(self) -> str:
+        """' + conv state [shape] (layers i,j)' for the export stage's line and `inspect`; '' without conv layers."""
+        if not self.conv_layers:
+            return ""
+        return f" + conv state {list(self.conv_state_shape)} (layers {','.join(map(str, self.conv_layers))})"
+
     @property
     def cache_shape(self) -> tuple[int, ...]:
         """cache_k/cache_v's shape (in `layout`)."""

@@ -577,7 +577,7 @@ def check_decoder(model: nn.Module) -> None:
         attends bidirectionally.
     """
     name = type(model).__name__
-    if getattr(model, "_is_stateful", False) and not _keeps_conv_states_only(model):
+    if getattr(model, "_is_stateful", False):
         raise TpuExportError(f"--task text-generation: {name} keeps a recurrent state (state-space or linear-attention layers) besides or "
                              "instead of a KV cache, which the prefill/decode entry points do not hold yet; its full-sequence forward "
                              "may convert at a fixed length (--task feature-extraction --dim seq=N:N)")
@@ -596,14 +596,6 @@ def check_decoder(model: nn.Module) -> None:
         raise TpuExportError(f"--task text-generation: {name} attends bidirectionally (its config's {field} is {value}), "
                              f"so earlier tokens' keys change as tokens are added and no KV cache can hold them; set {field} {fix} "
                              "in config.json if it was trained as a causal decoder, or convert --task feature-extraction")
-
-
-def _keeps_conv_states_only(model: nn.Module) -> bool:
-    """Whether the recurrent state of a stateful model is its short-convolution layers' alone (LFM2's):
-    every layer attends or is a "conv" layer (one that also updated a state-space state is refused
-    when its entry points are exported: `_transformers_cache`)."""
-    layer_types = getattr(_text_config(model.config), "layer_types", None) or ()
-    return _CONV_LAYER_TYPE in layer_types and set(layer_types) <= {*_MASKED_LAYER_TYPES, _CONV_LAYER_TYPE}
 
 
 def _attends_bidirectionally(model: nn.Module) -> bool:

@@ -225,7 +225,7 @@ def _decoder_spec(conversion: Conversion, seq: tuple[int, ...] | None, batches: 
     cache = f"{f'int8 + {spec.scale_dtype} scales' if spec.quantized else spec.dtype}"
     description = (f"entry points prefill (batch {list(batches)} x seq {list(spec.prefill_buckets)}), decode (batch {spec.max_batch}) and "
                    f"sample (rows {sample_rows}); cache {spec.layout} {list(spec.cache_shape)} {_describe_window_cache(spec)}{cache}"
-                   f"{f' + conv state {list(spec.conv_state_shape)} (layers {_layer_list(spec.conv_layers)})' if spec.conv_layers else ''}")
+                   f"{spec.describe_conv_state()}")
     return ProgramSpec(entry_points, lambda lowered: lower_stage.GenerationProgram(spec, lowered, batches), True, description,
                        GenerationSources(spec, model, modules, checkpoint_model),
                        (checkpoint_model,) if checkpoint_model is not None else ())
@@ -561,12 +561,8 @@ def _describe_window_cache(spec) -> str:
     """The window-bounded cache in the export stage's line ('' for a max-context cache)."""
     if spec.window_layers:
         return (f"+ window cache {list(spec.window_cache_shape)} (rings of sliding window {spec.cache_window}, layers "
-                f"{_layer_list(spec.window_layers)}) ")
+                f"{','.join(map(str, spec.window_layers))}) ")
     return f"(a ring: sliding window {spec.cache_window}) " if spec.cache_window else ""
-
-
-def _layer_list(layers: tuple[int, ...]) -> str:
-    return ",".join(map(str, layers))
 
 
 def describe_generation(report, fill: str = "prefill", fix: str = "") -> str:
