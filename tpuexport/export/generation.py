@@ -45,6 +45,7 @@ from torch import nn
 from tpuexport.errors import TpuExportError
 from tpuexport.export.cache_specs import (CACHE_LAYOUTS, DEFAULT_CACHE_LAYOUT, KV_CACHE_DTYPES, SCALE_LAYOUT, SLIDING_WINDOW_CACHES,
                                           GenerationSpec)
+from tpuexport.export.model_positions import positions_known
 
 def quantize_kv(new: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys or values [..., head_dim] as an int8 cache stores them: symmetric per vector, scale =
@@ -490,7 +491,8 @@ def _probe_forward(model: nn.Module, cache) -> None:
     device, the meta device too), as the entry points call it (Prefill.hidden_states)."""
     parameter = next(model.parameters())
     positions = torch.arange(2, device=parameter.device)
-    mask = _with_conv_layers(_causal_masks(attention_windows(model), positions[None, :], positions, parameter.dtype), bool(conv_layers(model)))
+    mask = _causal_masks(attention_windows(model), positions[None, :], positions, parameter.dtype, attention_chunks(model))
+    mask = _with_conv_layers(mask, bool(conv_layers(model)))
     with torch.no_grad(), buffers_kept(model):
         base_model(model)(input_ids=torch.zeros((1, 2), dtype=torch.long, device=parameter.device), attention_mask=mask,
                           position_ids=positions[None, :], past_key_values=_transformers_cache(cache), use_cache=True)
@@ -537,8 +539,11 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-# Attention layer types whose keys a plain (optionally windowed) causal mask describes.
-_MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Attention layer types whose keys a plain (optionally windowed or chunked) causal mask describes.
+_MASKED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# Layers attending within fixed chunks of positions (Llama 4's): a query at q sees the keys k <= q of its
+# own chunk, k // C == q // C (transformers' `chunked_overlay`, with no left padding).
+_CHUNKED_LAYER_TYPE = "chunked_attention"
 # Layers that are causal short convolutions (LFM2's), whose state the cache holds beside the keys (conv_state).
 _CONV_LAYER_TYPE = "conv"
 
@@ -566,6 +571,32 @@ def attention_windows(model: nn.Module) -> dict[str, int | None]:
                              f"do not support yet (only {' and '.join(_MASKED_LAYER_TYPES)}); its full-sequence forward may convert "
                              "(--task feature-extraction)")
     return {layer_type: window if layer_type == "sliding_attention" else None for layer_type in sorted(set(layer_types))}
+
+
+def attention_chunks(model: nn.Module) -> dict[str, int]:
+    """{layer type: chunk size C} of the layers attending within chunks of C positions (Llama 4's
+    "chunked_attention" layers, C = attention_chunk_size); {} for a model without them. Their keys
+    are kept for every position, as a full layer's: the chunk lives in the masks
+    (`_causal_masks`), so the cache is the one the entry points already hold."""
+    config = _text_config(model.config)
+    if _CHUNKED_LAYER_TYPE not in (getattr(config, "layer_types", None) or ()):
+        return {}
+    chunk = getattr(config, "attention_chunk_size", None)
+    if not isinstance(chunk, int) or chunk < 1:
+        raise TpuExportError(f"--task text-generation: {type(model).__name__} has chunked_attention layers but its config gives no "
+                             "attention_chunk_size; set it in config.json")
+    return {_CHUNKED_LAYER_TYPE: chunk}
+
+
+def keys_seen(queries: torch.Tensor, keys: torch.Tensor, window: int | None = None, chunk: int | None = None) -> torch.Tensor:
+    """Which keys each query sees (bool, broadcast of `queries` [..., 1] against `keys` [...]): the
+    causal k <= q, within a sliding window (q - window < k) or a chunk (k // chunk == q // chunk)."""
+    visible = keys <= queries
+    if window is not None:
+        visible = visible & (keys > queries - window)
+    if chunk is not None:
+        visible = visible & (keys // chunk == queries // chunk)
+    return visible
 
 
 def check_decoder(model: nn.Module) -> None:
@@ -634,15 +665,15 @@ def ring_mask(positions: torch.Tensor, window: int, dtype: torch.dtype) -> torch
     return torch.where(visible, 0.0, _masked_value(dtype)).to(dtype)[:, None, None]
 
 
-def _causal_masks(windows: dict[str, int | None], queries: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype):
+def _causal_masks(windows: dict[str, int | None], queries: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype,
+                  chunks: dict[str, int] | None = None):
     """The additive masks [batch, 1, queries, keys] of queries at positions `queries` [batch, q] over
-    cache positions `keys` [k]: one tensor when every layer attends alike, else {layer type: mask}
-    (what transformers' models with mixed layer types take as a prepared mask)."""
+    cache positions `keys` [k], each layer type within its window and chunk (`attention_chunks`): one
+    tensor when every layer attends alike, else {layer type: mask} (what transformers' models with
+    mixed layer types take as a prepared mask)."""
     masks = {}
     for layer_type, window in windows.items():
-        visible = keys[None, None, :] <= queries[:, :, None]
-        if window is not None:
-            visible = visible & (keys[None, None, :] > queries[:, :, None] - window)
+        visible = keys_seen(queries[:, :, None], keys[None, None, :], window, (chunks or {}).get(layer_type))
         masks[layer_type] = torch.where(visible, 0.0, _masked_value(dtype)).to(dtype)[:, None]
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
@@ -675,36 +706,6 @@ def bias_mask_windows(model: nn.Module) -> dict[nn.Module, int | None]:
 
 
 @contextlib.contextmanager
-def positions_given(model: nn.Module, positions: torch.Tensor):
-    """While open, a decoder whose forward takes no position_ids embeds `positions` [batch, seq] with
-    its learned position embedding (an nn.Embedding with an int `offset`: TrOCR's, and the ForCausalLM
-    decoders of BART, mBART, PLBart). Such a decoder numbers its positions from the cache's length,
-    which the entry points' caches do not report (their get_seq_length is 0): every decode step
-    embedded position 0 (TrOCR's decode logits failed verification). A model taking position_ids, or
-    embedding none (ALiBi), is left as it is; one with another position embedding (Marian's and
-    Pegasus's sinusoidal, Blenderbot's without an offset) still fails verification."""
-    embed = None if "position_ids" in inspect.signature(model.forward).parameters else _offset_position_embedding(model)
-    if embed is None:
-        yield
-        return
-    own = embed.__dict__.get("forward")
-    embed.forward = lambda *args, **kwargs: nn.functional.embedding(positions + embed.offset, embed.weight)
-    try:
-        yield
-    finally:
-        if own is None:
-            del embed.forward
-        else:
-            embed.forward = own
-
-
-def _offset_position_embedding(model: nn.Module) -> nn.Embedding | None:
-    """The decoder's learned position embedding with an offset (positions p at rows p + offset), or None."""
-    embed = getattr(model.get_decoder(), "embed_positions", None) if hasattr(model, "get_decoder") else None
-    return embed if isinstance(embed, nn.Embedding) and isinstance(getattr(embed, "offset", None), int) else None
-
-
-@contextlib.contextmanager
 def masks_as_bias(windows: dict[nn.Module, int | None], queries: torch.Tensor, keys: torch.Tensor):
     """Within it each module of `bias_mask_windows` reads as `bias` its mask for queries at
     positions `queries` [batch, q] over keys at positions `keys` [k], laid out as the module slices
@@ -734,6 +735,7 @@ class _EntryPoint(nn.Module):
         self.model = model
         self.spec = spec
         self.windows = attention_windows(model)
+        self.chunks = attention_chunks(model)
         self.bias_windows = bias_mask_windows(model)
         # The dtype the model computes in (an int8 cache's is not): the masks' and attention's.
         self.model_dtype = getattr(torch, spec.dtype)
@@ -742,7 +744,7 @@ class _EntryPoint(nn.Module):
         """The model's last hidden states; `keys`: the positions of the keys attention reads [k], for
         the modules that mask with a buffer of their own (`masks_as_bias`)."""
         mask = _with_conv_layers(mask, bool(self.spec.conv_layers))
-        with masks_as_bias(self.bias_windows, positions, keys), positions_given(self.model, positions):
+        with masks_as_bias(self.bias_windows, positions, keys), positions_known(self.model, positions):
             output = base_model(self.model)(input_ids=tokens, attention_mask=mask, position_ids=positions,
                                             past_key_values=_transformers_cache(cache), use_cache=True)
         return output.last_hidden_state
@@ -818,7 +820,7 @@ class Prefill(_EntryPoint):
         torch._check(slots.shape[0] == batch)
         dtype = self.model_dtype
         positions = torch.arange(steps, device=tokens.device)
-        mask = _causal_masks(self.windows, positions[None, :].expand(batch, steps), positions, dtype)
+        mask = _causal_masks(self.windows, positions[None, :].expand(batch, steps), positions, dtype, self.chunks)
         window = self.spec.cache_window
         ring_positions = None if window is None else ring_prefill_positions(lengths, window)
         if not self.spec.window_layers:
@@ -864,14 +866,15 @@ class Decode(_EntryPoint):
         window, layout = self.spec.cache_window, self.spec.layout
         keys = torch.arange(self.spec.max_context, device=tokens.device)
         if window is None:
-            mask = _causal_masks(self.windows, positions[:, None], keys, self.model_dtype)
+            mask = _causal_masks(self.windows, positions[:, None], keys, self.model_dtype, self.chunks)
             cache = self.cache_type(cache_k, cache_v, layout, positions, cache_k_scale, cache_v_scale)
         elif not self.spec.window_layers:  # a ring: the model's mask over its W indexes, the key written at index q mod W
             mask = ring_mask(positions, window, self.model_dtype)
             cache = self.cache_type(cache_k, cache_v, layout, self.ring_indexes(positions), cache_k_scale, cache_v_scale)
         else:  # full layers over max_context positions, sliding layers over their rings
-            mask = {"full_attention": _causal_masks({"full_attention": None}, positions[:, None], keys, self.model_dtype),
-                    "sliding_attention": ring_mask(positions, window, self.model_dtype)}
+            mask = {layer_type: _causal_masks({layer_type: None}, positions[:, None], keys, self.model_dtype, self.chunks)
+                    for layer_type in self.windows if layer_type != "sliding_attention"}
+            mask["sliding_attention"] = ring_mask(positions, window, self.model_dtype)
             cache = GroupedKVCache([(self.cache_type(cache_k, cache_v, layout, positions), self.spec.full_layers),
                                     (self.cache_type(window_cache_k, window_cache_v, layout, self.ring_indexes(positions)),
                                      self.spec.window_layers)])

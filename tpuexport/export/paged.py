@@ -46,8 +46,9 @@ import torch
 from tpuexport.errors import TpuExportError
 from tpuexport.export.cache_specs import DEFAULT_PAGE_SIZE, PAGES_DIM, PagedSpec, max_pages
 from tpuexport.export.generation import (_EntryPoint, _masked_value, _text_config, _transformers_cache, attention_windows, base_model, cached_shapes,
-                                         check_decoder, conv_layers, decoder_layers, dequantize_kv, masks_as_bias, positions_given,
+                                         check_decoder, conv_layers, decoder_layers, dequantize_kv, keys_seen, masks_as_bias,
                                          quantize_kv)
+from tpuexport.export.model_positions import positions_known
 
 # --kv-cache: "static" is [layers, max_batch, kv_heads, max_context, head_dim] (export/generation.py);
 # "paged" is pages a row takes as it grows (this module).
@@ -208,12 +209,13 @@ def _layer_pages(cache: torch.Tensor, layer: int, page_indices: torch.Tensor) ->
 
 
 def paged_mask(token_rows: torch.Tensor, positions: torch.Tensor, kv_lens: torch.Tensor, row_positions: int, dtype: torch.dtype,
-               windows: dict[str, int | None] | None = None):
+               windows: dict[str, int | None] | None = None, chunks: dict[str, int] | None = None):
     """The additive mask [1, 1, tokens, rows * row_positions + tokens] of the step's tokens over the
     keys PagedKVCache gives attention: token t of row r sees the cached positions of row r before the
     step's (< kv_lens[r] - its tokens in the step) and the step's tokens of row r at positions <=
     positions[t]; within a sliding window W (`attention_windows`) only the keys at positions >
-    positions[t] - W. A padding token (row -1) sees no cached key. One tensor when every layer attends
+    positions[t] - W, within a chunk C (`attention_chunks`) only those in its chunk. A padding token
+    (row -1) sees no cached key. One tensor when every layer attends
     alike, else {layer type: mask} (what transformers' models with mixed layer types take)."""
     rows = kv_lens.shape[0]
     keys = torch.arange(rows * row_positions, device=positions.device)
@@ -225,7 +227,7 @@ def paged_mask(token_rows: torch.Tensor, positions: torch.Tensor, kv_lens: torch
     every_key_position = torch.cat([key_positions, positions])
     masks = {}
     for layer_type, window in (windows or {"full_attention": None}).items():
-        seen = visible if window is None else visible & (every_key_position[None, :] > positions[:, None] - window)
+        seen = visible & keys_seen(positions[:, None], every_key_position[None, :], window, (chunks or {}).get(layer_type))
         masks[layer_type] = torch.where(seen, 0.0, _masked_value(dtype)).to(dtype)[None, None]
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
@@ -240,7 +242,7 @@ class Step(_EntryPoint):
         torch._check(kv_lens.shape[0] == rows)
         spec = self.spec
         row_positions = spec.pages_per_row * spec.page_size
-        mask = paged_mask(token_rows, positions, kv_lens, row_positions, self.model_dtype, self.windows)
+        mask = paged_mask(token_rows, positions, kv_lens, row_positions, self.model_dtype, self.windows, self.chunks)
         padding = token_rows < 0
         safe_rows, safe_positions = token_rows.clamp(min=0), positions.clamp(0, row_positions - 1)
         pages = page_indices[safe_rows, safe_positions // spec.page_size]
@@ -249,7 +251,7 @@ class Step(_EntryPoint):
         # The positions of the keys PagedKVCache gives attention (rows' cached positions, then the step's
         # tokens'), for models masking with a buffer of their own; paged_mask keeps each row to its keys.
         keys = torch.cat([torch.arange(rows * row_positions, device=tokens.device) % row_positions, safe_positions])
-        with masks_as_bias(self.bias_windows, safe_positions[None], keys), positions_given(self.model, safe_positions[None]):
+        with masks_as_bias(self.bias_windows, safe_positions[None], keys), positions_known(self.model, safe_positions[None]):
             hidden = base_model(self.model)(input_ids=tokens[None], attention_mask=mask, position_ids=safe_positions[None],
                                             past_key_values=_transformers_cache(cache), use_cache=True).last_hidden_state[0]
         index = torch.arange(count, device=tokens.device)
