@@ -26,6 +26,10 @@ WINDOW_CACHE_INPUTS = ("window_cache_k", "window_cache_v")
 # A model with short-convolution layers (LFM2's "conv" layers): each such layer's last inputs to its
 # causal convolution, per slot, in the model's dtype (GenerationSpec.conv_layers), after the rest.
 CONV_STATE_INPUTS = ("conv_state",)
+# A model with indexed attention (DeepSeek Sparse Attention's "indexed_attention" layers): each such
+# layer's indexer keys, which choose the keys its attention reads, per slot and position, in the
+# model's dtype (GenerationSpec.indexed_layers), after the rest.
+INDEXER_KEYS_INPUTS = ("indexer_keys",)
 # --kv-cache-dtype: "model" stores keys and values in the model's dtype; "int8" stores them as
 # symmetric int8 per (layer, slot, kv-head, position), scale = absmax over head_dim / 127 (as
 # MaxText's kv_quant and vLLM store an int8 cache), the scales in the model's dtype.
@@ -75,6 +79,12 @@ class GenerationSpec:
         convolution ([conv_channels, conv_kernel] per slot) in conv_state, a recurrent state that a
         prefill replaces and every decode step shifts by one. Empty: every layer attends.
       conv_channels, conv_kernel: a conv layer's state per slot (its channels, and the inputs it keeps).
+      indexed_layers: the layers whose attention reads only the keys their indexer chooses (DeepSeek
+        Sparse Attention's "indexed_attention" layers): besides their keys and values in cache_k/cache_v,
+        they keep the indexer's own key per position ([max_context, indexer_dim] per slot) in
+        indexer_keys, laid out as one head of a "layer_batch_head_pos" cache whatever `layout` is
+        (the cache's write ops then write it). Empty: no layer has an indexer.
+      indexer_dim: an indexer key's width.
     """
 
     max_batch: int
@@ -92,6 +102,8 @@ class GenerationSpec:
     conv_layers: tuple[int, ...] = ()
     conv_channels: int = 0
     conv_kernel: int = 0
+    indexed_layers: tuple[int, ...] = ()
+    indexer_dim: int = 0
 
     @property
     def cache_positions(self) -> int:
@@ -122,7 +134,7 @@ class GenerationSpec:
     def cache_inputs(self) -> tuple[str, ...]:
         """The cache's tensors, in the entry points' input (and output) order."""
         return (CACHE_INPUTS + (CACHE_SCALE_INPUTS if self.quantized else ()) + (WINDOW_CACHE_INPUTS if self.window_layers else ())
-                + (CONV_STATE_INPUTS if self.conv_layers else ()))
+                + (CONV_STATE_INPUTS if self.conv_layers else ()) + (INDEXER_KEYS_INPUTS if self.indexed_layers else ()))
 
     @property
     def scale_shape(self) -> tuple[int, ...]:
@@ -144,6 +156,8 @@ class GenerationSpec:
             tensors.update({name: (self.window_cache_shape, stored) for name in WINDOW_CACHE_INPUTS})
         if self.conv_layers:
             tensors[CONV_STATE_INPUTS[0]] = (self.conv_state_shape, self.dtype)
+        if self.indexed_layers:
+            tensors[INDEXER_KEYS_INPUTS[0]] = (self.indexer_keys_shape, self.dtype)
         return tensors
 
     @property
@@ -151,11 +165,19 @@ class GenerationSpec:
         """conv_state's shape: [conv layers, max_batch, conv_channels, conv_kernel]."""
         return (len(self.conv_layers), self.max_batch, self.conv_channels, self.conv_kernel)
 
-    def describe_conv_state(self) -> str:
-        """' + conv state [shape] (layers i,j)' for the export stage's line and `inspect`; '' without conv layers."""
-        if not self.conv_layers:
-            return ""
-        return f" + conv state {list(self.conv_state_shape)} (layers {','.join(map(str, self.conv_layers))})"
+    @property
+    def indexer_keys_shape(self) -> tuple[int, ...]:
+        """indexer_keys' shape: [indexed layers, max_batch, 1, max_context, indexer_dim] (one head)."""
+        return (len(self.indexed_layers), self.max_batch, 1, self.max_context, self.indexer_dim)
+
+    def describe_states(self) -> str:
+        """' + conv state [shape] (layers i,j)' and ' + indexer keys [shape] (layers i,j)' for the export
+        stage's line and `inspect`; '' for a model with neither."""
+        def layers(indexes):
+            return ",".join(map(str, indexes))
+
+        return ((f" + conv state {list(self.conv_state_shape)} (layers {layers(self.conv_layers)})" if self.conv_layers else "")
+                + (f" + indexer keys {list(self.indexer_keys_shape)} (layers {layers(self.indexed_layers)})" if self.indexed_layers else ""))
 
     @property
     def cache_shape(self) -> tuple[int, ...]:
@@ -180,6 +202,11 @@ class GenerationSpec:
         else:  # a model without conv layers: the manifest is as it was before them
             for name in ("conv_layers", "conv_channels", "conv_kernel"):
                 del data[name]
+        if self.indexed_layers:
+            data.update(indexed_layers=list(self.indexed_layers), indexer_keys_shape=list(self.indexer_keys_shape))
+        else:  # a model without indexed layers: the manifest is as it was before them
+            for name in ("indexed_layers", "indexer_dim"):
+                del data[name]
         if not self.quantized:  # a model-dtype cache's manifest is as it was before the option
             del data["kv_cache_dtype"]
             return data
@@ -190,7 +217,7 @@ class GenerationSpec:
         fields = {field.name for field in dataclasses.fields(cls)}
         values = {key: value for key, value in data.items() if key in fields}
         return cls(**{**values, "prefill_buckets": tuple(values["prefill_buckets"]), "window_layers": tuple(values.get("window_layers", ())),
-                      "conv_layers": tuple(values.get("conv_layers", ()))})
+                      "conv_layers": tuple(values.get("conv_layers", ())), "indexed_layers": tuple(values.get("indexed_layers", ()))})
 
 
 # Paged caches (paged.py)

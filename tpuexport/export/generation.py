@@ -320,18 +320,61 @@ class DecodeConvStates:
         return (torch.stack([self.stepped.get(index, self.states[index]) for index in range(self.states.shape[0])]),)
 
 
+class PrefillIndexerKeys:
+    """Prefill's indexer keys (GenerationSpec.indexed_layers): row r's keys for positions 0..seq-1 go to
+    slot slots[r], as the KV cache's do (the padding's are overwritten by decode before any query may
+    see them); the indexer scores the prompt's own keys, as attention reads them."""
+
+    def __init__(self, keys: torch.Tensor, layers: tuple[int, ...], slots: torch.Tensor):
+        self.keys, self.index, self.slots = keys, {layer: index for index, layer in enumerate(layers)}, slots
+
+    def update_indexer(self, new: torch.Tensor, layer: int) -> torch.Tensor:
+        """Writes a layer's new indexer keys ([batch, steps, width]); returns them, what the indexer scores."""
+        self.keys = write_prefill_cache(self.keys, new[:, None].to(self.keys.dtype), self.index[layer], self.slots, "layer_batch_head_pos")
+        return new
+
+    def written(self) -> tuple[torch.Tensor]:
+        return (self.keys,)
+
+
+class DecodeIndexerKeys:
+    """Decode's indexer keys: row r's new key goes to position positions[r] of slot r, after the last
+    layer (as DecodeCache writes); the indexer scores the layer's keys as the step received them with
+    the step's own selected in at its position (the mask keeps keys 0..positions[r])."""
+
+    def __init__(self, keys: torch.Tensor, layers: tuple[int, ...], positions: torch.Tensor):
+        self.keys, self.index, self.positions = keys, {layer: index for index, layer in enumerate(layers)}, positions
+        self.pending: list[tuple[int, torch.Tensor]] = []
+
+    def update_indexer(self, new: torch.Tensor, layer: int) -> torch.Tensor:
+        """Keeps a layer's new indexer keys ([batch, 1, width]) for `written`; returns the layer's keys [batch, context, width]."""
+        index, stored = self.index[layer], new[:, 0].to(self.keys.dtype)
+        self.pending.append((index, stored))
+        layer_keys = self.keys[index][:, 0]
+        current = torch.arange(layer_keys.shape[1], device=new.device)[None, :, None] == self.positions[:, None, None]
+        return torch.where(current, stored[:, None], layer_keys).to(new.dtype)
+
+    def written(self) -> tuple[torch.Tensor]:
+        keys = self.keys
+        for index, stored in self.pending:
+            keys = write_decode_cache(keys, stored[:, None], index, self.positions, "layer_batch_head_pos")
+        return (keys,)
+
+
 def _by_attention_layer(cache: "FunctionalKVCache | GroupedKVCache", spec: GenerationSpec) -> "GroupedKVCache":
     """The KV cache addressed by the model's layer index when conv layers hold no keys: one cache of
     every attention layer becomes a group of them (a grouped cache already maps its layers)."""
     return cache if isinstance(cache, GroupedKVCache) else GroupedKVCache([(cache, spec.full_layers)])
 
 
-class WithConvStates:
-    """A KV cache (FunctionalKVCache or GroupedKVCache) and the short-convolution states beside it:
-    `written` gives the KV cache's tensors, then conv_state (GenerationSpec.cache_inputs order)."""
+class WithStates:
+    """A KV cache (FunctionalKVCache or GroupedKVCache) and the states beside it, the short-convolution
+    states and the indexer keys (either may be None): `written` gives the KV cache's tensors, then
+    conv_state, then indexer_keys (GenerationSpec.cache_inputs order)."""
 
-    def __init__(self, kv: "FunctionalKVCache | GroupedKVCache", conv: PrefillConvStates | DecodeConvStates):
-        self.kv, self.conv = kv, conv
+    def __init__(self, kv: "FunctionalKVCache | GroupedKVCache", conv: PrefillConvStates | DecodeConvStates | None = None,
+                 indexer: PrefillIndexerKeys | DecodeIndexerKeys | None = None):
+        self.kv, self.conv, self.indexer = kv, conv, indexer
 
     def update(self, new_keys: torch.Tensor, new_values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv.update(new_keys, new_values, layer)
@@ -342,8 +385,11 @@ class WithConvStates:
     def update_conv_state(self, inputs: torch.Tensor, layer: int, kernel: int | None = None) -> torch.Tensor:
         return self.conv.update_conv_state(inputs, layer)
 
+    def update_indexer(self, new: torch.Tensor, layer: int) -> torch.Tensor:
+        return self.indexer.update_indexer(new, layer)
+
     def written(self) -> tuple[torch.Tensor, ...]:
-        return self.kv.written() + self.conv.written()
+        return self.kv.written() + sum((state.written() for state in (self.conv, self.indexer) if state is not None), ())
 
 
 def base_model(model: nn.Module) -> nn.Module:
@@ -361,7 +407,7 @@ def base_model(model: nn.Module) -> nn.Module:
     return children[0] if len(children) == 1 else base
 
 
-def _transformers_cache(functional: "FunctionalKVCache | GroupedKVCache | WithConvStates"):
+def _transformers_cache(functional: "FunctionalKVCache | GroupedKVCache | WithStates"):
     """A transformers Cache whose update is `functional.update` (what the attention layers call)."""
     from transformers.cache_utils import Cache
 
@@ -381,6 +427,10 @@ def _transformers_cache(functional: "FunctionalKVCache | GroupedKVCache | WithCo
 
         def is_recording_past(self, layer_idx):
             return False
+
+        # What an indexed attention layer's indexer calls (DeepSeek Sparse Attention's): its keys to keep, and all it scores.
+        def update_indexer(self, indexer_key_states, layer_idx):
+            return functional.update_indexer(indexer_key_states, layer_idx)
 
         def update_recurrent_state(self, *args, **kwargs):
             raise TpuExportError("--task text-generation: the model keeps a recurrent (state-space) state besides its short "
@@ -420,12 +470,32 @@ class _ConvCached(Exception):
         self.channels, self.kernel = channels, kernel
 
 
-class _ConvProbeCache(_ProbeCache):
+class _PassingProbeCache(_ProbeCache):
+    """Keys, values and indexer keys pass through: a probe stopping at a later call."""
+
     def update(self, new_keys, new_values, layer):
         return new_keys, new_values
 
+    def update_indexer(self, new, layer):
+        return new
+
+
+class _ConvProbeCache(_PassingProbeCache):
     def update_conv_state(self, inputs, layer, kernel=None):
         raise _ConvCached(int(inputs.shape[1]), kernel)
+
+
+class _IndexerCached(Exception):
+    """Raised by the indexer probe's cache at the first indexer key write: the key's width."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+
+class _IndexerProbeCache(_PassingProbeCache):
+    def update_indexer(self, new, layer):
+        raise _IndexerCached(int(new.shape[-1]))
 
 
 @contextlib.contextmanager
@@ -511,6 +581,31 @@ def conv_layers(model: nn.Module) -> tuple[int, ...]:
                  if layer_type == _CONV_LAYER_TYPE)
 
 
+def indexed_layers(model: nn.Module) -> tuple[int, ...]:
+    """The decoder's indexed attention layers (DeepSeek Sparse Attention's "indexed_attention"), by index; () for none."""
+    return tuple(index for index, layer_type in enumerate(getattr(_text_config(model.config), "layer_types", None) or ())
+                 if layer_type == _INDEXED_LAYER_TYPE)
+
+
+def indexer_width(model: nn.Module) -> int:
+    """The width of an indexer key, as the first indexed layer's indexer keeps it for a 2-token prompt
+    (the forward stops there).
+
+    Raises:
+      TpuExportError: the model's indexed layers keep no indexer keys through the cache.
+    """
+    try:
+        _probe_forward(model, _IndexerProbeCache())
+    except _IndexerCached as cached:
+        return cached.width
+    except Exception as error:  # the forward fails before its first indexer: its export would too
+        raise TpuExportError(f"--task text-generation: {type(model).__name__}'s forward fails before its first indexer "
+                             f"({type(error).__name__}: {' '.join(str(error).split())[:200]}); its full-sequence forward may convert "
+                             "(--task feature-extraction)") from None
+    raise TpuExportError(f"--task text-generation: {type(model).__name__}'s indexed_attention layers keep no indexer keys in the cache "
+                         "(update_indexer); its full-sequence forward may convert (--task feature-extraction)")
+
+
 def conv_state_shape(model: nn.Module) -> tuple[int, int]:
     """(channels, kernel) of what a short-convolution layer keeps per slot, as the first one keeps it
     for a 2-token prompt (the forward stops there).
@@ -540,10 +635,13 @@ def _text_config(config):
 
 
 # Attention layer types whose keys a plain (optionally windowed or chunked) causal mask describes.
-_MASKED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+_MASKED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
 # Layers attending within fixed chunks of positions (Llama 4's): a query at q sees the keys k <= q of its
 # own chunk, k // C == q // C (transformers' `chunked_overlay`, with no left padding).
 _CHUNKED_LAYER_TYPE = "chunked_attention"
+# Layers whose indexer chooses the keys their attention reads (DeepSeek Sparse Attention's): causal
+# masks as a full layer's, and the indexer's keys in the cache beside theirs (indexer_keys).
+_INDEXED_LAYER_TYPE = "indexed_attention"
 # Layers that are causal short convolutions (LFM2's), whose state the cache holds beside the keys (conv_state).
 _CONV_LAYER_TYPE = "conv"
 
@@ -808,12 +906,13 @@ def _answering(modules: list[nn.Module], output, answered: list):
 class Prefill(_EntryPoint):
     cache_type = PrefillCache
     conv_type = PrefillConvStates
+    indexer_type = PrefillIndexerKeys
 
     def forward(self, tokens, lengths, slots, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None):
         return self.prefill(tokens, lengths, slots, cache_k, cache_v, cache_k_scale, cache_v_scale)
 
     def prefill(self, tokens, lengths, slots, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None, window_cache_k=None,
-                window_cache_v=None, conv_state=None):
+                window_cache_v=None, conv_state=None, indexer_keys=None):
         batch, steps = tokens.shape
         # One batch dim for the three inputs (torch.export may otherwise give each its own symbol).
         torch._check(lengths.shape[0] == batch)
@@ -829,8 +928,10 @@ class Prefill(_EntryPoint):
             cache = GroupedKVCache([(self.cache_type(cache_k, cache_v, self.spec.layout, slots), self.spec.full_layers),
                                     (self.cache_type(window_cache_k, window_cache_v, self.spec.layout, slots, ring_positions=ring_positions),
                                      self.spec.window_layers)])
-        if self.spec.conv_layers:  # the conv layers' states beside the attention layers' keys
-            cache = WithConvStates(_by_attention_layer(cache, self.spec), self.conv_type(conv_state, self.spec.conv_layers, lengths, slots))
+        if self.spec.conv_layers or self.spec.indexed_layers:  # states beside the attention layers' keys
+            cache = WithStates(_by_attention_layer(cache, self.spec),
+                               self.conv_type(conv_state, self.spec.conv_layers, lengths, slots) if self.spec.conv_layers else None,
+                               self.indexer_type(indexer_keys, self.spec.indexed_layers, slots) if self.spec.indexed_layers else None)
         hidden = self.hidden_states(tokens, mask, positions[None, :].expand(batch, steps), cache, positions)
         last = hidden[torch.arange(batch, device=tokens.device), lengths - 1]
         return {"logits": self.logits(last), **dict(zip(self.spec.cache_inputs, cache.written()))}
@@ -843,6 +944,13 @@ class ConvPrefill(Prefill):
         return self.prefill(tokens, lengths, slots, cache_k, cache_v, conv_state=conv_state)
 
 
+class IndexedPrefill(Prefill):
+    """Prefill of a model with indexed attention layers (GenerationSpec.indexed_layers)."""
+
+    def forward(self, tokens, lengths, slots, cache_k, cache_v, indexer_keys):
+        return self.prefill(tokens, lengths, slots, cache_k, cache_v, indexer_keys=indexer_keys)
+
+
 class MixedPrefill(Prefill):
     """Prefill of a model whose sliding layers keep their rings apart (GenerationSpec.window_layers)."""
 
@@ -853,6 +961,7 @@ class MixedPrefill(Prefill):
 class Decode(_EntryPoint):
     cache_type = DecodeCache
     conv_type = DecodeConvStates
+    indexer_type = DecodeIndexerKeys
 
     def ring_indexes(self, positions: torch.Tensor) -> torch.Tensor:
         """Where a ring cache keeps the keys of absolute `positions`: p mod W."""
@@ -862,7 +971,7 @@ class Decode(_EntryPoint):
         return self.decode(tokens, positions, cache_k, cache_v, cache_k_scale, cache_v_scale)
 
     def decode(self, tokens, positions, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None, window_cache_k=None,
-               window_cache_v=None, conv_state=None):
+               window_cache_v=None, conv_state=None, indexer_keys=None):
         window, layout = self.spec.cache_window, self.spec.layout
         keys = torch.arange(self.spec.max_context, device=tokens.device)
         if window is None:
@@ -878,8 +987,10 @@ class Decode(_EntryPoint):
             cache = GroupedKVCache([(self.cache_type(cache_k, cache_v, layout, positions), self.spec.full_layers),
                                     (self.cache_type(window_cache_k, window_cache_v, layout, self.ring_indexes(positions)),
                                      self.spec.window_layers)])
-        if self.spec.conv_layers:  # the conv layers' states beside the attention layers' keys
-            cache = WithConvStates(_by_attention_layer(cache, self.spec), self.conv_type(conv_state, self.spec.conv_layers))
+        if self.spec.conv_layers or self.spec.indexed_layers:  # states beside the attention layers' keys
+            cache = WithStates(_by_attention_layer(cache, self.spec),
+                               self.conv_type(conv_state, self.spec.conv_layers) if self.spec.conv_layers else None,
+                               self.indexer_type(indexer_keys, self.spec.indexed_layers, positions) if self.spec.indexed_layers else None)
         hidden = self.hidden_states(tokens[:, None], mask, positions[:, None], cache, keys)
         return {"logits": self.logits(hidden[:, 0]), **dict(zip(self.spec.cache_inputs, cache.written()))}
 
@@ -889,6 +1000,13 @@ class ConvDecode(Decode):
 
     def forward(self, tokens, positions, cache_k, cache_v, conv_state):
         return self.decode(tokens, positions, cache_k, cache_v, conv_state=conv_state)
+
+
+class IndexedDecode(Decode):
+    """Decode of a model with indexed attention layers (GenerationSpec.indexed_layers)."""
+
+    def forward(self, tokens, positions, cache_k, cache_v, indexer_keys):
+        return self.decode(tokens, positions, cache_k, cache_v, indexer_keys=indexer_keys)
 
 
 class MixedDecode(Decode):
@@ -955,11 +1073,13 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
     if positions is not None and max_context > positions:
         raise TpuExportError(f"--max-context {max_context} exceeds the model's {positions} positions (max_position_embeddings); "
                              f"give --max-context <= {positions}")
+    shortest = _shortest_prefill(model, max_context)
     if prefill_buckets is None:
-        prefill_buckets = tuple(size for size in (128, 512, 2048) if size < max_context) + (max_context,)
+        prefill_buckets = tuple(size for size in (128, 512, 2048, shortest) if shortest <= size < max_context) + (max_context,)
     for size in prefill_buckets:
-        if not 2 <= size <= max_context:
-            raise TpuExportError(f"prefill bucket seq={size} is out of range: prompt lengths are 2..{max_context} (--max-context)")
+        if not shortest <= size <= max_context:
+            raise TpuExportError(f"prefill bucket seq={size} is out of range: prompt lengths are 2..{max_context} (--max-context)"
+                                 + (f", and a bucket holds at least the indexer's top {shortest} keys (index_topk)" if shortest > 2 else ""))
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     window = max((size for size in windows if size is not None), default=None)
     bounded = sliding_window_cache == "bounded" and window is not None and window < max_context
@@ -975,9 +1095,27 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
             raise TpuExportError(f"--task text-generation: {type(model).__name__}'s short-convolution layers with --kv-cache-dtype int8 "
                                  "are not supported yet; convert it with the model-dtype cache")
         conv_channels, conv_kernel = conv_state_shape(model)
+    indexed, indexer_dim = indexed_layers(model), 0
+    if indexed:
+        if kv_cache_dtype == "int8" or convs or window_layers:
+            raise TpuExportError(f"--task text-generation: {type(model).__name__}'s indexed attention layers with "
+                                 f"{'--kv-cache-dtype int8' if kv_cache_dtype == 'int8' else 'conv or sliding layers'} are not supported "
+                                 "yet; convert it with the model-dtype cache")
+        indexer_dim = indexer_width(model)
     return GenerationSpec(max_batch, max_context, layers, kv_heads, head_dim, model.get_output_embeddings().weight.shape[0], dtype,
                           layout, tuple(sorted(set(prefill_buckets))), kv_cache_dtype, window if bounded else None, window_layers,
-                          convs, conv_channels, conv_kernel)
+                          convs, conv_channels, conv_kernel, indexed, indexer_dim)
+
+
+def _shortest_prefill(model: nn.Module, max_context: int) -> int:
+    """The shortest prefill bucket: 2, or an indexed model's index_topk k when k < max_context.
+
+    An indexer picks its top min(k, keys) keys, and in prefill the keys are the bucket's seq: over a
+    seq dim spanning k, torch.export must guard min(k, seq) and fixes seq. From a bucket of k up,
+    min(k, seq) is k; shorter prompts are padded to it (the padding comes after a prompt's tokens,
+    which a causal query never sees)."""
+    topk = getattr(_text_config(model.config), "index_topk", None) if indexed_layers(model) else None
+    return topk if isinstance(topk, int) and 2 < topk < max_context else 2
 
 
 def check_sliding_window_cache(sliding_window_cache: str) -> None:
@@ -999,12 +1137,13 @@ def entry_point_modules(model: nn.Module, spec: GenerationSpec, prefill: type[Pr
     """The entry points as modules over the one model: {"prefill": ..., "decode": ...} (their
     variants whose inputs name the sliding layers' rings and the conv layers' states, for a spec with
     window_layers, conv_layers or both)."""
-    if prefill is Prefill:  # the variant whose inputs name the spec's caches
-        prefill = {(True, True): MixedConvPrefill, (True, False): MixedPrefill, (False, True): ConvPrefill}.get(
-            (bool(spec.window_layers), bool(spec.conv_layers)), Prefill)
+    caches = (bool(spec.window_layers), bool(spec.conv_layers), bool(spec.indexed_layers))
+    if prefill is Prefill:  # the variant whose inputs name the spec's caches (generation_spec refuses other mixes)
+        prefill = {(True, True, False): MixedConvPrefill, (True, False, False): MixedPrefill, (False, True, False): ConvPrefill,
+                   (False, False, True): IndexedPrefill}.get(caches, Prefill)
     if decode is Decode:
-        decode = {(True, True): MixedConvDecode, (True, False): MixedDecode, (False, True): ConvDecode}.get(
-            (bool(spec.window_layers), bool(spec.conv_layers)), Decode)
+        decode = {(True, True, False): MixedConvDecode, (True, False, False): MixedDecode, (False, True, False): ConvDecode,
+                  (False, False, True): IndexedDecode}.get(caches, Decode)
     return {"prefill": prefill(model.eval(), spec), "decode": decode(model.eval(), spec)}
 
 
@@ -1024,7 +1163,8 @@ def example_arguments(spec: GenerationSpec, device: str = "cpu") -> dict[str, tu
     """
     cache = tuple(torch.zeros(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype in spec.cache_tensors().values())
     example_seq = max(2, min(spec.prefill_buckets[0], spec.max_context))
-    seq = torch.export.Dim("seq", min=2, max=spec.max_context)
+    # An indexed model's shortest bucket is its indexer's top-k (`_shortest_prefill`): seq starts there.
+    seq = torch.export.Dim("seq", min=spec.prefill_buckets[0] if spec.indexed_layers else 2, max=spec.max_context)
     prefill_args = (torch.ones((spec.max_batch, example_seq), dtype=torch.long),
                     torch.full((spec.max_batch,), example_seq, dtype=torch.long),
                     torch.arange(spec.max_batch, dtype=torch.long), *cache)

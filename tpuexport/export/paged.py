@@ -46,7 +46,7 @@ import torch
 from tpuexport.errors import TpuExportError
 from tpuexport.export.cache_specs import DEFAULT_PAGE_SIZE, PAGES_DIM, PagedSpec, max_pages
 from tpuexport.export.generation import (_EntryPoint, _masked_value, _text_config, _transformers_cache, attention_windows, base_model, cached_shapes,
-                                         check_decoder, conv_layers, decoder_layers, dequantize_kv, keys_seen, masks_as_bias,
+                                         check_decoder, conv_layers, decoder_layers, dequantize_kv, indexed_layers, keys_seen, masks_as_bias,
                                          quantize_kv)
 from tpuexport.export.model_positions import positions_known
 
@@ -109,6 +109,9 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
     if conv_layers(model):
         raise TpuExportError(f"--kv-cache paged: {type(model).__name__}'s short-convolution layers keep a state per row, which the "
                              "pages do not hold yet; use --kv-cache static")
+    if indexed_layers(model):
+        raise TpuExportError(f"--kv-cache paged: {type(model).__name__}'s indexed attention layers keep indexer keys beside their own, "
+                             "which the pages do not hold yet; use --kv-cache static")
     text = _text_config(config)
     positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     if positions is not None and max_context > positions:

@@ -145,10 +145,12 @@ class TextGenerationTask(Task):
         scale_spec = [None, cache_spec[1], cache_spec[heads], None]
         # The sliding layers' rings (a model mixing full and sliding layers) split as the cache does.
         caches = export_stage.CACHE_INPUTS + export_stage.WINDOW_CACHE_INPUTS
-        # Short-convolution states ([conv layers, batch, channels, kernel]) split by rows only: a slot's state whole.
-        conv_spec = [None, cache_spec[1], None, None]
+        # Short-convolution states ([conv layers, batch, channels, kernel]) and indexer keys ([indexed layers,
+        # batch, 1, context, width]) split by rows only: a slot's state whole.
+        per_row = {name: [None, cache_spec[1], None, None] for name in export_stage.CONV_STATE_INPUTS}
+        per_row.update({name: [None, cache_spec[1], None, None, None] for name in export_stage.INDEXER_KEYS_INPUTS})
         return (tuple((name, tuple(cache_spec)) for name in spec.cache_inputs if name in caches and name in inputs)
-                + tuple((name, tuple(conv_spec)) for name in spec.cache_inputs if name in export_stage.CONV_STATE_INPUTS and name in inputs)
+                + tuple((name, tuple(per_row[name])) for name in spec.cache_inputs if name in per_row and name in inputs)
                 + tuple((name, tuple(scale_spec)) for name in spec.cache_inputs if name in export_stage.CACHE_SCALE_INPUTS and name in inputs))
 
     def verify(self, conversion: Conversion) -> Verified:
@@ -225,7 +227,7 @@ def _decoder_spec(conversion: Conversion, seq: tuple[int, ...] | None, batches: 
     cache = f"{f'int8 + {spec.scale_dtype} scales' if spec.quantized else spec.dtype}"
     description = (f"entry points prefill (batch {list(batches)} x seq {list(spec.prefill_buckets)}), decode (batch {spec.max_batch}) and "
                    f"sample (rows {sample_rows}); cache {spec.layout} {list(spec.cache_shape)} {_describe_window_cache(spec)}{cache}"
-                   f"{spec.describe_conv_state()}")
+                   f"{spec.describe_states()}")
     return ProgramSpec(entry_points, lambda lowered: lower_stage.GenerationProgram(spec, lowered, batches), True, description,
                        GenerationSources(spec, model, modules, checkpoint_model),
                        (checkpoint_model,) if checkpoint_model is not None else ())

@@ -44,6 +44,7 @@ from tpuexport.verify.compare import OutputComparison, Tolerances, compare_outpu
 from tpuexport.verify.report import RUNS, summary_section, tpu_arithmetic_hint
 from tpuexport.verify.sizes import MAX_FILL_TEMPORARY_BYTES
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
+from tpuexport.verify.topk_ties import TiesToLowestIndex
 from tpuexport.verify.tpu_numerics import tpu_faithful
 
 DEFAULT_NEW_TOKENS = 8
@@ -309,7 +310,7 @@ def eager_generate(model: torch.nn.Module, prompt: Sequence[int], new_tokens: in
     own_config = model.generation_config
     model.generation_config = GenerationConfig()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), TiesToLowestIndex():
             output = model.generate(torch.tensor([list(prompt)]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
                                     generation_config=config)
     finally:

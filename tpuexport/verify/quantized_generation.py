@@ -38,6 +38,7 @@ from tpuexport.verify.generation import (GenerationCase, GenerationReport, any_b
                                          store_golden_case, teacher_forced_runs, verified_fills)
 from tpuexport.verify.sizes import MAX_FILL_TEMPORARY_BYTES
 from tpuexport.verify.tolerances import VerificationTolerances
+from tpuexport.verify.topk_ties import TiesToLowestIndex
 
 
 RULE = " ".join(__doc__[__doc__.index("Greedy parity"):].split())
@@ -90,7 +91,7 @@ def torch_runner(modules: dict, record: dict | None = None) -> Runner:
         tensors = [arrays.to_torch(np.asarray(array)) for array in inputs]
         if record is not None:
             record.setdefault(name, tensors)
-        with torch.no_grad():
+        with torch.no_grad(), TiesToLowestIndex():
             return [arrays.to_numpy(output.detach()) for output in pytree.tree_leaves(modules[name](*tensors))]
 
     return run
@@ -116,7 +117,7 @@ def greedy_logits(session: GenerationSession, prompts, slots, seq: int, steps: i
 def float_logits(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> np.ndarray:
     """The float model's next-token logits after the prompt and each of `tokens` but the last: [steps, vocab]."""
     sequence = torch.tensor([list(prompt) + list(tokens[:-1])])
-    with torch.no_grad():
+    with torch.no_grad(), TiesToLowestIndex():
         logits = model(input_ids=sequence, attention_mask=torch.ones_like(sequence)).logits[0]
     return logits[len(prompt) - 1:].float().numpy()
 

@@ -31,6 +31,7 @@ from tpuexport.lower.generation import cpu_runner
 from tpuexport.verify.generation import (DEFAULT_NEW_TOKENS, MAX_GOLDEN_BYTES, GenerationCase, GenerationReport, artifact_raised,
                                          compare_run, cpu_runs, store_golden_case, stored_cases)
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
+from tpuexport.verify.topk_ties import TiesToLowestIndex
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +81,7 @@ def eager_generate(model: torch.nn.Module, source, new_tokens: int, start: int) 
     try:
         # generate() warns about the settings given here (max_length beside max_new_tokens; Whisper's about
         # the suppress-token arguments it passes itself): nothing a user converting a model can act on.
-        with torch.no_grad(), quiet_loggers("transformers.generation.utils"):
+        with torch.no_grad(), quiet_loggers("transformers.generation.utils"), TiesToLowestIndex():
             if isinstance(source, np.ndarray):
                 output = model.generate(input_features=torch.from_numpy(source[None]).to(model.dtype), generation_config=config)
             else:

@@ -1,19 +1,28 @@
-"""Why a failed verification may not be an arithmetic error: the reference's own top-k selections
-among tied values.
+"""Top-k selections among tied values: the reference breaks exact ties as XLA does, and a failed
+verification names the near-ties that remain.
 
 `torch.topk` over values that tie at its k-th choice keeps some of the tied candidates and drops the
-others, and torch and XLA keep different ones (torch's CPU kernel does not take the lowest indices,
-XLA's does): every output computed from the selection then differs, by whole candidates. A random
-model ties far more often than a trained one (RT-DETR's tiny random detector scores 344 of its 1029
-anchors at the same -0.693; a tiny bf16 mixture-of-experts' router logits lie within bf16's rounding
-of each other, so one rounding step of a hidden state flips which experts a token takes).
+others, and torch and XLA keep different ones (torch's CPU kernel does not take the lowest indices;
+XLA's TopK, which the artifact runs, does: `jax.lax.top_k` puts "the lower-index element first"):
+every output computed from the selection then differs, by whole candidates. Exact ties are common
+where the selected scores pass through a ReLU (DeepSeek Sparse Attention's indexer scores keys with
+`relu(q . k)`: every key all of whose heads score below zero scores exactly 0), and random models
+tie far more often than trained ones (RT-DETR's tiny random detector scores 344 of its 1029 anchors
+at the same -0.693).
 
-On a failed verification the reference runs once more, on example inputs, watching every torch.topk
-over floats: a call whose k-th and (k+1)-th largest values lie within TIE_ULPS units in the last
-place of the dtype the model computes in (its weights' lowest-precision float dtype: a bf16 model's
-router probabilities are f32 computed from bf16 logits) is reported with the model's source line. The failure stays a
-failure; its line says that outputs after that selection need not match, so that a user checks the
-trained weights or real inputs before suspecting the lowering.
+So the eager references run under `TiesToLowestIndex`: torch.topk keeps the lowest indices among
+exactly tied values, as the artifact does. It changes nothing else: values differing in their
+last bit are selected as before.
+
+Near-ties remain: values a few units in the last place apart, which the lowering's arithmetic (or a
+bf16 rounding step before the selection: a tiny bf16 mixture-of-experts' router logits lie within
+bf16's rounding of each other) can reorder. On a failed verification the reference runs once more,
+on example inputs, watching every torch.topk over floats: a call whose k-th and (k+1)-th largest
+values lie within TIE_ULPS units in the last place of the dtype the model computes in (its weights'
+lowest-precision float dtype: a bf16 model's router probabilities are f32 computed from bf16 logits)
+is reported with the model's source line. The failure stays a failure; its line says that outputs
+after that selection need not match, so that a user checks the trained weights or real inputs before
+suspecting the lowering.
 """
 
 from __future__ import annotations
@@ -65,6 +74,22 @@ class SelectionTie:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+
+class TiesToLowestIndex(TorchFunctionMode):
+    """While active, torch.topk (function and method) keeps the lowest indices among values tied at its
+    k-th choice, as XLA's TopK does (module docstring): a stable sort, then its first k."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.topk, torch.Tensor.topk):
+            return _topk_lowest_index_first(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _topk_lowest_index_first(values: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+    """torch.topk's values and indices (in sorted order, which `sorted=False` allows too), ties to the lowest index."""
+    order = torch.sort(values, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((order.values.narrow(dim, 0, k), order.indices.narrow(dim, 0, k)))
 
 
 def selection_ties(run: Callable[[], object], model: object = None) -> list[SelectionTie]:

@@ -27,6 +27,7 @@ from tpuexport.verify.positions import verify_positions
 from tpuexport.verify.report import VerificationCase, VerificationReport
 from tpuexport.verify.sizes import DEFAULT_BUDGET_FLOPS, FIXED_RUN_MEMORY, PlannedCase, RunMemory, plan_verification
 from tpuexport.verify.tolerances import VerificationTolerances, default_tolerances
+from tpuexport.verify.topk_ties import TiesToLowestIndex
 from tpuexport.verify.tpu_numerics import tpu_faithful
 
 MAX_GOLDEN_BYTES = 4 << 20
@@ -150,8 +151,8 @@ def compare_case(runs: ProgramRuns, inputs: Sequence[np.ndarray], expected: Sequ
 
 
 def eager_outputs(reference, inputs) -> list[np.ndarray]:
-    """The eager model's flat outputs as numpy arrays (bf16/f16 as float32)."""
-    with torch.no_grad():
+    """The eager model's flat outputs as numpy arrays (bf16/f16 as float32), top-k ties broken as XLA breaks them."""
+    with torch.no_grad(), TiesToLowestIndex():
         outputs = reference(*inputs)
     return [to_numpy(t) for t in pytree.tree_leaves(outputs)]
 
