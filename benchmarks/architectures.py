@@ -169,6 +169,11 @@ OVERRIDES: dict[str, dict] = {
     # checkpoint has: one of each, as the checkpoints begin (LFM2-MoE's first layer dense).
     **{name: {"layer_types": ["conv", "full_attention"]} for name in ("lfm2", "lfm2_moe")},
     "lfm3": {"num_hidden_layers": 3, "layer_types": ["conv", "sliding_attention", "full_attention"]},  # its default's first three
+    # Hybrid state-space decoders keep attention layers among their Mamba layers (their defaults place the first at layer 4 or
+    # later, or none); shrunk to 2 layers they kept none, and transformers' generate() then fails on its own cache.
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     # Its segmentation head's channels have no default (its head reads upsample_out_channels[:-1] of None): a small head.
     "sapiens2": {"head_config": {"upsample_out_channels": [32, 32], "conv_out_channels": [32]}},
     # GLM-4V's rotary sections default to [8, 12, 12] in its code, not its config: they sum to half the tiny head dim.

@@ -230,8 +230,8 @@ def test_entry_points_match_generate(family):
 
 @pytest.mark.parametrize("model, expected", [
     (lambda: tiny_qwen2(layer_types=["full_attention", "chunked_attention"]),
-     "has chunked_attention layers, which the KV-cache entry points do not support yet"),
-], ids=["chunked-attention"])
+     "Qwen2ForCausalLM has chunked_attention layers but its config gives no attention_chunk_size; set it in config.json"),
+], ids=["chunked-attention-without-its-chunk"])
 def test_what_the_entry_points_do_not_model_is_refused(tmp_path, model, expected):
     with pytest.raises(tpuexport.TpuExportError, match=expected):
         tpuexport.convert(model(), task="text-generation", max_context=32, max_batch=2, target="v5e", out=tmp_path / "lm.tpu")

@@ -102,8 +102,8 @@ class BucketTailPrefill(Prefill):
 
     class cache_type(PrefillCache):
         def kept(self, new):
-            steps = torch.full_like(self.ring_positions[:, 0], new.shape[2])
-            self.ring_positions = ring_prefill_positions(steps, self.ring_positions.shape[1])
+            steps = torch.full_like(self.kept_columns[:, 0], new.shape[2])
+            self.kept_columns = ring_prefill_positions(steps, self.kept_columns.shape[1])
             return super().kept(new)
 
 

@@ -400,8 +400,8 @@ def inspect(artifact_dir, as_json):
         cross = (f" + cross {generation['cross_shape']} x2 (max source {generation['max_source']})" if "cross_shape" in generation else "")
         from tpuexport.export.cache_specs import GenerationSpec
 
-        # An encoder-decoder's generation record is not a GenerationSpec's; only a decoder's has conv or indexed layers.
-        states = GenerationSpec.from_json(generation).describe_states() if {"conv_layers", "indexed_layers"} & set(generation) else ""
+        # An encoder-decoder's generation record is not a GenerationSpec's; only a decoder's has these layers.
+        states = GenerationSpec.from_json(generation).describe_states() if {"conv_layers", "indexed_layers", "recurrent_layers"} & set(generation) else ""
         console.print(f"  text generation: max batch {generation['max_batch']}, max context {generation['max_context']}, cache "
                       f"{generation['layout']} {generation['cache_shape']} "
                       f"{'int8 x2 + ' + generation['scale_dtype'] + ' scales ' + str(generation['scale_shape']) + ' x2' if generation.get('kv_cache_dtype') == 'int8' else generation['dtype'] + ' x2'}"

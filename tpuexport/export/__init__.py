@@ -6,7 +6,7 @@ from tpuexport.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "capturing": ["CapturedModel", "capture", "describe", "on_meta_device", "torch_dynamic_shapes", "weights_on_meta"],
-    "cache_specs": ["CACHE_INPUTS", "CACHE_LAYOUTS", "CACHE_SCALE_INPUTS", "WINDOW_CACHE_INPUTS", "CONV_STATE_INPUTS", "INDEXER_KEYS_INPUTS",
+    "cache_specs": ["CACHE_INPUTS", "CACHE_LAYOUTS", "CACHE_SCALE_INPUTS", "WINDOW_CACHE_INPUTS", "CONV_STATE_INPUTS", "RECURRENT_STATE_INPUTS", "INDEXER_KEYS_INPUTS",
                     "DEFAULT_CACHE_LAYOUT", "KV_CACHE_DTYPES", "SLIDING_WINDOW_CACHES", "GenerationSpec", "PagedSpec", "Seq2SeqSpec"],
     "generation": ["ENTRY_POINTS", "check_kv_cache_dtype", "check_sliding_window_cache", "entry_point_modules", "example_arguments",
                    "generation_spec"],

@@ -26,6 +26,10 @@ WINDOW_CACHE_INPUTS = ("window_cache_k", "window_cache_v")
 # A model with short-convolution layers (LFM2's "conv" layers): each such layer's last inputs to its
 # causal convolution, per slot, in the model's dtype (GenerationSpec.conv_layers), after the rest.
 CONV_STATE_INPUTS = ("conv_state",)
+# A model with recurrent layers (state-space or linear attention: Mamba-2's, gated DeltaNet's): each such
+# layer's recurrent state per slot (GenerationSpec.recurrent_layers), in the dtype the layer keeps it,
+# after conv_state (their short convolutions' states).
+RECURRENT_STATE_INPUTS = ("recurrent_state",)
 # A model with indexed attention (DeepSeek Sparse Attention's "indexed_attention" layers): each such
 # layer's indexer keys, which choose the keys its attention reads, per slot and position, in the
 # model's dtype (GenerationSpec.indexed_layers), after the rest.
@@ -85,6 +89,12 @@ class GenerationSpec:
         indexer_keys, laid out as one head of a "layer_batch_head_pos" cache whatever `layout` is
         (the cache's write ops then write it). Empty: no layer has an indexer.
       indexer_dim: an indexer key's width.
+      recurrent_layers: the layers that keep a recurrent state instead of keys and values (Mamba-2's
+        state-space mixers, gated DeltaNet's linear attention): `recurrent_state` per slot (its shape
+        per slot, in `recurrent_dtype`) in recurrent_state, which a prefill replaces and every decode
+        step advances; their short convolutions' inputs are conv_layers' states. Such a model's
+        prefill aligns each prompt to the end of its bucket (`left_padded`). Empty: none.
+      recurrent_state, recurrent_dtype: a recurrent layer's state per slot: its shape and torch dtype name.
     """
 
     max_batch: int
@@ -104,6 +114,9 @@ class GenerationSpec:
     conv_kernel: int = 0
     indexed_layers: tuple[int, ...] = ()
     indexer_dim: int = 0
+    recurrent_layers: tuple[int, ...] = ()
+    recurrent_state: tuple[int, ...] = ()
+    recurrent_dtype: str = ""
 
     @property
     def cache_positions(self) -> int:
@@ -113,7 +126,15 @@ class GenerationSpec:
     @property
     def full_layers(self) -> tuple[int, ...]:
         """The layers whose keys are in cache_k/cache_v."""
-        return tuple(layer for layer in range(self.layers) if layer not in self.window_layers and layer not in self.conv_layers)
+        kept_apart = {*self.window_layers, *self.conv_layers, *self.recurrent_layers}
+        return tuple(layer for layer in range(self.layers) if layer not in kept_apart)
+
+    @property
+    def left_padded(self) -> bool:
+        """Whether prefill runs each prompt aligned to the end of its bucket, after the padding: a
+        recurrent state folds in every input it sees, so the padding must come before a prompt (where
+        the masked inputs leave the state at zero), not after it."""
+        return bool(self.recurrent_layers)
 
     def _cache_tensor_shape(self, layers: int, positions: int) -> tuple[int, ...]:
         if self.layout == "layer_batch_head_pos":
@@ -134,7 +155,8 @@ class GenerationSpec:
     def cache_inputs(self) -> tuple[str, ...]:
         """The cache's tensors, in the entry points' input (and output) order."""
         return (CACHE_INPUTS + (CACHE_SCALE_INPUTS if self.quantized else ()) + (WINDOW_CACHE_INPUTS if self.window_layers else ())
-                + (CONV_STATE_INPUTS if self.conv_layers else ()) + (INDEXER_KEYS_INPUTS if self.indexed_layers else ()))
+                + (CONV_STATE_INPUTS if self.conv_layers else ()) + (RECURRENT_STATE_INPUTS if self.recurrent_layers else ())
+                + (INDEXER_KEYS_INPUTS if self.indexed_layers else ()))
 
     @property
     def scale_shape(self) -> tuple[int, ...]:
@@ -156,6 +178,8 @@ class GenerationSpec:
             tensors.update({name: (self.window_cache_shape, stored) for name in WINDOW_CACHE_INPUTS})
         if self.conv_layers:
             tensors[CONV_STATE_INPUTS[0]] = (self.conv_state_shape, self.dtype)
+        if self.recurrent_layers:
+            tensors[RECURRENT_STATE_INPUTS[0]] = (self.recurrent_state_shape, self.recurrent_dtype)
         if self.indexed_layers:
             tensors[INDEXER_KEYS_INPUTS[0]] = (self.indexer_keys_shape, self.dtype)
         return tensors
@@ -170,13 +194,21 @@ class GenerationSpec:
         """indexer_keys' shape: [indexed layers, max_batch, 1, max_context, indexer_dim] (one head)."""
         return (len(self.indexed_layers), self.max_batch, 1, self.max_context, self.indexer_dim)
 
+    @property
+    def recurrent_state_shape(self) -> tuple[int, ...]:
+        """recurrent_state's shape: [recurrent layers, max_batch, *recurrent_state]."""
+        return (len(self.recurrent_layers), self.max_batch, *self.recurrent_state)
+
     def describe_states(self) -> str:
-        """' + conv state [shape] (layers i,j)' and ' + indexer keys [shape] (layers i,j)' for the export
-        stage's line and `inspect`; '' for a model with neither."""
+        """' + conv state [shape] (layers i,j)', ' + recurrent state [shape] dtype (layers i,j)' and
+        ' + indexer keys [shape] (layers i,j)' for the export stage's line and `inspect`; '' for a model
+        with none of them."""
         def layers(indexes):
             return ",".join(map(str, indexes))
 
         return ((f" + conv state {list(self.conv_state_shape)} (layers {layers(self.conv_layers)})" if self.conv_layers else "")
+                + (f" + recurrent state {list(self.recurrent_state_shape)} {self.recurrent_dtype} (layers {layers(self.recurrent_layers)})"
+                   if self.recurrent_layers else "")
                 + (f" + indexer keys {list(self.indexer_keys_shape)} (layers {layers(self.indexed_layers)})" if self.indexed_layers else ""))
 
     @property
@@ -202,6 +234,12 @@ class GenerationSpec:
         else:  # a model without conv layers: the manifest is as it was before them
             for name in ("conv_layers", "conv_channels", "conv_kernel"):
                 del data[name]
+        if self.recurrent_layers:
+            data.update(recurrent_layers=list(self.recurrent_layers), recurrent_state=list(self.recurrent_state),
+                        recurrent_state_shape=list(self.recurrent_state_shape))
+        else:  # a model without recurrent layers: the manifest is as it was before them
+            for name in ("recurrent_layers", "recurrent_state", "recurrent_dtype"):
+                del data[name]
         if self.indexed_layers:
             data.update(indexed_layers=list(self.indexed_layers), indexer_keys_shape=list(self.indexer_keys_shape))
         else:  # a model without indexed layers: the manifest is as it was before them
@@ -217,7 +255,8 @@ class GenerationSpec:
         fields = {field.name for field in dataclasses.fields(cls)}
         values = {key: value for key, value in data.items() if key in fields}
         return cls(**{**values, "prefill_buckets": tuple(values["prefill_buckets"]), "window_layers": tuple(values.get("window_layers", ())),
-                      "conv_layers": tuple(values.get("conv_layers", ())), "indexed_layers": tuple(values.get("indexed_layers", ()))})
+                      "conv_layers": tuple(values.get("conv_layers", ())), "indexed_layers": tuple(values.get("indexed_layers", ())),
+                      "recurrent_layers": tuple(values.get("recurrent_layers", ())), "recurrent_state": tuple(values.get("recurrent_state", ()))})
 
 
 # Paged caches (paged.py)

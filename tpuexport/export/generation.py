@@ -37,7 +37,9 @@ explicit position ids, so no code of the model's depends on a cache length.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
+from collections.abc import Collection
 
 import torch
 from torch import nn
@@ -124,21 +126,22 @@ class PrefillCache(FunctionalKVCache):
     prompt's own keys (a fresh prompt sees nothing older), unrounded in an int8 cache too, as
     serving engines prefill.
 
-    A ring cache (`ring_positions` given, see `ring_prefill_positions`) keeps W steps per row
-    instead: index i of the slot gets the prompt position ring_positions[r, i].
+    `kept_columns` [batch, kept] given, index i of slot slots[r] gets the prompt's column
+    kept_columns[r, i] instead: a ring cache keeps W steps per row (`ring_prefill_positions`), and a
+    left-padded prompt's position p is its column p + its padding.
     """
 
     def __init__(self, keys, values, layout, slots: torch.Tensor, key_scales=None, value_scales=None,
-                 ring_positions: torch.Tensor | None = None):
+                 kept_columns: torch.Tensor | None = None):
         super().__init__(keys, values, layout, key_scales, value_scales)
         self.slots = slots
-        self.ring_positions = ring_positions
+        self.kept_columns = kept_columns
 
     def kept(self, new):
-        if self.ring_positions is None:
+        if self.kept_columns is None:
             return new
         batch, heads, _, head_dim = new.shape
-        index = self.ring_positions[:, None, :, None].expand(batch, heads, self.ring_positions.shape[1], head_dim)
+        index = self.kept_columns[:, None, :, None].expand(batch, heads, self.kept_columns.shape[1], head_dim)
         return new.gather(2, index)
 
     def write(self, cache, new, layer, layout=None):
@@ -361,6 +364,49 @@ class DecodeIndexerKeys:
         return (keys,)
 
 
+class PrefillRecurrentStates:
+    """Prefill's recurrent states (GenerationSpec.recurrent_layers): a fresh prompt has none (the layer
+    starts from zeros), and each row's state after it, the layer's final state over the left-padded
+    prompt (the masked padding before it leaves a zero state at zero), goes to slot slots[r]."""
+
+    def __init__(self, states: torch.Tensor, layers: tuple[int, ...], slots: torch.Tensor):
+        self.states, self.index = states, {layer: index for index, layer in enumerate(layers)}
+        self.slots = slots.clamp(0, states.shape[1] - 1)
+
+    def recurrent_state(self, layer: int) -> torch.Tensor | None:
+        return None
+
+    def update_recurrent_state(self, state: torch.Tensor, layer: int) -> torch.Tensor:
+        layer_index = torch.full((1,), self.index[layer], dtype=torch.long, device=state.device)
+        self.states = self.states.index_put((layer_index, self.slots), state.to(self.states.dtype))
+        return state
+
+    def written(self) -> tuple[torch.Tensor]:
+        return (self.states,)
+
+
+class DecodeRecurrentStates:
+    """Decode's recurrent states: each layer reads a copy of its slots' states, which the model's
+    one-step update either changes in place (Mamba-2's `selective_state_update`) or replaces
+    (`update_recurrent_state`: gated DeltaNet's); that is the layer's state after the step."""
+
+    def __init__(self, states: torch.Tensor, layers: tuple[int, ...]):
+        self.states, self.index = states, {layer: index for index, layer in enumerate(layers)}
+        self.stepped: dict[int, torch.Tensor] = {}
+
+    def recurrent_state(self, layer: int) -> torch.Tensor:
+        index = self.index[layer]
+        self.stepped[index] = self.states[index].clone()  # the model may update it in place
+        return self.stepped[index]
+
+    def update_recurrent_state(self, state: torch.Tensor, layer: int) -> torch.Tensor:
+        self.stepped[self.index[layer]] = state.to(self.states.dtype)
+        return state
+
+    def written(self) -> tuple[torch.Tensor]:
+        return (torch.stack([self.stepped.get(index, self.states[index]) for index in range(self.states.shape[0])]),)
+
+
 def _by_attention_layer(cache: "FunctionalKVCache | GroupedKVCache", spec: GenerationSpec) -> "GroupedKVCache":
     """The KV cache addressed by the model's layer index when conv layers hold no keys: one cache of
     every attention layer becomes a group of them (a grouped cache already maps its layers)."""
@@ -368,13 +414,14 @@ def _by_attention_layer(cache: "FunctionalKVCache | GroupedKVCache", spec: Gener
 
 
 class WithStates:
-    """A KV cache (FunctionalKVCache or GroupedKVCache) and the states beside it, the short-convolution
-    states and the indexer keys (either may be None): `written` gives the KV cache's tensors, then
-    conv_state, then indexer_keys (GenerationSpec.cache_inputs order)."""
+    """A KV cache (FunctionalKVCache or GroupedKVCache) and the states beside it: the short-convolution
+    states, the recurrent states and the indexer keys (each may be None). `written` gives the KV
+    cache's tensors, then conv_state, recurrent_state, indexer_keys (GenerationSpec.cache_inputs order)."""
 
     def __init__(self, kv: "FunctionalKVCache | GroupedKVCache", conv: PrefillConvStates | DecodeConvStates | None = None,
-                 indexer: PrefillIndexerKeys | DecodeIndexerKeys | None = None):
-        self.kv, self.conv, self.indexer = kv, conv, indexer
+                 indexer: PrefillIndexerKeys | DecodeIndexerKeys | None = None,
+                 recurrent: PrefillRecurrentStates | DecodeRecurrentStates | None = None):
+        self.kv, self.conv, self.indexer, self.recurrent = kv, conv, indexer, recurrent
 
     def update(self, new_keys: torch.Tensor, new_values: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv.update(new_keys, new_values, layer)
@@ -388,8 +435,18 @@ class WithStates:
     def update_indexer(self, new: torch.Tensor, layer: int) -> torch.Tensor:
         return self.indexer.update_indexer(new, layer)
 
+    def recurrent_state(self, layer: int) -> torch.Tensor | None:
+        return None if self.recurrent is None else self.recurrent.recurrent_state(layer)
+
+    def update_recurrent_state(self, state: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.recurrent is None:  # a layer keeping a state the spec's probe did not see (module docstring of generation_spec)
+            raise TpuExportError("--task text-generation: the model keeps a recurrent (state-space) state the entry points did not find "
+                                 "when probing its layers; its full-sequence forward may convert at a fixed length "
+                                 "(--task feature-extraction --dim seq=N:N)")
+        return self.recurrent.update_recurrent_state(state, layer)
+
     def written(self) -> tuple[torch.Tensor, ...]:
-        return self.kv.written() + sum((state.written() for state in (self.conv, self.indexer) if state is not None), ())
+        return self.kv.written() + sum((state.written() for state in (self.conv, self.recurrent, self.indexer) if state is not None), ())
 
 
 def base_model(model: nn.Module) -> nn.Module:
@@ -405,6 +462,15 @@ def base_model(model: nn.Module) -> nn.Module:
         return base
     children = [child for child in model.children() if isinstance(child, PreTrainedModel)]
     return children[0] if len(children) == 1 else base
+
+
+def _cache_argument(model: nn.Module, functional) -> dict:
+    """{the base model's cache argument: the transformers Cache over `functional`}: `past_key_values`,
+    or `cache` for a model that names it so (Mamba-2's; it would take past_key_values into **kwargs
+    and run without a cache)."""
+    parameters = inspect.signature(base_model(model).forward).parameters
+    name = "cache" if "cache" in parameters and "past_key_values" not in parameters else "past_key_values"
+    return {name: _transformers_cache(functional)}
 
 
 def _transformers_cache(functional: "FunctionalKVCache | GroupedKVCache | WithStates"):
@@ -432,10 +498,12 @@ def _transformers_cache(functional: "FunctionalKVCache | GroupedKVCache | WithSt
         def update_indexer(self, indexer_key_states, layer_idx):
             return functional.update_indexer(indexer_key_states, layer_idx)
 
-        def update_recurrent_state(self, *args, **kwargs):
-            raise TpuExportError("--task text-generation: the model keeps a recurrent (state-space) state besides its short "
-                                 "convolutions, which the prefill/decode entry points do not hold yet; its full-sequence forward may "
-                                 "convert at a fixed length (--task feature-extraction --dim seq=N:N)")
+        # What a recurrent layer calls (Mamba-2's, gated DeltaNet's): its state before the step (None: a fresh prompt), and after it.
+        def get_recurrent_state(self, layer_idx, state_idx=0):
+            return functional.recurrent_state(layer_idx)
+
+        def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+            return functional.update_recurrent_state(recurrent_states, layer_idx)
 
         def get_seq_length(self, layer_idx: int = 0) -> int:
             return 0
@@ -461,6 +529,12 @@ class _ProbeCache:
     def update_conv_state(self, inputs, layer, kernel=None):
         return inputs
 
+    def recurrent_state(self, layer):
+        return None
+
+    def update_recurrent_state(self, state, layer):
+        return state
+
 
 class _ConvCached(Exception):
     """Raised by the conv probe's cache at the first short convolution: its channels and the inputs it keeps."""
@@ -478,6 +552,28 @@ class _PassingProbeCache(_ProbeCache):
 
     def update_indexer(self, new, layer):
         return new
+
+
+class _StateRecorder(_PassingProbeCache):
+    """Passes every call through (a fresh prompt) and records what each layer keeps besides keys:
+    {layer: (channels, kernel)} of short convolutions, {layer: (state shape per row, dtype)} of recurrent states."""
+
+    def __init__(self):
+        self.convs: dict[int, tuple[int, int | None]] = {}
+        self.recurrent: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.keys: set[int] = set()
+
+    def update(self, new_keys, new_values, layer):
+        self.keys.add(layer)
+        return new_keys, new_values
+
+    def update_conv_state(self, inputs, layer, kernel=None):
+        self.convs[layer] = (int(inputs.shape[1]), kernel)
+        return inputs
+
+    def update_recurrent_state(self, state, layer):
+        self.recurrent[layer] = (tuple(int(size) for size in state.shape[1:]), state.dtype)
+        return state
 
 
 class _ConvProbeCache(_PassingProbeCache):
@@ -561,11 +657,43 @@ def _probe_forward(model: nn.Module, cache) -> None:
     device, the meta device too), as the entry points call it (Prefill.hidden_states)."""
     parameter = next(model.parameters())
     positions = torch.arange(2, device=parameter.device)
-    mask = _causal_masks(attention_windows(model), positions[None, :], positions, parameter.dtype, attention_chunks(model))
-    mask = _with_conv_layers(mask, bool(conv_layers(model)))
+    # A recurrent model declaring no attention layer type may still read a full layer's mask (Falcon-H1's
+    # "hybrid" layers attend and keep a state): the probe gives it one, to see what its layers keep.
+    windows = attention_windows(model, _unmasked_layer_types(model)) or {"full_attention": None}
+    mask = _causal_masks(windows, positions[None, :], positions, parameter.dtype, attention_chunks(model))
+    if getattr(model, "_is_stateful", False):  # recurrent layers get no padding mask: a 2-token prompt has no padding
+        mask = _with_recurrent_layers(model, mask, windows, _unmasked_layer_types(model), None)
+    else:
+        mask = _with_conv_layers(mask, bool(conv_layers(model)))
     with torch.no_grad(), buffers_kept(model):
         base_model(model)(input_ids=torch.zeros((1, 2), dtype=torch.long, device=parameter.device), attention_mask=mask,
-                          position_ids=positions[None, :], past_key_values=_transformers_cache(cache), use_cache=True)
+                          position_ids=positions[None, :], use_cache=True, **_cache_argument(model, cache))
+
+
+# The key transformers' hybrid models read their recurrent layers' 2D padding mask under, in a prepared
+# mask mapping ({"full_attention": ..., "linear_attention": ...}), whatever their layer types say.
+_RECURRENT_MASK_KEY = "linear_attention"
+
+
+def _unmasked_layer_types(model: nn.Module) -> set[str]:
+    """The config's layer types no causal mask is for (not attention), and transformers' recurrent mask key."""
+    return (set(getattr(_text_config(model.config), "layer_types", None) or ()) - set(_MASKED_LAYER_TYPES)) | {_RECURRENT_MASK_KEY}
+
+
+def _takes_mask_mapping(model: nn.Module) -> bool:
+    """Whether the base model takes a prepared mask per layer type (transformers' models mixing layer
+    types test `isinstance(causal_mask_mapping := attention_mask, dict)`); a model of one kind of layer
+    (Mamba-2's) takes one mask, which for recurrent layers is the 2D padding mask."""
+    return "causal_mask_mapping" in inspect.getsource(type(base_model(model)).forward)
+
+
+def _with_recurrent_layers(model: nn.Module, mask, windows: dict, unmasked: set[str], padding: torch.Tensor | None):
+    """The mask a model with recurrent layers takes: {attention layer type: its causal mask, recurrent
+    or other unmasked layer type: `padding`} (a left-padded prefill's [batch, seq] mask of real tokens,
+    or None in decode: a step's token is never padding), or `padding` alone for a model taking one mask."""
+    if not _takes_mask_mapping(model):
+        return padding
+    return {**(mask if isinstance(mask, dict) else dict.fromkeys(windows, mask)), **dict.fromkeys(unmasked, padding)}
 
 
 def _with_conv_layers(mask, conv: bool):
@@ -646,7 +774,7 @@ _INDEXED_LAYER_TYPE = "indexed_attention"
 _CONV_LAYER_TYPE = "conv"
 
 
-def attention_windows(model: nn.Module) -> dict[str, int | None]:
+def attention_windows(model: nn.Module, state_layer_types: Collection[str] = ()) -> dict[str, int | None]:
     """The attention each layer type of a Hugging Face decoder does: {layer type: sliding window}.
 
     A query at position q attends to keys k with q - window < k <= q (transformers'
@@ -654,15 +782,20 @@ def attention_windows(model: nn.Module) -> dict[str, int | None]:
     (Qwen2, Gemma 2/3) gives its "sliding_attention" layers `sliding_window`; one without it
     (Mistral, Mixtral, Phi-3) applies `sliding_window`, when set, to every layer.
 
+    `state_layer_types`: the types of the layers that keep a recurrent state instead of keys (the
+    spec's recurrent layers'); like LFM2's "conv" layers they attend to nothing and are left out.
+
     Raises:
-      TpuExportError: a layer type no causal mask describes (linear attention, chunked attention, ...).
+      TpuExportError: a layer type no causal mask describes and no state holds (linear attention
+        without a recurrent state through the cache, ...).
     """
     config = _text_config(model.config)
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if not layer_types:
         return {"full_attention": window}
-    layer_types = [layer_type for layer_type in layer_types if layer_type != _CONV_LAYER_TYPE]  # not attention: no mask
+    not_attention = {_CONV_LAYER_TYPE, *state_layer_types}  # no mask: no keys
+    layer_types = [layer_type for layer_type in layer_types if layer_type not in not_attention]
     unknown = sorted(set(layer_types) - set(_MASKED_LAYER_TYPES))
     if unknown:
         raise TpuExportError(f"--task text-generation: {type(model).__name__} has {unknown[0]} layers, which the KV-cache entry points "
@@ -698,20 +831,17 @@ def keys_seen(queries: torch.Tensor, keys: torch.Tensor, window: int | None = No
 
 
 def check_decoder(model: nn.Module) -> None:
-    """Refuses, in one line, a causal LM whose state between steps is not a KV cache.
+    """Refuses, in one line, a causal LM whose state between steps no cache can hold (recurrent
+    states are `_recurrent_states`' to judge).
 
     Raises:
-      TpuExportError: a model that keeps a recurrent state (transformers' `_is_stateful`: Mamba,
-        RWKV, Jamba, Zamba, Qwen3-Next, ...), one whose forward takes no cache, or one that
-        attends bidirectionally.
+      TpuExportError: a model whose forward takes no cache, or one that attends bidirectionally.
     """
     name = type(model).__name__
-    if getattr(model, "_is_stateful", False):
-        raise TpuExportError(f"--task text-generation: {name} keeps a recurrent state (state-space or linear-attention layers) besides or "
-                             "instead of a KV cache, which the prefill/decode entry points do not hold yet; its full-sequence forward "
-                             "may convert at a fixed length (--task feature-extraction --dim seq=N:N)")
     # The LM's forward, not its base model's: a base model may be a wrapper passing on *args, **kwargs (TrOCR's).
     if not {"past_key_values", "cache"} & set(inspect.signature(model.forward).parameters):
+        if getattr(model, "_is_stateful", False):  # RWKV's and xLSTM's states: arguments of their own
+            raise _state_outside_cache(name)
         # OpenAI GPT's base model swallows the cache in **kwargs and reads the entry points' 4D mask as
         # a 2D one (torch.export then failed in its merge_heads: "permute a tensor of rank 6").
         raise TpuExportError(f"--task text-generation: {name} ({model.config.model_type}) takes no KV cache (its forward has no "
@@ -832,19 +962,27 @@ class _EntryPoint(nn.Module):
         super().__init__()
         self.model = model
         self.spec = spec
-        self.windows = attention_windows(model)
+        # A model with recurrent layers: the layer types no causal mask is for (its recurrent layers',
+        # transformers' "linear_attention", and layers keeping nothing: Nemotron-H's "mlp" and "moe").
+        self.unmasked_types = _unmasked_layer_types(model) if getattr(spec, "recurrent_layers", ()) else set()  # a PagedSpec has none
+        self.windows = attention_windows(model, self.unmasked_types)
         self.chunks = attention_chunks(model)
         self.bias_windows = bias_mask_windows(model)
         # The dtype the model computes in (an int8 cache's is not): the masks' and attention's.
         self.model_dtype = getattr(torch, spec.dtype)
 
-    def hidden_states(self, tokens, mask, positions, cache, keys) -> torch.Tensor:
+    def hidden_states(self, tokens, mask, positions, cache, keys, padding: torch.Tensor | None = None) -> torch.Tensor:
         """The model's last hidden states; `keys`: the positions of the keys attention reads [k], for
-        the modules that mask with a buffer of their own (`masks_as_bias`)."""
-        mask = _with_conv_layers(mask, bool(self.spec.conv_layers))
+        the modules that mask with a buffer of their own (`masks_as_bias`); `padding`: a left-padded
+        prefill's [batch, seq] mask of real tokens (1) and padding (0), which the recurrent layers take
+        to zero the padding's inputs (decode has none: a step's token is never padding)."""
+        if self.unmasked_types:
+            mask = _with_recurrent_layers(self.model, mask, self.windows, self.unmasked_types, padding)
+        else:
+            mask = _with_conv_layers(mask, bool(self.spec.conv_layers))
         with masks_as_bias(self.bias_windows, positions, keys), positions_known(self.model, positions):
-            output = base_model(self.model)(input_ids=tokens, attention_mask=mask, position_ids=positions,
-                                            past_key_values=_transformers_cache(cache), use_cache=True)
+            output = base_model(self.model)(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
+                                            **_cache_argument(self.model, cache))
         return output.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -907,6 +1045,7 @@ class Prefill(_EntryPoint):
     cache_type = PrefillCache
     conv_type = PrefillConvStates
     indexer_type = PrefillIndexerKeys
+    recurrent_type = PrefillRecurrentStates
 
     def forward(self, tokens, lengths, slots, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None):
         return self.prefill(tokens, lengths, slots, cache_k, cache_v, cache_k_scale, cache_v_scale)
@@ -923,10 +1062,10 @@ class Prefill(_EntryPoint):
         window = self.spec.cache_window
         ring_positions = None if window is None else ring_prefill_positions(lengths, window)
         if not self.spec.window_layers:
-            cache = self.cache_type(cache_k, cache_v, self.spec.layout, slots, cache_k_scale, cache_v_scale, ring_positions)
+            cache = self.cache_type(cache_k, cache_v, self.spec.layout, slots, cache_k_scale, cache_v_scale, kept_columns=ring_positions)
         else:  # the full layers write every position, the sliding layers their rings
             cache = GroupedKVCache([(self.cache_type(cache_k, cache_v, self.spec.layout, slots), self.spec.full_layers),
-                                    (self.cache_type(window_cache_k, window_cache_v, self.spec.layout, slots, ring_positions=ring_positions),
+                                    (self.cache_type(window_cache_k, window_cache_v, self.spec.layout, slots, kept_columns=ring_positions),
                                      self.spec.window_layers)])
         if self.spec.conv_layers or self.spec.indexed_layers:  # states beside the attention layers' keys
             cache = WithStates(_by_attention_layer(cache, self.spec),
@@ -935,6 +1074,42 @@ class Prefill(_EntryPoint):
         hidden = self.hidden_states(tokens, mask, positions[None, :].expand(batch, steps), cache, positions)
         last = hidden[torch.arange(batch, device=tokens.device), lengths - 1]
         return {"logits": self.logits(last), **dict(zip(self.spec.cache_inputs, cache.written()))}
+
+
+    def prefill_left_padded(self, tokens, lengths, slots, cache_k, cache_v, conv_state, recurrent_state):
+        """Prefill of a model with recurrent layers (GenerationSpec.left_padded): same inputs and
+        outputs as `prefill` (right-padded prompts), but each row runs aligned to the end of the
+        bucket, its padding first. A recurrent layer folds every input into its state; the padding
+        before a prompt is masked to zero inputs (the model's own `apply_mask_to_padding_states`,
+        given `padding`), which leave the initial zero state at zero, so each row's final state is
+        its prompt's alone. Attention masks the padding's keys; the KV cache keeps position p of
+        row r from column p + padding[r]; the short convolutions keep the bucket's last inputs."""
+        batch, steps = tokens.shape
+        torch._check(lengths.shape[0] == batch)
+        torch._check(slots.shape[0] == batch)
+        spec, dtype = self.spec, self.model_dtype
+        columns = torch.arange(steps, device=tokens.device)
+        padding = steps - lengths
+        positions = columns[None, :] - padding[:, None]  # each column's position in its prompt; negative on padding
+        real = positions >= 0
+        aligned = torch.where(real, tokens.gather(1, positions.clamp(min=0)), torch.zeros_like(tokens))
+        masks = {}
+        for layer_type, window in self.windows.items():
+            visible = keys_seen(positions[:, :, None], positions[:, None, :], window, self.chunks.get(layer_type)) & real[:, None, :]
+            masks[layer_type] = torch.where(visible, 0.0, _masked_value(dtype)).to(dtype)[:, None]
+        kept_columns = (columns[None, :] + padding[:, None]).clamp(max=steps - 1)  # past a prompt: decode's to overwrite
+        cache = WithStates(_by_attention_layer(self.cache_type(cache_k, cache_v, spec.layout, slots, kept_columns=kept_columns), spec),
+                           self.conv_type(conv_state, spec.conv_layers, torch.full_like(lengths, steps), slots),
+                           recurrent=self.recurrent_type(recurrent_state, spec.recurrent_layers, slots))
+        hidden = self.hidden_states(aligned, masks, positions.clamp(min=0), cache, columns, padding=real.to(dtype))
+        return {"logits": self.logits(hidden[:, -1]), **dict(zip(spec.cache_inputs, cache.written()))}
+
+
+class RecurrentPrefill(Prefill):
+    """Prefill of a model with recurrent layers (GenerationSpec.recurrent_layers), left-padded."""
+
+    def forward(self, tokens, lengths, slots, cache_k, cache_v, conv_state, recurrent_state):
+        return self.prefill_left_padded(tokens, lengths, slots, cache_k, cache_v, conv_state, recurrent_state)
 
 
 class ConvPrefill(Prefill):
@@ -962,6 +1137,7 @@ class Decode(_EntryPoint):
     cache_type = DecodeCache
     conv_type = DecodeConvStates
     indexer_type = DecodeIndexerKeys
+    recurrent_type = DecodeRecurrentStates
 
     def ring_indexes(self, positions: torch.Tensor) -> torch.Tensor:
         """Where a ring cache keeps the keys of absolute `positions`: p mod W."""
@@ -971,7 +1147,7 @@ class Decode(_EntryPoint):
         return self.decode(tokens, positions, cache_k, cache_v, cache_k_scale, cache_v_scale)
 
     def decode(self, tokens, positions, cache_k, cache_v, cache_k_scale=None, cache_v_scale=None, window_cache_k=None,
-               window_cache_v=None, conv_state=None, indexer_keys=None):
+               window_cache_v=None, conv_state=None, indexer_keys=None, recurrent_state=None):
         window, layout = self.spec.cache_window, self.spec.layout
         keys = torch.arange(self.spec.max_context, device=tokens.device)
         if window is None:
@@ -987,10 +1163,11 @@ class Decode(_EntryPoint):
             cache = GroupedKVCache([(self.cache_type(cache_k, cache_v, layout, positions), self.spec.full_layers),
                                     (self.cache_type(window_cache_k, window_cache_v, layout, self.ring_indexes(positions)),
                                      self.spec.window_layers)])
-        if self.spec.conv_layers or self.spec.indexed_layers:  # states beside the attention layers' keys
+        if self.spec.conv_layers or self.spec.indexed_layers or self.spec.recurrent_layers:  # states beside the attention layers' keys
             cache = WithStates(_by_attention_layer(cache, self.spec),
                                self.conv_type(conv_state, self.spec.conv_layers) if self.spec.conv_layers else None,
-                               self.indexer_type(indexer_keys, self.spec.indexed_layers, positions) if self.spec.indexed_layers else None)
+                               self.indexer_type(indexer_keys, self.spec.indexed_layers, positions) if self.spec.indexed_layers else None,
+                               self.recurrent_type(recurrent_state, self.spec.recurrent_layers) if self.spec.recurrent_layers else None)
         hidden = self.hidden_states(tokens[:, None], mask, positions[:, None], cache, keys)
         return {"logits": self.logits(hidden[:, 0]), **dict(zip(self.spec.cache_inputs, cache.written()))}
 
@@ -1000,6 +1177,13 @@ class ConvDecode(Decode):
 
     def forward(self, tokens, positions, cache_k, cache_v, conv_state):
         return self.decode(tokens, positions, cache_k, cache_v, conv_state=conv_state)
+
+
+class RecurrentDecode(Decode):
+    """Decode of a model with recurrent layers (GenerationSpec.recurrent_layers)."""
+
+    def forward(self, tokens, positions, cache_k, cache_v, conv_state, recurrent_state):
+        return self.decode(tokens, positions, cache_k, cache_v, conv_state=conv_state, recurrent_state=recurrent_state)
 
 
 class IndexedDecode(Decode):
@@ -1065,15 +1249,23 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
     if max_batch < 1 or max_context < 2:
         raise TpuExportError(f"--max-batch {max_batch} / --max-context {max_context} out of range; give max batch >= 1 and max context >= 2")
     check_decoder(model)
-    windows = set(attention_windows(model).values())  # refuses a layer type the entry points cannot mask
     text = _text_config(config)
     layers = decoder_layers(model)
-    kv_heads, head_dim = cached_shapes(model)
+    recurrent = _recurrent_states(model)
+    windows = set(attention_windows(model, _unmasked_layer_types(model) if recurrent else ()).values())  # refuses a type no mask describes
+    # Every layer recurrent (Mamba-2's): no layer writes keys, and cache_k/cache_v hold none (0 layers).
+    kv_heads, head_dim = (1, 1) if recurrent and len(recurrent.layers) == layers else cached_shapes(model)
     positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     if positions is not None and max_context > positions:
         raise TpuExportError(f"--max-context {max_context} exceeds the model's {positions} positions (max_position_embeddings); "
                              f"give --max-context <= {positions}")
     shortest = _shortest_prefill(model, max_context)
+    if recurrent:  # one static prompt length (`RecurrentStates`)
+        prefill_buckets = (max_context,) if prefill_buckets is None else prefill_buckets
+        if len(set(prefill_buckets)) > 1:
+            raise TpuExportError(f"--task text-generation: {type(model).__name__}'s recurrent layers take one prefill bucket "
+                                 f"(their chunked scans export at a static prompt length), not {sorted(set(prefill_buckets))}; "
+                                 "give one --bucket seq=N")
     if prefill_buckets is None:
         prefill_buckets = tuple(size for size in (128, 512, 2048, shortest) if shortest <= size < max_context) + (max_context,)
     for size in prefill_buckets:
@@ -1090,21 +1282,92 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
             raise TpuExportError(f"--kv-cache-dtype int8 with the window-bounded cache of {type(model).__name__} (full and sliding layers) "
                                  "is not supported yet; add --sliding-window-cache full")
     convs, conv_channels, conv_kernel = conv_layers(model), 0, 0
-    if convs:
+    if recurrent:
+        if kv_cache_dtype == "int8" or window_layers or bounded:
+            raise TpuExportError(f"--task text-generation: {type(model).__name__}'s recurrent layers with "
+                                 f"{'--kv-cache-dtype int8' if kv_cache_dtype == 'int8' else 'a sliding-window cache'} are not supported "
+                                 "yet; convert it with the model-dtype cache" + ("" if kv_cache_dtype == "int8" else " and --sliding-window-cache full"))
+        convs, conv_channels, conv_kernel = recurrent.layers, recurrent.conv_channels, recurrent.conv_kernel
+    elif convs:
         if kv_cache_dtype == "int8":
             raise TpuExportError(f"--task text-generation: {type(model).__name__}'s short-convolution layers with --kv-cache-dtype int8 "
                                  "are not supported yet; convert it with the model-dtype cache")
         conv_channels, conv_kernel = conv_state_shape(model)
     indexed, indexer_dim = indexed_layers(model), 0
     if indexed:
-        if kv_cache_dtype == "int8" or convs or window_layers:
+        if kv_cache_dtype == "int8" or convs or window_layers or recurrent:
             raise TpuExportError(f"--task text-generation: {type(model).__name__}'s indexed attention layers with "
                                  f"{'--kv-cache-dtype int8' if kv_cache_dtype == 'int8' else 'conv or sliding layers'} are not supported "
                                  "yet; convert it with the model-dtype cache")
         indexer_dim = indexer_width(model)
     return GenerationSpec(max_batch, max_context, layers, kv_heads, head_dim, model.get_output_embeddings().weight.shape[0], dtype,
                           layout, tuple(sorted(set(prefill_buckets))), kv_cache_dtype, window if bounded else None, window_layers,
-                          convs, conv_channels, conv_kernel, indexed, indexer_dim)
+                          convs, conv_channels, conv_kernel, indexed, indexer_dim, recurrent.layers if recurrent else (),
+                          recurrent.state if recurrent else (), str(recurrent.dtype).removeprefix("torch.") if recurrent else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentStates:
+    """What a model's recurrent layers keep per slot, as a 2-token prompt's forward writes it through
+    the cache (`_recurrent_states`).
+
+    Attributes:
+      layers: the layers keeping a recurrent state (each also a short convolution's inputs).
+      state, dtype: a layer's recurrent state per slot: shape and dtype.
+      conv_channels, conv_kernel: a layer's short-convolution state per slot.
+    """
+
+    layers: tuple[int, ...]
+    state: tuple[int, ...]
+    dtype: torch.dtype
+    conv_channels: int
+    conv_kernel: int
+
+
+def _recurrent_states(model: nn.Module) -> RecurrentStates | None:
+    """The recurrent states a decoder keeps through transformers' cache (`update_recurrent_state`:
+    Mamba-2's state-space mixers, gated DeltaNet's linear attention, ...), or None for a model
+    keeping none. Their chunked scans loop over chunks or pad to whole chunks, which torch.export
+    cannot keep over a symbolic prompt length: prefill is exported at one static length.
+
+    Raises:
+      TpuExportError: a model whose recurrent state the cache does not hold (transformers'
+        `_is_stateful` without `update_recurrent_state`: Mamba, RWKV, xLSTM, ...), one without attention
+        layers, or recurrent layers the entry points cannot hold alike (no short convolution, or
+        states of different shapes).
+    """
+    name, stateful = type(model).__name__, getattr(model, "_is_stateful", False)
+    recorder = _StateRecorder()
+    try:
+        _probe_forward(model, recorder)
+    except Exception as error:  # the forward fails at 2 tokens: its export would too
+        if not stateful:
+            return None
+        raise TpuExportError(f"--task text-generation: {name}'s forward fails on a 2-token prompt ({type(error).__name__}: "
+                             f"{' '.join(str(error).split())[:200]}); its full-sequence forward may convert (--task feature-extraction)") from None
+    if not recorder.recurrent:
+        if stateful:
+            raise _state_outside_cache(name)
+        return None
+    layers = tuple(sorted(recorder.recurrent))
+    states, convs = {recorder.recurrent[layer] for layer in layers}, {recorder.convs.get(layer) for layer in layers}
+    if recorder.keys & set(layers):
+        problem = "has layers keeping both keys and a recurrent state (attention and a state-space mixer side by side), which the cache does not hold yet"
+    elif None in convs or len(convs) > 1 or len(states) > 1:
+        problem = "has recurrent layers whose states differ in shape or keep no short convolution, which one state tensor cannot hold yet"
+    else:
+        (state, dtype), ((channels, kernel),) = next(iter(states)), convs
+        if kernel:
+            return RecurrentStates(layers, state, dtype, channels, int(kernel))
+        problem = "has recurrent layers whose short convolutions keep no kernel size in the cache"
+    raise TpuExportError(f"--task text-generation: {name} {problem}; its full-sequence forward may convert at a fixed length "
+                         "(--task feature-extraction --dim seq=N:N)")
+
+
+def _state_outside_cache(name: str) -> TpuExportError:
+    return TpuExportError(f"--task text-generation: {name} keeps a recurrent state (state-space or linear-attention layers) besides or "
+                          "instead of a KV cache outside transformers' cache, which the prefill/decode entry points cannot hold; its "
+                          "full-sequence forward may convert at a fixed length (--task feature-extraction --dim seq=N:N)")
 
 
 def _shortest_prefill(model: nn.Module, max_context: int) -> int:
@@ -1137,13 +1400,15 @@ def entry_point_modules(model: nn.Module, spec: GenerationSpec, prefill: type[Pr
     """The entry points as modules over the one model: {"prefill": ..., "decode": ...} (their
     variants whose inputs name the sliding layers' rings and the conv layers' states, for a spec with
     window_layers, conv_layers or both)."""
-    caches = (bool(spec.window_layers), bool(spec.conv_layers), bool(spec.indexed_layers))
+    caches = (bool(spec.window_layers), bool(spec.conv_layers), bool(spec.indexed_layers), bool(spec.recurrent_layers))
     if prefill is Prefill:  # the variant whose inputs name the spec's caches (generation_spec refuses other mixes)
-        prefill = {(True, True, False): MixedConvPrefill, (True, False, False): MixedPrefill, (False, True, False): ConvPrefill,
-                   (False, False, True): IndexedPrefill}.get(caches, Prefill)
+        prefill = {(True, True, False, False): MixedConvPrefill, (True, False, False, False): MixedPrefill,
+                   (False, True, False, False): ConvPrefill, (False, False, True, False): IndexedPrefill,
+                   (False, True, False, True): RecurrentPrefill}.get(caches, Prefill)
     if decode is Decode:
-        decode = {(True, True, False): MixedConvDecode, (True, False, False): MixedDecode, (False, True, False): ConvDecode,
-                  (False, False, True): IndexedDecode}.get(caches, Decode)
+        decode = {(True, True, False, False): MixedConvDecode, (True, False, False, False): MixedDecode,
+                  (False, True, False, False): ConvDecode, (False, False, True, False): IndexedDecode,
+                  (False, True, False, True): RecurrentDecode}.get(caches, Decode)
     return {"prefill": prefill(model.eval(), spec), "decode": decode(model.eval(), spec)}
 
 
@@ -1165,13 +1430,15 @@ def example_arguments(spec: GenerationSpec, device: str = "cpu") -> dict[str, tu
     example_seq = max(2, min(spec.prefill_buckets[0], spec.max_context))
     # An indexed model's shortest bucket is its indexer's top-k (`_shortest_prefill`): seq starts there.
     seq = torch.export.Dim("seq", min=spec.prefill_buckets[0] if spec.indexed_layers else 2, max=spec.max_context)
+    # A model with recurrent layers prefills at its one bucket, a static length (`_recurrent_states`).
+    seq_shape = {} if spec.recurrent_layers else {1: seq}
     prefill_args = (torch.ones((spec.max_batch, example_seq), dtype=torch.long),
                     torch.full((spec.max_batch,), example_seq, dtype=torch.long),
                     torch.arange(spec.max_batch, dtype=torch.long), *cache)
     if spec.max_batch == 1:  # one slot: prefill's batch is the static 1
-        prefill_shapes = ({1: seq}, None, None, *[None] * len(cache))
+        prefill_shapes = (seq_shape or None, None, None, *[None] * len(cache))
     else:
         batch = torch.export.Dim("batch", min=1, max=spec.max_batch)
-        prefill_shapes = ({0: batch, 1: seq}, {0: batch}, {0: batch}, *[None] * len(cache))
+        prefill_shapes = ({0: batch, **seq_shape}, {0: batch}, {0: batch}, *[None] * len(cache))
     decode_args = (torch.ones((spec.max_batch,), dtype=torch.long), torch.zeros((spec.max_batch,), dtype=torch.long), *cache)
     return {"prefill": (prefill_args, prefill_shapes), "decode": (decode_args, None)}

@@ -105,6 +105,9 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
         raise TpuExportError(f"--max-batch {max_batch} / --max-context {max_context} out of range for --kv-cache paged; give max batch >= 1 "
                              "(rows of a step) and max context >= 2")
     check_decoder(model)
+    if getattr(model, "_is_stateful", False):
+        raise TpuExportError(f"--kv-cache paged: {type(model).__name__} keeps a recurrent state per row (state-space or linear-attention "
+                             "layers), which the pages do not hold yet; use --kv-cache static")
     attention_windows(model)  # refuses layer types no causal mask describes
     if conv_layers(model):
         raise TpuExportError(f"--kv-cache paged: {type(model).__name__}'s short-convolution layers keep a state per row, which the "

@@ -145,10 +145,12 @@ class TextGenerationTask(Task):
         scale_spec = [None, cache_spec[1], cache_spec[heads], None]
         # The sliding layers' rings (a model mixing full and sliding layers) split as the cache does.
         caches = export_stage.CACHE_INPUTS + export_stage.WINDOW_CACHE_INPUTS
-        # Short-convolution states ([conv layers, batch, channels, kernel]) and indexer keys ([indexed layers,
-        # batch, 1, context, width]) split by rows only: a slot's state whole.
+        # Short-convolution states ([conv layers, batch, channels, kernel]), recurrent states ([recurrent
+        # layers, batch, ...]) and indexer keys ([indexed layers, batch, 1, context, width]) split by rows
+        # only: a slot's state whole.
         per_row = {name: [None, cache_spec[1], None, None] for name in export_stage.CONV_STATE_INPUTS}
         per_row.update({name: [None, cache_spec[1], None, None, None] for name in export_stage.INDEXER_KEYS_INPUTS})
+        per_row.update({name: [None, cache_spec[1], *[None] * len(spec.recurrent_state)] for name in export_stage.RECURRENT_STATE_INPUTS})
         return (tuple((name, tuple(cache_spec)) for name in spec.cache_inputs if name in caches and name in inputs)
                 + tuple((name, tuple(per_row[name])) for name in spec.cache_inputs if name in per_row and name in inputs)
                 + tuple((name, tuple(scale_spec)) for name in spec.cache_inputs if name in export_stage.CACHE_SCALE_INPUTS and name in inputs))
@@ -213,7 +215,7 @@ def _decoder_spec(conversion: Conversion, seq: tuple[int, ...] | None, batches: 
     modules = export_stage.entry_point_modules(model, spec)
     # A plan of a model built on the CPU exports with its CPU weights, as a forward plan does.
     on_meta = state is not None or (conversion.plan_only and export_stage.weights_on_meta(model))
-    sizes = {"seq": list(spec.prefill_buckets)}
+    sizes = {} if spec.left_padded else {"seq": list(spec.prefill_buckets)}  # a left-padded prefill's seq is static
     if spec.max_batch > 1:  # one cache slot: prefill's batch is static (no batch dim to bucket)
         sizes["batch"] = list(batches)
     entry_points = {}
