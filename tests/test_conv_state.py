@@ -19,7 +19,8 @@ from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.cli import main
 from tpuexport.errors import TpuExportError
-from tpuexport.export.generation import ConvDecode, ConvPrefill, DecodeConvStates, PrefillConvStates
+from tpuexport.export.cache_states import DecodeConvStates, PrefillConvStates
+from tpuexport.export.generation import ConvDecode, ConvPrefill
 from tpuexport.verify import verify_generation
 from tpuexport.verify.generation import eager_generate
 

@@ -26,7 +26,8 @@ from test_cli import tpuexport_in_process  # the command line, in this process
 from tpuexport.pipeline import ConversionOptions, passes
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
-from tpuexport.export.generation import Decode, DecodeCache, write_decode_cache, write_prefill_cache
+from tpuexport.export.functional_cache import DecodeCache, write_decode_cache, write_prefill_cache
+from tpuexport.export.generation import Decode
 from tpuexport.export.cache_specs import CACHE_LAYOUTS
 from tpuexport.export.huggingface import generation_context
 from tpuexport.lower import generation as lowered_generation

@@ -20,7 +20,8 @@ from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.cli import main
 from tpuexport.errors import TpuExportError
-from tpuexport.export.generation import DecodeIndexerKeys, IndexedDecode, IndexedPrefill, PrefillIndexerKeys
+from tpuexport.export.cache_states import DecodeIndexerKeys, PrefillIndexerKeys
+from tpuexport.export.generation import IndexedDecode, IndexedPrefill
 from tpuexport.verify import verify_generation
 from tpuexport.verify.generation import eager_generate
 

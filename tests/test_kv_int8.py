@@ -17,7 +17,8 @@ from test_generation import MAX_BATCH, MAX_CONTEXT, lowered_entry_point, tiny_gp
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.errors import TpuExportError
-from tpuexport.export.generation import Decode, DecodeCache, dequantize_kv, quantize_kv, write_decode_cache, write_prefill_cache
+from tpuexport.export.functional_cache import DecodeCache, dequantize_kv, quantize_kv, write_decode_cache, write_prefill_cache
+from tpuexport.export.generation import Decode
 from tpuexport.export.cache_specs import CACHE_SCALE_INPUTS, SCALE_LAYOUT
 from tpuexport.lower import generation as lowered_generation
 from tpuexport.verify import INT8_KV_AGAINST, eager_references, verify_int8_kv_generation

@@ -18,7 +18,8 @@ from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport.cli import main
 from tpuexport.errors import TpuExportError
-from tpuexport.export.generation import DecodeRecurrentStates, RecurrentDecode, RecurrentPrefill
+from tpuexport.export.cache_states import DecodeRecurrentStates
+from tpuexport.export.generation import RecurrentDecode, RecurrentPrefill
 from tpuexport.verify import verify_generation
 from tpuexport.verify.generation import eager_generate
 

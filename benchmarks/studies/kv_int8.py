@@ -125,7 +125,7 @@ def scales(options: argparse.Namespace) -> None:
     """Eager int8-KV greedy generation of a tiny Llama (f32 and bf16), f32 vs bf16 scales: the logits'
     SQNR against the model-dtype cache's (same entry points) before the first greedy divergence."""
     from tpuexport import export as export_stage
-    from tpuexport.export.generation import dequantize_kv, quantize_kv
+    from tpuexport.export.functional_cache import dequantize_kv, quantize_kv
     from tpuexport.verify.compare import sqnr_db
 
     generator = np.random.default_rng(0)

@@ -290,7 +290,7 @@ class PagedSpec:
       token_buckets: the step's token budgets (T) compiled.
       row_buckets: the step's row counts compiled (max_batch among them).
       kv_cache_dtype: "model" (pages in `dtype`) or "int8" (int8 pages and a scale per position, kv head,
-        keys and values, in `dtype`: export/generation.py's quantize_kv, as the static cache's).
+        keys and values, in `dtype`: export/functional_cache.py's quantize_kv, as the static cache's).
     """
 
     max_batch: int

@@ -31,7 +31,7 @@ shape (head_dim 64 minor) XLA copies the whole 128 MiB cache into another layout
 Attention here is the reference: each row's pages are gathered by its page table from the cache as
 the step received it, the step's own keys are appended, and the model's own attention runs over them
 with a mask that lets a token see its own row's earlier positions only (`paged_mask`). The writes
-wait until the last layer has read (as export/generation.py's DecodeCache does: no read of the cache
+wait until the last layer has read (as export/functional_cache.py's DecodeCache does: no read of the cache
 follows a write into it), one `write_pages` per layer. Appending the step's keys rather than
 selecting them into the gathered pages saved a copy of the gathered pages per layer (Llama-3.2-1B
 shape, v5e, 8 tokens x 8 rows at context 4096; benchmarks/studies/paged_cache.py).
@@ -45,9 +45,9 @@ import torch
 
 from tpuexport.errors import TpuExportError
 from tpuexport.export.cache_specs import DEFAULT_PAGE_SIZE, PAGES_DIM, PagedSpec, max_pages
+from tpuexport.export.functional_cache import dequantize_kv, quantize_kv
 from tpuexport.export.generation import (_EntryPoint, _masked_value, _text_config, _transformers_cache, attention_windows, base_model, cached_shapes,
-                                         check_decoder, conv_layers, decoder_layers, dequantize_kv, indexed_layers, keys_seen, masks_as_bias,
-                                         quantize_kv)
+                                         check_decoder, conv_layers, decoder_layers, indexed_layers, keys_seen, masks_as_bias)
 from tpuexport.export.model_positions import positions_known
 
 # --kv-cache: "static" is [layers, max_batch, kv_heads, max_context, head_dim] (export/generation.py);

@@ -49,8 +49,8 @@ from torch import nn
 
 from tpuexport.errors import TpuExportError
 from tpuexport.export.cache_specs import SEQ2SEQ_LAYOUT, Seq2SeqSpec
-from tpuexport.export.generation import (DecodeCache, FunctionalKVCache, _causal_masks, _masked_value, _transformers_cache,
-                                         write_prefill_cache)
+from tpuexport.export.functional_cache import DecodeCache, FunctionalKVCache, write_prefill_cache
+from tpuexport.export.generation import _causal_masks, _masked_value, _transformers_cache
 
 ENTRY_POINTS = ("encode", "decode")
 class CrossWrite(FunctionalKVCache):

@@ -27,7 +27,7 @@ Runner = Callable[[str, list[np.ndarray]], list[np.ndarray]]
 
 @register_lowering("tpuexport::write_prefill_cache")
 def write_prefill_cache(cache, new, layer: int, slots, layout: str):
-    """export/generation.py's `write_prefill_cache` as a loop over the rows (prefill's batch is a
+    """export/functional_cache.py's `write_prefill_cache` as a loop over the rows (prefill's batch is a
     symbolic dim), one `dynamic_update_slice` of the row's [kv_heads, steps, head_dim] into its slot
     each, in place (see write_decode_cache). dynamic_update_slice clamps a slot outside the cache
     onto it, as the op's eager meaning does.
@@ -50,7 +50,7 @@ def write_prefill_cache(cache, new, layer: int, slots, layout: str):
 
 @register_lowering("tpuexport::write_decode_cache")
 def write_decode_cache(cache, new, layer: int, positions, layout: str):
-    """export/generation.py's `write_decode_cache` as one `dynamic_update_slice` per row, which XLA
+    """export/functional_cache.py's `write_decode_cache` as one `dynamic_update_slice` per row, which XLA
     runs in place on the donated cache whatever its TPU layout (a scatter of the same rows copies
     the cache into another layout and back, and so does a read of the cache beside the update:
     benchmarks/results/studies/generation_decode_write.md). dynamic_update_slice clamps a position outside
