@@ -28,9 +28,11 @@ REFUSAL_CLASSES = (
      "tokens a row holds, needs inputs tpuexport does not make (image sizes, tile grids, masks), fails at the tiny config, or makes "
      "a number of features that depends on its inputs' values; its language model or one tower converts alone",
      r"placeholder tokens cannot be counted|to count them"),
-    ("decoder layers keeping no KV cache", "recurrent (state-space, linear attention), hybrid, chunked or indexed attention layers: the "
-     "prefill/decode entry points hold a KV cache and short-convolution states (LFM2's) only; the full-sequence forward may convert at a fixed length",
-     r"keeps a recurrent state|has \w+ layers, which the|takes no KV cache|no num_hidden_layers"),
+    ("decoder layers keeping no KV cache", "states the entry points do not hold: recurrent states kept outside transformers' cache "
+     "(RWKV, xLSTM, RecurrentGemma), layers keeping keys and a recurrent state side by side (Falcon-H1), layer types no mask "
+     "describes, forwards taking no cache; the full-sequence forward may convert at a fixed length",
+     r"keeps a recurrent state|keeping both keys and a recurrent state|recurrent layers whose|has \w+ layers, which the|takes no KV cache"
+     r"|no num_hidden_layers"),
     ("none of the known inputs", "the model takes none of input_ids, pixel_values, input_values, input_features (trackers, "
      "time series, VQ models, towers wanting grid sizes); a file.py:factory gives its inputs", r"takes none of"),
     ("inputs the forward needs that tpuexport does not make", "the forward requires more arguments than the known inputs "
@@ -38,7 +40,7 @@ REFUSAL_CLASSES = (
      r"missing \d+ required positional argument|in its forward, which tpuexport does not make"),
     ("the tiny model's forward fails on the inputs", "the model's own eager forward fails at the example sizes, before tpuexport "
      "does anything: the tiny config or the inputs do not suit it (extra inputs such as bbox or grid_thw; other sizes)",
-     r"the model's own forward fails"),
+     r"the model's own forward fails|forward fails on a 2-token prompt"),
     ("a size the model's code fixes or bounds", "torch.export found the model's code taking one size, or a range, of a dim "
      "declared dynamic; the line names the code and the --dim range that converts",
      r"fixes \w+ at|cannot take|needs \w+ in|needs \w+ = |declare \w+ (static|that range)"),
