@@ -40,7 +40,7 @@ REFUSAL_CLASSES = (
      r"missing \d+ required positional argument|in its forward, which tpuexport does not make"),
     ("the tiny model's forward fails on the inputs", "the model's own eager forward fails at the example sizes, before tpuexport "
      "does anything: the tiny config or the inputs do not suit it (extra inputs such as bbox or grid_thw; other sizes)",
-     r"the model's own forward fails|forward fails on a 2-token prompt"),
+     r"the model's own forward fails"),
     ("a size the model's code fixes or bounds", "torch.export found the model's code taking one size, or a range, of a dim "
      "declared dynamic; the line names the code and the --dim range that converts",
      r"fixes \w+ at|cannot take|needs \w+ in|needs \w+ = |declare \w+ (static|that range)"),
