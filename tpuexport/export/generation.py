@@ -852,13 +852,13 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
                              f"give --max-context <= {positions}")
     shortest = _shortest_prefill(model, max_context)
     if recurrent:  # one static prompt length (`_recurrent_states`): by default the longest default bucket's
-        prefill_buckets = (min(max_context, LONGEST_DEFAULT_BUCKET),) if prefill_buckets is None else prefill_buckets
+        prefill_buckets = (min(max_context, _LONGEST_DEFAULT_BUCKET),) if prefill_buckets is None else prefill_buckets
         if len(set(prefill_buckets)) > 1:
             raise TpuExportError(f"--task text-generation: {type(model).__name__}'s recurrent layers take one prefill bucket "
                                  f"(their chunked scans export at a static prompt length), not {sorted(set(prefill_buckets))}; "
                                  "give one --bucket seq=N")
     if prefill_buckets is None:
-        prefill_buckets = tuple(size for size in (128, 512, LONGEST_DEFAULT_BUCKET, shortest) if shortest <= size < max_context) + (max_context,)
+        prefill_buckets = tuple(size for size in (128, 512, _LONGEST_DEFAULT_BUCKET, shortest) if shortest <= size < max_context) + (max_context,)
     for size in prefill_buckets:
         if not shortest <= size <= max_context:
             raise TpuExportError(f"prefill bucket seq={size} is out of range: prompt lengths are 2..{max_context} (--max-context)"
@@ -964,7 +964,7 @@ def _state_outside_cache(name: str) -> TpuExportError:
 # The longest prefill bucket below max context by default; a recurrent model's one bucket at most (its
 # prefill's chunked scans unroll into the program: a bucket of max context, a million positions for
 # Kimi Linear's config, would not compile).
-LONGEST_DEFAULT_BUCKET = 2048
+_LONGEST_DEFAULT_BUCKET = 2048
 
 
 def _shortest_prefill(model: nn.Module, max_context: int) -> int:

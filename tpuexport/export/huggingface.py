@@ -49,7 +49,7 @@ from tpuexport.errors import TpuExportError
 from tpuexport.logs import EXPORT_LOGGERS, TORCHAO_LOGGERS, quiet_loggers
 from tpuexport.export.checkpoints import (Checkpoint, check_weights_fit, open_checkpoint, parameters_on_meta, stored_weight_bytes,
                                           with_checkpoint_weights)
-from tpuexport.export.generation import LONGEST_DEFAULT_BUCKET, check_decoder
+from tpuexport.export.generation import check_decoder
 from tpuexport.export.language_model import language_model_config, language_model_names, multimodal_model, tied_names
 from tpuexport.export.loaded import LoadedSource, SourceInfo, file_sha256
 from tpuexport.export.placeholders import count_placeholders, placeholder_keys
@@ -519,9 +519,7 @@ def _encoder_decoder_class(config) -> str:
 def generation_context(model: torch.nn.Module) -> int:
     """The positions a causal LM's config allows (its `max_position_embeddings`, else GPT-2's
     `n_positions`, else an encoder-decoder's decoder `max_target_positions`; a multimodal model's
-    from its text config): the default --max-context of a Hugging Face text-generation source. A
-    model keeping a recurrent state and recording no positions (Mamba's) takes any length: the
-    longest default prefill bucket's (2048).
+    from its text config): the default --max-context of a Hugging Face text-generation source.
 
     Raises:
       TpuExportError: the config records none, or the entry points cannot generate with the model
@@ -530,9 +528,6 @@ def generation_context(model: torch.nn.Module) -> int:
     check_decoder(model)  # a model the entry points cannot generate with is refused for that, not for its positions
     config = model.config
     positions = recorded_positions(config) or getattr(config, "max_target_positions", None)
-    if not positions and getattr(model, "_is_stateful", False):
-        # No position embedding to run out of (Mamba's): any length is the model's; that of the longest default prefill bucket.
-        return LONGEST_DEFAULT_BUCKET
     if not positions:
         raise TpuExportError(f"{type(model).__name__}'s config records no maximum position; give --max-context N")
     return min(int(positions), longest_positions(model, int(positions)))
