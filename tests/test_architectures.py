@@ -111,11 +111,12 @@ def test_constants_made_on_the_weights_device_get_values_when_weights_stream(tmp
     torch.testing.assert_close(artifact.run(x), model(x), rtol=1e-2, atol=1e-3)
 
 
-def test_a_decoder_with_a_recurrent_state_is_refused_for_text_generation(tmp_path):
-    """Mamba's state between steps is a recurrent state, not a KV cache: one line saying so, before
-    the missing max_position_embeddings (which it has none of) is asked for."""
+def test_a_recurrent_decoder_recording_no_positions_is_asked_for_its_context(tmp_path):
+    """Mamba keeps its state in transformers' cache (tests/test_recurrent_state.py) and has no position
+    limit: the one line asks for --max-context rather than guessing one (a 2048 default unrolled its
+    token-by-token scan for minutes)."""
     model = transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=8)).eval()
-    with pytest.raises(TpuExportError, match="MambaForCausalLM keeps a recurrent state .*--task feature-extraction --dim seq=N:N"):
+    with pytest.raises(TpuExportError, match="MambaForCausalLM's config records no maximum position; give --max-context N"):
         tpuexport.convert(model, task="text-generation", out=tmp_path / "lm.tpu")
     assert list(tmp_path.iterdir()) == []
 

@@ -858,7 +858,9 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
                                  f"(their chunked scans export at a static prompt length), not {sorted(set(prefill_buckets))}; "
                                  "give one --bucket seq=N")
     if prefill_buckets is None:
-        prefill_buckets = tuple(size for size in (128, 512, _LONGEST_DEFAULT_BUCKET, shortest) if shortest <= size < max_context) + (max_context,)
+        # An indexed model's shortest (its index_topk) is a bucket too: the prompts shorter than the next one are padded to it.
+        candidates = (128, 512, _LONGEST_DEFAULT_BUCKET) + ((shortest,) if shortest > 2 else ())
+        prefill_buckets = tuple(size for size in candidates if shortest <= size < max_context) + (max_context,)
     for size in prefill_buckets:
         if not shortest <= size <= max_context:
             raise TpuExportError(f"prefill bucket seq={size} is out of range: prompt lengths are 2..{max_context} (--max-context)"
