@@ -13,6 +13,7 @@ from tpuexport.errors import TpuExportError
 from tpuexport.export.cache_specs import GenerationSpec
 from tpuexport.export.functional_cache import FunctionalKVCache, GroupedKVCache, write_decode_cache, write_prefill_cache
 
+
 class PrefillConvStates:
     """Prefill's short-convolution states (GenerationSpec.conv_layers): a fresh prompt has none, and
     row r's state after it is its last conv_kernel inputs to the convolution, positions

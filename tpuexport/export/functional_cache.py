@@ -22,6 +22,7 @@ from torch import nn
 
 from tpuexport.export.cache_specs import SCALE_LAYOUT
 
+
 def quantize_kv(new: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys or values [..., head_dim] as an int8 cache stores them: symmetric per vector, scale =
     absmax over head_dim / 127 in `scale_dtype`, q = round(x / scale) with the scale as stored (0
