@@ -929,19 +929,17 @@ def _recurrent_states(model: nn.Module) -> RecurrentStates | None:
         layers, or recurrent layers the entry points cannot hold alike (no short convolution, or
         states of different shapes).
     """
-    name, stateful = type(model).__name__, getattr(model, "_is_stateful", False)
+    name = type(model).__name__
+    if not getattr(model, "_is_stateful", False):  # transformers marks every model keeping such a state: no probe for the rest
+        return None
     recorder = _StateRecorder()
     try:
         _probe_forward(model, recorder)
     except Exception as error:  # the forward fails at 2 tokens: its export would too
-        if not stateful:
-            return None
         raise TpuExportError(f"--task text-generation: {name}'s forward fails on a 2-token prompt ({type(error).__name__}: "
                              f"{' '.join(str(error).split())[:200]}); its full-sequence forward may convert (--task feature-extraction)") from None
     if not recorder.recurrent:
-        if stateful:
-            raise _state_outside_cache(name)
-        return None
+        raise _state_outside_cache(name)
     layers = tuple(sorted(recorder.recurrent))
     states, convs = {recorder.recurrent[layer] for layer in layers}, {recorder.convs.get(layer) for layer in layers}
     if recorder.keys & set(layers):
