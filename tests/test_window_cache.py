@@ -298,3 +298,41 @@ def test_bad_sliding_window_cache_is_one_line(tmp_path):
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "unknown --sliding-window-cache 'ring'; use one of bounded, full" in lines[0]
     assert not (tmp_path / "lm.tpu").exists()
+
+
+def tiny_mimo_v2_flash() -> transformers.PreTrainedModel:
+    """MiMo-V2-Flash's layers: a full one caching 2 kv heads, then two sliding ones caching twice as
+    many (4) with attention sinks; values narrower than keys (v_head_dim 8, head_dim 16)."""
+    torch.manual_seed(0)
+    config = transformers.MiMoV2FlashConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, v_head_dim=8,
+                                            max_position_embeddings=128, sliding_window=WINDOW, mlp_layer_types=["dense"] * 3,
+                                            layer_types=["full_attention", "sliding_attention", "sliding_attention"])
+    model = transformers.MiMoV2FlashForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.self_attn.sinks.normal_()
+    return model
+
+
+def test_sliding_layers_with_more_kv_heads_keep_their_own_rings():
+    """The sliding layers' rings hold their 4 heads, the full layer's cache its 2; verified against generate()."""
+    model = tiny_mimo_v2_flash()
+    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(20,))
+    assert spec.window_layers == (1, 2) and spec.window_kv_heads == 4
+    assert spec.cache_shape == (1, MAX_BATCH, 2, MAX_CONTEXT, 16) and spec.window_cache_shape == (2, MAX_BATCH, 4, WINDOW, 16)
+    assert export_stage.GenerationSpec.from_json(spec.to_json()) == spec
+    modules = export_stage.entry_point_modules(model, spec)
+    entry_points = {name: lowered_entry_point(modules[name], spec, name) for name in ("prefill", "decode")}
+    report = verify_generation(lower_stage.GenerationProgram(spec, entry_points, (MAX_BATCH,)), model, new_tokens=NEW_TOKENS)
+    assert report.passed, report.failure_summary()
+    assert report.tokens_compared() == MAX_BATCH * NEW_TOKENS
+
+
+def test_sliding_layers_with_more_kv_heads_in_one_cache_are_refused_in_one_line():
+    model = tiny_mimo_v2_flash()
+    with pytest.raises(tpuexport.TpuExportError, match="sliding layers cache 4 kv heads and its full layers 2, which one cache cannot hold"):
+        export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, sliding_window_cache="full")
+    with pytest.raises(tpuexport.TpuExportError, match="--kv-cache paged: MiMoV2FlashForCausalLM's full and sliding layers cache 2 and 4"):
+        export_stage.paged_spec(model, MAX_BATCH, MAX_CONTEXT, None, None, None, None)
+    assert export_stage.generation_spec(tiny_gemma2(), MAX_BATCH, MAX_CONTEXT).window_kv_heads == 0  # same heads: as before

@@ -167,6 +167,18 @@ class _StateRecorder(_PassingProbeCache):
         return state
 
 
+class _LayerProbeCache(_PassingProbeCache):
+    """Raises _Cached at one layer's write, the earlier layers' passing through."""
+
+    def __init__(self, layer: int):
+        self.layer = layer
+
+    def update(self, new_keys, new_values, layer):
+        if layer == self.layer:
+            raise _Cached(new_keys.shape, new_values.shape)
+        return new_keys, new_values
+
+
 class _ConvProbeCache(_PassingProbeCache):
     def update_conv_state(self, inputs, layer, kernel=None):
         raise _ConvCached(int(inputs.shape[1]), kernel)
@@ -217,17 +229,17 @@ def decoder_layers(model: nn.Module) -> int:
     return layers
 
 
-def cached_shapes(model: nn.Module) -> tuple[int, int]:
+def cached_shapes(model: nn.Module, layer: int | None = None) -> tuple[int, int]:
     """(kv heads, head_dim) of what a decoder's attention layers write to their cache, as the first
-    layer writes it for a 2-token prompt (on the model's device, the meta device too; the forward
-    stops there): a model's own (Llama's num_key_value_heads x head_dim, DeepSeek's heads x
+    layer (or `layer`) writes it for a 2-token prompt (on the model's device, the meta device too;
+    the forward stops there): a model's own (Llama's num_key_value_heads x head_dim, DeepSeek's heads x
     qk_nope + qk_rope for keys and heads x v_head_dim for values, MiniCPM3's one latent "head").
 
     Raises:
       TpuExportError: keys and values with different head counts.
     """
     try:
-        _probe_forward(model, _ProbeCache())
+        _probe_forward(model, _ProbeCache() if layer is None else _LayerProbeCache(layer))
     except _Cached as cached:
         keys, values = cached.keys, cached.values
     except Exception:  # the forward fails before any layer writes (so will its export, which says why): the config's sizes
@@ -343,6 +355,23 @@ def conv_state_shape(model: nn.Module) -> tuple[int, int]:
                              "(--task feature-extraction)") from None
     raise TpuExportError(f"--task text-generation: {type(model).__name__}'s conv layers keep no state in the cache the way the "
                          "entry points hold it (a kernel size per layer); its full-sequence forward may convert (--task feature-extraction)")
+
+
+def kv_heads_per_layer_type(model: nn.Module) -> tuple[int, int]:
+    """(the full layers' kv heads, the sliding layers') of a decoder mixing the two, as the first
+    layer of each type writes them (cached_shapes): MiMo-V2-Flash's sliding layers cache twice as many.
+
+    Raises:
+      TpuExportError: their keys' widths differ.
+    """
+    layer_types = list(_text_config(model.config).layer_types)
+    first_full = next(index for index, layer_type in enumerate(layer_types)
+                      if layer_type in _MASKED_LAYER_TYPES and layer_type != "sliding_attention")
+    full, sliding = cached_shapes(model, first_full), cached_shapes(model, layer_types.index("sliding_attention"))
+    if full[1] != sliding[1]:
+        raise TpuExportError(f"--task text-generation: {type(model).__name__}'s sliding layers cache {sliding[0]} heads x {sliding[1]} "
+                             f"and its full layers {full[0]} x {full[1]}; keys of different widths per layer type are not supported yet")
+    return full[0], sliding[0]
 
 
 def _masked_value(dtype: torch.dtype) -> float:
@@ -874,6 +903,14 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
         if kv_cache_dtype == "int8":
             raise TpuExportError(f"--kv-cache-dtype int8 with the window-bounded cache of {type(model).__name__} (full and sliding layers) "
                                  "is not supported yet; add --sliding-window-cache full")
+    window_kv_heads = 0
+    if len(windows) > 1 and not recurrent:
+        kv_heads, sliding_kv_heads = kv_heads_per_layer_type(model)
+        if sliding_kv_heads != kv_heads and not window_layers:
+            raise TpuExportError(f"--task text-generation: {type(model).__name__}'s sliding layers cache {sliding_kv_heads} kv heads and "
+                                 f"its full layers {kv_heads}, which one cache cannot hold: keep the sliding layers' rings apart "
+                                 f"(--sliding-window-cache bounded, the default, with --max-context above the window {window})")
+        window_kv_heads = sliding_kv_heads if sliding_kv_heads != kv_heads else 0
     convs, conv_channels, conv_kernel = conv_layers(model), 0, 0
     if recurrent:
         if kv_cache_dtype == "int8" or window_layers or bounded:
@@ -895,7 +932,7 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
         indexer_dim = indexer_width(model)
     return GenerationSpec(max_batch, max_context, layers, kv_heads, head_dim, model.get_output_embeddings().weight.shape[0], dtype,
                           layout, tuple(sorted(set(prefill_buckets))), kv_cache_dtype, window if bounded else None, window_layers,
-                          convs, conv_channels, conv_kernel, indexed, indexer_dim, recurrent.layers if recurrent else (),
+                          window_kv_heads, convs, conv_channels, conv_kernel, indexed, indexer_dim, recurrent.layers if recurrent else (),
                           recurrent.state if recurrent else (), str(recurrent.dtype).removeprefix("torch.") if recurrent else "")
 
 

@@ -47,7 +47,8 @@ from tpuexport.errors import TpuExportError
 from tpuexport.export.cache_specs import DEFAULT_PAGE_SIZE, PAGES_DIM, PagedSpec, max_pages
 from tpuexport.export.functional_cache import dequantize_kv, quantize_kv
 from tpuexport.export.generation import (_EntryPoint, _masked_value, _text_config, _transformers_cache, attention_windows, base_model, cached_shapes,
-                                         check_decoder, conv_layers, decoder_layers, indexed_layers, keys_seen, masks_as_bias)
+                                         check_decoder, conv_layers, decoder_layers, indexed_layers, keys_seen, kv_heads_per_layer_type,
+                                         masks_as_bias)
 from tpuexport.export.model_positions import positions_known
 
 # --kv-cache: "static" is [layers, max_batch, kv_heads, max_context, head_dim] (export/generation.py);
@@ -108,7 +109,7 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
     if getattr(model, "_is_stateful", False):
         raise TpuExportError(f"--kv-cache paged: {type(model).__name__} keeps a recurrent state per row (state-space or linear-attention "
                              "layers), which the pages do not hold yet; use --kv-cache static")
-    attention_windows(model)  # refuses layer types no causal mask describes
+    windows = attention_windows(model)  # refuses layer types no causal mask describes
     if conv_layers(model):
         raise TpuExportError(f"--kv-cache paged: {type(model).__name__}'s short-convolution layers keep a state per row, which the "
                              "pages do not hold yet; use --kv-cache static")
@@ -135,6 +136,9 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
         raise TpuExportError(f"--bucket tokens={','.join(map(str, token_buckets))} is out of range: a step's token budget is 1..{most} "
                              "(max batch x max context)")
     kv_heads, head_dim = cached_shapes(model)
+    if len(windows) > 1 and len(set(heads := kv_heads_per_layer_type(model))) > 1:
+        raise TpuExportError(f"--kv-cache paged: {type(model).__name__}'s full and sliding layers cache {heads[0]} and {heads[1]} kv heads, "
+                             "which one page layout does not hold yet; use --kv-cache static")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return PagedSpec(max_batch, max_context, decoder_layers(model), kv_heads, head_dim, model.get_output_embeddings().weight.shape[0],
                      dtype, page_size, num_pages, token_buckets, row_buckets, kv_cache_dtype)
