@@ -121,6 +121,14 @@ def test_a_recurrent_decoder_recording_no_positions_is_asked_for_its_context(tmp
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_decoder_without_a_position_table_defaults_its_context_as_vllm_does():
+    """BLOOM's ALiBi takes any length and its config records none: 2048 positions by default."""
+    from tpuexport.export.huggingface import UNRECORDED_CONTEXT, generation_context
+
+    model = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)).eval()
+    assert generation_context(model) == UNRECORDED_CONTEXT == 2048
+
+
 def test_a_multimodal_forward_takes_the_placeholder_tokens_its_processor_writes_and_refuses_other_counts(tmp_path):
     """A vision-language model's forward puts each image's features into its text at image tokens,
     as many as the image has features (16 here), which it checks from the tokens' values: the count

@@ -20,7 +20,9 @@ from torch.utils import _pytree as pytree
 from tpuexport.errors import TpuExportError
 from tpuexport.export import constraints, guard_sites, symbolic_sizes
 from tpuexport.export.checkpoints import with_checkpoint_weights
+from tpuexport.export.constant_folding import fold_constants
 from tpuexport.export.loaded import LoadedSource, SourceInfo
+from tpuexport.export.patch_grids import constants_read
 from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
 from tpuexport.signature import Placeholder, ProgramSignature, SymbolicDim, TensorSpec, artifact_dtype, parse_dim_expression
 from tpuexport.source_lines import user_source
@@ -342,7 +344,7 @@ def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.Export
     guarded_at: list[str] = []  # where the model's code guarded the sizes, should torch.export refuse a declared range
     try:
         with torch.no_grad(), _quiet_export(), _unchanged_module_casts_skipped(), _scalar_buffers_as_constants(model), \
-                guard_sites.recorded(guarded_at):
+                guard_sites.recorded(guarded_at), constants_read() if getattr(model, "constants", None) else contextlib.nullcontext():
             program = torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
     except Exception as error:  # torch.export raises UserError, ConstraintViolationError, TypeError, ...
         with _quiet_export():
@@ -368,6 +370,8 @@ def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.Export
         raise TpuExportError(
             f"torch.export failed{_described(model)}: {message[:400]}; check the example args and dynamic_shapes / --dim ranges"
         ) from None
+    if getattr(model, "constants", None):  # sizes computed from a vision tower's grid: numbers from here on
+        program = fold_constants(program)
     _refuse_sizes_from_values(model, program)
     _refuse_random_draws(model, program)
     return program

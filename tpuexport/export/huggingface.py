@@ -52,6 +52,7 @@ from tpuexport.export.checkpoints import (Checkpoint, check_weights_fit, open_ch
 from tpuexport.export.generation import check_decoder
 from tpuexport.export.language_model import language_model_config, language_model_names, multimodal_model, tied_names
 from tpuexport.export.loaded import LoadedSource, SourceInfo, file_sha256
+from tpuexport.export.patch_grids import PatchGrid, failure_on, patch_grid
 from tpuexport.export.placeholders import count_placeholders, placeholder_keys
 from tpuexport.export.serving_files import ARTIFACT_DIRECTORY, SERVING_FILES, is_tokenizer_file
 from tpuexport.export.specs import DimSpec
@@ -519,20 +520,27 @@ def _encoder_decoder_class(config) -> str:
 def generation_context(model: torch.nn.Module) -> int:
     """The positions a causal LM's config allows (its `max_position_embeddings`, else GPT-2's
     `n_positions`, else an encoder-decoder's decoder `max_target_positions`; a multimodal model's
-    from its text config): the default --max-context of a Hugging Face text-generation source.
+    from its text config): the default --max-context of a Hugging Face text-generation source. A
+    config recording none belongs to a model without a table of positions to run out of (BLOOM's
+    ALiBi, XLNet's and CPM-Ant's relative positions): UNRECORDED_CONTEXT, as vLLM defaults them.
 
     Raises:
-      TpuExportError: the config records none, or the entry points cannot generate with the model
-        (export.generation.check_decoder).
+      TpuExportError: a model keeping a recurrent state records none (Mamba's: its one prefill bucket is
+        that long, and Mamba's token-by-token scan unrolls into the program), or the entry points cannot
+        generate with the model (export.generation.check_decoder).
     """
     check_decoder(model)  # a model the entry points cannot generate with is refused for that, not for its positions
     config = model.config
     positions = recorded_positions(config) or getattr(config, "max_target_positions", None)
+    if not positions and not getattr(model, "_is_stateful", False):
+        return UNRECORDED_CONTEXT
     if not positions:
         raise TpuExportError(f"{type(model).__name__}'s config records no maximum position; give --max-context N")
     return min(int(positions), longest_positions(model, int(positions)))
 
 
+# The default --max-context of a causal LM whose config records no positions (vLLM's default max_model_len then).
+UNRECORDED_CONTEXT = 2048
 # Config fields that record how many positions a model has, by family (BERT/Llama, GPT-2, ...).
 POSITION_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
 
@@ -577,6 +585,9 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     config = model.config
     config.use_cache = False
     traceable_experts(model)
+    grid = patch_grid(model)
+    if grid is not None:
+        return _grid_forward_program(model, grid, list(dims))
     inputs = model_inputs(model, config)
     text_max = longest_positions(model, recorded_positions(config) or DEFAULT_MAX_SEQUENCE)
     dim_ranges = _dims(inputs, config, list(dims), text_max)
@@ -595,6 +606,27 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
                 args, dynamic_shapes = other_args, other_shapes
                 break
     return wrapped, args, dynamic_shapes
+
+
+def _grid_forward_program(model: torch.nn.Module, grid: PatchGrid, dims: list[DimSpec]) -> tuple[torch.nn.Module, tuple, dict]:
+    """A vision tower over flattened patches (export/patch_grids.py) at one image size: its patches the
+    one input, in the first layout it takes, the grid a constant.
+
+    Raises:
+      TpuExportError: a --dim other than a fixed height or width, or a tower taking none of the layouts.
+    """
+    height, width = grid.image_size(model.config, dims)
+    wrapped = named_forward(model, (grid.patches_input,), constants=grid.constants(height, width))
+    generator = torch.Generator().manual_seed(0)
+    failures = []
+    for shape in grid.layouts(height, width):
+        args = (torch.randn(shape, generator=generator).to(_config_dtype(model.config)),)
+        failures.append(failure_on(wrapped, args))
+        if failures[-1] is None:
+            return wrapped, args, {grid.patches_input: None}
+    raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}) takes none of the patch layouts tpuexport makes for one "
+                         f"{height}x{width} image ({', '.join(str(list(shape)) for shape in grid.layouts(height, width))}) with "
+                         f"{grid.grid_input} {grid.grid(height, width)} (on the first: {failures[0]}); convert it from a file.py:factory")
 
 
 def _with_placeholders(model: torch.nn.Module, inputs: list[ModelInput], dims: dict[str, DimSpec], given: list[DimSpec],
@@ -865,19 +897,28 @@ class _NamedForward(torch.nn.Module):
     """Calls a transformers model with its inputs by name and returns its output's tensors as a dict
     (logits, last_hidden_state, pooler_output, ...): the artifact's output names."""
 
-    def __init__(self, model: torch.nn.Module, input_names: tuple[str, ...], placeholders: dict[str, tuple[Placeholder, ...]]):
+    def __init__(self, model: torch.nn.Module, input_names: tuple[str, ...], placeholders: dict[str, tuple[Placeholder, ...]],
+                 constants: dict[str, torch.Tensor] | None = None):
         super().__init__()
         self.model = model.eval()
         self.input_names = input_names
         self.placeholders = placeholders  # LoadedSource.placeholders
+        # Inputs the program fixes (a vision tower's image grid, export/patch_grids.py): tensors made in the
+        # forward from these numbers, whose values torch.export reads while tracing (patch_grids.constants_read).
+        self.constants = {name: (tensor.tolist(), tensor.dtype) for name, tensor in (constants or {}).items()}
         # Asked per call, not only through model.config: encoder-decoders (T5) give their decoder a
         # copy of the config, whose use_cache would otherwise keep building a cache in the forward.
         self.options = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
 
     def forward(self, *inputs):
+        constants = {name: torch.tensor(values, dtype=dtype) for name, (values, dtype) in self.constants.items()}
         with attention_masks_applied():
-            output = self.model(**dict(zip(self.input_names, inputs)), **self.options, return_dict=True)
-        return {name: value for name, value in output.items() if isinstance(value, torch.Tensor)}
+            output = self.model(**dict(zip(self.input_names, inputs)), **constants, **self.options, return_dict=True)
+        tensors = {name: value for name, value in output.items() if isinstance(value, torch.Tensor)}
+        if self.constants:  # a vision tower's features per layer too (Qwen3-VL's deepstack features, which its language model adds)
+            tensors.update({f"{name}_{index}": item for name, value in output.items() if isinstance(value, (list, tuple))
+                            for index, item in enumerate(value) if isinstance(item, torch.Tensor)})
+        return tensors
 
 
 @contextlib.contextmanager
@@ -909,7 +950,8 @@ def attention_masks_applied():
 
 
 def named_forward(model: torch.nn.Module, input_names: tuple[str, ...],
-                  placeholders: dict[str, tuple[Placeholder, ...]] | None = None) -> torch.nn.Module:
+                  placeholders: dict[str, tuple[Placeholder, ...]] | None = None,
+                  constants: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
     """A module whose forward takes `input_names` positionally (so torch.export and the artifact
     name the inputs as the family does) and returns the model's output tensors by field name.
 
@@ -917,6 +959,7 @@ def named_forward(model: torch.nn.Module, input_names: tuple[str, ...],
       model: a transformers model.
       input_names: its inputs, in the order the artifact takes them.
       placeholders: a multimodal model's placeholder tokens by token input (its `placeholders`).
+      constants: inputs the program fixes, by name (a vision tower's grid), made in its forward from their values.
     Returns:
       The wrapping module (the model is its `model` submodule).
     """
@@ -927,7 +970,7 @@ def named_forward(model: torch.nn.Module, input_names: tuple[str, ...],
 
     forward.__signature__ = inspect.Signature(parameters)
     named = type(type(model).__name__ + "Forward", (_NamedForward,), {"forward": forward})
-    return named(model, input_names, placeholders or {})
+    return named(model, input_names, placeholders or {}, constants)
 
 
 def forward_without_cache(model, positional: int):

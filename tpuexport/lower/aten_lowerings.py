@@ -162,6 +162,32 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
     return jnp.take(weight, indices, axis=0, mode="clip")
 
 
+@register_lowering(aten._embedding_bag_forward_only.default)
+@register_lowering(aten._embedding_bag.default)
+def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False, per_sample_weights=None,
+                  include_last_offset=False, padding_idx=-1):
+    """`F.embedding_bag` (sum, mean or max of each bag's rows, bags starting at `offsets`) as one gather
+    and a segment reduction. torchax's reads the offsets' values on the host, which fails when they are
+    an input of the program (Kimi K2.5's vision tower interpolates its position table so, its offsets
+    a constant computed from the image grid). Returns torch's four outputs: the bags, each index's bag,
+    each bag's size, and (for max) each bag's row of the maximum, else zeros."""
+    bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    bag_of_index = jnp.searchsorted(offsets, jnp.arange(indices.shape[0]), side="right") - 1
+    kept = (indices != padding_idx) if padding_idx >= 0 else jnp.ones(indices.shape, bool)
+    rows = jnp.take(weight, indices, axis=0, mode="clip")
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None].astype(rows.dtype)
+    sizes = jax.ops.segment_sum(kept.astype(jnp.int32), bag_of_index, num_segments=bags)
+    if mode == 2:
+        reduced = jax.ops.segment_max(jnp.where(kept[:, None], rows, -jnp.inf), bag_of_index, num_segments=bags)
+        reduced = jnp.where(sizes[:, None] > 0, reduced, 0).astype(weight.dtype)
+    else:
+        reduced = jax.ops.segment_sum(jnp.where(kept[:, None], rows, 0), bag_of_index, num_segments=bags)
+        if mode == 1:
+            reduced = reduced / jnp.maximum(sizes, 1)[:, None].astype(reduced.dtype)
+    return reduced, bag_of_index.astype(indices.dtype), sizes.astype(indices.dtype), jnp.zeros((bags,), indices.dtype)
+
+
 @register_lowering(aten.full.default)
 def full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None):
     """`torch.full` without a dtype takes its fill value's: int64 for an int, bool for a bool.

@@ -1,0 +1,114 @@
+"""Vision towers over flattened patches and their grid (Qwen2-VL's descendants: Qwen3-VL, GLM-4V, ...)
+convert from their directory at one image size: the grid is a constant of the program, the ops
+that size tensors by its values are evaluated at export (export/constant_folding.py), and the
+artifact takes one image's patches as the model's image processor writes them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tpuexport
+from test_architectures import QUICK, convert_directory, error_lines
+from tpuexport.export.constant_folding import fold_constants
+from tpuexport.export.patch_grids import constants_read
+
+transformers = pytest.importorskip("transformers")
+
+PATCH, TEMPORAL, MERGE = 8, 2, 2
+
+
+def qwen3_vl_tower() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.Qwen3VLVisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48,
+                                              patch_size=PATCH, temporal_patch_size=TEMPORAL, spatial_merge_size=MERGE,
+                                              num_position_embeddings=64, deepstack_visual_indexes=[0])
+    return transformers.Qwen3VLVisionModel(config).eval()
+
+
+def qwen2_5_vl_tower() -> transformers.PreTrainedModel:
+    """Qwen2.5-VL's tower attends within windows of 32 pixels (2 x 2 merged patches) but in its last block."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2_5_VLVisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48,
+                                                 patch_size=PATCH, temporal_patch_size=TEMPORAL, spatial_merge_size=MERGE,
+                                                 window_size=32, fullatt_block_indexes=[1])
+    return transformers.Qwen2_5_VisionTransformerPretrainedModel(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tower_directory(tmp_path_factory):
+    """A tiny Qwen3-VL vision tower written by save_pretrained, with its model."""
+    model = qwen3_vl_tower()
+    directory = tmp_path_factory.mktemp("tower") / "qwen3_vl_vision"
+    model.save_pretrained(directory)
+    return directory, model
+
+
+def test_a_vision_tower_converts_at_one_image_size_and_runs_what_the_model_computes(tower_directory, tmp_path):
+    """A 64 x 32 image: 8 rows x 4 columns of patches, so a grid read in the wrong order differs."""
+    directory, model = tower_directory
+    out = tmp_path / "tower.tpu"
+    result = convert_directory(directory, out, "--task", "auto", "--dim", "height=64:64", "--dim", "width=32:32",
+                               *QUICK[2:], "--target", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runner = tpuexport.runner(out)
+    signature = runner.artifact.manifest["entry_points"]["serving_default"]["signature"]
+    assert [(tensor["name"], tensor["shape"]) for tensor in signature["inputs"]] == [("hidden_states", [32, 3 * TEMPORAL * PATCH * PATCH])]
+    assert {tensor["name"] for tensor in signature["outputs"]} >= {"last_hidden_state", "pooler_output", "deepstack_features_0"}
+    patches = torch.randn(32, 3 * TEMPORAL * PATCH * PATCH)
+    outputs = runner.run({"hidden_states": patches.numpy()})
+    with torch.no_grad():
+        expected = model(patches, grid_thw=torch.tensor([[1, 8, 4]]))
+    np.testing.assert_allclose(outputs["pooler_output"], expected.pooler_output.numpy(), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(outputs["deepstack_features_0"], expected.deepstack_features[0].numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_tower_attending_within_windows_converts_with_its_windows_computed_at_export(tmp_path):
+    """Qwen2.5-VL selects its windows with a boolean mask torch.export cannot trace: they are computed
+    eagerly from the grid and given to the tower; 64 x 64 pixels make 2 x 2 windows, so a window
+    order read wrongly differs."""
+    model = qwen2_5_vl_tower()
+    model.save_pretrained(tmp_path / "qwen2_5_vl_vision")
+    result = convert_directory(tmp_path / "qwen2_5_vl_vision", tmp_path / "tower.tpu", "--task", "auto", "--dim", "height=64:64",
+                               "--dim", "width=64:64", *QUICK[2:], "--target", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    patches = torch.randn(64, 3 * TEMPORAL * PATCH * PATCH)
+    outputs = tpuexport.runner(tmp_path / "tower.tpu").run({"hidden_states": patches.numpy()})
+    with torch.no_grad():
+        expected = model(patches, grid_thw=torch.tensor([[1, 8, 8]]))
+    np.testing.assert_allclose(outputs["pooler_output"], expected.pooler_output.numpy(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dim, message", [
+    ("height=60:60", "--dim height=60:60: this vision tower converts at one image size, in whole merged patches of 16 pixels"),
+    ("width=32:64", "--dim width=32:64: this vision tower converts at one image size"),
+    ("seq=2:16", "--dim seq is not a dim of this model; its dims are height, width"),
+])
+def test_an_image_size_the_tower_cannot_take_is_one_line(tower_directory, tmp_path, dim, message):
+    directory, _ = tower_directory
+    result = convert_directory(directory, tmp_path / "tower.tpu", "--task", "auto", "--dim", dim, *QUICK)
+    assert result.returncode == 2
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+    assert not (tmp_path / "tower.tpu").exists()
+
+
+class Grid(torch.nn.Module):
+    """Sizes from a constant's values, as a tower's attention boundaries are: rows repeated by counts."""
+
+    def forward(self, x):
+        counts = torch.tensor([1, 3, 2])
+        repeated = torch.repeat_interleave(torch.arange(3), counts)
+        return x * repeated[None, :] + counts.sum()
+
+
+def test_ops_computing_from_constants_alone_are_evaluated_at_export():
+    x = torch.randn(2, 6)
+    with constants_read():
+        program = torch.export.export(Grid(), (x,))
+    folded = fold_constants(program)
+    assert [node.target for node in folded.graph.nodes if node.op == "call_function"] == [torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor]
+    assert torch.equal(folded.module()(x), Grid()(x))
+    decomposed = folded.run_decompositions()  # a trace that cannot read the constant's values: none left to read
+    assert torch.equal(decomposed.module()(x), Grid()(x))

@@ -1,0 +1,171 @@
+"""Vision towers over flattened patches and their grid: Qwen2-VL's and its descendants' (Qwen3-VL,
+Qwen3.5, GLM-4V, GLM-OCR, LFM3-VL, Kimi K2.5, HunyuanVL, ...), whose forward takes an image as its
+patches, `hidden_states` or `pixel_values` [patches, channels x temporal patch x patch x patch],
+and `grid_thw` [images, 3]: each image's frames, rows and columns of patches.
+
+The tower computes its positions, windows and attention boundaries from the grid's values, in Python
+(`for t, h, w in grid_thw`, `cu_seqlens.tolist()`): sizes from tensor values, which one exported
+program cannot hold when the grid is an input. tpuexport converts such a tower at one image size:
+the grid is a constant of the program (`named_forward`'s constants), made in the forward from its
+numbers, and torch.export reads its values while tracing (`constants_read`). The artifact's one input
+is the patches of one image of that size, as the model's image processor writes them for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+
+import logging
+
+import torch
+
+from tpuexport.errors import TpuExportError
+from tpuexport.export.specs import DimSpec
+from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
+
+GRID_INPUTS = ("grid_thw", "image_grid_thw")
+PATCH_INPUTS = ("hidden_states", "pixel_values")
+# The largest tensor made from constants whose values torch.export keeps while tracing: a grid, the
+# boundaries and positions a tower computes from it (a 1024-patch image's [1024, 2] positions).
+_CONSTANT_ELEMENTS = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchGrid:
+    """How a tower takes an image: its inputs' names and its patches' sizes.
+
+    Attributes:
+      patches_input, grid_input: the forward's names for the patches and the grid.
+      patch: a patch's height and width in pixels; temporal: frames per patch (2 for Qwen's video-ready
+        towers, whose image patches repeat the frame); channels: colour channels; merge: patches merged
+        into one output token per side (the grid's rows and columns are multiples of it).
+      merge_input: the forward's name for each image's merge size, where it takes one (VideoLLaMA 3's
+        merge_sizes), else None.
+      window: (merge size, window size, patch size) as the tower passes them to transformers'
+        `get_vision_window_index`, where it attends within windows it finds so (Qwen2.5-VL, EXAONE 4.5,
+        Muse: its own attributes, which Muse's merge size of 1 there sets apart from its config's), else None.
+        Its windows are then computed here, eagerly, and given as the helper's precomputed kwargs: it
+        selects them with a boolean mask over a fresh `arange`, whose values torch.export does not keep.
+    """
+
+    patches_input: str
+    grid_input: str
+    patch: int
+    temporal: int
+    channels: int
+    merge: int
+    merge_input: str | None = None
+    window: tuple[int, int, int] | None = None
+
+    def constants(self, height: int, width: int) -> dict[str, torch.Tensor]:
+        """The inputs the program fixes for one image of height x width pixels: its grid (and merge
+        size, and windows)."""
+        grid = torch.tensor(self.grid(height, width))
+        constants = {self.grid_input: grid, **({self.merge_input: torch.tensor([self.merge])} if self.merge_input else {})}
+        if self.window:
+            from transformers.vision_utils import get_vision_window_index
+
+            constants["window_index"], constants["cu_window_seqlens"] = get_vision_window_index(grid, *self.window)
+        return constants
+
+    def grid(self, height: int, width: int) -> list[list[int]]:
+        """grid_thw of one image of height x width pixels."""
+        return [[1, height // self.patch, width // self.patch]]
+
+    def layouts(self, height: int, width: int) -> tuple[tuple[int, ...], ...]:
+        """The shapes an image's patches may take, tried in order: flattened (Qwen's), one patch an
+        image ([patches, channels, patch, patch]: Kimi's), or with its frames."""
+        patches, pixels = (height // self.patch) * (width // self.patch), self.patch * self.patch
+        return ((patches, self.channels * self.temporal * pixels), (patches, self.channels, self.patch, self.patch),
+                (patches, self.channels, self.temporal, self.patch, self.patch))
+
+    def image_size(self, config, dims: list[DimSpec]) -> tuple[int, int]:
+        """(height, width) in pixels: --dim height=H:H / width=W:W, else the config's image_size, else
+        224 rounded to whole merged patches.
+
+        Raises:
+          TpuExportError: a size that is not fixed, or not whole merged patches.
+        """
+        unit = self.patch * self.merge
+        recorded = _setting(config, "image_size")
+        default = recorded if isinstance(recorded, int) and recorded % unit == 0 else max(unit, round(224 / unit) * unit)
+        sizes = {"height": default, "width": default}
+        for dim in dims:
+            if dim.name not in sizes:
+                raise TpuExportError(f"--dim {dim.name} is not a dim of this model; its dims are height, width (one image's pixels)")
+            if dim.min != dim.max or dim.min % unit:
+                raise TpuExportError(f"--dim {dim.name}={dim.min}:{dim.max}: this vision tower converts at one image size, in whole "
+                                     f"merged patches of {unit} pixels; give --dim {dim.name}=N:N with N a multiple of {unit}")
+            sizes[dim.name] = dim.min
+        return sizes["height"], sizes["width"]
+
+
+def patch_grid(model: torch.nn.Module) -> PatchGrid | None:
+    """How a vision tower over flattened patches and their grid takes an image, or None for any other model."""
+    parameters = list(inspect.signature(model.forward).parameters)
+    grid_input = next((name for name in GRID_INPUTS if name in parameters), None)
+    config = model.config
+    patch = _setting(config, "patch_size")
+    if not parameters or parameters[0] not in PATCH_INPUTS or grid_input is None or "input_ids" in parameters or not patch:
+        return None
+    merge = _setting(config, "spatial_merge_size", "merge_kernel_size", "merge_size") or 1
+    window = tuple(getattr(model, name, None) for name in ("spatial_merge_size", "window_size", "patch_size"))
+    windowed = hasattr(inspect.getmodule(type(model)), "get_vision_window_index") and all(isinstance(size, int) for size in window)
+    return PatchGrid(parameters[0], grid_input, _number(patch), _number(_setting(config, "temporal_patch_size", "patch_temporal") or 1),
+                     _number(_setting(config, "in_channels", "in_chans", "num_channels") or 3), _number(merge),
+                     "merge_sizes" if "merge_sizes" in parameters else None, window if windowed else None)
+
+
+def _number(value) -> int:
+    return int(value[0] if isinstance(value, (list, tuple)) else value)
+
+
+def _setting(config, *names):
+    """The first of the named fields the config (or its vision_config) records."""
+    for source in (config, getattr(config, "vision_config", None)):
+        for name in names:
+            value = getattr(source, name, None)
+            if value is not None:
+                return value
+    return None
+
+
+def failure_on(forward: torch.nn.Module, args: tuple) -> str | None:
+    """What a tower (`named_forward` with its grid among the constants) raises on these patches, or
+    None when it runs, computed on shapes alone: its weights as fake CPU tensors, those on the meta
+    device too, since the grid it makes on the CPU must meet them on one device, and its values are
+    read (constants_read)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    tensors = {**dict(forward.named_parameters(remove_duplicate=False)), **dict(forward.named_buffers(remove_duplicate=False))}
+    fakes = {name: FakeTensor(mode, tensor, torch.device("cpu")) if tensor.is_meta else mode.from_tensor(tensor)
+             for name, tensor in tensors.items()}
+    try:  # fake tensors log the traceback of an operator that fails on them: a failure here is an answer, not news
+        with torch.no_grad(), quiet_loggers(*EXPORT_LOGGERS, level=logging.CRITICAL), constants_read(), mode:
+            torch.func.functional_call(forward, fakes, args)
+    except Exception as error:  # whatever the tower raises on patches it does not take
+        return f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+    return None
+
+
+@contextlib.contextmanager
+def constants_read():
+    """torch.export (its fake tensors) keeping the values of the tensors a forward computes from
+    constants only, up to _CONSTANT_ELEMENTS elements, as it keeps a scalar's: the grid's rows, the
+    attention boundaries a tower computes from them, are then numbers while tracing, and the sizes
+    computed from them too. Fake tensors keep one element's value only (torch's CONSTANT_NUMEL_LIMIT,
+    which no option sets); restored on exit."""
+    from torch._subclasses import fake_tensor
+
+    kept = getattr(fake_tensor, "CONSTANT_NUMEL_LIMIT", None)
+    if kept is None:  # a torch without it: the grid's values stay unknown, and the tower is refused as sizing tensors by values
+        yield
+        return
+    fake_tensor.CONSTANT_NUMEL_LIMIT = max(kept, _CONSTANT_ELEMENTS)
+    try:
+        yield
+    finally:
+        fake_tensor.CONSTANT_NUMEL_LIMIT = kept
