@@ -970,6 +970,12 @@ def _recurrent_states(model: nn.Module) -> RecurrentStates | None:
     if not getattr(model, "_is_stateful", False):  # transformers marks every model keeping such a state: no probe for the rest
         return None
     recorder = _StateRecorder()
+    if any(parameter.is_meta for parameter in model.parameters()):
+        # Its buffers too: a state-space mixer computing with a buffer its init made (Zaya's, Falcon-H1's)
+        # met the meta weights as a CPU tensor, and the probe failed.
+        from tpuexport.export.capturing import meta_copy
+
+        model = meta_copy(model)
     try:
         _probe_forward(model, recorder)
     except Exception as error:  # the forward fails at 2 tokens: its export would too
