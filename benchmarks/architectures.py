@@ -185,6 +185,14 @@ OVERRIDES: dict[str, dict] = {
     **{name: {"encoder_config": {"max_position_embeddings": 512}} for name in ("nemotron_asr_streaming", "nemotron3_5_asr")},
     # Qwen2-VL's text models too: their mrope_section defaults to [16, 24, 24] in their code when the config leaves it unset.
     **{name: {"rope_parameters": GLM_ROPE} for name in ("qwen2_vl_text", "qwen2_5_vl_text")},
+    # Sizes their configs' validators tie together, which the generic shrink left apart: each layer reads its own keys
+    # (the shrunk per-layer list kept later layers' indexes); sliding layers' head_dim is qk_nope + qk_rope (16 + 8);
+    # a codebook as wide as the model; the adapter reading the tower's 2 layers.
+    "mistral_large4_text": {"kv_source_layers": [0, 1]},
+    "mistral_large4": {"text_config": {"kv_source_layers": [0, 1]}},
+    "dots3_note_text": {"head_dim": 24},
+    "wavtokenizer": {"codebook_dim": WIDTH},
+    "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},
 }
 
 

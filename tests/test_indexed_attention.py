@@ -123,3 +123,25 @@ def test_what_the_indexer_keys_do_not_hold_yet_is_refused_in_one_line(tmp_path, 
         tpuexport.convert(tiny_deepseek_v32(), task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, target="cpu",
                           out=tmp_path / "ds.tpu", **options)
     assert not (tmp_path / "ds.tpu").exists()
+
+
+def test_indexed_layers_beside_sliding_layers_keep_the_rings_apart_and_generate_what_generate_does():
+    """dots3's layers: an indexed one choosing 4 keys and a sliding one within 8 with a wider latent, prompts past both."""
+    torch.manual_seed(0)
+    config = transformers.Dots3NoteTextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=128, shared_experts_intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, head_dim=24, index_n_heads=4, index_head_dim=INDEXER_DIM, index_topk=TOP_K, n_routed_experts=4,
+        num_experts_per_tok=2, sliding_window=8, max_position_embeddings=64, pad_token_id=0,
+        layer_types=["indexed_attention", "sliding_attention"], mlp_layer_types=["dense", "sparse"], swa_num_attention_heads=4,
+        swa_num_key_value_heads=4, swa_q_lora_rank=32, swa_kv_lora_rank=48, swa_head_dim=24, swa_qk_nope_head_dim=16, swa_v_head_dim=16)
+    model = transformers.Dots3NoteForCausalLM(config).eval()
+    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(24,))
+    assert spec.window_layers == (1,) and spec.indexed_layers == (0,) and spec.cache_window == 8
+    # Both cache their latent (keys) and rotary key (values) as one head: the sliding layer's latent is wider.
+    assert spec.cache_shape[-1] == 32 and spec.window_cache_shape[-1] == 48
+    assert spec.cache_inputs == ("cache_k", "cache_v", "window_cache_k", "window_cache_v", "indexer_keys")
+    modules = export_stage.entry_point_modules(model, spec)
+    report = verified(model, spec, {name: lowered_entry_point(modules[name], spec, name) for name in ("prefill", "decode")})
+    assert report.passed, report.failure_summary()
+    assert report.tokens_compared() == MAX_BATCH * NEW_TOKENS

@@ -331,8 +331,8 @@ def test_sliding_layers_with_more_kv_heads_keep_their_own_rings():
 
 def test_sliding_layers_with_more_kv_heads_in_one_cache_are_refused_in_one_line():
     model = tiny_mimo_v2_flash()
-    with pytest.raises(tpuexport.TpuExportError, match="sliding layers cache 4 kv heads and its full layers 2, which one cache cannot hold"):
+    with pytest.raises(tpuexport.TpuExportError, match="sliding layers cache 4 kv heads x 16 and its full layers 2 x 16, which one cache cannot hold"):
         export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, sliding_window_cache="full")
-    with pytest.raises(tpuexport.TpuExportError, match="--kv-cache paged: MiMoV2FlashForCausalLM's full and sliding layers cache 2 and 4"):
+    with pytest.raises(tpuexport.TpuExportError, match="--kv-cache paged: MiMoV2FlashForCausalLM's full and sliding layers cache 2 kv heads x 16 and 4"):
         export_stage.paged_spec(model, MAX_BATCH, MAX_CONTEXT, None, None, None, None)
     assert export_stage.generation_spec(tiny_gemma2(), MAX_BATCH, MAX_CONTEXT).window_kv_heads == 0  # same heads: as before

@@ -78,8 +78,9 @@ class GenerationSpec:
         attention layers (Gemma 2/3, Qwen2's `layer_types`): those keep the ring in
         window_cache_k/window_cache_v, the others max_context positions in cache_k/cache_v (each
         group's layers in model order). Empty: every layer keeps the ring in cache_k/cache_v.
-      window_kv_heads: with window_layers, the sliding layers' kv heads where they differ from the
-        full layers' (MiMo-V2-Flash's sliding layers have twice as many); 0: kv_heads.
+      window_kv_heads, window_head_dim: with window_layers, the sliding layers' kv heads and cached width
+        where they differ from the full layers' (MiMo-V2-Flash's sliding layers have twice as many heads,
+        dots3's a wider latent); 0, 0: kv_heads, head_dim.
       conv_layers: the layers that are causal short convolutions, not attention (LFM2's "conv"
         layers): they keep no keys and values, but each slot's last `conv_kernel` inputs to the
         convolution ([conv_channels, conv_kernel] per slot) in conv_state, a recurrent state that a
@@ -112,6 +113,7 @@ class GenerationSpec:
     cache_window: int | None = None
     window_layers: tuple[int, ...] = ()
     window_kv_heads: int = 0
+    window_head_dim: int = 0
     conv_layers: tuple[int, ...] = ()
     conv_channels: int = 0
     conv_kernel: int = 0
@@ -139,15 +141,22 @@ class GenerationSpec:
         the masked inputs leave the state at zero), not after it."""
         return bool(self.recurrent_layers)
 
-    def _cache_tensor_shape(self, layers: int, positions: int, kv_heads: int) -> tuple[int, ...]:
+    @property
+    def static_prompt(self) -> bool:
+        """Whether prefill's prompt length is static, its one bucket: a left-padded (recurrent) prefill's,
+        or an indexed model's whose indexer's top-k, its shortest bucket, is the whole context."""
+        return self.left_padded or bool(self.indexed_layers) and self.prefill_buckets[0] == self.max_context
+
+    def _cache_tensor_shape(self, layers: int, positions: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
         if self.layout == "layer_batch_head_pos":
-            return (layers, self.max_batch, kv_heads, positions, self.head_dim)
-        return (layers, self.max_batch, positions, kv_heads, self.head_dim)
+            return (layers, self.max_batch, kv_heads, positions, head_dim)
+        return (layers, self.max_batch, positions, kv_heads, head_dim)
 
     @property
     def window_cache_shape(self) -> tuple[int, ...]:
         """window_cache_k/window_cache_v's shape (models mixing full and sliding layers): the sliding layers' rings."""
-        return self._cache_tensor_shape(len(self.window_layers), self.cache_window or 0, self.window_kv_heads or self.kv_heads)
+        return self._cache_tensor_shape(len(self.window_layers), self.cache_window or 0, self.window_kv_heads or self.kv_heads,
+                                        self.window_head_dim or self.head_dim)
 
     @property
     def quantized(self) -> bool:
@@ -217,7 +226,7 @@ class GenerationSpec:
     @property
     def cache_shape(self) -> tuple[int, ...]:
         """cache_k/cache_v's shape (in `layout`)."""
-        return self._cache_tensor_shape(len(self.full_layers), self.cache_positions, self.kv_heads)
+        return self._cache_tensor_shape(len(self.full_layers), self.cache_positions, self.kv_heads, self.head_dim)
 
     @property
     def cache_bytes(self) -> int:
@@ -232,8 +241,9 @@ class GenerationSpec:
             data.update(window_layers=list(self.window_layers), window_cache_shape=list(self.window_cache_shape))
         else:
             del data["window_layers"]
-        if not self.window_kv_heads:  # sliding layers with the full layers' heads: the manifest is as it was before the field
-            del data["window_kv_heads"]
+        for name in ("window_kv_heads", "window_head_dim"):
+            if not data[name]:  # sliding layers caching what the full layers do: the manifest is as it was before the fields
+                del data[name]
         if self.conv_layers:
             data.update(conv_layers=list(self.conv_layers), conv_state_shape=list(self.conv_state_shape))
         else:  # a model without conv layers: the manifest is as it was before them

@@ -357,21 +357,14 @@ def conv_state_shape(model: nn.Module) -> tuple[int, int]:
                          "entry points hold it (a kernel size per layer); its full-sequence forward may convert (--task feature-extraction)")
 
 
-def kv_heads_per_layer_type(model: nn.Module) -> tuple[int, int]:
-    """(the full layers' kv heads, the sliding layers') of a decoder mixing the two, as the first
-    layer of each type writes them (cached_shapes): MiMo-V2-Flash's sliding layers cache twice as many.
-
-    Raises:
-      TpuExportError: their keys' widths differ.
-    """
+def cached_shapes_per_layer_type(model: nn.Module) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((kv heads, head_dim) of the full layers, of the sliding layers) of a decoder mixing the two, as the
+    first layer of each type writes them (cached_shapes): MiMo-V2-Flash's sliding layers cache twice as
+    many heads, dots3's a wider latent (its sliding layers' kv_lora_rank, 1024, against 512)."""
     layer_types = list(_text_config(model.config).layer_types)
     first_full = next(index for index, layer_type in enumerate(layer_types)
                       if layer_type in _MASKED_LAYER_TYPES and layer_type != "sliding_attention")
-    full, sliding = cached_shapes(model, first_full), cached_shapes(model, layer_types.index("sliding_attention"))
-    if full[1] != sliding[1]:
-        raise TpuExportError(f"--task text-generation: {type(model).__name__}'s sliding layers cache {sliding[0]} heads x {sliding[1]} "
-                             f"and its full layers {full[0]} x {full[1]}; keys of different widths per layer type are not supported yet")
-    return full[0], sliding[0]
+    return cached_shapes(model, first_full), cached_shapes(model, layer_types.index("sliding_attention"))
 
 
 def _masked_value(dtype: torch.dtype) -> float:
@@ -836,6 +829,22 @@ class MixedConvDecode(Decode):
                            conv_state=conv_state)
 
 
+class MixedIndexedPrefill(Prefill):
+    """Prefill of a model with sliding layers keeping their rings apart and indexed attention layers (dots3's)."""
+
+    def forward(self, tokens, lengths, slots, cache_k, cache_v, window_cache_k, window_cache_v, indexer_keys):
+        return self.prefill(tokens, lengths, slots, cache_k, cache_v, window_cache_k=window_cache_k, window_cache_v=window_cache_v,
+                            indexer_keys=indexer_keys)
+
+
+class MixedIndexedDecode(Decode):
+    """Decode of a model with sliding layers keeping their rings apart and indexed attention layers (dots3's)."""
+
+    def forward(self, tokens, positions, cache_k, cache_v, window_cache_k, window_cache_v, indexer_keys):
+        return self.decode(tokens, positions, cache_k, cache_v, window_cache_k=window_cache_k, window_cache_v=window_cache_v,
+                           indexer_keys=indexer_keys)
+
+
 def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: str = DEFAULT_CACHE_LAYOUT,
                     prefill_buckets: tuple[int, ...] | None = None, kv_cache_dtype: str = "model",
                     sliding_window_cache: str = "bounded") -> GenerationSpec:
@@ -903,14 +912,14 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
         if kv_cache_dtype == "int8":
             raise TpuExportError(f"--kv-cache-dtype int8 with the window-bounded cache of {type(model).__name__} (full and sliding layers) "
                                  "is not supported yet; add --sliding-window-cache full")
-    window_kv_heads = 0
+    window_kv_heads = window_head_dim = 0
     if len(windows) > 1 and not recurrent:
-        kv_heads, sliding_kv_heads = kv_heads_per_layer_type(model)
-        if sliding_kv_heads != kv_heads and not window_layers:
-            raise TpuExportError(f"--task text-generation: {type(model).__name__}'s sliding layers cache {sliding_kv_heads} kv heads and "
-                                 f"its full layers {kv_heads}, which one cache cannot hold: keep the sliding layers' rings apart "
-                                 f"(--sliding-window-cache bounded, the default, with --max-context above the window {window})")
-        window_kv_heads = sliding_kv_heads if sliding_kv_heads != kv_heads else 0
+        (kv_heads, head_dim), sliding = cached_shapes_per_layer_type(model)
+        if sliding != (kv_heads, head_dim) and not window_layers:
+            raise TpuExportError(f"--task text-generation: {type(model).__name__}'s sliding layers cache {sliding[0]} kv heads x "
+                                 f"{sliding[1]} and its full layers {kv_heads} x {head_dim}, which one cache cannot hold: keep the sliding "
+                                 f"layers' rings apart (--sliding-window-cache bounded, the default, with --max-context above the window {window})")
+        window_kv_heads, window_head_dim = (0, 0) if sliding == (kv_heads, head_dim) else sliding
     convs, conv_channels, conv_kernel = conv_layers(model), 0, 0
     if recurrent:
         if kv_cache_dtype == "int8" or window_layers or bounded:
@@ -925,14 +934,14 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
         conv_channels, conv_kernel = conv_state_shape(model)
     indexed, indexer_dim = indexed_layers(model), 0
     if indexed:
-        if kv_cache_dtype == "int8" or convs or window_layers or recurrent:
+        if kv_cache_dtype == "int8" or convs or recurrent or (bounded and not window_layers):
             raise TpuExportError(f"--task text-generation: {type(model).__name__}'s indexed attention layers with "
-                                 f"{'--kv-cache-dtype int8' if kv_cache_dtype == 'int8' else 'conv or sliding layers'} are not supported "
-                                 "yet; convert it with the model-dtype cache")
+                                 f"{'--kv-cache-dtype int8' if kv_cache_dtype == 'int8' else 'conv, recurrent or ring-cached layers'} are "
+                                 "not supported yet; convert it with the model-dtype cache")
         indexer_dim = indexer_width(model)
     return GenerationSpec(max_batch, max_context, layers, kv_heads, head_dim, model.get_output_embeddings().weight.shape[0], dtype,
                           layout, tuple(sorted(set(prefill_buckets))), kv_cache_dtype, window if bounded else None, window_layers,
-                          window_kv_heads, convs, conv_channels, conv_kernel, indexed, indexer_dim, recurrent.layers if recurrent else (),
+                          window_kv_heads, window_head_dim, convs, conv_channels, conv_kernel, indexed, indexer_dim, recurrent.layers if recurrent else (),
                           recurrent.state if recurrent else (), str(recurrent.dtype).removeprefix("torch.") if recurrent else "")
 
 
@@ -1043,10 +1052,12 @@ def entry_point_modules(model: nn.Module, spec: GenerationSpec, prefill: type[Pr
     caches = (bool(spec.window_layers), bool(spec.conv_layers), bool(spec.indexed_layers), bool(spec.recurrent_layers))
     if prefill is Prefill:  # the variant whose inputs name the spec's caches (generation_spec refuses other mixes)
         prefill = {(True, True, False, False): MixedConvPrefill, (True, False, False, False): MixedPrefill,
+                   (True, False, True, False): MixedIndexedPrefill,
                    (False, True, False, False): ConvPrefill, (False, False, True, False): IndexedPrefill,
                    (False, True, False, True): RecurrentPrefill}.get(caches, Prefill)
     if decode is Decode:
         decode = {(True, True, False, False): MixedConvDecode, (True, False, False, False): MixedDecode,
+                  (True, False, True, False): MixedIndexedDecode,
                   (False, True, False, False): ConvDecode, (False, False, True, False): IndexedDecode,
                   (False, True, False, True): RecurrentDecode}.get(caches, Decode)
     return {"prefill": prefill(model.eval(), spec), "decode": decode(model.eval(), spec)}
@@ -1069,9 +1080,10 @@ def example_arguments(spec: GenerationSpec, device: str = "cpu") -> dict[str, tu
     cache = tuple(torch.zeros(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype in spec.cache_tensors().values())
     example_seq = max(2, min(spec.prefill_buckets[0], spec.max_context))
     # An indexed model's shortest bucket is its indexer's top-k (`_shortest_prefill`): seq starts there.
-    seq = torch.export.Dim("seq", min=spec.prefill_buckets[0] if spec.indexed_layers else 2, max=spec.max_context)
-    # A model with recurrent layers prefills at its one bucket, a static length (`_recurrent_states`).
-    seq_shape = {} if spec.recurrent_layers else {1: seq}
+    shortest = spec.prefill_buckets[0] if spec.indexed_layers else 2
+    # A model with recurrent layers prefills at its one bucket, a static length (`_recurrent_states`); so
+    # does an indexed one whose top-k is its whole context (GenerationSpec.static_prompt).
+    seq_shape = {} if spec.static_prompt else {1: torch.export.Dim("seq", min=shortest, max=spec.max_context)}
     prefill_args = (torch.ones((spec.max_batch, example_seq), dtype=torch.long),
                     torch.full((spec.max_batch,), example_seq, dtype=torch.long),
                     torch.arange(spec.max_batch, dtype=torch.long), *cache)

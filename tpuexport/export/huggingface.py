@@ -52,7 +52,7 @@ from tpuexport.export.checkpoints import (Checkpoint, check_weights_fit, open_ch
 from tpuexport.export.generation import check_decoder
 from tpuexport.export.language_model import language_model_config, language_model_names, multimodal_model, tied_names
 from tpuexport.export.loaded import LoadedSource, SourceInfo, file_sha256
-from tpuexport.export.patch_grids import PatchGrid, failure_on, patch_grid
+from tpuexport.export.patch_grids import PatchGrid, constants_read, failure_on, patch_grid
 from tpuexport.export.placeholders import count_placeholders, placeholder_keys
 from tpuexport.export.serving_files import ARTIFACT_DIRECTORY, SERVING_FILES, is_tokenizer_file
 from tpuexport.export.specs import DimSpec
@@ -593,10 +593,13 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     dim_ranges = _dims(inputs, config, list(dims), text_max)
     args, dynamic_shapes = _example_inputs(inputs, dim_ranges, _config_dtype(config))
     names = [spec.name for spec in inputs]
+    constants = {}
     if placeholder_keys(config) and "input_ids" in names and set(names) & set(MEDIA_INPUTS):
-        inputs, dim_ranges = _with_placeholders(model, inputs, dim_ranges, list(dims), args)
+        constants = _image_sizes(model, names, dim_ranges, list(dims))
+        inputs, dim_ranges = _with_placeholders(model, inputs, dim_ranges, list(dims), args, constants)
         args, dynamic_shapes = _example_inputs(inputs, dim_ranges, _config_dtype(config))
-    wrapped = named_forward(model, tuple(spec.name for spec in inputs), {spec.name: spec.placeholders for spec in inputs if spec.placeholders})
+    wrapped = named_forward(model, tuple(spec.name for spec in inputs), {spec.name: spec.placeholders for spec in inputs if spec.placeholders},
+                            constants)
     other_layouts = [_other_layouts(spec, config) for spec in inputs]
     if any(other_layouts) and not _runs_shape_only(wrapped, args):
         for index in range(max(map(len, other_layouts))):  # the first other layout of each input, then the second, ...
@@ -629,16 +632,35 @@ def _grid_forward_program(model: torch.nn.Module, grid: PatchGrid, dims: list[Di
                          f"{grid.grid_input} {grid.grid(height, width)} (on the first: {failures[0]}); convert it from a file.py:factory")
 
 
+def _image_sizes(model: torch.nn.Module, names: list[str], dims: dict[str, DimSpec], given: list[DimSpec]) -> dict[str, torch.Tensor]:
+    """{"image_sizes": [[height, width]], one row an image} for a multimodal model whose forward takes
+    each image's size (Mistral 3's and LightOn OCR's Pixtral tower crops its patches to it) and whose
+    images are one fixed size: a constant of the program (export/patch_grids.py), one image a row and
+    one row a call. {} for any other model.
+
+    Raises:
+      TpuExportError: --dim gives a batch other than one row.
+    """
+    if "image_sizes" not in inspect.signature(model.forward).parameters or "pixel_values" not in names:
+        return {}
+    batch = next((dim for dim in given if dim.name == "batch"), None)
+    if batch is not None and (batch.min, batch.max) != (1, 1):
+        raise TpuExportError(f"--dim batch={batch.min}:{batch.max}: {type(model).__name__} ({model.config.model_type}) takes each image's "
+                             "size (image_sizes), which the program fixes for one image a call; give --dim batch=1:1 or leave batch out")
+    return {"image_sizes": torch.tensor([[dims["height"].min, dims["width"].min]])}
+
+
 def _with_placeholders(model: torch.nn.Module, inputs: list[ModelInput], dims: dict[str, DimSpec], given: list[DimSpec],
-                       args: tuple) -> tuple[list[ModelInput], dict[str, DimSpec]]:
+                       args: tuple, constants: dict[str, torch.Tensor]) -> tuple[list[ModelInput], dict[str, DimSpec]]:
     """A multimodal model's inputs with the placeholder tokens its token ids hold (export/placeholders.py),
     and its dims: seq long enough for them, and one row a call unless --dim gives batch (most such models
-    list their media's features per item, which fixes the batch torch.export traced at).
+    list their media's features per item, which fixes the batch torch.export traced at). `constants`:
+    inputs the program fixes (_image_sizes), which its features method is given too.
 
     Raises:
       TpuExportError: the placeholders cannot be counted, or --dim seq leaves no room for them.
     """
-    placeholders = count_placeholders(model, {spec.name: arg[:1] for spec, arg in zip(inputs, args)})
+    placeholders = count_placeholders(model, {spec.name: arg[:1] for spec, arg in zip(inputs, args)}, constants)
     if not placeholders:
         return inputs, dims
     needed = 1 + sum(placeholder.count for placeholder in placeholders)
@@ -692,7 +714,8 @@ def _runs_shape_only(forward: torch.nn.Module, args: tuple) -> bool:
         forward, args = meta_copy(forward), tuple(arg.to("meta") for arg in args)
     try:  # fake tensors over meta ones too: they read a constant's value (`.item()` of a tensor the forward makes), meta cannot
         # Fake tensors log the traceback of an operator that fails on them: a failure here is an answer, not news.
-        with torch.no_grad(), quiet_loggers(*EXPORT_LOGGERS, level=logging.CRITICAL), FakeTensorMode(allow_non_fake_inputs=True):
+        with torch.no_grad(), quiet_loggers(*EXPORT_LOGGERS, level=logging.CRITICAL), FakeTensorMode(allow_non_fake_inputs=True), \
+                constants_read() if getattr(forward, "constants", None) else contextlib.nullcontext():
             forward(*args)
     except Exception:  # whatever the model raises on inputs it does not take
         return False

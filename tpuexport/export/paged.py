@@ -47,7 +47,7 @@ from tpuexport.errors import TpuExportError
 from tpuexport.export.cache_specs import DEFAULT_PAGE_SIZE, PAGES_DIM, PagedSpec, max_pages
 from tpuexport.export.functional_cache import dequantize_kv, quantize_kv
 from tpuexport.export.generation import (_EntryPoint, _masked_value, _text_config, _transformers_cache, attention_windows, base_model, cached_shapes,
-                                         check_decoder, conv_layers, decoder_layers, indexed_layers, keys_seen, kv_heads_per_layer_type,
+                                         cached_shapes_per_layer_type, check_decoder, conv_layers, decoder_layers, indexed_layers, keys_seen,
                                          masks_as_bias)
 from tpuexport.export.model_positions import positions_known
 
@@ -136,9 +136,9 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
         raise TpuExportError(f"--bucket tokens={','.join(map(str, token_buckets))} is out of range: a step's token budget is 1..{most} "
                              "(max batch x max context)")
     kv_heads, head_dim = cached_shapes(model)
-    if len(windows) > 1 and len(set(heads := kv_heads_per_layer_type(model))) > 1:
-        raise TpuExportError(f"--kv-cache paged: {type(model).__name__}'s full and sliding layers cache {heads[0]} and {heads[1]} kv heads, "
-                             "which one page layout does not hold yet; use --kv-cache static")
+    if "sliding_attention" in windows and len(windows) > 1 and len(set(shapes := cached_shapes_per_layer_type(model))) > 1:
+        raise TpuExportError(f"--kv-cache paged: {type(model).__name__}'s full and sliding layers cache {shapes[0][0]} kv heads x "
+                             f"{shapes[0][1]} and {shapes[1][0]} x {shapes[1][1]}, which one page layout does not hold yet; use --kv-cache static")
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return PagedSpec(max_batch, max_context, decoder_layers(model), kv_heads, head_dim, model.get_output_embeddings().weight.shape[0],
                      dtype, page_size, num_pages, token_buckets, row_buckets, kv_cache_dtype)

@@ -134,21 +134,41 @@ def _setting(config, *names):
 
 def failure_on(forward: torch.nn.Module, args: tuple) -> str | None:
     """What a tower (`named_forward` with its grid among the constants) raises on these patches, or
-    None when it runs, computed on shapes alone: its weights as fake CPU tensors, those on the meta
-    device too, since the grid it makes on the CPU must meet them on one device, and its values are
-    read (constants_read)."""
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    tensors = {**dict(forward.named_parameters(remove_duplicate=False)), **dict(forward.named_buffers(remove_duplicate=False))}
-    fakes = {name: FakeTensor(mode, tensor, torch.device("cpu")) if tensor.is_meta else mode.from_tensor(tensor)
-             for name, tensor in tensors.items()}
-    try:  # fake tensors log the traceback of an operator that fails on them: a failure here is an answer, not news
-        with torch.no_grad(), quiet_loggers(*EXPORT_LOGGERS, level=logging.CRITICAL), constants_read(), mode:
-            torch.func.functional_call(forward, fakes, args)
+    None when it runs, computed on shapes alone (on_cpu_fakes)."""
+    try:
+        on_cpu_fakes(forward, *args)
     except Exception as error:  # whatever the tower raises on patches it does not take
         return f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
     return None
+
+
+def on_cpu_fakes(module: torch.nn.Module, *args, method: str = "forward", constants: dict[str, torch.Tensor] | None = None, **kwargs):
+    """`module.<method>(*args, **kwargs, **constants)` on shapes alone, with the module's weights as
+    fake CPU tensors, those on the meta device too: the constants (made in it from their values, which
+    are read: constants_read), and those a forward makes on the CPU (a tower's grid), must meet them
+    on one device, since moving a constant to the meta device loses its values. Fake tensors log the
+    traceback of an operator that fails on them: a failure here is an answer, not news."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    caller = _MethodCall(module, method)
+    tensors = {**dict(caller.named_parameters(remove_duplicate=False)), **dict(caller.named_buffers(remove_duplicate=False))}
+    fakes = {name: FakeTensor(mode, tensor, torch.device("cpu")) if tensor.is_meta else mode.from_tensor(tensor)
+             for name, tensor in tensors.items()}
+    with torch.no_grad(), quiet_loggers(*EXPORT_LOGGERS, level=logging.CRITICAL), constants_read(), mode:
+        made = {name: torch.tensor(value.tolist(), dtype=value.dtype) for name, value in (constants or {}).items()}
+        return torch.func.functional_call(caller, fakes, args, {**kwargs, **made})
+
+
+class _MethodCall(torch.nn.Module):
+    """Calls one method of a module as its forward (torch.func.functional_call calls forwards)."""
+
+    def __init__(self, module: torch.nn.Module, method: str):
+        super().__init__()
+        self.module, self.method = module, method
+
+    def forward(self, *args, **kwargs):
+        return getattr(self.module, self.method)(*args, **kwargs)
 
 
 @contextlib.contextmanager

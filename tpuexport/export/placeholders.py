@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from tpuexport.errors import TpuExportError
 from tpuexport.export.capturing import meta_copy, value_checks_off
+from tpuexport.export.patch_grids import on_cpu_fakes
 from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
 from tpuexport.signature import Placeholder
 
@@ -43,7 +44,8 @@ def placeholder_keys(config) -> list[str]:
     return [key for key in config.to_dict() if _TOKEN_KEY.fullmatch(key)]
 
 
-def count_placeholders(model: torch.nn.Module, examples: dict[str, torch.Tensor]) -> tuple[Placeholder, ...]:
+def count_placeholders(model: torch.nn.Module, examples: dict[str, torch.Tensor],
+                       constants: dict[str, torch.Tensor] | None = None) -> tuple[Placeholder, ...]:
     """The placeholder tokens one row of the model's token input holds for one item of each media
     input, measured on shapes alone (on the meta device with weights there, else with fake tensors):
     the rows of the features its forward scatters into the text, given that media alone, else the
@@ -53,6 +55,7 @@ def count_placeholders(model: torch.nn.Module, examples: dict[str, torch.Tensor]
       model: a transformers multimodal model.
       examples: one row of each example input by name (token ids without placeholders); a features
         method is given the media and the other inputs it names (an audio model's input_features_mask).
+      constants: inputs the program fixes (Mistral 3's image_sizes), given alike, their values read.
     Returns:
       One Placeholder per media input whose token the config records.
     Raises:
@@ -67,12 +70,13 @@ def count_placeholders(model: torch.nn.Module, examples: dict[str, torch.Tensor]
         if token is None:
             continue
         others = {other: value for other, value in examples.items() if other not in _MEDIA}
-        rows = _scattered_rows(model, {**others, name: example})
-        placeholders.append(Placeholder(int(token), rows if rows is not None else _feature_rows(model, name, example, others), name))
+        rows = _scattered_rows(model, {**others, name: example}, constants or {})
+        placeholders.append(Placeholder(int(token), rows if rows is not None else _feature_rows(model, name, example, others, constants or {}),
+                                        name))
     return tuple(placeholders)
 
 
-def _scattered_rows(model: torch.nn.Module, arguments: dict[str, torch.Tensor]) -> int | None:
+def _scattered_rows(model: torch.nn.Module, arguments: dict[str, torch.Tensor], constants: dict[str, torch.Tensor]) -> int | None:
     """The rows of the first features the model's forward scatters into its text embeddings
     (`masked_scatter`, as transformers' multimodal models merge them: BLIP-2's Q-Former queries, not
     its vision tower's patches), run on shapes alone with one item of one media and no placeholder
@@ -80,7 +84,7 @@ def _scattered_rows(model: torch.nn.Module, arguments: dict[str, torch.Tensor]) 
     scatters = _Scatters()
     try:
         with value_checks_off(), scatters:
-            _shape_only(model.forward, arguments)
+            _shape_only(model.forward, arguments, constants)
     except Exception:  # whatever the model raises on inputs it does not take: the features method says more
         return None
     return scatters.rows[0] if scatters.rows else None
@@ -101,7 +105,8 @@ class _Scatters(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _feature_rows(model: torch.nn.Module, name: str, example: torch.Tensor, others: dict[str, torch.Tensor]) -> int:
+def _feature_rows(model: torch.nn.Module, name: str, example: torch.Tensor, others: dict[str, torch.Tensor],
+                  constants: dict[str, torch.Tensor]) -> int:
     """The rows the model's features method (get_image_features, ...) gives for one item of `name`.
 
     Raises:
@@ -117,13 +122,13 @@ def _feature_rows(model: torch.nn.Module, name: str, example: torch.Tensor, othe
     parameters = inspect.signature(method).parameters
     given = {name: example, **{other: value for other, value in others.items() if other in parameters and other != "input_ids"}}
     try:
-        return _rows_of(_feature_tensors(_shape_only(method, given)))
+        return _rows_of(_feature_tensors(_shape_only(method, given, {other: value for other, value in constants.items() if other in parameters})))
     except Exception as error:  # whatever the model raises on media it does not take this way
         text = " ".join(str(error).split())[:200] or type(error).__name__
         if isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)):
             text = f"how many features it makes depends on its inputs' values: {text}"
         missing = [other for other, parameter in parameters.items()
-                   if other not in given and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)]
+                   if other not in given and other not in constants and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)]
         required = [other for other in missing if parameters[other].default is inspect.Parameter.empty]
         missing = required or missing  # what it cannot do without, else what it may have wanted
         also = f"; it also takes {', '.join(missing)}, which tpuexport does not make" if missing else ""
@@ -132,9 +137,12 @@ def _feature_rows(model: torch.nn.Module, name: str, example: torch.Tensor, othe
                              "tower from a file.py:factory, or its language model alone with --task text-generation") from None
 
 
-def _shape_only(method, arguments: dict[str, torch.Tensor]):
-    """`method(**arguments)` on shapes alone: on the meta device when the weights are there, with fake tensors."""
+def _shape_only(method, arguments: dict[str, torch.Tensor], constants: dict[str, torch.Tensor]):
+    """`method(**arguments, **constants)` on shapes alone: on the meta device when the weights are
+    there, with fake tensors; with constants (whose values it reads), on fake CPU tensors (on_cpu_fakes)."""
     model = method.__self__
+    if constants:
+        return on_cpu_fakes(model, method=method.__name__, constants=constants, **arguments)
     if any(parameter.is_meta for parameter in model.parameters()):
         method = getattr(meta_copy(model), method.__name__)
         arguments = {name: value.to("meta") for name, value in arguments.items()}

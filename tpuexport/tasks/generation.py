@@ -215,7 +215,7 @@ def _decoder_spec(conversion: Conversion, seq: tuple[int, ...] | None, batches: 
     modules = export_stage.entry_point_modules(model, spec)
     # A plan of a model built on the CPU exports with its CPU weights, as a forward plan does.
     on_meta = state is not None or (conversion.plan_only and export_stage.weights_on_meta(model))
-    sizes = {} if spec.left_padded else {"seq": list(spec.prefill_buckets)}  # a left-padded prefill's seq is static
+    sizes = {} if spec.static_prompt else {"seq": list(spec.prefill_buckets)}  # a left-padded prefill's seq is static (one bucket)
     if spec.max_batch > 1:  # one cache slot: prefill's batch is static (no batch dim to bucket)
         sizes["batch"] = list(batches)
     entry_points = {}
