@@ -1,7 +1,8 @@
 """Vision towers over flattened patches and their grid (Qwen2-VL's descendants: Qwen3-VL, GLM-4V, ...)
 convert from their directory at one image size: the grid is a constant of the program, the ops
 that size tensors by its values are evaluated at export (export/constant_folding.py), and the
-artifact takes one image's patches as the model's image processor writes them."""
+artifact takes one image's patches as the model's image processor writes them. Multimodal models
+taking each image's size (Mistral 3's image_sizes) fix it alike."""
 
 from __future__ import annotations
 
@@ -112,3 +113,35 @@ def test_ops_computing_from_constants_alone_are_evaluated_at_export():
     assert torch.equal(folded.module()(x), Grid()(x))
     decomposed = folded.run_decompositions()  # a trace that cannot read the constant's values: none left to read
     assert torch.equal(decomposed.module()(x), Grid()(x))
+
+
+def tiny_mistral3() -> transformers.PreTrainedModel:
+    """Mistral 3: a Pixtral tower (patches of 8) whose features for a 32 x 32 image, merged 2 x 2, are 4 placeholder tokens."""
+    torch.manual_seed(0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16, patch_size=8,
+                  image_size=32)
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=16, max_position_embeddings=64)
+    config = transformers.Mistral3Config(vision_config=vision, text_config=text, image_token_index=100, spatial_merge_size=2)
+    return transformers.Mistral3Model(config).eval()
+
+
+def test_a_model_taking_each_images_size_converts_with_the_size_fixed(tmp_path):
+    """image_sizes is no input of the artifact: the program fixes it to the one image size it takes."""
+    model = tiny_mistral3()
+    model.save_pretrained(tmp_path / "mistral3")
+    result = convert_directory(tmp_path / "mistral3", tmp_path / "m3.tpu", "--task", "feature-extraction", *QUICK[2:], "--target", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runner = tpuexport.runner(tmp_path / "m3.tpu")
+    inputs = runner.artifact.manifest["entry_points"]["serving_default"]["signature"]["inputs"]
+    assert [tensor["name"] for tensor in inputs] == ["input_ids", "pixel_values", "attention_mask"]
+    ids = torch.randint(1, 99, (1, 16))  # the compiled bucket's length
+    ids[0, 3:7] = 100  # its 4 placeholder tokens
+    pixels = torch.randn(1, 3, 32, 32)
+    outputs = runner.run({"input_ids": ids.numpy(), "pixel_values": pixels.numpy(), "attention_mask": np.ones((1, 16), np.int64)})
+    with torch.no_grad():
+        expected = model(input_ids=ids, pixel_values=pixels, image_sizes=torch.tensor([[32, 32]])).last_hidden_state
+    np.testing.assert_allclose(outputs["last_hidden_state"], expected.numpy(), atol=1e-4, rtol=1e-4)
+    refused = convert_directory(tmp_path / "mistral3", tmp_path / "m3b.tpu", "--task", "feature-extraction", "--dim", "batch=1:4", *QUICK)
+    lines = error_lines(refused.stderr)
+    assert refused.returncode == 2 and len(lines) == 1 and "takes each image's size (image_sizes)" in lines[0], refused.stderr[-2000:]
