@@ -506,6 +506,37 @@ def test_assertions_on_constants_are_checked_at_conversion_and_dropped(tmp_path)
     torch.testing.assert_close(artifact.run(x), GaussianTopK()(x), rtol=1e-5, atol=1e-5)
 
 
+class ChecksItsFeatureMapSizes(torch.nn.Module):
+    """Checks, with transformers' torch_compilable_check, that sizes it makes from numbers on its
+    weights' device add up to its sequence, as D-FINE's, RT-DETRv2's and DEIMv2's decoders check
+    their feature maps' against the encoder's."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        from transformers.utils.import_utils import torch_compilable_check
+
+        sizes = torch.as_tensor([[2, 3], [1, 2]], device=self.linear.weight.device)
+        torch_compilable_check((sizes[:, 0] * sizes[:, 1]).sum() == x.shape[1], "the sizes do not add up")
+        return self.linear(x)
+
+
+def test_a_check_on_sizes_made_from_numbers_is_evaluated_when_weights_stream(tmp_path):
+    """D-FINE, RT-DETRv2 and DEIMv2 were refused: "aten._is_all_true.default has no TPU lowering" (the
+    check's truth, read as a number, `_local_scalar_dense`, feeds symbolic ops rather than an assertion;
+    on the meta device, its sizes were meta tensors). The number is evaluated once, and it converts."""
+    torch.manual_seed(0)
+    safetensors.torch.save_file(ChecksItsFeatureMapSizes().state_dict(), str(tmp_path / "weights.safetensors"))
+    with tpuexport.parameters_on_meta():
+        on_meta = ChecksItsFeatureMapSizes().eval()
+    x = torch.randn(2, 8, 4)
+    artifact = tpuexport.convert(on_meta, (x,), {"x": {0: torch.export.Dim("batch", min=1, max=4)}}, checkpoint=tmp_path / "weights.safetensors",
+                                 saved_model=False, out=tmp_path / "model.tpu")
+    assert artifact.manifest["verification"]["passed"]
+
+
 class ResizesAntialiased(torch.nn.Module):
     """Resizes a learned 8 x 8 grid to the image's 6 x 6 and 12 x 12 with antialiasing, as TIPSv2
     (bilinear) and DINOv2 with registers (bicubic) interpolate their position embeddings."""

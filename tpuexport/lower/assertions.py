@@ -1,5 +1,11 @@
 """Runtime assertions on values fixed at export: checked once at conversion, then dropped.
 
+A check written as `torch._check` of a tensor (transformers' torch_compilable_check: D-FINE's,
+RT-DETRv2's and DEIMv2's that their feature maps' sizes add up to the encoder's sequence) reads its
+truth as a number, `_local_scalar_dense(_is_all_true(...))`, which symbolic ops test rather than an
+assertion: computed from constants alone (here also tensors made from numbers on the meta device of
+weights streamed from a checkpoint), it is that number.
+
 torch.distributions checks its parameters when one is built (`Normal(0, 1)`: loc is real, scale
 is positive); under torch.export each check becomes `aten._assert_async(aten._is_all_true(...))`,
 which have no TPU lowering. Gemma 3n's MLP builds `Normal(0, 1)` in its forward for a Gaussian
@@ -25,7 +31,8 @@ _METADATA_CHECKS = (aten._assert_tensor_metadata.default,)
 
 
 def fold_constant_assertions(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """Evaluates the assertions whose values are the program's constants and drops those that hold.
+    """Evaluates the assertions whose values are the program's constants and drops those that hold; a
+    check's truth read as a number from constants becomes that number.
 
     Args:
       program: the decomposed program (not changed).
@@ -38,13 +45,21 @@ def fold_constant_assertions(program: torch.export.ExportedProgram) -> torch.exp
     values: dict[torch.fx.Node, object] = {}
     folded = [node for node in program.graph.nodes
               if node.target in _ASSERTIONS and _holds(_constant_value(node.args[0], constants, order, values))]
-    if not folded:
+    # A check as `torch._check` writes it (transformers' torch_compilable_check of a tensor: its truth read as a
+    # number, `_local_scalar_dense(_is_all_true(...))`, which symbolic ops test): the number, when constants give it.
+    numbers = {node.name: value.item() for node in program.graph.nodes if node.target is aten._local_scalar_dense.default
+               and isinstance(value := _constant_value(node.args[0], constants, order, values), torch.Tensor)}
+    if not folded and not numbers:
         return program
     graph_module = copy.deepcopy(program.graph_module)
     by_name = {node.name: node for node in graph_module.graph.nodes}
-    evaluated = {node.name for node in values}
+    evaluated = {node.name for node in values} | set(numbers)
     for node in folded:
         graph_module.graph.erase_node(by_name[node.name])
+    for name, number in numbers.items():
+        for user in list(by_name[name].users):
+            user.args, user.kwargs = torch.fx.node.map_arg((user.args, user.kwargs),
+                                                           lambda arg, name=name, number=number: number if arg.name == name else arg)
     for node in reversed(list(graph_module.graph.nodes)):
         checks_folded = node.target in _METADATA_CHECKS and node.args[0].name in evaluated
         if checks_folded or (node.name in evaluated and node.op == "call_function" and not node.users):
@@ -77,6 +92,10 @@ def _constant_value(node: torch.fx.Node, constants: dict, order: dict, values: d
                     values[current] = constants[current.name]
                     continue
                 args, kwargs = torch.fx.node.map_arg((current.args, current.kwargs), values.__getitem__)
+                if isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type == "meta":
+                    # Made from numbers on the device of weights streamed from a checkpoint (D-FINE's feature map sizes):
+                    # the same numbers on the CPU.
+                    kwargs = {**kwargs, "device": torch.device("cpu")}
                 values[current] = current.target(*args, **kwargs)
     except Exception:  # a constant on the meta device (a plan) or an op torch cannot run here: left to lowering
         return None
