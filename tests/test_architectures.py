@@ -191,21 +191,22 @@ def test_a_multimodal_forward_takes_the_placeholder_tokens_its_processor_writes_
 
 
 def test_a_multimodal_model_whose_features_cannot_be_counted_is_refused_in_one_line(tmp_path):
-    """Mistral 3's image features need each image's size (image_sizes), an input tpuexport does not
-    make: its placeholder tokens cannot be counted, which one line says, naming what converts."""
-    config = transformers.Mistral3Config(
-        text_config={"model_type": "mistral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 32},
-        vision_config={"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                       "num_attention_heads": 4, "image_size": 32, "patch_size": 8, "head_dim": 8},
-        image_token_index=63, spatial_merge_size=2)
-    transformers.Mistral3Model(config).save_pretrained(tmp_path / "mistral3")
-    result = tpuexport_in_process("convert", tmp_path / "mistral3", "-o", tmp_path / "mistral3.tpu", *QUICK)
+    """Qwen2-VL's image features need each image's grid (image_grid_thw), from which its text's
+    positions are computed too: its placeholder tokens cannot be counted, which one line says, naming
+    what converts. (Mistral 3's, needing image_sizes, convert with it fixed: tests/test_patch_grids.py.)"""
+    config = transformers.Qwen2VLConfig(
+        text_config={"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "max_position_embeddings": 64,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}},
+        vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 32, "num_heads": 4, "patch_size": 8, "spatial_merge_size": 2},
+        image_token_id=63, video_token_id=62, vision_start_token_id=61)
+    transformers.Qwen2VLModel(config).save_pretrained(tmp_path / "qwen2_vl")
+    result = tpuexport_in_process("convert", tmp_path / "qwen2_vl", "-o", tmp_path / "qwen2_vl.tpu", *QUICK)
     assert result.returncode == 2 and error_lines(result.stderr) == [
-        "error: Mistral3Model (mistral3): its get_image_features fails on pixel_values of shape [1, 3, 32, 32] (missing a required "
-        "argument: 'image_sizes'); it also takes image_sizes, which tpuexport does not make, so its placeholder tokens cannot be "
+        "error: Qwen2VLModel (qwen2_vl): its get_image_features fails on pixel_values of shape [1, 3, 224, 224] ('NoneType' object "
+        "has no attribute 'device'); it also takes image_grid_thw, which tpuexport does not make, so its placeholder tokens cannot be "
         "counted; convert one tower from a file.py:factory, or its language model alone with --task text-generation"], result.stderr[-2000:]
-    assert not (tmp_path / "mistral3.tpu").exists()
+    assert not (tmp_path / "qwen2_vl.tpu").exists()
 
 
 class LoopOverChosenRows(torch.nn.Module):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import io
@@ -19,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from tpuexport.errors import TpuExportError
 from tpuexport.export import constraints, guard_sites, symbolic_sizes
-from tpuexport.export.checkpoints import with_checkpoint_weights
+from tpuexport.export.checkpoints import constant_scalar, meta_copy, with_checkpoint_weights
 from tpuexport.export.constant_folding import fold_constants
 from tpuexport.export.loaded import LoadedSource, SourceInfo
 from tpuexport.export.patch_grids import constants_read
@@ -250,27 +249,6 @@ def on_meta_device(source: LoadedSource) -> LoadedSource:
     return dataclasses.replace(source, model=model, args=args)
 
 
-def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of the model with every parameter and buffer on the meta device, tied ones still one
-    tensor (Module.to("meta") makes a new Parameter per name, which unties them), but the integer
-    scalars its code computes sizes from (_constant_scalar)."""
-    model = copy.deepcopy(model)
-    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (original, kept alive so ids stay unique; meta)
-    for module in model.modules():
-        for slots in (module._parameters, module._buffers):
-            for name, tensor in slots.items():
-                if tensor is not None and not tensor.is_meta:
-                    if slots is module._buffers and _constant_scalar(module, name, tensor):
-                        continue  # a constant of the code, read as a number while exporting (_scalar_buffers_as_constants)
-                    if id(tensor) not in moved:
-                        meta = tensor.to("meta")
-                        if isinstance(tensor, torch.nn.Parameter):
-                            meta = type(tensor)(meta, requires_grad=tensor.requires_grad)
-                        moved[id(tensor)] = (tensor, meta)
-                    slots[name] = moved[id(tensor)][1]
-    return model
-
-
 @contextlib.contextmanager
 def _quiet_export():
     """torch.export prints the partial graph of a failed trace to stderr, and logs the traceback of a
@@ -279,21 +257,13 @@ def _quiet_export():
         yield
 
 
-def _constant_scalar(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> bool:
-    """Whether a buffer is an integer scalar the model computed when it was built and keeps out of its
-    checkpoint (non-persistent): a constant of its code, such as the stride and kernel size EnCodec's,
-    Mimi's and Pocket TTS's convolutions compute their padding from."""
-    return (name in module._non_persistent_buffers_set and tensor.dim() == 0 and not tensor.is_meta
-            and not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool))
-
-
 def _scalar_value(value: int, dtype: torch.dtype, module: torch.nn.Module) -> torch.Tensor:
     return torch.tensor(value, dtype=dtype)
 
 
 @contextlib.contextmanager
 def _scalar_buffers_as_constants(model: torch.nn.Module):
-    """Integer scalar buffers that are constants of the model's code (_constant_scalar) read, while
+    """Integer scalar buffers that are constants of the model's code (constant_scalar) read, while
     exporting, as tensors made in the forward from their numbers. torch.export lifts a buffer to an
     input of the program, whose value it does not know: a size computed from one (EnCodec's
     `F.pad(x, (padding_total, extra_padding))`, modeling_encodec.py:160, Mimi's, Pocket TTS's and
@@ -302,7 +272,7 @@ def _scalar_buffers_as_constants(model: torch.nn.Module):
     Each module's buffers and class are as they were afterwards."""
     swapped = []  # (module, its class, its buffers)
     for module in model.modules():
-        names = [name for name, tensor in module._buffers.items() if tensor is not None and _constant_scalar(module, name, tensor)]
+        names = [name for name, tensor in module._buffers.items() if tensor is not None and constant_scalar(module, name, tensor)]
         if not names:
             continue
         swapped.append((module, type(module), dict(module._buffers)))

@@ -332,3 +332,32 @@ def _named_state(model: torch.nn.Module) -> list[tuple[list[str], torch.Tensor, 
 def _listed(names: list[str]) -> str:
     shown = ", ".join(names[:LISTED_NAMES])
     return shown + (f" and {len(names) - LISTED_NAMES} more" if len(names) > LISTED_NAMES else "")
+
+
+def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the model with every parameter and buffer on the meta device, tied ones still one
+    tensor (Module.to("meta") makes a new Parameter per name, which unties them), but the integer
+    scalars its code computes sizes from (constant_scalar)."""
+    model = copy.deepcopy(model)
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (original, kept alive so ids stay unique; meta)
+    for module in model.modules():
+        for slots in (module._parameters, module._buffers):
+            for name, tensor in slots.items():
+                if tensor is not None and not tensor.is_meta:
+                    if slots is module._buffers and constant_scalar(module, name, tensor):
+                        continue  # a constant of the code, read as a number while exporting (capturing._scalar_buffers_as_constants)
+                    if id(tensor) not in moved:
+                        meta = tensor.to("meta")
+                        if isinstance(tensor, torch.nn.Parameter):
+                            meta = type(tensor)(meta, requires_grad=tensor.requires_grad)
+                        moved[id(tensor)] = (tensor, meta)
+                    slots[name] = moved[id(tensor)][1]
+    return model
+
+
+def constant_scalar(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Whether a buffer is an integer scalar the model computed when it was built and keeps out of its
+    checkpoint (non-persistent): a constant of its code, such as the stride and kernel size EnCodec's,
+    Mimi's and Pocket TTS's convolutions compute their padding from."""
+    return (name in module._non_persistent_buffers_set and tensor.dim() == 0 and not tensor.is_meta
+            and not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool))

@@ -37,6 +37,7 @@ from tpuexport.errors import TpuExportError
 from tpuexport.export.cache_specs import CACHE_LAYOUTS, DEFAULT_CACHE_LAYOUT, KV_CACHE_DTYPES, SLIDING_WINDOW_CACHES, GenerationSpec
 from tpuexport.export.cache_states import (DecodeConvStates, DecodeIndexerKeys, DecodeRecurrentStates, PrefillConvStates, PrefillIndexerKeys,
                                            PrefillRecurrentStates, WithStates, by_attention_layer)
+from tpuexport.export.checkpoints import meta_copy
 from tpuexport.export.functional_cache import DecodeCache, FunctionalKVCache, GroupedKVCache, PrefillCache
 from tpuexport.export.model_positions import positions_known
 
@@ -982,8 +983,6 @@ def _recurrent_states(model: nn.Module) -> RecurrentStates | None:
     if any(parameter.is_meta for parameter in model.parameters()):
         # Its buffers too: a state-space mixer computing with a buffer its init made (Zaya's, Falcon-H1's)
         # met the meta weights as a CPU tensor, and the probe failed.
-        from tpuexport.export.capturing import meta_copy
-
         model = meta_copy(model)
     try:
         _probe_forward(model, recorder)

@@ -47,7 +47,7 @@ import torch
 
 from tpuexport.errors import TpuExportError
 from tpuexport.logs import EXPORT_LOGGERS, TORCHAO_LOGGERS, quiet_loggers
-from tpuexport.export.checkpoints import (Checkpoint, check_weights_fit, open_checkpoint, parameters_on_meta, stored_weight_bytes,
+from tpuexport.export.checkpoints import (Checkpoint, check_weights_fit, meta_copy, open_checkpoint, parameters_on_meta, stored_weight_bytes,
                                           with_checkpoint_weights)
 from tpuexport.export.generation import check_decoder
 from tpuexport.export.language_model import language_model_config, language_model_names, multimodal_model, tied_names
@@ -633,15 +633,20 @@ def _grid_forward_program(model: torch.nn.Module, grid: PatchGrid, dims: list[Di
 
 
 def _image_sizes(model: torch.nn.Module, names: list[str], dims: dict[str, DimSpec], given: list[DimSpec]) -> dict[str, torch.Tensor]:
-    """{"image_sizes": [[height, width]], one row an image} for a multimodal model whose forward takes
-    each image's size (Mistral 3's and LightOn OCR's Pixtral tower crops its patches to it) and whose
-    images are one fixed size: a constant of the program (export/patch_grids.py), one image a row and
-    one row a call. {} for any other model.
+    """{"image_sizes": [[height, width]], one row an image} for a multimodal model whose image features
+    require each image's size (Mistral 3's and LightOn OCR's Pixtral tower crops its patches to it; LLaVA's
+    take it only for a Pixtral tower, which its config names) and whose images are one fixed size: a
+    constant of the program (export/patch_grids.py), one image a row and one row a call. {} for any
+    other model.
 
     Raises:
       TpuExportError: --dim gives a batch other than one row.
     """
-    if "image_sizes" not in inspect.signature(model.forward).parameters or "pixel_values" not in names:
+    features = next((owner.get_image_features for owner in (model, getattr(model, "base_model", None), *model.children())
+                     if hasattr(owner, "get_image_features")), None)
+    required = features is not None and "image_sizes" in (parameters := inspect.signature(features).parameters) \
+        and parameters["image_sizes"].default is inspect.Parameter.empty
+    if not required or "image_sizes" not in inspect.signature(model.forward).parameters or "pixel_values" not in names:
         return {}
     batch = next((dim for dim in given if dim.name == "batch"), None)
     if batch is not None and (batch.min, batch.max) != (1, 1):
@@ -706,8 +711,6 @@ def _runs_shape_only(forward: torch.nn.Module, args: tuple) -> bool:
     weights there, else with fake tensors): how an audio or video model lays out its input
     (`_other_layout`) is known by which layout it takes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from tpuexport.export.capturing import meta_copy
 
     on_meta = any(parameter.is_meta for parameter in forward.parameters())
     if on_meta:  # the buffers its init computed too (they stay real beside meta parameters)

@@ -24,7 +24,8 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.overrides import TorchFunctionMode
 
 from tpuexport.errors import TpuExportError
-from tpuexport.export.capturing import meta_copy, value_checks_off
+from tpuexport.export.capturing import value_checks_off
+from tpuexport.export.checkpoints import meta_copy
 from tpuexport.export.patch_grids import on_cpu_fakes
 from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
 from tpuexport.signature import Placeholder
