@@ -11,13 +11,19 @@ import pytest
 import torch
 
 import tpuexport
-from test_architectures import QUICK, convert_directory, error_lines
+from test_architectures import QUICK, error_lines
+from test_cli import tpuexport_in_process
 from tpuexport.export.constant_folding import fold_constants
 from tpuexport.export.patch_grids import constants_read
 
 transformers = pytest.importorskip("transformers")
 
 PATCH, TEMPORAL, MERGE = 8, 2, 2
+
+
+def convert_directory(directory, out, *options: str):
+    """`tpuexport convert DIR -o OUT ...` in this process (no new interpreter's imports)."""
+    return tpuexport_in_process("convert", directory, "-o", out, *options)
 
 
 def qwen3_vl_tower() -> transformers.PreTrainedModel:
