@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-
 import logging
 
 import torch
