@@ -83,7 +83,7 @@ def _evaluated(graph: torch.fx.Graph, constants: dict[str, torch.Tensor]) -> tup
             if node.op == "placeholder" and node.name in constants:
                 values[node] = constants[node.name]
                 derived.add(node)
-            elif node.op == "call_function" and all(arg in values for arg in node.all_input_nodes) and _deterministic(node.target):
+            elif node.op == "call_function" and all(arg in values for arg in node.all_input_nodes) and deterministic(node.target):
                 args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
                 try:
                     values[node] = node.target(*args, **kwargs)
@@ -94,7 +94,7 @@ def _evaluated(graph: torch.fx.Graph, constants: dict[str, torch.Tensor]) -> tup
     return values, derived
 
 
-def _deterministic(target) -> bool:
+def deterministic(target) -> bool:
     """An op whose result depends on its arguments only: no random numbers, no writes (but `detach_`'s,
     which torch.export puts after every tensor made from numbers, and which writes no value)."""
     if target is torch.ops.aten.detach_.default:

@@ -883,8 +883,15 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
     layers = decoder_layers(model)
     recurrent = _recurrent_states(model)
     windows = set(attention_windows(model, _unmasked_layer_types(model) if recurrent else ()).values())  # refuses a type no mask describes
-    # Every layer recurrent (Mamba-2's): no layer writes keys, and cache_k/cache_v hold none (0 layers).
-    kv_heads, head_dim = (1, 1) if recurrent and len(recurrent.layers) == layers else cached_shapes(model)
+    # Every layer recurrent (Mamba-2's): no layer writes keys, and cache_k/cache_v hold none (0 layers). Full
+    # layers beside sliding ones: each type's first layer probed, the sliding layers' shape kept for their rings.
+    sliding = None
+    if recurrent and len(recurrent.layers) == layers:
+        kv_heads, head_dim = 1, 1
+    elif len(windows) > 1 and not recurrent:
+        (kv_heads, head_dim), sliding = cached_shapes_per_layer_type(model)
+    else:
+        kv_heads, head_dim = cached_shapes(model)
     positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     if positions is not None and max_context > positions:
         raise TpuExportError(f"--max-context {max_context} exceeds the model's {positions} positions (max_position_embeddings); "
@@ -914,13 +921,12 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
             raise TpuExportError(f"--kv-cache-dtype int8 with the window-bounded cache of {type(model).__name__} (full and sliding layers) "
                                  "is not supported yet; add --sliding-window-cache full")
     window_kv_heads = window_head_dim = 0
-    if len(windows) > 1 and not recurrent:
-        (kv_heads, head_dim), sliding = cached_shapes_per_layer_type(model)
-        if sliding != (kv_heads, head_dim) and not window_layers:
+    if sliding is not None and sliding != (kv_heads, head_dim):
+        if not window_layers:
             raise TpuExportError(f"--task text-generation: {type(model).__name__}'s sliding layers cache {sliding[0]} kv heads x "
                                  f"{sliding[1]} and its full layers {kv_heads} x {head_dim}, which one cache cannot hold: keep the sliding "
                                  f"layers' rings apart (--sliding-window-cache bounded, the default, with --max-context above the window {window})")
-        window_kv_heads, window_head_dim = (0, 0) if sliding == (kv_heads, head_dim) else sliding
+        window_kv_heads, window_head_dim = sliding
     convs, conv_channels, conv_kernel = conv_layers(model), 0, 0
     if recurrent:
         if kv_cache_dtype == "int8" or window_layers or bounded:

@@ -52,8 +52,8 @@ from tpuexport.export.checkpoints import (Checkpoint, check_weights_fit, meta_co
 from tpuexport.export.generation import check_decoder
 from tpuexport.export.language_model import language_model_config, language_model_names, multimodal_model, tied_names
 from tpuexport.export.loaded import LoadedSource, SourceInfo, file_sha256
-from tpuexport.export.patch_grids import PatchGrid, constants_read, failure_on, patch_grid
-from tpuexport.export.placeholders import count_placeholders, placeholder_keys
+from tpuexport.export.patch_grids import PatchGrid, constants_read, failure_on, made_from_numbers, patch_grid
+from tpuexport.export.placeholders import count_placeholders, features_method, placeholder_keys
 from tpuexport.export.serving_files import ARTIFACT_DIRECTORY, SERVING_FILES, is_tokenizer_file
 from tpuexport.export.specs import DimSpec
 from tpuexport.inputs import with_placeholders
@@ -642,8 +642,7 @@ def _image_sizes(model: torch.nn.Module, names: list[str], dims: dict[str, DimSp
     Raises:
       TpuExportError: --dim gives a batch other than one row.
     """
-    features = next((owner.get_image_features for owner in (model, getattr(model, "base_model", None), *model.children())
-                     if hasattr(owner, "get_image_features")), None)
+    features = features_method(model, "get_image_features")
     required = features is not None and "image_sizes" in (parameters := inspect.signature(features).parameters) \
         and parameters["image_sizes"].default is inspect.Parameter.empty
     if not required or "image_sizes" not in inspect.signature(model.forward).parameters or "pixel_values" not in names:
@@ -931,15 +930,14 @@ class _NamedForward(torch.nn.Module):
         self.placeholders = placeholders  # LoadedSource.placeholders
         # Inputs the program fixes (a vision tower's image grid, export/patch_grids.py): tensors made in the
         # forward from these numbers, whose values torch.export reads while tracing (patch_grids.constants_read).
-        self.constants = {name: (tensor.tolist(), tensor.dtype) for name, tensor in (constants or {}).items()}
+        self.constants = dict(constants or {})
         # Asked per call, not only through model.config: encoder-decoders (T5) give their decoder a
         # copy of the config, whose use_cache would otherwise keep building a cache in the forward.
         self.options = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
 
     def forward(self, *inputs):
-        constants = {name: torch.tensor(values, dtype=dtype) for name, (values, dtype) in self.constants.items()}
         with attention_masks_applied():
-            output = self.model(**dict(zip(self.input_names, inputs)), **constants, **self.options, return_dict=True)
+            output = self.model(**dict(zip(self.input_names, inputs)), **made_from_numbers(self.constants), **self.options, return_dict=True)
         tensors = {name: value for name, value in output.items() if isinstance(value, torch.Tensor)}
         if self.constants:  # a vision tower's features per layer too (Qwen3-VL's deepstack features, which its language model adds)
             tensors.update({f"{name}_{index}": item for name, value in output.items() if isinstance(value, (list, tuple))

@@ -135,10 +135,13 @@ def paged_spec(model: torch.nn.Module, max_batch: int, max_context: int, page_si
     if not all(1 <= tokens <= most for tokens in token_buckets):
         raise TpuExportError(f"--bucket tokens={','.join(map(str, token_buckets))} is out of range: a step's token budget is 1..{most} "
                              "(max batch x max context)")
-    kv_heads, head_dim = cached_shapes(model)
-    if "sliding_attention" in windows and len(windows) > 1 and len(set(shapes := cached_shapes_per_layer_type(model))) > 1:
-        raise TpuExportError(f"--kv-cache paged: {type(model).__name__}'s full and sliding layers cache {shapes[0][0]} kv heads x "
-                             f"{shapes[0][1]} and {shapes[1][0]} x {shapes[1][1]}, which one page layout does not hold yet; use --kv-cache static")
+    if "sliding_attention" in windows and len(windows) > 1:  # each type's first layer probed: one page layout holds both, or neither
+        (kv_heads, head_dim), sliding = cached_shapes_per_layer_type(model)
+        if sliding != (kv_heads, head_dim):
+            raise TpuExportError(f"--kv-cache paged: {type(model).__name__}'s full and sliding layers cache {kv_heads} kv heads x "
+                                 f"{head_dim} and {sliding[0]} x {sliding[1]}, which one page layout does not hold yet; use --kv-cache static")
+    else:
+        kv_heads, head_dim = cached_shapes(model)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return PagedSpec(max_batch, max_context, decoder_layers(model), kv_heads, head_dim, model.get_output_embeddings().weight.shape[0],
                      dtype, page_size, num_pages, token_buckets, row_buckets, kv_cache_dtype)

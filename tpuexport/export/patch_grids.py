@@ -155,8 +155,14 @@ def on_cpu_fakes(module: torch.nn.Module, *args, method: str = "forward", consta
     fakes = {name: FakeTensor(mode, tensor, torch.device("cpu")) if tensor.is_meta else mode.from_tensor(tensor)
              for name, tensor in tensors.items()}
     with torch.no_grad(), quiet_loggers(*EXPORT_LOGGERS, level=logging.CRITICAL), constants_read(), mode:
-        made = {name: torch.tensor(value.tolist(), dtype=value.dtype) for name, value in (constants or {}).items()}
-        return torch.func.functional_call(caller, fakes, args, {**kwargs, **made})
+        return torch.func.functional_call(caller, fakes, args, {**kwargs, **made_from_numbers(constants or {})})
+
+
+def made_from_numbers(constants: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The constants as tensors made from their numbers where this is called (in a forward being
+    traced): such tensors' values are what torch.export keeps (constants_read), unlike a tensor's
+    passed in or held by a module, which it lifts to an input of unknown value."""
+    return {name: torch.tensor(value.tolist(), dtype=value.dtype) for name, value in constants.items()}
 
 
 class _MethodCall(torch.nn.Module):

@@ -114,9 +114,7 @@ def _feature_rows(model: torch.nn.Module, name: str, example: torch.Tensor, othe
       TpuExportError: it has no such method, or the method fails on the example (naming what else it takes).
     """
     method_name = _MEDIA[name][0]
-    # A task head over a multimodal model (ShieldGemma 2's classifier, ModernVBERT's masked LM) leaves it to that model.
-    method = next((getattr(owner, method_name) for owner in (model, getattr(model, "base_model", None), *model.children())
-                   if hasattr(owner, method_name)), None)
+    method = features_method(model, method_name)
     if method is None:
         raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}) puts {name}'s features into its text at placeholder "
                              f"tokens but has no {method_name} to count them; convert one tower from a file.py:factory")
@@ -136,6 +134,14 @@ def _feature_rows(model: torch.nn.Module, name: str, example: torch.Tensor, othe
         raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}): its {method_name} fails on {name} of shape "
                              f"{list(example.shape)} ({text}){also}, so its placeholder tokens cannot be counted; convert one "
                              "tower from a file.py:factory, or its language model alone with --task text-generation") from None
+
+
+def features_method(model: torch.nn.Module, method_name: str):
+    """The model's `method_name` (get_image_features, ...), or its base model's, or a child's: a task head
+    over a multimodal model (ShieldGemma 2's classifier, ModernVBERT's masked LM) leaves it to that
+    model. None when none has it."""
+    return next((getattr(owner, method_name) for owner in (model, getattr(model, "base_model", None), *model.children())
+                 if hasattr(owner, method_name)), None)
 
 
 def _shape_only(method, arguments: dict[str, torch.Tensor], constants: dict[str, torch.Tensor]):

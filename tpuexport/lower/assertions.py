@@ -24,6 +24,8 @@ import copy
 import torch
 from torch.export.graph_signature import InputKind
 
+from tpuexport.export.constant_folding import deterministic
+
 aten = torch.ops.aten
 _ASSERTIONS = (aten._assert_async.msg, aten._assert_async.default)
 # Only consumers of the asserted value: torch.export checks its dtype, which says nothing once it is gone.
@@ -109,9 +111,5 @@ def _holds(value) -> bool:
 
 
 def _pure(target) -> bool:
-    """An op whose result depends on its arguments only: no writes, no random numbers, no assertion."""
-    if target in _ASSERTIONS or target in _METADATA_CHECKS:
-        return False
-    if isinstance(target, torch._ops.OpOverload):
-        return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
-    return callable(target)
+    """An op whose result depends on its arguments only (constant_folding.deterministic), and no assertion."""
+    return target not in _ASSERTIONS and target not in _METADATA_CHECKS and deterministic(target)
