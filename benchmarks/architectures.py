@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import pathlib
 import re
@@ -155,6 +156,8 @@ OVERRIDES: dict[str, dict] = {
     # Their configs leave the image token unset (None), which their checkpoints set (BLIP-2 OPT's 50265).
     **{name: {"image_token_index": 500} for name in ("blip-2", "instructblip", "instructblipvideo")},
     "fun_asr_nano": {"adaptor_config": {"intermediate_size": WIDTH // 4}},  # the text width / 4, checked by its config
+    # Its config leaves the vision layers feeding the language model's layers unset (None); its tiny layers are 0 and 1.
+    "granite4_vision": {"deepstack_layer_map": [[-2, 0], [-1, 1]], "spatial_target_layers": [0, 1, 0, 1], "downsample_rate": "1/2"},
     "chameleon": {"vocabulary_map": {"<image>": 500}},  # the image token's id in its (absent) tokenizer
     # Its attention reads rope_theta, which DbrxAttentionConfig has no default for, and clamps by clip_qkv, failing when it is
     # None (its default): DBRX's checkpoint's values.
@@ -417,6 +420,7 @@ def tiny_config(model_type: str, level: int):
     original = copy.deepcopy(values)
     values = shrink(values, level)
     _keep_sums(original, values)
+    _scale_pinpoints(original, values)
     if any(PLACEHOLDER_TOKEN.fullmatch(key) for key in values):
         _room_for_media_tokens(original, values)
     for key, value in OVERRIDES.get(model_type, {}).items():
@@ -445,6 +449,16 @@ def _keep_sums(before: dict, after: dict) -> None:
         summed = next((widths[a][1] + widths[b][1] for a, b in pairs if a != b and widths[a][0] + widths[b][0] == value), None)
         if summed is not None and summed < value:
             after[key] = summed
+
+
+def _scale_pinpoints(before: dict, after: dict) -> None:
+    """Any-resolution tiling's pinpoints (LLaVA-NeXT's image_grid_pinpoints, multiples of a tile: 336)
+    made the same multiples of the shrunk tower's image size, whose tiles must cut them evenly (a default
+    config's tower need not match its pinpoints: Granite 4 Vision's CLIP defaults to 224)."""
+    pinpoints, new = after.get("image_grid_pinpoints"), (after.get("vision_config") or {}).get("image_size")
+    if isinstance(pinpoints, list) and pinpoints and isinstance(new, int):
+        tile = math.gcd(*(side for pinpoint in pinpoints for side in pinpoint))
+        after["image_grid_pinpoints"] = [[height // tile * new, width // tile * new] for height, width in pinpoints]
 
 
 def _room_for_media_tokens(before: dict, after: dict) -> None:

@@ -151,3 +151,42 @@ def test_a_model_taking_each_images_size_converts_with_the_size_fixed(tmp_path):
     refused = convert_directory(tmp_path / "mistral3", tmp_path / "m3b.tpu", "--task", "feature-extraction", "--dim", "batch=1:4", *QUICK)
     lines = error_lines(refused.stderr)
     assert refused.returncode == 2 and len(lines) == 1 and "takes each image's size (image_sizes)" in lines[0], refused.stderr[-2000:]
+
+
+def tiny_llava_next_video() -> transformers.PreTrainedModel:
+    """LLaVA-NeXT-Video: images tiled at any resolution (tiles of 32 for pinpoints up to 64 x 64) and video
+    clips, whose features come flattened to the forward's scatter."""
+    torch.manual_seed(0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=8, image_size=32)
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                max_position_embeddings=512)
+    config = transformers.LlavaNextVideoConfig(vision_config=vision, text_config=text, image_token_index=100, video_token_index=101,
+                                               image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]], vision_feature_layer=-1,
+                                               spatial_pool_stride=2)
+    return transformers.LlavaNextVideoModel(config).eval()
+
+
+def test_images_tiled_at_any_resolution_convert_with_their_size_fixed(tmp_path):
+    """A 64 x 64 image is 4 tiles of 32 and the whole image at 32: pixel_values [1, 5, 3, 32, 32]. Each
+    placeholder count is the model's own (the video's 8 frames of 2 x 2 pooled features, 32 tokens, reach
+    the scatter flattened)."""
+    model = tiny_llava_next_video()
+    model.save_pretrained(tmp_path / "llava_next_video")
+    result = convert_directory(tmp_path / "llava_next_video", tmp_path / "lnv.tpu", "--task", "feature-extraction", "--dim", "height=64:64",
+                               "--dim", "width=64:64", *QUICK[2:], "--target", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runner = tpuexport.runner(tmp_path / "lnv.tpu")
+    inputs = {tensor["name"]: tensor for tensor in runner.artifact.manifest["entry_points"]["serving_default"]["signature"]["inputs"]}
+    assert inputs["pixel_values"]["shape"] == [1, 5, 3, 32, 32] and inputs["pixel_values_videos"]["shape"] == [1, 8, 3, 32, 32]
+    counts = {placeholder["media"]: placeholder["count"] for placeholder in inputs["input_ids"]["placeholders"]}
+    assert counts["pixel_values_videos"] == 8 * 2 * 2
+    length = runner.artifact.manifest["targets"]["cpu"]["buckets"][0]["sizes"]["seq"]  # the one compiled: the placeholders and a text token
+    ids = torch.randint(1, 99, (1, length))
+    ids[0, 1:1 + counts["pixel_values"]] = 100
+    ids[0, 1 + counts["pixel_values"]:] = 101
+    pixels, clips = torch.randn(1, 5, 3, 32, 32), torch.randn(1, 8, 3, 32, 32)
+    outputs = runner.run({"input_ids": ids.numpy(), "pixel_values": pixels.numpy(), "pixel_values_videos": clips.numpy(),
+                          "attention_mask": np.ones((1, length), np.int64)})
+    with torch.no_grad():
+        expected = model(input_ids=ids, pixel_values=pixels, pixel_values_videos=clips, image_sizes=torch.tensor([[64, 64]])).last_hidden_state
+    np.testing.assert_allclose(outputs["last_hidden_state"], expected.numpy(), atol=1e-4, rtol=1e-4)

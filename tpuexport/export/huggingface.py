@@ -596,6 +596,9 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     constants = {}
     if placeholder_keys(config) and "input_ids" in names and set(names) & set(MEDIA_INPUTS):
         constants = _image_sizes(model, names, dim_ranges, list(dims))
+        if constants:
+            inputs = _image_tiles(model, inputs, constants)
+            args, _ = _example_inputs(inputs, dim_ranges, _config_dtype(config))
         inputs, dim_ranges = _with_placeholders(model, inputs, dim_ranges, list(dims), args, constants)
         args, dynamic_shapes = _example_inputs(inputs, dim_ranges, _config_dtype(config))
     wrapped = named_forward(model, tuple(spec.name for spec in inputs), {spec.name: spec.placeholders for spec in inputs if spec.placeholders},
@@ -652,6 +655,23 @@ def _image_sizes(model: torch.nn.Module, names: list[str], dims: dict[str, DimSp
         raise TpuExportError(f"--dim batch={batch.min}:{batch.max}: {type(model).__name__} ({model.config.model_type}) takes each image's "
                              "size (image_sizes), which the program fixes for one image a call; give --dim batch=1:1 or leave batch out")
     return {"image_sizes": torch.tensor([[dims["height"].min, dims["width"].min]])}
+
+
+def _image_tiles(model: torch.nn.Module, inputs: list[ModelInput], constants: dict[str, torch.Tensor]) -> list[ModelInput]:
+    """The inputs of a model whose images are tiled at any resolution (LLaVA-NeXT, LLaVA-NeXT-Video,
+    LLaVA-OneVision, Granite 4 Vision: a config listing image_grid_pinpoints), pixel_values [batch, tiles,
+    channels, tile, tile]: an image of the fixed image_sizes is resized to the best of the pinpoints and
+    cut into tiles of the vision tower's size, beside a base tile of the whole image. How many, the
+    model's own module counts (its image_size_to_num_patches). A video's frames (LLaVA-NeXT-Video's,
+    LLaVA-OneVision's) are the tower's size too. Other models' inputs as they are."""
+    pinpoints = getattr(model.config, "image_grid_pinpoints", None)
+    count_tiles = getattr(sys.modules[type(model).__module__], "image_size_to_num_patches", None)
+    if "image_sizes" not in constants or not pinpoints or count_tiles is None:
+        return inputs
+    tile = _setting(model.config, "image_size", "vision_config")
+    tiles = count_tiles(image_size=constants["image_sizes"][0].tolist(), grid_pinpoints=pinpoints, patch_size=tile)
+    layouts = {"pixel_values": lambda axes: (axes[0], tiles, axes[1], tile, tile), "pixel_values_videos": lambda axes: (*axes[:-2], tile, tile)}
+    return [dataclasses.replace(spec, axes=layouts[spec.name](spec.axes)) if spec.name in layouts else spec for spec in inputs]
 
 
 def _with_placeholders(model: torch.nn.Module, inputs: list[ModelInput], dims: dict[str, DimSpec], given: list[DimSpec],

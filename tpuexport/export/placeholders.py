@@ -92,7 +92,8 @@ def _scattered_rows(model: torch.nn.Module, arguments: dict[str, torch.Tensor], 
 
 
 class _Scatters(TorchFunctionMode):
-    """Records the rows of every `masked_scatter` source (the last axis is the width)."""
+    """Records the rows of every `masked_scatter` source, in the width of the embeddings it fills (the
+    source may come flattened: LLaVA-NeXT-Video's video features)."""
 
     def __init__(self):
         super().__init__()
@@ -102,7 +103,7 @@ class _Scatters(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.masked_scatter:
             source = args[2] if len(args) > 2 else kwargs["source"]
-            self.rows.append(source.numel() // source.shape[-1])
+            self.rows.append(source.numel() // args[0].shape[-1])
         return func(*args, **kwargs)
 
 
