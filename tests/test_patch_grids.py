@@ -190,3 +190,24 @@ def test_images_tiled_at_any_resolution_convert_with_their_size_fixed(tmp_path):
     with torch.no_grad():
         expected = model(input_ids=ids, pixel_values=pixels, pixel_values_videos=clips, image_sizes=torch.tensor([[64, 64]])).last_hidden_state
     np.testing.assert_allclose(outputs["last_hidden_state"], expected.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_naflex_tower_converts_at_one_image_size_over_a_batch_of_images(tmp_path):
+    """SigLIP 2's NaFlex classifier at 32 x 48 pixels (2 x 3 patches of 16, so transposed spatial_shapes
+    differ): spatial_shapes and the patch mask are constants every image shares, the batch stays a dim."""
+    torch.manual_seed(0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=16, num_patches=16)
+    model = transformers.Siglip2ForImageClassification(transformers.Siglip2Config(vision_config=vision, num_labels=3)).eval()
+    model.save_pretrained(tmp_path / "siglip2")
+    result = convert_directory(tmp_path / "siglip2", tmp_path / "siglip2.tpu", "--task", "auto", "--dim", "height=32:32", "--dim",
+                               "width=48:48", "--dim", "batch=1:2", *QUICK[2:], "--target", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runner = tpuexport.runner(tmp_path / "siglip2.tpu")
+    inputs = runner.artifact.manifest["entry_points"]["serving_default"]["signature"]["inputs"]
+    assert [(tensor["name"], tensor["shape"]) for tensor in inputs] == [("pixel_values", ["batch", 6, 3 * 16 * 16])]
+    patches = torch.randn(2, 6, 3 * 16 * 16)  # the cpu target's bucket
+    logits = runner.run({"pixel_values": patches.numpy()})["logits"]
+    with torch.no_grad():
+        expected = model(pixel_values=patches, pixel_attention_mask=torch.ones(2, 6, dtype=torch.long),
+                         spatial_shapes=torch.tensor([[2, 3]] * 2)).logits
+    np.testing.assert_allclose(logits, expected.numpy(), atol=1e-4, rtol=1e-4)

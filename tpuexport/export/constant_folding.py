@@ -39,7 +39,7 @@ def fold_constants(program: torch.export.ExportedProgram) -> torch.export.Export
     fake_mode = torch._guards.detect_fake_mode([node.meta["val"] for node in graph.nodes if "val" in node.meta])
     for index, node in enumerate(folded):
         readers = [user for user in node.users if user not in values]
-        if not readers:
+        if not readers or _written(node):  # computed as it was: a constant must not be written (SigLIP 2's `abs_()`)
             continue
         value = values[node]
         if isinstance(value, torch.Tensor):
@@ -67,6 +67,19 @@ def fold_constants(program: torch.export.ExportedProgram) -> torch.export.Export
     signature = copy.copy(program.graph_signature)
     signature.input_specs = specs
     return program._update(graph_module, signature, constants=constants)
+
+
+def _written(node: torch.fx.Node) -> bool:
+    """Whether an op writes into the node's tensor in place (`abs_`, `clamp_`; not `detach_`)."""
+    for user in node.users:
+        target = user.target
+        if not isinstance(target, torch._ops.OpOverload) or target is torch.ops.aten.detach_.default:
+            continue
+        for index, argument in enumerate(target._schema.arguments):
+            value = user.args[index] if index < len(user.args) else user.kwargs.get(argument.name)
+            if value is node and argument.alias_info is not None and argument.alias_info.is_write:
+                return True
+    return False
 
 
 def _first_user_input(specs: list[InputSpec]) -> InputSpec:

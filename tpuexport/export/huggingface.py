@@ -616,20 +616,21 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
 
 def _grid_forward_program(model: torch.nn.Module, grid: PatchGrid, dims: list[DimSpec]) -> tuple[torch.nn.Module, tuple, dict]:
     """A vision tower over flattened patches (export/patch_grids.py) at one image size: its patches the
-    one input, in the first layout it takes, the grid a constant.
+    one input, in the first layout it takes (a NaFlex tower's over the batch --dim gives), the grid a constant.
 
     Raises:
       TpuExportError: a --dim other than a fixed height or width, or a tower taking none of the layouts.
     """
     height, width = grid.image_size(model.config, dims)
+    batch = {"batch": next((dim for dim in dims if dim.name == "batch"), DEFAULT_BATCH)}  # a NaFlex tower's images
     wrapped = named_forward(model, (grid.patches_input,), constants=grid.constants(height, width))
-    generator = torch.Generator().manual_seed(0)
     failures = []
-    for shape in grid.layouts(height, width):
-        args = (torch.randn(shape, generator=generator).to(_config_dtype(model.config)),)
+    for layout in grid.layouts(height, width):
+        dtype = _config_dtype(model.config)
+        args, dynamic_shapes = _example_inputs([ModelInput(grid.patches_input, layout, dtype)], batch, dtype)
         failures.append(failure_on(wrapped, args))
         if failures[-1] is None:
-            return wrapped, args, {grid.patches_input: None}
+            return wrapped, args, dynamic_shapes
     raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}) takes none of the patch layouts tpuexport makes for one "
                          f"{height}x{width} image ({', '.join(str(list(shape)) for shape in grid.layouts(height, width))}) with "
                          f"{grid.grid_input} {grid.grid(height, width)} (on the first: {failures[0]}); convert it from a file.py:factory")

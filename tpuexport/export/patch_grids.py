@@ -9,6 +9,11 @@ program cannot hold when the grid is an input. tpuexport converts such a tower a
 the grid is a constant of the program (`named_forward`'s constants), made in the forward from its
 numbers, and torch.export reads its values while tracing (`constants_read`). The artifact's one input
 is the patches of one image of that size, as the model's image processor writes them for it.
+
+SigLIP 2's NaFlex towers take a batch of images alike: `pixel_values` [images, patches, channels x
+patch x patch], each image's `spatial_shapes` [rows, columns] and a `pixel_attention_mask` over the
+patches its image fills. Converted at one image size, both are constants, one row that every image
+of the batch shares; the artifact's one input is the images' patches.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from tpuexport.errors import TpuExportError
 from tpuexport.export.specs import DimSpec
 from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
 
-GRID_INPUTS = ("grid_thw", "image_grid_thw")
+GRID_INPUTS = ("grid_thw", "image_grid_thw", "spatial_shapes")
 PATCH_INPUTS = ("hidden_states", "pixel_values")
 # The largest tensor made from constants whose values torch.export keeps while tracing: a grid, the
 # boundaries and positions a tower computes from it (a 1024-patch image's [1024, 2] positions).
@@ -47,6 +52,9 @@ class PatchGrid:
         Muse: its own attributes, which Muse's merge size of 1 there sets apart from its config's), else None.
         Its windows are then computed here, eagerly, and given as the helper's precomputed kwargs: it
         selects them with a boolean mask over a fresh `arange`, whose values torch.export does not keep.
+      mask_input: the forward's name for the mask of the patches an image fills (NaFlex's
+        pixel_attention_mask: all of them at the one size), where it takes one, else None. Such a tower
+        takes a batch of images ([images, patches, ...]) and its grid is [rows, columns] an image.
     """
 
     patches_input: str
@@ -57,12 +65,15 @@ class PatchGrid:
     merge: int
     merge_input: str | None = None
     window: tuple[int, int, int] | None = None
+    mask_input: str | None = None
 
     def constants(self, height: int, width: int) -> dict[str, torch.Tensor]:
         """The inputs the program fixes for one image of height x width pixels: its grid (and merge
-        size, and windows)."""
+        size, windows, or mask of the patches it fills)."""
         grid = torch.tensor(self.grid(height, width))
         constants = {self.grid_input: grid, **({self.merge_input: torch.tensor([self.merge])} if self.merge_input else {})}
+        if self.mask_input:
+            constants[self.mask_input] = torch.ones(1, (height // self.patch) * (width // self.patch), dtype=torch.long)
         if self.window:
             from transformers.vision_utils import get_vision_window_index
 
@@ -70,13 +81,17 @@ class PatchGrid:
         return constants
 
     def grid(self, height: int, width: int) -> list[list[int]]:
-        """grid_thw of one image of height x width pixels."""
-        return [[1, height // self.patch, width // self.patch]]
+        """grid_thw of one image of height x width pixels (NaFlex's spatial_shapes: its rows and columns)."""
+        rows, columns = height // self.patch, width // self.patch
+        return [[rows, columns]] if self.mask_input else [[1, rows, columns]]
 
-    def layouts(self, height: int, width: int) -> tuple[tuple[int, ...], ...]:
+    def layouts(self, height: int, width: int) -> tuple[tuple[int | str, ...], ...]:
         """The shapes an image's patches may take, tried in order: flattened (Qwen's), one patch an
-        image ([patches, channels, patch, patch]: Kimi's), or with its frames."""
+        image ([patches, channels, patch, patch]: Kimi's), or with its frames; a NaFlex tower's, a batch
+        of flattened images ["batch", patches, channels x patch x patch]."""
         patches, pixels = (height // self.patch) * (width // self.patch), self.patch * self.patch
+        if self.mask_input:
+            return (("batch", patches, self.channels * pixels),)
         return ((patches, self.channels * self.temporal * pixels), (patches, self.channels, self.patch, self.patch),
                 (patches, self.channels, self.temporal, self.patch, self.patch))
 
@@ -92,8 +107,11 @@ class PatchGrid:
         default = recorded if isinstance(recorded, int) and recorded % unit == 0 else max(unit, round(224 / unit) * unit)
         sizes = {"height": default, "width": default}
         for dim in dims:
+            if dim.name == "batch" and self.mask_input:  # a NaFlex tower's images, any range
+                continue
             if dim.name not in sizes:
-                raise TpuExportError(f"--dim {dim.name} is not a dim of this model; its dims are height, width (one image's pixels)")
+                names = "batch, height, width (images, and one image's pixels)" if self.mask_input else "height, width (one image's pixels)"
+                raise TpuExportError(f"--dim {dim.name} is not a dim of this model; its dims are {names}")
             if dim.min != dim.max or dim.min % unit:
                 raise TpuExportError(f"--dim {dim.name}={dim.min}:{dim.max}: this vision tower converts at one image size, in whole "
                                      f"merged patches of {unit} pixels; give --dim {dim.name}=N:N with N a multiple of {unit}")
@@ -114,7 +132,8 @@ def patch_grid(model: torch.nn.Module) -> PatchGrid | None:
     windowed = hasattr(inspect.getmodule(type(model)), "get_vision_window_index") and all(isinstance(size, int) for size in window)
     return PatchGrid(parameters[0], grid_input, _number(patch), _number(_setting(config, "temporal_patch_size", "patch_temporal") or 1),
                      _number(_setting(config, "in_channels", "in_chans", "num_channels") or 3), _number(merge),
-                     "merge_sizes" if "merge_sizes" in parameters else None, window if windowed else None)
+                     "merge_sizes" if "merge_sizes" in parameters else None, window if windowed else None,
+                     "pixel_attention_mask" if grid_input == "spatial_shapes" and "pixel_attention_mask" in parameters else None)
 
 
 def _number(value) -> int:
