@@ -132,6 +132,29 @@ def tiny_mistral3() -> transformers.PreTrainedModel:
     return transformers.Mistral3Model(config).eval()
 
 
+class Selected(torch.nn.Module):
+    """Rows kept by a mask comparing a range with a constant's values (LFM2-VL's tokens of each image),
+    scaled by weights computed from constants in place (SigLIP 2's `abs_()`)."""
+
+    def forward(self, x):
+        sizes = torch.tensor([2, 3])
+        kept = torch.arange(x.shape[0]) < sizes.prod()
+        weights = (torch.arange(x.shape[1]) - sizes.sum().float()).abs_()
+        return x[kept] * weights
+
+
+def test_a_mask_from_constants_selects_known_rows_and_constants_written_in_place_stay_computed():
+    x = torch.randn(8, 4)
+    with constants_read():
+        program = torch.export.export(Selected(), (x,))
+    folded = fold_constants(program)
+    indexes = [node for node in folded.graph.nodes if node.target is torch.ops.aten.index.Tensor]
+    assert len(indexes) == 1 and all(index.meta["val"].dtype == torch.int64 for index in indexes[0].args[1])  # positions, no mask
+    assert torch.ops.aten.abs_.default in [node.target for node in folded.graph.nodes]
+    assert folded.module()(x).shape == (6, 4) and torch.equal(folded.module()(x), Selected()(x))
+    assert torch.equal(folded.run_decompositions().module()(x), Selected()(x))
+
+
 def test_a_model_taking_each_images_size_converts_with_the_size_fixed(tmp_path):
     """image_sizes is no input of the artifact: the program fixes it to the one image size it takes."""
     model = tiny_mistral3()
@@ -194,7 +217,8 @@ def test_images_tiled_at_any_resolution_convert_with_their_size_fixed(tmp_path):
 
 def test_a_naflex_tower_converts_at_one_image_size_over_a_batch_of_images(tmp_path):
     """SigLIP 2's NaFlex classifier at 32 x 48 pixels (2 x 3 patches of 16, so transposed spatial_shapes
-    differ): spatial_shapes and the patch mask are constants every image shares, the batch stays a dim."""
+    differ): spatial_shapes is a constant every image shares, no patch mask is given (every patch is the
+    image's: the model's output with an all-ones mask), the batch stays a dim."""
     torch.manual_seed(0)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=16, num_patches=16)
     model = transformers.Siglip2ForImageClassification(transformers.Siglip2Config(vision_config=vision, num_labels=3)).eval()

@@ -42,13 +42,25 @@ def fold_constants(program: torch.export.ExportedProgram) -> torch.export.Export
         if not readers or _written(node):  # computed as it was: a constant must not be written (SigLIP 2's `abs_()`)
             continue
         value = values[node]
-        if isinstance(value, torch.Tensor):
-            name = f"folded_constant_{index}"
+
+        def constant(name: str, tensor: torch.Tensor) -> torch.fx.Node:
             with graph.inserting_before(first_input):
-                replacement = graph.placeholder(name)
-            replacement.meta.update(node.meta, val=fake_mode.from_tensor(value, static_shapes=True) if fake_mode else value)
+                placeholder = graph.placeholder(name)
+            placeholder.meta.update(node.meta, val=fake_mode.from_tensor(tensor, static_shapes=True) if fake_mode else tensor)
             specs.insert(specs.index(_first_user_input(specs)), InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(name), name))
-            constants[name] = value
+            constants[name] = tensor
+            return placeholder
+
+        if isinstance(value, torch.Tensor) and value.dtype == torch.bool and all(_indexes_with(reader, node) for reader in readers):
+            # A mask selecting by its values: the positions it selects, whose count the lowering can read (LFM2-VL's tokens).
+            positions = [constant(f"folded_constant_{index}_{axis}", axis_positions)
+                         for axis, axis_positions in enumerate(value.nonzero(as_tuple=True))]
+            for reader in readers:
+                source, indices = reader.args[:2]
+                at = indices.index(node)
+                reader.args = (source, [*indices[:at], *positions, *indices[at + 1:]], *reader.args[2:])
+        elif isinstance(value, torch.Tensor):
+            replacement = constant(f"folded_constant_{index}", value)
             for reader in readers:
                 reader.replace_input_with(node, replacement)
         elif isinstance(value, (int, float, bool)):
@@ -67,6 +79,12 @@ def fold_constants(program: torch.export.ExportedProgram) -> torch.export.Export
     signature = copy.copy(program.graph_signature)
     signature.input_specs = specs
     return program._update(graph_module, signature, constants=constants)
+
+
+def _indexes_with(reader: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """Whether the op reads the node only as one of the indices of `aten.index.Tensor`."""
+    return reader.target is torch.ops.aten.index.Tensor and reader.args[0] is not node and isinstance(reader.args[1], (list, tuple)) \
+        and list(reader.args[1]).count(node) == 1
 
 
 def _written(node: torch.fx.Node) -> bool:

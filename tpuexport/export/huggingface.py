@@ -68,6 +68,8 @@ DEFAULT_AUDIO_SAMPLES = 16000
 DEFAULT_MEL_FRAMES = 3000
 DEFAULT_VIDEO_FRAMES = 8
 # Inputs that carry images, clips, audio or a time series (beside or instead of token ids).
+# What a multimodal model's image features may require besides the pixels, fixed for images of one size (_image_constants).
+IMAGE_CONSTANTS = ("image_sizes", "spatial_shapes", "pixel_attention_mask")
 MEDIA_INPUTS = ("pixel_values", "pixel_values_videos", "input_values", "input_features", "past_values")
 # Example sizes the model is traced and first verified at (clamped into the dims' ranges).
 EXAMPLE_SIZES = {"batch": 2, "seq": 16, "decoder_seq": 8}
@@ -595,9 +597,9 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     names = [spec.name for spec in inputs]
     constants = {}
     if placeholder_keys(config) and "input_ids" in names and set(names) & set(MEDIA_INPUTS):
-        constants = _image_sizes(model, names, dim_ranges, list(dims))
+        constants = _image_constants(model, names, dim_ranges, list(dims))
         if constants:
-            inputs = _image_tiles(model, inputs, constants)
+            inputs = _image_layouts(model, inputs, constants)
             args, _ = _example_inputs(inputs, dim_ranges, _config_dtype(config))
         inputs, dim_ranges = _with_placeholders(model, inputs, dim_ranges, list(dims), args, constants)
         args, dynamic_shapes = _example_inputs(inputs, dim_ranges, _config_dtype(config))
@@ -636,42 +638,61 @@ def _grid_forward_program(model: torch.nn.Module, grid: PatchGrid, dims: list[Di
                          f"{grid.grid_input} {grid.grid(height, width)} (on the first: {failures[0]}); convert it from a file.py:factory")
 
 
-def _image_sizes(model: torch.nn.Module, names: list[str], dims: dict[str, DimSpec], given: list[DimSpec]) -> dict[str, torch.Tensor]:
-    """{"image_sizes": [[height, width]], one row an image} for a multimodal model whose image features
-    require each image's size (Mistral 3's and LightOn OCR's Pixtral tower crops its patches to it; LLaVA's
-    take it only for a Pixtral tower, which its config names) and whose images are one fixed size: a
-    constant of the program (export/patch_grids.py), one image a row and one row a call. {} for any
-    other model.
+def _image_constants(model: torch.nn.Module, names: list[str], dims: dict[str, DimSpec], given: list[DimSpec]) -> dict[str, torch.Tensor]:
+    """The inputs besides its pixels a multimodal model's image features require, for images of one
+    fixed size: constants of the program (export/patch_grids.py), one image a row and one row a call.
+    {"image_sizes": [[height, width]]} where they crop or tile by each image's size (Mistral 3's and
+    LightOn OCR's Pixtral tower, LLaVA-NeXT's tiles; LLaVA's take it only for a Pixtral tower, which its
+    config names); a NaFlex tower's spatial_shapes and patch mask (LFM2-VL's SigLIP 2). {} for any other model.
 
     Raises:
       TpuExportError: --dim gives a batch other than one row.
     """
     features = features_method(model, "get_image_features")
-    required = features is not None and "image_sizes" in (parameters := inspect.signature(features).parameters) \
-        and parameters["image_sizes"].default is inspect.Parameter.empty
-    if not required or "image_sizes" not in inspect.signature(model.forward).parameters or "pixel_values" not in names:
+    if features is None or "pixel_values" not in names:
+        return {}
+    parameters, forward = inspect.signature(features).parameters, inspect.signature(model.forward).parameters
+    required = [name for name in IMAGE_CONSTANTS if name in parameters and name in forward and parameters[name].default is inspect.Parameter.empty]
+    if not required:
         return {}
     batch = next((dim for dim in given if dim.name == "batch"), None)
     if batch is not None and (batch.min, batch.max) != (1, 1):
         raise TpuExportError(f"--dim batch={batch.min}:{batch.max}: {type(model).__name__} ({model.config.model_type}) takes each image's "
-                             "size (image_sizes), which the program fixes for one image a call; give --dim batch=1:1 or leave batch out")
-    return {"image_sizes": torch.tensor([[dims["height"].min, dims["width"].min]])}
+                             f"size ({', '.join(required)}), which the program fixes for one image a call; give --dim batch=1:1 or leave batch out")
+    height, width = dims["height"].min, dims["width"].min
+    if "spatial_shapes" in required:
+        return _naflex_grid(model.config).constants(height, width)
+    return {"image_sizes": torch.tensor([[height, width]])}
 
 
-def _image_tiles(model: torch.nn.Module, inputs: list[ModelInput], constants: dict[str, torch.Tensor]) -> list[ModelInput]:
-    """The inputs of a model whose images are tiled at any resolution (LLaVA-NeXT, LLaVA-NeXT-Video,
-    LLaVA-OneVision, Granite 4 Vision: a config listing image_grid_pinpoints), pixel_values [batch, tiles,
-    channels, tile, tile]: an image of the fixed image_sizes is resized to the best of the pinpoints and
-    cut into tiles of the vision tower's size, beside a base tile of the whole image. How many, the
-    model's own module counts (its image_size_to_num_patches). A video's frames (LLaVA-NeXT-Video's,
-    LLaVA-OneVision's) are the tower's size too. Other models' inputs as they are."""
-    pinpoints = getattr(model.config, "image_grid_pinpoints", None)
-    count_tiles = getattr(sys.modules[type(model).__module__], "image_size_to_num_patches", None)
-    if "image_sizes" not in constants or not pinpoints or count_tiles is None:
-        return inputs
-    tile = _setting(model.config, "image_size", "vision_config")
-    tiles = count_tiles(image_size=constants["image_sizes"][0].tolist(), grid_pinpoints=pinpoints, patch_size=tile)
-    layouts = {"pixel_values": lambda axes: (axes[0], tiles, axes[1], tile, tile), "pixel_values_videos": lambda axes: (*axes[:-2], tile, tile)}
+def _naflex_grid(config) -> PatchGrid:
+    """A multimodal model's NaFlex tower (LFM2-VL's SigLIP 2): a batch of flattened images, their spatial
+    shapes and patch mask (export/patch_grids.py)."""
+    return PatchGrid("pixel_values", "spatial_shapes", int(_setting(config, "patch_size", "vision_config")), 1,
+                     int(_setting(config, "num_channels", "vision_config") or 3), 1, mask_input="pixel_attention_mask")
+
+
+def _image_layouts(model: torch.nn.Module, inputs: list[ModelInput], constants: dict[str, torch.Tensor]) -> list[ModelInput]:
+    """The inputs of a multimodal model whose image constants (_image_constants) set its images'
+    layout. A NaFlex tower's images are [batch, patches, channels x patch x patch]. Images tiled at any
+    resolution (LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision, Granite 4 Vision: a config listing
+    image_grid_pinpoints) are [batch, tiles, channels, tile, tile]: an image of the fixed image_sizes is
+    resized to the best of the pinpoints and cut into tiles of the vision tower's size, beside a base
+    tile of the whole image; how many, the model's own module counts (its image_size_to_num_patches). A
+    video's frames (LLaVA-NeXT-Video's, LLaVA-OneVision's) are the tower's size too. Other models'
+    inputs as they are."""
+    config = model.config
+    if "spatial_shapes" in constants:
+        patches, grid = int(constants["spatial_shapes"][0].prod()), _naflex_grid(config)
+        layouts = {"pixel_values": lambda axes: (axes[0], patches, grid.channels * grid.patch * grid.patch)}
+    else:
+        pinpoints = getattr(config, "image_grid_pinpoints", None)
+        count_tiles = getattr(sys.modules[type(model).__module__], "image_size_to_num_patches", None)
+        if not pinpoints or count_tiles is None:
+            return inputs
+        tile = _setting(config, "image_size", "vision_config")
+        tiles = count_tiles(image_size=constants["image_sizes"][0].tolist(), grid_pinpoints=pinpoints, patch_size=tile)
+        layouts = {"pixel_values": lambda axes: (axes[0], tiles, axes[1], tile, tile), "pixel_values_videos": lambda axes: (*axes[:-2], tile, tile)}
     return [dataclasses.replace(spec, axes=layouts[spec.name](spec.axes)) if spec.name in layouts else spec for spec in inputs]
 
 
@@ -680,7 +701,7 @@ def _with_placeholders(model: torch.nn.Module, inputs: list[ModelInput], dims: d
     """A multimodal model's inputs with the placeholder tokens its token ids hold (export/placeholders.py),
     and its dims: seq long enough for them, and one row a call unless --dim gives batch (most such models
     list their media's features per item, which fixes the batch torch.export traced at). `constants`:
-    inputs the program fixes (_image_sizes), which its features method is given too.
+    inputs the program fixes (_image_constants), which its features method is given too.
 
     Raises:
       TpuExportError: the placeholders cannot be counted, or --dim seq leaves no room for them.

@@ -12,8 +12,9 @@ is the patches of one image of that size, as the model's image processor writes 
 
 SigLIP 2's NaFlex towers take a batch of images alike: `pixel_values` [images, patches, channels x
 patch x patch], each image's `spatial_shapes` [rows, columns] and a `pixel_attention_mask` over the
-patches its image fills. Converted at one image size, both are constants, one row that every image
-of the batch shares; the artifact's one input is the images' patches.
+patches its image fills. Converted at one image size, the shapes are a constant, one row that every
+image of the batch shares, and no mask is given (every patch is the image's); the artifact's one
+input is the images' patches.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import inspect
 import logging
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from tpuexport.errors import TpuExportError
 from tpuexport.export.specs import DimSpec
@@ -53,8 +55,9 @@ class PatchGrid:
         Its windows are then computed here, eagerly, and given as the helper's precomputed kwargs: it
         selects them with a boolean mask over a fresh `arange`, whose values torch.export does not keep.
       mask_input: the forward's name for the mask of the patches an image fills (NaFlex's
-        pixel_attention_mask: all of them at the one size), where it takes one, else None. Such a tower
-        takes a batch of images ([images, patches, ...]) and its grid is [rows, columns] an image.
+        pixel_attention_mask: all of them at the one size, so none is given), where it takes one, else
+        None. Such a tower takes a batch of images ([images, patches, ...]) and its grid is [rows,
+        columns] an image.
     """
 
     patches_input: str
@@ -67,13 +70,13 @@ class PatchGrid:
     window: tuple[int, int, int] | None = None
     mask_input: str | None = None
 
-    def constants(self, height: int, width: int) -> dict[str, torch.Tensor]:
+    def constants(self, height: int, width: int) -> dict[str, torch.Tensor | None]:
         """The inputs the program fixes for one image of height x width pixels: its grid (and merge
         size, windows, or mask of the patches it fills)."""
         grid = torch.tensor(self.grid(height, width))
         constants = {self.grid_input: grid, **({self.merge_input: torch.tensor([self.merge])} if self.merge_input else {})}
-        if self.mask_input:
-            constants[self.mask_input] = torch.ones(1, (height // self.patch) * (width // self.patch), dtype=torch.long)
+        if self.mask_input:  # every patch is the image's: no mask, which transformers reads as all patches attended and pooled
+            constants[self.mask_input] = None
         if self.window:
             from transformers.vision_utils import get_vision_window_index
 
@@ -177,11 +180,11 @@ def on_cpu_fakes(module: torch.nn.Module, *args, method: str = "forward", consta
         return torch.func.functional_call(caller, fakes, args, {**kwargs, **made_from_numbers(constants or {})})
 
 
-def made_from_numbers(constants: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def made_from_numbers(constants: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
     """The constants as tensors made from their numbers where this is called (in a forward being
     traced): such tensors' values are what torch.export keeps (constants_read), unlike a tensor's
-    passed in or held by a module, which it lifts to an input of unknown value."""
-    return {name: torch.tensor(value.tolist(), dtype=value.dtype) for name, value in constants.items()}
+    passed in or held by a module, which it lifts to an input of unknown value. None stays None."""
+    return {name: None if value is None else torch.tensor(value.tolist(), dtype=value.dtype) for name, value in constants.items()}
 
 
 class _MethodCall(torch.nn.Module):
@@ -201,7 +204,9 @@ def constants_read():
     constants only, up to _CONSTANT_ELEMENTS elements, as it keeps a scalar's: the grid's rows, the
     attention boundaries a tower computes from them, are then numbers while tracing, and the sizes
     computed from them too. Fake tensors keep one element's value only (torch's CONSTANT_NUMEL_LIMIT,
-    which no option sets); restored on exit."""
+    which no option sets); restored on exit. A range of known numbers (`torch.arange(n)`) is made from
+    them (_RangesFromNumbers): a fake `arange` keeps no values, and a boolean mask comparing it with a
+    grid's numbers (LFM2-VL's tokens of each image) would select an unknown count."""
     from torch._subclasses import fake_tensor
 
     kept = getattr(fake_tensor, "CONSTANT_NUMEL_LIMIT", None)
@@ -210,6 +215,19 @@ def constants_read():
         return
     fake_tensor.CONSTANT_NUMEL_LIMIT = max(kept, _CONSTANT_ELEMENTS)
     try:
-        yield
+        with _RangesFromNumbers():
+            yield
     finally:
         fake_tensor.CONSTANT_NUMEL_LIMIT = kept
+
+
+class _RangesFromNumbers(TorchFunctionMode):
+    """`torch.arange` of Python ints as a tensor made from its numbers (on the CPU: a constant moved to
+    the meta device loses its values), up to _CONSTANT_ELEMENTS of them; any other call as it is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.arange and args and all(type(arg) is int for arg in args) and len(range(*args)) <= _CONSTANT_ELEMENTS \
+                and set(kwargs) <= {"dtype", "device"}:
+            return torch.tensor(list(range(*args)), dtype=kwargs.get("dtype") or torch.int64)
+        return func(*args, **kwargs)
