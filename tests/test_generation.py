@@ -206,17 +206,16 @@ def tiny_deepseek_v3() -> transformers.PreTrainedModel:
     return model
 
 
-@pytest.mark.parametrize("family", [tiny_gpt2, tiny_gpt_neo, tiny_cohere, tiny_granite, tiny_deepseek_v3, tiny_modernbert_decoder],
-                         ids=["gpt2", "gpt-neo-mask-buffer", "cohere-logit-scale", "granite-logits-scaling", "deepseek-v3-latent-cache",
-                              "modernbert-decoder-prediction-head"])
+@pytest.mark.parametrize("family", [tiny_gpt2, tiny_gpt_neo, tiny_deepseek_v3, tiny_modernbert_decoder],
+                         ids=["gpt2", "gpt-neo-mask-buffer", "deepseek-v3-latent-cache", "modernbert-decoder-prediction-head"])
 def test_entry_points_match_generate(family):
     """GPT-2: learned absolute positions. (Qwen2's sliding-window layer beside a full one, its window
     shorter than the prompt, is verified against generate() in test_window_cache.py's mixed-ring and
     test_paged.py's sliding-window tests.) GPT-Neo masks with a
     fixed [1, 1, P, P] `bias` buffer, banded (window 6) in its local layer, sliced by the keys' count:
     torch.export specialized the prompt length to P, and over the cache the slice's last row would
-    mask every decode query as at position P - 1; each such module reads its own mask. Cohere multiplies its
-    logits by logit_scale, Granite divides them by logits_scaling (once refused). DeepSeek-V3 caches
+    mask every decode query as at position P - 1; each such module reads its own mask. (Cohere's and Granite's
+    scaled logits, computed by the same LM forward as ModernBERT's head below: the eager test after this one.) DeepSeek-V3 caches
     keys and values of different widths (the cache is as wide as the wider; it once took the
     config's heads x head_dim and failed to export). ModernBERT's decoder puts a prediction head
     before its output projection: the logits once skipped it (every logit off, relative RMS 1.56)."""
@@ -228,6 +227,30 @@ def test_entry_points_match_generate(family):
     assert report.passed, report.failure_summary()
     assert report.tokens_compared() == MAX_BATCH * 8
     assert len(set(report.cases[0].lengths)) == MAX_BATCH  # rows of different lengths in one prefill batch
+
+
+@pytest.mark.parametrize("family", [tiny_cohere, tiny_granite], ids=["cohere-logit-scale", "granite-logits-scaling"])
+def test_the_entry_points_logits_are_scaled_as_the_models_forward_scales_them(family):
+    """Cohere multiplies its logits by logit_scale, Granite divides them by logits_scaling (once refused): the
+    entry points take the logits from the LM's own forward, so prefill's and each decode step's logits are the
+    model's over the whole prefix, scaled. (That the lowered entry points compute what this eager path does, a
+    forward after the base model included, test_entry_points_match_generate verifies with ModernBERT's
+    prediction head, and test_window_cache.py with Gemma 2's soft-capped logits.)"""
+    model = family()
+    spec = export_stage.generation_spec(model, 1, 32, prefill_buckets=(8,))
+    modules = export_stage.entry_point_modules(model, spec)
+    tokens = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = [torch.zeros(shape, dtype=getattr(torch, dtype)) for shape, dtype in spec.cache_tensors().values()]
+    with torch.no_grad():
+        output = modules["prefill"](tokens[:, :8], torch.tensor([8]), torch.tensor([0]), *cache)
+        steps = [output["logits"]]
+        for position in range(8, 12):
+            output = modules["decode"](tokens[:, position], torch.tensor([position]), *[output[name] for name in spec.cache_inputs])
+            steps.append(output["logits"])
+        expected = model(tokens).logits[0, 7:].float()
+        unscaled = model.lm_head(model.model(tokens).last_hidden_state)[0, 7:].float()
+    torch.testing.assert_close(torch.cat(steps), expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(expected, unscaled, atol=1e-3)  # the scale changes them
 
 
 @pytest.mark.parametrize("model, expected", [
