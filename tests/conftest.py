@@ -111,7 +111,7 @@ def mlp_cpu_artifact(tmp_path_factory) -> tpuexport.Artifact:
 
 # The test files that take longest (per-test durations of a full run, 2026-11-30, less what the trim that followed
 # took out of test_generation, test_faults, test_indexed_attention, test_kv_int8, test_quantize,
-# test_quantized_generation, test_numerics, test_slices and test_cli), heaviest first.
+# test_quantized_generation, test_numerics, test_slices, test_cli and test_huggingface), heaviest first.
 # pytest-xdist's --dist=loadfile hands files out in collection order: run alphabetically, one of
 # these started last would keep one worker busy alone for minutes at the end of the run.
 LONGEST_FILES = ("test_generation.py", "test_huggingface.py", "test_indexed_attention.py", "test_paged.py", "test_faults.py",
