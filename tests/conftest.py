@@ -109,14 +109,16 @@ def mlp_cpu_artifact(tmp_path_factory) -> tpuexport.Artifact:
     return convert_example("mlp", tmp_path_factory.mktemp("mlp_cpu") / "mlp.tpu", target="cpu", buckets={"batch": [1, 4, 8]})
 
 
-# The test files that take longest (per-test durations of a quiet full run, 2026-11-29, less what
-# session 23 took out of test_cli, test_kv_int8 and test_architectures), heaviest first.
+# The test files that take longest (per-test durations of a full run, 2026-11-30, less what the trim that followed
+# took out of test_generation, test_faults, test_indexed_attention, test_kv_int8, test_quantize,
+# test_quantized_generation, test_numerics, test_slices, test_cli and test_huggingface), heaviest first.
 # pytest-xdist's --dist=loadfile hands files out in collection order: run alphabetically, one of
 # these started last would keep one worker busy alone for minutes at the end of the run.
-LONGEST_FILES = ("test_generation.py", "test_multihost.py", "test_faults.py", "test_paged.py", "test_kv_int8.py", "test_cli.py",
-                 "test_huggingface.py", "test_quantized_generation.py", "test_slices.py", "test_quantize.py", "test_window_cache.py",
-                 "test_families.py", "test_weight_only.py", "test_generation_slices.py", "test_architectures.py", "test_paged_weight_only.py",
-                 "test_numerics.py", "test_memory.py", "test_seq2seq.py", "test_scan.py", "test_fuzz.py", "test_kernels.py")
+LONGEST_FILES = ("test_generation.py", "test_huggingface.py", "test_indexed_attention.py", "test_paged.py", "test_faults.py",
+                 "test_slices.py", "test_multihost.py", "test_window_cache.py", "test_architectures.py", "test_weight_only.py",
+                 "test_families.py", "test_cli.py", "test_kv_int8.py", "test_quantized_generation.py", "test_quantize.py",
+                 "test_recurrent_state.py", "test_conv_state.py", "test_chunked_attention.py", "test_seq2seq.py", "test_numerics.py",
+                 "test_generation_slices.py", "test_memory.py", "test_fuzz.py", "test_checkpoint.py", "test_scan.py", "test_kernels.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -92,13 +92,14 @@ def killed_out(tmp_path_factory) -> pathlib.Path:
     return tmp_path_factory.mktemp("killed") / "mlp.tpu"
 
 
-# Stage boundaries: (name, with the SavedModel, progress line to kill at or None for the write).
+# Stage boundaries: (name, with the SavedModel, progress line to kill at or None for the write). The first
+# boundary (the scratch directory just made), the last before the write (the lowered program and the compiled
+# executables in scratch: what a kill after lower or after a compile leaves, and more) and the write itself
+# (a conversion with its SavedModel, already built: the staging directory beside the scratch one). Every
+# boundary between them leaves a subset of what one of these leaves, and nothing at -o.
 KILL_POINTS = [
     ("export", False, "✓ export"),
-    ("lower", False, "✓ lower"),
-    ("compile", False, "✓ compile v5e"),
     ("verify", False, "✓ verify"),
-    ("saved_model", True, "✓ saved_model"),
     ("write", True, None),
 ]
 

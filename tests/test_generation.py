@@ -206,16 +206,16 @@ def tiny_deepseek_v3() -> transformers.PreTrainedModel:
     return model
 
 
-@pytest.mark.parametrize("family", [tiny_gpt2, tiny_qwen2, tiny_gpt_neo, tiny_cohere, tiny_granite, tiny_deepseek_v3, tiny_modernbert_decoder],
-                         ids=["gpt2", "qwen2-sliding-window", "gpt-neo-mask-buffer", "cohere-logit-scale", "granite-logits-scaling",
-                              "deepseek-v3-latent-cache", "modernbert-decoder-prediction-head"])
+@pytest.mark.parametrize("family", [tiny_gpt2, tiny_gpt_neo, tiny_deepseek_v3, tiny_modernbert_decoder],
+                         ids=["gpt2", "gpt-neo-mask-buffer", "deepseek-v3-latent-cache", "modernbert-decoder-prediction-head"])
 def test_entry_points_match_generate(family):
-    """GPT-2: learned absolute positions. Qwen2: a sliding-window layer beside a full one, the window
-    (6) shorter than the 16-token prompt, so prefill and decode both drop keys. GPT-Neo masks with a
+    """GPT-2: learned absolute positions. (Qwen2's sliding-window layer beside a full one, its window
+    shorter than the prompt, is verified against generate() in test_window_cache.py's mixed-ring and
+    test_paged.py's sliding-window tests.) GPT-Neo masks with a
     fixed [1, 1, P, P] `bias` buffer, banded (window 6) in its local layer, sliced by the keys' count:
     torch.export specialized the prompt length to P, and over the cache the slice's last row would
-    mask every decode query as at position P - 1; each such module reads its own mask. Cohere multiplies its
-    logits by logit_scale, Granite divides them by logits_scaling (once refused). DeepSeek-V3 caches
+    mask every decode query as at position P - 1; each such module reads its own mask. (Cohere's and Granite's
+    scaled logits, computed by the same LM forward as ModernBERT's head below: the eager test after this one.) DeepSeek-V3 caches
     keys and values of different widths (the cache is as wide as the wider; it once took the
     config's heads x head_dim and failed to export). ModernBERT's decoder puts a prediction head
     before its output projection: the logits once skipped it (every logit off, relative RMS 1.56)."""
@@ -227,6 +227,30 @@ def test_entry_points_match_generate(family):
     assert report.passed, report.failure_summary()
     assert report.tokens_compared() == MAX_BATCH * 8
     assert len(set(report.cases[0].lengths)) == MAX_BATCH  # rows of different lengths in one prefill batch
+
+
+@pytest.mark.parametrize("family", [tiny_cohere, tiny_granite], ids=["cohere-logit-scale", "granite-logits-scaling"])
+def test_the_entry_points_logits_are_scaled_as_the_models_forward_scales_them(family):
+    """Cohere multiplies its logits by logit_scale, Granite divides them by logits_scaling (once refused): the
+    entry points take the logits from the LM's own forward, so prefill's and each decode step's logits are the
+    model's over the whole prefix, scaled. (That the lowered entry points compute what this eager path does, a
+    forward after the base model included, test_entry_points_match_generate verifies with ModernBERT's
+    prediction head, and test_window_cache.py with Gemma 2's soft-capped logits.)"""
+    model = family()
+    spec = export_stage.generation_spec(model, 1, 32, prefill_buckets=(8,))
+    modules = export_stage.entry_point_modules(model, spec)
+    tokens = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = [torch.zeros(shape, dtype=getattr(torch, dtype)) for shape, dtype in spec.cache_tensors().values()]
+    with torch.no_grad():
+        output = modules["prefill"](tokens[:, :8], torch.tensor([8]), torch.tensor([0]), *cache)
+        steps = [output["logits"]]
+        for position in range(8, 12):
+            output = modules["decode"](tokens[:, position], torch.tensor([position]), *[output[name] for name in spec.cache_inputs])
+            steps.append(output["logits"])
+        expected = model(tokens).logits[0, 7:].float()
+        unscaled = model.lm_head(model.model(tokens).last_hidden_state)[0, 7:].float()
+    torch.testing.assert_close(torch.cat(steps), expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(expected, unscaled, atol=1e-3)  # the scale changes them
 
 
 @pytest.mark.parametrize("model, expected", [
@@ -269,19 +293,8 @@ class LateWriteCache(DecodeCache):
         return written
 
 
-class UnwrittenCache(DecodeCache):
-    """Decode never writes the cache."""
-
-    def write(self, cache, new, layer):
-        return cache
-
-
 class OffByOneDecode(Decode):
     cache_type = LateWriteCache
-
-
-class UnwrittenDecode(Decode):
-    cache_type = UnwrittenCache
 
 
 class ShiftedRotaryDecode(Decode):
@@ -323,7 +336,10 @@ def test_a_fill_over_the_memory_bound_is_verified_with_fewer_rows(llama_generati
     assert [case.sizes for case in verify_generation(only_two_rows, model, new_tokens=4, fill_bytes=two_rows).cases] == [{"batch": 2, "seq": 16}]
 
 
-@pytest.mark.parametrize("buggy_decode", [OffByOneDecode, UnwrittenDecode, ShiftedRotaryDecode], ids=lambda cls: cls.__name__)
+# One bug per mechanism: the cache written at the wrong position (which also leaves the token's own
+# position unwritten: a decode that never writes fails the same way), and a right write with the rotary
+# embedding at the wrong position.
+@pytest.mark.parametrize("buggy_decode", [OffByOneDecode, ShiftedRotaryDecode], ids=lambda cls: cls.__name__)
 def test_planted_cache_bugs_fail_verification(llama_generation, buggy_decode):
     artifact, model = llama_generation
     good = artifact.generation_program
@@ -358,15 +374,30 @@ def test_cache_writes_lower_as_their_eager_meaning(layout):
     assert not torch.equal(eager, cache)
 
 
-def test_cpu_runs_write_a_bf16_cache_in_place():
+@pytest.fixture(scope="module")
+def lowered_llama():
+    """dtype -> (the tiny Llama in that dtype, its spec with a prefill bucket of 16, its prefill and decode
+    lowered), each dtype's made once for the tests below."""
+    made = {}
+
+    def lowered(dtype: torch.dtype):
+        if dtype not in made:
+            model = tiny_llama().to(dtype)
+            spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
+            modules = export_stage.entry_point_modules(model, spec)
+            made[dtype] = model, spec, {name: lowered_entry_point(modules[name], spec, name) for name in ("prefill", "decode")}
+        return made[dtype]
+
+    return lowered
+
+
+def test_cpu_runs_write_a_bf16_cache_in_place(lowered_llama):
     """XLA:CPU widens bfloat16 ops to f32, so each cache write became a convert of the whole cache
     (issue #20: verification's time grew with the square of the layers). The program as the CPU runs
     it (lower/cpu_program.py) writes the cache's bit patterns: the same outputs bit for bit as the
     program with only its dots' transposes folded (cpu_dots.py, which sums in another order), and
     XLA:CPU's updates of the whole cache are ui16 (in place), not f32."""
-    model = tiny_llama().to(torch.bfloat16)
-    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
-    modules = export_stage.entry_point_modules(model, spec)
+    _, spec, entry_points = lowered_llama(torch.bfloat16)
     generator = np.random.default_rng(0)
     cache = generator.standard_normal(spec.cache_shape).astype(jax.numpy.bfloat16)
     inputs = {"prefill": [generator.integers(0, 256, (2, 16)), np.array([16, 5]), np.array([1, 0]), cache, cache + 1],
@@ -374,7 +405,7 @@ def test_cpu_runs_write_a_bf16_cache_in_place():
     # (whether the update is its fusion's root, so that XLA:CPU runs it in place; its element type)
     cache_updates = re.compile(rf"(ROOT )?%\S+ = (\w+)\[{','.join(map(str, spec.cache_shape))}\]\S* dynamic-update-slice\(")
     for name, arrays in inputs.items():
-        lowered = lowered_entry_point(modules[name], spec, name)
+        lowered = entry_points[name]
         assert lowered.signature.inputs[-1].dtype == "bfloat16"
         weights = [jax.numpy.asarray(weight) for weight in lowered.weights]
         args = [jax.numpy.asarray(array.astype(input_spec.dtype)) for array, input_spec in zip(arrays, lowered.signature.inputs)]
@@ -397,13 +428,12 @@ def test_cpu_runs_write_a_bf16_cache_in_place():
         assert set(cache_updates.findall(compiled.as_text())) == {("ROOT ", "u16")}
 
 
-def test_a_cpu_runs_cache_is_updated_where_it_lies():
+def test_a_cpu_runs_cache_is_updated_where_it_lies(lowered_llama):
     """A decode step's bfloat16 cache comes back on the device (a DeviceState) and, passed to the next
     step, is donated to it: the step writes into the same buffer, so verification holds one cache,
     not the step's input and its output (2 GiB at Llama-3.2-1B's 8 x 4096 context)."""
-    model = tiny_llama().to(torch.bfloat16)
-    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
-    decode = lowered_entry_point(export_stage.entry_point_modules(model, spec)["decode"], spec, "decode")
+    _, spec, entry_points = lowered_llama(torch.bfloat16)
+    decode = entry_points["decode"]
     cache = np.random.default_rng(0).standard_normal(spec.cache_shape).astype(jax.numpy.bfloat16)
     tokens, positions = np.array([3, 4]), np.array([16, 5])
     _, *first = decode.run([tokens, positions, cache, cache])
@@ -417,14 +447,11 @@ def test_a_cpu_runs_cache_is_updated_where_it_lies():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_both_runs_run_once_when_they_are_one_program(dtype):
+def test_both_runs_run_once_when_they_are_one_program(lowered_llama, dtype):
     """A bfloat16 program has no f32 matmul for the TPU-faithful rewrite to round: both CPU runs are
     the same program, and verification runs it once for both; an f32 program's runs differ."""
-    model = tiny_llama().to(dtype)
-    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
-    modules = export_stage.entry_point_modules(model, spec)
-    program = lower_stage.GenerationProgram(spec, {name: lowered_entry_point(modules[name], spec, name) for name in ("prefill", "decode")},
-                                            (MAX_BATCH,))
+    _, spec, entry_points = lowered_llama(dtype)
+    program = lower_stage.GenerationProgram(spec, entry_points, (MAX_BATCH,))
     prompts, slots, steps = plan_prompts(program, {"batch": MAX_BATCH, "seq": 16}, 3, seed=0)
     tokens = [[1] * steps for _ in prompts]
 
@@ -477,8 +504,11 @@ def test_text_generation_needs_max_context_unless_the_config_says(tmp_path):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
             max_position_embeddings=24)).eval()
-    plan = tpuexport.convert(model, task="text-generation", weights=False, target="cpu", out=tmp_path / "plan.tpu")
-    assert plan.manifest["generation"]["max_context"] == 24
+    # The conversion as tpuexport.convert(model, task="text-generation", weights=False, target="cpu") runs it, through
+    # the export (the cache's positions are decided there; the manifest records the spec's, e.g. test_huggingface.py's).
+    options = ConversionOptions(("cpu",), tmp_path / "plan.tpu", weights=False, task="text-generation")
+    with passes(export_stage.LoadedSource(model, None, None, None, export_stage.SourceInfo("api")), options, "export") as conversion:
+        assert conversion.spec.state.spec.max_context == 24 and conversion.spec.state.spec.to_json()["max_context"] == 24
     # Less a padding offset where positions are numbered past it (RoBERTa).
     roberta = transformers.RobertaForCausalLM(transformers.RobertaConfig(
         vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, max_position_embeddings=66,
@@ -500,27 +530,6 @@ def test_generation_artifact_refuses_single_program_calls(llama_generation):
         artifact.run(np.zeros((1, 4), np.int64))
     assert json.loads(json.dumps(artifact.manifest["generation"]))["layout"] == "layer_batch_head_pos"
     assert dataclasses.asdict(artifact.generation_program.spec)["max_batch"] == MAX_BATCH
-
-
-def test_plan_on_a_slice_splits_the_cache_with_the_heads(tmp_path):
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=128)).eval()
-    artifact = tpuexport.convert(model, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, weights=False,
-                                 buckets={"seq": [16], "batch": [MAX_BATCH]}, target="v5e-4", sharding="tensor-parallel",
-                                 mesh="model=2,data=2", out=tmp_path / "plan.tpu")
-    assert artifact.plan_only and artifact.manifest["program"]["weights"] is None
-    target = artifact.manifest["targets"]["v5e-4"]
-    buckets = {bucket["entry_point"]: bucket for bucket in target["buckets"]}
-    for bucket in (buckets["prefill"], buckets["decode"]):  # (sample holds no cache)
-        # [layers, batch, kv_heads, context, head_dim]: batch over data, kv heads over model
-        assert target["sharding"][bucket["entry_point"]]["inputs"]["cache_k"] == [None, "data", "model", None, None]
-        assert bucket["memory"]["alias_bytes"] > 0
-    step = buckets["decode"]["decode_step"]
-    assert step["cache_bytes"] == artifact.manifest["generation"]["cache_bytes"] // 4
-    with pytest.raises(tpuexport.TpuExportError, match="plan without weights"):
-        artifact.generate([1, 2], max_new_tokens=2)
 
 
 def test_runtime_generates_from_the_cpu_executables_with_the_cache_on_the_device(llama_generation):

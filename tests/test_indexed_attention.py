@@ -40,12 +40,15 @@ def tiny_deepseek_v32(index_topk: int = TOP_K) -> transformers.PreTrainedModel:
 
 
 @pytest.fixture(scope="module")
-def deepseek():
-    """(model, spec with prefill buckets of 8 and 24 tokens, its entry points lowered)."""
+def deepseek(tmp_path_factory):
+    """The tiny DeepSeek-V3.2 converted for the cpu target, prefill buckets of 8 and 24 tokens (two rows),
+    verified over 8 new tokens: (model, artifact). Its program's entry points are the good ones the
+    planted bugs below replace one of."""
     model = tiny_deepseek_v32()
-    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(8, 24))
-    modules = export_stage.entry_point_modules(model, spec)
-    return model, spec, {name: lowered_entry_point(modules[name], spec, name) for name in ("prefill", "decode")}
+    artifact = tpuexport.convert(model, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, saved_model=False,
+                                 buckets={"seq": [8, 24], "batch": [MAX_BATCH]}, target="cpu", verify_new_tokens=NEW_TOKENS,
+                                 out=tmp_path_factory.mktemp("deepseek") / "ds.tpu")
+    return model, artifact
 
 
 def verified(model, spec, entry_points):
@@ -53,14 +56,18 @@ def verified(model, spec, entry_points):
 
 
 def test_the_indexer_keys_sit_beside_the_cache_and_generate_what_generate_does(deepseek):
-    """Prompts of up to 24 tokens and 8 new tokens each, rows of different lengths in one prefill batch;
-    with 4 keys of up to 32 chosen per query, and the same weights choosing every key generate other tokens."""
-    model, spec, entry_points = deepseek
+    """Prompts of up to 24 tokens and 8 new tokens each (the conversion's verification against generate()),
+    rows of different lengths in one prefill batch; with 4 keys of up to 32 chosen per query, and the same
+    weights choosing every key generate other tokens."""
+    model, artifact = deepseek
+    spec = artifact.generation_program.spec
     assert spec.cache_inputs == ("cache_k", "cache_v", "indexer_keys") and spec.indexed_layers == (0, 1)
     assert spec.indexer_keys_shape == (2, MAX_BATCH, 1, MAX_CONTEXT, INDEXER_DIM)
-    report = verified(model, spec, entry_points)
-    assert report.passed, report.failure_summary()
-    assert report.tokens_compared() == 2 * MAX_BATCH * NEW_TOKENS and len(set(report.cases[0].lengths)) == MAX_BATCH
+    verification = artifact.manifest["verification"]
+    assert verification["passed"] and [case["sizes"] for case in verification["cases"]] == [{"batch": MAX_BATCH, "seq": 8},
+                                                                                             {"batch": MAX_BATCH, "seq": 24}]
+    assert verification["tokens_compared"] == 2 * MAX_BATCH * NEW_TOKENS
+    assert all(len(set(case["lengths"])) == MAX_BATCH for case in verification["cases"])
     prompt = list(range(3, 23))
     assert eager_generate(model, prompt, NEW_TOKENS)[0] != eager_generate(tiny_deepseek_v32(index_topk=64), prompt, NEW_TOKENS)[0]
 
@@ -94,17 +101,17 @@ class OwnKeyUnseenDecode(IndexedDecode):
 
 @pytest.mark.parametrize("buggy", [UnwrittenPrefill, OwnKeyUnseenDecode], ids=lambda cls: cls.__name__)
 def test_planted_indexer_key_bugs_fail_verification(deepseek, buggy):
-    model, good_spec, entry_points = deepseek
-    spec = dataclasses.replace(good_spec, prefill_buckets=(24,))
+    model, artifact = deepseek
+    good = artifact.generation_program
+    spec = dataclasses.replace(good.spec, prefill_buckets=(24,))
     name = "decode" if issubclass(buggy, IndexedDecode) else "prefill"
+    entry_points = {entry: good.entry_points[entry] for entry in ("prefill", "decode")}
     report = verified(model, spec, {**entry_points, name: lowered_entry_point(buggy(model, spec), spec, name)})
     assert not report.passed and "(cpu run)" in report.failure_summary()
 
 
-def test_an_artifact_generates_what_generate_does_and_inspect_names_the_indexer_keys(tmp_path):
-    model = tiny_deepseek_v32()
-    artifact = tpuexport.convert(model, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, saved_model=False,
-                                 buckets={"seq": [16], "batch": [MAX_BATCH]}, target="cpu", verify_new_tokens=4, out=tmp_path / "ds.tpu")
+def test_an_artifact_generates_what_generate_does_and_inspect_names_the_indexer_keys(deepseek):
+    model, artifact = deepseek
     generation = artifact.manifest["generation"]
     assert generation["indexed_layers"] == [0, 1] and generation["indexer_keys_shape"] == [2, MAX_BATCH, 1, MAX_CONTEXT, INDEXER_DIM]
     prompts = [list(range(1, 15)), [99, 3, 7]]

@@ -152,7 +152,10 @@ def test_verification_runs_both_and_gates_on_the_tpu_arithmetic(model):
     assert verify(lower(model.program, model.signature, matmul_precision="highest"), model.reference, model.example_inputs, tight).passed
 
 
-@pytest.mark.parametrize("bug", sorted(FLOAT_BUGS))
+# One planted bug per kind of error: a term dropped (bias), a constant changed (norm epsilon) and values in the
+# wrong place (output channels swapped; benchmarks/planted_bugs.py's transposed_weight, another permutation of the
+# same matmuls and convolutions, is caught the same way; benchmarks/studies/float_errors.py measures every planted bug).
+@pytest.mark.parametrize("bug", ["dropped_bias", "swapped_channels", "wrong_norm_epsilon"])
 def test_planted_float_bugs_fail_verification(model, bug):
     with FLOAT_BUGS[bug]():
         lowered = lower(model.program, model.signature)

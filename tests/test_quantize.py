@@ -36,11 +36,25 @@ def captured_example(name: str) -> export_stage.CapturedModel:
 INTEGER_LAYERS = {"mlp": 3, "cnn": 3, "transformer": 13}
 
 
+@pytest.fixture(scope="module")
+def quantized_examples():
+    """name -> (the example captured, quantized with static int8 (its calibration), the quantized program lowered),
+    each made once for this module's tests."""
+    made = {}
+
+    def quantized_example(name: str):
+        if name not in made:
+            captured = captured_example(name)
+            quantized = quantize(captured, "int8")
+            made[name] = captured, quantized, lower_stage.lower(quantized.captured.program, quantized.captured.signature)
+        return made[name]
+
+    return quantized_example
+
+
 @pytest.mark.parametrize("name", sorted(INTEGER_LAYERS))
-def test_static_int8_compiles_to_s8_dots_and_shrinks_weights(name):
-    captured = captured_example(name)
-    quantized = quantize(captured, "int8")
-    lowered = lower_stage.lower(quantized.captured.program, quantized.captured.signature)
+def test_static_int8_compiles_to_s8_dots_and_shrinks_weights(quantized_examples, name):
+    captured, quantized, lowered = quantized_examples(name)
     [target] = compile_stage.resolve_targets(["v5e"])
     [compiled] = compile_stage.compile_program(lowered, [target], compile_stage.make_buckets(lowered.signature, None)).results
 
@@ -242,15 +256,19 @@ def test_derived_dims_survive_quantization(tmp_path):
         artifact.run(torch.randn(2, 5, 3), torch.randn(2, 9, 3))
 
 
+def test_the_int8_cnn_passes_verification_op_by_op(quantized_examples):
+    """The control for the planted bugs below: the same program, lowered without a bug, conforms op by op."""
+    captured, quantized, lowered = quantized_examples("cnn")
+    tolerances = verify_stage.default_tolerances("f32", "default", quantized=True)
+    correct = verify_stage.verify(lowered, quantized.captured.reference, captured.example_inputs, tolerances, check_op_by_op=True)
+    assert correct.passed and correct.conformance.ops > 10 and correct.conformance.worst_float_error < 1e-5
+
+
 @pytest.mark.parametrize("bug", sorted(INT8_BUGS))
-def test_planted_int8_bugs_fail_verification_op_by_op(bug):
-    captured = captured_example("cnn")
-    quantized = quantize(captured, "int8")
+def test_planted_int8_bugs_fail_verification_op_by_op(quantized_examples, bug):
+    captured, quantized, _ = quantized_examples("cnn")
     program, signature = quantized.captured.program, quantized.captured.signature
     tolerances = verify_stage.default_tolerances("f32", "default", quantized=True)
-    correct = verify_stage.verify(lower_stage.lower(program, signature), quantized.captured.reference, captured.example_inputs,
-                                  tolerances, check_op_by_op=True)
-    assert correct.passed and correct.conformance.ops > 10 and correct.conformance.worst_float_error < 1e-5
     # The op-by-op check runs the lowerings the program was traced with: the planted bug stays in
     # place for it too.
     with INT8_BUGS[bug]():

@@ -20,24 +20,10 @@ from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
 from tpuexport.compile.hlo import matmul_ops
 from tpuexport.errors import TpuExportError
-from tpuexport.quantize.generation import DECODE_STEPS, calibration_prompts, quantize_entry_points
+from tpuexport.pipeline import ConversionOptions, passes
+from tpuexport.quantize.generation import DECODE_STEPS, calibration_prompts
 
 NEW_TOKENS = 6
-
-def captured_entry_points(model, spec) -> dict[str, export_stage.CapturedModel]:
-    """Each entry point captured as the pipeline does it."""
-    modules = export_stage.entry_point_modules(model, spec)
-    return {name: export_stage.capture(export_stage.LoadedSource(modules[name], args, dynamic_shapes, None, export_stage.SourceInfo("api")))
-            for name, (args, dynamic_shapes) in export_stage.example_arguments(spec).items()}
-
-
-@pytest.fixture(scope="session")
-def static_int8_entry_points():
-    """The tiny Llama's entry points quantized with static int8 on random prompts: (model, spec, {name: QuantizedModel})."""
-    model = tiny_llama()
-    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
-    return model, spec, quantize_entry_points(captured_entry_points(model, spec), spec, "int8", random_calibration=True)
-
 
 # The static cache's prefill and decode, or the paged cache's step (calibrated on steps that mix prefill
 # chunks and decode tokens, export/step_work.py), at a given page count: v5e's would be sized to its HBM,
@@ -46,15 +32,41 @@ CACHES = {"static": dict(buckets={"seq": [16], "batch": [MAX_BATCH]}),
           "paged": dict(kv_cache="paged", page_size=4, num_pages=32, buckets={"tokens": [8], "rows": [MAX_BATCH]})}
 
 
+def convert_int8_generation(mode: str, cache: str, out) -> tuple[tpuexport.Artifact, dict]:
+    """The tiny Llama converted for text generation in a PT2E mode over a cache, as tpuexport.convert does it:
+    (artifact, {"model", "spec", "quantized": the conversion's {entry point: QuantizedModel}})."""
+    model = tiny_llama()
+    options = ConversionOptions(("v5e",), out, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, quantize=mode,
+                                random_calibration=mode == "int8", saved_model=False, new_tokens=NEW_TOKENS, **CACHES[cache])
+    with passes(export_stage.LoadedSource(model, None, None, None, export_stage.SourceInfo("api")), options) as conversion:
+        made = {"model": model, "spec": conversion.spec.state.spec, "quantized": conversion.quantized}
+    return tpuexport.load(out), made
+
+
+@pytest.fixture(scope="session")
+def static_int8_conversion(tmp_path_factory):
+    """The static int8 conversion (prefill and decode calibrated on random prompts, for v5e): (artifact, what it quantized)."""
+    return convert_int8_generation("int8", "static", tmp_path_factory.mktemp("int8-generation") / "llama.tpu")
+
+
+@pytest.fixture(scope="session")
+def static_int8_entry_points(static_int8_conversion):
+    """The tiny Llama's entry points as that conversion quantized them with static int8 on random prompts:
+    (model, spec, {name: QuantizedModel})."""
+    _, made = static_int8_conversion
+    return made["model"], made["spec"], made["quantized"]
+
+
 # Each mode once and each cache once (the suite's time): static int8 calibrates prefill and decode, and int8-dynamic quantizes
 # the paged step, evaluated on the steps quantize/generation.step_samples drives.
 @pytest.fixture(scope="session", params=[("int8", "static"), ("int8-dynamic", "paged")], ids="-".join)
 def int8_generation(request, tmp_path_factory):
     """The tiny Llama converted for text generation in a PT2E mode over a cache: (mode, cache, artifact)."""
     mode, cache = request.param
-    artifact = tpuexport.convert(tiny_llama(), task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, **CACHES[cache],
-                                 target=["v5e"], quantize=mode, random_calibration=mode == "int8", saved_model=False,
-                                 verify_new_tokens=NEW_TOKENS, out=tmp_path_factory.mktemp("int8-generation") / "llama.tpu")
+    if cache == "static":
+        artifact, _ = request.getfixturevalue("static_int8_conversion")
+    else:
+        artifact, _ = convert_int8_generation(mode, cache, tmp_path_factory.mktemp("int8-generation") / "llama.tpu")
     return mode, cache, artifact
 
 

@@ -124,8 +124,22 @@ def test_sharded_run_uses_the_first_bucket_when_no_verified_size_splits_evenly(t
     assert case["label"] == "bucket batch16" and case["sizes"] == {"batch": 16} and "splits evenly" in case["reason"]
 
 
-def test_tensor_parallel_splits_heads_and_mlp_columns_then_rows(tmp_path):
-    artifact = convert_decoder(tmp_path / "tp.tpu", target="v5e-8", mesh="data=2,model=4", sharding="tensor-parallel")
+@pytest.fixture(scope="module")
+def tensor_parallel_cli(tmp_path_factory):
+    """examples/decoder.py converted through the command line (in this process) for v5e-8, mesh data=2,model=4,
+    tensor-parallel, with one --shard rule that splits nothing (score.bias whole, as the preset leaves it, but
+    recorded as the rule's [None]): (the command's CompletedProcess, the artifact's path)."""
+    out = tmp_path_factory.mktemp("tp-cli") / "decoder.tpu"
+    result = tpuexport_cli("convert", f"{EXAMPLES / 'decoder.py'}:build", "--target", "v5e-8", "--mesh", "data=2,model=4",
+                           "--sharding", "tensor-parallel", "--shard", r"score\.bias=None", "--no-saved-model", "--verify-budget", "0",
+                           "-o", out, "--json")
+    return result, out
+
+
+def test_tensor_parallel_splits_heads_and_mlp_columns_then_rows(tensor_parallel_cli):
+    result, out = tensor_parallel_cli
+    assert result.returncode == 0, result.stderr
+    artifact = tpuexport.load(out)
     weights, inputs = specs(artifact)
     # The two layers are scanned: each weight is a stack of both layers' (axis 0, left whole), laid
     # out as one layer's.
@@ -288,15 +302,14 @@ def test_plans_that_do_not_fit_a_chip_name_the_largest_buffers(tmp_path):
 
 
 
-def test_cli_converts_for_a_slice_and_inspects_it(tmp_path):
-    out = tmp_path / "decoder.tpu"
-    result = tpuexport_cli("convert", f"{EXAMPLES / 'decoder.py'}:build", "--target", "v5e-8", "--mesh", "data=2,model=4",
-                           "--sharding", "tensor-parallel", "--shard", "lm_head=None", "--no-saved-model", "--verify-budget", "0",
-                           "-o", out, "--json")
+def test_cli_converts_for_a_slice_and_inspects_it(tensor_parallel_cli):
+    """The tensor-parallel conversion above, as the command line summarizes, prints and inspects it."""
+    result, out = tensor_parallel_cli
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     plan = summary["sharding"]["v5e-8"]["serving_default"]
-    assert plan["weights"]["lm_head.weight"] == [None] and plan["weights"]["layers.0-1.mlp.up_proj.weight"] == [None, "model"]
+    # The --shard rule applied after the preset: score.bias recorded as the rule gives it.
+    assert plan["weights"]["score.bias"] == [None] and plan["weights"]["layers.0-1.mlp.up_proj.weight"] == [None, "model"]
     [bucket] = summary["targets"]["v5e-8"]
     assert bucket["collectives"]["all-reduce"]["count"] >= 3 and bucket["fits_in_hbm"]
     for line in ("plan v5e-8", "mesh data=2,model=4, tensor-parallel", "per chip of 16 GiB HBM", "all-reduce x",
