@@ -655,19 +655,20 @@ def test_example_inputs_take_the_sizes_the_config_records_for_them():
 
 
 def test_a_forward_requiring_inputs_tpuexport_does_not_make_is_refused_before_it_runs(tmp_path):
-    """Siglip2's vision tower requires pixel_attention_mask and spatial_shapes (its images are
-    flattened patches), Gemma 4's pixel_position_ids, SegGPT's prompts, ...: called without them the
-    forward failed with Python's "missing 2 required positional arguments", reported as the model's
-    own forward failing. They are refused from the forward's signature, naming them and what converts."""
-    config = transformers.Siglip2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                              num_patches=16, patch_size=4)
-    transformers.Siglip2VisionModel(config).save_pretrained(tmp_path / "siglip2")
-    result = tpuexport_in_process("convert", tmp_path / "siglip2", "-o", tmp_path / "siglip2.tpu", *QUICK)
+    """SegGPT requires its prompts (prompt_pixel_values, prompt_masks), Gemma 4 its pixel_position_ids,
+    ...: called without them the forward failed with Python's "missing 2 required positional
+    arguments", reported as the model's own forward failing. They are refused from the forward's
+    signature, naming them and what converts. (SigLIP 2's spatial_shapes and pixel_attention_mask, once
+    refused so, are made now: tests/test_patch_grids.py.)"""
+    config = transformers.SegGptConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, mlp_dim=64, image_size=[32, 16],
+                                       patch_size=8, merge_index=0, intermediate_hidden_state_indices=[1], decoder_hidden_size=16)
+    transformers.SegGptModel(config).save_pretrained(tmp_path / "seggpt")
+    result = tpuexport_in_process("convert", tmp_path / "seggpt", "-o", tmp_path / "seggpt.tpu", *QUICK)
     assert result.returncode == 2 and error_lines(result.stderr) == [
-        "error: Siglip2VisionModel (siglip2_vision_model) requires pixel_attention_mask, spatial_shapes in its forward, which tpuexport "
+        "error: SegGptModel (seggpt) requires prompt_pixel_values, prompt_masks in its forward, which tpuexport "
         "does not make from a directory (it makes pixel_values); convert it from a file.py:factory whose module gives them (as "
         "buffers or from its own inputs) and whose example args are the others"], result.stderr[-2000:]
-    assert not (tmp_path / "siglip2.tpu").exists()
+    assert not (tmp_path / "seggpt.tpu").exists()
 
 
 def test_an_audio_model_whose_input_values_are_a_spectrogram_gets_one():
@@ -1072,20 +1073,20 @@ def test_a_directory_whose_code_fixes_the_batch_converts_one_row_a_call(tmp_path
 
 
 def test_inputs_a_model_cannot_take_are_refused_as_such_whatever_sizes_the_messages_name(tmp_path):
-    """Siglip2 takes flattened patches, not images: torch.export's error names a symbolic size
-    ("[672*s99, 224] X [768, 64]"), the eager run's its value ("[1344, 224] X ..."), and the line was
-    torch.export's failure with "check the example args" instead of the model's own forward failing."""
+    """Gemma 4's audio encoder takes more mel bins than the 80 tpuexport gives where its config records
+    none: torch.export's error names a symbolic size (of the batch), the eager run's its value ("[40, 6000]
+    X ..."), and the line is the model's own forward failing, not torch.export's failure with "check the
+    example args". (SigLIP 2's classifier, which failed so on images, takes its flattened patches now.)"""
     from tpuexport.export import capture, load_source
 
-    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, num_patches=16, patch_size=8)
-    text = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, max_position_embeddings=16)
-    config = transformers.Siglip2Config(text_config=text, vision_config=vision)
-    transformers.Siglip2ForImageClassification(config).save_pretrained(tmp_path / "siglip2")
-    with pytest.raises(TpuExportError, match=r"^the model's own forward fails on Siglip2ForImageClassification \(siglip2, given "
-                                             r"pixel_values\) at the example sizes \(\[2, 3, 224, 224\]\), run without torch.export: a "
-                                             r"and b must have same reduction dim, but got \[1344, 224\] X \[192, 32\]\.; these inputs do "
+    config = transformers.Gemma4AudioConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, subsampling_conv_channels=[16, 8],
+                                            output_proj_dims=32)
+    transformers.Gemma4AudioModel(config).save_pretrained(tmp_path / "gemma4_audio")
+    with pytest.raises(TpuExportError, match=r"^the model's own forward fails on Gemma4AudioModel \(gemma4_audio, given "
+                                             r"input_features\) at the example sizes \(\[2, 80, 3000\]\), run without torch.export: a "
+                                             r"and b must have same reduction dim, but got \[40, 6000\] X \[32, 32\]\.; these inputs do "
                                              r"not suit it"):
-        capture(load_source(str(tmp_path / "siglip2")))
+        capture(load_source(str(tmp_path / "gemma4_audio")))
 
 
 class MasksAtRandom(torch.nn.Module):
