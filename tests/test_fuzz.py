@@ -27,7 +27,7 @@ def assert_holds(case: FuzzCase) -> fuzz_models.Outcome:
 
 
 @seed(20261123)
-@settings(max_examples=5, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=3, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(fuzz_models.fuzz_cases(max_ops=4))
 def test_random_models_convert_and_match_at_fresh_sizes_or_fail_in_one_line(case):
     assert_holds(case)
