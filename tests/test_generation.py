@@ -237,6 +237,17 @@ def test_the_entry_points_logits_are_scaled_as_the_models_forward_scales_them(fa
     forward after the base model included, test_entry_points_match_generate verifies with ModernBERT's
     prediction head, and test_window_cache.py with Gemma 2's soft-capped logits.)"""
     model = family()
+    tokens, logits = stepped_logits(model)
+    with torch.no_grad():
+        expected = model(tokens).logits[0, 7:].float()
+        unscaled = model.lm_head(model.model(tokens).last_hidden_state)[0, 7:].float()
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(expected, unscaled, atol=1e-3)  # the scale changes them
+
+
+def stepped_logits(model: transformers.PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a 12-token row, the eager entry points' logits for it: prefill of its first 8 tokens, then a
+    decode step a token), the logits of positions 7 to 11, as the model's own over the row are."""
     spec = export_stage.generation_spec(model, 1, 32, prefill_buckets=(8,))
     modules = export_stage.entry_point_modules(model, spec)
     tokens = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -247,10 +258,7 @@ def test_the_entry_points_logits_are_scaled_as_the_models_forward_scales_them(fa
         for position in range(8, 12):
             output = modules["decode"](tokens[:, position], torch.tensor([position]), *[output[name] for name in spec.cache_inputs])
             steps.append(output["logits"])
-        expected = model(tokens).logits[0, 7:].float()
-        unscaled = model.lm_head(model.model(tokens).last_hidden_state)[0, 7:].float()
-    torch.testing.assert_close(torch.cat(steps), expected, atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(expected, unscaled, atol=1e-3)  # the scale changes them
+    return tokens, torch.cat(steps)
 
 
 @pytest.mark.parametrize("model, expected", [
@@ -710,18 +718,10 @@ def test_a_decoder_numbering_positions_from_its_cache_length_decodes_each_token_
     learned position embedding gets each token's position: the eager entry points' logits, prefill
     then decode steps, are the model's own over the whole prefix."""
     model = tiny_trocr()
-    spec = export_stage.generation_spec(model, 1, 32, prefill_buckets=(8,))
-    modules = export_stage.entry_point_modules(model, spec)
-    tokens = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(0))
-    cache = [torch.zeros(shape, dtype=getattr(torch, dtype)) for shape, dtype in spec.cache_tensors().values()]
+    tokens, logits = stepped_logits(model)
     with torch.no_grad():
-        output = modules["prefill"](tokens[:, :8], torch.tensor([8]), torch.tensor([0]), *cache)
-        steps = [output["logits"]]
-        for position in range(8, 12):
-            output = modules["decode"](tokens[:, position], torch.tensor([position]), *[output[name] for name in spec.cache_inputs])
-            steps.append(output["logits"])
         expected = model(tokens).logits[0, 7:].float()
-    torch.testing.assert_close(torch.cat(steps), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_a_causal_lm_that_takes_no_kv_cache_is_refused_in_one_line():
