@@ -67,9 +67,9 @@ DEFAULT_IMAGE_SIZE = 224
 DEFAULT_AUDIO_SAMPLES = 16000
 DEFAULT_MEL_FRAMES = 3000
 DEFAULT_VIDEO_FRAMES = 8
-# Inputs that carry images, clips, audio or a time series (beside or instead of token ids).
 # What a multimodal model's image features may require besides the pixels, fixed for images of one size (_image_constants).
 IMAGE_CONSTANTS = ("image_sizes", "spatial_shapes", "pixel_attention_mask")
+# Inputs that carry images, clips, audio or a time series (beside or instead of token ids).
 MEDIA_INPUTS = ("pixel_values", "pixel_values_videos", "input_values", "input_features", "past_values")
 # Example sizes the model is traced and first verified at (clamped into the dims' ranges).
 EXAMPLE_SIZES = {"batch": 2, "seq": 16, "decoder_seq": 8}
@@ -638,12 +638,13 @@ def _grid_forward_program(model: torch.nn.Module, grid: PatchGrid, dims: list[Di
                          f"{grid.grid_input} {grid.grid(height, width)} (on the first: {failures[0]}); convert it from a file.py:factory")
 
 
-def _image_constants(model: torch.nn.Module, names: list[str], dims: dict[str, DimSpec], given: list[DimSpec]) -> dict[str, torch.Tensor]:
+def _image_constants(model: torch.nn.Module, names: list[str], dims: dict[str, DimSpec],
+                     given: list[DimSpec]) -> dict[str, torch.Tensor | None]:
     """The inputs besides its pixels a multimodal model's image features require, for images of one
     fixed size: constants of the program (export/patch_grids.py), one image a row and one row a call.
     {"image_sizes": [[height, width]]} where they crop or tile by each image's size (Mistral 3's and
     LightOn OCR's Pixtral tower, LLaVA-NeXT's tiles; LLaVA's take it only for a Pixtral tower, which its
-    config names); a NaFlex tower's spatial_shapes and patch mask (LFM2-VL's SigLIP 2). {} for any other model.
+    config names); a NaFlex tower's spatial_shapes, and no patch mask (LFM2-VL's SigLIP 2). {} for any other model.
 
     Raises:
       TpuExportError: --dim gives a batch other than one row.
@@ -666,13 +667,13 @@ def _image_constants(model: torch.nn.Module, names: list[str], dims: dict[str, D
 
 
 def _naflex_grid(config) -> PatchGrid:
-    """A multimodal model's NaFlex tower (LFM2-VL's SigLIP 2): a batch of flattened images, their spatial
-    shapes and patch mask (export/patch_grids.py)."""
+    """A multimodal model's NaFlex tower (LFM2-VL's SigLIP 2): a batch of flattened images and their
+    spatial shapes (export/patch_grids.py)."""
     return PatchGrid("pixel_values", "spatial_shapes", int(_setting(config, "patch_size", "vision_config")), 1,
                      int(_setting(config, "num_channels", "vision_config") or 3), 1, mask_input="pixel_attention_mask")
 
 
-def _image_layouts(model: torch.nn.Module, inputs: list[ModelInput], constants: dict[str, torch.Tensor]) -> list[ModelInput]:
+def _image_layouts(model: torch.nn.Module, inputs: list[ModelInput], constants: dict[str, torch.Tensor | None]) -> list[ModelInput]:
     """The inputs of a multimodal model whose image constants (_image_constants) set its images'
     layout. A NaFlex tower's images are [batch, patches, channels x patch x patch]. Images tiled at any
     resolution (LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision, Granite 4 Vision: a config listing

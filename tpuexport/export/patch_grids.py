@@ -72,7 +72,7 @@ class PatchGrid:
 
     def constants(self, height: int, width: int) -> dict[str, torch.Tensor | None]:
         """The inputs the program fixes for one image of height x width pixels: its grid (and merge
-        size, windows, or mask of the patches it fills)."""
+        size, windows; a NaFlex tower no mask: None)."""
         grid = torch.tensor(self.grid(height, width))
         constants = {self.grid_input: grid, **({self.merge_input: torch.tensor([self.merge])} if self.merge_input else {})}
         if self.mask_input:  # every patch is the image's: no mask, which transformers reads as all patches attended and pooled
