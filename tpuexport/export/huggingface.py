@@ -626,9 +626,8 @@ def _grid_forward_program(model: torch.nn.Module, grid: PatchGrid, dims: list[Di
     height, width = grid.image_size(model.config, dims)
     batch = {"batch": next((dim for dim in dims if dim.name == "batch"), DEFAULT_BATCH)}  # a NaFlex tower's images
     wrapped = named_forward(model, (grid.patches_input,), constants=grid.constants(height, width))
-    failures = []
+    dtype, failures = _config_dtype(model.config), []
     for layout in grid.layouts(height, width):
-        dtype = _config_dtype(model.config)
         args, dynamic_shapes = _example_inputs([ModelInput(grid.patches_input, layout, dtype)], batch, dtype)
         failures.append(failure_on(wrapped, args))
         if failures[-1] is None:
