@@ -594,7 +594,7 @@ class _EntryPoint(nn.Module):
             mask = _with_recurrent_layers(self.model, mask, self.windows, self.unmasked_types, padding)
         else:
             mask = _with_conv_layers(mask, bool(self.spec.conv_layers))
-        with masks_as_bias(self.bias_windows, positions, keys), positions_known(self.model, positions):
+        with masks_as_bias(self.bias_windows, positions, keys), positions_known(self.model, positions, keys):
             output = base_model(self.model)(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
                                             **_cache_argument(self.model, cache))
         return output.last_hidden_state

@@ -264,7 +264,7 @@ class Step(_EntryPoint):
         # The positions of the keys PagedKVCache gives attention (rows' cached positions, then the step's
         # tokens'), for models masking with a buffer of their own; paged_mask keeps each row to its keys.
         keys = torch.cat([torch.arange(rows * row_positions, device=tokens.device) % row_positions, safe_positions])
-        with masks_as_bias(self.bias_windows, safe_positions[None], keys), positions_known(self.model, safe_positions[None]):
+        with masks_as_bias(self.bias_windows, safe_positions[None], keys), positions_known(self.model, safe_positions[None], keys):
             hidden = base_model(self.model)(input_ids=tokens[None], attention_mask=mask, position_ids=safe_positions[None],
                                             past_key_values=_transformers_cache(cache), use_cache=True).last_hidden_state[0]
         index = torch.arange(count, device=tokens.device)
