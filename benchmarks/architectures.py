@@ -180,14 +180,18 @@ OVERRIDES: dict[str, dict] = {
     # Its segmentation head's channels have no default (its head reads upsample_out_channels[:-1] of None): a small head.
     "sapiens2": {"head_config": {"upsample_out_channels": [32, 32], "conv_out_channels": [32]}},
     # GLM-4V's rotary sections default to [8, 12, 12] in its code, not its config: they sum to half the tiny head dim.
-    **{name: {"rope_parameters": GLM_ROPE} for name in ("glm4v_text", "glm4v_moe_text", "glm_image_text", "glm_ocr_text")},
-    **{name: {"text_config": {"rope_parameters": GLM_ROPE}} for name in ("glm4v", "glm4v_moe", "glm_image", "glm_ocr")},
+    **{name: {"rope_parameters": GLM_ROPE} for name in ("glm4v_text", "glm_image_text", "glm_ocr_text")},
+    **{name: {"text_config": {"rope_parameters": GLM_ROPE}} for name in ("glm4v", "glm_image", "glm_ocr", "glm46v", "glmga")},
+    # GLM-4.5V's rotate half of each head ([8, 12, 12] of 128): a quarter of the tiny head dim.
+    "glm4v_moe_text": {"rope_parameters": {**GLM_ROPE, "mrope_section": [1, 1, 2], "partial_rotary_factor": 0.5}},
+    "glm4v_moe": {"text_config": {"rope_parameters": {**GLM_ROPE, "mrope_section": [1, 1, 2], "partial_rotary_factor": 0.5}}},
     # Their encoders' positions bound the subsampled frames (tpuexport's 3000 mel frames / subsampling_factor 8: 376), which 64 broke
     # ("Sequence Length: 376 has to be less or equal than config.max_position_embeddings 64", given time-major features).
     "nemotron_asr_streaming_encoder": {"max_position_embeddings": 512},
     **{name: {"encoder_config": {"max_position_embeddings": 512}} for name in ("nemotron_asr_streaming", "nemotron3_5_asr")},
     # Qwen2-VL's text models too: their mrope_section defaults to [16, 24, 24] in their code when the config leaves it unset.
     **{name: {"rope_parameters": GLM_ROPE} for name in ("qwen2_vl_text", "qwen2_5_vl_text")},
+    **{name: {"text_config": {"rope_parameters": GLM_ROPE}} for name in ("qwen2_vl", "qwen2_5_vl")},
     # Sizes their configs' validators tie together, which the generic shrink left apart: each layer reads its own keys
     # (the shrunk per-layer list kept later layers' indexes); sliding layers' head_dim is qk_nope + qk_rope (16 + 8);
     # a codebook as wide as the model; the adapter reading the tower's 2 layers.

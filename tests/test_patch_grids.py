@@ -235,3 +235,42 @@ def test_a_naflex_tower_converts_at_one_image_size_over_a_batch_of_images(tmp_pa
         expected = model(pixel_values=patches, pixel_attention_mask=torch.ones(2, 6, dtype=torch.long),
                          spatial_shapes=torch.tensor([[2, 3]] * 2)).logits
     np.testing.assert_allclose(logits, expected.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def tiny_qwen2_vl() -> transformers.PreTrainedModel:
+    """Qwen2-VL: patches of 8 pixels merged 2 x 2, multimodal rotary sections summing to half the text's head dim."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2VLConfig(
+        text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=8, spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=100, video_token_id=101, vision_start_token_id=102, vision_end_token_id=103)
+    return transformers.Qwen2VLModel(config).eval()
+
+
+def test_a_model_numbering_positions_over_its_image_grid_takes_them_as_an_input(tmp_path):
+    """Qwen2-VL's multimodal rotary positions (a frame, row and column per token) come from the token ids'
+    values in Python loops: the program takes them as position_ids [3, 1, seq], the grid of one 32 x 32
+    image fixed, its 16 patches flattened. Given the positions the model's own get_rope_index computes for
+    an image placed where a chat template puts it, the artifact computes what the model does unprompted."""
+    model = tiny_qwen2_vl()
+    model.save_pretrained(tmp_path / "qwen2_vl")
+    result = convert_directory(tmp_path / "qwen2_vl", tmp_path / "q2vl.tpu", "--task", "feature-extraction", "--dim", "height=32:32",
+                               "--dim", "width=32:32", *QUICK[2:], "--target", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runner = tpuexport.runner(tmp_path / "q2vl.tpu")
+    inputs = {tensor["name"]: tensor for tensor in runner.artifact.manifest["entry_points"]["serving_default"]["signature"]["inputs"]}
+    assert inputs["position_ids"]["shape"] == [3, 1, "seq"] and inputs["pixel_values"]["shape"] == [16, 3 * 2 * 8 * 8]
+    assert [placeholder["count"] for placeholder in inputs["input_ids"]["placeholders"]] == [4]  # 4 x 4 patches merged 2 x 2
+    length = runner.artifact.manifest["targets"]["cpu"]["buckets"][0]["sizes"]["seq"]
+    ids = torch.randint(1, 99, (1, length))
+    ids[0, 2], ids[0, 3:7], ids[0, 7] = 102, 100, 103  # text, the vision start, the image's 4 tokens, the vision end, text
+    grid, pixels = torch.tensor([[1, 4, 4]]), torch.randn(16, 3 * 2 * 8 * 8)
+    positions, _ = model.get_rope_index(ids, mm_token_type_ids=(ids == 100).int(), image_grid_thw=grid)
+    assert positions[:, 0, -1].tolist() == [length - 3] * 3  # past the image, text positions step over its 4 tokens' 2 x 2 grid
+    outputs = runner.run({"input_ids": ids.numpy(), "attention_mask": np.ones((1, length), np.int64), "position_ids": positions.numpy(),
+                          "pixel_values": pixels.numpy()})
+    with torch.no_grad():
+        expected = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == 100).int()).last_hidden_state
+    np.testing.assert_allclose(outputs["last_hidden_state"], expected.numpy(), atol=1e-4, rtol=1e-4)

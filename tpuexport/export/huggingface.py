@@ -592,6 +592,7 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
         return _grid_forward_program(model, grid, list(dims))
     inputs = model_inputs(model, config)
     text_max = longest_positions(model, recorded_positions(config) or DEFAULT_MAX_SEQUENCE)
+    inputs = [dataclasses.replace(spec, high=text_max) if spec.name == "position_ids" else spec for spec in inputs]
     dim_ranges = _dims(inputs, config, list(dims), text_max)
     args, dynamic_shapes = _example_inputs(inputs, dim_ranges, _config_dtype(config))
     names = [spec.name for spec in inputs]
@@ -643,7 +644,8 @@ def _image_constants(model: torch.nn.Module, names: list[str], dims: dict[str, D
     fixed size: constants of the program (export/patch_grids.py), one image a row and one row a call.
     {"image_sizes": [[height, width]]} where they crop or tile by each image's size (Mistral 3's and
     LightOn OCR's Pixtral tower, LLaVA-NeXT's tiles; LLaVA's take it only for a Pixtral tower, which its
-    config names); a NaFlex tower's spatial_shapes, and no patch mask (LFM2-VL's SigLIP 2). {} for any other model.
+    config names); a NaFlex tower's spatial_shapes, and no patch mask (LFM2-VL's SigLIP 2); the image_grid_thw of a
+    model whose image features take it (Qwen2-VL's, _takes_image_grid). {} for any other model.
 
     Raises:
       TpuExportError: --dim gives a batch other than one row.
@@ -653,6 +655,8 @@ def _image_constants(model: torch.nn.Module, names: list[str], dims: dict[str, D
         return {}
     parameters, forward = inspect.signature(features).parameters, inspect.signature(model.forward).parameters
     required = [name for name in IMAGE_CONSTANTS if name in parameters and name in forward and parameters[name].default is inspect.Parameter.empty]
+    if _takes_image_grid(model):
+        required = ["image_grid_thw"]
     if not required:
         return {}
     batch = next((dim for dim in given if dim.name == "batch"), None)
@@ -660,9 +664,26 @@ def _image_constants(model: torch.nn.Module, names: list[str], dims: dict[str, D
         raise TpuExportError(f"--dim batch={batch.min}:{batch.max}: {type(model).__name__} ({model.config.model_type}) takes each image's "
                              f"size ({', '.join(required)}), which the program fixes for one image a call; give --dim batch=1:1 or leave batch out")
     height, width = dims["height"].min, dims["width"].min
+    if required == ["image_grid_thw"]:
+        grid = _tower_grid(model)
+        return {"image_grid_thw": grid.constants(height, width)[grid.grid_input]}
     if "spatial_shapes" in required:
         return _naflex_grid(model.config).constants(height, width)
     return {"image_sizes": torch.tensor([[height, width]])}
+
+
+def _tower_grid(model: torch.nn.Module) -> PatchGrid:
+    """How the vision tower of a model taking its images' grid (_takes_image_grid) takes an image.
+
+    Raises:
+      TpuExportError: no submodule is a tower over flattened patches and their grid.
+    """
+    grid = next((found for module in model.modules() if module is not model and hasattr(module, "config")
+                 and (found := patch_grid(module)) is not None), None)
+    if grid is None:
+        raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}) takes image_grid_thw but none of its modules is a "
+                             "vision tower over flattened patches and their grid; convert its language model alone with --task text-generation")
+    return grid
 
 
 def _naflex_grid(config) -> PatchGrid:
@@ -682,7 +703,10 @@ def _image_layouts(model: torch.nn.Module, inputs: list[ModelInput], constants: 
     video's frames (LLaVA-NeXT-Video's, LLaVA-OneVision's) are the tower's size too. Other models'
     inputs as they are."""
     config = model.config
-    if "spatial_shapes" in constants:
+    if "image_grid_thw" in constants:
+        grid, (_, rows, columns) = _tower_grid(model), constants["image_grid_thw"][0].tolist()
+        layouts = {"pixel_values": lambda axes: grid.layouts(rows * grid.patch, columns * grid.patch)[0]}
+    elif "spatial_shapes" in constants:
         patches, grid = int(constants["spatial_shapes"][0].prod()), _naflex_grid(config)
         layouts = {"pixel_values": lambda axes: (axes[0], patches, grid.channels * grid.patch * grid.patch)}
     else:
@@ -706,7 +730,7 @@ def _with_placeholders(model: torch.nn.Module, inputs: list[ModelInput], dims: d
     Raises:
       TpuExportError: the placeholders cannot be counted, or --dim seq leaves no room for them.
     """
-    placeholders = count_placeholders(model, {spec.name: arg[:1] for spec, arg in zip(inputs, args)}, constants)
+    placeholders = count_placeholders(model, {spec.name: _one_row(spec, arg) for spec, arg in zip(inputs, args)}, constants)
     if not placeholders:
         return inputs, dims
     needed = 1 + sum(placeholder.count for placeholder in placeholders)
@@ -722,6 +746,29 @@ def _with_placeholders(model: torch.nn.Module, inputs: list[ModelInput], dims: d
         dims["batch"] = DimSpec("batch", 1, 1)
     inputs = [dataclasses.replace(spec, placeholders=placeholders) if spec.name == "input_ids" else spec for spec in inputs]
     return inputs, dims
+
+
+def _one_row(spec: ModelInput, example: torch.Tensor) -> torch.Tensor:
+    """The first row of an example along its batch axis (all of an input without one: one image's patches)."""
+    return example.narrow(spec.axes.index("batch"), 0, 1) if "batch" in spec.axes else example
+
+
+def _takes_image_grid(model: torch.nn.Module) -> bool:
+    """Whether the model's image features take each image's grid of patches (image_grid_thw: Qwen2-VL's
+    and its descendants', Kimi K2.5's, ...), which the program fixes for one image (_image_constants)."""
+    features = features_method(model, "get_image_features")
+    return (features is not None and "image_grid_thw" in inspect.signature(features).parameters
+            and "image_grid_thw" in inspect.signature(model.forward).parameters)
+
+
+def _grid_positions(model: torch.nn.Module) -> bool:
+    """Whether the model numbers its tokens' rotary positions over its images' grid (Qwen2-VL's
+    multimodal RoPE and its descendants': `get_rope_index`, a frame, row and column per token). It
+    computes them from the token ids' values in Python loops, which one exported program cannot
+    hold: the program takes them as `position_ids` [3, batch, seq], computed by the caller, as vLLM
+    computes them on the host (transformers: the model's own `get_rope_index`)."""
+    return (_takes_image_grid(model) and callable(getattr(model, "get_rope_index", None))
+            and "position_ids" in inspect.signature(model.forward).parameters)
 
 
 def _other_layouts(spec: ModelInput, config) -> tuple[ModelInput, ...]:
@@ -793,7 +840,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
       The ModelInputs: token inputs for text models (attention_mask beside input_ids,
       token_type_ids where the config has more than one type), decoder_input_ids for
       encoder-decoders, pixel_values, pixel_values_videos, input_values or input_features for
-      vision, video and audio (with input_features_mask where the forward takes one).
+      vision, video and audio (with input_features_mask where the forward takes one), and the
+      rotary positions of a model numbering them over its image grid (_grid_positions).
     Raises:
       TpuExportError: the forward takes none of these, or requires another input (grid sizes, prompts,
         position ids) that tpuexport does not make.
@@ -819,6 +867,8 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
         # Which mel frames are audio (1) and which padding (0); some audio encoders read it unconditionally.
         "input_features_mask": ModelInput("input_features_mask", ("batch", "frames"), torch.long, 2),
         "decoder_input_ids": ModelInput("decoder_input_ids", ("batch", "decoder_seq"), torch.long, decoder_vocab),
+        # Each token's (frame, row, column) rotary positions, which the caller computes (_grid_positions).
+        "position_ids": ModelInput("position_ids", (3, "batch", "seq"), torch.long),
     }
     both_audio = ("input_values", "input_features") if {"input_values", "input_features"} <= set(parameters) else ()
     audio_input = getattr(getattr(model, "encoder", None), "main_input_name", None)
@@ -834,6 +884,10 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
             continue
         if name == "decoder_input_ids" and not getattr(config, "is_encoder_decoder", False):
             continue
+        if name == "position_ids" and not _grid_positions(model):
+            continue
+        if name == "pixel_values_videos" and _takes_image_grid(model):
+            continue  # the images' one grid is the program's: a video's patches would need their own
         if name in both_audio and audio_input in both_audio and name != audio_input:
             continue  # a speech encoder-decoder's forward takes either, for whichever its encoder reads: only that one
         chosen.append(candidates[name])
