@@ -383,18 +383,27 @@ def test_cache_writes_lower_as_their_eager_meaning(layout):
 
 
 @pytest.fixture(scope="module")
-def lowered_llama():
+def bf16_llama(tmp_path_factory):
+    """The tiny Llama in bfloat16 converted for the cpu target alone, max context 128 (its decode step's
+    temporaries are then well below the cache's size, test_cpu_executables_update_a_bf16_cache_as_bit_patterns),
+    one prefill bucket of 2 x 16, 4 new tokens verified, no SavedModel: (artifact, model)."""
+    model = tiny_llama().to(torch.bfloat16)
+    artifact = tpuexport.convert(model, task="text-generation", max_context=128, max_batch=MAX_BATCH, buckets={"seq": [16], "batch": [MAX_BATCH]},
+                                 target="cpu", out=tmp_path_factory.mktemp("bf16_llama") / "llama.tpu", saved_model=False, verify_new_tokens=4)
+    return artifact, model
+
+
+@pytest.fixture(scope="module")
+def lowered_llama(request):
     """dtype -> (the tiny Llama in that dtype, its spec with a prefill bucket of 16, its prefill and decode
-    lowered), each dtype's made once for the tests below."""
-    made = {}
+    lowered): the entry points of a conversion's artifact (f32: llama_generation's, bf16: bf16_llama's),
+    which lowers them as lowered_entry_point does; a conversion is made only for the dtypes asked for."""
+    conversions = {torch.float32: "llama_generation", torch.bfloat16: "bf16_llama"}
 
     def lowered(dtype: torch.dtype):
-        if dtype not in made:
-            model = tiny_llama().to(dtype)
-            spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(16,))
-            modules = export_stage.entry_point_modules(model, spec)
-            made[dtype] = model, spec, {name: lowered_entry_point(modules[name], spec, name) for name in ("prefill", "decode")}
-        return made[dtype]
+        artifact, model = request.getfixturevalue(conversions[dtype])
+        program = artifact.generation_program
+        return model, program.spec, {name: program.entry_points[name] for name in ("prefill", "decode")}
 
     return lowered
 
@@ -561,14 +570,12 @@ def test_runtime_generates_from_the_cpu_executables_with_the_cache_on_the_device
     assert decode["logits"].shape == (MAX_BATCH, spec.vocab) and prefill["cache_k"].is_deleted()  # donated, updated in place
 
 
-def test_cpu_executables_update_a_bf16_cache_as_bit_patterns(tmp_path):
+def test_cpu_executables_update_a_bf16_cache_as_bit_patterns(bf16_llama):
     """The cpu target's executables take and return a bf16 KV cache as uint16 bit patterns (the form
     XLA:CPU updates in place, lower/cpu_program.py); the runner hands them from step to step and
     generates what the artifact's own CPU run does. A decode step's temporaries stay below the
     cache's size: its writes wait for its reads, so XLA:CPU makes no copy of the cache."""
-    model = tiny_llama().to(torch.bfloat16)
-    artifact = tpuexport.convert(model, task="text-generation", max_context=128, max_batch=MAX_BATCH, buckets={"seq": [8], "batch": [MAX_BATCH]},
-                                 target="cpu", out=tmp_path / "llama.tpu", saved_model=False, verify_new_tokens=4)
+    artifact, _ = bf16_llama
     buckets = artifact.manifest["targets"]["cpu"]["buckets"]
     assert all(bucket["state_as_bits"] == ["cache_k", "cache_v"] for bucket in buckets if bucket["entry_point"] != "sample")
     (decode,) = [bucket for bucket in buckets if bucket["entry_point"] == "decode"]
@@ -579,7 +586,7 @@ def test_cpu_executables_update_a_bf16_cache_as_bit_patterns(tmp_path):
     assert [list(step) for step in runner.stream(prompts, max_new_tokens=6)] == [list(step) for step in zip(*artifact.generate(prompts, max_new_tokens=6))]
     spec = artifact.generation_program.spec
     cache = [np.zeros(spec.cache_shape, jax.numpy.bfloat16)] * 2
-    prefill = runner.run([np.array([[5, 17] + [0] * 6] * 2), np.array([2, 2]), np.array([0, 1]), *cache], "prefill")
+    prefill = runner.run([np.array([[5, 17] + [0] * 14] * 2), np.array([2, 2]), np.array([0, 1]), *cache], "prefill")
     assert prefill["cache_k"].dtype == np.uint16 and np.asarray(prefill["cache_k"]).view(jax.numpy.bfloat16).any()
     bf16_cache = [jax.numpy.asarray(np.asarray(prefill[name]).view(jax.numpy.bfloat16)) for name in ("cache_k", "cache_v")]
     from_bits = runner.run([np.array([1, 2]), np.array([2, 2]), prefill["cache_k"], prefill["cache_v"]], "decode")

@@ -114,10 +114,11 @@ def test_text_encoder_from_the_hf_cache_records_task_revision_and_tokenizer(mode
 
 def test_decoder_lm_with_task_auto_is_a_generation_artifact(models, tmp_path):
     """--task auto on a causal LM is text-generation: prefill and decode entry points over a KV cache,
-    verified against generate(), with the directory's generation config copied."""
+    verified against generate(), with the directory's generation config copied. (One prefill bucket, 2 x 8:
+    the default's second prefill batch, 1, is test_generation.py's to check.)"""
     out = tmp_path / "llama.tpu"
     result = tpuexport_in_process("convert", models["llama"], "--max-batch", "2", "--max-context", "32", "--bucket", "seq=8",
-                       "--verify-new-tokens", "4", "-o", out, "--target", "cpu")
+                                  "--bucket", "batch=2", "--verify-new-tokens", "4", "-o", out, "--target", "cpu")
     assert result.returncode == 0, result.stderr
     manifest = manifest_of(out)
     assert manifest["huggingface"]["task"] == "text-generation" and "generation_config.json" in manifest["huggingface"]["files"]

@@ -14,7 +14,6 @@ from planted_bugs import INT8_BUGS
 from test_generation import MAX_BATCH, MAX_CONTEXT, tiny_llama
 
 import tpuexport
-from tpuexport import compile as compile_stage
 from tpuexport import export as export_stage
 from tpuexport import lower as lower_stage
 from tpuexport import verify as verify_stage
@@ -34,12 +33,14 @@ CACHES = {"static": dict(buckets={"seq": [16], "batch": [MAX_BATCH]}),
 
 def convert_int8_generation(mode: str, cache: str, out) -> tuple[tpuexport.Artifact, dict]:
     """The tiny Llama converted for text generation in a PT2E mode over a cache, as tpuexport.convert does it:
-    (artifact, {"model", "spec", "quantized": the conversion's {entry point: QuantizedModel}})."""
+    (artifact, {"model", "spec", "quantized": the conversion's {entry point: QuantizedModel}, "compiled": its
+    {entry point: [CompiledBucket]} for v5e})."""
     model = tiny_llama()
     options = ConversionOptions(("v5e",), out, task="text-generation", max_context=MAX_CONTEXT, max_batch=MAX_BATCH, quantize=mode,
                                 random_calibration=mode == "int8", saved_model=False, new_tokens=NEW_TOKENS, **CACHES[cache])
     with passes(export_stage.LoadedSource(model, None, None, None, export_stage.SourceInfo("api")), options) as conversion:
-        made = {"model": model, "spec": conversion.spec.state.spec, "quantized": conversion.quantized}
+        made = {"model": model, "spec": conversion.spec.state.spec, "quantized": conversion.quantized,
+                "compiled": {name: report.for_target("v5e") for name, report in conversion.compiled().items()}}
     return tpuexport.load(out), made
 
 
@@ -70,8 +71,9 @@ def int8_generation(request, tmp_path_factory):
     return mode, cache, artifact
 
 
-def test_entry_points_share_weights_and_decode_runs_s8_dots_on_tpu(static_int8_entry_points):
-    _, spec, quantized = static_int8_entry_points
+def test_entry_points_share_weights_and_decode_runs_s8_dots_on_tpu(static_int8_conversion):
+    _, made = static_int8_conversion
+    quantized = made["quantized"]
     # Activation observers per entry point, each calibrated on its own inputs: prompts for
     # prefill, steps over the cache prefill filled for decode.
     assert quantized["prefill"].calibration_samples == 2 and quantized["decode"].calibration_samples == 2 * DECODE_STEPS
@@ -81,8 +83,8 @@ def test_entry_points_share_weights_and_decode_runs_s8_dots_on_tpu(static_int8_e
     assert lowered["prefill"].weight_names == lowered["decode"].weight_names
     assert all(np.array_equal(a, b) for a, b in zip(lowered["prefill"].weights, lowered["decode"].weights))
     assert np.dtype(np.int8) in {w.dtype for w in lowered["decode"].weights}
-    [target] = compile_stage.resolve_targets(["v5e"])
-    [compiled] = compile_stage.compile_program(lowered["decode"], [target], compile_stage.make_buckets(lowered["decode"].signature, None)).results
+    # The conversion's own v5e executable of decode (its one bucket), compiled from that quantized program.
+    [compiled] = made["compiled"]["decode"]
     types = [op.types for op in matmul_ops(compiled.hlo_text)]
     # Every dot is int8 x int8 -> int32 (XLA merges the q/k/v dots that share their operand; the
     # embedding is a gather): at least the two attention matmuls of each layer and one per linear kind.
