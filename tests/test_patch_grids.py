@@ -242,7 +242,7 @@ def tiny_qwen2_vl() -> transformers.PreTrainedModel:
     torch.manual_seed(0)
     config = transformers.Qwen2VLConfig(
         text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256,
+                         num_key_value_heads=2, max_position_embeddings=32,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
         vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=8, spatial_merge_size=2, temporal_patch_size=2),
         image_token_id=100, video_token_id=101, vision_start_token_id=102, vision_end_token_id=103)
