@@ -599,10 +599,8 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     constants = {}
     if placeholder_keys(config) and "input_ids" in names and set(names) & set(MEDIA_INPUTS):
         constants = _image_constants(model, names, dim_ranges, list(dims))
-        if constants:
-            inputs = _image_layouts(model, inputs, constants)
-            args, _ = _example_inputs(inputs, dim_ranges, _config_dtype(config))
-        inputs, dim_ranges = _with_placeholders(model, inputs, dim_ranges, list(dims), args, constants)
+        inputs, dim_ranges = _placeholders_counted(model, _image_layouts(model, inputs, constants) if constants else [inputs], dim_ranges,
+                                                   list(dims), constants)
         args, dynamic_shapes = _example_inputs(inputs, dim_ranges, _config_dtype(config))
     wrapped = named_forward(model, tuple(spec.name for spec in inputs), {spec.name: spec.placeholders for spec in inputs if spec.placeholders},
                             constants)
@@ -664,26 +662,29 @@ def _image_constants(model: torch.nn.Module, names: list[str], dims: dict[str, D
         raise TpuExportError(f"--dim batch={batch.min}:{batch.max}: {type(model).__name__} ({model.config.model_type}) takes each image's "
                              f"size ({', '.join(required)}), which the program fixes for one image a call; give --dim batch=1:1 or leave batch out")
     height, width = dims["height"].min, dims["width"].min
-    if required == ["image_grid_thw"]:
-        grid = _tower_grid(model)
+    if required == ["image_grid_thw"]:  # whole merged patches, as its tower converts alone
+        tower = _tower(model)
+        grid = patch_grid(tower)
+        height, width = grid.image_size(tower.config, [dim for dim in given if dim.name in ("height", "width")])
         return {"image_grid_thw": grid.constants(height, width)[grid.grid_input]}
     if "spatial_shapes" in required:
         return _naflex_grid(model.config).constants(height, width)
     return {"image_sizes": torch.tensor([[height, width]])}
 
 
-def _tower_grid(model: torch.nn.Module) -> PatchGrid:
-    """How the vision tower of a model taking its images' grid (_takes_image_grid) takes an image.
+def _tower(model: torch.nn.Module) -> torch.nn.Module:
+    """The vision tower of a model taking its images' grid (_takes_image_grid): the first submodule
+    over flattened patches and their grid (export/patch_grids.py).
 
     Raises:
-      TpuExportError: no submodule is a tower over flattened patches and their grid.
+      TpuExportError: no submodule is such a tower.
     """
-    grid = next((found for module in model.modules() if module is not model and hasattr(module, "config")
-                 and (found := patch_grid(module)) is not None), None)
-    if grid is None:
+    tower = next((module for module in model.modules() if module is not model and hasattr(module, "config")
+                  and patch_grid(module) is not None), None)
+    if tower is None:
         raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}) takes image_grid_thw but none of its modules is a "
                              "vision tower over flattened patches and their grid; convert its language model alone with --task text-generation")
-    return grid
+    return tower
 
 
 def _naflex_grid(config) -> PatchGrid:
@@ -693,31 +694,51 @@ def _naflex_grid(config) -> PatchGrid:
                      int(_setting(config, "num_channels", "vision_config") or 3), 1, mask_input="pixel_attention_mask")
 
 
-def _image_layouts(model: torch.nn.Module, inputs: list[ModelInput], constants: dict[str, torch.Tensor | None]) -> list[ModelInput]:
+def _placeholders_counted(model: torch.nn.Module, candidates: list[list[ModelInput]], dims: dict[str, DimSpec], given: list[DimSpec],
+                          constants: dict[str, torch.Tensor | None]) -> tuple[list[ModelInput], dict[str, DimSpec]]:
+    """_with_placeholders of the first of the candidate inputs (the layouts its images may take,
+    _image_layouts) whose placeholders the model counts.
+
+    Raises:
+      TpuExportError: as _with_placeholders, on the first candidate, when none is counted.
+    """
+    failures = []
+    for inputs in candidates:
+        args, _ = _example_inputs(inputs, dims, _config_dtype(model.config))
+        try:
+            return _with_placeholders(model, inputs, dims, given, args, constants)
+        except TpuExportError as error:
+            failures.append(error)
+    raise failures[0]
+
+
+def _image_layouts(model: torch.nn.Module, inputs: list[ModelInput], constants: dict[str, torch.Tensor | None]) -> list[list[ModelInput]]:
     """The inputs of a multimodal model whose image constants (_image_constants) set its images'
     layout. A NaFlex tower's images are [batch, patches, channels x patch x patch]. Images tiled at any
     resolution (LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision, Granite 4 Vision: a config listing
     image_grid_pinpoints) are [batch, tiles, channels, tile, tile]: an image of the fixed image_sizes is
     resized to the best of the pinpoints and cut into tiles of the vision tower's size, beside a base
     tile of the whole image; how many, the model's own module counts (its image_size_to_num_patches). A
-    video's frames (LLaVA-NeXT-Video's, LLaVA-OneVision's) are the tower's size too. Other models'
-    inputs as they are."""
+    video's frames (LLaVA-NeXT-Video's, LLaVA-OneVision's) are the tower's size too. A model taking its
+    images' grid takes one image's patches in one of the layouts its tower may take (PatchGrid.layouts).
+    Other models' inputs as they are. Returns: the candidate inputs, in the order to try them."""
     config = model.config
     if "image_grid_thw" in constants:
-        grid, (_, rows, columns) = _tower_grid(model), constants["image_grid_thw"][0].tolist()
-        layouts = {"pixel_values": lambda axes: grid.layouts(rows * grid.patch, columns * grid.patch)[0]}
-    elif "spatial_shapes" in constants:
+        grid, (_, rows, columns) = patch_grid(_tower(model)), constants["image_grid_thw"][0].tolist()
+        return [[dataclasses.replace(spec, axes=layout) if spec.name == "pixel_values" else spec for spec in inputs]
+                for layout in grid.layouts(rows * grid.patch, columns * grid.patch)]
+    if "spatial_shapes" in constants:
         patches, grid = int(constants["spatial_shapes"][0].prod()), _naflex_grid(config)
         layouts = {"pixel_values": lambda axes: (axes[0], patches, grid.channels * grid.patch * grid.patch)}
     else:
         pinpoints = getattr(config, "image_grid_pinpoints", None)
         count_tiles = getattr(sys.modules[type(model).__module__], "image_size_to_num_patches", None)
         if not pinpoints or count_tiles is None:
-            return inputs
+            return [inputs]
         tile = _setting(config, "image_size", "vision_config")
         tiles = count_tiles(image_size=constants["image_sizes"][0].tolist(), grid_pinpoints=pinpoints, patch_size=tile)
         layouts = {"pixel_values": lambda axes: (axes[0], tiles, axes[1], tile, tile), "pixel_values_videos": lambda axes: (*axes[:-2], tile, tile)}
-    return [dataclasses.replace(spec, axes=layouts[spec.name](spec.axes)) if spec.name in layouts else spec for spec in inputs]
+    return [[dataclasses.replace(spec, axes=layouts[spec.name](spec.axes)) if spec.name in layouts else spec for spec in inputs]]
 
 
 def _with_placeholders(model: torch.nn.Module, inputs: list[ModelInput], dims: dict[str, DimSpec], given: list[DimSpec],
