@@ -368,3 +368,34 @@ def test_bf16_convolution_after_bilinear_upsampling():
     captured = capture(LoadedSource(program, (torch.randn(2, 3, 8, 8),), None, None, SourceInfo("api")))
     lowered = lower(captured.program, captured.signature, precision="bf16")
     assert verify(lowered, captured.reference, captured.example_inputs).passed
+
+
+class AddsRowsAtMarkedTokens(nn.Module):
+    """Adds 3 rows at the tokens marked 7, as Qwen3-VL's deepstack adds image features at its placeholder
+    tokens (`hidden[mask, :] = hidden[mask, :] + rows`): torch.export finds the mask's count equal to the rows'."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+
+    def forward(self, tokens, rows):
+        hidden = self.embed(tokens).clone()
+        marked = tokens == 7
+        hidden[marked, :] = hidden[marked, :] + rows
+        return hidden
+
+
+def test_a_boolean_mask_selecting_a_known_count_indexes_and_writes_those_rows():
+    """JAX indexes by a boolean mask only when its values are known while tracing: the rows it selects,
+    3, are found as positions (nonzero_static). Marked tokens anywhere in a row of any length."""
+    torch.manual_seed(0)
+    model = AddsRowsAtMarkedTokens().eval()
+    tokens = torch.tensor([[1, 7, 7, 2, 7, 3]])
+    model_captured = captured(model, (tokens, torch.randn(3, 8)), {"tokens": {1: seq}, "rows": None})
+    lowered = lower(model_captured.program, model_captured.signature)
+    for marks in ([0, 1, 2], [2, 9, 11], [4, 5, 13]):
+        tokens = torch.randint(0, 7, (1, 14))
+        tokens[0, marks] = 7
+        rows = torch.randn(3, 8)
+        [outputs] = lowered.run([tokens.numpy(), rows.numpy()])
+        np.testing.assert_allclose(outputs, model(tokens, rows).detach().numpy(), rtol=1e-6, atol=1e-6)

@@ -30,6 +30,13 @@ def _is_integer(value) -> bool:
     return isinstance(value, (int, np.integer)) or jax.export.is_symbolic_dim(value)
 
 
+@register_lowering(aten.nonzero_static.default)
+def nonzero_static(inputs, *, size, fill_value=-1):
+    """The positions of the first `size` nonzero values (torchax's finds them all first, which JAX
+    cannot size unless the values are known while tracing)."""
+    return jnp.argwhere(inputs, size=size, fill_value=fill_value)
+
+
 @register_lowering(aten.arange.default)
 @register_lowering(aten.arange.start)
 @register_lowering(aten.arange.start_step)

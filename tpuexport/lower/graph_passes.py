@@ -91,6 +91,52 @@ def expand_convolution_arguments(program: torch.export.ExportedProgram) -> torch
     return program
 
 
+_MASK_INDEXED = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default)
+
+
+def index_masks_at_known_counts(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Gives a boolean mask that indexes or writes rows of a tensor (`x[mask]`, `x[mask] = rows`) the
+    positions it selects, `aten.nonzero_static(mask, size=count)`, where torch.export knows how many
+    it selects: the read's rows or the written rows are a fixed number (Qwen3-VL's deepstack adds
+    its image features at the placeholder tokens, a count the program fixes). JAX indexes with a
+    boolean mask only when its values are known while tracing.
+
+    Args:
+      program: a decomposed program that the lowering stage owns (rewritten in place).
+    Returns:
+      `program`.
+    """
+    for module in graph_modules(program):
+        graph = module.graph
+        for node in list(graph.nodes):
+            if node.target not in _MASK_INDEXED or len(node.args[1]) != 1 or node.args[1][0] is None:
+                continue
+            mask = node.args[1][0]
+            rows = node.args[2] if node.target is not aten.index.Tensor else node
+            count = _known_size(rows.meta["val"].shape[0])
+            if mask.meta["val"].dtype != torch.bool or count is None:
+                continue
+            with graph.inserting_before(node):
+                positions = graph.call_function(aten.nonzero_static.default, (mask,), {"size": count})
+                positions.meta["val"] = mask.meta["val"].new_empty((count, mask.meta["val"].dim()), dtype=torch.long)
+                columns = []
+                for dim in range(mask.meta["val"].dim()):
+                    columns.append(graph.call_function(aten.select.int, (positions, 1, dim)))
+                    columns[-1].meta["val"] = positions.meta["val"][:, dim]
+            node.args = (node.args[0], columns, *node.args[2:])
+        module.recompile()
+    return program
+
+
+def _known_size(size) -> int | None:
+    """A size's one value: an int, or a symbol torch.export bounded to one value (a count of mask
+    positions it found equal to another tensor's rows), else None."""
+    if isinstance(size, int):
+        return size
+    bounds = size.node.shape_env.bound_sympy(size.node.expr)
+    return int(bounds.lower) if bounds.lower == bounds.upper else None
+
+
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 

@@ -53,8 +53,8 @@ from tpuexport.lower.assertions import fold_constant_assertions
 from tpuexport.lower.cost import matmul_flops_expression
 from tpuexport.lower.custom_ops import custom_operator_decompositions
 from tpuexport.lower.lowered import LoweredProgram
-from tpuexport.lower.graph_passes import (expand_convolution_arguments, group_repeated_kv, merged_matmul_operand, reads_heads_last,
-                                         reshape_views, sink_attention_masks, unmerge_batched_matmuls)
+from tpuexport.lower.graph_passes import (expand_convolution_arguments, group_repeated_kv, index_masks_at_known_counts, merged_matmul_operand,
+                                          reads_heads_last, reshape_views, sink_attention_masks, unmerge_batched_matmuls)
 from tpuexport.lower.matmul_precision import DECISION_SCOPE, MATMUL_PRECISIONS, decision_matmuls, pin_matmul_precision
 from tpuexport.lower.mixed_precision import (PRECISIONS, cast_arguments, cast_result, input_compute_dtype, is_quantization_op,
                                              kept_f32_meetings, stored_dtype, stored_weight)
@@ -107,7 +107,7 @@ def lower(
         raise TpuExportError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     if matmul_precision not in MATMUL_PRECISIONS:
         raise TpuExportError(f"unknown matmul precision {matmul_precision!r}; use one of {', '.join(MATMUL_PRECISIONS)}")
-    decomposed = fold_constant_assertions(expand_convolution_arguments(decompose(reshape_views(program))))
+    decomposed = fold_constant_assertions(index_masks_at_known_counts(expand_convolution_arguments(decompose(reshape_views(program)))))
     check_operators(decomposed)
     # torch's FLOP counter knows bmm, not the matmul the next pass makes of it.
     flops = matmul_flops_expression(decomposed, signature)
