@@ -407,7 +407,7 @@ def _forward_source(resolved: ResolvedModel, dims: list[DimSpec], weights_in_mem
         loaded = _from_pretrained(auto_class, resolved.directory, dtype)
         loaded.config.use_cache = False
         traceable_experts(loaded)
-        wrapped = named_forward(loaded, wrapped.input_names, wrapped.placeholders)
+        wrapped = named_forward(loaded, wrapped.input_names, wrapped.placeholders, wrapped.constants)
     elif weights_in_memory:
         _check_in_memory_fit(resolved, "--quantize int8/int8-dynamic rounds them there")
         wrapped, checkpoint = with_checkpoint_weights(wrapped, checkpoint), None
