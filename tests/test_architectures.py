@@ -190,10 +190,10 @@ def test_a_multimodal_forward_takes_the_placeholder_tokens_its_processor_writes_
         assert requests.post(predict, json={"inputs": {name: value.tolist() for name, value in named.items()}}, timeout=60).ok
 
 
-def test_a_multimodal_model_whose_features_cannot_be_counted_is_refused_in_one_line(tmp_path):
-    """Qwen2-VL's image features need each image's grid (image_grid_thw), from which its text's
-    positions are computed too: its placeholder tokens cannot be counted, which one line says, naming
-    what converts. (Mistral 3's, needing image_sizes, convert with it fixed: tests/test_patch_grids.py.)"""
+def test_a_multimodal_model_whose_image_fills_its_context_is_refused_in_one_line(tmp_path):
+    """Qwen2-VL's 224 x 224 image of 8-pixel patches merged 2 x 2 is 196 placeholder tokens, more than its
+    64 positions hold: one line says so and how to convert it (smaller images; at 32 x 32 it converts,
+    tests/test_patch_grids.py)."""
     config = transformers.Qwen2VLConfig(
         text_config={"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
                      "num_key_value_heads": 2, "max_position_embeddings": 64,
@@ -203,9 +203,8 @@ def test_a_multimodal_model_whose_features_cannot_be_counted_is_refused_in_one_l
     transformers.Qwen2VLModel(config).save_pretrained(tmp_path / "qwen2_vl")
     result = tpuexport_in_process("convert", tmp_path / "qwen2_vl", "-o", tmp_path / "qwen2_vl.tpu", *QUICK)
     assert result.returncode == 2 and error_lines(result.stderr) == [
-        "error: Qwen2VLModel (qwen2_vl): its get_image_features fails on pixel_values of shape [1, 3, 224, 224] ('NoneType' object "
-        "has no attribute 'device'); it also takes image_grid_thw, which tpuexport does not make, so its placeholder tokens cannot be "
-        "counted; convert one tower from a file.py:factory, or its language model alone with --task text-generation"], result.stderr[-2000:]
+        "error: Qwen2VLModel (qwen2_vl) takes at most 64 tokens but one row holds 196 placeholder tokens for its media's features; "
+        "no sequence fits; give smaller images (--dim height=H:H --dim width=W:W)"], result.stderr[-2000:]
     assert not (tmp_path / "qwen2_vl.tpu").exists()
 
 

@@ -84,7 +84,7 @@ def test_queries_without_their_positions_temperature_fail_verification(llama4, m
     """Decode lowered without `positions_known`: the model's own count gives every step position 0's
     temperature."""
     model, spec, entry_points = llama4
-    monkeypatch.setattr(generation_capture, "positions_known", lambda model, positions: contextlib.nullcontext())
+    monkeypatch.setattr(generation_capture, "positions_known", lambda model, positions, keys: contextlib.nullcontext())
     decode = export_stage.entry_point_modules(model, spec)["decode"]
     report = verified(model, spec, {**entry_points, "decode": lowered_entry_point(decode, spec, "decode")})
     assert not report.passed and "(cpu run)" in report.failure_summary()

@@ -761,7 +761,8 @@ def _with_placeholders(model: torch.nn.Module, inputs: list[ModelInput], dims: d
                              f"(where its media's features go) and a text token; give --dim seq={needed}:{max(seq.max, needed)}")
     if seq.max < needed:
         raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}) takes at most {seq.max} tokens but one "
-                             f"row holds {needed - 1} placeholder tokens for its media's features; no sequence fits")
+                             f"row holds {needed - 1} placeholder tokens for its media's features; no sequence fits"
+                             + ("; give smaller images (--dim height=H:H --dim width=W:W)" if "height" in dims else ""))
     dims = {**dims, "seq": DimSpec("seq", max(seq.min, needed), seq.max)}
     if not any(spec.name == "batch" for spec in given):
         dims["batch"] = DimSpec("batch", 1, 1)
