@@ -91,15 +91,16 @@ def expand_convolution_arguments(program: torch.export.ExportedProgram) -> torch
     return program
 
 
-_MASK_INDEXED = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default)
+_MASK_WRITES = (aten.index_put.default, aten.index_put_.default)
 
 
 def index_masks_at_known_counts(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """Gives a boolean mask that indexes or writes rows of a tensor (`x[mask]`, `x[mask] = rows`) the
-    positions it selects, `aten.nonzero_static(mask, size=count)`, where torch.export knows how many
-    it selects: the read's rows or the written rows are a fixed number (Qwen3-VL's deepstack adds
-    its image features at the placeholder tokens, a count the program fixes). JAX indexes with a
-    boolean mask only when its values are known while tracing.
+    """Gives a boolean mask that reads rows of a tensor (`x[mask]`), and the writes through the same mask
+    (`x[mask] = rows`), the positions it selects, `aten.nonzero_static(mask, size=count)`, where
+    torch.export knows how many rows the read selects (Qwen3-VL's deepstack adds its image features at
+    the placeholder tokens, a count the program fixes). JAX indexes with a boolean mask only when its
+    values are known while tracing. A write alone is left as it is: its rows may broadcast, so they do
+    not say the count.
 
     Args:
       program: a decomposed program that the lowering stage owns (rewritten in place).
@@ -108,24 +109,37 @@ def index_masks_at_known_counts(program: torch.export.ExportedProgram) -> torch.
     """
     for module in graph_modules(program):
         graph = module.graph
+        counts = {}  # {mask: rows a read through it selects}
+        for node in graph.nodes:
+            if node.target is aten.index.Tensor and (mask := _one_mask(node)) is not None:
+                count = _known_size(node.meta["val"].shape[0])
+                if count is not None:
+                    counts[mask] = count
+        positions = {}  # {mask: the columns of its positions}
         for node in list(graph.nodes):
-            if node.target not in _MASK_INDEXED or len(node.args[1]) != 1 or node.args[1][0] is None:
+            mask = _one_mask(node) if node.target is aten.index.Tensor or node.target in _MASK_WRITES else None
+            if mask not in counts:
                 continue
-            mask = node.args[1][0]
-            rows = node.args[2] if node.target is not aten.index.Tensor else node
-            count = _known_size(rows.meta["val"].shape[0])
-            if mask.meta["val"].dtype != torch.bool or count is None:
-                continue
-            with graph.inserting_before(node):
-                positions = graph.call_function(aten.nonzero_static.default, (mask,), {"size": count})
-                positions.meta["val"] = mask.meta["val"].new_empty((count, mask.meta["val"].dim()), dtype=torch.long)
-                columns = []
+            if mask not in positions:
+                with graph.inserting_after(mask):
+                    found = graph.call_function(aten.nonzero_static.default, (mask,), {"size": counts[mask]})
+                found.meta["val"] = mask.meta["val"].new_empty((counts[mask], mask.meta["val"].dim()), dtype=torch.long)
+                positions[mask] = []
                 for dim in range(mask.meta["val"].dim()):
-                    columns.append(graph.call_function(aten.select.int, (positions, 1, dim)))
-                    columns[-1].meta["val"] = positions.meta["val"][:, dim]
-            node.args = (node.args[0], columns, *node.args[2:])
+                    with graph.inserting_after(positions[mask][-1] if positions[mask] else found):
+                        positions[mask].append(graph.call_function(aten.select.int, (found, 1, dim)))
+                    positions[mask][-1].meta["val"] = found.meta["val"][:, dim]
+            node.args = (node.args[0], positions[mask], *node.args[2:])
         module.recompile()
     return program
+
+
+def _one_mask(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The boolean mask an index or index_put indexes with, when it is its one index, else None."""
+    indices = node.args[1]
+    if len(indices) != 1 or not isinstance(indices[0], torch.fx.Node):
+        return None
+    return indices[0] if indices[0].meta["val"].dtype == torch.bool else None
 
 
 def _known_size(size) -> int | None:
