@@ -26,6 +26,17 @@ def convert_directory(directory, out, *options: str):
     return tpuexport_in_process("convert", directory, "-o", out, *options)
 
 
+def converted_forward(model, tmp_path, name: str, *options: str) -> tuple[tpuexport.Runner, dict[str, dict]]:
+    """The model saved to tmp_path / name and its forward converted for the cpu target (`options`: its
+    --dim sizes): (a runner of the artifact, its signature's inputs by name, in order)."""
+    model.save_pretrained(tmp_path / name)
+    result = convert_directory(tmp_path / name, tmp_path / f"{name}.tpu", "--task", "feature-extraction", *options, *QUICK[2:],
+                               "--target", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runner = tpuexport.runner(tmp_path / f"{name}.tpu")
+    return runner, {tensor["name"]: tensor for tensor in runner.artifact.manifest["entry_points"]["serving_default"]["signature"]["inputs"]}
+
+
 def qwen3_vl_tower() -> transformers.PreTrainedModel:
     torch.manual_seed(0)
     config = transformers.Qwen3VLVisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48,
@@ -158,12 +169,8 @@ def test_a_mask_from_constants_selects_known_rows_and_constants_written_in_place
 def test_a_model_taking_each_images_size_converts_with_the_size_fixed(tmp_path):
     """image_sizes is no input of the artifact: the program fixes it to the one image size it takes."""
     model = tiny_mistral3()
-    model.save_pretrained(tmp_path / "mistral3")
-    result = convert_directory(tmp_path / "mistral3", tmp_path / "m3.tpu", "--task", "feature-extraction", *QUICK[2:], "--target", "cpu")
-    assert result.returncode == 0, result.stderr[-3000:]
-    runner = tpuexport.runner(tmp_path / "m3.tpu")
-    inputs = runner.artifact.manifest["entry_points"]["serving_default"]["signature"]["inputs"]
-    assert [tensor["name"] for tensor in inputs] == ["input_ids", "pixel_values", "attention_mask"]
+    runner, inputs = converted_forward(model, tmp_path, "mistral3")
+    assert list(inputs) == ["input_ids", "pixel_values", "attention_mask"]
     ids = torch.randint(1, 99, (1, 16))  # the compiled bucket's length
     ids[0, 3:7] = 100  # its 4 placeholder tokens
     pixels = torch.randn(1, 3, 32, 32)
@@ -194,12 +201,7 @@ def test_images_tiled_at_any_resolution_convert_with_their_size_fixed(tmp_path):
     placeholder count is the model's own (the video's 8 frames of 2 x 2 pooled features, 32 tokens, reach
     the scatter flattened)."""
     model = tiny_llava_next_video()
-    model.save_pretrained(tmp_path / "llava_next_video")
-    result = convert_directory(tmp_path / "llava_next_video", tmp_path / "lnv.tpu", "--task", "feature-extraction", "--dim", "height=64:64",
-                               "--dim", "width=64:64", *QUICK[2:], "--target", "cpu")
-    assert result.returncode == 0, result.stderr[-3000:]
-    runner = tpuexport.runner(tmp_path / "lnv.tpu")
-    inputs = {tensor["name"]: tensor for tensor in runner.artifact.manifest["entry_points"]["serving_default"]["signature"]["inputs"]}
+    runner, inputs = converted_forward(model, tmp_path, "llava_next_video", "--dim", "height=64:64", "--dim", "width=64:64")
     assert inputs["pixel_values"]["shape"] == [1, 5, 3, 32, 32] and inputs["pixel_values_videos"]["shape"] == [1, 8, 3, 32, 32]
     counts = {placeholder["media"]: placeholder["count"] for placeholder in inputs["input_ids"]["placeholders"]}
     assert counts["pixel_values_videos"] == 8 * 2 * 2
@@ -255,12 +257,7 @@ def test_a_model_numbering_positions_over_its_image_grid_takes_them_as_an_input(
     image fixed, its 16 patches flattened. Given the positions the model's own get_rope_index computes for
     an image placed where a chat template puts it, the artifact computes what the model does unprompted."""
     model = tiny_qwen2_vl()
-    model.save_pretrained(tmp_path / "qwen2_vl")
-    result = convert_directory(tmp_path / "qwen2_vl", tmp_path / "q2vl.tpu", "--task", "feature-extraction", "--dim", "height=32:32",
-                               "--dim", "width=32:32", *QUICK[2:], "--target", "cpu")
-    assert result.returncode == 0, result.stderr[-3000:]
-    runner = tpuexport.runner(tmp_path / "q2vl.tpu")
-    inputs = {tensor["name"]: tensor for tensor in runner.artifact.manifest["entry_points"]["serving_default"]["signature"]["inputs"]}
+    runner, inputs = converted_forward(model, tmp_path, "qwen2_vl", "--dim", "height=32:32", "--dim", "width=32:32")
     assert inputs["position_ids"]["shape"] == [3, 1, "seq"] and inputs["pixel_values"]["shape"] == [16, 3 * 2 * 8 * 8]
     assert [placeholder["count"] for placeholder in inputs["input_ids"]["placeholders"]] == [4]  # 4 x 4 patches merged 2 x 2
     length = runner.artifact.manifest["targets"]["cpu"]["buckets"][0]["sizes"]["seq"]
