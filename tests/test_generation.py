@@ -103,7 +103,9 @@ def llama_conversion(tmp_path_factory):
     out = tmp_path_factory.mktemp("llama") / "llama.tpu"
     options = ConversionOptions(("v5e", "cpu"), out, buckets={"seq": [16]}, task="text-generation", max_context=MAX_CONTEXT,
                                 max_batch=MAX_BATCH)
-    with passes(export_stage.LoadedSource(model, None, None, None, export_stage.SourceInfo("api")), options) as conversion:
+    # Processes of its own (the session's kept ones live on): ended, and so judged, with the block.
+    with tpuexport.kept_compilers(), passes(export_stage.LoadedSource(model, None, None, None, export_stage.SourceInfo("api")),
+                                            options) as conversion:
         compilers = list(conversion.job.children)
     return tpuexport.load(out), model, compilers
 

@@ -51,7 +51,9 @@ def test_a_window_sees_the_memory_touched_while_it_is_open():
     assert during.process_bytes >= during.anonymous_bytes + during.mapped_bytes - 1 * MIB
     assert during.mapped_bytes > 0  # the interpreter's and numpy's shared libraries
     assert after.anonymous_bytes < during.anonymous_bytes - 200 * MIB  # freed: a later window does not carry it
-    assert during.child_bytes == 0
+    # Not the children's: the process started none in the window (the session's kept compiler
+    # processes, conftest.py, are children too, idle and the same size throughout).
+    assert during.child_bytes == before.child_bytes
 
 
 def test_a_child_process_is_measured_on_its_own():

@@ -293,8 +293,9 @@ def test_top_k_and_sort_load_in_the_tf_saved_model(tmp_path):
         model, scores = Ranking(), torch.randn(2, 10, 8)
     artifact = tpuexport.convert(model, (scores,), {"items": {0: batch}}, out=tmp_path / "ranking.tpu",
                                  matmul_precision="highest", progress=lambda stage, seconds, detail: stages.append(stage))
-    # whether TensorFlow can load the program is known before verification and compilation start
-    assert stages[:5] == ["export", "lower", "weights", "tensorflow", "verify"]
+    # whether TensorFlow can load the program is known before verification and compilation start (which
+    # of those two reports first is a race: a kept compiler process can finish a small program first)
+    assert stages[:4] == ["export", "lower", "weights", "tensorflow"] and "verify" in stages
     saved_model = artifact.manifest["verification"]["saved_model"]
     assert saved_model["passed"] and len(saved_model["cases"]) >= 3 and saved_model["out_of_range"]["rejected"]
     # the artifact's own program keeps jax's top_k and erf composites, for the TPU's native kernels

@@ -3,9 +3,10 @@ report, and manifests that differ only under "build" (creation time and stage se
 
 Two exceptions, both outside tpuexport's control (measured, not asserted, for the first):
   - XLA numbers HLO computations from a process-wide counter and the serialized executable embeds
-    those ids, so a second conversion *in the same Python process* writes executables that differ in
-    a few bytes. Their compiled HLO (the manifest's fingerprint) is identical, and conversions in
-    fresh processes (the CLI) write identical executables.
+    those ids, so a compiler process kept between conversions (tpuexport.kept_compilers(), as this
+    suite's test processes do) writes executables that differ in a few bytes from a new process's.
+    Their compiled HLO (the manifest's fingerprint) is identical (tests/test_kept_compilers.py), and
+    conversions with compiler processes of their own (the CLI) write identical executables.
   - TensorFlow writes a random uuid into the SavedModel's fingerprint.pb on every save. Its other
     fields are hashes of saved_model.pb and the variables, which are compared byte for byte.
 """

@@ -11,6 +11,8 @@
         model = build()                # no parameter memory
     tpuexport.convert(model, args=(x,), checkpoint="ckpt/", out="big.tpu")  # weights streamed
     tpuexport.runner("model.tpu").run({"x": x})   # the AOT executables of this host, no compiling
+    with tpuexport.kept_compilers():   # many conversions in one process: compiler processes reused
+        ...
 
 Importing tpuexport imports nothing heavy (no torch, jax or TensorFlow): each public name is
 imported from its module on first use (PEP 562), so the command line answers `--help` and bad
@@ -38,6 +40,7 @@ _LAZY = {
     "Sampling": "tpuexport.lower.sampling",
     "Tolerances": "tpuexport.verify",
     "parameters_on_meta": "tpuexport.export",
+    "kept_compilers": "tpuexport.compile",
     "convert": "tpuexport.api",
     "plan": "tpuexport.api",
 }
@@ -55,6 +58,7 @@ __all__ = [
     "UnsupportedOperatorsError",
     "VerificationError",
     "convert",
+    "kept_compilers",
     "load",
     "parameters_on_meta",
     "plan",

@@ -63,7 +63,8 @@ class PeakMemory:
       process_bytes: its largest total resident memory at one moment (anonymous + mapped + shared),
         or its high-water mark when that rose during the stage.
       child_bytes: the largest resident memory of one child process during the stage (TPU
-        compilers, TensorFlow, sharded verification); 0 when none ran.
+        compilers, TensorFlow, sharded verification; within `kept_compilers()`, kept compiler
+        processes, idle ones included); 0 when none ran.
     """
 
     anonymous_bytes: int | None

@@ -7,6 +7,7 @@ from tpuexport.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "aot": ["CompiledBucket", "CompileJob", "CompileReport", "EntryPointCompile", "compile_program", "compile_target"],
+    "compiler_processes": ["kept_compilers"],
     "compile_envs": ["CompileEnv", "check_interpreter", "describe_versions", "installed_versions", "probe", "version_set_name"],
     "buckets": ["Bucket", "make_buckets", "parse_bucket_options"],
     "sharding": ["PRESETS", "ShardingPlan", "ShardingRequest", "check_chip_fit", "make_request", "plan_sharding", "resolve_mesh"],

@@ -28,10 +28,8 @@ environment's versions in their compile key (a version set of their own in the a
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-import json
 import os
 import pathlib
 import signal
@@ -48,6 +46,7 @@ import jax
 from tpuexport.compile.buckets import Bucket
 from tpuexport.compile.compile_envs import CompileEnv, describe_versions, environment_for
 from tpuexport.compile.compile_key import compile_key
+from tpuexport.compile.compiler_processes import compiler_for, compiler_settings
 from tpuexport.compile.hlo import collectives, matmul_flops_by_types
 from tpuexport.compile.sharding import DATA_AXIS, ShardingPlan, describe_buffers, per_device_buffers
 from tpuexport.compile.targets import Target
@@ -59,7 +58,6 @@ from tpuexport.lower.lowered import CPU_COMPILER_OPTIONS
 if TYPE_CHECKING:  # kernels.py imports torch; the runtime imports this module without it
     from tpuexport.lower.kernels import BucketKernels
 
-CHILD_SCRIPT = pathlib.Path(__file__).with_name("compile_child.py")
 # The slowest compile measured (Llama-3-70B planned for v5p-128, docs/checkpoints-and-plans.md) takes 151 s: ten times that,
 # so only a hung compiler reaches it.
 COMPILE_TIMEOUT_SECONDS = 1800.0
@@ -209,7 +207,8 @@ class CompileJob:
     kills the compiler processes. `on_compiled` is called from the job's threads.
 
     Attributes:
-      children: every compiler process started, one per target and compile environment.
+      children: every compiler process that compiled for it, one per target and compile environment
+        (kept ones, within `kept_compilers()`, live on after the job).
       compile_envs: the other environments every target is also compiled under (compile_envs.py).
       target_sizes: called with (target, job) in the target's thread before it compiles: {dim: size}
         that replaces those dims' sizes in every bucket compiled for that target (a paged cache's
@@ -223,6 +222,7 @@ class CompileJob:
         self.compile_envs = tuple(compile_envs)
         self.target_sizes = target_sizes
         self.children: list[subprocess.Popen] = []
+        self.busy: set[subprocess.Popen] = set()
         self.lock = threading.Lock()
         self.cancelled = False
         processes = len(targets) * (1 + len(self.compile_envs))
@@ -255,11 +255,17 @@ class CompileJob:
         self.cancel()
 
     def started(self, child: subprocess.Popen) -> None:
-        """Registers a compiler process (killed at once if the job was cancelled meanwhile)."""
+        """Registers a compiler process working for the job (killed at once if the job was cancelled meanwhile)."""
         with self.lock:
             self.children.append(child)
+            self.busy.add(child)
             if self.cancelled:
                 child.kill()
+
+    def finished(self, child: subprocess.Popen) -> None:
+        """A compiler process is done with the job's request: cancelling no longer kills it."""
+        with self.lock:
+            self.busy.discard(child)
 
     def result(self) -> dict[str, CompileReport]:
         """Waits for every target: {entry point: its CompileReport}; see `compile_program` for what it raises."""
@@ -282,7 +288,7 @@ class CompileJob:
         """Kills compiler processes still running and waits for the threads."""
         with self.lock:
             self.cancelled = True
-            for child in self.children:
+            for child in self.busy:
                 if child.poll() is None:
                     child.kill()
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -483,64 +489,60 @@ def compiler_environment(target: Target, environment=None) -> dict:
 
 def _run_compiler(request: dict, target: Target, programs: list[_ProgramInRequest], scratch_dir: pathlib.Path,
                   job: CompileJob | None, env: CompileEnv | None = None):
-    """Runs the compiler process for `request` (under `env`'s interpreter, when given); yields (program
-    index, CompiledBucket) as it compiles them."""
+    """Runs `request` in a compiler process (under `env`'s interpreter, when given; a kept one within
+    `kept_compilers()`); yields (program index, CompiledBucket) as it compiles them."""
     timeout = compile_timeout()
-    # libtpu's start-up warnings go to the child's stderr, kept in a file for crash reports only.
-    with open(scratch_dir / "stderr.txt", "w+b") as stderr:
-        child = subprocess.Popen(
-            [env.python if env else sys.executable, "-I", str(CHILD_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=stderr, text=True, env=compiler_environment(target, environment_for() if env else None),
-        )
+    python = env.python if env else sys.executable
+    environment = compiler_environment(target, environment_for() if env else None)
+    compiler, kept = compiler_for((python, target.name, compiler_settings(environment)), python, environment)
+    if job is not None:
+        job.started(compiler.process)
+    watchdog = _Watchdog(compiler.process, timeout)
+    compiler.send(request, last=kept is None)
+    compiling = None
+    try:
+        for event in compiler.events():
+            watchdog.restart()
+            program = programs[event["program"]]
+            bucket = program.entry.buckets[event["bucket"]]
+            if event["event"] == "start":
+                compiling = bucket
+            elif event["event"] == "error" and event.get("errno") is not None:
+                raise OSError(event["errno"], event["message"], event.get("filename"))
+            elif event["event"] == "error" and env is not None:
+                raise TpuExportError(f"the jax of --compile-env {env.python} ({describe_versions(env.versions)}) could not compile "
+                                     f"{target.name} bucket {bucket.name}: {event['message'][:240]}; this program uses what that "
+                                     "jax release does not support: use a newer jax there, or drop that environment")
+            elif event["event"] == "error":
+                raise _compile_error(target, bucket, event["message"], _largest_buffers(program.entry.lowered, program.plan, bucket))
+            else:
+                compiling = None
+                kernels = dict(program.kernel_records[event["bucket"]])
+                if event.get("kernel_error"):  # the static program with kernels did not compile: the portable one did
+                    kernels.update(program="portable", reason=f"the program with kernels did not compile for {target.name}: "
+                                                               f"{event['kernel_error'][:200]}")
+                result = dataclasses.replace(_compiled_bucket(target, bucket, event, scratch_dir, program, env), kernels=kernels,
+                                             state_as_bits=program.state_as_bits)
+                if program.entry.on_compiled and env is None:
+                    program.entry.on_compiled(result)
+                yield event["program"], result
+    finally:
+        watchdog.stop()
         if job is not None:
-            job.started(child)
-        watchdog = _Watchdog(child, timeout)
-        try:
-            child.stdin.write(json.dumps(request))
-            child.stdin.close()
-        except BrokenPipeError:  # it died before reading the request; its exit status, below, says how
-            with contextlib.suppress(BrokenPipeError):
-                child.stdin.close()
-        compiling = None
-        try:
-            for line in child.stdout:
-                watchdog.restart()
-                event = json.loads(line)
-                program = programs[event["program"]]
-                bucket = program.entry.buckets[event["bucket"]]
-                if event["event"] == "start":
-                    compiling = bucket
-                elif event["event"] == "error" and event.get("errno") is not None:
-                    raise OSError(event["errno"], event["message"], event.get("filename"))
-                elif event["event"] == "error" and env is not None:
-                    raise TpuExportError(f"the jax of --compile-env {env.python} ({describe_versions(env.versions)}) could not compile "
-                                         f"{target.name} bucket {bucket.name}: {event['message'][:240]}; this program uses what that "
-                                         "jax release does not support: use a newer jax there, or drop that environment")
-                elif event["event"] == "error":
-                    raise _compile_error(target, bucket, event["message"], _largest_buffers(program.entry.lowered, program.plan, bucket))
-                else:
-                    compiling = None
-                    kernels = dict(program.kernel_records[event["bucket"]])
-                    if event.get("kernel_error"):  # the static program with kernels did not compile: the portable one did
-                        kernels.update(program="portable", reason=f"the program with kernels did not compile for {target.name}: "
-                                                                   f"{event['kernel_error'][:200]}")
-                    result = dataclasses.replace(_compiled_bucket(target, bucket, event, scratch_dir, program, env), kernels=kernels,
-                                                 state_as_bits=program.state_as_bits)
-                    if program.entry.on_compiled and env is None:
-                        program.entry.on_compiled(result)
-                    yield event["program"], result
-        finally:
-            child.stdout.close()
-            returncode = child.wait()
-            watchdog.stop()
-        if watchdog.fired:
-            raise TpuExportError(
-                f"the TPU compiler for {target.name} took more than {timeout:g} s "
-                f"{f'on bucket {compiling.name}' if compiling else 'to start'} and was stopped; "
-                f"raise {COMPILE_TIMEOUT_VARIABLE} (seconds) if it is only slow, else drop that bucket or target")
-        if returncode != 0:
-            stderr.seek(0)
-            raise _crash_error(target, compiling, returncode, stderr.read().decode(errors="replace"), env)
+            job.finished(compiler.process)
+        if compiler.finished and kept is not None:
+            kept.give_back(compiler)
+            returncode = 0
+        else:  # done, failed or abandoned (an error raised here or in the caller): it ends
+            stderr_text = compiler.stderr_text()
+            returncode = compiler.end(kill=not compiler.finished)
+    if watchdog.fired:
+        raise TpuExportError(
+            f"the TPU compiler for {target.name} took more than {timeout:g} s "
+            f"{f'on bucket {compiling.name}' if compiling else 'to start'} and was stopped; "
+            f"raise {COMPILE_TIMEOUT_VARIABLE} (seconds) if it is only slow, else drop that bucket or target")
+    if returncode != 0 or not compiler.finished:
+        raise _crash_error(target, compiling, returncode, stderr_text, env)
 
 
 class _Watchdog:

@@ -1,10 +1,11 @@
 """The compiler's process: compiles one target's programs with libtpu (or XLA:CPU), nothing else loaded.
 
-Started by aot.py as `python -I compile_child.py` with a JSON request on stdin: the target's
-topology and options, and a list of programs (one per entry point of the conversion, e.g. prefill,
-decode and sample; one for a forward program), each with its serialized jax.export program, its
-weights' shapes, buckets and sharding. It compiles them in order, every bucket of each; the
-topology's devices, and a mesh that several programs share, are made once. It imports only jax
+Started by aot.py as `python -I compile_child.py` with JSON requests on stdin, one per line (one,
+unless the process is kept between conversions: compiler_processes.py): the target's topology and
+options, and a list of programs (one per entry point of the conversion, e.g. prefill, decode and
+sample; one for a forward program), each with its serialized jax.export program, its weights'
+shapes, buckets and sharding. It compiles them in order, every bucket of each; the topology's
+devices are made once per process, and a mesh that several programs share once per request. It imports only jax
 (not tpuexport, torch or TensorFlow; public APIs but for a CPU twin's, since --compile-env runs it
 under other jax releases), so a crash inside libtpu's compiler takes down this process alone and the
 parent can name the bucket that was compiling. A single chip compiles for one device;
@@ -31,6 +32,8 @@ request, i: the bucket's in the program):
   {"event": "error", "program": p, "bucket": i, "message"} XLA raised; the process stops there
   {"event": "error", "program": p, "bucket": i, "message", "errno", "filename"}
                                                            writing its files failed (e.g. the disk is full)
+  {"event": "finished"}                                    every bucket of the request compiled; the
+                                                           process reads the next request or stdin's end
 The process asks the kernel for SIGKILL when its parent dies: a compiler left running (or hung)
 by a conversion that was killed would otherwise keep a core busy for nobody.
 """
@@ -243,16 +246,24 @@ def compile_buckets(index, program, request, devices_available, meshes) -> bool:
 
 
 def main() -> None:
-    request = json.load(sys.stdin)
-    die_with_parent(request["parent_pid"])
-    devices_available = target_devices(request)
-    meshes = {}
-    for index, program in enumerate(request["programs"]):
-        if not compile_buckets(index, program, request, devices_available, meshes):
-            return
-        # Nothing of one program's traces and executables is needed for the next: the process then
-        # holds one program's at a time, as when each had a process of its own.
-        jax.clear_caches()
+    """Answers requests, one per stdin line, until stdin ends (a kept process takes several,
+    compiler_processes.py); returns after an error event."""
+    devices = {}  # per target, made once for the process's requests
+    for line in sys.stdin:
+        request = json.loads(line)
+        if not devices:
+            die_with_parent(request["parent_pid"])
+        target = json.dumps([request["platform"], request["processes"], request["topology"], request["host_bounds"]])
+        if target not in devices:
+            devices[target] = target_devices(request)
+        meshes = {}
+        for index, program in enumerate(request["programs"]):
+            if not compile_buckets(index, program, request, devices[target], meshes):
+                return
+            # Nothing of one program's traces and executables is needed for the next: the process then
+            # holds one program's at a time, as when each had a process of its own.
+            jax.clear_caches()
+        emit(event="finished")
 
 
 if __name__ == "__main__":
