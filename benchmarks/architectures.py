@@ -195,6 +195,8 @@ OVERRIDES: dict[str, dict] = {
     # Sizes their configs' validators tie together, which the generic shrink left apart: each layer reads its own keys
     # (the shrunk per-layer list kept later layers' indexes); sliding layers' head_dim is qk_nope + qk_rope (16 + 8);
     # a codebook as wide as the model; the adapter reading the tower's 2 layers.
+    # Its projector's norm is as wide as the tower (projection_hidden_size defaults to the full tower's 1152).
+    "kimi_k25": {"projection_hidden_size": WIDTH},
     "mistral_large4_text": {"kv_source_layers": [0, 1]},
     "mistral_large4": {"text_config": {"kv_source_layers": [0, 1]}},
     "dots3_note_text": {"head_dim": 24},

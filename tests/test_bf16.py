@@ -95,6 +95,38 @@ def test_a_rotary_table_rounded_to_bf16_fails_verification_at_long_positions():
     assert "at batch=2,seq=2048 (cpu run)" in report.failure_summary()
 
 
+class KeysInHalves(nn.Module):
+    """DeepSeek-V3's keys (transformers' expand_kv): memory allocated from the sizes alone, then its two
+    halves copied in, one of them a position table (sin(position) * w)."""
+
+    def __init__(self):
+        super().__init__()
+        self.nope = nn.Linear(4, 4)
+        self.rope = nn.Parameter(torch.linspace(0.5, 2.0, 4))
+
+    def forward(self, x):
+        keys = x.new_empty(x.shape[0], 8)
+        keys[:, :4].copy_(self.nope(x))
+        keys[:, 4:].copy_(torch.sin(torch.arange(x.shape[0], dtype=x.dtype)[:, None] * self.rope))
+        return keys
+
+
+def test_uninitialized_memory_is_no_position_table():
+    """The "positions" case compares values computed from sizes alone; an allocation whose values a
+    later op writes is one too by that rule, and its bytes (whatever the allocator left) departed between
+    the runs: Kimi-K2.5's and Mistral-Large-4's tiny sweep models failed verification on them."""
+    from tpuexport.verify.positions import position_tables
+
+    seq = torch.export.Dim("seq", min=2, max=512)
+    captured = export_stage.capture(LoadedSource(KeysInHalves(), (torch.randn(6, 4),), {"x": {0: seq}}, None, SourceInfo("api")))
+    program = lower_stage.lower(captured.program, captured.signature)
+    tables = position_tables(program.graph)
+    assert tables and all("empty" not in table.name for table in tables)
+    assert [table.target.overloadpacket for table in tables] == [torch.ops.aten.sin]  # the sin table stays one
+    report = verify(program, captured.reference, captured.example_inputs, budget_flops=0)
+    assert report.passed and "positions" in [case.label for case in report.cases]
+
+
 def test_bf16_llama_artifact_runs_bf16_in_and_out(bf16_llama_artifact):
     model, artifact = bf16_llama_artifact
     ids = torch.randint(0, 128, (1, 7))

@@ -33,7 +33,7 @@ MAX_TIE_FRACTION = 1e-3
 # smallest planted bug (a scale off by one int8 step) 5.8e-3; this sits ten times from each.
 FLOAT_RULE = Tolerances(atol=1e-5, rtol=5e-4, scale_tol=5e-4)
 # Ops whose results are uninitialized memory (written by a later op): nothing to compare.
-_UNINITIALIZED = {torch.ops.aten.empty, torch.ops.aten.empty_permuted, torch.ops.aten.empty_strided,
+UNINITIALIZED = {torch.ops.aten.empty, torch.ops.aten.empty_permuted, torch.ops.aten.empty_strided,
                   torch.ops.aten.empty_like, torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided}
 
 
@@ -80,7 +80,7 @@ def check_ops(program: torch.export.ExportedProgram, inputs, sizes: dict[str, in
     values = _torch_values(program, [*weights, *inputs])
     nodes = [node for node in program.graph.nodes
              if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and lowering_for(node.target) is not None
-             and node.target.overloadpacket not in _UNINITIALIZED]
+             and node.target.overloadpacket not in UNINITIALIZED]
     producers = sorted({arg for node in nodes for arg in _argument_nodes(node)}, key=lambda n: n.name)
     # Sizes (sym_size results) and other non-tensor values stay Python constants: traced, they
     # could not give shapes.

@@ -31,6 +31,7 @@ from tpuexport.lower.matmul_precision import MATMUL_PRECISIONS, pin_matmul_preci
 from tpuexport.lower.quantized_weights import QuantizedArray
 from tpuexport.lower.mixed_precision import input_compute_dtype
 from tpuexport.verify.compare import compare_output
+from tpuexport.verify.conformance import UNINITIALIZED
 from tpuexport.verify.report import VerificationCase
 from tpuexport.verify.tolerances import VerificationTolerances
 from tpuexport.verify.tpu_numerics import tpu_faithful
@@ -54,6 +55,10 @@ def position_tables(program: torch.export.ExportedProgram) -> list[torch.fx.Node
     for node in program.graph.nodes:
         if node.op == "placeholder":
             size_only[node] = node.name not in user_inputs
+        elif node.op == "call_function" and getattr(node.target, "overloadpacket", None) in UNINITIALIZED:
+            # Memory a later op writes (DeepSeek-V3's keys: `new_empty`, then its halves copied in): its
+            # values are whatever the allocator left, so neither it nor what reads it is a table.
+            size_only[node] = False
         elif node.op == "call_function":
             size_only[node] = node.target is torch.ops.aten.sym_size.int or all(size_only.get(n, False) for n in node.all_input_nodes)
         else:
