@@ -30,7 +30,7 @@ from tpuexport.lower.cpu_dots import fold_transposes_into_dots
 from tpuexport.lower.lowered import LARGE_RUN_OPTIONS, RUN_COMPILER_OPTIONS
 from tpuexport.lower.stablehlo_rewrite import rewrite_module
 from tpuexport.export import LoadedSource, SourceInfo, load_source, open_checkpoint
-from tpuexport.memory import UNKNOWN_PEAK, MemoryMonitor, PeakMemory, memory_budget, resident_bytes
+from tpuexport.memory import UNKNOWN_PEAK, MemoryMonitor, PeakMemory, _child_pids, _child_rss, memory_budget, resident_bytes
 from tpuexport.pipeline import ConversionOptions, lower_forward, passes
 from tpuexport.verify.sizes import MAX_OPTIONAL_OUTPUT_BYTES, output_bytes, plan_cases
 
@@ -51,9 +51,10 @@ def test_a_window_sees_the_memory_touched_while_it_is_open():
     assert during.process_bytes >= during.anonymous_bytes + during.mapped_bytes - 1 * MIB
     assert during.mapped_bytes > 0  # the interpreter's and numpy's shared libraries
     assert after.anonymous_bytes < during.anonymous_bytes - 200 * MIB  # freed: a later window does not carry it
-    # Not the children's: the process started none in the window (the session's kept compiler
-    # processes, conftest.py, are children too, idle and the same size throughout).
-    assert during.child_bytes == before.child_bytes
+    # Not the children's: the process started none in the window. It may have idle children from before
+    # (the session's kept compiler processes, conftest.py), whose own size is all the window may see of them.
+    idle_children = max((_child_rss(pid) for pid in _child_pids()), default=0)
+    assert during.child_bytes < idle_children + 64 * MIB
 
 
 def test_a_child_process_is_measured_on_its_own():
