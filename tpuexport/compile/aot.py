@@ -6,7 +6,8 @@ or, for a slice, partitioned over its devices by a sharding plan (sharding.py), 
 process (compile_child.py) that loads nothing but jax and libtpu. One process per target compiles
 every entry point of the program (text generation's prefill, decode and sample; a forward program
 is one entry point), one after another: starting a compiler process (importing jax, loading
-libtpu, making the topology) costs about 1 s of CPU, more than compiling a small entry point. A
+libtpu, making the topology) costs about 1 s of CPU, more than compiling a small entry point (which is
+also why a process converting many models can keep them between conversions: compiler_processes.py). A
 crash inside libtpu's compiler (seen: a segfault compiling a transformer for 7x at one bucket size)
 then becomes an error naming the target and bucket instead of killing the conversion, and the
 user's process never loads libtpu. XLA's own memory and cost analyses give the figures for the
