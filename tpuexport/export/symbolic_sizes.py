@@ -65,7 +65,7 @@ def _dims(error: BaseException, symbols: set[str]) -> dict[str, int]:
             for symbol, sources in environment.var_to_sources.items():
                 if str(symbol) in symbols and sources:
                     name = environment.source_name_to_debug_name.get(sources[0].name, str(symbol))
-                    dims[name] = int(environment.var_to_val[symbol])
+                    dims[name] = int(environment.backed_var_to_val[symbol])
         except (AttributeError, KeyError, TypeError):  # torch's internals, read only to explain: another torch may differ
             return {}
         return dims

@@ -60,7 +60,7 @@ def _symbol_names(program: torch.export.ExportedProgram, signature: ProgramSigna
         for declared, size in zip(spec.shape, placeholders[name].meta["val"].shape):
             if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol) and isinstance(declared, str):
                 names.setdefault(size.node.expr, sympy.Symbol(declared))
-    for symbol, value in getattr(_shape_env(placeholders.values()), "var_to_val", {}).items():
+    for symbol, value in getattr(_shape_env(placeholders.values()), "backed_var_to_val", {}).items():
         names.setdefault(symbol, sympy.Integer(int(value)))
     return names
 
