@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import tpuexport
 from tpuexport.export import LoadedSource, SourceInfo, capture
 from tpuexport.lower import lower
 from tpuexport.verify import verify
@@ -49,3 +50,23 @@ def test_recurrent_layers_keep_a_dynamic_sequence_and_match_their_eager_forward_
     for name, out, want in zip([spec.name for spec in model.signature.outputs], lowered.run([x.numpy()]), expected):
         assert out.shape == tuple(want.shape), name
         torch.testing.assert_close(torch.from_numpy(out), want, atol=1e-5, rtol=1e-4, msg=name)
+
+
+class LinearLstm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(16, 32, batch_first=True)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0])
+
+
+def test_weight_only_int8_lstm_is_verified_against_its_rounded_weights(tmp_path):
+    """The weight-only reference rounds the weights nn.LSTM hands torch as one list (torch._VF.lstm's
+    flat weights), as the program does: the conversion verifies at the float tolerances."""
+    torch.manual_seed(0)
+    artifact = tpuexport.convert(LinearLstm().eval(), (torch.randn(2, 5, 16),), ({1: seq},), target="cpu", out=tmp_path / "lstm.tpu",
+                                 quantize="int8-weight-only", saved_model=False)
+    assert artifact.manifest["verification"]["passed"]
+    assert "lstm.weight_ih_l0" in artifact.manifest["quantization"]["weights"]

@@ -421,6 +421,8 @@ class DequantizedWeights(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _replaced(self, argument):
+        if type(argument) in (list, tuple):  # nn.LSTM's and nn.GRU's weights reach torch._VF as one list
+            return type(argument)(self._replaced(item) for item in argument)
         entry = self.weights.get(id(argument)) if isinstance(argument, torch.Tensor) else None
         if entry is None or entry[0] is not argument:
             return argument
