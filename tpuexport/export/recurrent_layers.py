@@ -19,27 +19,27 @@ import torch
 from torch._higher_order_ops.scan import scan
 
 
-def _lstm_cell(gates: torch.Tensor, state: tuple[torch.Tensor, ...], layer, suffix: str):
+def _lstm_cell(gates: torch.Tensor, state: tuple[torch.Tensor, ...], weights: dict[str, torch.Tensor]):
     """One LSTM step from the summed input and hidden projections: gates i, f, g, o; h = o * tanh(c),
     projected by weight_hr when proj_size is set."""
     hidden, cell = state
     input_gate, forget_gate, cell_gate, output_gate = gates.chunk(4, -1)
     cell = torch.sigmoid(forget_gate) * cell + torch.sigmoid(input_gate) * torch.tanh(cell_gate)
     hidden = torch.sigmoid(output_gate) * torch.tanh(cell)
-    if layer.proj_size > 0:
-        hidden = hidden @ getattr(layer, "weight_hr" + suffix).t()
+    if "weight_hr" in weights:
+        hidden = hidden @ weights["weight_hr"].t()
     return hidden, (hidden, cell)
 
 
-def _step(layer, suffix: str, projected_input: torch.Tensor, state: tuple[torch.Tensor, ...]):
+def _step(mode: str, weights: dict[str, torch.Tensor], projected_input: torch.Tensor, state: tuple[torch.Tensor, ...]):
     """One time step of one direction of one layer: (its output, its next state)."""
     hidden = state[0]
-    recurrent = hidden @ getattr(layer, "weight_hh" + suffix).t()
-    if layer.bias:
-        recurrent = recurrent + getattr(layer, "bias_hh" + suffix)
-    if layer.mode == "LSTM":
-        return _lstm_cell(projected_input + recurrent, state, layer, suffix)
-    if layer.mode == "GRU":  # gates r, z, n; the reset gate scales the recurrent part of n (bias included)
+    recurrent = hidden @ weights["weight_hh"].t()
+    if "bias_hh" in weights:
+        recurrent = recurrent + weights["bias_hh"]
+    if mode == "LSTM":
+        return _lstm_cell(projected_input + recurrent, state, weights)
+    if mode == "GRU":  # gates r, z, n; the reset gate scales the recurrent part of n (bias included)
         input_reset, input_update, input_new = projected_input.chunk(3, -1)
         recurrent_reset, recurrent_update, recurrent_new = recurrent.chunk(3, -1)
         reset = torch.sigmoid(input_reset + recurrent_reset)
@@ -47,7 +47,7 @@ def _step(layer, suffix: str, projected_input: torch.Tensor, state: tuple[torch.
         new = torch.tanh(input_new + reset * recurrent_new)
         hidden = (1 - update) * new + update * hidden
         return hidden, (hidden,)
-    activation = torch.tanh if layer.mode == "RNN_TANH" else torch.relu
+    activation = torch.tanh if mode == "RNN_TANH" else torch.relu
     hidden = activation(projected_input + recurrent)
     return hidden, (hidden,)
 
@@ -58,9 +58,13 @@ def _direction(layer, index: int, reverse: bool, inputs: torch.Tensor, state: tu
     projected = inputs @ getattr(layer, "weight_ih" + suffix).t()  # the input projection, for every step at once
     if layer.bias:
         projected = projected + getattr(layer, "bias_ih" + suffix)
+    # The weights each step reads, copied: a scan takes no two inputs that share memory, which the
+    # layer's weights may (views of one flat buffer; a checkpoint's, on the meta device).
+    weights = {name: getattr(layer, name + suffix).clone() for name in ("weight_hh", "bias_hh", "weight_hr")
+               if hasattr(layer, name + suffix)}
 
     def combine(carry, projected_input):
-        output, next_state = _step(layer, suffix, projected_input, tuple(carry))
+        output, next_state = _step(layer.mode, weights, projected_input, tuple(carry))
         return list(next_state), output.clone()  # scan's outputs may not alias its carry
 
     final, outputs = scan(combine, list(state), projected, reverse=reverse)
