@@ -29,7 +29,7 @@ REFUSAL_CLASSES = (
      "a number of features that depends on its inputs' values; its language model or one tower converts alone",
      r"placeholder tokens cannot be counted|to count them"),
     ("decoder layers keeping no KV cache", "states the entry points do not hold: recurrent states kept outside transformers' cache "
-     "(RWKV, xLSTM, RecurrentGemma), layers keeping keys and a recurrent state side by side (Falcon-H1), layer types no mask "
+     "(RWKV, xLSTM, RecurrentGemma), short convolutions writing their own kept inputs (Zaya's), layer types no mask "
      "describes, forwards taking no cache; the full-sequence forward may convert at a fixed length",
      r"keeps a recurrent state|keeping both keys and a recurrent state|recurrent layers whose|has \w+ layers, which the|takes no KV cache"
      r"|no num_hidden_layers"),

@@ -75,6 +75,27 @@ def test_the_cache_holds_the_states_and_left_padded_prompts_generate_what_genera
     assert report.tokens_compared() == MAX_BATCH * NEW_TOKENS and len(set(report.cases[0].lengths)) == MAX_BATCH
 
 
+def tiny_falcon_h1() -> transformers.PreTrainedModel:
+    """Two "hybrid" layers, each an attention and a Mamba-2 mixer side by side (chunks of 8 positions)."""
+    torch.manual_seed(0)
+    config = transformers.FalconH1Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, mamba_n_heads=16, mamba_d_state=8, mamba_chunk_size=8,
+                                         max_position_embeddings=64, pad_token_id=None)
+    return transformers.FalconH1ForCausalLM(config).eval()
+
+
+def test_layers_attending_beside_their_recurrent_state_keep_both_and_generate_what_generate_does():
+    """Falcon-H1: every layer writes keys and a recurrent state; rows of different lengths in one prefill batch."""
+    model = tiny_falcon_h1()
+    spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(24,))
+    assert spec.recurrent_layers_attend and spec.recurrent_layers == (0, 1) and spec.full_layers == (0, 1)
+    assert spec.cache_inputs == ("cache_k", "cache_v", "conv_state", "recurrent_state") and spec.cache_shape[0] == 2
+    modules = export_stage.entry_point_modules(model, spec)
+    report = verified(model, spec, {name: lowered_entry_point(modules[name], spec, name) for name in ("prefill", "decode")})
+    assert report.passed, report.failure_summary()
+    assert report.tokens_compared() == MAX_BATCH * NEW_TOKENS and len(set(report.cases[0].lengths)) == MAX_BATCH
+
+
 class UnmaskedPaddingPrefill(RecurrentPrefill):
     """Prefill whose recurrent layers see the padding's tokens: a shorter prompt's state folds them in."""
 

@@ -98,6 +98,9 @@ class GenerationSpec:
         step advances; their short convolutions' inputs are conv_layers' states. Such a model's
         prefill aligns each prompt to the end of its bucket (`left_padded`). Empty: none.
       recurrent_state, recurrent_dtype: a recurrent layer's state per slot: its shape and torch dtype name.
+      recurrent_layers_attend: the recurrent layers also attend (an attention and a state-space mixer side
+        by side in each layer: Falcon-H1's, Zaya's): they keep keys and values in cache_k/cache_v besides
+        their states. False: they keep no keys.
     """
 
     max_batch: int
@@ -122,6 +125,7 @@ class GenerationSpec:
     recurrent_layers: tuple[int, ...] = ()
     recurrent_state: tuple[int, ...] = ()
     recurrent_dtype: str = ""
+    recurrent_layers_attend: bool = False
 
     @property
     def cache_positions(self) -> int:
@@ -131,7 +135,7 @@ class GenerationSpec:
     @property
     def full_layers(self) -> tuple[int, ...]:
         """The layers whose keys are in cache_k/cache_v."""
-        kept_apart = {*self.window_layers, *self.conv_layers, *self.recurrent_layers}
+        kept_apart = {*self.window_layers} | (set() if self.recurrent_layers_attend else {*self.conv_layers, *self.recurrent_layers})
         return tuple(layer for layer in range(self.layers) if layer not in kept_apart)
 
     @property
@@ -255,6 +259,8 @@ class GenerationSpec:
         else:  # a model without recurrent layers: the manifest is as it was before them
             for name in ("recurrent_layers", "recurrent_state", "recurrent_dtype"):
                 del data[name]
+        if not self.recurrent_layers_attend:  # the manifest is as it was before such layers
+            del data["recurrent_layers_attend"]
         if self.indexed_layers:
             data.update(indexed_layers=list(self.indexed_layers), indexer_keys_shape=list(self.indexer_keys_shape))
         else:  # a model without indexed layers: the manifest is as it was before them
