@@ -49,7 +49,6 @@ REFUSAL_CLASSES = (
      r"tensor values|on values|value-dependent|data-dependent|random numbers"),
     ("a decoder attending bidirectionally", "earlier tokens' keys change as tokens are added, so no KV cache can hold them",
      r"attends bidirectionally"),
-    ("no maximum position", "the config records no longest input; --max-context N (or --dim) gives it", r"no maximum position"),
     ("an op JAX lowers at fixed sizes only", "JAX cannot lower the op for the TPU over a symbolic size (FNet's FFT over the sequence); "
      "the line names the --dim that makes the dim static, with which it converts", r"at fixed sizes only"),
 )

@@ -111,22 +111,15 @@ def test_constants_made_on_the_weights_device_get_values_when_weights_stream(tmp
     torch.testing.assert_close(artifact.run(x), model(x), rtol=1e-2, atol=1e-3)
 
 
-def test_a_recurrent_decoder_recording_no_positions_is_asked_for_its_context(tmp_path):
-    """Mamba keeps its state in transformers' cache (tests/test_recurrent_state.py) and has no position
-    limit: the one line asks for --max-context rather than guessing one (a 2048 default unrolled its
-    token-by-token scan for minutes)."""
-    model = transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=8)).eval()
-    with pytest.raises(TpuExportError, match="MambaForCausalLM's config records no maximum position; give --max-context N"):
-        tpuexport.convert(model, task="text-generation", out=tmp_path / "lm.tpu")
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_a_decoder_without_a_position_table_defaults_its_context_as_vllm_does():
-    """BLOOM's ALiBi takes any length and its config records none: 2048 positions by default."""
+    """BLOOM's ALiBi and Mamba's recurrent state take any length and their configs record none: 2048
+    positions by default (Mamba's one prefill bucket that long: its selective scan is one loop,
+    tests/test_recurrent_state.py)."""
     from tpuexport.export.huggingface import UNRECORDED_CONTEXT, generation_context
 
-    model = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)).eval()
-    assert generation_context(model) == UNRECORDED_CONTEXT == 2048
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)).eval()
+    mamba = transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=8)).eval()
+    assert generation_context(bloom) == generation_context(mamba) == UNRECORDED_CONTEXT == 2048
 
 
 def test_a_multimodal_forward_takes_the_placeholder_tokens_its_processor_writes_and_refuses_other_counts(tmp_path):

@@ -135,6 +135,21 @@ def test_a_mamba2_artifact_without_attention_generates_what_generate_does(tmp_pa
     assert f"+ recurrent state [2, {MAX_BATCH}, 8, 16, 16] float32 (layers 0,1)" in inspected.stdout
 
 
+def test_a_mamba_artifact_scans_its_prompt_in_one_loop_and_generates_what_generate_does(tmp_path):
+    """Mamba (v1)'s selective scan is a Python loop over the prompt, which torch.export unrolls (a tiny
+    Mamba at a bucket of 256 converted in 201 s, 3.4 MB of StableHLO); exported as one scan, its default
+    context (2048, recorded by no config field) and that one prefill bucket convert in seconds."""
+    torch.manual_seed(0)
+    model = transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8)).eval()
+    artifact = tpuexport.convert(model, task="text-generation", max_batch=MAX_BATCH, saved_model=False, target="cpu", verify_new_tokens=4,
+                                 out=tmp_path / "mamba.tpu")
+    assert artifact.manifest["generation"]["prefill_buckets"] == [2048] and artifact.manifest["verification"]["passed"]
+    prefill = (artifact.path / "program" / "prefill" / "stablehlo.mlir").read_text()
+    assert "stablehlo.while" in prefill and len(prefill) < 500_000  # the scan a loop, not 2048 steps
+    prompts = [list(range(1, 15)), [9, 3, 7]]
+    assert artifact.generate(prompts, max_new_tokens=8) == [eager_generate(model, prompt, 8)[0] for prompt in prompts]
+
+
 def tiny_rwkv() -> transformers.PreTrainedModel:
     return transformers.RwkvForCausalLM(transformers.RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
                                                                 intermediate_size=64, context_length=64)).eval()

@@ -23,6 +23,7 @@ from tpuexport.export.constant_folding import fold_constants
 from tpuexport.export.loaded import LoadedSource, SourceInfo
 from tpuexport.export.patch_grids import constants_read
 from tpuexport.export.recurrent_layers import recurrent_layers_as_scans
+from tpuexport.export.selective_scans import selective_scans_as_scans
 from tpuexport.logs import EXPORT_LOGGERS, quiet_loggers
 from tpuexport.signature import Placeholder, ProgramSignature, SymbolicDim, TensorSpec, artifact_dtype, parse_dim_expression
 from tpuexport.source_lines import user_source
@@ -315,7 +316,7 @@ def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.Export
     guarded_at: list[str] = []  # where the model's code guarded the sizes, should torch.export refuse a declared range
     try:
         with torch.no_grad(), _quiet_export(), _unchanged_module_casts_skipped(), _scalar_buffers_as_constants(model), \
-                recurrent_layers_as_scans(), guard_sites.recorded(guarded_at), constants_read() if getattr(model, "constants", None) else contextlib.nullcontext():
+                recurrent_layers_as_scans(), selective_scans_as_scans(), guard_sites.recorded(guarded_at), constants_read() if getattr(model, "constants", None) else contextlib.nullcontext():
             program = torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
     except Exception as error:  # torch.export raises UserError, ConstraintViolationError, TypeError, ...
         with _quiet_export():

@@ -524,20 +524,17 @@ def generation_context(model: torch.nn.Module) -> int:
     `n_positions`, else an encoder-decoder's decoder `max_target_positions`; a multimodal model's
     from its text config): the default --max-context of a Hugging Face text-generation source. A
     config recording none belongs to a model without a table of positions to run out of (BLOOM's
-    ALiBi, XLNet's and CPM-Ant's relative positions): UNRECORDED_CONTEXT, as vLLM defaults them.
+    ALiBi, XLNet's and CPM-Ant's relative positions, Mamba's recurrent state): UNRECORDED_CONTEXT,
+    as vLLM defaults them.
 
     Raises:
-      TpuExportError: a model keeping a recurrent state records none (Mamba's: its one prefill bucket is
-        that long, and Mamba's token-by-token scan unrolls into the program), or the entry points cannot
-        generate with the model (export.generation.check_decoder).
+      TpuExportError: the entry points cannot generate with the model (export.generation.check_decoder).
     """
     check_decoder(model)  # a model the entry points cannot generate with is refused for that, not for its positions
     config = model.config
     positions = recorded_positions(config) or getattr(config, "max_target_positions", None)
-    if not positions and not getattr(model, "_is_stateful", False):
-        return UNRECORDED_CONTEXT
     if not positions:
-        raise TpuExportError(f"{type(model).__name__}'s config records no maximum position; give --max-context N")
+        return UNRECORDED_CONTEXT
     return min(int(positions), longest_positions(model, int(positions)))
 
 
