@@ -202,6 +202,9 @@ OVERRIDES: dict[str, dict] = {
     "dots3_note_text": {"head_dim": 24},
     "wavtokenizer": {"codebook_dim": WIDTH},
     "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},
+    # Hybrid decoders whose shrunk mixers no longer fit: as many value heads as key heads; one expert group for the 4 experts.
+    "olmo_hybrid": {"linear_num_value_heads": 4},
+    "bailing_hybrid": {"num_expert_group": 1, "topk_group": 1},
 }
 
 
