@@ -48,8 +48,8 @@ from tpuexport.verify.seq2seq import replay_golden as replay_seq2seq_golden
 DECODE_KERNEL_REASON = ("decode: one query per row over the KV cache; the flash kernel tiles queries, and a ragged/paged "
                         "decode attention kernel is not used yet")
 # Why the paged step keeps XLA's attention (docs/generation.md#a-paged-kv-cache).
-PAGED_KERNEL_REASON = ("step: the reference paged attention (gather by page table, masked); JAX 0.10.2's Pallas ragged_paged_attention "
-                       "does not run in Pallas interpret mode on CPU, so it cannot be verified here, and needs head_dim a multiple of 128")
+PAGED_KERNEL_REASON = ("step: the reference paged attention (gather by page table, masked); JAX's Pallas ragged_paged_attention (0.10.2 "
+                       "to 0.12.0.1) does not run in Pallas interpret mode on CPU, so it cannot be verified here, and needs head_dim a multiple of 128")
 SAMPLE_KERNEL_REASON = "sample: no attention (it draws tokens from logits)"
 ENCODER_DECODER_KERNEL_REASON = "encoder-decoder entry points keep XLA's attention (kernels are not lowered for them yet)"
 # Generation entry points run at their compiled sizes: rows go to cache slots, never padded by the runtime.
