@@ -202,7 +202,11 @@ OVERRIDES: dict[str, dict] = {
     "dots3_note_text": {"head_dim": 24},
     "wavtokenizer": {"codebook_dim": WIDTH},
     "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},
-    # Hybrid decoders whose shrunk mixers no longer fit: as many value heads as key heads; one expert group for the 4 experts.
+    # Hybrid decoders whose shrunk mixers no longer fit: as many value heads as key heads; one expert group for the 4 experts;
+    # Zamba2's Mamba heads as wide as 2 x width over its 8 heads, its shared attention over the width twice (embeddings
+    # concatenated), its hybrid layer the second (the ids its full config recorded).
+    "zamba2": {"mamba_headdim": 2 * WIDTH // 8, "attention_hidden_size": 2 * WIDTH, "attention_head_dim": 2 * WIDTH // ATTENTION_HEADS,
+               "hybrid_layer_ids": [1]},
     "olmo_hybrid": {"linear_num_value_heads": 4},
     "bailing_hybrid": {"num_expert_group": 1, "topk_group": 1},
 }

@@ -84,12 +84,24 @@ def tiny_falcon_h1() -> transformers.PreTrainedModel:
     return transformers.FalconH1ForCausalLM(config).eval()
 
 
-def test_layers_attending_beside_their_recurrent_state_keep_both_and_generate_what_generate_does():
-    """Falcon-H1: every layer writes keys and a recurrent state; rows of different lengths in one prefill batch."""
-    model = tiny_falcon_h1()
+def tiny_zamba2() -> transformers.PreTrainedModel:
+    """A Mamba-2 layer, then a "hybrid" layer: the shared attention block beside a Mamba-2 mixer."""
+    torch.manual_seed(0)
+    config = transformers.Zamba2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=4, n_mamba_heads=8, mamba_headdim=16, mamba_d_state=16, attention_hidden_size=128,
+                                       attention_head_dim=32, layers_block_type=["mamba", "hybrid"], max_position_embeddings=64, chunk_size=8,
+                                       pad_token_id=None)
+    return transformers.Zamba2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("model, attending", [(tiny_falcon_h1, (0, 1)), (tiny_zamba2, (1,))], ids=["falcon-h1", "zamba2"])
+def test_layers_attending_beside_their_recurrent_state_keep_both_and_generate_what_generate_does(model, attending):
+    """Falcon-H1's layers and Zamba2's hybrid layer write keys and a recurrent state (Zamba2's first layer a
+    state alone); rows of different lengths in one prefill batch."""
+    model = model()
     spec = export_stage.generation_spec(model, MAX_BATCH, MAX_CONTEXT, prefill_buckets=(24,))
-    assert spec.recurrent_layers_attend and spec.recurrent_layers == (0, 1) and spec.full_layers == (0, 1)
-    assert spec.cache_inputs == ("cache_k", "cache_v", "conv_state", "recurrent_state") and spec.cache_shape[0] == 2
+    assert spec.attending_recurrent_layers == spec.full_layers == attending and spec.recurrent_layers == (0, 1)
+    assert spec.cache_inputs == ("cache_k", "cache_v", "conv_state", "recurrent_state") and spec.cache_shape[0] == len(attending)
     modules = export_stage.entry_point_modules(model, spec)
     report = verified(model, spec, {name: lowered_entry_point(modules[name], spec, name) for name in ("prefill", "decode")})
     assert report.passed, report.failure_summary()

@@ -98,9 +98,9 @@ class GenerationSpec:
         step advances; their short convolutions' inputs are conv_layers' states. Such a model's
         prefill aligns each prompt to the end of its bucket (`left_padded`). Empty: none.
       recurrent_state, recurrent_dtype: a recurrent layer's state per slot: its shape and torch dtype name.
-      recurrent_layers_attend: the recurrent layers also attend (an attention and a state-space mixer side
-        by side in each layer: Falcon-H1's, Zaya's): they keep keys and values in cache_k/cache_v besides
-        their states. False: they keep no keys.
+      attending_recurrent_layers: the recurrent layers that also attend (an attention and a state-space
+        mixer side by side: Falcon-H1's and Zamba2's "hybrid" layers): they keep keys and values in
+        cache_k/cache_v besides their states. Empty: no recurrent layer keeps keys.
     """
 
     max_batch: int
@@ -125,7 +125,7 @@ class GenerationSpec:
     recurrent_layers: tuple[int, ...] = ()
     recurrent_state: tuple[int, ...] = ()
     recurrent_dtype: str = ""
-    recurrent_layers_attend: bool = False
+    attending_recurrent_layers: tuple[int, ...] = ()
 
     @property
     def cache_positions(self) -> int:
@@ -135,7 +135,7 @@ class GenerationSpec:
     @property
     def full_layers(self) -> tuple[int, ...]:
         """The layers whose keys are in cache_k/cache_v."""
-        kept_apart = {*self.window_layers} | (set() if self.recurrent_layers_attend else {*self.conv_layers, *self.recurrent_layers})
+        kept_apart = {*self.window_layers, *self.conv_layers, *self.recurrent_layers} - {*self.attending_recurrent_layers}
         return tuple(layer for layer in range(self.layers) if layer not in kept_apart)
 
     @property
@@ -259,8 +259,10 @@ class GenerationSpec:
         else:  # a model without recurrent layers: the manifest is as it was before them
             for name in ("recurrent_layers", "recurrent_state", "recurrent_dtype"):
                 del data[name]
-        if not self.recurrent_layers_attend:  # the manifest is as it was before such layers
-            del data["recurrent_layers_attend"]
+        if self.attending_recurrent_layers:
+            data["attending_recurrent_layers"] = list(self.attending_recurrent_layers)
+        else:  # the manifest is as it was before such layers
+            del data["attending_recurrent_layers"]
         if self.indexed_layers:
             data.update(indexed_layers=list(self.indexed_layers), indexer_keys_shape=list(self.indexer_keys_shape))
         else:  # a model without indexed layers: the manifest is as it was before them
@@ -277,7 +279,8 @@ class GenerationSpec:
         values = {key: value for key, value in data.items() if key in fields}
         return cls(**{**values, "prefill_buckets": tuple(values["prefill_buckets"]), "window_layers": tuple(values.get("window_layers", ())),
                       "conv_layers": tuple(values.get("conv_layers", ())), "indexed_layers": tuple(values.get("indexed_layers", ())),
-                      "recurrent_layers": tuple(values.get("recurrent_layers", ())), "recurrent_state": tuple(values.get("recurrent_state", ()))})
+                      "recurrent_layers": tuple(values.get("recurrent_layers", ())), "recurrent_state": tuple(values.get("recurrent_state", ())),
+                      "attending_recurrent_layers": tuple(values.get("attending_recurrent_layers", ()))})
 
 
 # Paged caches (paged.py)

@@ -580,7 +580,7 @@ class _EntryPoint(nn.Module):
         # transformers' "linear_attention", and layers keeping nothing: Nemotron-H's "mlp" and "moe").
         self.unmasked_types = _unmasked_layer_types(model) if getattr(spec, "recurrent_layers", ()) else set()  # a PagedSpec has none
         self.windows = attention_windows(model, self.unmasked_types)
-        if not self.windows and getattr(spec, "recurrent_layers_attend", False):  # Falcon-H1's "hybrid" layers: full causal attention
+        if not self.windows and getattr(spec, "attending_recurrent_layers", ()):  # "hybrid" layers (Falcon-H1's): full causal attention
             self.windows = {"full_attention": None}
         self.chunks = attention_chunks(model)
         self.bias_windows = bias_mask_windows(model)
@@ -888,7 +888,7 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
     # Every layer recurrent (Mamba-2's): no layer writes keys, and cache_k/cache_v hold none (0 layers). Full
     # layers beside sliding ones: each type's first layer probed, the sliding layers' shape kept for their rings.
     sliding = None
-    if recurrent and len(recurrent.layers) == layers and not recurrent.attend:
+    if recurrent and len(recurrent.layers) == layers and not recurrent.attending:
         kv_heads, head_dim = 1, 1
     elif len(windows) > 1 and not recurrent:
         (kv_heads, head_dim), sliding = cached_shapes_per_layer_type(model)
@@ -952,7 +952,7 @@ def generation_spec(model: nn.Module, max_batch: int, max_context: int, layout: 
                           layout, tuple(sorted(set(prefill_buckets))), kv_cache_dtype, window if bounded else None, window_layers,
                           window_kv_heads, window_head_dim, convs, conv_channels, conv_kernel, indexed, indexer_dim, recurrent.layers if recurrent else (),
                           recurrent.state if recurrent else (), str(recurrent.dtype).removeprefix("torch.") if recurrent else "",
-                          bool(recurrent and recurrent.attend))
+                          recurrent.attending if recurrent else ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -964,7 +964,7 @@ class RecurrentStates:
       layers: the layers keeping a recurrent state (each also a short convolution's inputs).
       state, dtype: a layer's recurrent state per slot: shape and dtype.
       conv_channels, conv_kernel: a layer's short-convolution state per slot.
-      attend: the layers also write keys (an attention beside the state-space mixer in each).
+      attending: those of the layers that also write keys (an attention beside the state-space mixer).
     """
 
     layers: tuple[int, ...]
@@ -972,7 +972,7 @@ class RecurrentStates:
     dtype: torch.dtype
     conv_channels: int
     conv_kernel: int
-    attend: bool = False
+    attending: tuple[int, ...] = ()
 
 
 def _recurrent_states(model: nn.Module) -> RecurrentStates | None:
@@ -1004,15 +1004,12 @@ def _recurrent_states(model: nn.Module) -> RecurrentStates | None:
         raise _state_outside_cache(name)
     layers = tuple(sorted(recorder.recurrent))
     states, convs = {recorder.recurrent[layer] for layer in layers}, {recorder.convs.get(layer) for layer in layers}
-    attend = bool(recorder.keys & set(layers))
-    if attend and not set(layers) <= recorder.keys:
-        problem = "has layers keeping both keys and a recurrent state beside recurrent layers keeping no keys, which the cache does not hold yet"
-    elif None in convs or len(convs) > 1 or len(states) > 1:
+    if None in convs or len(convs) > 1 or len(states) > 1:
         problem = "has recurrent layers whose states differ in shape or keep no short convolution, which one state tensor cannot hold yet"
     else:
         (state, dtype), ((channels, kernel),) = next(iter(states)), convs
         if kernel:
-            return RecurrentStates(layers, state, dtype, channels, int(kernel), attend)
+            return RecurrentStates(layers, state, dtype, channels, int(kernel), tuple(sorted(recorder.keys & set(layers))))
         problem = "has recurrent layers whose short convolutions keep no kernel size in the cache"
     raise TpuExportError(f"--task text-generation: {name} {problem}; its full-sequence forward may convert at a fixed length "
                          "(--task feature-extraction --dim seq=N:N)")
