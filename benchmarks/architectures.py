@@ -208,6 +208,8 @@ OVERRIDES: dict[str, dict] = {
     "zamba2": {"mamba_headdim": 2 * WIDTH // 8, "attention_hidden_size": 2 * WIDTH, "attention_head_dim": 2 * WIDTH // ATTENTION_HEADS,
                "hybrid_layer_ids": [1]},
     "olmo_hybrid": {"linear_num_value_heads": 4},
+    # Its adapters need a language for rows that name none (a checkpoint's processor names one; its config defaults none).
+    "xmod": {"default_language": "en_XX"},
     "bailing_hybrid": {"num_expert_group": 1, "topk_group": 1},
 }
 
