@@ -261,9 +261,8 @@ def _probe_forward(model: nn.Module, cache) -> None:
     device, the meta device too), as the entry points call it (Prefill.hidden_states)."""
     parameter = next(model.parameters())
     positions = torch.arange(2, device=parameter.device)
-    # A recurrent model declaring no attention layer type may still read a full layer's mask (Falcon-H1's
-    # "hybrid" layers attend and keep a state): the probe gives it one, to see what its layers keep.
-    windows = attention_windows(model, _unmasked_layer_types(model)) or {"full_attention": None}
+    # The probe does not know yet whether layers of a type no mask names attend: it gives them a mask, to see what they keep.
+    windows = _windows_with_hybrid_layers(model, _unmasked_layer_types(model), attending=True)
     mask = _causal_masks(windows, positions[None, :], positions, parameter.dtype, attention_chunks(model))
     if getattr(model, "_is_stateful", False):  # recurrent layers get no padding mask: a 2-token prompt has no padding
         mask = _with_recurrent_layers(model, mask, windows, _unmasked_layer_types(model), None)
@@ -416,6 +415,13 @@ def attention_windows(model: nn.Module, state_layer_types: Collection[str] = ())
                              f"do not support yet (only {' and '.join(_MASKED_LAYER_TYPES)}); its full-sequence forward may convert "
                              "(--task feature-extraction)")
     return {layer_type: window if layer_type == "sliding_attention" else None for layer_type in sorted(set(layer_types))}
+
+
+def _windows_with_hybrid_layers(model: nn.Module, state_layer_types: Collection[str], attending: bool) -> dict[str, int | None]:
+    """`attention_windows`, and where it finds no attention layer type but recurrent layers attend
+    (`attending`: Falcon-H1's and Zamba2's "hybrid" layers, an attention beside a state-space mixer),
+    full causal attention for them."""
+    return attention_windows(model, state_layer_types) or ({"full_attention": None} if attending else {})
 
 
 def attention_chunks(model: nn.Module) -> dict[str, int]:
@@ -579,9 +585,7 @@ class _EntryPoint(nn.Module):
         # A model with recurrent layers: the layer types no causal mask is for (its recurrent layers',
         # transformers' "linear_attention", and layers keeping nothing: Nemotron-H's "mlp" and "moe").
         self.unmasked_types = _unmasked_layer_types(model) if getattr(spec, "recurrent_layers", ()) else set()  # a PagedSpec has none
-        self.windows = attention_windows(model, self.unmasked_types)
-        if not self.windows and getattr(spec, "attending_recurrent_layers", ()):  # "hybrid" layers (Falcon-H1's): full causal attention
-            self.windows = {"full_attention": None}
+        self.windows = _windows_with_hybrid_layers(model, self.unmasked_types, bool(getattr(spec, "attending_recurrent_layers", ())))
         self.chunks = attention_chunks(model)
         self.bias_windows = bias_mask_windows(model)
         # The dtype the model computes in (an int8 cache's is not): the masks' and attention's.

@@ -33,7 +33,6 @@ def cond(predicate, true_branch, false_branch, operands):
     )
 
 
-
 @register_lowering(torch.ops.higher_order.scan)
 def scan(combine, init, xs, additional_inputs):
     """`torch._higher_order_ops.scan` (its operator form: over dim 0, forward; a reverse scan is

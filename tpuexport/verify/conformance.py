@@ -34,7 +34,7 @@ MAX_TIE_FRACTION = 1e-3
 FLOAT_RULE = Tolerances(atol=1e-5, rtol=5e-4, scale_tol=5e-4)
 # Ops whose results are uninitialized memory (written by a later op): nothing to compare.
 UNINITIALIZED = {torch.ops.aten.empty, torch.ops.aten.empty_permuted, torch.ops.aten.empty_strided,
-                  torch.ops.aten.empty_like, torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided}
+                 torch.ops.aten.empty_like, torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided}
 
 
 @dataclasses.dataclass(frozen=True)
