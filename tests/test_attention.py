@@ -59,6 +59,17 @@ def test_matches_torch_in_every_mask_form(case):
         assert np.all(actual[1, :, 2] == 0)  # torch's safe softmax: zeros, not NaN
 
 
+def test_batch_dims_broadcast_as_torchs_do():
+    """One row of queries over several rows of keys (Granite Speech's Q-Former over its audio windows),
+    which torch broadcasts: it was refused as "cannot reshape array of shape (200, 4, 1, 3, 16)"."""
+    query, _, _ = _qkv(batch=1, q_len=3)
+    _, key, value = _qkv(batch=5, k_len=7, seed=1)
+    expected = F.scaled_dot_product_attention(query, key, value).numpy()
+    actual = np.asarray(scaled_dot_product_attention(*(jnp.asarray(t.numpy()) for t in (query, key, value))))
+    assert actual.shape == (5, 4, 3, 8)
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_bfloat16_operands_stay_bfloat16_and_match_torch_in_f32():
     query, key, value = _qkv(kv_heads=2)
     mask = _padding_mask()

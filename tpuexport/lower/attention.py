@@ -70,10 +70,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if query.ndim == 2:  # [q, dim]: one head
         return scaled_dot_product_attention(query[None], key[None], value[None], attn_mask, dropout_p, is_causal, scale)[0]
     dtype = jnp.result_type(query, key, value)
-    query, key, value = (operand.astype(dtype) for operand in (query, key, value))
+    # torch broadcasts the batch dims (Granite Speech's Q-Former: one row of queries over every window's keys).
+    lead = jnp.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+    query, key, value = (jnp.broadcast_to(operand, (*lead, *operand.shape[-3:])).astype(dtype) for operand in (query, key, value))
     heads, kv_heads = query.shape[-3], key.shape[-3]
     groups = heads // kv_heads
-    lead = query.shape[:-3]
     q_len, k_len, dim = query.shape[-2], key.shape[-2], query.shape[-1]
     # [..., kv_heads, groups, q, dim]: each key/value head serves its group of query heads.
     grouped = query.reshape(*lead, kv_heads, groups, q_len, dim)
