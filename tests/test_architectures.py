@@ -464,14 +464,17 @@ class ReshapesIntoBlocks(torch.nn.Module):
 def test_a_refusal_guarded_at_many_lines_names_the_first_and_counts_the_rest(tmp_path):
     """PEGASUS-X's refusal named all 17 lines torch.export guarded its padded length at, 4000
     characters in one line (session 18's sweep). The line names the first and how many more,
-    and keeps the declaration that exports."""
+    and keeps the declarations that export: the derived dim, or one size of it (--dim declares
+    ranges, not multiples), which converts."""
     seq = torch.export.Dim("seq", min=2, max=32)
     with pytest.raises(TpuExportError) as refused:
         tpuexport.convert(ReshapesIntoBlocks(), (torch.randn(2, 8),), {"x": {1: seq}}, out=tmp_path / "m.tpu")
     assert re.fullmatch(r"torch.export: the model's code needs seq = 4\*_seq with _seq in 1..8, at \S*test_architectures.py:\d+ "
                         r"\(blocks = x.view\(batch, seq // 4, 4\)\) and 2 more lines; declare seq as that derived "
-                        r"torch.export.Dim in dynamic_shapes, or change that code to work for every declared size", str(refused.value))
+                        r"torch.export.Dim in dynamic_shapes, or one size it takes \(--dim seq=32:32, the largest\), or change "
+                        r"that code to work for every declared size", str(refused.value))
     assert list(tmp_path.iterdir()) == []
+    tpuexport.convert(ReshapesIntoBlocks(), (torch.randn(2, 32),), {"x": {1: 32}}, out=tmp_path / "m.tpu", target="cpu")
 
 
 class GaussianTopK(torch.nn.Module):
@@ -1186,3 +1189,72 @@ def test_a_forward_casting_its_own_module_to_the_dtype_it_has_exports():
     assert torch.nn.Module._apply.__name__ == "_apply"  # the process is left as it was
     with pytest.raises(TpuExportError, match="Couldn't swap Linear.weight"):
         capture(LoadedSource(CastsItsRouter().double().eval(), (x.double(),), None, None, SourceInfo("api")))
+
+
+def test_an_audio_model_counting_its_features_from_its_mask_takes_whole_clips(tmp_path):
+    """Audio Flamingo 3 makes as many audio features as its frame mask's valid frames say (a count
+    from values: "how many features it makes depends on its inputs' values: aten.nonzero"), and
+    checks them against its placeholder tokens with an indexing torch.export sizes by values even
+    with the check off. The mask becomes a constant of the program, every frame valid (whole clips,
+    as Whisper's), the placeholders are counted over it, and the check's dead arguments are dropped:
+    it converts, and its outputs match eager PyTorch given that mask."""
+    config = transformers.AudioFlamingo3Config(
+        audio_config={"num_mel_bins": 16, "d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 4, "encoder_ffn_dim": 64,
+                      "max_source_positions": 8},
+        text_config={"model_type": "qwen2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                     "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 32},
+        audio_token_id=63)
+    torch.manual_seed(0)
+    model = transformers.AudioFlamingo3ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path / "af3")
+    result = tpuexport_in_process("convert", tmp_path / "af3", "-o", tmp_path / "af3.tpu", *QUICK, "--target", "cpu")
+    assert result.returncode == 0, result.stderr[-2000:]
+    artifact = tpuexport.load(tmp_path / "af3.tpu")
+    assert [spec.name for spec in artifact.signature.inputs] == ["input_ids", "input_features", "attention_mask"]
+    (placeholder,) = next(spec for spec in artifact.signature.inputs if spec.name == "input_ids").placeholders
+    features = torch.randn(1, 16, 16)
+    with torch.no_grad():
+        count = model.get_audio_features(features, torch.ones(1, 16, dtype=torch.long)).pooler_output.shape[0]
+    assert placeholder == tpuexport.signature.Placeholder(63, count, "input_features")
+    ids = torch.randint(0, 63, (1, count + 3))
+    ids[0, 1:1 + count] = 63
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        expected = model(input_ids=ids, input_features=features, input_features_mask=torch.ones(1, 16, dtype=torch.long),
+                         attention_mask=mask).logits
+    torch.testing.assert_close(artifact.run(ids, features, mask)["logits"], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_multimodal_audio_model_gets_the_layout_and_the_mask_its_features_method_takes():
+    """Granite Speech's encoder reads mel features time-major ([batch, frames, 160]): its placeholders
+    are counted over the first layout its get_audio_features takes (it was refused as "a and b must have
+    same reduction dim"). Its forward's optional input_features_mask selects rows of its projected
+    features, not frames (its get_audio_features takes none): not made, as its processor leaves it out
+    for whole clips (given a frame mask, eager PyTorch indexed out of bounds)."""
+    from tpuexport.export.checkpoints import parameters_on_meta
+    from tpuexport.export.huggingface import forward_program
+
+    config = transformers.GraniteSpeechConfig(
+        encoder_config={"input_dim": 16, "num_layers": 1, "hidden_dim": 32, "feedforward_mult": 2, "num_heads": 4, "dim_head": 8,
+                        "output_dim": 12, "context_size": 20, "max_pos_emb": 64},
+        projector_config={"hidden_size": 32, "encoder_hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+                          "intermediate_size": 64, "max_position_embeddings": 64},
+        text_config={"model_type": "granite", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                     "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 2048},
+        audio_token_index=63, window_size=5, downsample_rate=5)
+    with parameters_on_meta():
+        model = transformers.GraniteSpeechForConditionalGeneration(config).eval()
+    wrapped, args, _ = forward_program(model)
+    assert wrapped.input_names == ("input_ids", "input_features", "attention_mask")
+    assert args[1].shape[-1] == 16 and args[1].shape[1] > 16  # [batch, frames, mel features]
+
+
+def test_the_mel_bins_of_an_audio_tower_nested_deeper_or_stacked_are_found():
+    """The frame width of input_features: the Nemotron speech LM records its mel bins two configs
+    down (audio_config.asr_config), FunASR stacks 7 frames of 80 bins into one of 560 (its low frame
+    rate features): both were given 80 and refused by their own forwards."""
+    from tpuexport.export.huggingface import _feature_width
+
+    assert _feature_width(transformers.FunAsrNanoConfig()) == 560
+    assert _feature_width(transformers.Nemotron3_5TranscribeConfig()) == 128
+    assert _feature_width(transformers.WhisperConfig(num_mel_bins=128)) == 128

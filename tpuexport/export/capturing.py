@@ -344,6 +344,7 @@ def _export(model: torch.nn.Module, args, dynamic_shapes) -> torch.export.Export
         ) from None
     if getattr(model, "constants", None):  # sizes computed from a vision tower's grid: numbers from here on
         program = fold_constants(program)
+    _without_dead_code(program)
     _refuse_sizes_from_values(model, program)
     _refuse_random_draws(model, program)
     return program
@@ -374,6 +375,44 @@ def _refuse_random_draws(model: torch.nn.Module, program: torch.export.ExportedP
             "file.py:factory whose forward takes them, as ViTMAE's takes noise=)")
 
 
+_ASSERTIONS = (torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
+               torch.ops.aten.sym_constrain_range.default)
+
+
+def _without_dead_code(program: torch.export.ExportedProgram) -> None:
+    """Drops, in place, the tensors sized by values that no output depends on, with torch.export's
+    assertions on their sizes (which alone keep them in the graph): the arguments of a value check that
+    value_checks_off left unmade (Audio Flamingo 3's `inputs_embeds[mask].numel() == features.numel()`,
+    computed before the disabled check returns)."""
+    graph = program.graph
+    live = _ancestors([node for node in graph.nodes if node.op == "output"])
+    dead_by_values = {node for node in graph.nodes if node not in live and _sized_by_values(node)}
+    if not dead_by_values:
+        return
+    for node in reversed(list(graph.nodes)):
+        if node.target in _ASSERTIONS and node not in live and _ancestors([node]) & dead_by_values:
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    program.graph_module.recompile()
+
+
+def _ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The nodes and every node they read, transitively."""
+    seen, stack = set(nodes), list(nodes)
+    while stack:
+        for parent in stack.pop().all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+def _sized_by_values(node: torch.fx.Node) -> bool:
+    """Whether the node's tensor has a size torch.export names by a symbol of its own (an unbacked `u0`)."""
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) and free_unbacked_symbols(size) for size in value.shape)
+
+
 def _refuse_sizes_from_values(model: torch.nn.Module, program: torch.export.ExportedProgram) -> None:
     """Refuses a program with a tensor whose size torch.export could only name by a symbol of its
     own (an unbacked `u0`): the size comes from tensor values (`.tolist()` or `nonzero()` sizing a
@@ -384,8 +423,7 @@ def _refuse_sizes_from_values(model: torch.nn.Module, program: torch.export.Expo
       TpuExportError: naming the first such tensor's line of the model's code.
     """
     for node in program.graph.nodes:
-        value = node.meta.get("val")
-        if isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) and free_unbacked_symbols(size) for size in value.shape):
+        if _sized_by_values(node):
             raise TpuExportError(
                 f"torch.export{_described(model)}: its code sizes a tensor by tensor values, at {user_source(node)} (e.g. tokens "
                 "split among experts by their counts), which a TPU program cannot have (its shapes follow its inputs' sizes); "

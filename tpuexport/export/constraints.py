@@ -297,4 +297,18 @@ def declaration(name: str, need: str) -> str:
         return f"{name} static (the int {fixed.group(1)} in dynamic_shapes)"
     if fixed:
         return f"{name} static (--dim {name}={fixed.group(1)}:{fixed.group(1)}, or the int {fixed.group(1)} in dynamic_shapes)"
+    largest = _largest_derived(need)
+    if largest is not None:  # --dim declares ranges, not multiples: one size of them converts
+        return (f"{name} as that derived torch.export.Dim in dynamic_shapes, or one size it takes "
+                f"(--dim {name}={largest}:{largest}, the largest)")
     return f"{name} as that derived torch.export.Dim in dynamic_shapes"
+
+
+def _largest_derived(need: str) -> int | None:
+    """The largest size a derived need ("= 128*_seq - 8 with _seq in 3..8") takes, or None when it
+    is not one with a bounded helper."""
+    derived = re.fullmatch(r"= (\d+)\*([A-Za-z_]\w*)(?: ([+-]) (\d+))? with \2 in (\d+)\.\.(\d+)", need)
+    if derived is None:
+        return None
+    factor, _, sign, offset, _, high = derived.groups()
+    return int(factor) * int(high) + (int(offset or 0) if sign != "-" else -int(offset))

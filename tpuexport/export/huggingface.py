@@ -53,7 +53,7 @@ from tpuexport.export.generation import check_decoder
 from tpuexport.export.language_model import language_model_config, language_model_names, multimodal_model, tied_names
 from tpuexport.export.loaded import LoadedSource, SourceInfo, file_sha256
 from tpuexport.export.patch_grids import PatchGrid, constants_read, failure_on, made_from_numbers, patch_grid
-from tpuexport.export.placeholders import count_placeholders, features_method, placeholder_keys
+from tpuexport.export.placeholders import FeatureCountFromValues, count_placeholders, features_method, placeholder_keys
 from tpuexport.export.serving_files import ARTIFACT_DIRECTORY, SERVING_FILES, is_tokenizer_file
 from tpuexport.export.specs import DimSpec
 from tpuexport.inputs import with_placeholders
@@ -596,15 +596,20 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     constants = {}
     if placeholder_keys(config) and "input_ids" in names and set(names) & set(MEDIA_INPUTS):
         constants = _image_constants(model, names, dim_ranges, list(dims))
-        inputs, dim_ranges = _placeholders_counted(model, _image_layouts(model, inputs, constants) if constants else [inputs], dim_ranges,
-                                                   list(dims), constants)
+        candidates = _image_layouts(model, inputs, constants) if constants else [inputs, *_media_layouts(inputs, config)]
+        try:
+            inputs, dim_ranges = _placeholders_counted(model, candidates, dim_ranges, list(dims), constants)
+        except FeatureCountFromValues:
+            if constants or "input_features_mask" not in names:
+                raise
+            inputs, constants = [spec for spec in inputs if spec.name != "input_features_mask"], _whole_audio(model, dim_ranges, list(dims))
+            inputs, dim_ranges = _placeholders_counted(model, [inputs, *_media_layouts(inputs, config)], dim_ranges, list(dims), constants)
         args, dynamic_shapes = _example_inputs(inputs, dim_ranges, _config_dtype(config))
     wrapped = named_forward(model, tuple(spec.name for spec in inputs), {spec.name: spec.placeholders for spec in inputs if spec.placeholders},
                             constants)
-    other_layouts = [_other_layouts(spec, config) for spec in inputs]
-    if any(other_layouts) and not _runs_shape_only(wrapped, args):
-        for index in range(max(map(len, other_layouts))):  # the first other layout of each input, then the second, ...
-            other = [layouts[index] if index < len(layouts) else spec for spec, layouts in zip(inputs, other_layouts)]
+    other_layouts = _media_layouts(inputs, config)
+    if other_layouts and not _runs_shape_only(wrapped, args):
+        for other in other_layouts:
             other_args, other_shapes = _example_inputs(other, dim_ranges, _config_dtype(config))
             if _runs_shape_only(wrapped, other_args):
                 args, dynamic_shapes = other_args, other_shapes
@@ -706,7 +711,25 @@ def _placeholders_counted(model: torch.nn.Module, candidates: list[list[ModelInp
             return _with_placeholders(model, inputs, dims, given, args, constants)
         except TpuExportError as error:
             failures.append(error)
-    raise failures[0]
+    raise next((error for error in failures if isinstance(error, FeatureCountFromValues)), failures[0])  # past the layout's mismatch
+
+
+def _whole_audio(model: torch.nn.Module, dims: dict[str, DimSpec], given: list[DimSpec]) -> dict[str, torch.Tensor]:
+    """{"input_features_mask": every frame}, a constant of the program, for an audio model whose
+    features number as many as its mask's valid frames (Audio Flamingo 3's, GLM-ASR's, Qwen3-ASR's,
+    the Nemotron speech LM's: the count comes from the mask's values, which one program cannot
+    follow). Its audio then fills all of the fixed frames, as Whisper's does: a shorter clip is padded
+    with its feature extractor's padding value and counted whole.
+
+    Raises:
+      TpuExportError: --dim gives a batch other than one row (the mask is one row's).
+    """
+    batch = next((dim for dim in given if dim.name == "batch"), None)
+    if batch is not None and (batch.min, batch.max) != (1, 1):
+        raise TpuExportError(f"--dim batch={batch.min}:{batch.max}: {type(model).__name__} ({model.config.model_type}) counts its audio "
+                             "features from its input_features_mask's values, which the program fixes to one row of whole clips; give "
+                             "--dim batch=1:1 or leave batch out")
+    return {"input_features_mask": torch.ones(1, dims["frames"].min, dtype=torch.long)}
 
 
 def _image_layouts(model: torch.nn.Module, inputs: list[ModelInput], constants: dict[str, torch.Tensor | None]) -> list[list[ModelInput]]:
@@ -813,6 +836,15 @@ def _other_layouts(spec: ModelInput, config) -> tuple[ModelInput, ...]:
     return ()
 
 
+def _media_layouts(inputs: list[ModelInput], config) -> list[list[ModelInput]]:
+    """The inputs with their media in each of the other layouts they may take (_other_layouts), the
+    first of each, then the second, ...: the candidates a multimodal model's features method counts its
+    placeholders over when it does not take the first (Granite Speech's and FunASR's time-major mel features)."""
+    layouts = [_other_layouts(spec, config) if spec.name in MEDIA_INPUTS else () for spec in inputs]
+    return [[spec_layouts[index] if index < len(spec_layouts) else spec for spec, spec_layouts in zip(inputs, layouts)]
+            for index in range(max(map(len, layouts), default=0))]
+
+
 def _runs_shape_only(forward: torch.nn.Module, args: tuple) -> bool:
     """Whether the forward runs on these inputs, computed on shapes alone (on the meta device with
     weights there, else with fake tensors): how an audio or video model lays out its input
@@ -897,7 +929,7 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
             continue
         if name == "attention_mask" and "input_ids" not in parameters:
             continue  # audio and vision models' masks are for padding their own way; not an input here
-        if name == "input_features_mask" and "input_features" not in parameters:
+        if name == "input_features_mask" and ("input_features" not in parameters or _mask_not_for_features(model, signature[name])):
             continue
         if name == "token_type_ids" and candidates[name].high < 2:
             continue
@@ -924,6 +956,15 @@ def model_inputs(model: torch.nn.Module, config) -> list[ModelInput]:
     return chosen
 
 
+def _mask_not_for_features(model: torch.nn.Module, parameter: inspect.Parameter) -> bool:
+    """Whether a multimodal model's optional input_features_mask is not its audio frames' mask: its
+    get_audio_features does not take it (Granite Speech's selects rows of its projected features, a
+    count from values); an encoder's own, even optional, is (AudioFlamingo3's encoder sums it)."""
+    features = features_method(model, "get_audio_features")
+    return (parameter.default is not inspect.Parameter.empty and features is not None
+            and "input_features_mask" not in inspect.signature(features).parameters)
+
+
 def _setting(config, name: str, *towers: str):
     """A config field, or the field of the first named sub-config that has it (a dual encoder's
     vision_config or audio_config, Parakeet's encoder_config) when the model's own config has none."""
@@ -943,10 +984,24 @@ def _feature_width(config) -> int:
     """The features a frame of input_features has: the config's mel bins (Whisper's 80 or 128), else
     the width the model's feature projection takes (wav2vec2-BERT's feature_projection_input_dim, 160:
     80 mel bins stacked 2 frames at a time by its feature extractor; NeuCodec's and XCodec2's semantic
-    encoder is one), else 80."""
-    mel_bins = _setting(config, "num_mel_bins", "audio_config", "encoder_config")
-    width = mel_bins or _setting(config, "feature_projection_input_dim", "semantic_model_config")
+    encoder is one), else 80. The mel bins are looked for in the sub-configs too, breadth first (the
+    Nemotron speech LM's ASR encoder's, two levels down); FunASR's encoder stacks num_stacked_frames of
+    them a frame, as its feature extractor does (low frame rate features)."""
+    owner = next((sub for sub in _sub_configs(config) if isinstance(getattr(sub, "num_mel_bins", None), int)), None)
+    if owner is not None:
+        return int(owner.num_mel_bins) * int(getattr(owner, "num_stacked_frames", 1) or 1)
+    width = _setting(config, "feature_projection_input_dim", "semantic_model_config")
     return int(width) if isinstance(width, int) and not isinstance(width, bool) else 80
+
+
+def _sub_configs(config):
+    """The config and its sub-configs (its `sub_configs`' fields), breadth first."""
+    queue = [config]
+    while queue:
+        config = queue.pop(0)
+        yield config
+        queue.extend(sub for name in getattr(config, "sub_configs", {}) if (sub := getattr(config, name, None)) is not None
+                     and hasattr(sub, "sub_configs"))
 
 
 def _audio_channels(config) -> tuple[int, ...]:

@@ -177,7 +177,8 @@ def on_cpu_fakes(module: torch.nn.Module, *args, method: str = "forward", consta
     fakes = {name: FakeTensor(mode, tensor, torch.device("cpu")) if tensor.is_meta else mode.from_tensor(tensor)
              for name, tensor in tensors.items()}
     with torch.no_grad(), quiet_loggers(*EXPORT_LOGGERS, level=logging.CRITICAL), constants_read(), mode:
-        return torch.func.functional_call(caller, fakes, args, {**kwargs, **made_from_numbers(constants or {})})
+        # Every name of a tied weight has its fake (remove_duplicate=False): no tying to do (it refuses a tie given twice).
+        return torch.func.functional_call(caller, fakes, args, {**kwargs, **made_from_numbers(constants or {})}, tie_weights=False)
 
 
 def made_from_numbers(constants: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:

@@ -125,16 +125,23 @@ def _feature_rows(model: torch.nn.Module, name: str, example: torch.Tensor, othe
         return _rows_of(_feature_tensors(_shape_only(method, given, {other: value for other, value in constants.items() if other in parameters})))
     except Exception as error:  # whatever the model raises on media it does not take this way
         text = " ".join(str(error).split())[:200] or type(error).__name__
-        if isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)):
+        from_values = isinstance(error, (DataDependentOutputException, DynamicOutputShapeException))
+        if from_values:
             text = f"how many features it makes depends on its inputs' values: {text}"
         missing = [other for other, parameter in parameters.items()
                    if other not in given and other not in constants and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)]
         required = [other for other in missing if parameters[other].default is inspect.Parameter.empty]
         missing = required or missing  # what it cannot do without, else what it may have wanted
         also = f"; it also takes {', '.join(missing)}, which tpuexport does not make" if missing else ""
-        raise TpuExportError(f"{type(model).__name__} ({model.config.model_type}): its {method_name} fails on {name} of shape "
-                             f"{list(example.shape)} ({text}){also}, so its placeholder tokens cannot be counted; convert one "
-                             "tower from a file.py:factory, or its language model alone with --task text-generation") from None
+        raise (FeatureCountFromValues if from_values else TpuExportError)(
+            f"{type(model).__name__} ({model.config.model_type}): its {method_name} fails on {name} of shape {list(example.shape)} "
+            f"({text}){also}, so its placeholder tokens cannot be counted; convert one tower from a file.py:factory, or its "
+            "language model alone with --task text-generation") from None
+
+
+class FeatureCountFromValues(TpuExportError):
+    """A features method making as many features as its inputs' values say (an audio encoder's valid
+    frames, from its mask), which shapes alone cannot count."""
 
 
 def features_method(model: torch.nn.Module, method_name: str):
