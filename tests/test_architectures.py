@@ -1258,3 +1258,18 @@ def test_the_mel_bins_of_an_audio_tower_nested_deeper_or_stacked_are_found():
     assert _feature_width(transformers.FunAsrNanoConfig()) == 560
     assert _feature_width(transformers.Nemotron3_5TranscribeConfig()) == 128
     assert _feature_width(transformers.WhisperConfig(num_mel_bins=128)) == 128
+
+
+def test_an_audio_tokenizer_taking_whole_tokens_gets_a_waveform_of_them():
+    """MuseSpark's audio tokenizer takes waveforms of whole tokens (1920 samples each, its config's
+    samples_per_token), as its feature extractor pads them: 16000 samples were refused by its own
+    forward ("not a multiple of 1920"); the example waveform is rounded up to whole tokens."""
+    from tpuexport.export.checkpoints import parameters_on_meta
+    from tpuexport.export.huggingface import forward_program
+
+    config = transformers.MuseSparkAudioConfig()
+    with parameters_on_meta():
+        model = transformers.AutoModel.from_config(config).eval()
+    wrapped, args, _ = forward_program(model)
+    assert wrapped.input_names == ("input_values",)
+    assert args[0].shape[-1] == 17280 == 9 * config.samples_per_token

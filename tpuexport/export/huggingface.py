@@ -819,7 +819,7 @@ def _other_layouts(spec: ModelInput, config) -> tuple[ModelInput, ...]:
     waveforms with a channel axis, [batch, 1, samples] (PE-Audio's and DAC's encoders, whose configs record no
     audio_channels: _audio_channels), or
     input_values that are a spectrogram, [batch, frames, mel bins] at the frames its config records
-    (the Audio Spectrogram Transformer's max_length, 1024); a clip of the frames a video model's config
+    (the Audio Spectrogram Transformer's max_length, 1024), or waveforms of whole tokens (_whole_tokens); a clip of the frames a video model's config
     records, [batch, frames, channels, height, width] (VideoMAE, ViViT, V-JEPA 2, ...); none for other inputs."""
     if spec.name == "pixel_values":
         video = isinstance(_setting(config, "num_frames", "vision_config") or _setting(config, "frames_per_clip", "vision_config"), int)
@@ -829,11 +829,22 @@ def _other_layouts(spec: ModelInput, config) -> tuple[ModelInput, ...]:
     if spec.name == "input_values" and len(spec.axes) == 2:
         channels = dataclasses.replace(spec, axes=(spec.axes[0], 1, spec.axes[1]))  # mono: a config recording channels has its axis already
         mel_bins, frames = _setting(config, "num_mel_bins", "audio_config"), _setting(config, "max_length", "audio_config")
+        whole_tokens = _whole_tokens(spec, config)
         if not isinstance(mel_bins, int):
-            return (channels,)
+            return (channels, *whole_tokens)
         spectrogram = (spec.axes[0], frames if isinstance(frames, int) else DEFAULT_MEL_FRAMES, mel_bins)
-        return channels, dataclasses.replace(spec, axes=spectrogram)
+        return channels, dataclasses.replace(spec, axes=spectrogram), *whole_tokens
     return ()
+
+
+def _whole_tokens(spec: ModelInput, config) -> tuple[ModelInput, ...]:
+    """Waveforms of whole tokens, where the config records the samples a token takes and the default
+    length is not a multiple (MuseSpark's audio tokenizer: 1920 samples a token, 16000 rounded up to 17280),
+    as its feature extractor pads them; () otherwise."""
+    hop = _setting(config, "samples_per_token", "audio_config")
+    if not isinstance(hop, int) or isinstance(hop, bool) or hop <= 0 or DEFAULT_AUDIO_SAMPLES % hop == 0:
+        return ()
+    return (dataclasses.replace(spec, axes=(spec.axes[0], -(-DEFAULT_AUDIO_SAMPLES // hop) * hop)),)
 
 
 def _media_layouts(inputs: list[ModelInput], config) -> list[list[ModelInput]]:
