@@ -211,6 +211,18 @@ OVERRIDES: dict[str, dict] = {
     # Its adapters need a language for rows that name none (a checkpoint's processor names one; its config defaults none).
     "xmod": {"default_language": "en_XX"},
     "bailing_hybrid": {"num_expert_group": 1, "topk_group": 1},
+    # Its default config's backbone gives only its last stage, where its head reads all six (checkpoints list them).
+    "uvdoc": {"backbone_config": {"out_features": [f"stage{index}" for index in range(1, 7)], "out_indices": list(range(1, 7))}},
+    # Its config counts num_hidden_layers as num_layers_per_stack x H_cycles x (L_cycles + 1): kept consistent when shrunk.
+    "hrm_text": {"num_layers_per_stack": 2, "num_hidden_layers": 16},
+    # Its config leaves the audio token unset (None), which its checkpoints set; the tiny vocabulary has room at 500.
+    "voxtral": {"audio_token_id": 500},
+    # Its two-stage top-k takes num_queries (300) of the encoder's proposals, one per patch: 256 at 224 x 224 (real
+    # checkpoints run at 560: --dim height=560:560 --dim width=560:560).
+    "rf_detr": {"num_queries": 16},
+    # Its hooks index the patch encoder's 12 layers (the tiny one has 2); its images are 1536 x 1536 (patch_size /
+    # min(scaled_images_ratios)), which its config does not record: --dim height=1536:1536 --dim width=1536:1536.
+    "depth_pro": {"intermediate_hook_ids": [1, 0]},
 }
 
 
