@@ -596,14 +596,17 @@ def forward_program(model: torch.nn.Module, dims: list[DimSpec] = ()) -> tuple[t
     constants = {}
     if placeholder_keys(config) and "input_ids" in names and set(names) & set(MEDIA_INPUTS):
         constants = _image_constants(model, names, dim_ranges, list(dims))
-        candidates = _image_layouts(model, inputs, constants) if constants else [inputs, *_media_layouts(inputs, config)]
+        def every_layout(inputs):  # the inputs as they are, then in their media's other layouts
+            return [inputs, *_media_layouts(inputs, config)]
+
+        candidates = _image_layouts(model, inputs, constants) if constants else every_layout(inputs)
         try:
             inputs, dim_ranges = _placeholders_counted(model, candidates, dim_ranges, list(dims), constants)
         except FeatureCountFromValues:
             if constants or "input_features_mask" not in names:
                 raise
             inputs, constants = [spec for spec in inputs if spec.name != "input_features_mask"], _whole_audio(model, dim_ranges, list(dims))
-            inputs, dim_ranges = _placeholders_counted(model, [inputs, *_media_layouts(inputs, config)], dim_ranges, list(dims), constants)
+            inputs, dim_ranges = _placeholders_counted(model, every_layout(inputs), dim_ranges, list(dims), constants)
         args, dynamic_shapes = _example_inputs(inputs, dim_ranges, _config_dtype(config))
     wrapped = named_forward(model, tuple(spec.name for spec in inputs), {spec.name: spec.placeholders for spec in inputs if spec.placeholders},
                             constants)
@@ -716,9 +719,8 @@ def _placeholders_counted(model: torch.nn.Module, candidates: list[list[ModelInp
 
 def _whole_audio(model: torch.nn.Module, dims: dict[str, DimSpec], given: list[DimSpec]) -> dict[str, torch.Tensor]:
     """{"input_features_mask": every frame}, a constant of the program, for an audio model whose
-    features number as many as its mask's valid frames (Audio Flamingo 3's, GLM-ASR's, Qwen3-ASR's,
-    the Nemotron speech LM's: the count comes from the mask's values, which one program cannot
-    follow). Its audio then fills all of the fixed frames, as Whisper's does: a shorter clip is padded
+    features number as many as its mask's valid frames (Audio Flamingo 3's, GLM-ASR's: the count
+    comes from the mask's values, which one program cannot follow). Its audio then fills all of the fixed frames, as Whisper's does: a shorter clip is padded
     with its feature extractor's padding value and counted whole.
 
     Raises:
